@@ -1,0 +1,1 @@
+"""absl entry points: train, evaluate, study."""

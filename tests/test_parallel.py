@@ -1,0 +1,84 @@
+"""Mesh construction and logical sharding rules on the 8 fake CPU devices."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxrl4llm import parallel
+
+
+def test_eight_fake_devices_are_available():
+    assert jax.device_count() == 8
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("data=1,fsdp=4,tensor=2", (1, 4, 2)),
+    ("data:2,fsdp:-1,tensor:1", (2, 4, 1)),
+    ("fsdp:-1", (1, 8, 1)),
+    ("data:1,fsdp:1,tensor:-1", (1, 1, 8)),
+])
+def test_mesh_from_spec(text, expected):
+    mesh = parallel.make_mesh(text)
+    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert tuple(mesh.shape.values()) == expected
+    assert mesh.devices.size == 8
+
+
+@pytest.mark.parametrize("text,message", [
+    ("data=1,fsdp=3,tensor=2", "needs 6 devices but 8 are available"),
+    ("data=3,fsdp=-1", "does not divide the 8 available devices"),
+    ("data=-1,fsdp=-1", "more than one axis of size -1"),
+    ("pipeline=2", "AXIS one of data, fsdp, tensor"),
+    ("data=two", "is not an integer"),
+    ("data=0", "0 or below -1"),
+])
+def test_bad_mesh_spec_is_a_clear_error(text, message):
+    with pytest.raises(ValueError, match=message):
+        parallel.make_mesh(text)
+
+
+def test_mesh_over_a_subset_of_devices():
+    mesh = parallel.make_mesh("data:1,fsdp:2,tensor:1", devices=jax.devices()[:2])
+    assert mesh.devices.size == 2
+
+
+def test_logical_rules_map_to_partition_specs():
+    assert parallel.logical_to_partition_spec(("batch", "length")) == P(("data", "fsdp"), None)
+    assert parallel.logical_to_partition_spec(("embed", "mlp")) == P("fsdp", "tensor")
+    assert parallel.logical_to_partition_spec(("layers", "embed", "heads", "head_dim")) == P(
+        None, "fsdp", "tensor", None)
+    # A mesh axis is used once per array: the second "tensor" request is dropped.
+    assert parallel.logical_to_partition_spec(("heads", "mlp")) == P("tensor", None)
+    with pytest.raises(KeyError, match="no sharding rule"):
+        parallel.logical_to_partition_spec(("nonsense",))
+
+
+def test_indivisible_dims_are_replicated():
+    mesh = parallel.make_mesh("data:1,fsdp:4,tensor:2")
+    # 3 KV heads cannot be split over tensor=2; 8 embed can be split over fsdp=4.
+    spec = parallel.logical_to_partition_spec(("embed", "kv_heads"), shape=(8, 3), mesh=mesh)
+    assert spec == P("fsdp", None)
+
+
+def test_sharded_pytree_keeps_values_and_layout():
+    mesh = parallel.make_mesh("data:1,fsdp:4,tensor:2")
+    tree = {"w": jnp.arange(64.0).reshape(8, 8), "b": jnp.arange(8.0)}
+    axes = {"w": ("embed", "mlp"), "b": ("mlp",)}
+    sharded = parallel.shard_pytree(tree, axes, mesh)
+    np.testing.assert_array_equal(sharded["w"], tree["w"])
+    assert sharded["w"].sharding.spec == P("fsdp", "tensor")
+    assert sharded["w"].addressable_shards[0].data.shape == (2, 4)
+    assert sharded["b"].sharding.spec == P("tensor")
+
+
+def test_batch_sharding_splits_rows_over_data_and_fsdp():
+    mesh = parallel.make_mesh("data:2,fsdp:2,tensor:2")
+    x = jax.device_put(jnp.zeros((8, 5)), parallel.batch_sharding(mesh, 2))
+    assert x.addressable_shards[0].data.shape == (2, 5)
+
+
+def test_single_process_does_not_start_distributed(monkeypatch):
+    for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert parallel.maybe_initialize_distributed() is False
