@@ -1,0 +1,100 @@
+"""Metric sinks: an append-only JSONL file, TensorBoard event files, and a console line.
+
+Every writer takes plain `{name: float}` dicts (host values). Only process 0 writes, so a
+multi-host run produces one log.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from absl import logging
+
+# The metrics the console line shows, in order, with their short labels.
+CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
+    ("reward/mean", "reward"),
+    ("reward/accuracy", "acc"),
+    ("eval/accuracy", "eval_acc"),
+    ("policy/entropy", "ent"),
+    ("policy/kl_ref", "kl"),
+    ("policy/clip_frac", "clip"),
+    ("response/length_mean", "len"),
+    ("optim/grad_norm", "gnorm"),
+    ("time/step_s", "s"),
+)
+
+
+def to_host_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Device arrays / numpy scalars -> Python floats (one transfer for the whole dict)."""
+    host = jax.device_get(dict(metrics))
+    return {k: float(np.asarray(v)) for k, v in host.items()}
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to `workdir/metrics.jsonl` and mirrors it to TensorBoard."""
+
+    def __init__(self, workdir: str, tensorboard: bool = True):
+        self.path = os.path.join(workdir, "metrics.jsonl")
+        self._is_writer = jax.process_index() == 0
+        self._tb = None
+        if self._is_writer:
+            os.makedirs(workdir, exist_ok=True)
+            if tensorboard:
+                try:
+                    from tensorboardX import SummaryWriter
+                    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+                except ImportError:  # optional at run time; JSONL is the source of truth
+                    logging.warning("tensorboardX is not installed: writing metrics.jsonl only.")
+
+    def truncate_after(self, step: int) -> None:
+        """Drops lines with step > `step`: on resume, steps after the checkpoint run again."""
+        if not self._is_writer or not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+
+    def write(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not self._is_writer:
+            return
+        record = {"step": int(step)}
+        record.update({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                       for k, v in sorted(metrics.items())})
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+
+    def flush(self) -> None:
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+    """All records of `workdir/metrics.jsonl`, in file order."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"No metrics at {path}: is {workdir!r} a training workdir?")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def console_line(step: int, num_steps: int, metrics: Mapping[str, float]) -> str:
+    """A one-line, fixed-order summary of a step: `step 3/20 | reward 0.41 | acc 0.38 | ...`."""
+    parts = [f"step {step}/{num_steps}"]
+    for key, label in CONSOLE_KEYS:
+        if key in metrics and metrics[key] is not None:
+            parts.append(f"{label} {metrics[key]:.4g}")
+    return " | ".join(parts)

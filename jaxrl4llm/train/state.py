@@ -1,0 +1,76 @@
+"""The train state pytree and the optimizer that updates it."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with warmup, a decay schedule and global-norm gradient clipping."""
+
+    learning_rate: float = 1e-6
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine | linear (decay to 0 over decay_steps)
+    decay_steps: int = 0         # optimizer updates to decay over; 0 = constant after warmup
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0   # 0 disables clipping
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+
+    def validate(self) -> None:
+        if self.learning_rate <= 0:
+            raise ValueError(f"--learning_rate must be positive, got {self.learning_rate}.")
+        if self.schedule not in ("constant", "cosine", "linear"):
+            raise ValueError(f"--lr_schedule={self.schedule!r}: choose constant, cosine or linear.")
+        if self.warmup_steps < 0 or self.decay_steps < 0 or self.max_grad_norm < 0:
+            raise ValueError("--warmup_steps, --decay_steps and --max_grad_norm must be >= 0.")
+
+
+def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
+    lr = config.learning_rate
+    if config.schedule == "constant" or config.decay_steps == 0:
+        after = optax.constant_schedule(lr)
+    elif config.schedule == "cosine":
+        after = optax.cosine_decay_schedule(lr, config.decay_steps)
+    else:
+        after = optax.linear_schedule(lr, 0.0, config.decay_steps)
+    if config.warmup_steps == 0:
+        return after
+    warmup = optax.linear_schedule(lr / max(config.warmup_steps, 1), lr, config.warmup_steps)
+    return optax.join_schedules([warmup, after], [config.warmup_steps])
+
+
+def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
+    config.validate()
+    parts = []
+    if config.max_grad_norm > 0:
+        parts.append(optax.clip_by_global_norm(config.max_grad_norm))
+    parts.append(optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
+                             eps=config.eps, weight_decay=config.weight_decay))
+    return optax.chain(*parts)
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything that changes during training; checkpointed whole."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array    # int32 scalar: completed training steps (rollouts)
+    rng: jax.Array     # uint32[2] raw key data, so orbax saves it as a plain array
+
+    @classmethod
+    def create(cls, params: Any, optimizer: optax.GradientTransformation, seed: int) -> "TrainState":
+        return cls(params=params, opt_state=optimizer.init(params),
+                   step=jnp.zeros((), jnp.int32),
+                   rng=jax.random.key_data(jax.random.key(seed)))
+
+    def key(self) -> jax.Array:
+        return jax.random.wrap_key_data(self.rng)
