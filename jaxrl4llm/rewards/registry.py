@@ -1,0 +1,132 @@
+"""`make_reward_fn`: a batch-level reward function that routes each record to its verifier.
+
+Each record names its task in `metadata["task"]`, so one RewardFn scores a mixed dataset.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxrl4llm.rewards.base import RewardBatch, Verdict, record_metadata
+from jaxrl4llm.rewards.countdown import CountdownConfig, CountdownVerifier
+from jaxrl4llm.rewards.knights_knaves import KnightsKnavesVerifier
+from jaxrl4llm.rewards.math_verifier import MathConfig, MathVerifier
+from jaxrl4llm.rewards.pool import PoolConfig
+from jaxrl4llm.rewards.shaping import ShapingConfig, shape
+
+# task name (record metadata or make_reward_fn's argument) -> verifier name
+TASK_VERIFIERS = {
+    "math": "math",
+    "arithmetic": "math",   # integer answers: decided by the fast path, never the pool
+    "countdown": "countdown",
+    "knights_knaves": "knights_knaves",
+}
+KINDS = ("auto", *TASK_VERIFIERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+    """Every option of make_reward_fn (flag-friendly scalars)."""
+    scale: str = "01"
+    format_penalty: float = 0.0
+    max_new_tokens: int | None = None
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    answer_mode: str = "boxed"
+    countdown_use_all: bool = False
+    num_workers: int = 2
+    item_timeout_s: float = 5.0
+    batch_timeout_s: float = 60.0
+    memory_limit_mb: int = 4096
+    default_task: str = "math"  # for records without metadata["task"] under kind="auto"
+
+    def __post_init__(self):
+        if self.default_task not in TASK_VERIFIERS:
+            raise ValueError(f"unknown default_task {self.default_task!r}; valid: "
+                             f"{', '.join(TASK_VERIFIERS)}")
+
+    @property
+    def shaping(self) -> ShapingConfig:
+        return ShapingConfig(scale=self.scale, format_penalty=self.format_penalty,
+                             max_new_tokens=self.max_new_tokens,
+                             overlong_buffer=self.overlong_buffer,
+                             overlong_penalty=self.overlong_penalty)
+
+    @property
+    def math(self) -> MathConfig:
+        pool = PoolConfig(num_workers=self.num_workers, item_timeout_s=self.item_timeout_s,
+                          batch_timeout_s=self.batch_timeout_s,
+                          memory_limit_mb=self.memory_limit_mb)
+        return MathConfig(answer_mode=self.answer_mode, pool=pool)
+
+
+class RewardFn:
+    """score(completions, records, lengths=None) -> RewardBatch. Close it (or use `with`)."""
+
+    def __init__(self, kind: str = "auto", config: RewardConfig = RewardConfig()):
+        if kind not in KINDS:
+            raise ValueError(f"unknown reward kind {kind!r}; valid: {', '.join(KINDS)}")
+        self.kind = kind
+        self.config = config
+        self.shaping = config.shaping  # validated now, not at the first step
+        self.verifiers = {
+            "math": MathVerifier(config.math),
+            "countdown": CountdownVerifier(CountdownConfig(use_all=config.countdown_use_all)),
+            "knights_knaves": KnightsKnavesVerifier(),
+        }
+
+    def __enter__(self) -> RewardFn:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for verifier in self.verifiers.values():
+            verifier.close()
+
+    def task_of(self, record: Any) -> str:
+        if self.kind != "auto":
+            return self.kind
+        task = record_metadata(record).get("task", self.config.default_task)
+        if task not in TASK_VERIFIERS:
+            raise ValueError(f"record has metadata task {task!r}, which has no verifier; valid: "
+                             f"{', '.join(TASK_VERIFIERS)} (set the source's task=...)")
+        return task
+
+    def verdicts(self, completions: Sequence[str], records: Sequence[Any]) -> list[Verdict]:
+        if len(completions) != len(records):
+            raise ValueError(f"got {len(completions)} completions for {len(records)} records; "
+                             "repeat each record once per sample (G times) before scoring")
+        groups: dict[str, list[int]] = {}
+        for i, record in enumerate(records):
+            groups.setdefault(TASK_VERIFIERS[self.task_of(record)], []).append(i)
+        verdicts: list[Verdict] = [Verdict(False, "error")] * len(records)
+        for name, indices in groups.items():
+            found = self.verifiers[name].verify([completions[i] for i in indices],
+                                                [records[i] for i in indices])
+            for i, verdict in zip(indices, found):
+                verdicts[i] = verdict
+        return verdicts
+
+    def score(self, completions: Sequence[str], records: Sequence[Any],
+              lengths: Sequence[int] | np.ndarray | None = None) -> RewardBatch:
+        """Rewards for B completions of B records; `lengths`: completion tokens (for overlong)."""
+        verdicts = self.verdicts(completions, records)
+        rewards, correct = shape(verdicts, self.shaping, lengths)
+        return RewardBatch(rewards=rewards, correct=correct, reasons=[v.reason for v in verdicts])
+
+    __call__ = score
+
+
+def make_reward_fn(task_or_kind: str = "auto", **options: Any) -> RewardFn:
+    """A RewardFn for one task ("math", "arithmetic", "countdown", "knights_knaves") or "auto"
+    (route by each record's metadata["task"]). Options: the fields of RewardConfig."""
+    valid = {f.name for f in dataclasses.fields(RewardConfig)}
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        raise ValueError(f"unknown reward option(s) {', '.join(unknown)}; valid: "
+                         f"{', '.join(sorted(valid))}")
+    return RewardFn(task_or_kind, RewardConfig(**options))
