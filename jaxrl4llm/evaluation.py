@@ -52,3 +52,44 @@ def summarize(correct_PK: np.ndarray, ks: Sequence[int] = (1,),
         out[f"{prefix}maj@{k_max}"] = float(np.mean(np.asarray(maj_correct_P, dtype=bool)))
     out[f"{prefix}num_prompts"] = float(num_prompts)
     return out
+
+
+def evaluate(ctx, params, records, *, samples: int = 1, key=None, prompts_per_batch: int = 16,
+             prefix: str = "eval/", progress: bool = False) -> dict[str, float]:
+    """Greedy accuracy, and with `samples` = k > 1 also avg@k / pass@k / maj@k, over `records`.
+
+    `ctx` is a train.rollout.RolloutContext (model config, tokenizer, reward fn, mesh); the
+    trainer's periodic eval and experiments/evaluate.py both call this.
+    """
+    import jax
+    from tqdm.auto import tqdm
+
+    from jaxrl4llm.rewards.math_verifier import extract_math_answer
+    from jaxrl4llm.sampling.strategies import GREEDY
+    from jaxrl4llm.train.rollout import sample
+
+    if not records:
+        raise ValueError("No evaluation records: check --eval_data and --eval_prompts.")
+    key = jax.random.key(0) if key is None else key
+    answer_mode = ctx.reward_fn.config.answer_mode
+    greedy, table, majority = [], [], []
+    chunks = range(0, len(records), prompts_per_batch)
+    for start in tqdm(chunks, desc="eval", disable=not progress, leave=False):
+        batch = list(records[start:start + prompts_per_batch])
+        _, texts = sample(ctx, params, batch, key, n=1, sampling=GREEDY)
+        greedy.extend(ctx.reward_fn.score(texts, batch).correct.tolist())
+        if samples > 1:
+            _, texts = sample(ctx, params, batch, jax.random.fold_in(key, start), n=samples)
+            repeated = [r for r in batch for _ in range(samples)]
+            correct = ctx.reward_fn.score(texts, repeated).correct.reshape(len(batch), samples)
+            table.extend(correct)
+            for i in range(len(batch)):
+                answers = [extract_math_answer(t, answer_mode) for t in texts[i * samples:(i + 1) * samples]]
+                best = majority_answer(answers)
+                majority.append(best is not None and bool(correct[i][answers.index(best)]))
+    out = {f"{prefix}accuracy": float(np.mean(greedy))}
+    if samples > 1:
+        ks = sorted({1, samples} | {k for k in (2, 4, 8, 16, 32) if k < samples})
+        out.update(summarize(np.array(table), ks=ks, maj_correct_P=np.array(majority),
+                             prefix=prefix))
+    return out

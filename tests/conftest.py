@@ -21,3 +21,60 @@ def _deterministic_seeds():
     random.seed(0)
     np.random.seed(0)
     yield
+
+
+# --- a toy policy: a tiny random decoder + a word-level chat tokenizer, as a HF folder -------
+
+TOY_WORDS = ["copy", "answer", "is"] + [str(d) for d in range(10)]
+
+
+def build_toy_model(path, seed: int = 0):
+    """Writes a HF folder (config.json, model.safetensors, tokenizer) for trainer tests.
+
+    Vocabulary: specials, chat roles, a few words and the digits 0-9; a prompt "copy 3" with
+    the answer "3" is a task a random policy almost never solves (p ~ 1/V).
+    """
+    import jax
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from jaxrl4llm.models import transformer, weights
+    from jaxrl4llm.models.config import ModelConfig
+
+    specials = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + ["user", "assistant", "system"] + TOY_WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                 eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    hf.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} "
+                        "<|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|> "
+                        "assistant {% endif %}")
+    config = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False,
+                         max_position_embeddings=64, eos_token_ids=(vocab["<|im_end|>"],),
+                         pad_token_id=vocab["<pad>"])
+    params = transformer.init_params(config, jax.random.key(seed))
+    weights.export_hf(params, config, str(path), tokenizer=hf)
+    return str(path)
+
+
+def write_copy_task(path, digits=range(10), repeats: int = 20):
+    """JSONL prompts "copy D" -> answer "D" (integer answers: checked without the pool)."""
+    import json
+    with open(path, "w") as f:
+        for _ in range(repeats):
+            for d in digits:
+                f.write(json.dumps({"prompt": f"copy {d}", "answer": str(d),
+                                    "metadata": {"task": "arithmetic"}}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def toy_model_dir(tmp_path_factory):
+    return build_toy_model(tmp_path_factory.mktemp("toy_model"))
+
+
+@pytest.fixture(scope="session")
+def copy_task_file(tmp_path_factory):
+    return write_copy_task(tmp_path_factory.mktemp("toy_data") / "copy.jsonl")

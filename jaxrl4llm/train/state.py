@@ -67,7 +67,10 @@ class TrainState:
     rng: jax.Array     # uint32[2] raw key data, so orbax saves it as a plain array
 
     @classmethod
-    def create(cls, params: Any, optimizer: optax.GradientTransformation, seed: int) -> "TrainState":
+    def create(cls, params: Any, optimizer: optax.GradientTransformation | OptimizerConfig,
+               seed: int) -> "TrainState":
+        if isinstance(optimizer, OptimizerConfig):
+            optimizer = make_optimizer(optimizer)
         return cls(params=params, opt_state=optimizer.init(params),
                    step=jnp.zeros((), jnp.int32),
                    rng=jax.random.key_data(jax.random.key(seed)))

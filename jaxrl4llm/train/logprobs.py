@@ -1,0 +1,85 @@
+"""Teacher-forced per-token logprobs and entropies of completions.
+
+The same function gives the policy's logprobs inside the update, the old-policy logprobs and
+the reference logprobs in the rollout, so all three share one definition: log_softmax of the
+logits divided by the sampling temperature (the sampler's definition too).
+
+Layout: a row is `prompt (left-padded, Tp) ++ completion (Tc)`. The logits at column
+Tp-1+t predict completion token t, so the model reads the first Tp+Tc-1 tokens.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxrl4llm.models import transformer
+
+
+@flax.struct.dataclass
+class Sequences:
+    """Prompt + completion token blocks of a batch of samples."""
+
+    prompt_tokens_BP: jax.Array      # int32, left-padded
+    prompt_mask_BP: jax.Array        # bool, real prompt tokens
+    completion_tokens_BT: jax.Array  # int32, padded after the stop token
+    completion_mask_BT: jax.Array    # bool, tokens up to and including the first stop token
+
+
+def _inputs(seqs: Sequences) -> tuple[jax.Array, jax.Array, jax.Array]:
+    tokens = jnp.concatenate([seqs.prompt_tokens_BP, seqs.completion_tokens_BT], axis=1)
+    mask = jnp.concatenate([seqs.prompt_mask_BP, seqs.completion_mask_BT], axis=1)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)
+    return tokens[:, :-1], positions[:, :-1], mask[:, :-1]
+
+
+def _chunk_logprobs(params: Any, config: Any, h_BCD: jax.Array, targets_BC: jax.Array,
+                    temperature: float) -> tuple[jax.Array, jax.Array]:
+    logits_BCV = transformer.unembed(params, config, h_BCD) / temperature
+    logz_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
+    target_logit_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
+    probs_BCV = jnp.exp(logits_BCV - logz_BC[..., None])
+    entropy_BC = logz_BC - jnp.sum(probs_BCV * logits_BCV, axis=-1)
+    return target_logit_BC - logz_BC, entropy_BC
+
+
+def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: float = 1.0,
+                        chunk_size: int = 64, remat: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Returns (logp_BT, entropy_BT) of the completion tokens, float32.
+
+    The [B, T, V] logits are never materialised whole: the completion is unembedded in chunks
+    of `chunk_size` positions, each rematerialised in the backward pass, so peak memory holds
+    one chunk's logits (SmolLM2's vocabulary is 49k; 32 x 128 x 49k float32 would be 800 MB).
+    """
+    if temperature <= 0:
+        temperature = 1.0  # greedy sampling: logprobs are defined at temperature 1
+    tokens, positions, mask = _inputs(seqs)
+    hidden_BLD, _ = transformer.hidden_states(params, config, tokens, positions, mask, remat=remat)
+    num_prompt = seqs.prompt_tokens_BP.shape[1]
+    h_BTD = hidden_BLD[:, num_prompt - 1:]
+    targets_BT = seqs.completion_tokens_BT
+    B, T, D = h_BTD.shape
+    chunk = min(chunk_size, T)
+    pad = (-T) % chunk
+    if pad:
+        h_BTD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0)))
+        targets_BT = jnp.pad(targets_BT, ((0, 0), (0, pad)))
+    n = (T + pad) // chunk
+    h_NBCD = h_BTD.reshape(B, n, chunk, D).swapaxes(0, 1)
+    t_NBC = targets_BT.reshape(B, n, chunk).swapaxes(0, 1)
+    fn = jax.checkpoint(functools.partial(_chunk_logprobs, params, config, temperature=temperature))
+    logp_NBC, ent_NBC = jax.lax.map(lambda xs: fn(xs[0], xs[1]), (h_NBCD, t_NBC))
+    logp_BT = logp_NBC.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
+    ent_BT = ent_NBC.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
+    return logp_BT, ent_BT
+
+
+@functools.partial(jax.jit, static_argnames=("config", "temperature", "chunk_size"))
+def completion_logprobs_jit(params: Any, config: Any, seqs: Sequences, temperature: float,
+                            chunk_size: int = 64) -> jax.Array:
+    """Jitted logprobs only (old-policy and reference passes in the rollout)."""
+    logp_BT, _ = completion_logprobs(params, config, seqs, temperature, chunk_size)
+    return jnp.where(seqs.completion_mask_BT, logp_BT, 0.0)

@@ -1,0 +1,123 @@
+"""One rollout: prompts -> samples -> rewards -> reference / old logprobs -> advantages.
+
+Host work (tokenizing prompts, decoding completions, verifying answers) happens here; every
+device computation is a jitted function of the sampler, the logprob pass or rl.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl4llm import rl
+from jaxrl4llm.data import record_messages
+from jaxrl4llm.sampling import sampler as sampler_lib
+from jaxrl4llm.sampling.strategies import SamplingConfig
+from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.logprobs import Sequences, completion_logprobs_jit
+from jaxrl4llm.train.step import UpdateBatch
+
+
+@dataclasses.dataclass
+class RolloutContext:
+    """What stays fixed across rollouts."""
+
+    config: TrainConfig
+    model_config: Any
+    tokenizer: Any
+    reward_fn: Any
+    mesh: Any = None
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        c = self.config
+        return SamplingConfig(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
+
+
+def encode_prompts(ctx: RolloutContext, records: Sequence[Any]) -> list[list[int]]:
+    c = ctx.config
+    kwargs = {} if c.instruction is None else {"instruction": c.instruction}
+    return [ctx.tokenizer.encode_chat(record_messages(r, system=c.system_prompt, **kwargs))
+            for r in records]
+
+
+def sample(ctx: RolloutContext, params: Any, records: Sequence[Any], key: jax.Array, *,
+           n: int, sampling: SamplingConfig | None = None) -> tuple[Any, list[str]]:
+    """Samples `n` completions per record; returns (SampleOutput, completion texts)."""
+    c = ctx.config
+    out = sampler_lib.generate(
+        params, ctx.model_config, encode_prompts(ctx, records), sampling or ctx.sampling,
+        c.max_new_tokens, key, stop_ids=ctx.tokenizer.stop_token_ids, n=n,
+        pad_id=ctx.tokenizer.pad_token_id, mesh=ctx.mesh, max_prompt_len=c.max_prompt_tokens,
+        long_prompts=c.long_prompts)
+    tokens_BT, mask_BT = jax.device_get((out.tokens_BT, out.mask_BT))
+    texts = [ctx.tokenizer.decode(t[m]) for t, m in zip(tokens_BT, mask_BT)]
+    return out, texts
+
+
+def _group_metrics(correct_B: np.ndarray, group_size: int) -> dict[str, float]:
+    correct_PG = correct_B.reshape(-1, group_size)
+    return {
+        "reward/pass_rate": float(correct_PG.any(axis=1).mean()),
+        "reward/frac_all_correct": float(correct_PG.all(axis=1).mean()),
+        "reward/frac_all_wrong": float((~correct_PG).all(axis=1).mean()),
+    }
+
+
+def rollout(ctx: RolloutContext, params: Any, ref_params: Any, records: Sequence[Any],
+            key: jax.Array) -> tuple[UpdateBatch, dict[str, float]]:
+    """Builds the update batch of one training step (B = len(records) * group_size rows)."""
+    c, G = ctx.config, ctx.config.group_size
+    t0 = time.perf_counter()
+    out, texts = sample(ctx, params, records, key, n=G)
+    jax.block_until_ready(out.tokens_BT)
+    t_sample = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    repeated = [r for r in records for _ in range(G)]
+    lengths_B = np.asarray(out.lengths_B)
+    scored = ctx.reward_fn.score(texts, repeated, lengths=lengths_B)
+    t_reward = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    seqs = Sequences(prompt_tokens_BP=out.prompt_tokens_BP, prompt_mask_BP=out.prompt_mask_BP,
+                     completion_tokens_BT=out.tokens_BT, completion_mask_BT=out.mask_BT)
+    temperature = ctx.sampling.effective_temperature
+    ref_logp = (completion_logprobs_jit(ref_params, ctx.model_config, seqs, temperature)
+                if c.needs_reference else None)
+    old_logp = None
+    if c.needs_old_logprobs:
+        old_logp = (completion_logprobs_jit(params, ctx.model_config, seqs, temperature)
+                    if c.recompute_old_logprobs else out.logprobs_BT)
+    behaviour_logp = old_logp if old_logp is not None else out.logprobs_BT
+    advantages, keep_B, adv_metrics = rl.compute_advantages(
+        c.algorithm, jnp.asarray(scored.rewards), jnp.asarray(scored.correct), out.mask_BT, G,
+        truncated_B=out.truncated_B, logp_BT=behaviour_logp, ref_logp_BT=ref_logp)
+    keep_B = keep_B & ~out.dropped_B  # prompts skipped as too long never enter the loss
+    batch = UpdateBatch(seqs=seqs, advantages=advantages, keep_B=keep_B, old_logp_BT=old_logp,
+                        ref_logp_BT=ref_logp)
+    jax.block_until_ready(batch)
+    t_logprobs = time.perf_counter() - t0
+
+    correct = np.asarray(scored.correct, bool)
+    lengths = lengths_B.astype(np.float32)
+    metrics = {
+        "reward/mean": float(np.mean(scored.rewards)),
+        "reward/accuracy": float(correct.mean()),
+        **_group_metrics(correct, G),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_frac": float(np.mean(np.asarray(out.truncated_B))),
+        "response/dropped_prompts": float(out.num_dropped / G),
+        "time/rollout_s": t_sample,
+        "time/reward_s": t_reward,
+        "time/logprobs_s": t_logprobs,
+        "throughput/rollout_tokens_per_s": float(lengths.sum() / max(t_sample, 1e-9)),
+    }
+    metrics.update({f"adv/{k}": float(v) for k, v in jax.device_get(adv_metrics).items()})
+    metrics.update({f"reward_reason/{k}": float(v) for k, v in scored.metrics().items()})
+    return batch, metrics

@@ -1,0 +1,49 @@
+"""`python -m experiments.train` end to end at toy size, through the absl entry point."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _run(args, tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_train_cli_runs_two_steps_and_leaves_outputs(toy_model_dir, copy_task_file, tmp_path):
+    flagfile = tmp_path / "toy.flags"
+    flagfile.write_text("\n".join([
+        f"--model={toy_model_dir}", f"--data={copy_task_file}", f"--eval_data={copy_task_file}",
+        "--instruction=", "--prompts_per_step=4", "--group_size=2", "--max_new_tokens=1",
+        "--max_prompt_tokens=16", "--answer_mode=lenient", "--num_steps=5",
+        "--checkpoint_every=1", "--eval_prompts=4", "--eval_samples=2",
+        "--learning_rate=0.01", "--mesh=data:1,fsdp:-1,tensor:1"]))
+    workdir = tmp_path / "run"
+    # Command-line flags override the flagfile (--num_steps=2 wins over 5).
+    result = _run([f"--flagfile={flagfile}", f"--workdir={workdir}", "--num_steps=2",
+                   "--algorithm=lite_ppo", "--clip_high=0.28"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    config = json.loads((workdir / "config.json").read_text())
+    assert config["num_steps"] == 2
+    assert config["algorithm"]["name"] == "lite_ppo"
+    assert config["algorithm"]["clip_high"] == 0.28 and config["algorithm"]["std"] == "batch"
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    assert sorted(os.listdir(workdir / "checkpoints"))[:2] == ["1", "2"]
+    assert "Finished at step 2" in result.stdout
+    assert "eval/accuracy" in result.stdout and "eval/pass@2" in result.stdout
+    assert "step 2/2 | reward" in result.stdout + result.stderr
+
+
+def test_train_cli_rejects_unknown_flags_and_bad_knobs(tmp_path):
+    result = _run(["--no_such_flag=1"], tmp_path)
+    assert result.returncode != 0
+    assert "no_such_flag" in result.stderr
+    result = _run(["--clip_high=wide", f"--workdir={tmp_path}"], tmp_path)
+    assert result.returncode != 0
+    assert "--clip_high='wide' is not a valid" in result.stderr

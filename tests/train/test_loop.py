@@ -1,0 +1,111 @@
+"""The whole training loop on a toy policy: learning, sharding, resume, reference, bad values."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl4llm import rl
+from jaxrl4llm.models import registry
+from jaxrl4llm.train import loop
+from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.metrics import read_metrics
+from jaxrl4llm.train.state import OptimizerConfig
+
+
+def _config(model_dir, data, workdir, **overrides):
+    base = dict(model=model_dir, data=data, instruction="", prompts_per_step=8, group_size=4,
+                max_prompt_tokens=16, max_new_tokens=1, algorithm=rl.get_preset("grpo"),
+                optimizer=OptimizerConfig(learning_rate=3e-2), num_steps=4,
+                mesh="data:1,fsdp:1,tensor:1", eval_prompts=0, checkpoint_every=1000,
+                workdir=str(workdir), answer_mode="lenient", tensorboard=False)
+    base.update(overrides)
+    return TrainConfig(**base)
+
+
+def _one_device():
+    return jax.devices()[:1]
+
+
+def _rewards(workdir):
+    return np.array([r["reward/mean"] for r in read_metrics(str(workdir))])
+
+
+@pytest.mark.parametrize("preset", sorted(rl.PRESETS))
+def test_every_preset_learns_the_copy_task(preset, toy_model_dir, copy_task_file, tmp_path):
+    """A random policy copies the digit with p ~ 1/32; every algorithm must do far better."""
+    algorithm = rl.get_preset(preset)
+    config = _config(toy_model_dir, copy_task_file, tmp_path, algorithm=algorithm, num_steps=40)
+    loop.run(config, devices=_one_device())
+    rewards = _rewards(tmp_path)
+    if algorithm.binary_reward is not None:  # {-1, 1}: map back to accuracy
+        rewards = (rewards - algorithm.binary_reward[0]) / np.diff(algorithm.binary_reward)[0]
+    start, end = rewards[:5].mean(), rewards[-8:].mean()
+    assert start < 0.15, f"{preset}: the toy task should start hard, got {start:.2f}"
+    assert end > start + 0.2, f"{preset}: reward went {start:.2f} -> {end:.2f}"
+
+
+def test_sharded_run_matches_unsharded(toy_model_dir, copy_task_file, tmp_path):
+    """fsdp=4 x tensor=2 on 8 fake devices gives the losses of one device (float32, 1e-4)."""
+    one = _config(toy_model_dir, copy_task_file, tmp_path / "one", num_steps=3)
+    eight = dataclasses.replace(one, workdir=str(tmp_path / "eight"),
+                                mesh="data:1,fsdp:4,tensor:2")
+    loop.run(one, devices=_one_device())
+    summary = loop.run(eight)
+    assert summary["state"].params["embed"].sharding.spec[0] is not None or \
+        summary["state"].params["embed"].sharding.spec[1] is not None
+    a, b = read_metrics(str(tmp_path / "one")), read_metrics(str(tmp_path / "eight"))
+    for ra, rb in zip(a, b):
+        assert ra["reward/mean"] == rb["reward/mean"]
+        np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], atol=1e-4)
+        np.testing.assert_allclose(rb["policy/entropy"], ra["policy/entropy"], atol=1e-4)
+
+
+def test_resume_equals_an_uninterrupted_run(toy_model_dir, copy_task_file, tmp_path):
+    kwargs = dict(num_steps=4, checkpoint_every=2, algorithm=rl.get_preset("lite_ppo"),
+                  mini_batch_size=16, ppo_epochs=2)
+    straight = loop.run(_config(toy_model_dir, copy_task_file, tmp_path / "a", **kwargs),
+                        devices=_one_device())
+    half = _config(toy_model_dir, copy_task_file, tmp_path / "b", **dict(kwargs, num_steps=2))
+    loop.run(half, devices=_one_device())
+    resumed = loop.run(dataclasses.replace(half, num_steps=4), devices=_one_device())
+    assert resumed["step"] == straight["step"] == 4
+    for x, y in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(resumed["state"])):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    ma, mb = read_metrics(str(tmp_path / "a")), read_metrics(str(tmp_path / "b"))
+    assert [r["step"] for r in mb] == [1, 2, 3, 4]
+    for ra, rb in zip(ma, mb):
+        for key in ("reward/mean", "policy/loss", "optim/grad_norm", "policy/approx_kl_old"):
+            assert ra[key] == rb[key], key
+
+
+def test_kl_run_keeps_the_reference_frozen(toy_model_dir, copy_task_file, tmp_path):
+    config = _config(toy_model_dir, copy_task_file, tmp_path,
+                     algorithm=rl.get_preset("grpo", kl_coef=0.1), num_steps=3)
+    summary = loop.run(config, devices=_one_device())
+    _, initial, _ = registry.load_model(toy_model_dir, with_tokenizer=False)
+    for ref, init, final in zip(jax.tree.leaves(summary["ref_params"]), jax.tree.leaves(initial),
+                                jax.tree.leaves(summary["state"].params)):
+        np.testing.assert_array_equal(np.asarray(ref), np.asarray(init))
+    moved = [not np.array_equal(np.asarray(i), np.asarray(f)) for i, f in
+             zip(jax.tree.leaves(initial), jax.tree.leaves(summary["state"].params))]
+    assert any(moved)
+    assert read_metrics(str(tmp_path))[-1]["policy/kl_ref"] > 0
+    # No KL term: no reference model is loaded at all.
+    no_kl = _config(toy_model_dir, copy_task_file, tmp_path / "nokl",
+                    algorithm=rl.get_preset("dr_grpo"), num_steps=1)
+    assert loop.run(no_kl, devices=_one_device())["ref_params"] is None
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(mini_batch_size=12), "does not divide the batch of 32 rows"),
+    (dict(micro_batch_size=5, mini_batch_size=16), "does not divide the mini-batch of 16"),
+    (dict(group_size=1), "group_size"),
+    (dict(mesh="data:1,fsdp:3,tensor:1"), "needs 3 devices but 1 are available"),
+    (dict(max_prompt_tokens=4), "longer than max_prompt_len=4"),
+])
+def test_bad_values_fail_with_a_clear_message(overrides, message, toy_model_dir, copy_task_file,
+                                              tmp_path):
+    config = _config(toy_model_dir, copy_task_file, tmp_path, **overrides)
+    with pytest.raises(ValueError, match=message):
+        loop.run(config, devices=_one_device())
