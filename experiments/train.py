@@ -11,6 +11,7 @@ the flagfile. The resolved configuration is written to WORKDIR/config.json.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import typing
 
@@ -133,9 +134,17 @@ def main(argv):
     from jaxrl4llm.train import loop  # heavy imports after flag parsing: fast --help
     summary = loop.run(config)
     logging.info("Done: step %d, outputs in %s", summary["step"], summary["workdir"])
-    print(f"\nFinished at step {summary['step']}. Outputs: {summary['workdir']}")
-    for key, value in sorted(summary["eval"].items()):
-        print(f"  {key:24s} {value:.4f}")
+    print(f"\nFinished at step {summary['step']}. Outputs in {summary['workdir']}:")
+    for name, path in sorted(summary["outputs"].items()):
+        print(f"  {name:8s} {path}")
+    print(f"  {'ckpts':8s} {os.path.join(summary['workdir'], 'checkpoints')}")
+    last = summary["metrics"]
+    rows = [(k, v) for k, v in sorted(last.items()) if k.startswith(("reward/", "response/"))]
+    rows += sorted(summary["eval"].items())
+    if rows:
+        print("\n  metric                          value")
+        for key, value in rows:
+            print(f"  {key:30s} {value:10.4f}")
     return 0
 
 

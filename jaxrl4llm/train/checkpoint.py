@@ -65,6 +65,39 @@ def abstract_like(tree: Any) -> Any:
         tree)
 
 
+def load_trained_policy(workdir: str, step: int | None = None, mesh: Any = None
+                        ) -> tuple[Any, Any, Any, Any]:
+    """(train config, model config, trained params, tokenizer) of a training workdir.
+
+    The base model named in WORKDIR/config.json gives the architecture and tokenizer; the
+    latest (or `step`) checkpoint gives the parameters.
+    """
+    import functools
+
+    from jaxrl4llm.models import registry
+    from jaxrl4llm.train.config import TrainConfig
+    from jaxrl4llm.train.state import TrainState
+
+    config_path = os.path.join(workdir, "config.json")
+    if not os.path.exists(config_path):
+        raise FileNotFoundError(f"{workdir!r} has no config.json: pass a training --workdir.")
+    with open(config_path) as f:
+        config = TrainConfig.from_json(f.read())
+    dtype = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}[config.param_dtype]
+    model_config, params, tokenizer = registry.load_model(config.model, mesh=mesh, dtype=dtype)
+    create = functools.partial(TrainState.create, optimizer=config.optimizer, seed=config.seed)
+    abstract = jax.eval_shape(create, params)
+    abstract = abstract.replace(params=abstract_like(params))
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=1)
+    try:
+        if checkpointer.latest_step() is None:
+            raise FileNotFoundError(f"{workdir!r} has no checkpoint yet.")
+        state, _ = checkpointer.restore(abstract, step)
+    finally:
+        checkpointer.close()
+    return config, model_config, state.params, tokenizer
+
+
 class PreemptionFlag:
     """Turns SIGTERM (preemption) into a flag the loop polls: save, then exit cleanly."""
 

@@ -121,6 +121,18 @@ class TrainConfig:
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True, default=str)
 
+    @classmethod
+    def from_json(cls, text: str) -> "TrainConfig":
+        """Inverse of to_json (e.g. a workdir's config.json)."""
+        fields = json.loads(text)
+        algorithm = dict(fields.pop("algorithm"))
+        if algorithm.get("binary_reward") is not None:
+            algorithm["binary_reward"] = tuple(algorithm["binary_reward"])
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(algorithm=rl.AlgorithmConfig(**algorithm),
+                   optimizer=OptimizerConfig(**fields.pop("optimizer")),
+                   **{k: v for k, v in fields.items() if k in known})
+
 
 def _data_parallel_size(mesh: str, num_devices: int) -> int:
     data, fsdp, _ = MeshSpec.parse(mesh).resolve(num_devices)

@@ -1,6 +1,7 @@
 """The thin outer loop: rollout, update(s), eval, checkpoint, log. It only sequences pure pieces."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -16,6 +17,7 @@ from jaxrl4llm.data import make_iterator, make_source
 from jaxrl4llm.models import registry
 from jaxrl4llm.rewards import make_reward_fn
 from jaxrl4llm.train import metrics as metrics_lib
+from jaxrl4llm.train import plots
 from jaxrl4llm.train.checkpoint import Checkpointer, PreemptionFlag, abstract_like
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.rollout import RolloutContext, rollout
@@ -174,6 +176,20 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
         checkpointer.close()
         reward_fn.close()
         preempted.restore_handler()
+    outputs = _write_outputs(workdir, eval_results) if jax.process_index() == 0 else {}
     return {"step": int(state.step), "metrics": last, "eval": eval_results, "workdir": workdir,
+            "outputs": outputs,
             "state": state, "ref_params": ref_params, "preempted": preempted.requested}
+
+
+def _write_outputs(workdir: str, eval_results: dict[str, float]) -> dict[str, str]:
+    """The end-of-run files a person looks at: eval.json and curves.png."""
+    outputs = {}
+    if eval_results:
+        outputs["eval"] = os.path.join(workdir, "eval.json")
+        with open(outputs["eval"], "w") as f:
+            json.dump(eval_results, f, indent=2, sort_keys=True)
+    if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+        outputs["plot"] = plots.plot_runs([workdir], os.path.join(workdir, "curves.png"))
+    return outputs
 

@@ -36,6 +36,8 @@ def test_train_cli_runs_two_steps_and_leaves_outputs(toy_model_dir, copy_task_fi
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert sorted(os.listdir(workdir / "checkpoints"))[:2] == ["1", "2"]
     assert "Finished at step 2" in result.stdout
+    assert (workdir / "curves.png").stat().st_size > 10_000
+    assert json.loads((workdir / "eval.json").read_text())["eval/accuracy"] >= 0
     assert "eval/accuracy" in result.stdout and "eval/pass@2" in result.stdout
     assert "step 2/2 | reward" in result.stdout + result.stderr
 
@@ -47,3 +49,29 @@ def test_train_cli_rejects_unknown_flags_and_bad_knobs(tmp_path):
     result = _run(["--clip_high=wide", f"--workdir={tmp_path}"], tmp_path)
     assert result.returncode != 0
     assert "--clip_high='wide' is not a valid" in result.stderr
+
+
+def test_evaluate_cli_on_a_trained_checkpoint(toy_model_dir, copy_task_file, tmp_path):
+    workdir = tmp_path / "run"
+    result = _run([f"--model={toy_model_dir}", f"--data={copy_task_file}", "--instruction=",
+                   "--prompts_per_step=4", "--group_size=2", "--max_new_tokens=1",
+                   "--max_prompt_tokens=16", "--answer_mode=lenient", "--num_steps=1",
+                   "--eval_prompts=0", f"--workdir={workdir}"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = tmp_path / "eval.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.evaluate", f"--checkpoint={workdir}",
+         f"--data={copy_task_file}", "--instruction=", "--eval_prompts=10", "--eval_samples=4",
+         "--max_new_tokens=1", "--answer_mode=lenient", f"--output={out}",
+         "--mesh=data:1,fsdp:-1,tensor:1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert report["model"] == str(workdir)
+    assert results["num_prompts"] == 10
+    assert 0 <= results["avg@4"] <= results["pass@4"] <= 1
+    assert results["pass@1"] == pytest.approx(results["avg@4"])
+    assert "maj@4" in results and "accuracy" in results
+    assert "pass@4" in result.stdout

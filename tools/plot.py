@@ -1,0 +1,34 @@
+"""Training curves of one or more runs, overlaid, in one PNG.
+
+    python tools/plot.py workdirs/quickstart [workdirs/other ...] [--out curves.png]
+
+Panels: reward, accuracy (train and held-out), entropy, KL to the reference, response length
+and clip fraction against the step; each run is one colour, named by its folder.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxrl4llm.train.plots import plot_runs  # noqa: E402
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workdirs", nargs="+", help="training workdirs (with metrics.jsonl)")
+    parser.add_argument("--out", default=None,
+                        help="output PNG (default: <first workdir>/curves.png)")
+    args = parser.parse_args(argv)
+    out = args.out or os.path.join(args.workdirs[0], "curves.png")
+    try:
+        print(plot_runs(args.workdirs, out))
+    except FileNotFoundError as e:
+        parser.error(str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
