@@ -75,3 +75,35 @@ def test_evaluate_cli_on_a_trained_checkpoint(toy_model_dir, copy_task_file, tmp
     assert results["pass@1"] == pytest.approx(results["avg@4"])
     assert "maj@4" in results and "accuracy" in results
     assert "pass@4" in result.stdout
+
+
+def test_export_hf_writes_a_folder_transformers_loads(toy_model_dir, copy_task_file, tmp_path):
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxrl4llm.models import registry, transformer
+    from jaxrl4llm.train.checkpoint import load_trained_policy
+
+    workdir = tmp_path / "run"
+    result = _run([f"--model={toy_model_dir}", f"--data={copy_task_file}", "--instruction=",
+                   "--prompts_per_step=4", "--group_size=2", "--max_new_tokens=1",
+                   "--max_prompt_tokens=16", "--answer_mode=lenient", "--num_steps=1",
+                   "--learning_rate=0.05", "--algorithm=reinforce", "--eval_prompts=0",
+                   f"--workdir={workdir}"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "hf"
+    result = subprocess.run([sys.executable, "tools/export_hf.py", str(workdir), str(out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, config, trained, _ = load_trained_policy(str(workdir))
+    _, initial, _ = registry.load_model(toy_model_dir, with_tokenizer=False)
+    # Reinforce with {-1, 1} rewards always has a gradient: the checkpoint is not the init.
+    assert not np.allclose(np.asarray(trained["embed"]), np.asarray(initial["embed"]))
+    torch_model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    tokens = np.array([[2, 4, 8, 12, 3]])
+    with torch.no_grad():
+        expected = torch_model(torch.tensor(tokens)).logits.numpy()
+    logits, _ = transformer.forward(trained, config, tokens, np.arange(5)[None], np.ones((1, 5), bool))
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4)
