@@ -1,1 +1,117 @@
+"""jaxrl4llm.rl: the RL math for LLM reasoning as pure, jittable jax.numpy (depends on jax only).
 
+Shapes: B rows = P prompts x G samples (a group is G contiguous rows), T completion tokens.
+A verifier yields ``rewards_B`` (float) and ``correct_B`` (bool): filters read ``correct``,
+advantages read the reward. Masks are bool or {0,1} float [B, T]; ``keep_B`` is bool [B].
+
+Public API (stable):
+
+Presets and the two entry points (algorithms.py)
+    AlgorithmConfig(...)                       frozen dataclass of every knob (hashable: a static jit arg)
+    get_preset(name, **overrides) -> AlgorithmConfig
+        names: grpo, dr_grpo, reinforce, reinforce_rej, reinforce_pp, reinforce_pp_baseline,
+        lite_ppo, rloo, raft, raft_pp  (PRESETS maps name -> constructor)
+    validate(config, group_size) -> config      raises ValueError naming the knob and the fix
+    compute_advantages(config, rewards_B, correct_B, mask_BT, group_size, *,
+                       truncated_B=None, logp_BT=None, ref_logp_BT=None)
+        -> (advantages [B] or [B, T], keep_B, metrics)
+    policy_loss(config, logp_BT, old_logp_BT, advantages, mask_BT, keep_B=None, *,
+                ref_logp_BT=None, entropy_BT=None)
+        -> (loss_sum, denominator, metric_sums)
+        old_logp_BT=None means on-policy (ratio 1); pass entropy_BT (entropy_from_logits) whenever
+        the logits are at hand: it is then always logged, and enters the loss when entropy_coef != 0.
+    loss_denominator(config, mask_BT, keep_B=None) -> denominator of the whole mini-batch
+
+Advantages (advantages.py)
+    normalized_advantages(rewards_B, group_size, *, mean, std, ddof=1, eps=1e-6, keep_B=None) -> [B]
+    rloo_advantages(rewards_B, group_size, keep_B=None) -> [B]
+    reinforce_advantages(rewards_B, keep_B=None) -> [B]
+    reinforce_pp_advantages(rewards_B, mask_BT, *, kl_BT=None, kl_coef=0., group_size=1,
+                            baseline=False, keep_B=None, ddof=1, eps=1e-6) -> [B, T]
+    token_rewards, returns_to_go, whiten, last_token_onehot, to_groups
+
+Filters (filters.py)
+    keep_mask(correct_B, group_size, *, reject_all_correct=False, reject_all_wrong=False,
+              truncated_B=None) -> bool [B]
+    group_keep_mask, overlong_keep_mask, all_correct_groups, all_wrong_groups
+    rejected_group_fraction(keep_B, group_size) -> scalar
+    raft_positives(rewards_B, correct_B, group_size, *, select="correct"|"best") -> bool [B]
+
+Losses (losses.py)
+    clipped_surrogate(logp_BT, old_logp_BT, advantages, *, clip_low, clip_high, dual_clip=None)
+        -> (loss_BT, aux)
+    nll_loss(logp_BT), kl_estimate(logp_BT, ref_logp_BT, "k1"|"k2"|"k3"),
+    entropy_from_logits(logits_BTV), log_ratio(logp_BT, old_logp_BT)
+    aggregate(loss_BT, mask_BT, keep_B=None, mode="token-mean", max_tokens=None) -> (sum, denominator)
+    losses.loss_denominator(mask_BT, keep_B=None, mode=..., max_tokens=None) (rl.loss_denominator takes a config),
+    finalize_loss(sum, denominator)
+    combine_metrics(a, b), finalize_metrics(m)
+
+How the trainer combines micro-batches (exact, for every aggregation mode):
+    Both parts of every (loss_sum, denominator) pair are sums over rows, so for micro-batches k of
+    one mini-batch: loss = sum_k loss_sum_k / sum_k denominator_k. The denominator depends only on
+    masks, so either compute D = loss_denominator(config, mask_BT, keep_B) over the whole mini-batch
+    before splitting and accumulate grad(loss_sum_k / D), or accumulate grad(loss_sum_k) and
+    denominator_k and divide once at the end. Never average per-micro-batch means. Micro-batches must
+    be row slices of one padded [B, T] array (same T) for "seq-mean-token-sum-norm" with
+    max_tokens=None. Merge metric_sums with combine_metrics, then finalize_metrics for logging.
+
+docs/algorithms.md gives every preset's formula, flags and paper, and compares the conventions
+with verl, OpenRLHF and TRL.
+"""
+from __future__ import annotations
+
+from jaxrl4llm.rl import advantages, algorithms, filters, losses
+from jaxrl4llm.rl.advantages import (
+    last_token_onehot,
+    normalized_advantages,
+    reinforce_advantages,
+    reinforce_pp_advantages,
+    returns_to_go,
+    rloo_advantages,
+    to_groups,
+    token_rewards,
+    whiten,
+)
+from jaxrl4llm.rl.algorithms import (
+    PRESETS,
+    AlgorithmConfig,
+    compute_advantages,
+    get_preset,
+    loss_denominator,
+    policy_loss,
+    validate,
+)
+from jaxrl4llm.rl.filters import (
+    all_correct_groups,
+    all_wrong_groups,
+    group_keep_mask,
+    keep_mask,
+    overlong_keep_mask,
+    raft_positives,
+    rejected_group_fraction,
+)
+from jaxrl4llm.rl.losses import (
+    AGG_MODES,
+    KL_ESTIMATORS,
+    aggregate,
+    clipped_surrogate,
+    combine_metrics,
+    entropy_from_logits,
+    finalize_loss,
+    finalize_metrics,
+    kl_estimate,
+    log_ratio,
+    nll_loss,
+)
+
+__all__ = [
+    "advantages", "algorithms", "filters", "losses",
+    "AlgorithmConfig", "PRESETS", "get_preset", "validate", "compute_advantages", "policy_loss",
+    "loss_denominator", "normalized_advantages", "rloo_advantages", "reinforce_advantages",
+    "reinforce_pp_advantages", "token_rewards", "returns_to_go", "whiten", "last_token_onehot",
+    "to_groups", "keep_mask", "group_keep_mask", "overlong_keep_mask", "all_correct_groups",
+    "all_wrong_groups", "rejected_group_fraction", "raft_positives", "AGG_MODES", "KL_ESTIMATORS",
+    "clipped_surrogate", "nll_loss", "kl_estimate", "entropy_from_logits", "log_ratio", "aggregate",
+    "finalize_loss", "combine_metrics", "finalize_metrics",
+]

@@ -1,0 +1,359 @@
+"""AlgorithmConfig (every knob, as data), the named presets, and the two entry points.
+
+The trainer calls only ``compute_advantages`` (once per rollout batch) and ``policy_loss``
+(per micro-batch); every preset is a value of ``AlgorithmConfig``, never a subclass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl4llm.rl import advantages as adv_lib
+from jaxrl4llm.rl import filters, losses
+
+ADVANTAGES = ("normalized", "rloo", "reinforce_pp", "reinforce_pp_baseline", "positives")
+OBJECTIVES = ("clipped", "nll")
+KL_PLACES = ("loss", "reward", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmConfig:
+    """All knobs of the RL math. Hashable, so it can be a static jit argument.
+
+    advantage: "normalized" (mean/std below), "rloo", "reinforce_pp", "reinforce_pp_baseline",
+        or "positives" (A = 1 on RAFT positives, other rows rejected).
+    mean, std: scopes of the normalized advantage, each in {"group", "batch", "none"}.
+    ddof, eps: std degrees of freedom (1 = torch.std) and the eps added to the std; they also
+        govern REINFORCE++ whitening.
+    objective: "clipped" (PPO clipped surrogate) or "nll" (RAFT log-likelihood on positives).
+    agg: loss aggregation mode (see losses.AGG_MODES); max_tokens: the constant of
+        "seq-mean-token-sum-norm" (None = the padded completion length T).
+    clip_low, clip_high: ratio clip range [1 - clip_low, 1 + clip_high]; dual_clip: c > 1 or None.
+    kl_in: "loss" (kl_coef * agg(KL) added to the loss), "reward" (REINFORCE++ token rewards)
+        or None; kl_estimator in {"k1", "k2", "k3"}; kl_coef >= 0.
+    entropy_coef: coefficient of the entropy bonus (loss -= entropy_coef * agg(H)).
+    reject_all_correct, reject_all_wrong: drop groups whose samples are all correct / all wrong.
+    overlong_filter: drop samples that hit max_new_tokens without a stop token.
+    positives: RAFT selection, "correct" or "best" (see filters.raft_positives).
+    binary_reward: None to use the verifier's reward as is, or (wrong, right) to replace it
+        by a value chosen from ``correct`` (e.g. (-1.0, 1.0) or (0.0, 1.0)).
+    """
+
+    name: str = "custom"
+    advantage: str = "normalized"
+    mean: str = "group"
+    std: str = "group"
+    ddof: int = 1
+    eps: float = 1e-6
+    objective: str = "clipped"
+    agg: str = "token-mean"
+    max_tokens: Optional[int] = None
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: Optional[float] = None
+    kl_in: Optional[str] = None
+    kl_estimator: str = "k3"
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    reject_all_correct: bool = False
+    reject_all_wrong: bool = False
+    overlong_filter: bool = False
+    positives: str = "correct"
+    binary_reward: Optional[tuple[float, float]] = None
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
+    """Raise ValueError naming the knob and the fix when knobs contradict; return config."""
+    c, G = config, group_size
+    _check(isinstance(G, int) and G >= 1, f"group_size must be a positive int, got {G!r}.")
+    _check(c.advantage in ADVANTAGES, f"advantage={c.advantage!r}: choose one of {ADVANTAGES}.")
+    _check(c.mean in adv_lib.MEANS, f"mean={c.mean!r}: choose one of {adv_lib.MEANS}.")
+    _check(c.std in adv_lib.STDS, f"std={c.std!r}: choose one of {adv_lib.STDS}.")
+    _check(c.objective in OBJECTIVES, f"objective={c.objective!r}: choose one of {OBJECTIVES}.")
+    _check(c.agg in losses.AGG_MODES, f"agg={c.agg!r}: choose one of {losses.AGG_MODES}.")
+    _check(c.kl_in in KL_PLACES, f"kl_in={c.kl_in!r}: choose one of {KL_PLACES}.")
+    _check(c.kl_estimator in losses.KL_ESTIMATORS,
+           f"kl_estimator={c.kl_estimator!r}: choose one of {losses.KL_ESTIMATORS}.")
+    _check(c.positives in filters.POSITIVE_SELECTIONS,
+           f"positives={c.positives!r}: choose one of {filters.POSITIVE_SELECTIONS}.")
+    _check(isinstance(c.ddof, int) and c.ddof >= 0,
+           f"ddof={c.ddof!r} must be an int >= 0 (1 = torch.std, 0 = numpy default).")
+    _check(c.eps > 0, f"eps={c.eps!r} must be > 0 (default 1e-6).")
+    _check(0 <= c.clip_low < 1, f"clip_low={c.clip_low!r} must be in [0, 1) so that 1 - clip_low > 0.")
+    _check(c.clip_high >= 0, f"clip_high={c.clip_high!r} must be >= 0.")
+    _check(c.dual_clip is None or c.dual_clip > 1,
+           f"dual_clip={c.dual_clip!r} must be > 1 (typically 3.0) or None.")
+    _check(c.max_tokens is None or c.max_tokens >= 1,
+           f"max_tokens={c.max_tokens!r} must be >= 1 or None (= padded length).")
+    _check(c.kl_coef >= 0 and math.isfinite(c.kl_coef), f"kl_coef={c.kl_coef!r} must be finite and >= 0.")
+    _check(math.isfinite(c.entropy_coef), f"entropy_coef={c.entropy_coef!r} must be finite.")
+    if c.binary_reward is not None:
+        _check(len(c.binary_reward) == 2,
+               f"binary_reward={c.binary_reward!r} must be a pair (wrong, right), e.g. (-1.0, 1.0).")
+    # Contradictions between knobs.
+    if c.advantage == "normalized":
+        _check(not (c.std == "group" and G <= c.ddof),
+               f"std='group' with ddof={c.ddof} needs group_size > {c.ddof}, got {G}: every group std would be "
+               "undefined; use std='batch' or std='none', or sample more completions per prompt.")
+        _check(not (c.mean == "group" and G == 1),
+               "mean='group' with group_size=1 makes every advantage 0; use mean='batch' or 'none', "
+               "or sample more completions per prompt.")
+    _check(not (c.advantage in ("rloo", "reinforce_pp_baseline") and G < 2),
+           f"advantage={c.advantage!r} needs group_size >= 2 (a leave-one-out / group baseline), got {G}.")
+    _check(not ((c.reject_all_correct or c.reject_all_wrong) and G == 1),
+           "reject_all_correct/reject_all_wrong with group_size=1 reject every correct/wrong sample; "
+           "set them to False or sample more completions per prompt.")
+    _check(not (c.kl_coef > 0 and c.kl_in is None),
+           f"kl_coef={c.kl_coef} but kl_in=None, so the KL would be ignored; set kl_in='loss' (or 'reward' "
+           "for REINFORCE++), or kl_coef=0.")
+    _check(not (c.kl_in == "reward" and c.advantage not in ("reinforce_pp", "reinforce_pp_baseline")),
+           f"kl_in='reward' needs token-level rewards, i.e. advantage='reinforce_pp' or 'reinforce_pp_baseline' "
+           f"(got advantage={c.advantage!r}); use kl_in='loss' instead.")
+    _check(not (c.kl_in == "reward" and c.kl_estimator == "k3"),
+           "kl_in='reward' uses kl_estimator 'k1' or 'k2' (REINFORCE++); set kl_estimator='k1' or 'k2'.")
+    _check(not (c.objective == "nll" and c.advantage != "positives"),
+           f"objective='nll' (RAFT) trains on positives only; set advantage='positives' (got {c.advantage!r}).")
+    return config
+
+
+# ---- presets ------------------------------------------------------------------------------
+
+def grpo() -> AlgorithmConfig:
+    """GRPO: Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300).
+
+    A = (r - group mean) / (group std (ddof=1) + 1e-6); per-sequence token-mean then mean over
+    sequences (seq-mean-token-mean); clip 0.2; k3 KL to the reference in the loss, coef 0.04.
+    """
+    return AlgorithmConfig(name="grpo", mean="group", std="group", agg="seq-mean-token-mean",
+                           kl_in="loss", kl_estimator="k3", kl_coef=0.04)
+
+
+def dr_grpo() -> AlgorithmConfig:
+    """Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training" (arXiv:2503.20783).
+
+    A = r - group mean (no std division); loss summed over tokens and divided by a constant
+    (#sequences * max_tokens: seq-mean-token-sum-norm); clip 0.2; no KL.
+    """
+    return AlgorithmConfig(name="dr_grpo", mean="group", std="none", agg="seq-mean-token-sum-norm")
+
+
+def reinforce() -> AlgorithmConfig:
+    """Reinforce: Xiong et al. 2025, "A Minimalist Approach to LLM Reasoning" (arXiv:2504.11343).
+
+    A = r with r = +1 correct / -1 wrong (binary_reward), no baseline; clipped importance-sampled
+    surrogate (clip 0.2), token-mean; no KL.
+    """
+    return AlgorithmConfig(name="reinforce", mean="none", std="none", binary_reward=(-1.0, 1.0))
+
+
+def reinforce_rej() -> AlgorithmConfig:
+    """Reinforce-Rej: Xiong et al. 2025 (arXiv:2504.11343).
+
+    Reinforce (A = r in {-1, +1}) with all-correct and all-wrong groups rejected.
+    """
+    return dataclasses.replace(reinforce(), name="reinforce_rej", reject_all_correct=True, reject_all_wrong=True)
+
+
+def reinforce_pp() -> AlgorithmConfig:
+    """REINFORCE++: Hu 2025, "REINFORCE++" (arXiv:2501.03262).
+
+    Token rewards r at the last token - 0.01 * k1 KL on every token; returns with gamma = 1;
+    whitened over all valid tokens of the batch (ddof=1, eps=1e-6); clip 0.2; token-mean.
+    """
+    return AlgorithmConfig(name="reinforce_pp", advantage="reinforce_pp", kl_in="reward",
+                           kl_estimator="k1", kl_coef=0.01)
+
+
+def reinforce_pp_baseline() -> AlgorithmConfig:
+    """REINFORCE++-baseline: Hu 2025 (arXiv:2501.03262).
+
+    REINFORCE++ with the group mean of r subtracted before building token rewards.
+    """
+    return dataclasses.replace(reinforce_pp(), name="reinforce_pp_baseline", advantage="reinforce_pp_baseline")
+
+
+def lite_ppo() -> AlgorithmConfig:
+    """Lite PPO: Liu et al. 2025, "Tricks or Traps? A Deep Dive into RL for LLM Reasoning" (arXiv:2508.08221).
+
+    A = (r - group mean) / (batch std + 1e-6); token-level aggregation (token-mean); clip 0.2; no KL.
+    """
+    return AlgorithmConfig(name="lite_ppo", mean="group", std="batch", agg="token-mean")
+
+
+def rloo() -> AlgorithmConfig:
+    """RLOO: Ahmadian et al. 2024, "Back to Basics" (arXiv:2402.14740); Kool et al. 2019.
+
+    A_i = r_i - mean_{j != i} r_j; clipped surrogate (clip 0.2), token-mean; no KL.
+    """
+    return AlgorithmConfig(name="rloo", advantage="rloo")
+
+
+def raft() -> AlgorithmConfig:
+    """RAFT: Dong et al. 2023, "RAFT: Reward rAnked FineTuning" (arXiv:2304.06767).
+
+    Supervised log-likelihood (token-mean) on each group's best correct sample(s); the rest rejected.
+    """
+    return AlgorithmConfig(name="raft", advantage="positives", objective="nll", positives="best")
+
+
+def raft_pp() -> AlgorithmConfig:
+    """RAFT++: Xiong et al. 2025 (arXiv:2504.11343).
+
+    Clipped importance-sampled surrogate (clip 0.2, token-mean) with A = 1 on correct samples;
+    wrong samples are excluded.
+    """
+    return AlgorithmConfig(name="raft_pp", advantage="positives", objective="clipped", positives="correct")
+
+
+PRESETS = {f.__name__: f for f in (grpo, dr_grpo, reinforce, reinforce_rej, reinforce_pp,
+                                   reinforce_pp_baseline, lite_ppo, rloo, raft, raft_pp)}
+
+
+def get_preset(name: str, **overrides) -> AlgorithmConfig:
+    """The named preset, with any knob overridden (dataclasses.replace)."""
+    key = name.lower().replace("-", "_")
+    if key not in PRESETS:
+        raise ValueError(f"unknown algorithm {name!r}; valid names: {', '.join(sorted(PRESETS))}.")
+    known = {f.name for f in dataclasses.fields(AlgorithmConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown AlgorithmConfig knob(s) {unknown}; valid knobs: {', '.join(sorted(known))}.")
+    return dataclasses.replace(PRESETS[key](), **overrides)
+
+
+# ---- entry points -------------------------------------------------------------------------
+
+def compute_advantages(
+    config: AlgorithmConfig,
+    rewards_B: jnp.ndarray,
+    correct_B: jnp.ndarray,
+    mask_BT: jnp.ndarray,
+    group_size: int,
+    *,
+    truncated_B: jnp.ndarray | None = None,
+    logp_BT: jnp.ndarray | None = None,
+    ref_logp_BT: jnp.ndarray | None = None,
+) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, jnp.ndarray]]:
+    """Advantages for one rollout batch. Returns (advantages [B] or [B, T], keep_B bool, metrics).
+
+    Group rejection and RAFT positives define which rows enter the statistics (batch mean/std,
+    whitening); overlong filtering (truncated_B, when config.overlong_filter) only removes rows
+    from the loss, so a truncated sample still counts in its group's statistics (as in DAPO).
+    kl_in='reward' needs logp_BT (the sampling policy) and ref_logp_BT.
+    """
+    c = config
+    correct = jnp.asarray(correct_B, bool)
+    r_B = jnp.asarray(rewards_B, jnp.float32)
+    if c.binary_reward is not None:
+        r_B = jnp.where(correct, c.binary_reward[1], c.binary_reward[0]).astype(jnp.float32)
+    stats_keep = filters.group_keep_mask(correct, group_size, reject_all_correct=c.reject_all_correct,
+                                         reject_all_wrong=c.reject_all_wrong)
+    if c.advantage == "positives":
+        stats_keep &= filters.raft_positives(r_B, correct, group_size, select=c.positives)
+    keep = stats_keep
+    if c.overlong_filter:
+        if truncated_B is None:
+            raise ValueError("overlong_filter=True needs truncated_B (the sampler's 'hit max_new_tokens' flags).")
+        keep = keep & filters.overlong_keep_mask(truncated_B)
+
+    if c.advantage == "normalized":
+        adv = adv_lib.normalized_advantages(r_B, group_size, mean=c.mean, std=c.std, ddof=c.ddof,
+                                            eps=c.eps, keep_B=stats_keep)
+    elif c.advantage == "rloo":
+        adv = adv_lib.rloo_advantages(r_B, group_size, keep_B=stats_keep)
+    elif c.advantage == "positives":
+        adv = stats_keep.astype(jnp.float32)
+    elif c.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
+        kl_BT = None
+        if c.kl_in == "reward" and c.kl_coef != 0:
+            if logp_BT is None or ref_logp_BT is None:
+                raise ValueError("kl_in='reward' needs logp_BT (sampling policy) and ref_logp_BT (reference model).")
+            kl_BT = losses.kl_estimate(logp_BT, ref_logp_BT, c.kl_estimator)
+        adv = adv_lib.reinforce_pp_advantages(
+            r_B, mask_BT, kl_BT=kl_BT, kl_coef=c.kl_coef, group_size=group_size,
+            baseline=c.advantage == "reinforce_pp_baseline", keep_B=stats_keep, ddof=c.ddof, eps=c.eps)
+    else:
+        raise ValueError(f"advantage={c.advantage!r}: choose one of {ADVANTAGES}.")
+    # Rejected rows carry A = 0 (they are masked anyway; this keeps logs readable).
+    adv = jnp.where(keep if adv.ndim == 1 else keep[:, None], adv, 0.0)
+
+    kf = keep.astype(jnp.float32)
+    n_kept = jnp.maximum(kf.sum(), 1.0)
+    adv_B = adv if adv.ndim == 1 else adv.sum(1) / jnp.maximum(jnp.asarray(mask_BT, jnp.float32).sum(1), 1.0)
+    metrics = {
+        "reward_mean": r_B.mean(),
+        "accuracy": correct.astype(jnp.float32).mean(),
+        "frac_groups_rejected": filters.rejected_group_fraction(stats_keep, group_size),
+        "frac_rows_kept": kf.mean(),
+        "adv_mean": (adv_B * kf).sum() / n_kept,
+        "adv_abs_mean": (jnp.abs(adv_B) * kf).sum() / n_kept,
+    }
+    if truncated_B is not None:
+        metrics["frac_truncated"] = jnp.asarray(truncated_B, jnp.float32).mean()
+    return adv, keep, metrics
+
+
+def loss_denominator(config: AlgorithmConfig, mask_BT: jnp.ndarray, keep_B: jnp.ndarray | None = None) -> jnp.ndarray:
+    """The mini-batch denominator of ``policy_loss`` (compute once, before splitting micro-batches)."""
+    return losses.loss_denominator(mask_BT, keep_B, config.agg, config.max_tokens)
+
+
+def policy_loss(
+    config: AlgorithmConfig,
+    logp_BT: jnp.ndarray,
+    old_logp_BT: jnp.ndarray | None,
+    advantages: jnp.ndarray,
+    mask_BT: jnp.ndarray,
+    keep_B: jnp.ndarray | None = None,
+    *,
+    ref_logp_BT: jnp.ndarray | None = None,
+    entropy_BT: jnp.ndarray | None = None,
+) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, jnp.ndarray]]:
+    """(loss_sum, denominator, metric_sums) of one (micro-)batch; keep_B=None keeps every row.
+
+    loss per token = policy term (clipped surrogate, or RAFT's -logp) + kl_coef * KL_ref (when
+    kl_in='loss') - entropy_coef * H, aggregated with config.agg. old_logp_BT=None means
+    on-policy (ratio 1, gradient still flows through logp_BT). Combine micro-batches by
+    summing loss_sum and denominator (or divide each loss_sum by loss_denominator() of the
+    whole mini-batch); merge metric_sums with losses.combine_metrics and read them with
+    losses.finalize_metrics.
+    """
+    c = config
+    if old_logp_BT is None:
+        old_logp_BT = jax.lax.stop_gradient(logp_BT)
+    if keep_B is None:
+        keep_B = jnp.ones(logp_BT.shape[:1], bool)
+    w = losses.row_weights(mask_BT, keep_B)
+    if c.objective == "nll":
+        pg_BT, aux = losses.nll_loss(logp_BT), None
+    else:
+        pg_BT, aux = losses.clipped_surrogate(logp_BT, old_logp_BT, advantages, clip_low=c.clip_low,
+                                              clip_high=c.clip_high, dual_clip=c.dual_clip)
+    total_BT = pg_BT
+    kl_BT = None
+    if ref_logp_BT is not None:
+        kl_BT = losses.kl_estimate(logp_BT, ref_logp_BT, c.kl_estimator)
+    if c.kl_in == "loss" and c.kl_coef != 0:
+        if kl_BT is None:
+            raise ValueError("kl_in='loss' with kl_coef > 0 needs ref_logp_BT (reference-model log-probs).")
+        total_BT = total_BT + c.kl_coef * kl_BT
+    if c.entropy_coef != 0:
+        if entropy_BT is None:
+            raise ValueError("entropy_coef != 0 needs entropy_BT (losses.entropy_from_logits of the policy logits).")
+        total_BT = total_BT - c.entropy_coef * entropy_BT
+    loss_sum, denom = losses.aggregate(total_BT, mask_BT, keep_B, c.agg, c.max_tokens)
+    d = losses.log_ratio(logp_BT, old_logp_BT)
+    metrics = losses.token_metric_sums(
+        w, keep_B, ratio_BT=jnp.exp(d), log_ratio_BT=d, clip_aux=aux, pg_loss_BT=pg_BT,
+        kl_ref_BT=kl_BT, entropy_BT=entropy_BT)
+    metrics = jax.tree_util.tree_map(jax.lax.stop_gradient, metrics)
+    return loss_sum, denom, metrics

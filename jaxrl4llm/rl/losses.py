@@ -1,0 +1,233 @@
+"""Per-token losses, KL estimators, entropy, and exact (sum, denominator) aggregation.
+
+Every loss here is a per-token [B, T] array; ``aggregate`` turns it into a pair
+(loss_sum, denominator) whose two parts are each a plain sum over rows. Because both parts
+are additive over rows, micro-batches combine EXACTLY into the mini-batch value:
+
+    loss(mini-batch) = sum_k loss_sum_k / sum_k denominator_k
+
+and since the denominator does not depend on the parameters, the trainer may either
+(a) compute D = loss_denominator(mask_BT, keep_B, mode) once over the whole mini-batch
+    (it only needs masks) and accumulate grad(loss_sum_k / D) over micro-batches, or
+(b) accumulate grad(loss_sum_k) and sum_k denominator_k, and divide at the end.
+Never average per-micro-batch means.
+
+Per mode, with w_BT = mask_BT * keep_B[:, None], n_i = sum_t w_it and a row counted as a
+sequence when n_i > 0:
+  token-mean               sum(L w)                    / sum(w)
+  seq-mean-token-mean      sum_i [sum_t L w / n_i]     / #sequences
+  seq-mean-token-sum       sum(L w)                    / #sequences
+  seq-mean-token-sum-norm  sum(L w)                    / (#sequences * max_tokens)
+max_tokens defaults to T (the padded completion length); micro-batches sliced from one
+padded [B, T] array share it, which keeps the combination exact.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOG_RATIO_CLAMP = 20.0
+
+
+def row_weights(mask_BT: jnp.ndarray, keep_B: jnp.ndarray | None) -> jnp.ndarray:
+    w = jnp.asarray(mask_BT).astype(jnp.float32)
+    if keep_B is not None:
+        if keep_B.shape != w.shape[:1]:
+            raise ValueError(f"keep_B has shape {keep_B.shape}, expected ({w.shape[0]},) to match mask_BT {w.shape}.")
+        w = w * jnp.asarray(keep_B).astype(jnp.float32)[:, None]
+    return w
+
+
+def _broadcast_adv(advantages: jnp.ndarray, shape_BT: tuple[int, int]) -> jnp.ndarray:
+    adv = jnp.asarray(advantages, jnp.float32)
+    if adv.ndim == 1:
+        adv = adv[:, None]
+    if adv.shape not in ((shape_BT[0], 1), tuple(shape_BT)):
+        raise ValueError(f"advantages have shape {advantages.shape}; expected [B]={shape_BT[:1]} or [B, T]={shape_BT}.")
+    return jnp.broadcast_to(adv, shape_BT)
+
+
+def log_ratio(logp_BT: jnp.ndarray, old_logp_BT: jnp.ndarray) -> jnp.ndarray:
+    """logp - old_logp clamped to [-20, 20] so exp() stays finite."""
+    return jnp.clip(logp_BT - old_logp_BT, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def clipped_surrogate(
+    logp_BT: jnp.ndarray,
+    old_logp_BT: jnp.ndarray,
+    advantages: jnp.ndarray,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[jnp.ndarray, dict[str, jnp.ndarray]]:
+    """Per-token PPO loss L = max(-A rho, -A clip(rho, 1 - clip_low, 1 + clip_high)).
+
+    rho = exp(clip(logp - old_logp, -20, 20)); A is [B] (broadcast over T) or [B, T].
+    With dual_clip = c > 1, tokens with A < 0 use min(L, -c A).
+    Returns (loss_BT, aux) with aux = ratio_BT and the bool [B, T] indicators
+    clipped_low (A < 0, rho < 1 - clip_low), clipped_high (A > 0, rho > 1 + clip_high),
+    dual_clipped (A < 0, rho > c).
+    """
+    adv = _broadcast_adv(advantages, logp_BT.shape)
+    ratio = jnp.exp(log_ratio(logp_BT, old_logp_BT))
+    loss = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high))
+    dual = jnp.zeros(loss.shape, bool)
+    if dual_clip is not None:
+        dual = (adv < 0) & (loss > -dual_clip * adv)
+        loss = jnp.where(adv < 0, jnp.minimum(loss, -dual_clip * adv), loss)
+    aux = {
+        "ratio": ratio,
+        "clipped_low": (adv < 0) & (ratio < 1.0 - clip_low),
+        "clipped_high": (adv > 0) & (ratio > 1.0 + clip_high),
+        "dual_clipped": dual,
+    }
+    return loss, aux
+
+
+def nll_loss(logp_BT: jnp.ndarray) -> jnp.ndarray:
+    """RAFT's supervised loss per token: -log pi(token)."""
+    return -logp_BT
+
+
+def kl_estimate(logp_BT: jnp.ndarray, ref_logp_BT: jnp.ndarray, estimator: str = "k3") -> jnp.ndarray:
+    """Per-token KL(pi || pi_ref) estimate, d = logp - ref_logp.
+
+    k1 = d; k2 = d^2 / 2; k3 = exp(-d) + d - 1 (k3 evaluates d clamped to [-20, 20],
+    the same clamp as the ratio, so exp(-d) cannot overflow).
+    """
+    d = logp_BT - ref_logp_BT
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * jnp.square(d)
+    if estimator == "k3":
+        d = jnp.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return jnp.exp(-d) + d - 1.0
+    raise ValueError(f"kl_estimator={estimator!r} is not one of {KL_ESTIMATORS}.")
+
+
+def entropy_from_logits(logits_BTV: jnp.ndarray) -> jnp.ndarray:
+    """Per-token entropy -sum_v p log p, from logits via log_softmax (stable; -inf logits allowed)."""
+    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    p = jnp.exp(logp)
+    return -jnp.where(p > 0, p * logp, 0.0).sum(axis=-1)
+
+
+def _n_seqs(w_BT: jnp.ndarray) -> jnp.ndarray:
+    return (w_BT.sum(axis=1) > 0).astype(jnp.float32).sum()
+
+
+def loss_denominator(
+    mask_BT: jnp.ndarray,
+    keep_B: jnp.ndarray | None = None,
+    mode: str = "token-mean",
+    max_tokens: int | None = None,
+) -> jnp.ndarray:
+    """The denominator of ``aggregate`` alone (needs only masks): compute it once per mini-batch."""
+    w = row_weights(mask_BT, keep_B)
+    if mode == "token-mean":
+        return w.sum()
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return _n_seqs(w)
+    if mode == "seq-mean-token-sum-norm":
+        T = w.shape[1] if max_tokens is None else max_tokens
+        return _n_seqs(w) * float(T)
+    raise ValueError(f"agg mode {mode!r} is not one of {AGG_MODES}.")
+
+
+def aggregate(
+    loss_BT: jnp.ndarray,
+    mask_BT: jnp.ndarray,
+    keep_B: jnp.ndarray | None = None,
+    mode: str = "token-mean",
+    max_tokens: int | None = None,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(loss_sum, denominator) of a per-token loss; see the module docstring for the modes.
+
+    Masked-out tokens and rejected rows are selected away with ``where`` (not multiplied),
+    so whatever values they hold reach neither the sum nor the gradient.
+    """
+    w = row_weights(mask_BT, keep_B)
+    denom = loss_denominator(mask_BT, keep_B, mode, max_tokens)
+    lw = jnp.where(w > 0, loss_BT * w, 0.0)
+    if mode == "seq-mean-token-mean":
+        n_B = w.sum(axis=1)
+        return (lw.sum(axis=1) / jnp.maximum(n_B, 1.0)).sum(), denom
+    return lw.sum(), denom
+
+
+def finalize_loss(loss_sum: jnp.ndarray, denominator: jnp.ndarray) -> jnp.ndarray:
+    """loss_sum / denominator, 0 when everything was rejected (denominators are counts)."""
+    return loss_sum / jnp.maximum(denominator, 1.0)
+
+
+# ---- diagnostics as exactly-combinable sums ------------------------------------------------
+
+def combine_metrics(a: dict, b: dict) -> dict:
+    """Merge two micro-batch metric dicts: '*_min' by min, '*_max' by max, everything else summed."""
+    out = {}
+    for k in a:
+        if k.endswith("_min"):
+            out[k] = jnp.minimum(a[k], b[k])
+        elif k.endswith("_max"):
+            out[k] = jnp.maximum(a[k], b[k])
+        else:
+            out[k] = a[k] + b[k]
+    return out
+
+
+def finalize_metrics(m: dict) -> dict:
+    """Turn summed metrics into means: '<x>_sum' -> '<x>' = sum / n_tokens, plus frac_rejected."""
+    out = {}
+    n_tok = jnp.maximum(m["n_tokens"], 1.0)
+    for k, v in m.items():
+        if k.endswith("_sum"):
+            out[k[: -len("_sum")]] = v / n_tok
+        else:
+            out[k] = v
+    out["frac_rejected"] = 1.0 - m["n_kept"] / jnp.maximum(m["n_rows"], 1.0)
+    return out
+
+
+def token_metric_sums(
+    w_BT: jnp.ndarray,
+    keep_B: jnp.ndarray,
+    *,
+    ratio_BT: jnp.ndarray,
+    log_ratio_BT: jnp.ndarray,
+    clip_aux: dict[str, jnp.ndarray] | None = None,
+    pg_loss_BT: jnp.ndarray | None = None,
+    kl_ref_BT: jnp.ndarray | None = None,
+    entropy_BT: jnp.ndarray | None = None,
+) -> dict[str, jnp.ndarray]:
+    """Sums over valid kept tokens (and counts), to be merged with combine_metrics."""
+    valid = w_BT > 0
+
+    def s(x):
+        return jnp.where(valid, x, 0.0).astype(jnp.float32).sum()
+
+    d = log_ratio_BT
+    m = {
+        "n_rows": jnp.float32(w_BT.shape[0]),
+        "n_kept": jnp.asarray(keep_B).astype(jnp.float32).sum(),
+        "n_seqs": _n_seqs(w_BT),
+        "n_tokens": valid.astype(jnp.float32).sum(),
+        # k3 estimate of KL(pi || pi_old) on the sampled tokens: >= 0, low variance.
+        "approx_kl_old_sum": s(jnp.exp(-d) + d - 1.0),
+        "ratio_min": jnp.where(valid, ratio_BT, jnp.inf).min(),
+        "ratio_max": jnp.where(valid, ratio_BT, -jnp.inf).max(),
+    }
+    if clip_aux is not None:
+        m["clip_frac_low_sum"] = s(clip_aux["clipped_low"])
+        m["clip_frac_high_sum"] = s(clip_aux["clipped_high"])
+        m["dual_clip_frac_sum"] = s(clip_aux["dual_clipped"])
+    if pg_loss_BT is not None:
+        m["pg_loss_sum"] = s(pg_loss_BT)
+    if kl_ref_BT is not None:
+        m["kl_ref_sum"] = s(kl_ref_BT)
+    if entropy_BT is not None:
+        m["entropy_sum"] = s(entropy_BT)
+    return m
