@@ -1,12 +1,14 @@
 """Evaluate a policy: greedy accuracy, avg@k, unbiased pass@k and maj@k over a data source.
 
     python -m experiments.evaluate --model=smollm2-135m-instruct --data=synthetic:arithmetic
-    python -m experiments.evaluate --checkpoint=workdirs/quickstart --samples=8
+    python -m experiments.evaluate --checkpoint=workdirs/quickstart --eval_samples=8
     python -m experiments.evaluate --flagfile=experiments/configs/quickstart.flags
 
 The policy is the embedded model (--model=NAME), a HF folder or .gguf (--model=PATH), or a
 training workdir's latest checkpoint (--checkpoint=WORKDIR). Writes a JSON and prints a table.
 It runs the same code as the trainer's periodic evaluation (jaxrl4llm.evaluation.evaluate).
+It takes every training flag (so a training flagfile works as is); here --eval_prompts=0
+means the whole split.
 """
 from __future__ import annotations
 
@@ -17,32 +19,15 @@ import time
 
 from absl import app, flags
 
-flags.DEFINE_string("model", "smollm2-135m-instruct", "Registered name, HF folder or .gguf.")
+# The training flags (model, data, sampling, answer_mode, mesh, eval_prompts, eval_samples,
+# ...) are shared, so a training flagfile evaluates as is; these are the evaluator's own.
+from experiments import train as _train_flags  # noqa: E402,F401  (defines the shared flags)
+
 flags.DEFINE_string("checkpoint", None, "A training workdir: evaluate its latest checkpoint "
                     "(overrides --model).")
-flags.DEFINE_string("data", "synthetic:arithmetic", "Data source spec (see experiments.train).")
-flags.DEFINE_string("eval_data", None, "Alias of --data (so a training flagfile works as is).")
 flags.DEFINE_string("split", "test", "Split of the data source.")
-flags.DEFINE_integer("eval_prompts", 64, "Number of prompts (0 = all).")
-flags.DEFINE_integer("eval_samples", 1, "k: samples per prompt for avg@k/pass@k/maj@k.")
 flags.DEFINE_integer("batch_prompts", 16, "Prompts per sampler call.")
-flags.DEFINE_float("temperature", 1.0, "Sampling temperature of the k samples.")
-flags.DEFINE_float("top_p", 1.0, "Nucleus mass of the k samples.")
-flags.DEFINE_integer("top_k", 0, "Top-k of the k samples (0 = off).")
-flags.DEFINE_integer("max_new_tokens", 128, "Longest completion.")
-flags.DEFINE_integer("max_prompt_tokens", 256, "Longest prompt.")
-flags.DEFINE_string("instruction", None, "Instruction appended to each question.")
-flags.DEFINE_string("system_prompt", None, "Optional system turn.")
-flags.DEFINE_enum("answer_mode", "boxed", ["boxed", "lenient"], "How the answer is extracted.")
-flags.DEFINE_enum("param_dtype", "float32", ["float32", "bfloat16"], "Parameter dtype.")
-flags.DEFINE_string("mesh", "data:1,fsdp:-1,tensor:1", "Mesh spec.")
 flags.DEFINE_string("output", None, "JSON path (default: WORKDIR/eval.json or ./eval.json).")
-flags.DEFINE_integer("seed", 0, "Sampling seed.")
-# Training flags a shared flagfile may carry; accepted and ignored here.
-for _name in ("algorithm", "workdir", "num_steps", "prompts_per_step", "group_size",
-              "learning_rate", "eval_every", "checkpoint_every", "mini_batch_size",
-              "micro_batch_size", "ppo_epochs"):
-    flags.DEFINE_string(_name, None, "Training flag; ignored by the evaluator.")
 
 FLAGS = flags.FLAGS
 
@@ -70,7 +55,9 @@ def main(argv):
         model_config, params, tokenizer = registry.load_model(FLAGS.model, mesh=mesh, dtype=dtype)
         name = FLAGS.model
     spec = FLAGS.eval_data or FLAGS.data
-    source = make_source(spec, split=FLAGS.split)
+    field_names = {k: getattr(FLAGS, k) for k in ("prompt_field", "answer_field")
+                   if getattr(FLAGS, k)}
+    source = make_source(spec, split=FLAGS.split, **field_names)
     count = len(source) if FLAGS.eval_prompts == 0 else min(FLAGS.eval_prompts, len(source))
     records = [source[i] for i in range(count)]
     config = TrainConfig(model=name, data=spec, instruction=FLAGS.instruction,

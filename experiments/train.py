@@ -32,6 +32,8 @@ flags.DEFINE_bool("remat", _T.remat, "Rematerialise each layer in the backward p
 flags.DEFINE_string("data", _T.data, "Prompt source: synthetic:TASK?opts, jsonl:PATH, "
                     "parquet:PATH, tfds:NAME ({split} in a path is replaced by the split).")
 flags.DEFINE_string("eval_data", _T.eval_data, "Held-out source (default: --data, split test).")
+flags.DEFINE_string("prompt_field", None, "Column holding the question (default: auto).")
+flags.DEFINE_string("answer_field", None, "Column holding the reference answer (default: auto).")
 flags.DEFINE_string("instruction", _T.instruction, "Instruction appended to each question "
                     "(default: the boxed-answer instruction of the Minimalist paper).")
 flags.DEFINE_string("system_prompt", _T.system_prompt, "Optional system turn.")
