@@ -31,6 +31,11 @@ class RolloutContext:
     tokenizer: Any
     reward_fn: Any
     mesh: Any = None
+    force_length: bool = False  # ignore stop tokens: every completion is max_new_tokens long
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return () if self.force_length else tuple(self.tokenizer.stop_token_ids)
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -51,7 +56,7 @@ def sample(ctx: RolloutContext, params: Any, records: Sequence[Any], key: jax.Ar
     c = ctx.config
     out = sampler_lib.generate(
         params, ctx.model_config, encode_prompts(ctx, records), sampling or ctx.sampling,
-        c.max_new_tokens, key, stop_ids=ctx.tokenizer.stop_token_ids, n=n,
+        c.max_new_tokens, key, stop_ids=ctx.stop_ids, n=n,
         pad_id=ctx.tokenizer.pad_token_id, mesh=ctx.mesh, max_prompt_len=c.max_prompt_tokens,
         long_prompts=c.long_prompts)
     tokens_BT, mask_BT = jax.device_get((out.tokens_BT, out.mask_BT))

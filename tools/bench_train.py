@@ -1,0 +1,113 @@
+"""Benchmark one GRPO training step on SmolLM2-135M-Instruct (CPU or accelerator).
+
+    python tools/bench_train.py                       # float32 and bfloat16, 8 x 4 x 128 tokens
+    python tools/bench_train.py --dtypes=float32 --prompts=4 --new_tokens=32   # quicker
+
+One step = rollout (sampler, forced length: stop tokens ignored) -> rewards -> reference
+logprobs (GRPO's KL term) -> one jitted update. Each dtype runs in its own process so its
+peak RSS is its own; a warm-up step compiles everything first, then `--repeats` timed steps.
+Prints seconds per stage, tokens/s and peak RSS.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _child(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl4llm import rl
+    from jaxrl4llm.data import make_source
+    from jaxrl4llm.models import registry
+    from jaxrl4llm.rewards import make_reward_fn
+    from jaxrl4llm.train.config import TrainConfig
+    from jaxrl4llm.train.rollout import RolloutContext, rollout
+    from jaxrl4llm.train.state import OptimizerConfig, TrainState
+    from jaxrl4llm.train.step import train_step
+
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.child]
+    t0 = time.perf_counter()
+    model_config, params, tokenizer = registry.load_model(args.model, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    config = TrainConfig(model=args.model, param_dtype=args.child, prompts_per_step=args.prompts,
+                         group_size=args.group, max_new_tokens=args.new_tokens,
+                         algorithm=rl.get_preset("grpo"), optimizer=OptimizerConfig(1e-6),
+                         answer_mode="lenient", remat=args.remat)
+    ref_params = jax.tree.map(jnp.copy, params)
+    state = TrainState.create(params, config.optimizer, seed=0)
+    source = make_source("synthetic:arithmetic", split="train")
+    reward_fn = make_reward_fn("auto", answer_mode="lenient")
+    ctx = RolloutContext(config, model_config, tokenizer, reward_fn, force_length=True)
+    rows = []
+    for step in range(1 + args.repeats):  # step 0 compiles
+        records = [source[(step * args.prompts + i) % len(source)] for i in range(args.prompts)]
+        t_step = time.perf_counter()
+        batch, m = rollout(ctx, state.params, ref_params, records, jax.random.key(step))
+        t0 = time.perf_counter()
+        state, um = train_step(state, batch, model_config=model_config,
+                               algorithm=config.algorithm, optimizer=config.optimizer,
+                               num_micro=1, temperature=1.0, remat=config.remat)
+        jax.block_until_ready(um)
+        update_s = time.perf_counter() - t0
+        step_s = time.perf_counter() - t_step
+        new_tokens = args.prompts * args.group * args.new_tokens
+        trained = int(batch.seqs.prompt_mask_BP.sum() + batch.seqs.completion_mask_BT.sum())
+        rows.append({"rollout_s": m["time/rollout_s"], "reward_s": m["time/reward_s"],
+                     "reference_s": m["time/logprobs_s"], "update_s": update_s,
+                     "step_s": step_s, "sample_tok_s": new_tokens / m["time/rollout_s"],
+                     "update_tok_s": trained / update_s})
+    reward_fn.close()
+    timed = rows[1:]
+    mean = {k: sum(r[k] for r in timed) / len(timed) for k in timed[0]}
+    mean.update(dtype=args.child, compile_step_s=rows[0]["step_s"], load_s=load_s,
+                peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                device=str(jax.devices()[0].platform))
+    return mean
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--new_tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--remat", action="store_true")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(_child(args)), flush=True)
+        return 0
+    results = []
+    for dtype in args.dtypes.split(","):
+        cmd = [sys.executable, os.path.abspath(__file__), f"--child={dtype}"] + [
+            a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--dtypes")]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        if out.returncode or not lines:
+            print(out.stderr[-4000:], file=sys.stderr)
+            return 1
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    print(f"GRPO step: {args.prompts} prompts x {args.group} samples x {args.new_tokens} new "
+          f"tokens (forced), {args.model}, device {results[0]['device']}")
+    cols = ("dtype", "rollout_s", "reward_s", "reference_s", "update_s", "step_s",
+            "sample_tok_s", "update_tok_s", "peak_rss_gib", "compile_step_s")
+    print(" | ".join(f"{c:>13s}" for c in cols))
+    for r in results:
+        print(" | ".join(f"{r[c]:>13s}" if isinstance(r[c], str) else f"{r[c]:>13.2f}"
+                         for c in cols))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
