@@ -1,0 +1,223 @@
+"""ModelConfig: the static description of a decoder (Llama / Qwen2 / Qwen3 / SmolLM2 families).
+
+Built from a Hugging Face `config.json` (transformers 4 or 5 layout), written back for export,
+and hashable so it can be a static argument of `jax.jit`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+# model_type -> the HF class name written into `architectures` on export.
+SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_ARCH_TO_TYPE = {arch: mt for mt, arch in SUPPORTED_MODEL_TYPES.items()}
+_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1-style frequency-dependent RoPE scaling ("llama3" rope type)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+    rope_type: str = "llama3"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a decoder-only transformer; every field is hashable."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False   # Qwen2: biases on the q/k/v projections
+    qk_norm: bool = False          # Qwen3: per-head RMSNorm on q and k before RoPE
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    model_type: str = "llama"      # which HF family to export as
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"ModelConfig.model_type={self.model_type!r} is not supported; "
+                             f"use one of {sorted(SUPPORTED_MODEL_TYPES)}.")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
+                             f"num_kv_heads={self.num_kv_heads} (grouped-query attention).")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE.")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type != "llama3":
+            raise ValueError(f"rope_scaling.rope_type={self.rope_scaling.rope_type!r} is not "
+                             "supported; only 'llama3' (or no scaling) is.")
+
+    @property
+    def num_params(self) -> int:
+        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
+        per_layer = attn + 3 * d * f + 2 * d
+        if self.attention_bias:
+            per_layer += h * (self.num_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            per_layer += 2 * h
+        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + d
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike) -> "ModelConfig":
+        """Builds a config from a HF `config.json` dict, the file, or the folder holding it."""
+        if not isinstance(config, Mapping):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"No HF config at {path!r}: expected a config.json "
+                                        "(or the model folder that holds one).")
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        return _from_hf_dict(dict(config))
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The HF `config.json` dict (transformers 5 layout) that `from_hf_config` reads back."""
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(self.rope_theta)}
+        if self.rope_scaling is not None:
+            rope = {**dataclasses.asdict(self.rope_scaling), "rope_theta": float(self.rope_theta)}
+        eos: Any = list(self.eos_token_ids)
+        eos = eos[0] if len(eos) == 1 else (eos or None)
+        out: dict[str, Any] = {
+            "architectures": [SUPPORTED_MODEL_TYPES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            # Older transformers read these two keys instead of rope_parameters.
+            "rope_theta": float(self.rope_theta),
+            "rope_scaling": None if self.rope_scaling is None else dataclasses.asdict(self.rope_scaling),
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.model_type in ("llama", "qwen3"):
+            out["attention_bias"] = self.attention_bias
+        if self.model_type == "llama":
+            out["mlp_bias"] = False
+        return out
+
+
+def _from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
+    model_type = cfg.get("model_type")
+    archs = cfg.get("architectures") or []
+    if model_type is None and archs:
+        model_type = _ARCH_TO_TYPE.get(archs[0])
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"config.json field model_type={model_type!r} (architectures={archs}) is "
+                         f"not supported; supported model types: {sorted(SUPPORTED_MODEL_TYPES)}.")
+    for arch in archs:
+        if arch not in _ARCH_TO_TYPE:
+            raise ValueError(f"config.json field architectures={archs} names {arch!r}, which is not "
+                             f"supported; use one of {sorted(_ARCH_TO_TYPE)}.")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json field hidden_act={act!r} is not supported; only 'silu' is.")
+    if cfg.get("use_sliding_window"):
+        raise ValueError("config.json field use_sliding_window=true is not supported; "
+                         "set it to false (full attention).")
+    if cfg.get("mlp_bias"):
+        raise ValueError("config.json field mlp_bias=true is not supported.")
+    attention_bias = model_type == "qwen2" or bool(cfg.get("attention_bias", False))
+    if model_type == "llama" and attention_bias:
+        raise ValueError("config.json field attention_bias=true is not supported for llama "
+                         "(it would add an o_proj bias).")
+    if model_type == "qwen3" and attention_bias:
+        raise ValueError("config.json field attention_bias=true is not supported for qwen3.")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    theta, scaling = _rope_from_hf(cfg)
+    eos = cfg.get("eos_token_id")
+    eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    pad = cfg.get("pad_token_id")
+    return ModelConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=attention_bias,
+        qk_norm=model_type == "qwen3",
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        pad_token_id=None if pad is None else int(pad),
+        model_type=model_type,
+    )
+
+
+def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    """RoPE theta + scaling from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    field = "rope_parameters" if params else "rope_scaling"
+    spec = dict(params or scaling)
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = spec.get("rope_type", spec.get("type", "default"))
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError(f"config.json field {field}.rope_type={rope_type!r} is not supported; "
+                         f"supported rope types: {list(_ROPE_TYPES)}.")
+    if rope_type == "default":
+        return theta, None
+    try:
+        return theta, RopeScaling(
+            factor=float(spec["factor"]),
+            low_freq_factor=float(spec["low_freq_factor"]),
+            high_freq_factor=float(spec["high_freq_factor"]),
+            original_max_position_embeddings=int(spec["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ValueError(f"config.json field {field} of rope_type 'llama3' lacks {e.args[0]!r}.") from None
+
+
+# A tiny config for tests and smoke runs (2 layers, width 64, GQA 4:2).
+TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                   tie_word_embeddings=True, max_position_embeddings=512,
+                   bos_token_id=1, eos_token_ids=(2,), pad_token_id=2)
+
+# SmolLM2-135M(-Instruct): Llama architecture, 30 layers, 9 heads / 3 KV heads, tied embeddings.
+SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                           rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+                           max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,),
+                           pad_token_id=2)
+
+PRESETS: dict[str, ModelConfig] = {"tiny": TINY, "smollm2-135m": SMOLLM2_135M}

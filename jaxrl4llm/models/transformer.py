@@ -1,0 +1,320 @@
+"""The decoder (Llama / Qwen2 / Qwen3) as pure functions over a params pytree.
+
+Params are a nested dict of arrays; the per-layer weights are stacked along a leading
+[L, ...] axis and run with `lax.scan`, so compile time does not grow with depth. Matmuls
+take the params' dtype (float32 or bfloat16) and accumulate in float32; the residual
+stream, norms, RoPE and softmax are float32; logits are float32.
+
+    params = init_params(config, jax.random.key(0))
+    logits_BTV, _ = forward(params, config, tokens_BT, positions_BT, mask_BT)
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxrl4llm.models.config import ModelConfig
+
+Params = dict[str, Any]
+
+# Masked attention scores: large and finite so that fully masked rows (pads) stay NaN-free.
+_MASKED = -1e30
+_F32 = jnp.float32
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys/values of every layer for S cache slots; `mask_BS` marks slots holding real tokens."""
+
+    k_LBSKH: jax.Array
+    v_LBSKH: jax.Array
+    mask_BS: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k_LBSKH.shape[2]
+
+
+def init_kv_cache(config: ModelConfig, batch_size: int, max_len: int,
+                  dtype: Any = jnp.float32) -> KVCache:
+    """An empty cache: zeros, and no slot marked as holding a token."""
+    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+    return KVCache(k_LBSKH=jnp.zeros(shape, dtype), v_LBSKH=jnp.zeros(shape, dtype),
+                   mask_BS=jnp.zeros((batch_size, max_len), bool))
+
+
+# ----------------------------------------------------------------------------- parameters
+
+def param_logical_axes(config: ModelConfig) -> Params:
+    """The params tree with each leaf replaced by its logical axis names (see parallel.py)."""
+    layers = {
+        "attn_norm": ("layers", "norm"),
+        "q": ("layers", "embed", "heads", "head_dim"),
+        "k": ("layers", "embed", "kv_heads", "head_dim"),
+        "v": ("layers", "embed", "kv_heads", "head_dim"),
+        "o": ("layers", "heads", "head_dim", "embed"),
+        "mlp_norm": ("layers", "norm"),
+        "gate": ("layers", "embed", "mlp"),
+        "up": ("layers", "embed", "mlp"),
+        "down": ("layers", "mlp", "embed"),
+    }
+    if config.attention_bias:
+        layers["q_bias"] = ("layers", "heads", "head_dim")
+        layers["k_bias"] = ("layers", "kv_heads", "head_dim")
+        layers["v_bias"] = ("layers", "kv_heads", "head_dim")
+    if config.qk_norm:
+        layers["q_norm"] = ("layers", "norm")
+        layers["k_norm"] = ("layers", "norm")
+    axes: Params = {"embed": ("vocab", "embed"), "layers": layers, "final_norm": ("norm",)}
+    if not config.tie_word_embeddings:
+        axes["unembed"] = ("embed", "vocab")
+    return axes
+
+
+def param_shapes(config: ModelConfig) -> Params:
+    """The params tree with each leaf replaced by its shape tuple."""
+    c = config
+    L, D, F, N, K, H = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads,
+                        c.num_kv_heads, c.head_dim)
+    layers = {
+        "attn_norm": (L, D), "q": (L, D, N, H), "k": (L, D, K, H), "v": (L, D, K, H),
+        "o": (L, N, H, D), "mlp_norm": (L, D), "gate": (L, D, F), "up": (L, D, F),
+        "down": (L, F, D),
+    }
+    if c.attention_bias:
+        layers.update(q_bias=(L, N, H), k_bias=(L, K, H), v_bias=(L, K, H))
+    if c.qk_norm:
+        layers.update(q_norm=(L, H), k_norm=(L, H))
+    shapes: Params = {"embed": (c.vocab_size, D), "layers": layers, "final_norm": (D,)}
+    if not c.tie_word_embeddings:
+        shapes["unembed"] = (D, c.vocab_size)
+    return shapes
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def init_params(config: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
+    """Random params: normal(0, 0.02) matrices, unit norm scales, zero biases.
+
+    Jitted (one compile instead of one per leaf); wrap in `jax.jit(..., out_shardings=...)`
+    to create the params directly on a mesh.
+    """
+    return _init_params(config, key, jnp.dtype(dtype))
+
+
+@jax.jit(static_argnums=(0, 2))
+def _init_params(config: ModelConfig, key: jax.Array, dtype: Any) -> Params:
+    shapes = param_shapes(config)
+    leaves, treedef = jax.tree.flatten_with_path(shapes, is_leaf=_is_shape)
+    names = [path[-1].key for path, _ in leaves]
+    random = [not n.endswith(("norm", "bias")) for n in names]
+    sizes = [int(np.prod(shape)) if r else 0 for (_, shape), r in zip(leaves, random)]
+    # One RNG call for all matrices: a threefry per leaf costs seconds of compile each on CPU.
+    flat = 0.02 * jax.random.normal(key, (sum(sizes),), _F32)
+    offsets = np.cumsum([0] + sizes)
+    out = []
+    for (_, shape), name, r, start, size in zip(leaves, names, random, offsets, sizes):
+        if r:
+            out.append(flat[start:start + size].reshape(shape).astype(dtype))
+        else:
+            out.append((jnp.ones if name.endswith("norm") else jnp.zeros)(shape, dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """einsum in the weights' dtype, accumulated and returned in float32."""
+    return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=_F32)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    x = x.astype(_F32)
+    x = x * lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+    return x * scale.astype(_F32)
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [H/2] (float32, as transformers computes them), llama3-scaled."""
+    h = config.head_dim
+    inv = (1.0 / (np.float32(config.rope_theta) ** (np.arange(0, h, 2, dtype=np.float32) / h)))
+    inv = inv.astype(np.float32)
+    s = config.rope_scaling
+    if s is None:
+        return inv
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * np.pi / inv
+    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _rope_tables(config: ModelConfig, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    freqs_BTF = positions_BT.astype(_F32)[..., None] * jnp.asarray(rope_inv_freq(config))
+    return jnp.cos(freqs_BTF), jnp.sin(freqs_BTF)
+
+
+def _apply_rope(x_BTNH: jax.Array, cos_BTF: jax.Array, sin_BTF: jax.Array) -> jax.Array:
+    """Rotates the two halves of each head (the HF "rotate_half" layout)."""
+    x1, x2 = jnp.split(x_BTNH.astype(_F32), 2, axis=-1)
+    cos, sin = cos_BTF[:, :, None, :], sin_BTF[:, :, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+               visible_BTS: jax.Array) -> jax.Array:
+    """Grouped-query attention; q heads n*G..n*G+G-1 share kv head n. Returns [B,T,N,H] f32."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H) * (H ** -0.5)
+    scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH.astype(k_BSKH.dtype), k_BSKH,
+                              preferred_element_type=_F32)
+    scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, _MASKED)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
+    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH,
+                           preferred_element_type=_F32)
+    return out_BTKGH.reshape(B, T, N, H)
+
+
+def _layer(config: ModelConfig, h_BTD: jax.Array, lp: Params, cos_BTF: jax.Array,
+           sin_BTF: jax.Array, kv_fn) -> tuple[jax.Array, Any]:
+    """One pre-norm decoder block. `kv_fn(k, v)` -> (keys, values, visible, aux) picks the
+    attended keys: the new ones (no cache) or the updated cache layer."""
+    c = config
+    x_BTD = rms_norm(h_BTD, lp["attn_norm"], c.rms_norm_eps)
+    q = _dot("btd,dnh->btnh", x_BTD, lp["q"])
+    k = _dot("btd,dkh->btkh", x_BTD, lp["k"])
+    v = _dot("btd,dkh->btkh", x_BTD, lp["v"])
+    if c.attention_bias:
+        q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
+    if c.qk_norm:
+        q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
+    dtype = lp["q"].dtype
+    q = _apply_rope(q, cos_BTF, sin_BTF)
+    k = _apply_rope(k, cos_BTF, sin_BTF)
+    keys, values, visible_BTS, aux = kv_fn(k, v.astype(dtype))
+    attn_BTNH = _attention(q.astype(dtype), keys, values, visible_BTS)
+    h_BTD = h_BTD + _dot("btnh,nhd->btd", attn_BTNH, lp["o"])
+    x_BTD = rms_norm(h_BTD, lp["mlp_norm"], c.rms_norm_eps)
+    gate = _dot("btd,df->btf", x_BTD, lp["gate"])
+    up = _dot("btd,df->btf", x_BTD, lp["up"])
+    h_BTD = h_BTD + _dot("btf,fd->btd", jax.nn.silu(gate) * up, lp["down"])
+    return h_BTD, aux
+
+
+# ----------------------------------------------------------------------------- the model
+
+def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
+                  positions_BT: jax.Array, mask_BT: jax.Array, kv_cache: KVCache | None = None,
+                  cache_index: jax.Array | int | None = None, *,
+                  remat: bool = False) -> tuple[jax.Array, KVCache | None]:
+    """Runs the decoder stack; returns (h_BTD after the final norm, in the params' dtype;
+    the updated cache or None).
+
+    positions_BT index RoPE (left-padded rows: cumsum(mask) - 1, clipped at 0). mask_BT marks
+    real tokens. Without a cache, query i sees key j iff j <= i and mask_BT[:, j]. With a
+    cache, the T new tokens fill slots [cache_index, cache_index + T) and query slot p sees
+    slots s <= p whose cache mask is set.
+    """
+    B, T = tokens_BT.shape
+    mask_BT = mask_BT.astype(bool)
+    cos_BTF, sin_BTF = _rope_tables(config, positions_BT)
+    h_BTD = jnp.take(params["embed"], tokens_BT, axis=0).astype(_F32)
+
+    if kv_cache is None:
+        causal_TT = jnp.tril(jnp.ones((T, T), bool))
+        visible_BTS = causal_TT[None] & mask_BT[:, None, :]
+
+        def body(h, lp):
+            return _layer(config, h, lp, cos_BTF, sin_BTF,
+                          lambda k, v: (k.astype(v.dtype), v, visible_BTS, None))
+
+        if remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        h_BTD, _ = lax.scan(lambda h, lp: (body(h, lp)[0], None), h_BTD, params["layers"])
+        new_cache = None
+    else:
+        if cache_index is None:
+            raise ValueError("hidden_states/forward: kv_cache was given without cache_index; "
+                             "pass the first cache slot the new tokens go to.")
+        S = kv_cache.max_len
+        if isinstance(cache_index, int) and not 0 <= cache_index <= S - T:
+            # (A traced index cannot be checked; dynamic_update_slice would clamp it.)
+            raise ValueError(f"cache_index={cache_index} + {T} new tokens does not fit the "
+                             f"KV cache of {S} slots; allocate a longer cache.")
+        i0 = jnp.asarray(cache_index, jnp.int32)
+        cache_mask_BS = lax.dynamic_update_slice(kv_cache.mask_BS, mask_BT, (0, i0))
+        slot_T = i0 + jnp.arange(T)
+        visible_BTS = (jnp.arange(S)[None, :] <= slot_T[:, None])[None] & cache_mask_BS[:, None, :]
+        cache_dtype = kv_cache.k_LBSKH.dtype
+
+        def body(carry, xs):
+            h, k_cache, v_cache = carry
+            lp, layer = xs
+
+            def kv_fn(k, v):
+                k_new = lax.dynamic_update_slice(
+                    k_cache, k.astype(cache_dtype)[None], (layer, 0, i0, 0, 0))
+                v_new = lax.dynamic_update_slice(
+                    v_cache, v.astype(cache_dtype)[None], (layer, 0, i0, 0, 0))
+                keys = lax.dynamic_index_in_dim(k_new, layer, 0, keepdims=False)
+                values = lax.dynamic_index_in_dim(v_new, layer, 0, keepdims=False)
+                return keys, values, visible_BTS, (k_new, v_new)
+
+            h, (k_cache, v_cache) = _layer(config, h, lp, cos_BTF, sin_BTF, kv_fn)
+            return (h, k_cache, v_cache), None
+
+        if remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        layers = jnp.arange(config.num_layers, dtype=jnp.int32)
+        (h_BTD, k_cache, v_cache), _ = lax.scan(
+            body, (h_BTD, kv_cache.k_LBSKH, kv_cache.v_LBSKH), (params["layers"], layers))
+        new_cache = KVCache(k_LBSKH=k_cache, v_LBSKH=v_cache, mask_BS=cache_mask_BS)
+
+    h_BTD = rms_norm(h_BTD, params["final_norm"], config.rms_norm_eps)
+    return h_BTD.astype(params["embed"].dtype), new_cache
+
+
+def unembed(params: Params, config: ModelConfig, h_BTD: jax.Array) -> jax.Array:
+    """Final-normed hidden states -> float32 logits [B, T, V]."""
+    if config.tie_word_embeddings:
+        return _dot("btd,vd->btv", h_BTD, params["embed"])
+    return _dot("btd,dv->btv", h_BTD, params["unembed"])
+
+
+def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array, positions_BT: jax.Array,
+            mask_BT: jax.Array, kv_cache: KVCache | None = None,
+            cache_index: jax.Array | int | None = None, *,
+            remat: bool = False) -> tuple[jax.Array, KVCache | None]:
+    """Tokens -> (float32 logits_BTV, updated cache or None). See `hidden_states`."""
+    h_BTD, new_cache = hidden_states(params, config, tokens_BT, positions_BT, mask_BT,
+                                     kv_cache, cache_index, remat=remat)
+    return unembed(params, config, h_BTD), new_cache
+
+
+def positions_from_mask(mask_BT: jax.Array) -> jax.Array:
+    """RoPE positions for left-padded rows: cumsum(mask) - 1, clipped at 0."""
+    return jnp.maximum(jnp.cumsum(mask_BT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def forward_flops(config: ModelConfig, batch: int, seq_len: int) -> float:
+    """Matmul FLOPs of one forward pass over [batch, seq_len] (causal attention counted full)."""
+    c = config
+    tokens = batch * seq_len
+    per_layer = (c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+                 + 3 * c.hidden_size * c.intermediate_size)
+    dense = 2 * tokens * (c.num_layers * per_layer + c.vocab_size * c.hidden_size)
+    attn = 2 * 2 * batch * seq_len * seq_len * c.num_heads * c.head_dim * c.num_layers
+    return float(dense + attn)
