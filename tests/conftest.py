@@ -59,8 +59,12 @@ def build_toy_model(path, seed: int = 0):
     return str(path)
 
 
-def write_copy_task(path, digits=range(10), repeats: int = 20):
-    """JSONL prompts "copy D" -> answer "D" (integer answers: checked without the pool)."""
+def write_copy_task(path, digits=(1, 2, 3), repeats: int = 20):
+    """JSONL prompts "copy D" -> answer "D" (integer answers: checked without the pool).
+
+    A random policy emits the right digit with p ~ 1/32; always emitting one of the digits
+    scores 1/3; only copying the prompt's digit scores 1.
+    """
     import json
     with open(path, "w") as f:
         for _ in range(repeats):

@@ -16,7 +16,7 @@ from jaxrl4llm.train.state import OptimizerConfig
 def _config(model_dir, data, workdir, **overrides):
     base = dict(model=model_dir, data=data, instruction="", prompts_per_step=8, group_size=4,
                 max_prompt_tokens=16, max_new_tokens=1, algorithm=rl.get_preset("grpo"),
-                optimizer=OptimizerConfig(learning_rate=3e-2), num_steps=4,
+                optimizer=OptimizerConfig(learning_rate=1e-2), num_steps=4,
                 mesh="data:1,fsdp:1,tensor:1", eval_prompts=0, checkpoint_every=1000,
                 workdir=str(workdir), answer_mode="lenient", tensorboard=False)
     base.update(overrides)
@@ -27,22 +27,24 @@ def _one_device():
     return jax.devices()[:1]
 
 
-def _rewards(workdir):
-    return np.array([r["reward/mean"] for r in read_metrics(str(workdir))])
+def _accuracy(workdir):
+    return np.array([r["reward/accuracy"] for r in read_metrics(str(workdir))])
 
 
 @pytest.mark.parametrize("preset", sorted(rl.PRESETS))
 def test_every_preset_learns_the_copy_task(preset, toy_model_dir, copy_task_file, tmp_path):
-    """A random policy copies the digit with p ~ 1/32; every algorithm must do far better."""
-    algorithm = rl.get_preset(preset)
-    config = _config(toy_model_dir, copy_task_file, tmp_path, algorithm=algorithm, num_steps=40)
+    """A random policy copies the digit with p ~ 1/32; every algorithm must do far better.
+
+    Seeded; measured on the CI machine kind (40 steps, lr 1e-2): final accuracy 0.36 (reinforce,
+    the noisiest) to 0.88 (grpo), from 0.02-0.04.
+    """
+    config = _config(toy_model_dir, copy_task_file, tmp_path, algorithm=rl.get_preset(preset),
+                     num_steps=40)
     loop.run(config, devices=_one_device())
-    rewards = _rewards(tmp_path)
-    if algorithm.binary_reward is not None:  # {-1, 1}: map back to accuracy
-        rewards = (rewards - algorithm.binary_reward[0]) / np.diff(algorithm.binary_reward)[0]
-    start, end = rewards[:5].mean(), rewards[-8:].mean()
-    assert start < 0.15, f"{preset}: the toy task should start hard, got {start:.2f}"
-    assert end > start + 0.2, f"{preset}: reward went {start:.2f} -> {end:.2f}"
+    accuracy = _accuracy(tmp_path)
+    start, end = accuracy[:5].mean(), accuracy[-8:].mean()
+    assert start < 0.1, f"{preset}: the toy task should start hard, got {start:.2f}"
+    assert end > start + 0.25, f"{preset}: accuracy went {start:.2f} -> {end:.2f}"
 
 
 def test_sharded_run_matches_unsharded(toy_model_dir, copy_task_file, tmp_path):
