@@ -21,6 +21,8 @@ class TrainConfig:
     # Data and prompts.
     data: str = "synthetic:arithmetic"
     eval_data: str | None = None           # default: the held-out split of `data`
+    prompt_field: str | None = None        # None: auto-detect (problem, question, prompt, ...)
+    answer_field: str | None = None        # None: auto-detect (answer, solution, ...)
     instruction: str | None = None         # None: the data package's default instruction
     system_prompt: str | None = None
     # Rollout.
@@ -117,6 +119,12 @@ class TrainConfig:
         rl.validate(self.algorithm, self.group_size)
         self.optimizer.validate()
         return self
+
+    @property
+    def field_names(self) -> dict[str, str]:
+        """make_source keyword arguments for the prompt / answer columns the user named."""
+        names = {"prompt_field": self.prompt_field, "answer_field": self.answer_field}
+        return {k: v for k, v in names.items() if v}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True, default=str)

@@ -91,12 +91,13 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
     del params
 
     P_host = config.prompts_per_step // jax.process_count()
-    source = make_source(config.data, split="train")
+    source = make_source(config.data, split="train", **config.field_names)
     iterator = make_iterator(source, P_host, seed=config.seed, shard_index=jax.process_index(),
                              shard_count=jax.process_count())
     eval_records = []
     if config.eval_prompts > 0:
-        eval_source = make_source(config.eval_data or config.data, split="test")
+        eval_source = make_source(config.eval_data or config.data, split="test",
+                                  **config.field_names)
         eval_records = [eval_source[i] for i in range(min(config.eval_prompts, len(eval_source)))]
     reward_fn = make_reward_fn("auto", scale=config.reward_scale,
                                format_penalty=config.format_penalty,
