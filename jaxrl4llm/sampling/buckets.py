@@ -1,0 +1,102 @@
+"""Shape buckets: round prompt lengths and batch sizes up so the sampler compiles rarely.
+
+Every distinct (batch, prompt length, max_new_tokens, sampling config) is one compiled
+program. A training run has a fixed batch (prompts x group size) and prompts of varying
+length, so lengths go to powers of two (a handful of programs) and batches to a few sizes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+MIN_PROMPT_BUCKET = 16
+LONG_PROMPT_MODES = ("error", "drop")
+
+
+def bucket_prompt_length(length: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
+    """The next power of two >= length (at least `minimum`); multiples of 1024 past 1024."""
+    if length < 0:
+        raise ValueError(f"Prompt length {length} is negative.")
+    n = max(length, minimum, 1)
+    if n > 1024:
+        return 1024 * math.ceil(n / 1024)
+    return 1 << (n - 1).bit_length()
+
+
+def bucket_batch_size(batch: int, multiple: int = 1) -> int:
+    """Powers of two up to 8, then multiples of 8; always a multiple of `multiple`.
+
+    `multiple` is the number of data-parallel shards the batch is split over.
+    """
+    if batch < 1:
+        raise ValueError(f"Batch size {batch} must be at least 1 (no prompts were given?).")
+    b = 1 << (batch - 1).bit_length() if batch <= 8 else 8 * math.ceil(batch / 8)
+    return multiple * math.ceil(b / multiple)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """A bucketed, left-padded [B, P] prompt block; rows past num_rows are batch padding."""
+
+    prompt_BP: np.ndarray
+    mask_BP: np.ndarray
+    active_B: np.ndarray
+    dropped_B: np.ndarray
+    prompt_index_B: np.ndarray
+    sample_index_B: np.ndarray
+    num_rows: int
+
+
+def prepare_batch(prompts: Sequence[Sequence[int]], *, n: int, max_prompt_len: int,
+                  long_prompts: str, pad_id: int, vocab_size: int, batch_multiple: int = 1,
+                  min_prompt_bucket: int = MIN_PROMPT_BUCKET) -> PromptBatch:
+    """Host side: repeat each prompt n times, left-pad into a bucketed [B, P] block."""
+    if long_prompts not in LONG_PROMPT_MODES:
+        raise ValueError(f"long_prompts={long_prompts!r} must be one of {LONG_PROMPT_MODES}.")
+    if n < 1:
+        raise ValueError(f"n={n} samples per prompt must be at least 1.")
+    lists = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
+    if not lists:
+        raise ValueError("No prompts were given: pass at least one list of token ids.")
+    for i, p in enumerate(lists):
+        if p.size == 0:
+            raise ValueError(f"Prompt {i} is empty; every prompt needs at least one token "
+                             "(e.g. BOS or a chat template).")
+        bad = p[(p < 0) | (p >= vocab_size)]
+        if bad.size:
+            raise ValueError(f"Prompt {i} holds token id {int(bad[0])} outside [0, {vocab_size}): "
+                             "was it tokenized for another model?")
+    too_long = np.array([p.size > max_prompt_len for p in lists])
+    if too_long.any() and long_prompts == "error":
+        i = int(np.argmax(too_long))
+        raise ValueError(
+            f"{int(too_long.sum())} of {len(lists)} prompts are longer than max_prompt_len="
+            f"{max_prompt_len} tokens (prompt {i} has {lists[i].size}). Shorten them, raise "
+            "max_prompt_len (or lower max_new_tokens), or pass long_prompts='drop' to skip "
+            "and count them.")
+    num_rows = len(lists) * n
+    B = bucket_batch_size(num_rows, batch_multiple)
+    kept = [p.size for p, long in zip(lists, too_long) if not long] or [1]
+    P = bucket_prompt_length(max(kept), min_prompt_bucket)
+    prompt_BP = np.full((B, P), pad_id, np.int32)
+    mask_BP = np.zeros((B, P), bool)
+    mask_BP[:, -1] = True   # inactive rows hold one pad token so attention stays defined
+    active_B = np.zeros(B, bool)
+    dropped_B = np.zeros(B, bool)
+    prompt_index_B = np.full(B, len(lists), np.int32)   # batch padding: past every prompt
+    sample_index_B = np.zeros(B, np.int32)
+    for i, p in enumerate(lists):
+        rows = slice(i * n, (i + 1) * n)
+        prompt_index_B[rows] = i
+        sample_index_B[rows] = np.arange(n)
+        if too_long[i]:
+            dropped_B[rows] = True
+            continue
+        prompt_BP[rows, P - p.size:] = p
+        mask_BP[rows, P - p.size:] = True
+        active_B[rows] = True
+    return PromptBatch(prompt_BP, mask_BP, active_B, dropped_B, prompt_index_B,
+                       sample_index_B, num_rows)

@@ -1,0 +1,331 @@
+"""The jitted KV-cache sampler: prefill of left-padded prompts, then a lax.while_loop decode.
+
+One compiled program per shape bucket (batch, prompt length, max_new_tokens, sampling config):
+
+  prefill  one forward over the [B, P] prompt block writes cache slots [0, P) and gives the
+           logits of each row's last prompt token (only that position is unembedded);
+  decode   a while loop feeds one token per step into the preallocated cache
+           [layers, B, P + max_new_tokens - 1, kv_heads, head_dim] and stops when every row
+           has emitted a stop token or max_new_tokens tokens exist (the cache is then full).
+
+The cache is created inside the program and carried by the loop, so XLA updates it in place;
+it never crosses the jit boundary and needs no donation. With a mesh it is sharded over
+batch (data, fsdp) and kv heads (tensor).
+
+Logprobs are log_softmax(logits / temperature) at the sampled token, before top-k / top-p
+truncation (temperature 1 for greedy); see strategies.py. Row r draws with
+fold_in(row_key[r], step), so a row's samples do not depend on the rest of the batch.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxrl4llm import parallel
+from jaxrl4llm.models import transformer
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.sampling import buckets, strategies
+from jaxrl4llm.sampling.strategies import SamplingConfig
+
+LONG_PROMPT_MODES = buckets.LONG_PROMPT_MODES
+
+
+@flax.struct.dataclass
+class SampleOutput:
+    """Completions of B = num_prompts * n rows (row p * n + g is sample g of prompt p).
+
+    tokens_BT      int32 completion tokens; pad_id after the first stop token.
+    logprobs_BT    float32 log_softmax(logits / temperature)[token] (0 where mask is False).
+    mask_BT        bool: tokens up to and including the first stop token.
+    lengths_B      int32 number of completion tokens (sum of mask_BT).
+    truncated_B    bool: hit max_new_tokens without emitting a stop token.
+    prompt_tokens_BP / prompt_mask_BP   the left-padded prompt block the completions follow;
+                   concatenated with tokens_BT / mask_BT they give the teacher-forced input.
+    dropped_B      bool: the prompt was longer than the limit and skipped (long_prompts="drop");
+                   such rows have no completion (mask all False).
+    num_steps      int32 scalar: decode steps run (<= max_new_tokens).
+    """
+
+    tokens_BT: jax.Array
+    logprobs_BT: jax.Array
+    mask_BT: jax.Array
+    lengths_B: jax.Array
+    truncated_B: jax.Array
+    prompt_tokens_BP: jax.Array
+    prompt_mask_BP: jax.Array
+    dropped_B: jax.Array
+    num_steps: jax.Array
+
+    @property
+    def num_dropped(self) -> int:
+        return int(np.sum(np.asarray(self.dropped_B)))
+
+    def sequences(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(tokens, mask, positions) of prompt + completion, [B, P + T], for a teacher-forced
+        forward whose logits at column P - 1 + t predict completion token t."""
+        tokens = jnp.concatenate([self.prompt_tokens_BP, self.tokens_BT], axis=1)
+        mask = jnp.concatenate([self.prompt_mask_BP, self.mask_BT], axis=1)
+        return tokens, mask, transformer.positions_from_mask(mask)
+
+
+@flax.struct.dataclass
+class _LoopState:
+    step: jax.Array          # index of the completion token produced next
+    cache: transformer.KVCache
+    last_B: jax.Array        # the token produced at step - 1 (fed in this step)
+    position_B: jax.Array    # its RoPE position
+    done_B: jax.Array        # emitted a stop token (or an inactive row)
+    length_B: jax.Array
+    tokens_BT: jax.Array
+    logprobs_BT: jax.Array
+
+
+def _cache_sharding(mesh: Mesh, rules: parallel.LogicalRules, shape_LBSKH, shape_BS):
+    kv = NamedSharding(mesh, parallel.logical_to_partition_spec(
+        ("layers", "batch", "length", "kv_heads", "head_dim"), rules, shape_LBSKH, mesh))
+    mask = NamedSharding(mesh, parallel.logical_to_partition_spec(
+        ("batch", "length"), rules, shape_BS, mesh))
+    return transformer.KVCache(k_LBSKH=kv, v_LBSKH=kv, mask_BS=mask)
+
+
+def _is_stop(tokens_B: jax.Array, stop_ids_S: jax.Array) -> jax.Array:
+    return jnp.any(tokens_B[:, None] == stop_ids_S[None, :], axis=-1)
+
+
+def stop_id_array(stop_ids: Sequence[int]) -> np.ndarray:
+    """Stop ids as an int32 array padded with -1 to a multiple of 8 (few distinct shapes)."""
+    ids = sorted({int(s) for s in stop_ids})
+    out = np.full(8 * max(1, -(-len(ids) // 8)), -1, np.int32)
+    out[:len(ids)] = ids
+    return out
+
+
+def prefill(params: Any, model_config: ModelConfig, prompt_BP: jax.Array,
+            prompt_mask_BP: jax.Array, cache: transformer.KVCache):
+    """Writes the left-padded prompt block into cache slots [0, P); returns the logits of each
+    row's last prompt token [B, V] (only that column is unembedded) and the cache."""
+    positions_BP = transformer.positions_from_mask(prompt_mask_BP)
+    h_BPD, cache = transformer.hidden_states(params, model_config, prompt_BP, positions_BP,
+                                             prompt_mask_BP, cache, 0)
+    return transformer.unembed(params, model_config, h_BPD[:, -1:])[:, 0], cache
+
+
+def decode_step(params: Any, model_config: ModelConfig, token_B: jax.Array,
+                position_B: jax.Array, cache: transformer.KVCache, cache_index: jax.Array):
+    """Feeds one token per row at slot `cache_index`; returns (next-token logits [B, V], cache)."""
+    B = token_B.shape[0]
+    h_B1D, cache = transformer.hidden_states(params, model_config, token_B[:, None],
+                                             position_B[:, None], jnp.ones((B, 1), bool),
+                                             cache, cache_index)
+    return transformer.unembed(params, model_config, h_B1D)[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "model_config", "sampling", "max_new_tokens", "mesh", "rules"))
+def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
+                    active_B: jax.Array, row_keys_B: jax.Array, stop_ids_S: jax.Array,
+                    pad_id: jax.Array, *, model_config: ModelConfig, sampling: SamplingConfig,
+                    max_new_tokens: int, mesh: Mesh | None = None,
+                    rules: parallel.LogicalRules = parallel.DEFAULT_RULES) -> SampleOutput:
+    """The compiled sampler over one bucket. Rows must hold at least one prompt token
+    (left-padded); inactive rows (batch padding, dropped prompts) produce nothing.
+    stop_ids_S (int32, -1 = unused slot) and pad_id are traced, so they cost no recompiles."""
+    B, P = prompt_BP.shape
+    N = max_new_tokens
+    cache = transformer.init_kv_cache(model_config, B, P + N - 1, params["embed"].dtype)
+    if mesh is not None:
+        shardings = _cache_sharding(mesh, rules, cache.k_LBSKH.shape, cache.mask_BS.shape)
+        cache = jax.lax.with_sharding_constraint(cache, shardings)
+
+    logits_BV, cache = prefill(params, model_config, prompt_BP, prompt_mask_BP, cache)
+    keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32))
+    tok_B, lp_B = strategies.sample(logits_BV, keys_B, sampling)
+
+    tok_B = jnp.where(active_B, tok_B, pad_id)
+    done_B = ~active_B | _is_stop(tok_B, stop_ids_S)
+    state = _LoopState(
+        step=jnp.array(1, jnp.int32), cache=cache, last_B=tok_B,
+        position_B=jnp.sum(prompt_mask_BP, axis=1, dtype=jnp.int32),
+        done_B=done_B, length_B=active_B.astype(jnp.int32),
+        tokens_BT=jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(tok_B),
+        logprobs_BT=jnp.zeros((B, N), jnp.float32).at[:, 0].set(jnp.where(active_B, lp_B, 0.0)))
+
+    def cond(s: _LoopState):
+        return (s.step < N) & ~jnp.all(s.done_B)
+
+    def body(s: _LoopState) -> _LoopState:
+        # Rows already done keep feeding tokens (harmless: they only attend to themselves).
+        logits_BV, cache = decode_step(params, model_config, s.last_B, s.position_B, s.cache,
+                                       P + s.step - 1)
+        keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, jnp.full((B,), s.step, jnp.uint32))
+        tok_B, lp_B = strategies.sample(logits_BV, keys_B, sampling)
+        live_B = ~s.done_B
+        tok_B = jnp.where(live_B, tok_B, pad_id)
+        lp_B = jnp.where(live_B, lp_B, 0.0)
+        return _LoopState(
+            step=s.step + 1, cache=cache, last_B=tok_B, position_B=s.position_B + 1,
+            done_B=s.done_B | _is_stop(tok_B, stop_ids_S),
+            length_B=s.length_B + live_B.astype(jnp.int32),
+            tokens_BT=jax.lax.dynamic_update_slice(s.tokens_BT, tok_B[:, None], (0, s.step)),
+            logprobs_BT=jax.lax.dynamic_update_slice(s.logprobs_BT, lp_B[:, None], (0, s.step)))
+
+    state = jax.lax.while_loop(cond, body, state)
+    mask_BT = jnp.arange(N)[None, :] < state.length_B[:, None]
+    return SampleOutput(
+        tokens_BT=state.tokens_BT, logprobs_BT=state.logprobs_BT, mask_BT=mask_BT,
+        lengths_B=state.length_B, truncated_B=active_B & ~state.done_B,
+        prompt_tokens_BP=prompt_BP, prompt_mask_BP=prompt_mask_BP.astype(bool),
+        dropped_B=jnp.zeros((B,), bool), num_steps=state.step)
+
+
+def _data_parallel_size(mesh: Mesh, rules: parallel.LogicalRules) -> int:
+    axes = parallel.logical_to_partition_spec(("batch",), rules)[0] or ()
+    axes = (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+@jax.jit
+def _row_keys(key: jax.Array, prompt_index_B: jax.Array, sample_index_B: jax.Array) -> jax.Array:
+    """Key of sample g of prompt p: fold_in(fold_in(key, p), g), whatever else is batched."""
+    return jax.vmap(lambda p, g: jax.random.fold_in(jax.random.fold_in(key, p), g))(
+        prompt_index_B, sample_index_B)
+
+
+def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[int]],
+             sampling: SamplingConfig, max_new_tokens: int, key: jax.Array, *,
+             stop_ids: Sequence[int] | None = None, n: int = 1, pad_id: int | None = None,
+             mesh: Mesh | None = None, rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+             max_prompt_len: int | None = None, long_prompts: str = "error",
+             row_keys: jax.Array | None = None,
+             min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET) -> SampleOutput:
+    """Samples `n` completions of each prompt (lists of token ids, unpadded).
+
+    stop_ids defaults to model_config.eos_token_ids; max_prompt_len defaults to
+    max_position_embeddings - max_new_tokens. Longer prompts raise (long_prompts="error") or
+    are skipped and flagged in `dropped_B` (long_prompts="drop"). `row_keys` ([len(prompts) *
+    n] keys) overrides the per-row keys derived from `key`. With a mesh, params must already
+    be placed on it (e.g. parallel.shard_pytree with transformer.param_logical_axes).
+    """
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}.")
+    stop_S = stop_id_array(model_config.eos_token_ids if stop_ids is None else stop_ids)
+    pad = pad_id if pad_id is not None else (model_config.pad_token_id or 0)
+    limit = (model_config.max_position_embeddings - max_new_tokens if max_prompt_len is None
+             else max_prompt_len)
+    if limit < 1:
+        raise ValueError(f"No room for a prompt: max_new_tokens={max_new_tokens} leaves "
+                         f"max_prompt_len={limit}; lower max_new_tokens or set max_prompt_len.")
+    multiple = 1 if mesh is None else _data_parallel_size(mesh, rules)
+    batch = buckets.prepare_batch(prompts, n=n, max_prompt_len=limit,
+                                  long_prompts=long_prompts, pad_id=pad,
+                                  vocab_size=model_config.vocab_size, batch_multiple=multiple,
+                                  min_prompt_bucket=min_prompt_bucket)
+    B = batch.prompt_BP.shape[0]
+    if row_keys is None:
+        keys_B = _row_keys(key, jnp.asarray(batch.prompt_index_B),
+                           jnp.asarray(batch.sample_index_B))
+    else:
+        if len(row_keys) != batch.num_rows:
+            raise ValueError(f"row_keys has {len(row_keys)} keys; expected len(prompts) * n = "
+                             f"{batch.num_rows}.")
+        extra = _row_keys(key, jnp.asarray(batch.prompt_index_B[batch.num_rows:]),
+                          jnp.asarray(batch.sample_index_B[batch.num_rows:]))
+        keys_B = jnp.concatenate([row_keys, extra]) if B > batch.num_rows else row_keys
+    inputs = (batch.prompt_BP, batch.mask_BP, batch.active_B, keys_B)
+    if mesh is not None:
+        inputs = tuple(jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x), rules))
+                       for x in inputs)
+    out = generate_tokens(params, *inputs, stop_S, np.int32(pad), model_config=model_config,
+                          sampling=sampling, max_new_tokens=int(max_new_tokens), mesh=mesh,
+                          rules=rules)
+    dropped_B = jnp.asarray(batch.dropped_B)
+    out = out.replace(dropped_B=dropped_B,
+                      prompt_mask_BP=out.prompt_mask_BP & ~dropped_B[:, None])
+    if B > batch.num_rows:   # drop the batch-bucket padding rows
+        out = jax.tree.map(lambda x: x if x.ndim == 0 else x[:batch.num_rows], out)
+    return out
+
+
+class Sampler:
+    """What stays fixed over a run (model config, tokenizer, stop ids, mesh, limits).
+
+        sampler = Sampler(config, tokenizer, mesh=mesh)
+        out = sampler.generate(params, prompt_ids, SamplingConfig(1.0), 256, key, n=8)
+        texts, out = sampler.generate_text(params, ["What is 2+3?"], GREEDY, 64, key)
+
+    Stop ids: `stop_ids` if given, else the model's eos ids plus the tokenizer's stop tokens
+    (e.g. "<|im_end|>") plus `extra_stop_ids`.
+    """
+
+    def __init__(self, model_config: ModelConfig, tokenizer: Any = None, *,
+                 mesh: Mesh | None = None, rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+                 stop_ids: Sequence[int] | None = None, extra_stop_ids: Sequence[int] = (),
+                 pad_id: int | None = None, max_prompt_len: int | None = None,
+                 long_prompts: str = "error",
+                 min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET):
+        if long_prompts not in LONG_PROMPT_MODES:
+            raise ValueError(f"long_prompts={long_prompts!r} must be one of {LONG_PROMPT_MODES}.")
+        if stop_ids is None:
+            stop_ids = list(model_config.eos_token_ids)
+            stop_ids += list(getattr(tokenizer, "stop_token_ids", ()))
+            stop_ids += list(extra_stop_ids)
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.mesh, self.rules = mesh, rules
+        self.stop_ids = tuple(dict.fromkeys(int(s) for s in stop_ids))
+        if pad_id is None:
+            pad_id = getattr(tokenizer, "pad_token_id", None)
+        self.pad_id = int(pad_id if pad_id is not None else (model_config.pad_token_id or 0))
+        self.max_prompt_len = max_prompt_len
+        self.long_prompts = long_prompts
+        self.min_prompt_bucket = min_prompt_bucket
+
+    def shard_params(self, params: Any) -> Any:
+        """Places params on the sampler's mesh (a no-op without one)."""
+        if self.mesh is None:
+            return params
+        return parallel.shard_pytree(params, transformer.param_logical_axes(self.model_config),
+                                     self.mesh, self.rules)
+
+    def generate(self, params: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+                 max_new_tokens: int, key: jax.Array, *, n: int = 1,
+                 row_keys: jax.Array | None = None) -> SampleOutput:
+        """Token-level sampling; see `generate`."""
+        return generate(params, self.model_config, prompts, sampling, max_new_tokens, key,
+                        stop_ids=self.stop_ids, n=n, pad_id=self.pad_id, mesh=self.mesh,
+                        rules=self.rules, max_prompt_len=self.max_prompt_len,
+                        long_prompts=self.long_prompts, row_keys=row_keys,
+                        min_prompt_bucket=self.min_prompt_bucket)
+
+    def encode(self, prompts: Sequence[Any], *, chat: bool = True,
+               system: str | None = None) -> list[list[int]]:
+        """Texts (or chat message lists) -> token ids, through the chat template by default."""
+        if self.tokenizer is None:
+            raise ValueError("This Sampler has no tokenizer; pass one to Sampler(...) to "
+                             "sample from text, or call generate() with token ids.")
+        if chat:
+            return [self.tokenizer.encode_chat(p, system) for p in prompts]
+        return [self.tokenizer.encode(p) for p in prompts]
+
+    def decode(self, out: SampleOutput) -> list[str]:
+        """Completion texts, stop token excluded (rows of dropped prompts decode to "")."""
+        tokens, lengths = np.asarray(out.tokens_BT), np.asarray(out.lengths_B)
+        truncated = np.asarray(out.truncated_B)
+        return [self.tokenizer.decode(tokens[r, :lengths[r] - (0 if truncated[r] else 1)])
+                if lengths[r] else "" for r in range(tokens.shape[0])]
+
+    def generate_text(self, params: Any, prompts: Sequence[Any], sampling: SamplingConfig,
+                      max_new_tokens: int, key: jax.Array, *, n: int = 1, chat: bool = True,
+                      system: str | None = None) -> tuple[list[str], SampleOutput]:
+        """Applies the chat template, samples, and decodes; returns (texts [B], output)."""
+        out = self.generate(params, self.encode(prompts, chat=chat, system=system), sampling,
+                            max_new_tokens, key, n=n)
+        return self.decode(out), out

@@ -1,0 +1,243 @@
+"""Sampler throughput: jaxrl4llm vs transformers PyTorch `generate`, and the decode roofline.
+
+    python tools/bench_sampler.py            # batches 8 and 32, float32 and bfloat16, 128 tokens
+    python tools/bench_sampler.py --quick    # batch 8 and 32, bfloat16 only, 32 tokens
+
+Both sides decode greedily, the same chat prompts (SmolLM2-135M-Instruct, left-padded), in the
+same dtype, with stop tokens disabled so every row produces exactly --new_tokens tokens.
+Reported per setting:
+  ours tok/s, torch tok/s, ratio   new tokens / wall time of the whole generate (incl. prefill)
+  decode tok/s                     ours, prefill excluded: B * (N - 1) / (t(N) - t(1))
+  bw roof tok/s                    B / (bytes read per decode step / measured bandwidth), the
+                                   bytes being every weight once plus the K/V of the mean
+                                   context; decode % = decode tok/s / bw roof tok/s
+  flop roof tok/s                  B / (matmul FLOPs per decode step / measured matmul rate):
+                                   at batch 32 on 2 CPU cores decode is compute-bound, so this
+                                   is the lower of the two ceilings there
+  same pref                        mean number of leading tokens where ours == torch's
+Bandwidth and FLOP rate are measured in the same run: the best of several jitted sums over a
+1 GiB array, and of 1024^3 matmuls in the benchmarked dtype.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxrl4llm.models import registry  # noqa: E402
+from jaxrl4llm.sampling import sampler  # noqa: E402
+from jaxrl4llm.sampling.strategies import GREEDY  # noqa: E402
+
+QUESTIONS = [
+    "What is 17 plus 25?", "Name three primary colors.", "Explain gravity in one sentence.",
+    "What is the capital of Japan?", "Write a haiku about autumn.",
+    "How many legs does a spider have?", "What is 9 times 7?", "Give a synonym for happy.",
+    "Why is the sky blue?", "What does a thermometer measure?",
+    "Translate 'hello' into French.", "What is 144 divided by 12?",
+    "Describe a cat in five words.", "What is the boiling point of water in Celsius?",
+    "Name a planet with rings.", "What is the square root of 81?", "Who wrote Romeo and Juliet?",
+    "What is photosynthesis?", "List two mammals that live in the sea.", "What is 3 cubed?",
+    "What color do you get by mixing blue and yellow?", "How many days are in a leap year?",
+    "What is the largest ocean?", "Write a short greeting for a birthday card.",
+    "What is 1000 minus 387?", "What gas do humans breathe out?", "Name a famous bridge.",
+    "What is the opposite of cold?", "How many minutes are in two hours?",
+    "What is the chemical symbol for gold?", "Suggest a name for a pet fish.",
+    "What is 15 percent of 200?",
+]
+
+
+def measure_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Best read bandwidth of a jitted float32 sum over an nbytes array, in GB/s."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        total(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def measure_matmul_gflops(dtype, size: int = 1024, repeats: int = 5) -> float:
+    """Best FLOP rate of a jitted [size]^3 matmul in `dtype` (float32 accumulation)."""
+    x = jnp.ones((size, size), dtype)
+    mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    mm(x, x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mm(x, x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size ** 3 / best / 1e9
+
+
+def param_bytes(params) -> int:
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def time_ours(smp, params, prompts, new_tokens, repeats):
+    def run(n):
+        out = smp.generate(params, prompts, GREEDY, n, jax.random.key(0))
+        jax.block_until_ready(out)
+        return out
+
+    for n in (new_tokens, 1):          # compile both programs first
+        run(n)
+    best = {}
+    for n in (new_tokens, 1):
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = run(n)
+            ts.append(time.perf_counter() - t0)
+        best[n] = min(ts)
+        if n == new_tokens:
+            assert int(np.asarray(out.lengths_B).min()) == new_tokens
+            tokens = np.asarray(out.tokens_BT)
+    return best[new_tokens], best[1], tokens
+
+
+def time_torch(model, tokenizer, prompts, new_tokens, repeats):
+    import torch
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id,
+                  temperature=None, top_p=None, top_k=None)
+    with torch.inference_mode():
+        # OpenMP threads spin badly when the cores are shared: give torch its faster setting.
+        warm = {}
+        for threads in (1, os.cpu_count() or 1):
+            torch.set_num_threads(threads)
+            model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+            t0 = time.perf_counter()
+            model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+            warm[threads] = time.perf_counter() - t0
+        torch.set_num_threads(min(warm, key=warm.get))
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = model.generate(ids, **kwargs)
+            ts.append(time.perf_counter() - t0)
+    return min(ts), out[:, width:].numpy(), torch.get_num_threads()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="bfloat16 only, 32 new tokens")
+    parser.add_argument("--batches", default="8,32")
+    parser.add_argument("--dtypes", default=None, help="default: float32,bfloat16")
+    parser.add_argument("--new_tokens", type=int, default=None, help="default: 128 (32 quick)")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--no_torch", action="store_true")
+    args = parser.parse_args()
+    dtypes = (args.dtypes or ("bfloat16" if args.quick else "float32,bfloat16")).split(",")
+    new_tokens = args.new_tokens or (32 if args.quick else 128)
+    repeats = args.repeats or (1 if args.quick else 2)
+    batches = [int(b) for b in args.batches.split(",")]
+
+    path = registry.resolve("smollm2-135m-instruct")
+    bandwidth = measure_bandwidth_gbs()
+    gflops = {d: measure_matmul_gflops(getattr(jnp, d)) for d in dtypes}
+    print(f"devices: {jax.devices()}  cpu cores: {os.cpu_count()}  "
+          f"measured read bandwidth: {bandwidth:.1f} GB/s  matmul GFLOP/s: "
+          + ", ".join(f"{d} {g:.0f}" for d, g in gflops.items()))
+    config, params32, tokenizer = registry.load_model(path)
+    smp = sampler.Sampler(config, tokenizer, stop_ids=())   # no stops: exactly N tokens per row
+    chats = smp.encode(QUESTIONS)
+    torch_model = None
+    if not args.no_torch:
+        try:
+            import tempfile
+
+            import torch
+            import transformers
+
+            from jaxrl4llm.models import weights
+            folder = tempfile.mkdtemp(prefix="bench_sampler_")
+            weights.export_hf(params32, config, folder)
+            torch_model = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+            print(f"torch {torch.__version__}, threads: {torch.get_num_threads()}")
+        except ImportError:
+            print("torch/transformers not installed: skipping the reference")
+
+    rows = []
+    for dtype_name in dtypes:
+        dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype_name]
+        params = jax.tree.map(lambda x: x.astype(dtype), params32)
+        itemsize = jnp.dtype(dtype).itemsize
+        # Every weight is read once per step, except an untied input embedding (gathered).
+        wbytes = param_bytes(params) - (0 if config.tie_word_embeddings else
+                                        config.vocab_size * config.hidden_size * itemsize)
+        for batch in batches:
+            prompts = [chats[i % len(chats)] for i in range(batch)]
+            t_full, t_prefill, ours = time_ours(smp, params, prompts, new_tokens, repeats)
+            ours_tps = batch * new_tokens / t_full
+            decode_tps = batch * (new_tokens - 1) / max(t_full - t_prefill, 1e-9)
+            ctx = np.mean([len(p) for p in prompts]) + new_tokens / 2
+            kv_bytes = (2 * config.num_layers * batch * ctx * config.num_kv_heads
+                        * config.head_dim * itemsize)
+            roofline_tps = batch / ((wbytes + kv_bytes) / (bandwidth * 1e9))
+            # Matmul FLOPs per step: 2 per weight (the input embedding is a gather) + attention.
+            dense = config.num_params - (config.vocab_size * config.hidden_size
+                                         if not config.tie_word_embeddings else 0)
+            flops = 2 * batch * dense + 4 * batch * ctx * config.num_layers * (
+                config.num_heads * config.head_dim)
+            flop_roof_tps = batch / (flops / (gflops[dtype_name] * 1e9))
+            torch_tps = match = None
+            if torch_model is not None:
+                import torch
+                tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+                t_torch, ref, threads = time_torch(torch_model.to(tdtype), tokenizer, prompts, new_tokens,
+                                          repeats)
+                torch_tps = batch * new_tokens / t_torch
+                print(f"  (torch ran with {threads} thread(s))")
+                # Mean length of the prefix on which both greedy decodes agree (float rounding
+                # differences flip near-ties, after which the continuations differ).
+                same = np.cumprod(ref == ours, axis=1).sum(axis=1)
+                match = float(np.mean(same))
+            rows.append((dtype_name, batch, ours_tps, torch_tps, decode_tps, roofline_tps,
+                         flop_roof_tps, match))
+            print_row(*rows[-1], flush=True)
+    print("\nfinal table (new tokens = %d)" % new_tokens)
+    print_header()
+    for row in rows:
+        print_row(*row)
+
+
+def print_header():
+    print(f"{'dtype':>9} {'batch':>5} {'ours tok/s':>10} {'torch tok/s':>11} {'ratio':>6} "
+          f"{'decode tok/s':>12} {'bw roof':>8} {'decode %':>8} {'flop roof':>9} "
+          f"{'decode %':>8} {'same pref':>9}")
+
+
+_header_printed = False
+
+
+def print_row(dtype, batch, ours, torch_tps, decode, roofline, flop_roof, match, flush=False):
+    global _header_printed
+    if flush and not _header_printed:
+        print_header()
+        _header_printed = True
+    t = f"{torch_tps:11.1f}" if torch_tps else f"{'-':>11}"
+    r = f"{ours / torch_tps:6.2f}" if torch_tps else f"{'-':>6}"
+    m = f"{match:9.1f}" if match is not None else f"{'-':>9}"
+    print(f"{dtype:>9} {batch:5d} {ours:10.1f} {t} {r} {decode:12.1f} {roofline:8.1f} "
+          f"{100 * decode / roofline:7.1f}% {flop_roof:9.1f} {100 * decode / flop_roof:7.1f}% "
+          f"{m}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
