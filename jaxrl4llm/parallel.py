@@ -167,6 +167,13 @@ def batch_sharding(mesh: Mesh, ndim: int, rules: LogicalRules = DEFAULT_RULES) -
     return NamedSharding(mesh, logical_to_partition_spec(("batch",) + (None,) * (ndim - 1), rules))
 
 
+def data_parallel_size(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> int:
+    """How many shards the batch axis is split into (the product of its mesh axes)."""
+    axes = logical_to_partition_spec(("batch",), rules)[0] or ()
+    axes = (axes,) if isinstance(axes, str) else axes
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
 def maybe_initialize_distributed(coordinator_address: str | None = None,
                                  num_processes: int | None = None,
                                  process_id: int | None = None,

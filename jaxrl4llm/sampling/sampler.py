@@ -86,12 +86,13 @@ class _LoopState:
     logprobs_BT: jax.Array
 
 
-def _cache_sharding(mesh: Mesh, rules: parallel.LogicalRules, shape_LBSKH, shape_BS):
+def _cache_sharding(mesh: Mesh, rules: parallel.LogicalRules, cache: transformer.KVCache):
     kv = NamedSharding(mesh, parallel.logical_to_partition_spec(
-        ("layers", "batch", "length", "kv_heads", "head_dim"), rules, shape_LBSKH, mesh))
+        transformer.KV_CACHE_LOGICAL_AXES, rules, cache.k_BKSH[0].shape, mesh))
     mask = NamedSharding(mesh, parallel.logical_to_partition_spec(
-        ("batch", "length"), rules, shape_BS, mesh))
-    return transformer.KVCache(k_LBSKH=kv, v_LBSKH=kv, mask_BS=mask)
+        ("batch", "length"), rules, cache.mask_BS.shape, mesh))
+    layers = len(cache.k_BKSH)
+    return transformer.KVCache(k_BKSH=(kv,) * layers, v_BKSH=(kv,) * layers, mask_BS=mask)
 
 
 def _is_stop(tokens_B: jax.Array, stop_ids_S: jax.Array) -> jax.Array:
@@ -140,8 +141,9 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
     N = max_new_tokens
     cache = transformer.init_kv_cache(model_config, B, P + N - 1, params["embed"].dtype)
     if mesh is not None:
-        shardings = _cache_sharding(mesh, rules, cache.k_LBSKH.shape, cache.mask_BS.shape)
-        cache = jax.lax.with_sharding_constraint(cache, shardings)
+        cache = jax.lax.with_sharding_constraint(cache, _cache_sharding(mesh, rules, cache))
+    # Per-layer weight buffers, sliced once here rather than by scan in every decode step.
+    params = transformer.unstack_layers(params)
 
     logits_BV, cache = prefill(params, model_config, prompt_BP, prompt_mask_BP, cache)
     keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32))
@@ -224,34 +226,82 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
         raise ValueError(f"No room for a prompt: max_new_tokens={max_new_tokens} leaves "
                          f"max_prompt_len={limit}; lower max_new_tokens or set max_prompt_len.")
     multiple = 1 if mesh is None else _data_parallel_size(mesh, rules)
+    multihost = mesh is not None and jax.process_count() > 1
+    if multihost:
+        # Each host passes its own prompts; every host must build the same shapes.
+        multiple = max(1, multiple // jax.process_count())
+        min_prompt_bucket = max(min_prompt_bucket, _global_max_prompt_len(prompts, limit))
     batch = buckets.prepare_batch(prompts, n=n, max_prompt_len=limit,
                                   long_prompts=long_prompts, pad_id=pad,
                                   vocab_size=model_config.vocab_size, batch_multiple=multiple,
                                   min_prompt_bucket=min_prompt_bucket)
     B = batch.prompt_BP.shape[0]
+    # Prompt indices are global (offset by this host's share) so no two hosts draw alike.
+    prompt_index_B = batch.prompt_index_B + (jax.process_index() * len(prompts) if multihost
+                                             else 0)
     if row_keys is None:
-        keys_B = _row_keys(key, jnp.asarray(batch.prompt_index_B),
-                           jnp.asarray(batch.sample_index_B))
+        keys_B = _row_keys(key, jnp.asarray(prompt_index_B), jnp.asarray(batch.sample_index_B))
     else:
         if len(row_keys) != batch.num_rows:
             raise ValueError(f"row_keys has {len(row_keys)} keys; expected len(prompts) * n = "
                              f"{batch.num_rows}.")
-        extra = _row_keys(key, jnp.asarray(batch.prompt_index_B[batch.num_rows:]),
+        extra = _row_keys(key, jnp.asarray(prompt_index_B[batch.num_rows:]),
                           jnp.asarray(batch.sample_index_B[batch.num_rows:]))
         keys_B = jnp.concatenate([row_keys, extra]) if B > batch.num_rows else row_keys
     inputs = (batch.prompt_BP, batch.mask_BP, batch.active_B, keys_B)
-    if mesh is not None:
+    if multihost:   # host-local rows -> one global batch, hosts' blocks in process order
+        inputs = inputs[:3] + (np.asarray(jax.random.key_data(keys_B)),)
+        inputs = tuple(jax.make_array_from_process_local_data(
+            parallel.batch_sharding(mesh, np.ndim(x), rules), np.asarray(x)) for x in inputs)
+        inputs = inputs[:3] + (_wrap_keys(inputs[3]),)
+    elif mesh is not None:
         inputs = tuple(jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x), rules))
                        for x in inputs)
     out = generate_tokens(params, *inputs, stop_S, np.int32(pad), model_config=model_config,
                           sampling=sampling, max_new_tokens=int(max_new_tokens), mesh=mesh,
                           rules=rules)
+    if multihost:
+        # Rows stay global (each host's block keeps its padding rows: see host_rows).
+        dropped_B = jax.make_array_from_process_local_data(
+            parallel.batch_sharding(mesh, 1, rules), batch.dropped_B)
+        return out.replace(dropped_B=dropped_B, prompt_mask_BP=_and_not(out.prompt_mask_BP,
+                                                                        dropped_B))
     dropped_B = jnp.asarray(batch.dropped_B)
     out = out.replace(dropped_B=dropped_B,
                       prompt_mask_BP=out.prompt_mask_BP & ~dropped_B[:, None])
     if B > batch.num_rows:   # drop the batch-bucket padding rows
         out = jax.tree.map(lambda x: x if x.ndim == 0 else x[:batch.num_rows], out)
     return out
+
+
+_wrap_keys = jax.jit(jax.random.wrap_key_data)
+
+
+@jax.jit
+def _and_not(mask_BP: jax.Array, dropped_B: jax.Array) -> jax.Array:
+    return mask_BP & ~dropped_B[:, None]
+
+
+def _global_max_prompt_len(prompts: Sequence[Sequence[int]], limit: int) -> int:
+    """The longest kept prompt over all hosts (so every host picks the same bucket)."""
+    from jax.experimental import multihost_utils
+    local = max((len(p) for p in prompts if len(p) <= limit), default=1)
+    return int(np.max(multihost_utils.process_allgather(np.int32(local))))
+
+
+def host_rows(x: jax.Array, num_rows: int) -> np.ndarray:
+    """This host's first `num_rows` rows of a sampler output array, as numpy.
+
+    One process: `generate` already returns exactly its rows. Several: the global batch is
+    the hosts' equal-sized blocks in process order, padding rows at the end of each block.
+    """
+    if jax.process_count() == 1:
+        return np.asarray(jax.device_get(x))[:num_rows]
+    from jax.experimental import multihost_utils
+    full = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    block = full.shape[0] // jax.process_count()
+    start = jax.process_index() * block
+    return full[start:start + num_rows]
 
 
 class Sampler:

@@ -16,6 +16,7 @@ from jaxrl4llm import evaluation, parallel
 from jaxrl4llm.data import make_iterator, make_source
 from jaxrl4llm.models import registry
 from jaxrl4llm.rewards import make_reward_fn
+from jaxrl4llm.sampling import buckets
 from jaxrl4llm.train import metrics as metrics_lib
 from jaxrl4llm.train import plots
 from jaxrl4llm.train.checkpoint import Checkpointer, PreemptionFlag, abstract_like
@@ -28,6 +29,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 _create_state = jax.jit(TrainState.create, static_argnums=(1, 2))
+_increment = jax.jit(lambda step: step + 1)  # keeps the step a global (replicated) array
 
 
 def _minibatches(batch: UpdateBatch, config: TrainConfig, key: jax.Array, mesh: Any):
@@ -45,6 +47,22 @@ def _minibatches(batch: UpdateBatch, config: TrainConfig, key: jax.Array, mesh: 
                 mb = jax.tree.map(
                     lambda x: jax.device_put(x, parallel.batch_sharding(mesh, x.ndim)), mb)
             yield mb
+
+
+def _prompts_per_host(config: TrainConfig, mesh: Any) -> int:
+    """Each host feeds an equal share of the prompts, filling its data-parallel devices."""
+    hosts = jax.process_count()
+    if hosts == 1:
+        return config.prompts_per_step
+    rows = config.batch_size // hosts
+    local_shards = max(1, parallel.data_parallel_size(mesh) // hosts)
+    if config.prompts_per_step % hosts or buckets.bucket_batch_size(rows, local_shards) != rows:
+        raise ValueError(
+            f"--prompts_per_step={config.prompts_per_step} x --group_size={config.group_size} "
+            f"over {hosts} hosts gives {rows} rows per host; it must split evenly over the hosts "
+            f"and fill the {local_shards} local data-parallel devices of each (a multiple of "
+            f"{max(local_shards, 8)} rows per host).")
+    return config.prompts_per_step // hosts
 
 
 def _mean_metrics(updates: list[dict]) -> dict[str, float]:
@@ -90,7 +108,7 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
     state = _create_state(params, config.optimizer, config.seed)
     del params
 
-    P_host = config.prompts_per_step // jax.process_count()
+    P_host = _prompts_per_host(config, mesh)
     source = make_source(config.data, split="train", **config.field_names)
     iterator = make_iterator(source, P_host, seed=config.seed, shard_index=jax.process_index(),
                              shard_count=jax.process_count())
@@ -114,7 +132,8 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
     start = 0
     if checkpointer.latest_step() is not None:
         state, data_state = checkpointer.restore(abstract_like(state))
-        iterator.set_state(data_state["iterator"])
+        # The saved iterator state is host 0's; hosts differ only in their shard index.
+        iterator.set_state(dict(data_state["iterator"], shard_index=jax.process_index()))
         start = int(state.step)
         writer.truncate_after(start)
         logging.info("Resumed from step %d in %s", start, workdir)
@@ -126,6 +145,13 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
     bar = tqdm(total=config.num_steps, initial=start, desc="train", unit="step",
                disable=jax.process_index() != 0)
     try:
+        if start == 0 and config.eval_every and eval_records:
+            # The starting level, so curves show where training began.
+            eval_results = evaluation.evaluate(ctx, state.params, eval_records,
+                                               samples=config.eval_samples,
+                                               key=jax.random.key(config.seed + 2))
+            writer.write(0, eval_results)
+            tqdm.write(metrics_lib.console_line(0, config.num_steps, eval_results))
         for step in range(start, config.num_steps):
             t_step = time.perf_counter()
             records = next(iterator)
@@ -145,7 +171,7 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
             last["time/update_s"] = time.perf_counter() - t0
             last.update(_update_metrics(update_metrics, float(lr_schedule(
                 (step + 1) * config.updates_per_step - 1))))
-            state = state.replace(step=jnp.int32(step + 1))
+            state = state.replace(step=_increment(state.step))
             done = step + 1
             if config.eval_every and done % config.eval_every == 0 and eval_records:
                 eval_results = evaluation.evaluate(ctx, state.params, eval_records,

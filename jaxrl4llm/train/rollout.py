@@ -6,6 +6,7 @@ device computation is a jitted function of the sampler, the logprob pass or rl.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Sequence
 
@@ -13,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl4llm import rl
+from jaxrl4llm import parallel, rl
 from jaxrl4llm.data import record_messages
 from jaxrl4llm.sampling import sampler as sampler_lib
+from jaxrl4llm.sampling.sampler import host_rows
 from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs_jit
@@ -59,9 +61,37 @@ def sample(ctx: RolloutContext, params: Any, records: Sequence[Any], key: jax.Ar
         c.max_new_tokens, key, stop_ids=ctx.stop_ids, n=n,
         pad_id=ctx.tokenizer.pad_token_id, mesh=ctx.mesh, max_prompt_len=c.max_prompt_tokens,
         long_prompts=c.long_prompts)
-    tokens_BT, mask_BT = jax.device_get((out.tokens_BT, out.mask_BT))
+    rows = len(records) * n
+    tokens_BT, mask_BT = host_rows(out.tokens_BT, rows), host_rows(out.mask_BT, rows)
     texts = [ctx.tokenizer.decode(t[m]) for t, m in zip(tokens_BT, mask_BT)]
     return out, texts
+
+
+def _global_rows(ctx: RolloutContext, local: np.ndarray) -> jax.Array:
+    """This host's rows (e.g. rewards) -> the global batch array, laid out like the samples."""
+    if jax.process_count() == 1:
+        return jnp.asarray(local)
+    return jax.make_array_from_process_local_data(
+        parallel.batch_sharding(ctx.mesh, local.ndim), local)
+
+
+def _mean_over_hosts(metrics: dict[str, float]) -> dict[str, float]:
+    if jax.process_count() == 1:
+        return metrics
+    from jax.experimental import multihost_utils
+    keys = sorted(metrics)
+    values = multihost_utils.process_allgather(np.array([metrics[k] for k in keys], np.float64))
+    return dict(zip(keys, np.asarray(values).mean(axis=0).tolist()))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "group_size"))
+def _advantages(config, rewards_B, correct_B, mask_BT, truncated_B, dropped_B, logp_BT,
+                ref_logp_BT, *, group_size):
+    advantages, keep_B, metrics = rl.compute_advantages(
+        config, rewards_B, correct_B, mask_BT, group_size, truncated_B=truncated_B,
+        logp_BT=logp_BT, ref_logp_BT=ref_logp_BT)
+    # Prompts skipped as too long never enter the loss.
+    return advantages, keep_B & ~dropped_B, metrics
 
 
 def _group_metrics(correct_B: np.ndarray, group_size: int) -> dict[str, float]:
@@ -84,7 +114,7 @@ def rollout(ctx: RolloutContext, params: Any, ref_params: Any, records: Sequence
 
     t0 = time.perf_counter()
     repeated = [r for r in records for _ in range(G)]
-    lengths_B = np.asarray(out.lengths_B)
+    lengths_B = host_rows(out.lengths_B, len(repeated))
     scored = ctx.reward_fn.score(texts, repeated, lengths=lengths_B)
     t_reward = time.perf_counter() - t0
 
@@ -99,10 +129,9 @@ def rollout(ctx: RolloutContext, params: Any, ref_params: Any, records: Sequence
         old_logp = (completion_logprobs_jit(params, ctx.model_config, seqs, temperature)
                     if c.recompute_old_logprobs else out.logprobs_BT)
     behaviour_logp = old_logp if old_logp is not None else out.logprobs_BT
-    advantages, keep_B, adv_metrics = rl.compute_advantages(
-        c.algorithm, jnp.asarray(scored.rewards), jnp.asarray(scored.correct), out.mask_BT, G,
-        truncated_B=out.truncated_B, logp_BT=behaviour_logp, ref_logp_BT=ref_logp)
-    keep_B = keep_B & ~out.dropped_B  # prompts skipped as too long never enter the loss
+    advantages, keep_B, adv_metrics = _advantages(
+        c.algorithm, _global_rows(ctx, scored.rewards), _global_rows(ctx, scored.correct),
+        out.mask_BT, out.truncated_B, out.dropped_B, behaviour_logp, ref_logp, group_size=G)
     batch = UpdateBatch(seqs=seqs, advantages=advantages, keep_B=keep_B, old_logp_BT=old_logp,
                         ref_logp_BT=ref_logp)
     jax.block_until_ready(batch)
@@ -116,13 +145,15 @@ def rollout(ctx: RolloutContext, params: Any, ref_params: Any, records: Sequence
         **_group_metrics(correct, G),
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
-        "response/truncated_frac": float(np.mean(np.asarray(out.truncated_B))),
-        "response/dropped_prompts": float(out.num_dropped / G),
+        "response/truncated_frac": float(np.mean(host_rows(out.truncated_B, len(repeated)))),
+        "response/dropped_prompts": float(np.sum(host_rows(out.dropped_B, len(repeated))) / G),
         "time/rollout_s": t_sample,
         "time/reward_s": t_reward,
         "time/logprobs_s": t_logprobs,
         "throughput/rollout_tokens_per_s": float(lengths.sum() / max(t_sample, 1e-9)),
     }
-    metrics.update({f"adv/{k}": float(v) for k, v in jax.device_get(adv_metrics).items()})
     metrics.update({f"reward_reason/{k}": float(v) for k, v in scored.metrics().items()})
+    metrics = _mean_over_hosts(metrics)
+    # Computed on the global batch already (identical on every host).
+    metrics.update({f"adv/{k}": float(v) for k, v in jax.device_get(adv_metrics).items()})
     return batch, metrics

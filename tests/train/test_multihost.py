@@ -1,0 +1,76 @@
+"""Two local processes (jax.distributed, 2 CPU devices each) train like one 4-device process."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl4llm import rl
+from jaxrl4llm.train import loop
+from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.metrics import read_metrics
+from jaxrl4llm.train.state import OptimizerConfig
+
+WORKER = r"""
+import json, os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax
+from jaxrl4llm import parallel
+from jaxrl4llm.train import loop
+from jaxrl4llm.train.config import TrainConfig
+port, pid, config_json = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+parallel.maybe_initialize_distributed(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+assert jax.device_count() == 4 and jax.local_device_count() == 2
+summary = loop.run(TrainConfig.from_json(open(config_json).read()))
+print("FINAL_STEP", summary["step"], flush=True)
+"""
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config(model_dir, data, workdir):
+    # Greedy decoding and plain Reinforce: the samples and the loss do not depend on how
+    # the rows are split over hosts, so one process and two must agree.
+    return TrainConfig(model=model_dir, data=data, instruction="", prompts_per_step=8,
+                       group_size=4, max_prompt_tokens=16, max_new_tokens=1, temperature=0.0,
+                       algorithm=rl.get_preset("reinforce"),
+                       optimizer=OptimizerConfig(learning_rate=1e-2), num_steps=2,
+                       mesh="data:2,fsdp:2,tensor:1", eval_prompts=0, checkpoint_every=1,
+                       workdir=str(workdir), answer_mode="lenient", tensorboard=False)
+
+
+def test_two_processes_match_one(toy_model_dir, copy_task_file, tmp_path):
+    config = _config(toy_model_dir, copy_task_file, tmp_path / "two")
+    config_json = tmp_path / "config.json"
+    config_json.write_text(config.to_json())
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    port = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, str(script), str(port), str(pid), str(config_json)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for pid in (0, 1)]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-4000:]
+        assert "FINAL_STEP 2" in out
+
+    one = loop.run(_config(toy_model_dir, copy_task_file, tmp_path / "one"),
+                   devices=jax.devices()[:4])
+    assert one["step"] == 2
+    a, b = read_metrics(str(tmp_path / "one")), read_metrics(str(tmp_path / "two"))
+    assert [r["step"] for r in b] == [1, 2]  # host 0 alone writes the metrics
+    for ra, rb in zip(a, b):
+        assert rb["reward/accuracy"] == pytest.approx(ra["reward/accuracy"])
+        np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(rb["optim/grad_norm"], ra["optim/grad_norm"], rtol=1e-4)
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints"))[:2] == ["1", "2"]
