@@ -9,10 +9,20 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(args, tmp_path):
+def _run(args):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
+
+
+def _train_one_step(model_dir, data, workdir, *extra):
+    """One toy training step through the CLI; returns the workdir."""
+    result = _run([f"--model={model_dir}", f"--data={data}", "--instruction=",
+                   "--prompts_per_step=4", "--group_size=2", "--max_new_tokens=1",
+                   "--max_prompt_tokens=16", "--answer_mode=lenient", "--num_steps=1",
+                   "--eval_prompts=0", f"--workdir={workdir}", *extra])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir
 
 
 def test_train_cli_runs_two_steps_and_leaves_outputs(toy_model_dir, copy_task_file, tmp_path):
@@ -26,7 +36,7 @@ def test_train_cli_runs_two_steps_and_leaves_outputs(toy_model_dir, copy_task_fi
     workdir = tmp_path / "run"
     # Command-line flags override the flagfile (--num_steps=2 wins over 5).
     result = _run([f"--flagfile={flagfile}", f"--workdir={workdir}", "--num_steps=2",
-                   "--algorithm=lite_ppo", "--clip_high=0.28"], tmp_path)
+                   "--algorithm=lite_ppo", "--clip_high=0.28"])
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads((workdir / "config.json").read_text())
     assert config["num_steps"] == 2
@@ -43,21 +53,16 @@ def test_train_cli_runs_two_steps_and_leaves_outputs(toy_model_dir, copy_task_fi
 
 
 def test_train_cli_rejects_unknown_flags_and_bad_knobs(tmp_path):
-    result = _run(["--no_such_flag=1"], tmp_path)
+    result = _run(["--no_such_flag=1"])
     assert result.returncode != 0
     assert "no_such_flag" in result.stderr
-    result = _run(["--clip_high=wide", f"--workdir={tmp_path}"], tmp_path)
+    result = _run(["--clip_high=wide", f"--workdir={tmp_path}"])
     assert result.returncode != 0
     assert "--clip_high='wide' is not a valid" in result.stderr
 
 
 def test_evaluate_cli_on_a_trained_checkpoint(toy_model_dir, copy_task_file, tmp_path):
-    workdir = tmp_path / "run"
-    result = _run([f"--model={toy_model_dir}", f"--data={copy_task_file}", "--instruction=",
-                   "--prompts_per_step=4", "--group_size=2", "--max_new_tokens=1",
-                   "--max_prompt_tokens=16", "--answer_mode=lenient", "--num_steps=1",
-                   "--eval_prompts=0", f"--workdir={workdir}"], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    workdir = _train_one_step(toy_model_dir, copy_task_file, tmp_path / "run")
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     out = tmp_path / "eval.json"
     result = subprocess.run(
@@ -85,13 +90,8 @@ def test_export_hf_writes_a_folder_transformers_loads(toy_model_dir, copy_task_f
     from jaxrl4llm.models import registry, transformer
     from jaxrl4llm.train.checkpoint import load_trained_policy
 
-    workdir = tmp_path / "run"
-    result = _run([f"--model={toy_model_dir}", f"--data={copy_task_file}", "--instruction=",
-                   "--prompts_per_step=4", "--group_size=2", "--max_new_tokens=1",
-                   "--max_prompt_tokens=16", "--answer_mode=lenient", "--num_steps=1",
-                   "--learning_rate=0.05", "--algorithm=reinforce", "--eval_prompts=0",
-                   f"--workdir={workdir}"], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    workdir = _train_one_step(toy_model_dir, copy_task_file, tmp_path / "run",
+                              "--learning_rate=0.05", "--algorithm=reinforce")
     out = tmp_path / "hf"
     result = subprocess.run([sys.executable, "tools/export_hf.py", str(workdir), str(out)],
                             cwd=REPO, capture_output=True, text=True, timeout=600,
