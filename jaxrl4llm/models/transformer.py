@@ -29,22 +29,35 @@ _F32 = jnp.float32
 
 @flax.struct.dataclass
 class KVCache:
-    """Keys/values of every layer for S cache slots; `mask_BS` marks slots holding real tokens."""
+    """Keys [B, K, H, S] and values [B, K, S, H] for S cache slots, one array per layer;
+    `mask_BS` marks slots holding real tokens.
 
-    k_LBSKH: jax.Array
-    v_LBSKH: jax.Array
+    Per-layer buffers (not one stacked [L, ...] array) let a decode loop update each layer in
+    place and read it without slicing a copy out of the stack. The layouts make both attention
+    einsums plain row-major matmuls over the cache as stored: scores [G, H] @ [H, S], outputs
+    [G, S] @ [S, H] (no per-step transpose; a transposed-operand dot is ~5x slower on CPU).
+    """
+
+    k_BKHS: tuple[jax.Array, ...]
+    v_BKSH: tuple[jax.Array, ...]
     mask_BS: jax.Array
 
     @property
     def max_len(self) -> int:
-        return self.k_LBSKH.shape[2]
+        return self.mask_BS.shape[1]
+
+
+K_CACHE_LOGICAL_AXES = ("batch", "kv_heads", "head_dim", "length")
+V_CACHE_LOGICAL_AXES = ("batch", "kv_heads", "length", "head_dim")
 
 
 def init_kv_cache(config: ModelConfig, batch_size: int, max_len: int,
                   dtype: Any = jnp.float32) -> KVCache:
     """An empty cache: zeros, and no slot marked as holding a token."""
-    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
-    return KVCache(k_LBSKH=jnp.zeros(shape, dtype), v_LBSKH=jnp.zeros(shape, dtype),
+    B, K, S, H = batch_size, config.num_kv_heads, max_len, config.head_dim
+    L = config.num_layers
+    return KVCache(k_BKHS=tuple(jnp.zeros((B, K, H, S), dtype) for _ in range(L)),
+                   v_BKSH=tuple(jnp.zeros((B, K, S, H), dtype) for _ in range(L)),
                    mask_BS=jnp.zeros((batch_size, max_len), bool))
 
 
@@ -172,25 +185,25 @@ def _apply_rope(x_BTNH: jax.Array, cos_BTF: jax.Array, sin_BTF: jax.Array) -> ja
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+def _attention(q_BTNH: jax.Array, k_BKHS: jax.Array, v_BKSH: jax.Array,
                visible_BTS: jax.Array) -> jax.Array:
-    """Grouped-query attention; q heads n*G..n*G+G-1 share kv head n. Returns [B,T,N,H] f32."""
+    """Grouped-query attention; q heads n*G..n*G+G-1 share kv head n. Returns [B,T,N*H] f32."""
     B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H) * (H ** -0.5)
-    scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH.astype(k_BSKH.dtype), k_BSKH,
+    K = k_BKHS.shape[1]
+    q_BKGTH = (q_BTNH.reshape(B, T, K, N // K, H) * (H ** -0.5)).transpose(0, 2, 3, 1, 4)
+    scores_BKGTS = jnp.einsum("bkgth,bkhs->bkgts", q_BKGTH.astype(k_BKHS.dtype), k_BKHS,
                               preferred_element_type=_F32)
     scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, _MASKED)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
-    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH,
+    out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs_BKGTS.astype(v_BKSH.dtype), v_BKSH,
                            preferred_element_type=_F32)
-    return out_BTKGH.reshape(B, T, N, H)
+    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
 
 
 def _layer(config: ModelConfig, h_BTD: jax.Array, lp: Params, cos_BTF: jax.Array,
            sin_BTF: jax.Array, kv_fn) -> tuple[jax.Array, Any]:
-    """One pre-norm decoder block. `kv_fn(k, v)` -> (keys, values, visible, aux) picks the
-    attended keys: the new ones (no cache) or the updated cache layer."""
+    """One pre-norm decoder block. `kv_fn(k_BKHT, v_BKTH)` -> (keys_BKHS, values_BKSH, visible,
+    aux) picks the attended keys: the new ones (no cache) or the updated cache layer."""
     c = config
     x_BTD = rms_norm(h_BTD, lp["attn_norm"], c.rms_norm_eps)
     q = _dot("btd,dnh->btnh", x_BTD, lp["q"])
@@ -204,9 +217,12 @@ def _layer(config: ModelConfig, h_BTD: jax.Array, lp: Params, cos_BTF: jax.Array
     dtype = lp["q"].dtype
     q = _apply_rope(q, cos_BTF, sin_BTF)
     k = _apply_rope(k, cos_BTF, sin_BTF)
-    keys, values, visible_BTS, aux = kv_fn(k, v.astype(dtype))
-    attn_BTNH = _attention(q.astype(dtype), keys, values, visible_BTS)
-    h_BTD = h_BTD + _dot("btnh,nhd->btd", attn_BTNH, lp["o"])
+    keys, values, visible_BTS, aux = kv_fn(k.transpose(0, 2, 3, 1),
+                                           jnp.swapaxes(v.astype(dtype), 1, 2))
+    attn_BTM = _attention(q.astype(dtype), keys, values, visible_BTS)
+    # One [N*H, D] matrix (a free reshape): as "btnh,nhd" XLA transposed o every call.
+    o_MD = lp["o"].reshape(-1, lp["o"].shape[-1])
+    h_BTD = h_BTD + _dot("btm,md->btd", attn_BTM, o_MD)
     x_BTD = rms_norm(h_BTD, lp["mlp_norm"], c.rms_norm_eps)
     gate = _dot("btd,df->btf", x_BTD, lp["gate"])
     up = _dot("btd,df->btf", x_BTD, lp["up"])
@@ -215,6 +231,28 @@ def _layer(config: ModelConfig, h_BTD: jax.Array, lp: Params, cos_BTF: jax.Array
 
 
 # ----------------------------------------------------------------------------- the model
+
+def unstack_layers(params: Params) -> Params:
+    """params with "layers" as a tuple of per-layer dicts instead of stacked [L, ...] arrays.
+
+    For decode loops on CPU: XLA upcasts the dynamic slice that `lax.scan` takes of stacked
+    bfloat16 weights to float32 (a float32 copy of every weight, then a slow dot), and a slice
+    taken inside the loop is copied every step. Slicing once before the loop gives each layer
+    its own buffer, read in place. Costs one copy of the layer weights while it lives.
+    """
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):
+        return params
+    L = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "layers": tuple(jax.tree.map(lambda w, l=l: w[l], layers)
+                                      for l in range(L))}
+
+
+def _layer_params(layers: Any, l: int) -> Params:
+    if isinstance(layers, (tuple, list)):
+        return layers[l]
+    return jax.tree.map(lambda w: w[l], layers)
+
 
 def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
                   positions_BT: jax.Array, mask_BT: jax.Array, kv_cache: KVCache | None = None,
@@ -227,11 +265,17 @@ def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
     real tokens. Without a cache, query i sees key j iff j <= i and mask_BT[:, j]. With a
     cache, the T new tokens fill slots [cache_index, cache_index + T) and query slot p sees
     slots s <= p whose cache mask is set.
+
+    params["layers"] may be stacked (run with lax.scan without a cache) or a tuple of per-layer
+    dicts (`unstack_layers`; run as a Python loop). With a cache the layers always run as a
+    Python loop, one cache buffer per layer.
     """
     B, T = tokens_BT.shape
     mask_BT = mask_BT.astype(bool)
     cos_BTF, sin_BTF = _rope_tables(config, positions_BT)
     h_BTD = jnp.take(params["embed"], tokens_BT, axis=0).astype(_F32)
+    layers = params["layers"]
+    stacked = not isinstance(layers, (tuple, list))
 
     if kv_cache is None:
         causal_TT = jnp.tril(jnp.ones((T, T), bool))
@@ -239,11 +283,15 @@ def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
 
         def body(h, lp):
             return _layer(config, h, lp, cos_BTF, sin_BTF,
-                          lambda k, v: (k.astype(v.dtype), v, visible_BTS, None))
+                          lambda k, v: (k.astype(v.dtype), v, visible_BTS, None))[0]
 
         if remat:
             body = jax.checkpoint(body, prevent_cse=False)
-        h_BTD, _ = lax.scan(lambda h, lp: (body(h, lp)[0], None), h_BTD, params["layers"])
+        if stacked:
+            h_BTD, _ = lax.scan(lambda h, lp: (body(h, lp), None), h_BTD, layers)
+        else:
+            for lp in layers:
+                h_BTD = body(h_BTD, lp)
         new_cache = None
     else:
         if cache_index is None:
@@ -258,30 +306,24 @@ def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
         cache_mask_BS = lax.dynamic_update_slice(kv_cache.mask_BS, mask_BT, (0, i0))
         slot_T = i0 + jnp.arange(T)
         visible_BTS = (jnp.arange(S)[None, :] <= slot_T[:, None])[None] & cache_mask_BS[:, None, :]
-        cache_dtype = kv_cache.k_LBSKH.dtype
 
-        def body(carry, xs):
-            h, k_cache, v_cache = carry
-            lp, layer = xs
-
+        def body(h, lp, k_cache, v_cache):
             def kv_fn(k, v):
-                k_new = lax.dynamic_update_slice(
-                    k_cache, k.astype(cache_dtype)[None], (layer, 0, i0, 0, 0))
-                v_new = lax.dynamic_update_slice(
-                    v_cache, v.astype(cache_dtype)[None], (layer, 0, i0, 0, 0))
-                keys = lax.dynamic_index_in_dim(k_new, layer, 0, keepdims=False)
-                values = lax.dynamic_index_in_dim(v_new, layer, 0, keepdims=False)
-                return keys, values, visible_BTS, (k_new, v_new)
+                k_new = lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, i0))
+                v_new = lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, i0, 0))
+                return k_new, v_new, visible_BTS, (k_new, v_new)
 
-            h, (k_cache, v_cache) = _layer(config, h, lp, cos_BTF, sin_BTF, kv_fn)
-            return (h, k_cache, v_cache), None
+            return _layer(config, h, lp, cos_BTF, sin_BTF, kv_fn)
 
         if remat:
             body = jax.checkpoint(body, prevent_cse=False)
-        layers = jnp.arange(config.num_layers, dtype=jnp.int32)
-        (h_BTD, k_cache, v_cache), _ = lax.scan(
-            body, (h_BTD, kv_cache.k_LBSKH, kv_cache.v_LBSKH), (params["layers"], layers))
-        new_cache = KVCache(k_LBSKH=k_cache, v_LBSKH=v_cache, mask_BS=cache_mask_BS)
+        ks, vs = [], []
+        for l in range(config.num_layers):
+            h_BTD, (k_cache, v_cache) = body(h_BTD, _layer_params(layers, l),
+                                             kv_cache.k_BKHS[l], kv_cache.v_BKSH[l])
+            ks.append(k_cache)
+            vs.append(v_cache)
+        new_cache = KVCache(k_BKHS=tuple(ks), v_BKSH=tuple(vs), mask_BS=cache_mask_BS)
 
     h_BTD = rms_norm(h_BTD, params["final_norm"], config.rms_norm_eps)
     return h_BTD.astype(params["embed"].dtype), new_cache

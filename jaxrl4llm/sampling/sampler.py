@@ -4,8 +4,8 @@ One compiled program per shape bucket (batch, prompt length, max_new_tokens, sam
 
   prefill  one forward over the [B, P] prompt block writes cache slots [0, P) and gives the
            logits of each row's last prompt token (only that position is unembedded);
-  decode   a while loop feeds one token per step into the preallocated cache
-           [layers, B, P + max_new_tokens - 1, kv_heads, head_dim] and stops when every row
+  decode   a while loop feeds one token per step into the preallocated cache (per layer,
+           P + max_new_tokens - 1 slots; see transformer.KVCache) and stops when every row
            has emitted a stop token or max_new_tokens tokens exist (the cache is then full).
 
 The cache is created inside the program and carried by the loop, so XLA updates it in place;
@@ -87,12 +87,21 @@ class _LoopState:
 
 
 def _cache_sharding(mesh: Mesh, rules: parallel.LogicalRules, cache: transformer.KVCache):
-    kv = NamedSharding(mesh, parallel.logical_to_partition_spec(
-        transformer.KV_CACHE_LOGICAL_AXES, rules, cache.k_BKSH[0].shape, mesh))
-    mask = NamedSharding(mesh, parallel.logical_to_partition_spec(
-        ("batch", "length"), rules, cache.mask_BS.shape, mesh))
-    layers = len(cache.k_BKSH)
-    return transformer.KVCache(k_BKSH=(kv,) * layers, v_BKSH=(kv,) * layers, mask_BS=mask)
+    def named(axes, shape):
+        return NamedSharding(mesh, parallel.logical_to_partition_spec(axes, rules, shape, mesh))
+
+    k = named(transformer.K_CACHE_LOGICAL_AXES, cache.k_BKHS[0].shape)
+    v = named(transformer.V_CACHE_LOGICAL_AXES, cache.v_BKSH[0].shape)
+    layers = len(cache.k_BKHS)
+    return transformer.KVCache(k_BKHS=(k,) * layers, v_BKSH=(v,) * layers,
+                               mask_BS=named(("batch", "length"), cache.mask_BS.shape))
+
+
+def _cache_dtype(params: Any) -> Any:
+    """The params' dtype, except float32 on CPU: there XLA upcasts every bfloat16 cache write to
+    float32 out of place (a copy of the layer's cache per step), and float32 attention over
+    the cache costs about the same as bfloat16."""
+    return jnp.float32 if jax.default_backend() == "cpu" else params["embed"].dtype
 
 
 def _is_stop(tokens_B: jax.Array, stop_ids_S: jax.Array) -> jax.Array:
@@ -139,7 +148,7 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
     stop_ids_S (int32, -1 = unused slot) and pad_id are traced, so they cost no recompiles."""
     B, P = prompt_BP.shape
     N = max_new_tokens
-    cache = transformer.init_kv_cache(model_config, B, P + N - 1, params["embed"].dtype)
+    cache = transformer.init_kv_cache(model_config, B, P + N - 1, _cache_dtype(params))
     if mesh is not None:
         cache = jax.lax.with_sharding_constraint(cache, _cache_sharding(mesh, rules, cache))
     # Per-layer weight buffers, sliced once here rather than by scan in every decode step.

@@ -78,7 +78,11 @@ def test_kv_cache_prefill_then_decode_equals_full_forward():
     full, _ = _fwd(params, CFG, tokens, pos, mask)
     step = _fwd
     cache = T.init_kv_cache(CFG, 3, 16)
-    assert cache.k_LBSKH.shape == (2, 3, 16, 2, 16) and not cache.mask_BS.any()
+    assert len(cache.k_BKHS) == len(cache.v_BKSH) == 2 and not cache.mask_BS.any()
+    assert cache.k_BKHS[0].shape == (3, 2, 16, 16) and cache.v_BKSH[0].shape == (3, 2, 16, 16)
+    assert cache.max_len == 16
+    other = T.init_kv_cache(CFG, 3, 12)   # keys [B, K, H, S], values [B, K, S, H]
+    assert other.k_BKHS[1].shape == (3, 2, 16, 12) and other.v_BKSH[1].shape == (3, 2, 12, 16)
     out, cache = step(params, CFG, tokens[:, :5], pos[:, :5], mask[:, :5], cache, 0)
     outs = [out]
     for t in range(5, 9):  # one token at a time, traced cache_index
@@ -90,6 +94,20 @@ def test_kv_cache_prefill_then_decode_equals_full_forward():
     np.testing.assert_allclose(np.asarray(inc)[m], np.asarray(full)[m], atol=2e-5)
     np.testing.assert_array_equal(np.asarray(cache.mask_BS[:, :9]), m)
     assert not cache.mask_BS[:, 9:].any()
+
+
+def test_unstacked_layers_equal_stacked():
+    params = _params()
+    tokens, pos, mask = _batch()
+    ref, _ = _fwd(params, CFG, tokens, pos, mask)
+    flat = T.unstack_layers(params)
+    assert len(flat["layers"]) == CFG.num_layers and T.unstack_layers(flat) is flat
+    np.testing.assert_array_equal(flat["layers"][1]["q"], params["layers"]["q"][1])
+    out, _ = _fwd(flat, CFG, tokens, pos, mask)
+    m = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(out)[m], np.asarray(ref)[m], atol=2e-5)
+    out_c, _ = _fwd(flat, CFG, tokens, pos, mask, T.init_kv_cache(CFG, 3, 12), 0)
+    np.testing.assert_allclose(np.asarray(out_c)[m], np.asarray(ref)[m], atol=2e-5)
 
 
 def test_cache_without_index_is_a_clear_error():
