@@ -195,12 +195,6 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
         dropped_B=jnp.zeros((B,), bool), num_steps=state.step)
 
 
-def _data_parallel_size(mesh: Mesh, rules: parallel.LogicalRules) -> int:
-    axes = parallel.logical_to_partition_spec(("batch",), rules)[0] or ()
-    axes = (axes,) if isinstance(axes, str) else axes
-    return int(np.prod([mesh.shape[a] for a in axes]))
-
-
 @jax.jit
 def _row_keys(key: jax.Array, prompt_index_B: jax.Array, sample_index_B: jax.Array) -> jax.Array:
     """Key of sample g of prompt p: fold_in(fold_in(key, p), g), whatever else is batched."""
@@ -234,7 +228,7 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
     if limit < 1:
         raise ValueError(f"No room for a prompt: max_new_tokens={max_new_tokens} leaves "
                          f"max_prompt_len={limit}; lower max_new_tokens or set max_prompt_len.")
-    multiple = 1 if mesh is None else _data_parallel_size(mesh, rules)
+    multiple = 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
     multihost = mesh is not None and jax.process_count() > 1
     if multihost:
         # Each host passes its own prompts; every host must build the same shapes.
