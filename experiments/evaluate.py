@@ -36,14 +36,13 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments {argv[1:]}: every option is a --flag.")
     import jax
-    import jax.numpy as jnp
 
     from jaxrl4llm import evaluation, parallel
     from jaxrl4llm.data import make_source
     from jaxrl4llm.models import registry
     from jaxrl4llm.rewards import make_reward_fn
     from jaxrl4llm.train.checkpoint import load_trained_policy
-    from jaxrl4llm.train.config import TrainConfig
+    from jaxrl4llm.train.config import TrainConfig, param_dtype
     from jaxrl4llm.train.rollout import RolloutContext
 
     mesh = parallel.make_mesh(FLAGS.mesh)
@@ -51,8 +50,8 @@ def main(argv):
         _, model_config, params, tokenizer = load_trained_policy(FLAGS.checkpoint, mesh=mesh)
         name = FLAGS.checkpoint
     else:
-        dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[FLAGS.param_dtype]
-        model_config, params, tokenizer = registry.load_model(FLAGS.model, mesh=mesh, dtype=dtype)
+        model_config, params, tokenizer = registry.load_model(
+            FLAGS.model, mesh=mesh, dtype=param_dtype(FLAGS.param_dtype))
         name = FLAGS.model
     spec = FLAGS.eval_data or FLAGS.data
     field_names = {k: getattr(FLAGS, k) for k in ("prompt_field", "answer_field")

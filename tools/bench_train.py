@@ -30,12 +30,12 @@ def _child(args) -> dict:
     from jaxrl4llm.data import make_source
     from jaxrl4llm.models import registry
     from jaxrl4llm.rewards import make_reward_fn
-    from jaxrl4llm.train.config import TrainConfig
+    from jaxrl4llm.train.config import TrainConfig, param_dtype
     from jaxrl4llm.train.rollout import RolloutContext, rollout
     from jaxrl4llm.train.state import OptimizerConfig, TrainState
     from jaxrl4llm.train.step import train_step
 
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.child]
+    dtype = param_dtype(args.child)
     t0 = time.perf_counter()
     model_config, params, tokenizer = registry.load_model(args.model, dtype=dtype)
     load_s = time.perf_counter() - t0

@@ -75,7 +75,7 @@ def load_trained_policy(workdir: str, step: int | None = None, mesh: Any = None
     import functools
 
     from jaxrl4llm.models import registry
-    from jaxrl4llm.train.config import TrainConfig
+    from jaxrl4llm.train.config import TrainConfig, param_dtype
     from jaxrl4llm.train.state import TrainState
 
     config_path = os.path.join(workdir, "config.json")
@@ -83,8 +83,8 @@ def load_trained_policy(workdir: str, step: int | None = None, mesh: Any = None
         raise FileNotFoundError(f"{workdir!r} has no config.json: pass a training --workdir.")
     with open(config_path) as f:
         config = TrainConfig.from_json(f.read())
-    dtype = {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}[config.param_dtype]
-    model_config, params, tokenizer = registry.load_model(config.model, mesh=mesh, dtype=dtype)
+    model_config, params, tokenizer = registry.load_model(
+        config.model, mesh=mesh, dtype=param_dtype(config.param_dtype))
     create = functools.partial(TrainState.create, optimizer=config.optimizer, seed=config.seed)
     abstract = jax.eval_shape(create, params)
     abstract = abstract.replace(params=abstract_like(params))

@@ -12,6 +12,12 @@ from jaxrl4llm.train.state import OptimizerConfig
 DTYPES = ("float32", "bfloat16")
 
 
+def param_dtype(name: str) -> Any:
+    """"float32" / "bfloat16" (the --param_dtype values) -> the jax dtype."""
+    import jax.numpy as jnp
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     # Model.

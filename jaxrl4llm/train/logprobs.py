@@ -32,7 +32,7 @@ class Sequences:
 def _inputs(seqs: Sequences) -> tuple[jax.Array, jax.Array, jax.Array]:
     tokens = jnp.concatenate([seqs.prompt_tokens_BP, seqs.completion_tokens_BT], axis=1)
     mask = jnp.concatenate([seqs.prompt_mask_BP, seqs.completion_mask_BT], axis=1)
-    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0).astype(jnp.int32)
+    positions = transformer.positions_from_mask(mask)
     return tokens[:, :-1], positions[:, :-1], mask[:, :-1]
 
 

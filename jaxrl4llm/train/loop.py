@@ -20,12 +20,11 @@ from jaxrl4llm.sampling import buckets
 from jaxrl4llm.train import metrics as metrics_lib
 from jaxrl4llm.train import plots
 from jaxrl4llm.train.checkpoint import Checkpointer, PreemptionFlag, abstract_like
-from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.config import TrainConfig, param_dtype
 from jaxrl4llm.train.rollout import RolloutContext, rollout
 from jaxrl4llm.train.state import TrainState, learning_rate_schedule
 from jaxrl4llm.train.step import UpdateBatch, train_step
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 _create_state = jax.jit(TrainState.create, static_argnums=(1, 2))
@@ -102,7 +101,7 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
             f.write(config.to_json())
 
     model_config, params, tokenizer = registry.load_model(
-        config.model, mesh=mesh, dtype=_DTYPES[config.param_dtype])
+        config.model, mesh=mesh, dtype=param_dtype(config.param_dtype))
     # A separate copy: the policy's buffers are donated to each update.
     ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
     state = _create_state(params, config.optimizer, config.seed)
