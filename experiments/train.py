@@ -28,6 +28,8 @@ _O = OptimizerConfig()
 flags.DEFINE_string("model", _T.model, "Registered model name, HF folder or .gguf file.")
 flags.DEFINE_enum("param_dtype", _T.param_dtype, ["float32", "bfloat16"], "Parameter dtype.")
 flags.DEFINE_bool("remat", _T.remat, "Rematerialise each layer in the backward pass.")
+flags.DEFINE_bool("share_prompts", _T.share_prompts, "Reference / old-policy / update passes "
+                  "run each prompt once per group (same result, less compute and memory).")
 # --- data
 flags.DEFINE_string("data", _T.data, "Prompt source: synthetic:TASK?opts, jsonl:PATH, "
                     "parquet:PATH, tfds:NAME ({split} in a path is replaced by the split).")

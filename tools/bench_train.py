@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -31,7 +30,8 @@ def _child(args) -> dict:
     from jaxrl4llm.models import registry
     from jaxrl4llm.rewards import make_reward_fn
     from jaxrl4llm.train.config import TrainConfig, param_dtype
-    from jaxrl4llm.train.rollout import RolloutContext, rollout
+    from jaxrl4llm.train import host_memory
+    from jaxrl4llm.train.rollout import RolloutContext, rollout, shared_prompt_group
     from jaxrl4llm.train.state import OptimizerConfig, TrainState
     from jaxrl4llm.train.step import train_step
 
@@ -42,7 +42,8 @@ def _child(args) -> dict:
     config = TrainConfig(model=args.model, param_dtype=args.child, prompts_per_step=args.prompts,
                          group_size=args.group, max_new_tokens=args.new_tokens,
                          algorithm=rl.get_preset("grpo"), optimizer=OptimizerConfig(1e-6),
-                         answer_mode="lenient", remat=args.remat)
+                         answer_mode="lenient", remat=args.remat,
+                         share_prompts=args.share_prompts)
     ref_params = jax.tree.map(jnp.copy, params)
     state = TrainState.create(params, config.optimizer, seed=0)
     source = make_source("synthetic:arithmetic", split="train")
@@ -53,10 +54,14 @@ def _child(args) -> dict:
         records = [source[(step * args.prompts + i) % len(source)] for i in range(args.prompts)]
         t_step = time.perf_counter()
         batch, m = rollout(ctx, state.params, ref_params, records, jax.random.key(step))
+        prompt_group = (shared_prompt_group(args.group, batch.keep_B.shape[0])
+                        if config.share_prompts else 1)
+        host_memory.release_free_memory()  # as the trainer does between rollout and update
         t0 = time.perf_counter()
         state, um = train_step(state, batch, model_config=model_config,
                                algorithm=config.algorithm, optimizer=config.optimizer,
-                               num_micro=1, temperature=1.0, remat=config.remat)
+                               num_micro=1, temperature=1.0, remat=config.remat,
+                               prompt_group=prompt_group)
         jax.block_until_ready(um)
         update_s = time.perf_counter() - t0
         step_s = time.perf_counter() - t_step
@@ -70,7 +75,7 @@ def _child(args) -> dict:
     timed = rows[1:]
     mean = {k: sum(r[k] for r in timed) / len(timed) for k in timed[0]}
     mean.update(dtype=args.child, compile_step_s=rows[0]["step_s"], load_s=load_s,
-                peak_rss_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                peak_rss_gib=host_memory.peak_rss_gib(),
                 device=str(jax.devices()[0].platform))
     return mean
 
@@ -85,6 +90,9 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--no_remat", dest="remat", action="store_false",
                         help="keep every layer's activations (much more memory)")
+    parser.add_argument("--no_share_prompts", dest="share_prompts", action="store_false",
+                        help="run every row's prompt (not once per group) in the "
+                             "reference and update passes")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

@@ -329,6 +329,68 @@ def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
     return h_BTD.astype(params["embed"].dtype), new_cache
 
 
+def hidden_states_shared_prefix(params: Params, config: ModelConfig, prefix_tokens_GP: jax.Array,
+                                prefix_mask_GP: jax.Array, tokens_BT: jax.Array,
+                                mask_BT: jax.Array, *, group: int,
+                                remat: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Teacher-forced hidden states of rows that share a prefix in blocks of `group` rows.
+
+    Row b is `prefix_GP[b // group] ++ tokens_BT[b]` (B = G * group): a GRPO group is one
+    prompt and `group` completions. The prefix runs once per block instead of once per row,
+    and each row's tokens attend to its block's prefix keys. Equal (to float rounding) to
+    `hidden_states` on the concatenated rows, columns split as (prefix [G, P, D], rest
+    [B, T, D]); gradients through the shared prefix sum over the block, as they would.
+    Prefixes are left-padded (`prefix_mask_GP`); `mask_BT` marks the rows' real tokens.
+    """
+    G, P = prefix_tokens_GP.shape
+    B, T = tokens_BT.shape
+    if G * group != B:
+        raise ValueError(f"hidden_states_shared_prefix: {B} rows are not {G} prefixes x "
+                         f"group={group}; rows [i*group, (i+1)*group) must share prefix i.")
+    prefix_mask_GP = prefix_mask_GP.astype(bool)
+    mask_BT = mask_BT.astype(bool)
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):
+        raise ValueError("hidden_states_shared_prefix runs stacked layers (lax.scan); pass "
+                         "params as loaded, not unstack_layers(params).")
+    positions_GP = positions_from_mask(prefix_mask_GP)
+    # The same positions as positions_from_mask over the concatenated row.
+    prefix_len_B = jnp.repeat(prefix_mask_GP.sum(axis=1, dtype=jnp.int32), group)
+    positions_BT = jnp.maximum(
+        prefix_len_B[:, None] + jnp.cumsum(mask_BT.astype(jnp.int32), axis=1) - 1, 0)
+    cos_p, sin_p = _rope_tables(config, positions_GP)
+    cos_c, sin_c = _rope_tables(config, positions_BT)
+    visible_GPP = jnp.tril(jnp.ones((P, P), bool))[None] & prefix_mask_GP[:, None, :]
+    # A row's token t sees its block's real prefix tokens and its own real tokens <= t.
+    visible_BTS = jnp.concatenate([
+        jnp.broadcast_to(jnp.repeat(prefix_mask_GP, group, axis=0)[:, None, :], (B, T, P)),
+        jnp.tril(jnp.ones((T, T), bool))[None] & mask_BT[:, None, :]], axis=2)
+
+    def body(carry, lp):
+        hp_GPD, hc_BTD = carry
+        hp_GPD, (kp, vp) = _layer(config, hp_GPD, lp, cos_p, sin_p,
+                                  lambda k, v: (k.astype(v.dtype), v, visible_GPP,
+                                                (k.astype(v.dtype), v)))
+
+        def kv_rows(k, v):
+            keys = jnp.concatenate([jnp.repeat(kp, group, axis=0), k.astype(v.dtype)], axis=3)
+            values = jnp.concatenate([jnp.repeat(vp, group, axis=0), v], axis=2)
+            return keys, values, visible_BTS, None
+
+        hc_BTD, _ = _layer(config, hc_BTD, lp, cos_c, sin_c, kv_rows)
+        return (hp_GPD, hc_BTD), None
+
+    if remat:
+        body = jax.checkpoint(body, prevent_cse=False)
+    embed = params["embed"]
+    carry = (jnp.take(embed, prefix_tokens_GP, axis=0).astype(_F32),
+             jnp.take(embed, tokens_BT, axis=0).astype(_F32))
+    (hp_GPD, hc_BTD), _ = lax.scan(body, carry, layers)
+    eps = config.rms_norm_eps
+    return (rms_norm(hp_GPD, params["final_norm"], eps).astype(embed.dtype),
+            rms_norm(hc_BTD, params["final_norm"], eps).astype(embed.dtype))
+
+
 def unembed(params: Params, config: ModelConfig, h_BTD: jax.Array) -> jax.Array:
     """Final-normed hidden states -> float32 logits [B, T, V]."""
     if config.tie_word_embeddings:

@@ -24,6 +24,7 @@ class TrainConfig:
     model: str = "smollm2-135m-instruct"   # registered name, HF folder or .gguf file
     param_dtype: str = "float32"
     remat: bool = False                    # rematerialise each layer in the backward pass
+    share_prompts: bool = True             # teacher-forced passes run a group's prompt once
     # Data and prompts.
     data: str = "synthetic:arithmetic"
     eval_data: str | None = None           # default: the held-out split of `data`

@@ -46,23 +46,49 @@ def _chunk_logprobs(params: Any, config: Any, h_BCD: jax.Array, targets_BC: jax.
     return target_logit_BC - logz_BC, entropy_BC
 
 
+# Budget for one chunk of float32 logits [B, C, V]; the backward holds about three of them.
+LOGITS_CHUNK_BYTES = 64 * 2**20
+
+
+def logits_chunk_size(batch: int, length: int, vocab_size: int) -> int:
+    """Positions per unembedding chunk: a power of two whose [B, C, V] f32 logits fit the budget."""
+    fit = max(1, LOGITS_CHUNK_BYTES // (4 * batch * vocab_size))
+    return min(1 << (fit.bit_length() - 1), length)
+
+
 def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: float = 1.0,
-                        chunk_size: int = 64, remat: bool = False) -> tuple[jax.Array, jax.Array]:
+                        chunk_size: int | None = None, remat: bool = False,
+                        prompt_group: int = 1) -> tuple[jax.Array, jax.Array]:
     """Returns (logp_BT, entropy_BT) of the completion tokens, float32.
 
     The [B, T, V] logits are never materialised whole: the completion is unembedded in chunks
-    of `chunk_size` positions, each rematerialised in the backward pass, so peak memory holds
-    one chunk's logits (SmolLM2's vocabulary is 49k; 32 x 128 x 49k float32 would be 800 MB).
+    of `chunk_size` positions (default: `logits_chunk_size`), each rematerialised in the
+    backward pass, so peak memory holds one chunk's logits (SmolLM2's vocabulary is 49k;
+    32 x 128 x 49k float32 would be 800 MB).
+
+    `prompt_group` > 1 declares that rows [i*g, (i+1)*g) share one prompt (a rollout's group
+    of g samples, as the sampler lays them out): the prompt then runs once per group
+    (`transformer.hidden_states_shared_prefix`), which saves (g-1)/g of the prompt's compute
+    and activations. The result is the same up to float rounding.
     """
     if temperature <= 0:
         temperature = 1.0  # greedy sampling: logprobs are defined at temperature 1
-    tokens, positions, mask = _inputs(seqs)
-    hidden_BLD, _ = transformer.hidden_states(params, config, tokens, positions, mask, remat=remat)
     num_prompt = seqs.prompt_tokens_BP.shape[1]
-    h_BTD = hidden_BLD[:, num_prompt - 1:]
+    if prompt_group > 1:
+        g = prompt_group
+        h_GPD, h_rest_BTD = transformer.hidden_states_shared_prefix(
+            params, config, seqs.prompt_tokens_BP[::g], seqs.prompt_mask_BP[::g],
+            seqs.completion_tokens_BT[:, :-1], seqs.completion_mask_BT[:, :-1], group=g,
+            remat=remat)
+        h_BTD = jnp.concatenate([jnp.repeat(h_GPD[:, -1:], g, axis=0), h_rest_BTD], axis=1)
+    else:
+        tokens, positions, mask = _inputs(seqs)
+        hidden_BLD, _ = transformer.hidden_states(params, config, tokens, positions, mask,
+                                                  remat=remat)
+        h_BTD = hidden_BLD[:, num_prompt - 1:]
     targets_BT = seqs.completion_tokens_BT
     B, T, D = h_BTD.shape
-    chunk = min(chunk_size, T)
+    chunk = min(chunk_size or logits_chunk_size(B, T, config.vocab_size), T)
     pad = (-T) % chunk
     if pad:
         h_BTD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0)))
@@ -77,9 +103,11 @@ def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: 
     return logp_BT, ent_BT
 
 
-@functools.partial(jax.jit, static_argnames=("config", "temperature", "chunk_size"))
+@functools.partial(jax.jit,
+                   static_argnames=("config", "temperature", "chunk_size", "prompt_group"))
 def completion_logprobs_jit(params: Any, config: Any, seqs: Sequences, temperature: float,
-                            chunk_size: int = 64) -> jax.Array:
+                            chunk_size: int | None = None, prompt_group: int = 1) -> jax.Array:
     """Jitted logprobs only (old-policy and reference passes in the rollout)."""
-    logp_BT, _ = completion_logprobs(params, config, seqs, temperature, chunk_size)
+    logp_BT, _ = completion_logprobs(params, config, seqs, temperature, chunk_size,
+                                     prompt_group=prompt_group)
     return jnp.where(seqs.completion_mask_BT, logp_BT, 0.0)

@@ -17,11 +17,12 @@ from jaxrl4llm.data import make_iterator, make_source
 from jaxrl4llm.models import registry
 from jaxrl4llm.rewards import make_reward_fn
 from jaxrl4llm.sampling import buckets
+from jaxrl4llm.train import host_memory
 from jaxrl4llm.train import metrics as metrics_lib
 from jaxrl4llm.train import plots
 from jaxrl4llm.train.checkpoint import Checkpointer, PreemptionFlag, abstract_like
 from jaxrl4llm.train.config import TrainConfig, param_dtype
-from jaxrl4llm.train.rollout import RolloutContext, rollout
+from jaxrl4llm.train.rollout import RolloutContext, rollout, shared_prompt_group
 from jaxrl4llm.train.state import TrainState, learning_rate_schedule
 from jaxrl4llm.train.step import UpdateBatch, train_step
 
@@ -157,14 +158,20 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
             step_key = jax.random.fold_in(state.key(), step)
             batch, last = rollout(ctx, state.params, ref_params, records,
                                   jax.random.fold_in(step_key, 0))
+            host_memory.release_free_memory()  # the sampler's freed buffers, before the update
             t0 = time.perf_counter()
             updates = []
+            # Unshuffled rows keep each prompt's samples together: its prompt runs once.
+            unshuffled = config.mini_batch == config.batch_size and config.ppo_epochs == 1
+            prompt_group = (shared_prompt_group(config.group_size, batch.keep_B.shape[0],
+                                                num_micro)
+                            if unshuffled and config.share_prompts else 1)
             for mb in _minibatches(batch, config, jax.random.fold_in(step_key, 1), mesh):
                 state, m = train_step(state, mb, model_config=model_config,
                                       algorithm=config.algorithm, optimizer=config.optimizer,
                                       num_micro=num_micro,
                                       temperature=ctx.sampling.effective_temperature,
-                                      remat=config.remat)
+                                      remat=config.remat, prompt_group=prompt_group)
                 updates.append(m)
             update_metrics = _mean_metrics(updates)  # blocks until the updates finish
             last["time/update_s"] = time.perf_counter() - t0
@@ -179,6 +186,7 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
                 last.update(eval_results)
             last["time/step_s"] = time.perf_counter() - t_step
             last["data/epoch"] = iterator.epoch
+            last["memory/peak_rss_gib"] = host_memory.peak_rss_gib()
             writer.write(done, last)
             bar.update(1)
             tqdm.write(metrics_lib.console_line(done, config.num_steps, last))

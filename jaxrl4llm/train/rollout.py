@@ -45,6 +45,15 @@ class RolloutContext:
         return SamplingConfig(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
 
 
+def shared_prompt_group(group_size: int, rows: int, slices: int = 1) -> int:
+    """The `prompt_group` for teacher-forced passes over `rows` sampler rows split into
+    `slices` contiguous slices: the group size when every slice holds whole groups (the
+    sampler lays a prompt's samples out as consecutive rows), else 1 (no sharing)."""
+    if rows % slices or (rows // slices) % group_size:
+        return 1
+    return group_size
+
+
 def encode_prompts(ctx: RolloutContext, records: Sequence[Any]) -> list[list[int]]:
     c = ctx.config
     kwargs = {} if c.instruction is None else {"instruction": c.instruction}
@@ -122,12 +131,14 @@ def rollout(ctx: RolloutContext, params: Any, ref_params: Any, records: Sequence
     seqs = Sequences(prompt_tokens_BP=out.prompt_tokens_BP, prompt_mask_BP=out.prompt_mask_BP,
                      completion_tokens_BT=out.tokens_BT, completion_mask_BT=out.mask_BT)
     temperature = ctx.sampling.effective_temperature
-    ref_logp = (completion_logprobs_jit(ref_params, ctx.model_config, seqs, temperature)
-                if c.needs_reference else None)
+    logprobs = functools.partial(
+        completion_logprobs_jit, config=ctx.model_config, seqs=seqs, temperature=temperature,
+        prompt_group=(shared_prompt_group(G, seqs.completion_tokens_BT.shape[0])
+                      if c.share_prompts else 1))
+    ref_logp = logprobs(ref_params) if c.needs_reference else None
     old_logp = None
     if c.needs_old_logprobs:
-        old_logp = (completion_logprobs_jit(params, ctx.model_config, seqs, temperature)
-                    if c.recompute_old_logprobs else out.logprobs_BT)
+        old_logp = logprobs(params) if c.recompute_old_logprobs else out.logprobs_BT
     behaviour_logp = old_logp if old_logp is not None else out.logprobs_BT
     advantages, keep_B, adv_metrics = _advantages(
         c.algorithm, _global_rows(ctx, scored.rewards), _global_rows(ctx, scored.correct),

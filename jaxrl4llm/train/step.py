@@ -36,9 +36,10 @@ def _split(x: jax.Array, num_micro: int) -> jax.Array:
 
 
 def _micro_loss(params: Any, mb: UpdateBatch, denominator: jax.Array, *, model_config: Any,
-                algorithm: rl.AlgorithmConfig, temperature: float, remat: bool):
+                algorithm: rl.AlgorithmConfig, temperature: float, remat: bool,
+                prompt_group: int):
     logp_BT, entropy_BT = completion_logprobs(params, model_config, mb.seqs, temperature,
-                                              remat=remat)
+                                              remat=remat, prompt_group=prompt_group)
     loss_sum, _, metric_sums = rl.policy_loss(
         algorithm, logp_BT, mb.old_logp_BT, mb.advantages, mb.seqs.completion_mask_BT, mb.keep_B,
         ref_logp_BT=mb.ref_logp_BT, entropy_BT=entropy_BT)
@@ -47,13 +48,25 @@ def _micro_loss(params: Any, mb: UpdateBatch, denominator: jax.Array, *, model_c
 
 def accumulate_gradients(params: Any, batch: UpdateBatch, *, model_config: Any,
                          algorithm: rl.AlgorithmConfig, num_micro: int, temperature: float,
-                         remat: bool = False) -> tuple[jax.Array, Any, dict]:
-    """(loss, grads, metrics) of a mini-batch, scanning over `num_micro` micro-batches."""
+                         remat: bool = False, prompt_group: int = 1
+                         ) -> tuple[jax.Array, Any, dict]:
+    """(loss, grads, metrics) of a mini-batch, scanning over `num_micro` micro-batches.
+
+    `prompt_group` > 1: consecutive blocks of that many rows share a prompt (see
+    `completion_logprobs`); each micro-batch must hold whole blocks.
+    """
+    rows = batch.seqs.completion_tokens_BT.shape[0]
+    if rows % num_micro or (rows // num_micro) % prompt_group:
+        raise ValueError(f"A mini-batch of {rows} rows cannot be split into {num_micro} "
+                         f"micro-batches of whole prompt groups of {prompt_group} rows.")
     denominator = jnp.maximum(rl.loss_denominator(
         algorithm, batch.seqs.completion_mask_BT, batch.keep_B), 1e-8)
     grad_fn = jax.value_and_grad(functools.partial(
         _micro_loss, model_config=model_config, algorithm=algorithm, temperature=temperature,
-        remat=remat), has_aux=True)
+        remat=remat, prompt_group=prompt_group), has_aux=True)
+    if num_micro == 1:  # no accumulator: saves a parameter-sized f32 buffer
+        (loss, metric_sums), grads = grad_fn(params, batch, denominator)
+        return loss, grads, rl.finalize_metrics(metric_sums)
     micro = jax.tree.map(lambda x: _split(x, num_micro), batch)
     first = jax.tree.map(lambda x: x[0], micro)
     _, metric_shapes = jax.eval_shape(lambda: grad_fn(params, first, denominator)[0])
@@ -78,11 +91,12 @@ def accumulate_gradients(params: Any, batch: UpdateBatch, *, model_config: Any,
 
 
 @functools.partial(jax.jit, donate_argnames=("state",), static_argnames=(
-    "model_config", "algorithm", "optimizer", "num_micro", "temperature", "remat"))
+    "model_config", "algorithm", "optimizer", "num_micro", "temperature", "remat",
+    "prompt_group"))
 def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
                algorithm: rl.AlgorithmConfig, optimizer: OptimizerConfig,
-               num_micro: int, temperature: float, remat: bool = False
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+               num_micro: int, temperature: float, remat: bool = False,
+               prompt_group: int = 1) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update on a mini-batch; the old state is donated (updated in place).
 
     Every static argument is a frozen config (hashable by value), so separate runs in one
@@ -90,7 +104,7 @@ def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
     """
     loss, grads, metrics = accumulate_gradients(
         state.params, batch, model_config=model_config, algorithm=algorithm,
-        num_micro=num_micro, temperature=temperature, remat=remat)
+        num_micro=num_micro, temperature=temperature, remat=remat, prompt_group=prompt_group)
     updates, opt_state = make_optimizer(optimizer).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads),

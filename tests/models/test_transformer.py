@@ -110,6 +110,51 @@ def test_unstacked_layers_equal_stacked():
     np.testing.assert_allclose(np.asarray(out_c)[m], np.asarray(ref)[m], atol=2e-5)
 
 
+def _shared_prefix_rows(G=3, group=2, P=6, T_=5, seed=3):
+    """G left-padded prefixes (one fully real, one short) and G*group continuations."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, CFG.vocab_size, (G, P)).astype(np.int32)
+    prefix_mask = np.arange(P)[None] >= (P - np.array([P, 2, 4][:G]))[:, None]
+    rest = rng.integers(0, CFG.vocab_size, (G * group, T_)).astype(np.int32)
+    rest_mask = np.arange(T_)[None] < rng.integers(1, T_ + 1, G * group)[:, None]
+    return prefix, prefix_mask, rest, rest_mask
+
+
+def test_shared_prefix_equals_the_concatenated_rows():
+    params, group = _params(), 2
+    prefix, prefix_mask, rest, rest_mask = _shared_prefix_rows(group=group)
+    P = prefix.shape[1]
+    tokens = np.concatenate([np.repeat(prefix, group, 0), rest], 1)
+    mask = np.concatenate([np.repeat(prefix_mask, group, 0), rest_mask], 1)
+    run = jax.jit(T.hidden_states, static_argnums=1, static_argnames="remat")
+    full, _ = run(params, CFG, jnp.asarray(tokens), T.positions_from_mask(jnp.asarray(mask)),
+                  jnp.asarray(mask))
+    shared = jax.jit(T.hidden_states_shared_prefix, static_argnums=1,
+                     static_argnames=("group", "remat"))
+    h_prefix, h_rest = shared(params, CFG, prefix, prefix_mask, rest, rest_mask, group=group)
+    full = np.asarray(full)
+    for g in range(prefix.shape[0]):  # every row of a block sees the same prefix states
+        for r in range(g * group, (g + 1) * group):
+            np.testing.assert_allclose(np.asarray(h_prefix)[g][prefix_mask[g]],
+                                       full[r, :P][prefix_mask[g]], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(h_rest)[rest_mask], full[:, P:][rest_mask], atol=2e-5)
+
+    def loss(p, share):
+        if share:
+            _, h = T.hidden_states_shared_prefix(p, CFG, prefix, prefix_mask, rest, rest_mask,
+                                                 group=group, remat=True)
+        else:
+            h, _ = T.hidden_states(p, CFG, tokens, T.positions_from_mask(mask), mask)
+            h = h[:, P:]
+        return jnp.sum(jnp.where(rest_mask[..., None], h, 0.0) ** 2)
+
+    grads = jax.jit(jax.grad(loss), static_argnums=1)
+    for a, b in zip(jax.tree.leaves(grads(params, False)), jax.tree.leaves(grads(params, True))):
+        np.testing.assert_allclose(a, b, atol=2e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="share prefix"):
+        T.hidden_states_shared_prefix(params, CFG, prefix, prefix_mask, rest, rest_mask, group=3)
+
+
 def test_cache_without_index_is_a_clear_error():
     tokens, pos, mask = _batch()
     with pytest.raises(ValueError, match="cache_index"):

@@ -10,7 +10,8 @@ import pytest
 from jaxrl4llm import rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.train.logprobs import Sequences, completion_logprobs
+from jaxrl4llm.train.logprobs import Sequences, completion_logprobs, logits_chunk_size
+from jaxrl4llm.train.rollout import shared_prompt_group
 from jaxrl4llm.train.state import OptimizerConfig, TrainState
 from jaxrl4llm.train.step import UpdateBatch, accumulate_gradients, train_step
 
@@ -57,6 +58,60 @@ def test_completion_logprobs_match_a_full_forward(params):
     m = np.asarray(seqs.completion_mask_BT)
     np.testing.assert_allclose(np.asarray(logp)[m], np.asarray(expected)[m], atol=1e-5)
     np.testing.assert_allclose(np.asarray(entropy)[m], np.asarray(expected_entropy)[m], atol=1e-5)
+
+
+def _grouped(batch: UpdateBatch, group: int) -> UpdateBatch:
+    """Rows [i*group, (i+1)*group) take row i*group's prompt, as the sampler lays them out."""
+    lead = np.arange(B) // group * group
+    seqs = batch.seqs.replace(prompt_tokens_BP=batch.seqs.prompt_tokens_BP[lead],
+                              prompt_mask_BP=batch.seqs.prompt_mask_BP[lead])
+    return batch.replace(seqs=seqs)
+
+
+def test_shared_prompt_logprobs_and_update_equal_the_per_row_ones(params):
+    _, batch, noise = _batch(seed=5)
+    batch = _grouped(batch, 4)
+    per_row = completion_logprobs(params, CONFIG, batch.seqs, 0.8, chunk_size=2)
+    shared = completion_logprobs(params, CONFIG, batch.seqs, 0.8, chunk_size=2, prompt_group=4)
+    m = np.asarray(batch.seqs.completion_mask_BT)
+    for a, b in zip(per_row, shared):  # logprobs, entropies
+        np.testing.assert_allclose(np.asarray(b)[m], np.asarray(a)[m], atol=1e-5)
+    batch = batch.replace(ref_logp_BT=per_row[0] + noise())
+    algo = rl.get_preset("grpo")  # k3 KL in the loss: the reference enters too
+    opt = OptimizerConfig(learning_rate=0.01)
+    states = []
+    for group, num_micro in ((1, 1), (4, 1), (4, 2)):
+        state = TrainState.create(jax.tree.map(jnp.copy, params), opt, seed=0)
+        state, metrics = train_step(state, batch, model_config=CONFIG, algorithm=algo,
+                                    optimizer=opt, num_micro=num_micro, temperature=0.8,
+                                    remat=True, prompt_group=group)
+        states.append((state, metrics))
+    for state, metrics in states[1:]:
+        np.testing.assert_allclose(metrics["loss"], states[0][1]["loss"], rtol=1e-5, atol=1e-7)
+        # Adam's first step is ~lr * sign(g): allow a sign flip of a near-zero gradient.
+        for a, b in zip(jax.tree.leaves(states[0][0].params), jax.tree.leaves(state.params)):
+            np.testing.assert_allclose(b, a, atol=1e-4)
+    assert float(states[0][1]["grad_norm"]) > 0
+    grads = [accumulate_gradients(params, batch, model_config=CONFIG, algorithm=algo,
+                                  num_micro=1, temperature=0.8, prompt_group=g)[1] for g in (1, 4)]
+    for a, b in zip(*map(jax.tree.leaves, grads)):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="whole prompt groups of 4"):
+        accumulate_gradients(params, batch, model_config=CONFIG, algorithm=algo, num_micro=4,
+                             temperature=1.0, prompt_group=4)
+
+
+def test_shared_prompt_group_needs_whole_groups_per_slice():
+    assert shared_prompt_group(4, 32) == 4
+    assert shared_prompt_group(4, 32, slices=2) == 4
+    assert shared_prompt_group(4, 32, slices=16) == 1   # 2 rows per micro-batch
+    assert shared_prompt_group(3, 8) == 1               # a bucketed batch of 8 rows, groups of 3
+
+
+def test_logits_chunk_size_fits_the_budget():
+    assert logits_chunk_size(32, 128, 49152) == 8        # 32 x 8 x 49152 x 4 B = 48 MiB
+    assert logits_chunk_size(1, 128, 49152) == 128       # never past the completion length
+    assert logits_chunk_size(4096, 128, 200_000) == 1    # at least one position
 
 
 @pytest.mark.parametrize("agg", rl.AGG_MODES)
