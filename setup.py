@@ -12,6 +12,7 @@ INSTALL_REQUIRES = [
     "orbax-checkpoint>=0.12.8",  # sharded checkpoints with exact resume
     "transformers>=5.23.0",      # tokenizers + chat templates; HF config.json parsing
     "tokenizers>=0.23.3",        # fast tokenizer backend used by transformers
+    "jinja2>=3.1.6",             # chat templates: transformers needs it, but does not require it
     "safetensors>=0.8.0",        # HF weights in and out, tensor by tensor
     "gguf>=0.19.0",              # reads (and dequantizes) the embedded GGUF default model
     "sympy>=1.14.0",             # symbolic equivalence under math-verify
@@ -23,7 +24,6 @@ INSTALL_REQUIRES = [
     "tensorboardX>=2.6.5",       # TensorBoard event files without TensorFlow
     "tqdm>=4.70.1",              # progress bars for rollouts, evaluation, studies
     "matplotlib>=3.11.2",        # training curves and study plots to PNG
-    "psutil>=7.2.2",             # peak RSS in metrics and benchmarks
 ]
 
 EXTRAS_REQUIRE = {

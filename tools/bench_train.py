@@ -7,7 +7,11 @@ One step = rollout (sampler, forced length: stop tokens ignored) -> rewards -> r
 logprobs (GRPO's KL term) -> one jitted update with per-layer remat (--no_remat to keep all
 activations: about 17 GiB peak RSS instead of a few). Each dtype runs in its own process so its
 peak RSS is its own; a warm-up step compiles everything first, then `--repeats` timed steps.
-Prints seconds per stage, tokens/s and peak RSS.
+Prints seconds per stage, tokens/s and peak RSS, and the compute floor: the step's matmul
+FLOPs (`step_tflop`) at the best matmul rate measured in the same process (`matmul_gflops`),
+i.e. the fastest this step could run on this machine (`floor_s`; `floor_share` = floor_s /
+step_s). The reference and update passes run each prompt once per group (--no_share_prompts
+runs it once per row, as before).
 """
 from __future__ import annotations
 
@@ -19,6 +23,31 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def step_tflop(config, prompts: int, group: int, prompt_len: int, new_tokens: int, *,
+               remat: bool, share_prompts: bool, reference: bool) -> dict[str, float]:
+    """Matmul TFLOPs of one step's stages (2 per multiply-add; the embedding lookup is free).
+
+    The rollout prefills each prompt once and decodes B = prompts x group rows; teacher-forced
+    passes run the prompt once per group when shared; the update is forward + backward (2x)
+    + one more forward with remat.
+    """
+    c = config
+    B, P, T = prompts * group, prompt_len, new_tokens
+    layer = 2 * c.num_layers * (c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+                                + 3 * c.hidden_size * c.intermediate_size)
+    unembed = 2 * c.vocab_size * c.hidden_size
+    attn = 4 * c.num_layers * c.num_heads * c.head_dim  # per (query, key) pair
+
+    prefill = prompts * P * layer + prompts * unembed + prompts * P * P / 2 * attn
+    decode = B * T * (layer + unembed) + B * T * (P + T / 2) * attn
+    prompt_rows = prompts if share_prompts else B
+    forward = (prompt_rows * P * layer + B * T * (layer + unembed)
+               + (prompt_rows * P * P / 2 + B * T * (P + T / 2)) * attn)
+    return {"rollout": (prefill + decode) / 1e12,
+            "reference": forward / 1e12 if reference else 0.0,
+            "update": forward * (4 if remat else 3) / 1e12}
 
 
 def _child(args) -> dict:
@@ -33,7 +62,7 @@ def _child(args) -> dict:
     from jaxrl4llm.train import host_memory
     from jaxrl4llm.train.rollout import RolloutContext, rollout, shared_prompt_group
     from jaxrl4llm.train.state import OptimizerConfig, TrainState
-    from jaxrl4llm.train.step import train_step
+    from jaxrl4llm.train.step import compile_train_step, train_step
 
     dtype = param_dtype(args.child)
     t0 = time.perf_counter()
@@ -58,10 +87,12 @@ def _child(args) -> dict:
                         if config.share_prompts else 1)
         host_memory.release_free_memory()  # as the trainer does between rollout and update
         t0 = time.perf_counter()
-        state, um = train_step(state, batch, model_config=model_config,
-                               algorithm=config.algorithm, optimizer=config.optimizer,
-                               num_micro=1, temperature=1.0, remat=config.remat,
-                               prompt_group=prompt_group)
+        static = dict(model_config=model_config, algorithm=config.algorithm,
+                      optimizer=config.optimizer, num_micro=1, temperature=1.0,
+                      remat=config.remat, prompt_group=prompt_group)
+        if step == 0:
+            compile_train_step(state, batch, **static)  # as the trainer does
+        state, um = train_step(state, batch, **static)
         jax.block_until_ready(um)
         update_s = time.perf_counter() - t0
         step_s = time.perf_counter() - t_step
@@ -72,10 +103,20 @@ def _child(args) -> dict:
                      "step_s": step_s, "sample_tok_s": new_tokens / m["time/rollout_s"],
                      "update_tok_s": trained / update_s})
     reward_fn.close()
+    peak_rss = host_memory.peak_rss_gib()  # before the matmul probe below allocates anything
     timed = rows[1:]
     mean = {k: sum(r[k] for r in timed) / len(timed) for k in timed[0]}
+    # The compute floor: this step's matmul FLOPs at the best matmul rate measured here.
+    from tools.bench_sampler import measure_matmul_gflops
+    peak_gflops = measure_matmul_gflops(dtype)
+    tflop = step_tflop(model_config, args.prompts, args.group,
+                       int(batch.seqs.prompt_tokens_BP.shape[1]), args.new_tokens,
+                       remat=config.remat, share_prompts=config.share_prompts,
+                       reference=config.needs_reference)
+    floor_s = sum(tflop.values()) * 1e3 / peak_gflops
     mean.update(dtype=args.child, compile_step_s=rows[0]["step_s"], load_s=load_s,
-                peak_rss_gib=host_memory.peak_rss_gib(),
+                peak_rss_gib=peak_rss, step_tflop=sum(tflop.values()), matmul_gflops=peak_gflops,
+                floor_s=floor_s, floor_share=floor_s / mean["step_s"],
                 device=str(jax.devices()[0].platform))
     return mean
 
@@ -111,7 +152,8 @@ def main(argv=None) -> int:
     print(f"GRPO step: {args.prompts} prompts x {args.group} samples x {args.new_tokens} new "
           f"tokens (forced), {args.model}, device {results[0]['device']}")
     cols = ("dtype", "rollout_s", "reward_s", "reference_s", "update_s", "step_s",
-            "sample_tok_s", "update_tok_s", "peak_rss_gib", "compile_step_s")
+            "sample_tok_s", "update_tok_s", "peak_rss_gib", "compile_step_s", "step_tflop",
+            "matmul_gflops", "floor_s", "floor_share")
     print(" | ".join(f"{c:>13s}" for c in cols))
     for r in results:
         print(" | ".join(f"{r[c]:>13s}" if isinstance(r[c], str) else f"{r[c]:>13.2f}"

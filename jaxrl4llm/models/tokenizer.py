@@ -31,13 +31,14 @@ class Tokenizer:
     def from_pretrained(cls, path: str | os.PathLike, gguf_file: str | None = None,
                         extra_stop_ids: Sequence[int] = ()) -> "Tokenizer":
         """Loads from a HF folder, or from `gguf_file` (a file name inside folder `path`)."""
-        from transformers import AutoTokenizer  # heavy import, only when a tokenizer is built
-
         path = os.fspath(path)
-        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
         try:
-            hf = AutoTokenizer.from_pretrained(path, **kwargs)
-        except (OSError, ValueError) as e:
+            if gguf_file:
+                hf = _hf_tokenizer_from_gguf(os.path.join(path, gguf_file))
+            else:
+                from transformers import AutoTokenizer  # heavy import, only when needed
+                hf = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"Could not load a tokenizer from {path!r}"
                              f"{f' (gguf_file={gguf_file!r})' if gguf_file else ''}: {e}") from e
         return cls.from_hf(hf, extra_stop_ids)
@@ -97,6 +98,51 @@ class Tokenizer:
                 break
             out.append(int(i))
         return out
+
+
+# Metadata string arrays read in full (as transformers' GGUF reader does); other string
+# arrays are passed on as their length.
+_GGUF_FULL_STRING_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+
+
+def _hf_tokenizer_from_gguf(gguf_path: str) -> Any:
+    """The transformers tokenizer a GGUF file describes (vocabulary, merges, special tokens,
+    chat template), built from its metadata with transformers' own GGUF converters.
+
+    transformers' GGUF *file reader* imports torch, which a plain `pip install` of this project
+    does not bring (and which costs ~0.2 GiB of RSS where it is installed), so the metadata is
+    read with the `gguf` package and handed to the same conversion `AutoTokenizer` uses.
+    """
+    import gguf
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as mapping
+
+    if not os.path.isfile(gguf_path):
+        raise OSError(f"GGUF file {gguf_path!r} does not exist.")
+    reader = gguf.GGUFReader(gguf_path)
+
+    def value(key: str) -> Any:
+        contents = reader.fields[key].contents()
+        if (isinstance(contents, list) and contents and isinstance(contents[0], str)
+                and key not in _GGUF_FULL_STRING_ARRAYS):
+            return len(contents)
+        return contents
+
+    metadata = {k: value(k) for k in reader.fields
+                if k.startswith("tokenizer.") or k == "general.architecture"}
+    grouped = {group: {name: metadata[f"tokenizer.{key}"] for key, name in renames.items()
+                       if f"tokenizer.{key}" in metadata}
+               for group, renames in mapping.GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer_dict, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":
+        tokenizer_config.setdefault("add_bos_token", True)  # llama.cpp's default, as transformers
+    for name, key in mapping._SPECIAL_TOKENS.items():
+        token_id = metadata.get(f"tokenizer.ggml.{key}")
+        tokenizer_config[name] = (tokenizer_dict["tokens"][token_id] if token_id is not None
+                                  else None)
+    backend, extra = mapping.convert_gguf_tokenizer(metadata["general.architecture"],
+                                                    tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, length: int | None = None

@@ -137,24 +137,31 @@ def decode_step(params: Any, model_config: ModelConfig, token_B: jax.Array,
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "model_config", "sampling", "max_new_tokens", "mesh", "rules"))
+    "model_config", "sampling", "max_new_tokens", "mesh", "rules", "prompt_group"))
 def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
                     active_B: jax.Array, row_keys_B: jax.Array, stop_ids_S: jax.Array,
                     pad_id: jax.Array, *, model_config: ModelConfig, sampling: SamplingConfig,
                     max_new_tokens: int, mesh: Mesh | None = None,
-                    rules: parallel.LogicalRules = parallel.DEFAULT_RULES) -> SampleOutput:
+                    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+                    prompt_group: int = 1) -> SampleOutput:
     """The compiled sampler over one bucket. Rows must hold at least one prompt token
     (left-padded); inactive rows (batch padding, dropped prompts) produce nothing.
-    stop_ids_S (int32, -1 = unused slot) and pad_id are traced, so they cost no recompiles."""
+    stop_ids_S (int32, -1 = unused slot) and pad_id are traced, so they cost no recompiles.
+    `prompt_group` > 1: rows [i*g, (i+1)*g) hold the same prompt (n samples of it), so the
+    prompt is prefilled once and its cache rows copied to the group."""
     B, P = prompt_BP.shape
     N = max_new_tokens
-    cache = transformer.init_kv_cache(model_config, B, P + N - 1, _cache_dtype(params))
-    if mesh is not None:
-        cache = jax.lax.with_sharding_constraint(cache, _cache_sharding(mesh, rules, cache))
+    g = prompt_group
+    if B % g:
+        raise ValueError(f"generate_tokens: {B} rows do not split into groups of {g}.")
     # Per-layer weight buffers, sliced once here rather than by scan in every decode step.
     params = transformer.unstack_layers(params)
-
-    logits_BV, cache = prefill(params, model_config, prompt_BP, prompt_mask_BP, cache)
+    cache = transformer.init_kv_cache(model_config, B // g, P + N - 1, _cache_dtype(params))
+    logits_BV, cache = prefill(params, model_config, prompt_BP[::g], prompt_mask_BP[::g], cache)
+    if g > 1:
+        logits_BV, cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), (logits_BV, cache))
+    if mesh is not None:
+        cache = jax.lax.with_sharding_constraint(cache, _cache_sharding(mesh, rules, cache))
     keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32))
     tok_B, lp_B = strategies.sample(logits_BV, keys_B, sampling)
 
@@ -260,9 +267,12 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
     elif mesh is not None:
         inputs = tuple(jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x), rules))
                        for x in inputs)
+    # prepare_batch lays each prompt's n samples out as consecutive rows (batch padding rows
+    # are all alike): with whole groups the prompt is prefilled once per group.
+    prompt_group = n if B % n == 0 else 1
     out = generate_tokens(params, *inputs, stop_S, np.int32(pad), model_config=model_config,
                           sampling=sampling, max_new_tokens=int(max_new_tokens), mesh=mesh,
-                          rules=rules)
+                          rules=rules, prompt_group=prompt_group)
     if multihost:
         # Rows stay global (each host's block keeps its padding rows: see host_rows).
         dropped_B = jax.make_array_from_process_local_data(

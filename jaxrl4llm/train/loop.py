@@ -24,7 +24,7 @@ from jaxrl4llm.train.checkpoint import Checkpointer, PreemptionFlag, abstract_li
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 from jaxrl4llm.train.rollout import RolloutContext, rollout, shared_prompt_group
 from jaxrl4llm.train.state import TrainState, learning_rate_schedule
-from jaxrl4llm.train.step import UpdateBatch, train_step
+from jaxrl4llm.train.step import UpdateBatch, compile_train_step, train_step
 
 
 
@@ -142,6 +142,7 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
     last: dict[str, float] = {}
     eval_results: dict[str, float] = {}
     num_micro = config.mini_batch // config.micro_batch
+    compiled: set = set()  # update shapes compiled so far
     bar = tqdm(total=config.num_steps, initial=start, desc="train", unit="step",
                disable=jax.process_index() != 0)
     try:
@@ -166,12 +167,16 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
             prompt_group = (shared_prompt_group(config.group_size, batch.keep_B.shape[0],
                                                 num_micro)
                             if unshuffled and config.share_prompts else 1)
+            static = dict(model_config=model_config, algorithm=config.algorithm,
+                          optimizer=config.optimizer, num_micro=num_micro,
+                          temperature=ctx.sampling.effective_temperature, remat=config.remat,
+                          prompt_group=prompt_group)
             for mb in _minibatches(batch, config, jax.random.fold_in(step_key, 1), mesh):
-                state, m = train_step(state, mb, model_config=model_config,
-                                      algorithm=config.algorithm, optimizer=config.optimizer,
-                                      num_micro=num_micro,
-                                      temperature=ctx.sampling.effective_temperature,
-                                      remat=config.remat, prompt_group=prompt_group)
+                signature = (prompt_group, tuple(x.shape for x in jax.tree.leaves(mb)))
+                if signature not in compiled:
+                    compile_train_step(state, mb, **static)
+                    compiled.add(signature)
+                state, m = train_step(state, mb, **static)
                 updates.append(m)
             update_metrics = _mean_metrics(updates)  # blocks until the updates finish
             last["time/update_s"] = time.perf_counter() - t0

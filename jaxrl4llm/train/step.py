@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxrl4llm import rl
+from jaxrl4llm.train import host_memory
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs
 from jaxrl4llm.train.state import OptimizerConfig, TrainState, make_optimizer
 
@@ -110,3 +111,11 @@ def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
     metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads),
                    update_norm=optax.global_norm(updates))
     return state.replace(params=params, opt_state=opt_state), metrics
+
+
+def compile_train_step(state: TrainState, batch: UpdateBatch, **static: Any) -> None:
+    """Compiles `train_step` for these shapes ahead of its first call (the jitted call reuses
+    the executable), then hands the compiler's freed heap back to the OS: on CPU, the
+    compiler's leftovers would otherwise sit under the update's own peak."""
+    train_step.lower(state, batch, **static).compile()
+    host_memory.release_free_memory()

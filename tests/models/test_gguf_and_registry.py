@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ from jaxrl4llm.models import registry, transformer as T  # noqa: E402
 from jaxrl4llm.models import weights  # noqa: E402
 from jaxrl4llm.models.config import SMOLLM2_135M, TINY  # noqa: E402
 from jaxrl4llm.models.gguf_file import _hf_name, unpermute_qk  # noqa: E402
-from jaxrl4llm.models.tokenizer import left_pad  # noqa: E402
+from jaxrl4llm.models.tokenizer import Tokenizer, left_pad  # noqa: E402
 
 NAME = "smollm2-135m-instruct"
 needs_smollm2 = pytest.mark.skipif(
@@ -72,6 +74,35 @@ def test_tokenizer_chat_template_and_stop_ids(smollm2):
     assert tok.eos_token_id == im_end == tok.pad_token_id  # SmolLM2: pad == eos
     assert im_end in tok.stop_token_ids and 0 in tok.stop_token_ids  # <|endoftext|> too
     assert tok.truncate_at_stop([5, 6, im_end, 7]) == [5, 6]
+
+
+@needs_smollm2
+def test_gguf_tokenizer_equals_transformers_and_needs_no_torch(smollm2):
+    """Built from the GGUF metadata without transformers' file reader, which imports torch
+    (absent from a plain `pip install -e .`): same ids, text and special tokens as AutoTokenizer."""
+    _, _, tok = smollm2
+    path = registry.resolve(NAME)
+    code = ("import os, sys; from jaxrl4llm.models import registry, tokenizer; "
+            f"p = registry.resolve({NAME!r}); "
+            "tokenizer.Tokenizer.from_pretrained(os.path.dirname(p), "
+            "gguf_file=os.path.basename(p)); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch")  # transformers' own GGUF reader, the reference, needs it
+    ref = Tokenizer.from_hf(transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path)))
+    assert (tok.stop_token_ids, tok.pad_token_id, tok.bos_token_id, tok.vocab_size) == (
+        ref.stop_token_ids, ref.pad_token_id, ref.bos_token_id, ref.vocab_size)
+    for text in ["What is 2+3?  Answer: \\boxed{5}\n\nDone.<|im_end|> émoji 🙂", "  lead"]:
+        assert tok.encode(text) == ref.encode(text)
+        assert tok.encode(text, add_special_tokens=True) == ref.encode(text, True)
+    turn = [{"role": "user", "content": "What is 12*7?"}]
+    assert tok.encode_chat(turn, system="Be brief.") == ref.encode_chat(turn, system="Be brief.")
+    ids = list(range(0, 3000, 7)) + [1, 2, 0]
+    for skip in (True, False):
+        assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip)
 
 
 def _compare(model, config, params, tok, label):

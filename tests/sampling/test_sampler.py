@@ -192,6 +192,23 @@ def test_per_row_rng_does_not_depend_on_batch_composition(tiny):
     np.testing.assert_array_equal(fwd.tokens_BT, rev.tokens_BT[::-1])
 
 
+def test_group_prefill_equals_one_prefill_per_row(tiny):
+    config, params = tiny
+    prompts = _prompts(np.random.default_rng(6), [5, 9, 4, 7], config.vocab_size)
+    keys = jax.random.split(jax.random.key(8), 8)
+    key = jax.random.key(0)
+    # n=2: each prompt is prefilled once and its cache copied to both rows; n=1 over the
+    # repeated prompts prefills every row. Same row keys, so the same draws.
+    grouped = sampler.generate(params, config, prompts, SAMPLING, N, key, n=2, row_keys=keys,
+                               stop_ids=())
+    per_row = sampler.generate(params, config, [p for p in prompts for _ in range(2)], SAMPLING,
+                               N, key, n=1, row_keys=keys, stop_ids=())
+    np.testing.assert_array_equal(grouped.tokens_BT, per_row.tokens_BT)
+    np.testing.assert_allclose(grouped.logprobs_BT, per_row.logprobs_BT, atol=1e-5)
+    np.testing.assert_array_equal(grouped.prompt_tokens_BP, per_row.prompt_tokens_BP)
+    assert (np.asarray(grouped.tokens_BT[0]) != np.asarray(grouped.tokens_BT[1])).any()
+
+
 def test_long_prompts_error_or_are_dropped_and_counted(tiny):
     config, params = tiny
     rng = np.random.default_rng(6)
