@@ -33,12 +33,9 @@ def step_tflop(config, prompts: int, group: int, prompt_len: int, new_tokens: in
     passes run the prompt once per group when shared; the update is forward + backward (2x)
     + one more forward with remat.
     """
-    c = config
+    from jaxrl4llm.models.transformer import flops_per_token
     B, P, T = prompts * group, prompt_len, new_tokens
-    layer = 2 * c.num_layers * (c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-                                + 3 * c.hidden_size * c.intermediate_size)
-    unembed = 2 * c.vocab_size * c.hidden_size
-    attn = 4 * c.num_layers * c.num_heads * c.head_dim  # per (query, key) pair
+    layer, unembed, attn = flops_per_token(config)
 
     prefill = prompts * P * layer + prompts * unembed + prompts * P * P / 2 * attn
     decode = B * T * (layer + unembed) + B * T * (P + T / 2) * attn
@@ -83,8 +80,8 @@ def _child(args) -> dict:
         records = [source[(step * args.prompts + i) % len(source)] for i in range(args.prompts)]
         t_step = time.perf_counter()
         batch, m = rollout(ctx, state.params, ref_params, records, jax.random.key(step))
-        prompt_group = (shared_prompt_group(args.group, batch.keep_B.shape[0])
-                        if config.share_prompts else 1)
+        prompt_group = shared_prompt_group(args.group, batch.keep_B.shape[0],
+                                           share=config.share_prompts)
         host_memory.release_free_memory()  # as the trainer does between rollout and update
         t0 = time.perf_counter()
         static = dict(model_config=model_config, algorithm=config.algorithm,

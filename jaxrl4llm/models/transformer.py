@@ -413,12 +413,18 @@ def positions_from_mask(mask_BT: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.cumsum(mask_BT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def forward_flops(config: ModelConfig, batch: int, seq_len: int) -> float:
-    """Matmul FLOPs of one forward pass over [batch, seq_len] (causal attention counted full)."""
+def flops_per_token(config: ModelConfig) -> tuple[float, float, float]:
+    """Forward matmul FLOPs (2 per multiply-add): (the decoder layers per token, the
+    unembedding per token, attention per (query, key) pair over all layers)."""
     c = config
-    tokens = batch * seq_len
     per_layer = (c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
                  + 3 * c.hidden_size * c.intermediate_size)
-    dense = 2 * tokens * (c.num_layers * per_layer + c.vocab_size * c.hidden_size)
-    attn = 2 * 2 * batch * seq_len * seq_len * c.num_heads * c.head_dim * c.num_layers
-    return float(dense + attn)
+    return (2.0 * c.num_layers * per_layer, 2.0 * c.vocab_size * c.hidden_size,
+            4.0 * c.num_layers * c.num_heads * c.head_dim)
+
+
+def forward_flops(config: ModelConfig, batch: int, seq_len: int) -> float:
+    """Matmul FLOPs of one forward pass over [batch, seq_len] (causal attention counted full)."""
+    layers, unembed, attn = flops_per_token(config)
+    tokens = batch * seq_len
+    return float(tokens * (layers + unembed) + batch * seq_len * seq_len * attn)

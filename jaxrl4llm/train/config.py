@@ -88,6 +88,11 @@ class TrainConfig:
         return a.kl_coef > 0 and a.kl_in is not None
 
     @property
+    def reshuffles_rows(self) -> bool:
+        """Whether updates see the rollout's rows reshuffled (several mini-batches or epochs)."""
+        return self.mini_batch != self.batch_size or self.ppo_epochs > 1
+
+    @property
     def needs_old_logprobs(self) -> bool:
         """pi_old differs from pi only when a rollout feeds more than one update."""
         return self.updates_per_step > 1

@@ -35,7 +35,7 @@ _increment = jax.jit(lambda step: step + 1)  # keeps the step a global (replicat
 def _minibatches(batch: UpdateBatch, config: TrainConfig, key: jax.Array, mesh: Any):
     """Yields the mini-batches of every PPO epoch (rows reshuffled per epoch when split)."""
     B, M = config.batch_size, config.mini_batch
-    if M == B and config.ppo_epochs == 1:
+    if not config.reshuffles_rows:
         yield batch
         return
     for epoch in range(config.ppo_epochs):
@@ -163,10 +163,9 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
             t0 = time.perf_counter()
             updates = []
             # Unshuffled rows keep each prompt's samples together: its prompt runs once.
-            unshuffled = config.mini_batch == config.batch_size and config.ppo_epochs == 1
-            prompt_group = (shared_prompt_group(config.group_size, batch.keep_B.shape[0],
-                                                num_micro)
-                            if unshuffled and config.share_prompts else 1)
+            prompt_group = shared_prompt_group(
+                config.group_size, batch.keep_B.shape[0], num_micro,
+                share=config.share_prompts and not config.reshuffles_rows)
             static = dict(model_config=model_config, algorithm=config.algorithm,
                           optimizer=config.optimizer, num_micro=num_micro,
                           temperature=ctx.sampling.effective_temperature, remat=config.remat,

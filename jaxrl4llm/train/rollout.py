@@ -45,11 +45,12 @@ class RolloutContext:
         return SamplingConfig(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
 
 
-def shared_prompt_group(group_size: int, rows: int, slices: int = 1) -> int:
+def shared_prompt_group(group_size: int, rows: int, slices: int = 1, *,
+                        share: bool = True) -> int:
     """The `prompt_group` for teacher-forced passes over `rows` sampler rows split into
-    `slices` contiguous slices: the group size when every slice holds whole groups (the
-    sampler lays a prompt's samples out as consecutive rows), else 1 (no sharing)."""
-    if rows % slices or (rows // slices) % group_size:
+    `slices` contiguous slices: the group size when sharing is on and every slice holds whole
+    groups (the sampler lays a prompt's samples out as consecutive rows), else 1."""
+    if not share or rows % slices or (rows // slices) % group_size:
         return 1
     return group_size
 
@@ -133,8 +134,8 @@ def rollout(ctx: RolloutContext, params: Any, ref_params: Any, records: Sequence
     temperature = ctx.sampling.effective_temperature
     logprobs = functools.partial(
         completion_logprobs_jit, config=ctx.model_config, seqs=seqs, temperature=temperature,
-        prompt_group=(shared_prompt_group(G, seqs.completion_tokens_BT.shape[0])
-                      if c.share_prompts else 1))
+        prompt_group=shared_prompt_group(G, seqs.completion_tokens_BT.shape[0],
+                                         share=c.share_prompts))
     ref_logp = logprobs(ref_params) if c.needs_reference else None
     old_logp = None
     if c.needs_old_logprobs:

@@ -65,9 +65,6 @@ def accumulate_gradients(params: Any, batch: UpdateBatch, *, model_config: Any,
     grad_fn = jax.value_and_grad(functools.partial(
         _micro_loss, model_config=model_config, algorithm=algorithm, temperature=temperature,
         remat=remat, prompt_group=prompt_group), has_aux=True)
-    if num_micro == 1:  # no accumulator: saves a parameter-sized f32 buffer
-        (loss, metric_sums), grads = grad_fn(params, batch, denominator)
-        return loss, grads, rl.finalize_metrics(metric_sums)
     micro = jax.tree.map(lambda x: _split(x, num_micro), batch)
     first = jax.tree.map(lambda x: x[0], micro)
     _, metric_shapes = jax.eval_shape(lambda: grad_fn(params, first, denominator)[0])
