@@ -49,6 +49,9 @@ flags.DEFINE_float("top_p", _T.top_p, "Nucleus sampling mass (1 = off).")
 flags.DEFINE_integer("top_k", _T.top_k, "Top-k sampling (0 = off).")
 flags.DEFINE_enum("long_prompts", _T.long_prompts, ["error", "drop"],
                   "Prompts over --max_prompt_tokens: stop with an error, or drop and count.")
+flags.DEFINE_integer("rollout_micro_batch", _T.rollout_micro_batch,
+                     "Rows per sampler / reference / old-logprob pass, run one after another "
+                     "(0 = all rows at once); bounds the KV cache and activation memory.")
 # --- algorithm: a preset, then one overriding flag per AlgorithmConfig knob
 flags.DEFINE_enum("algorithm", "grpo", sorted(rl.PRESETS), "Algorithm preset.")
 _KNOBS = [f for f in dataclasses.fields(rl.AlgorithmConfig) if f.name != "name"]

@@ -237,6 +237,17 @@ def merge_strided(x: jax.Array, group: int = 1) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape((num_slices * rows,) + x.shape[3:])
 
 
+def num_row_chunks(rows: int, max_rows: int, group: int = 1) -> int:
+    """The fewest strided chunks of at most `max_rows` rows (0: no cap) that split `rows`
+    into whole groups of `group` rows."""
+    if not max_rows or max_rows >= rows:
+        return 1
+    chunks = -(-rows // max_rows)
+    while rows % (chunks * group):
+        chunks += 1
+    return chunks
+
+
 def data_parallel_size(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> int:
     """How many shards the batch axis is split into (the product of its mesh axes)."""
     axes = logical_to_partition_spec(("batch",), rules)[0] or ()

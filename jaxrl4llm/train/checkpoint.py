@@ -45,7 +45,9 @@ class Checkpointer:
         logging.info("Saved checkpoint %d to %s", step, self.directory)
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
-        """Restores onto the shardings of `abstract_state` (a pytree of jax.ShapeDtypeStruct)."""
+        """Restores onto the shardings of `abstract_state` (a pytree of jax.ShapeDtypeStruct:
+        `abstract_like(state)` of a state from `state.create_state`, or
+        `state.abstract_state`), so optimizer moments come back laid out like their params."""
         step = self._manager.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"No checkpoint in {self.directory} to restore.")
@@ -72,11 +74,9 @@ def load_trained_policy(workdir: str, step: int | None = None, mesh: Any = None
     The base model named in WORKDIR/config.json gives the architecture and tokenizer; the
     latest (or `step`) checkpoint gives the parameters.
     """
-    import functools
-
     from jaxrl4llm.models import registry
     from jaxrl4llm.train.config import TrainConfig, param_dtype
-    from jaxrl4llm.train.state import TrainState
+    from jaxrl4llm.train.state import abstract_state
 
     config_path = os.path.join(workdir, "config.json")
     if not os.path.exists(config_path):
@@ -85,9 +85,8 @@ def load_trained_policy(workdir: str, step: int | None = None, mesh: Any = None
         config = TrainConfig.from_json(f.read())
     model_config, params, tokenizer = registry.load_model(
         config.model, mesh=mesh, dtype=param_dtype(config.param_dtype))
-    create = functools.partial(TrainState.create, optimizer=config.optimizer, seed=config.seed)
-    abstract = jax.eval_shape(create, params)
-    abstract = abstract.replace(params=abstract_like(params))
+    # Restored onto the params' layout, optimizer moments included.
+    abstract = abstract_state(params, config.optimizer, config.seed)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=1)
     try:
         if checkpointer.latest_step() is None:

@@ -41,6 +41,8 @@ class TrainConfig:
     top_p: float = 1.0
     top_k: int = 0
     long_prompts: str = "error"            # "error" or "drop" (skip and count)
+    rollout_micro_batch: int = 0           # rows per sampler / reference / old-logprob pass
+                                           # (0 = all rows at once); sizes the KV cache
     # Algorithm and reward.
     algorithm: rl.AlgorithmConfig = dataclasses.field(default_factory=rl.algorithms.grpo)
     reward_scale: str = "01"               # "01" or "pm1"
@@ -128,6 +130,12 @@ class TrainConfig:
               f"The micro-batch of {self.micro_batch} rows cannot be split over the "
               f"{data_parallel} data-parallel devices of --mesh={self.mesh}; make "
               "--micro_batch_size a multiple of data*fsdp.")
+        R = self.rollout_micro_batch
+        check(R == 0 or (R > 0 and B % R == 0 and R % self.group_size == 0
+                         and R % data_parallel == 0),
+              f"--rollout_micro_batch={R} must divide the batch of {B} rows and be a multiple "
+              f"of --group_size={self.group_size} and of the {data_parallel} data-parallel "
+              f"devices of --mesh={self.mesh} (or 0: all rows at once).")
         rl.validate(self.algorithm, self.group_size)
         self.optimizer.validate()
         return self

@@ -23,12 +23,11 @@ from jaxrl4llm.train import plots
 from jaxrl4llm.train.checkpoint import Checkpointer, PreemptionFlag, abstract_like
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 from jaxrl4llm.train.rollout import RolloutContext, rollout, shared_prompt_group
-from jaxrl4llm.train.state import TrainState, learning_rate_schedule
+from jaxrl4llm.train.state import create_state, learning_rate_schedule
 from jaxrl4llm.train.step import UpdateBatch, compile_train_step, train_step
 
 
 
-_create_state = jax.jit(TrainState.create, static_argnums=(1, 2))
 _increment = jax.jit(lambda step: step + 1)  # keeps the step a global (replicated) array
 
 
@@ -105,7 +104,7 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
         config.model, mesh=mesh, dtype=param_dtype(config.param_dtype))
     # A separate copy: the policy's buffers are donated to each update.
     ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
-    state = _create_state(params, config.optimizer, config.seed)
+    state = create_state(params, config.optimizer, config.seed)
     del params
 
     P_host = _prompts_per_host(config, mesh)
@@ -165,11 +164,12 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
             # Unshuffled rows keep each prompt's samples together: its prompt runs once.
             prompt_group = shared_prompt_group(
                 config.group_size, batch.keep_B.shape[0], num_micro,
-                share=config.share_prompts and not config.reshuffles_rows)
+                share=config.share_prompts and not config.reshuffles_rows,
+                data_parallel=parallel.data_parallel_size(mesh))
             static = dict(model_config=model_config, algorithm=config.algorithm,
                           optimizer=config.optimizer, num_micro=num_micro,
                           temperature=ctx.sampling.effective_temperature, remat=config.remat,
-                          prompt_group=prompt_group)
+                          prompt_group=prompt_group, sharding=ctx.sharding)
             for mb in _minibatches(batch, config, jax.random.fold_in(step_key, 1), mesh):
                 signature = (prompt_group, tuple(x.shape for x in jax.tree.leaves(mb)))
                 if signature not in compiled:

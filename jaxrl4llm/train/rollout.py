@@ -40,17 +40,22 @@ class RolloutContext:
         return () if self.force_length else tuple(self.tokenizer.stop_token_ids)
 
     @property
+    def sharding(self) -> parallel.ActivationSharding | None:
+        return None if self.mesh is None else parallel.ActivationSharding(self.mesh)
+
+    @property
     def sampling(self) -> SamplingConfig:
         c = self.config
         return SamplingConfig(temperature=c.temperature, top_k=c.top_k, top_p=c.top_p)
 
 
 def shared_prompt_group(group_size: int, rows: int, slices: int = 1, *,
-                        share: bool = True) -> int:
+                        share: bool = True, data_parallel: int = 1) -> int:
     """The `prompt_group` for teacher-forced passes over `rows` sampler rows split into
-    `slices` contiguous slices: the group size when sharing is on and every slice holds whole
-    groups (the sampler lays a prompt's samples out as consecutive rows), else 1."""
-    if not share or rows % slices or (rows // slices) % group_size:
+    `slices` slices: the group size when sharing is on and every slice holds whole groups on
+    each of its `data_parallel` devices (the sampler lays a prompt's samples out as
+    consecutive rows), else 1."""
+    if not share or rows % slices or (rows // slices) % (group_size * data_parallel):
         return 1
     return group_size
 
@@ -70,7 +75,7 @@ def sample(ctx: RolloutContext, params: Any, records: Sequence[Any], key: jax.Ar
         params, ctx.model_config, encode_prompts(ctx, records), sampling or ctx.sampling,
         c.max_new_tokens, key, stop_ids=ctx.stop_ids, n=n,
         pad_id=ctx.tokenizer.pad_token_id, mesh=ctx.mesh, max_prompt_len=c.max_prompt_tokens,
-        long_prompts=c.long_prompts)
+        long_prompts=c.long_prompts, max_rows=c.rollout_micro_batch or None)
     rows = len(records) * n
     tokens_BT, mask_BT = host_rows(out.tokens_BT, rows), host_rows(out.mask_BT, rows)
     texts = [ctx.tokenizer.decode(t[m]) for t, m in zip(tokens_BT, mask_BT)]
@@ -132,10 +137,14 @@ def rollout(ctx: RolloutContext, params: Any, ref_params: Any, records: Sequence
     seqs = Sequences(prompt_tokens_BP=out.prompt_tokens_BP, prompt_mask_BP=out.prompt_mask_BP,
                      completion_tokens_BT=out.tokens_BT, completion_mask_BT=out.mask_BT)
     temperature = ctx.sampling.effective_temperature
+    rows = seqs.completion_tokens_BT.shape[0]
+    chunks = parallel.num_row_chunks(rows, c.rollout_micro_batch, G if rows % G == 0 else 1)
+    data_parallel = 1 if ctx.mesh is None else parallel.data_parallel_size(ctx.mesh)
     logprobs = functools.partial(
         completion_logprobs_jit, config=ctx.model_config, seqs=seqs, temperature=temperature,
-        prompt_group=shared_prompt_group(G, seqs.completion_tokens_BT.shape[0],
-                                         share=c.share_prompts))
+        prompt_group=shared_prompt_group(G, rows, chunks, share=c.share_prompts,
+                                         data_parallel=data_parallel),
+        num_chunks=chunks, sharding=ctx.sharding)
     ref_logp = logprobs(ref_params) if c.needs_reference else None
     old_logp = None
     if c.needs_old_logprobs:
