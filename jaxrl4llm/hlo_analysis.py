@@ -58,13 +58,20 @@ class Collective:
     operands: tuple[Shape, ...]
     group_size: int
     executions: int
+    upcast_from: str | None = None   # the operand is a just-converted bfloat16 / float16 value
 
     @property
-    def bytes(self) -> int:
+    def bytes(self) -> float:
         """Per-device payload of one execution: the gathered result of an all-gather, the
-        operand of the others (what reduce-scatter / all-reduce / all-to-all consume)."""
+        operand of the others (what reduce-scatter / all-reduce / all-to-all consume).
+
+        An operand converted up from a narrower float right before the collective counts at
+        that width: XLA's CPU compiler (plans and tests) computes bfloat16 dots in float32
+        and hoists the convert above the all-gather; the TPU and GPU compilers move the
+        bfloat16 weights."""
         shapes = self.result if self.kind == "all-gather" else self.operands
-        return sum(s.bytes for s in shapes)
+        scale = DTYPE_BYTES[self.upcast_from] / 4 if self.upcast_from else 1.0
+        return sum(s.bytes * (scale if s.dtype == "f32" else 1.0) for s in shapes)
 
     @property
     def total_bytes(self) -> int:
@@ -172,6 +179,38 @@ def _is_sliced(name: str, instructions: list[_Instruction],
     return bool(users)
 
 
+def _upcast_source(operand_names: list[str], instructions: list[_Instruction],
+                   comps: dict[str, list[_Instruction]]) -> str | None:
+    """"bf16" / "f16" when every operand is produced by a convert (or a fusion of data
+    movement and converts) that passes the value through that narrower float, else None."""
+    narrow = set()
+    by_name = {i.name: i for i in instructions}
+    for name in operand_names:
+        producer = by_name.get(name)
+        if producer is None:
+            return None
+        body = [producer]
+        if producer.op == "fusion":
+            called = _CALLEES.search(producer.rest)
+            body = comps.get(called.group(2).lstrip("%"), []) if called else []
+        moves = {"parameter", "convert", "bitcast", "reshape", "copy", "transpose", "slice",
+                 "dynamic-slice", "constant", "broadcast", "subtract", "add", "multiply"}
+        if {i.op for i in body} - moves:
+            return None
+        inner = {i.name: i for i in body}
+        types = set()
+        for conv in (i for i in body if i.op == "convert"):
+            types.add(_parse_shapes(conv.result)[0].dtype)
+            source = re.findall(r"%([\w.\-]+)", conv.rest.split(")")[0])
+            if source and source[0] in inner:
+                types.add(_parse_shapes(inner[source[0]].result)[0].dtype)
+        found = types & {"bf16", "f16"}
+        if len(found) != 1:
+            return None
+        narrow |= found
+    return narrow.pop() if len(narrow) == 1 else None
+
+
 def _sliced_elements(inst: _Instruction, num: int, instructions: list[_Instruction],
                      comps: dict[str, list[_Instruction]]) -> list[bool]:
     """For each (tuple) element of an all-reduce: whether its result is only sliced, i.e.
@@ -213,9 +252,11 @@ def collectives(hlo: str, *, unknown_trip_count: int = 1,
             if inst.op.endswith("-start") and kind == "all-gather":
                 result = result[len(operands):]   # async: (operands, results) tuple
             group = _group_size(inst.rest, num_devices)
+            upcast = _upcast_source(re.findall(r"%([\w.\-]+)", inst.rest.split(")")[0]),
+                                    instructions, comps)
             if kind != "all-reduce" or inst.op.endswith("-start"):
                 out.append(Collective(kind, inst.name, comp, result, operands, group,
-                                      runs[comp]))
+                                      runs[comp], upcast))
                 continue
             sliced = _sliced_elements(inst, len(operands), instructions, comps)
             for flag, name in ((True, "reduce-scatter"), (False, "all-reduce")):
@@ -224,7 +265,7 @@ def collectives(hlo: str, *, unknown_trip_count: int = 1,
                     out.append(Collective(name, inst.name, comp,
                                           tuple(result[k] for k in picked),
                                           tuple(operands[k] for k in picked), group,
-                                          runs[comp]))
+                                          runs[comp], upcast))
     return out
 
 

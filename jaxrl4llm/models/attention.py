@@ -139,6 +139,10 @@ def _merge_blocks(x: jax.Array, axis: int) -> jax.Array:
 
 def _block_scores(q_blk, k_blk, valid_blk, t0, s0, offset):
     """Masked scores of one (query block, key block) pair: [B, K, G, bq, bk] float32."""
+    # Under jax.checkpoint a mask computed from integer inputs alone is "known" and gets
+    # saved as a residual, stacked over every block pair (GBs at long context); tied to the
+    # queries it is recomputed with the scores instead.
+    q_blk, valid_blk = lax.optimization_barrier((q_blk, valid_blk))
     bq, bk = q_blk.shape[3], k_blk.shape[3]
     s = jnp.einsum("bkgth,bkhs->bkgts", q_blk, k_blk, preferred_element_type=_F32)
     causal = (s0 + jnp.arange(bk))[None, :] <= (t0 + jnp.arange(bq))[:, None] + offset

@@ -40,9 +40,9 @@ def _inputs(seqs: Sequences) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def _chunk_logprobs(spec: str, w: jax.Array, h_BCD: jax.Array, targets_BC: jax.Array,
-                    temperature: float, sharding: Sharding) -> tuple[jax.Array, jax.Array]:
-    logits_BCV = jnp.einsum(spec, h_BCD.astype(w.dtype), w, preferred_element_type=jnp.float32)
-    logits_BCV = parallel.constrain(logits_BCV, transformer.LOGITS_AXES, sharding) / temperature
+                    temperature: float) -> tuple[jax.Array, jax.Array]:
+    logits_BCV = jnp.einsum(spec, h_BCD.astype(w.dtype), w,
+                            preferred_element_type=jnp.float32) / temperature
     logz_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
     target_logit_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
     probs_BCV = jnp.exp(logits_BCV - logz_BC[..., None])
@@ -78,9 +78,9 @@ def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: 
     (`transformer.hidden_states_shared_prefix`), which saves (g-1)/g of the prompt's compute
     and activations. The result is the same up to float rounding.
 
-    `sharding` (a mesh): activations are constrained to the batch layout, the chunk size is
-    sized by what one device holds, and the unembedding matrix is gathered once for all
-    chunks.
+    `sharding` (a mesh): activations are constrained to the batch layout; the unembedding
+    matrix is gathered once and each device unembeds its own rows (chunk size from what one
+    device holds).
     """
     if temperature <= 0:
         temperature = 1.0  # greedy sampling: logprobs are defined at temperature 1
@@ -97,15 +97,40 @@ def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: 
         hidden_BLD, _ = transformer.hidden_states(params, config, tokens, positions, mask,
                                                   remat=remat, sharding=sharding)
         h_BTD = hidden_BLD[:, num_prompt - 1:]
-    targets_BT = seqs.completion_tokens_BT
     h_BTD = parallel.constrain(h_BTD, transformer.H_AXES, sharding)
-    B, T, D = h_BTD.shape
+    spec, w = transformer.unembedding_matrix(params, config, sharding)
     V = config.vocab_size
-    if sharding is not None:
-        B_dev, V_dev = B // sharding.shards("batch", B), V // sharding.shards("vocab", V)
-    else:
-        B_dev, V_dev = B, V
-    chunk = min(chunk_size or logits_chunk_size(B_dev, T, V_dev), T)
+    chunked = functools.partial(
+        _chunked_logprobs, spec, temperature=temperature, chunk_size=chunk_size,
+        vocab_per_device=V if sharding is None else V // sharding.shards("vocab", V))
+    rows = None if sharding is None else sharding.spec(("batch",), h_BTD.shape[:1])[0]
+    if rows is None:
+        return chunked(w, h_BTD, seqs.completion_tokens_BT)
+    # Per device over its own rows: each chunk's unembedding gradient then accumulates
+    # locally and is reduced once after the chunk loop (traced on the whole mesh, it would
+    # be all-reduced at every chunk: the vocabulary-sized matrix, once per chunk).
+    rows = (rows,) if isinstance(rows, str) else tuple(rows)
+    P = jax.sharding.PartitionSpec
+    dtype = w.dtype
+    # XLA's CPU compiler aborts on the bfloat16 all-reduce that sums this input's gradient
+    # over the devices (AllReducePromotion: "Invalid binary instruction opcode copy"), so on
+    # CPU the matrix crosses the boundary in float32 (and its gradient is summed in float32).
+    boundary = jnp.float32 if jax.default_backend() == "cpu" else dtype
+    # Varying before the cast, so the gradient's sum over devices happens in `boundary`.
+    per_device = lambda w, h, t: chunked(  # noqa: E731
+        jax.lax.pcast(w, rows, to="varying").astype(dtype), h, t)
+    return jax.shard_map(per_device, mesh=sharding.mesh, in_specs=(P(), P(rows), P(rows)),
+                         out_specs=(P(rows), P(rows)), axis_names=set(rows))(
+        w.astype(boundary), h_BTD, seqs.completion_tokens_BT)
+
+
+def _chunked_logprobs(spec: str, w: jax.Array, h_BTD: jax.Array, targets_BT: jax.Array, *,
+                      temperature: float, chunk_size: int | None, vocab_per_device: int
+                      ) -> tuple[jax.Array, jax.Array]:
+    """(logp_BT, entropy_BT) from final hidden states, unembedded `chunk_size` positions at a
+    time (default: as many as the logits budget allows for these rows)."""
+    B, T, D = h_BTD.shape
+    chunk = min(chunk_size or logits_chunk_size(B, T, vocab_per_device), T)
     pad = (-T) % chunk
     if pad:
         h_BTD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0)))
@@ -113,9 +138,7 @@ def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: 
     n = (T + pad) // chunk
     h_NBCD = h_BTD.reshape(B, n, chunk, D).swapaxes(0, 1)
     t_NBC = targets_BT.reshape(B, n, chunk).swapaxes(0, 1)
-    spec, w = transformer.unembedding_matrix(params, config, sharding)
-    fn = jax.checkpoint(functools.partial(_chunk_logprobs, spec, w, temperature=temperature,
-                                          sharding=sharding))
+    fn = jax.checkpoint(functools.partial(_chunk_logprobs, spec, w, temperature=temperature))
     logp_NBC, ent_NBC = jax.lax.map(lambda xs: fn(xs[0], xs[1]), (h_NBCD, t_NBC))
     logp_BT = logp_NBC.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
     ent_BT = ent_NBC.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
