@@ -120,6 +120,10 @@ flags.DEFINE_string("architecture", None, "Override the model architecture (a ke
 flags.DEFINE_bool("markdown", False, "Print the table as Markdown (docs/scaling.md).")
 
 
+_SHORT = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR", "all-to-all": "A2A",
+          "collective-permute": "CP"}
+
+
 def _fmt_gb(x: float) -> str:
     return f"{x / GB:.1f}"
 
@@ -128,18 +132,17 @@ def print_plan(result: plan_programs.Plan, markdown: bool = False) -> None:
     topo, rows = result.topology, result.rows
     budget = topo.chip.hbm_bytes * (1 - HEADROOM)
     head = ["program", "calls", "args GB", "temp GB", "out GB", "resident GB", "total GB",
-            "estimate GB", "fits", "collectives GB/call", "step s (compute|comm|hbm)"]
+            "estimate GB", "fits", "collectives GB/call", "s/call (compute/comm/hbm)"]
     lines = []
     for r in rows:
-        coll = " ".join(f"{k.replace('all-', 'a').replace('reduce-scatter', 'rs')}"
-                        f"={v / GB:.2f}" for k, v in sorted(r.collectives.items())
-                        if k != "link" and v > 0) or "-"
-        times = f"{r.seconds:.2f} ({r.t_compute:.2f}|{r.t_comm:.2f}|{r.t_hbm:.2f})"
+        coll = " ".join(f"{_SHORT[k]} {v / GB:.1f}" for k, v in sorted(r.collectives.items())
+                        if k != "link" and v >= 0.05 * GB) or "-"
+        times = f"{r.seconds:.2f} ({r.t_compute:.2f}/{r.t_comm:.2f}/{r.t_hbm:.2f})"
         lines.append([r.program, str(r.calls), _fmt_gb(r.args), _fmt_gb(r.temp),
                       _fmt_gb(r.output), _fmt_gb(r.resident), _fmt_gb(r.total),
                       _fmt_gb(r.estimate), "yes" if r.total <= budget else "NO", coll, times])
     print(f"\n{result.title}\n{topo.num_devices} x {topo.chip.name} ({_fmt_gb(topo.chip.hbm_bytes)}"
-          f" GB, budget {_fmt_gb(budget)} GB with {HEADROOM:.0%} headroom), mesh {result.mesh}")
+          f" GB, budget {_fmt_gb(budget)} GB with {HEADROOM:.0%} headroom), mesh {result.mesh}\n")
     if markdown:
         print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
         for line in lines:
@@ -150,9 +153,10 @@ def print_plan(result: plan_programs.Plan, markdown: bool = False) -> None:
         for line in lines:
             print("  ".join(c.ljust(w) for c, w in zip(line, widths)))
     step = sum(r.seconds * r.calls for r in rows)
-    print(f"roofline step time: {step:.1f} s; update collectives {result.update_vs_textbook:.2f}x "
-          "textbook FSDP; " + ("every program fits" if all(r.total <= budget for r in rows)
-                              else "SOME PROGRAM DOES NOT FIT"))
+    print(f"\nroofline step time: {step:.1f} s; update collectives "
+          f"{result.update_vs_textbook:.2f}x textbook FSDP; "
+          + ("every program fits" if all(r.total <= budget for r in rows)
+             else "SOME PROGRAM DOES NOT FIT"))
 
 
 def main(argv):
