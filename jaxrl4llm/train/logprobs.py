@@ -103,9 +103,9 @@ def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: 
     chunked = functools.partial(
         _chunked_logprobs, spec, temperature=temperature, chunk_size=chunk_size,
         vocab_per_device=V if sharding is None else V // sharding.shards("vocab", V))
-    rows = None if sharding is None else sharding.spec(("batch",), h_BTD.shape[:1])[0]
-    if rows is None:
+    if sharding is None or sharding.shards("batch", h_BTD.shape[0]) == 1:
         return chunked(w, h_BTD, seqs.completion_tokens_BT)
+    rows = sharding.spec(("batch",), h_BTD.shape[:1])[0]
     # Per device over its own rows: each chunk's unembedding gradient then accumulates
     # locally and is reduced once after the chunk loop (traced on the whole mesh, it would
     # be all-reduced at every chunk: the vocabulary-sized matrix, once per chunk).
