@@ -15,6 +15,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
@@ -141,7 +142,8 @@ def logical_to_partition_spec(logical_axes: Sequence[str | None],
 
 
 def _is_axes_leaf(x: Any) -> bool:
-    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+    # A plain tuple of names (not a NamedTuple such as optax's EmptyState()).
+    return type(x) is tuple and all(a is None or isinstance(a, str) for a in x)
 
 
 def logical_to_sharding(logical_axes_tree: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES,
@@ -165,6 +167,85 @@ def shard_pytree(tree: Any, logical_axes_tree: Any, mesh: Mesh,
 def batch_sharding(mesh: Mesh, ndim: int, rules: LogicalRules = DEFAULT_RULES) -> NamedSharding:
     """Sharding of a [B, ...] batch array: rows over the data-parallel axes, the rest whole."""
     return NamedSharding(mesh, logical_to_partition_spec(("batch",) + (None,) * (ndim - 1), rules))
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSharding:
+    """Where a program's activations live: the mesh and rules, as one hashable value that the
+    model functions take as a static argument (`sharding=`; None: no mesh, no constraints).
+
+    Activations are constrained to (batch over data x fsdp, model width whole, heads / MLP /
+    vocab over tensor), so the partitioner splits the *work* like the batch: weights are
+    all-gathered where they are used and gradients reduce-scattered (FSDP), instead of
+    splitting activations along the model width and gathering whole batches.
+    """
+
+    mesh: Mesh
+    rules: LogicalRules = DEFAULT_RULES
+
+    def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:
+        return logical_to_partition_spec(logical_axes, self.rules, shape, self.mesh)
+
+    def named(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical_axes, shape))
+
+    def constrain(self, x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, self.named(logical_axes, x.shape))
+
+    def shards(self, logical_axis: str, size: int) -> int:
+        """Into how many pieces a dimension of `size` with this logical axis is split."""
+        axes = self.spec((logical_axis,), (size,))[0] or ()
+        axes = (axes,) if isinstance(axes, str) else axes
+        return int(np.prod([self.mesh.shape[a] for a in axes]))
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None],
+              sharding: ActivationSharding | None) -> jax.Array:
+    """`sharding.constrain(x, logical_axes)`, or x unchanged without a mesh."""
+    return x if sharding is None else sharding.constrain(x, logical_axes)
+
+
+def constrain_tree(tree: Any, logical_axes_tree: Any,
+                   sharding: ActivationSharding | None) -> Any:
+    """Constrains every leaf of `tree` to its logical axes (e.g. gradients to their params')."""
+    if sharding is None:
+        return tree
+    return jax.tree.map(lambda axes, x: sharding.constrain(x, axes), logical_axes_tree, tree,
+                        is_leaf=_is_axes_leaf)
+
+
+def split_strided(x: jax.Array, num_slices: int, group: int = 1) -> jax.Array:
+    """[R, ...] -> [num_slices, R / num_slices, ...], slice k holding the groups of `group`
+    consecutive rows numbered k, k + num_slices, k + 2 * num_slices, ...
+
+    Rows are split over the data-parallel devices in contiguous blocks, so a contiguous slice
+    would live on 1 / num_slices of the devices; a strided one spans all of them (and when a
+    device's block holds a multiple of num_slices * group rows, slicing moves nothing).
+    """
+    R = x.shape[0]
+    if R % (num_slices * group):
+        raise ValueError(f"{R} rows do not split into {num_slices} slices of whole groups of "
+                         f"{group} rows.")
+    x = x.reshape((R // (num_slices * group), num_slices, group) + x.shape[1:])
+    return jnp.swapaxes(x, 0, 1).reshape((num_slices, R // num_slices) + x.shape[3:])
+
+
+def merge_strided(x: jax.Array, group: int = 1) -> jax.Array:
+    """The inverse of `split_strided`: [num_slices, R / num_slices, ...] -> [R, ...]."""
+    num_slices, rows = x.shape[:2]
+    x = x.reshape((num_slices, rows // group, group) + x.shape[2:])
+    return jnp.swapaxes(x, 0, 1).reshape((num_slices * rows,) + x.shape[3:])
+
+
+def num_row_chunks(rows: int, max_rows: int, group: int = 1) -> int:
+    """The fewest strided chunks of at most `max_rows` rows (0: no cap) that split `rows`
+    into whole groups of `group` rows."""
+    if not max_rows or max_rows >= rows:
+        return 1
+    chunks = -(-rows // max_rows)
+    while rows % (chunks * group):
+        chunks += 1
+    return chunks
 
 
 def data_parallel_size(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> int:

@@ -82,3 +82,40 @@ def test_single_process_does_not_start_distributed(monkeypatch):
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(var, raising=False)
     assert parallel.maybe_initialize_distributed() is False
+
+
+def test_strided_slices_span_every_device_and_merge_back():
+    x = jnp.arange(16 * 3).reshape(16, 3)
+    # 4 slices of whole groups of 2 rows: slice k holds groups k, k + 4 (rows 2k, 2k+1, ...).
+    s = parallel.split_strided(x, 4, group=2)
+    assert s.shape == (4, 4, 3)
+    np.testing.assert_array_equal(s[1, :, 0], np.array([2, 3, 10, 11]) * 3)
+    np.testing.assert_array_equal(parallel.merge_strided(s, group=2), x)
+    np.testing.assert_array_equal(parallel.split_strided(x, 4)[1, :, 0], [3, 15, 27, 39])
+    with pytest.raises(ValueError, match="whole groups of 4"):
+        parallel.split_strided(x, 8, group=4)
+    # On 8 devices holding 2 rows each, every slice of 4 strided rows lands on 4 devices.
+    mesh = parallel.make_mesh("data:1,fsdp:8,tensor:1")
+    rows = jax.device_put(jnp.arange(16), parallel.batch_sharding(mesh, 1))
+    owner = {int(i): d for s in rows.addressable_shards for i, d in
+             zip(np.asarray(s.data), [s.device] * 2)}
+    for k in range(4):
+        assert len({owner[int(r)] for r in parallel.split_strided(jnp.arange(16), 4)[k]}) == 4
+
+
+def test_row_chunks_keep_whole_groups():
+    assert parallel.num_row_chunks(64, 0) == 1 and parallel.num_row_chunks(64, 64) == 1
+    assert parallel.num_row_chunks(64, 16) == 4
+    assert parallel.num_row_chunks(48, 20, group=4) == 3     # 16 rows: whole groups
+    assert parallel.num_row_chunks(24, 10, group=4) == 3
+
+
+def test_activation_sharding_constrains_and_counts_shards():
+    mesh = parallel.make_mesh("data:2,fsdp:2,tensor:2")
+    sharding = parallel.ActivationSharding(mesh)
+    assert sharding.shards("batch", 8) == 4 and sharding.shards("batch", 6) == 1
+    assert sharding.shards("vocab", 10) == 2 and sharding.shards("length", 8) == 1
+    f = jax.jit(lambda x: sharding.constrain(x * 2, ("batch", None, "heads")))
+    y = f(jnp.ones((8, 3, 4)))
+    assert y.sharding.spec == P(("data", "fsdp"), None, "tensor")
+    assert parallel.constrain(y, ("batch",), None) is y

@@ -260,3 +260,23 @@ SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=
                            pad_token_id=2)
 
 PRESETS: dict[str, ModelConfig] = {"tiny": TINY, "smollm2-135m": SMOLLM2_135M}
+
+# Architectures of the paper flagfiles' models (from each Hugging Face repo's config.json),
+# keyed by the repo / folder name in lower case: tools/plan.py plans them without weights.
+_QWEN25_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                  num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+                  attention_bias=True, model_type="qwen2")
+_QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                 num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6, qk_norm=True,
+                 max_position_embeddings=32768, eos_token_ids=(151643,), model_type="qwen3")
+ARCHITECTURES: dict[str, ModelConfig] = {
+    "qwen2.5-math-7b": ModelConfig(**_QWEN25_7B, rope_theta=10000.0,
+                                   max_position_embeddings=4096, eos_token_ids=(151643,)),
+    "qwen2.5-7b-instruct-1m": ModelConfig(**_QWEN25_7B, rope_theta=1e7, rms_norm_eps=1e-5,
+                                          max_position_embeddings=1010000,
+                                          eos_token_ids=(151645,)),
+    "qwen3-8b-base": ModelConfig(**_QWEN3_8B),
+    "qwen3-4b-base": ModelConfig(**dict(_QWEN3_8B, hidden_size=2560, intermediate_size=9728,
+                                        tie_word_embeddings=True)),
+    "smollm2-135m-instruct": SMOLLM2_135M,
+}

@@ -10,6 +10,7 @@ stream, norms, RoPE and softmax are float32; logits are float32.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
@@ -18,14 +19,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxrl4llm import parallel
+from jaxrl4llm.models import attention as attn_lib
 from jaxrl4llm.models import schema
+from jaxrl4llm.models.attention import AttentionConfig
 from jaxrl4llm.models.config import ModelConfig
 
 Params = dict[str, Any]
 
-# Masked attention scores: large and finite so that fully masked rows (pads) stay NaN-free.
-_MASKED = -1e30
 _F32 = jnp.float32
+Sharding = parallel.ActivationSharding | None
+
+# Logical axes of activations: rows over the data-parallel axes, the model width whole,
+# heads / MLP / vocabulary over tensor (see parallel.ActivationSharding).
+H_AXES = ("batch", "length", None)
+_Q_AXES = ("batch", "length", "heads", None)
+_KV_AXES = ("batch", "length", "kv_heads", None)
+_MLP_AXES = ("batch", "length", "mlp")
+LOGITS_AXES = ("batch", "length", "vocab")
 
 
 @flax.struct.dataclass
@@ -150,30 +161,19 @@ def _apply_rope(x_BTNH: jax.Array, cos_BTF: jax.Array, sin_BTF: jax.Array) -> ja
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _attention(q_BTNH: jax.Array, k_BKHS: jax.Array, v_BKSH: jax.Array,
-               visible_BTS: jax.Array) -> jax.Array:
-    """Grouped-query attention; q heads n*G..n*G+G-1 share kv head n. Returns [B,T,N*H] f32."""
-    B, T, N, H = q_BTNH.shape
-    K = k_BKHS.shape[1]
-    q_BKGTH = (q_BTNH.reshape(B, T, K, N // K, H) * (H ** -0.5)).transpose(0, 2, 3, 1, 4)
-    scores_BKGTS = jnp.einsum("bkgth,bkhs->bkgts", q_BKGTH.astype(k_BKHS.dtype), k_BKHS,
-                              preferred_element_type=_F32)
-    scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, _MASKED)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
-    out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs_BKGTS.astype(v_BKSH.dtype), v_BKSH,
-                           preferred_element_type=_F32)
-    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
-
-
 def _layer(config: ModelConfig, h_BTD: jax.Array, lp: Params, cos_BTF: jax.Array,
-           sin_BTF: jax.Array, kv_fn) -> tuple[jax.Array, Any]:
-    """One pre-norm decoder block. `kv_fn(k_BKHT, v_BKTH)` -> (keys_BKHS, values_BKSH, visible,
-    aux) picks the attended keys: the new ones (no cache) or the updated cache layer."""
+           sin_BTF: jax.Array, kv_fn, sharding: Sharding = None,
+           attention: AttentionConfig = AttentionConfig()) -> tuple[jax.Array, Any]:
+    """One pre-norm decoder block. `kv_fn(k_BKHT, v_BKTH)` -> (keys_BKHS, values_BKSH,
+    key_valid_BS, offset, aux) picks the attended keys: the new ones (no cache), the updated
+    cache layer or a shared prefix ++ the new ones; query t sits at key slot t + offset."""
     c = config
+    act = functools.partial(parallel.constrain, sharding=sharding)
+    h_BTD = act(h_BTD, H_AXES)
     x_BTD = rms_norm(h_BTD, lp["attn_norm"], c.rms_norm_eps)
-    q = _dot("btd,dnh->btnh", x_BTD, lp["q"])
-    k = _dot("btd,dkh->btkh", x_BTD, lp["k"])
-    v = _dot("btd,dkh->btkh", x_BTD, lp["v"])
+    q = act(_dot("btd,dnh->btnh", x_BTD, lp["q"]), _Q_AXES)
+    k = act(_dot("btd,dkh->btkh", x_BTD, lp["k"]), _KV_AXES)
+    v = act(_dot("btd,dkh->btkh", x_BTD, lp["v"]), _KV_AXES)
     if c.attention_bias:
         q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
     if c.qk_norm:
@@ -182,16 +182,18 @@ def _layer(config: ModelConfig, h_BTD: jax.Array, lp: Params, cos_BTF: jax.Array
     dtype = lp["q"].dtype
     q = _apply_rope(q, cos_BTF, sin_BTF)
     k = _apply_rope(k, cos_BTF, sin_BTF)
-    keys, values, visible_BTS, aux = kv_fn(k.transpose(0, 2, 3, 1),
-                                           jnp.swapaxes(v.astype(dtype), 1, 2))
-    attn_BTM = _attention(q.astype(dtype), keys, values, visible_BTS)
+    keys, values, key_valid_BS, offset, aux = kv_fn(k.transpose(0, 2, 3, 1),
+                                                    jnp.swapaxes(v.astype(dtype), 1, 2))
+    attn_BTM = attn_lib.attention(q.astype(dtype), keys, values, key_valid_BS, offset,
+                                  attention, sharding)
+    attn_BTM = act(attn_BTM, ("batch", "length", "heads"))
     # One [N*H, D] matrix (a free reshape): as "btnh,nhd" XLA transposed o every call.
     o_MD = lp["o"].reshape(-1, lp["o"].shape[-1])
-    h_BTD = h_BTD + _dot("btm,md->btd", attn_BTM, o_MD)
+    h_BTD = act(h_BTD + _dot("btm,md->btd", attn_BTM, o_MD), H_AXES)
     x_BTD = rms_norm(h_BTD, lp["mlp_norm"], c.rms_norm_eps)
-    gate = _dot("btd,df->btf", x_BTD, lp["gate"])
-    up = _dot("btd,df->btf", x_BTD, lp["up"])
-    h_BTD = h_BTD + _dot("btf,fd->btd", jax.nn.silu(gate) * up, lp["down"])
+    gate = act(_dot("btd,df->btf", x_BTD, lp["gate"]), _MLP_AXES)
+    up = act(_dot("btd,df->btf", x_BTD, lp["up"]), _MLP_AXES)
+    h_BTD = act(h_BTD + _dot("btf,fd->btd", jax.nn.silu(gate) * up, lp["down"]), H_AXES)
     return h_BTD, aux
 
 
@@ -222,7 +224,9 @@ def _layer_params(layers: Any, l: int) -> Params:
 def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
                   positions_BT: jax.Array, mask_BT: jax.Array, kv_cache: KVCache | None = None,
                   cache_index: jax.Array | int | None = None, *,
-                  remat: bool = False) -> tuple[jax.Array, KVCache | None]:
+                  remat: bool = False, sharding: Sharding = None,
+                  attention: AttentionConfig = AttentionConfig()
+                  ) -> tuple[jax.Array, KVCache | None]:
     """Runs the decoder stack; returns (h_BTD after the final norm, in the params' dtype;
     the updated cache or None).
 
@@ -233,22 +237,21 @@ def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
 
     params["layers"] may be stacked (run with lax.scan without a cache) or a tuple of per-layer
     dicts (`unstack_layers`; run as a Python loop). With a cache the layers always run as a
-    Python loop, one cache buffer per layer.
+    Python loop, one cache buffer per layer. `sharding` (a mesh) constrains the activations
+    (see parallel.ActivationSharding); `attention` picks the attention implementation.
     """
     B, T = tokens_BT.shape
     mask_BT = mask_BT.astype(bool)
     cos_BTF, sin_BTF = _rope_tables(config, positions_BT)
-    h_BTD = jnp.take(params["embed"], tokens_BT, axis=0).astype(_F32)
+    h_BTD = _embed(params, tokens_BT, sharding)
     layers = params["layers"]
     stacked = not isinstance(layers, (tuple, list))
+    layer = functools.partial(_layer, config, cos_BTF=cos_BTF, sin_BTF=sin_BTF,
+                              sharding=sharding, attention=attention)
 
     if kv_cache is None:
-        causal_TT = jnp.tril(jnp.ones((T, T), bool))
-        visible_BTS = causal_TT[None] & mask_BT[:, None, :]
-
         def body(h, lp):
-            return _layer(config, h, lp, cos_BTF, sin_BTF,
-                          lambda k, v: (k.astype(v.dtype), v, visible_BTS, None))[0]
+            return layer(h, lp, kv_fn=lambda k, v: (k.astype(v.dtype), v, mask_BT, 0, None))[0]
 
         if remat:
             body = jax.checkpoint(body, prevent_cse=False)
@@ -268,17 +271,17 @@ def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
             raise ValueError(f"cache_index={cache_index} + {T} new tokens does not fit the "
                              f"KV cache of {S} slots; allocate a longer cache.")
         i0 = jnp.asarray(cache_index, jnp.int32)
+        # A static index stays static: the kernels need their causal offset at trace time.
+        offset = cache_index if isinstance(cache_index, int) else i0
         cache_mask_BS = lax.dynamic_update_slice(kv_cache.mask_BS, mask_BT, (0, i0))
-        slot_T = i0 + jnp.arange(T)
-        visible_BTS = (jnp.arange(S)[None, :] <= slot_T[:, None])[None] & cache_mask_BS[:, None, :]
 
         def body(h, lp, k_cache, v_cache):
             def kv_fn(k, v):
                 k_new = lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, i0))
                 v_new = lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, i0, 0))
-                return k_new, v_new, visible_BTS, (k_new, v_new)
+                return k_new, v_new, cache_mask_BS, offset, (k_new, v_new)
 
-            return _layer(config, h, lp, cos_BTF, sin_BTF, kv_fn)
+            return layer(h, lp, kv_fn=kv_fn)
 
         if remat:
             body = jax.checkpoint(body, prevent_cse=False)
@@ -294,10 +297,18 @@ def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
     return h_BTD.astype(params["embed"].dtype), new_cache
 
 
+def _embed(params: Params, tokens_BT: jax.Array, sharding: Sharding) -> jax.Array:
+    """Token embeddings [B, T, D] float32, rows over the data-parallel axes."""
+    h_BTD = jnp.take(params["embed"], tokens_BT, axis=0).astype(_F32)
+    return parallel.constrain(h_BTD, H_AXES, sharding)
+
+
 def hidden_states_shared_prefix(params: Params, config: ModelConfig, prefix_tokens_GP: jax.Array,
                                 prefix_mask_GP: jax.Array, tokens_BT: jax.Array,
                                 mask_BT: jax.Array, *, group: int,
-                                remat: bool = False) -> tuple[jax.Array, jax.Array]:
+                                remat: bool = False, sharding: Sharding = None,
+                                attention: AttentionConfig = AttentionConfig()
+                                ) -> tuple[jax.Array, jax.Array]:
     """Teacher-forced hidden states of rows that share a prefix in blocks of `group` rows.
 
     Row b is `prefix_GP[b // group] ++ tokens_BT[b]` (B = G * group): a GRPO group is one
@@ -325,52 +336,63 @@ def hidden_states_shared_prefix(params: Params, config: ModelConfig, prefix_toke
         prefix_len_B[:, None] + jnp.cumsum(mask_BT.astype(jnp.int32), axis=1) - 1, 0)
     cos_p, sin_p = _rope_tables(config, positions_GP)
     cos_c, sin_c = _rope_tables(config, positions_BT)
-    visible_GPP = jnp.tril(jnp.ones((P, P), bool))[None] & prefix_mask_GP[:, None, :]
-    # A row's token t sees its block's real prefix tokens and its own real tokens <= t.
-    visible_BTS = jnp.concatenate([
-        jnp.broadcast_to(jnp.repeat(prefix_mask_GP, group, axis=0)[:, None, :], (B, T, P)),
-        jnp.tril(jnp.ones((T, T), bool))[None] & mask_BT[:, None, :]], axis=2)
+    # A row's token t (key slot P + t) sees its block's real prefix tokens and its own real
+    # tokens <= t.
+    key_valid_BS = jnp.concatenate([jnp.repeat(prefix_mask_GP, group, axis=0), mask_BT], axis=1)
+    layer = functools.partial(_layer, config, sharding=sharding, attention=attention)
+    rows = functools.partial(parallel.constrain, logical_axes=("batch", "kv_heads"),
+                             sharding=sharding)
 
     def body(carry, lp):
         hp_GPD, hc_BTD = carry
-        hp_GPD, (kp, vp) = _layer(config, hp_GPD, lp, cos_p, sin_p,
-                                  lambda k, v: (k.astype(v.dtype), v, visible_GPP,
-                                                (k.astype(v.dtype), v)))
+        hp_GPD, (kp, vp) = layer(hp_GPD, lp, cos_p, sin_p,
+                                 kv_fn=lambda k, v: (k.astype(v.dtype), v, prefix_mask_GP, 0,
+                                                     (k.astype(v.dtype), v)))
 
         def kv_rows(k, v):
-            keys = jnp.concatenate([jnp.repeat(kp, group, axis=0), k.astype(v.dtype)], axis=3)
-            values = jnp.concatenate([jnp.repeat(vp, group, axis=0), v], axis=2)
-            return keys, values, visible_BTS, None
+            keys = jnp.concatenate([rows(jnp.repeat(kp, group, axis=0)), k.astype(v.dtype)],
+                                   axis=3)
+            values = jnp.concatenate([rows(jnp.repeat(vp, group, axis=0)), v], axis=2)
+            return keys, values, key_valid_BS, P, None
 
-        hc_BTD, _ = _layer(config, hc_BTD, lp, cos_c, sin_c, kv_rows)
+        hc_BTD, _ = layer(hc_BTD, lp, cos_c, sin_c, kv_fn=kv_rows)
         return (hp_GPD, hc_BTD), None
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    embed = params["embed"]
-    carry = (jnp.take(embed, prefix_tokens_GP, axis=0).astype(_F32),
-             jnp.take(embed, tokens_BT, axis=0).astype(_F32))
+    carry = (_embed(params, prefix_tokens_GP, sharding), _embed(params, tokens_BT, sharding))
     (hp_GPD, hc_BTD), _ = lax.scan(body, carry, layers)
-    eps = config.rms_norm_eps
-    return (rms_norm(hp_GPD, params["final_norm"], eps).astype(embed.dtype),
-            rms_norm(hc_BTD, params["final_norm"], eps).astype(embed.dtype))
+    eps, dtype = config.rms_norm_eps, params["embed"].dtype
+    return (rms_norm(hp_GPD, params["final_norm"], eps).astype(dtype),
+            rms_norm(hc_BTD, params["final_norm"], eps).astype(dtype))
 
 
-def unembed(params: Params, config: ModelConfig, h_BTD: jax.Array) -> jax.Array:
-    """Final-normed hidden states -> float32 logits [B, T, V]."""
+def unembedding_matrix(params: Params, config: ModelConfig, sharding: Sharding = None
+                       ) -> tuple[str, jax.Array]:
+    """(einsum spec, the unembedding weight) laid out for the matmul: the model width whole,
+    the vocabulary over tensor. Gathered once, it can serve many chunks of positions."""
     if config.tie_word_embeddings:
-        return _dot("btd,vd->btv", h_BTD, params["embed"])
-    return _dot("btd,dv->btv", h_BTD, params["unembed"])
+        return "btd,vd->btv", parallel.constrain(params["embed"], ("vocab", None), sharding)
+    return "btd,dv->btv", parallel.constrain(params["unembed"], (None, "vocab"), sharding)
+
+
+def unembed(params: Params, config: ModelConfig, h_BTD: jax.Array,
+            sharding: Sharding = None) -> jax.Array:
+    """Final-normed hidden states -> float32 logits [B, T, V]."""
+    spec, w = unembedding_matrix(params, config, sharding)
+    return parallel.constrain(_dot(spec, h_BTD, w), LOGITS_AXES, sharding)
 
 
 def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array, positions_BT: jax.Array,
             mask_BT: jax.Array, kv_cache: KVCache | None = None,
             cache_index: jax.Array | int | None = None, *,
-            remat: bool = False) -> tuple[jax.Array, KVCache | None]:
+            remat: bool = False, sharding: Sharding = None,
+            attention: AttentionConfig = AttentionConfig()) -> tuple[jax.Array, KVCache | None]:
     """Tokens -> (float32 logits_BTV, updated cache or None). See `hidden_states`."""
     h_BTD, new_cache = hidden_states(params, config, tokens_BT, positions_BT, mask_BT,
-                                     kv_cache, cache_index, remat=remat)
-    return unembed(params, config, h_BTD), new_cache
+                                     kv_cache, cache_index, remat=remat, sharding=sharding,
+                                     attention=attention)
+    return unembed(params, config, h_BTD, sharding), new_cache
 
 
 def positions_from_mask(mask_BT: jax.Array) -> jax.Array:

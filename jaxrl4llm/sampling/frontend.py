@@ -49,7 +49,8 @@ class Sampler:
     Stop ids: `stop_ids` if given (() samples exactly max_new_tokens tokens), else the model's
     eos ids plus the tokenizer's stop tokens (e.g. "<|im_end|>") plus `extra_stop_ids`. Pad id:
     `pad_id`, else the tokenizer's, else the model's, else 0. Greedy decoding reports
-    temperature-1 logprobs (SamplingConfig.effective_temperature).
+    temperature-1 logprobs (SamplingConfig.effective_temperature). `max_rows` caps the rows
+    decoded at once (more run as strided chunks in the same program; the same samples).
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer: Any = None, *,
@@ -57,7 +58,8 @@ class Sampler:
                  stop_ids: Sequence[int] | None = None, extra_stop_ids: Sequence[int] = (),
                  pad_id: int | None = None, max_prompt_len: int | None = None,
                  long_prompts: str = "error",
-                 min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET):
+                 min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET,
+                 max_rows: int | None = None):
         if long_prompts not in LONG_PROMPT_MODES:
             raise ValueError(f"long_prompts={long_prompts!r} must be one of {LONG_PROMPT_MODES}.")
         if stop_ids is None:
@@ -74,6 +76,7 @@ class Sampler:
         self.max_prompt_len = max_prompt_len
         self.long_prompts = long_prompts
         self.min_prompt_bucket = min_prompt_bucket
+        self.max_rows = max_rows
 
     def check_context(self, max_new_tokens: int, prompt_len: int | None = None) -> None:
         """Raises a clear error when a prompt of `prompt_len` tokens (default: the longest
@@ -100,7 +103,8 @@ class Sampler:
                         stop_ids=self.stop_ids, n=group_size, pad_id=self.pad_id,
                         mesh=self.mesh, rules=self.rules, max_prompt_len=self.max_prompt_len,
                         long_prompts=self.long_prompts, row_keys=row_keys,
-                        min_prompt_bucket=self.min_prompt_bucket, share_prompts=share_prompts)
+                        min_prompt_bucket=self.min_prompt_bucket, share_prompts=share_prompts,
+                        max_rows=self.max_rows)
 
     def encode(self, prompts: Sequence[Any], *, chat: bool = True,
                system: str | None = None) -> list[list[int]]:

@@ -33,11 +33,14 @@ class RowLayout:
         """One entry per row: each prompt's item G times in a row (e.g. records to score)."""
         return [x for x in items for _ in range(self.group_size)]
 
-    def prompt_group(self, rows: int, slices: int = 1) -> int:
-        """Rows per prompt run for a pass over `rows` rows split into `slices` contiguous
-        slices: G when prompts are shared and every slice holds whole groups, else 1."""
+    def prompt_group(self, rows: int, slices: int = 1, data_parallel: int = 1) -> int:
+        """Rows per prompt run for a pass over `rows` rows split into `slices` slices: G when
+        prompts are shared and every slice holds whole groups on each of its `data_parallel`
+        devices, else 1 (a group split across devices would replicate its prompt and
+        all-reduce it)."""
         G = self.group_size
-        if not (self.share_prompts and self.grouped) or rows % slices or (rows // slices) % G:
+        if (not (self.share_prompts and self.grouped) or rows % slices
+                or (rows // slices) % (G * data_parallel)):
             return 1
         return G
 

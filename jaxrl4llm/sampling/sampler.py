@@ -10,7 +10,10 @@ One compiled program per shape bucket (batch, prompt length, max_new_tokens, sam
 
 The cache is created inside the program and carried by the loop, so XLA updates it in place;
 it never crosses the jit boundary and needs no donation. With a mesh it is sharded over
-batch (data, fsdp) and kv heads (tensor).
+batch (data, fsdp) and kv heads (tensor), and the activations are constrained to the batch
+layout (parallel.ActivationSharding). `max_rows` runs the rows in strided chunks one after
+another inside the same program (every chunk spans every device), so the cache and the
+activations are sized by one chunk.
 
 Logprobs are log_softmax(logits / temperature) at the sampled token, before top-k / top-p
 truncation (temperature 1 for greedy); see strategies.py. Row r draws with
@@ -19,13 +22,14 @@ fold_in(row_key[r], step), so a row's samples do not depend on the rest of the b
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
@@ -86,15 +90,12 @@ class _LoopState:
     logprobs_BT: jax.Array
 
 
-def _cache_sharding(mesh: Mesh, rules: parallel.LogicalRules, cache: transformer.KVCache):
-    def named(axes, shape):
-        return NamedSharding(mesh, parallel.logical_to_partition_spec(axes, rules, shape, mesh))
-
-    k = named(transformer.K_CACHE_LOGICAL_AXES, cache.k_BKHS[0].shape)
-    v = named(transformer.V_CACHE_LOGICAL_AXES, cache.v_BKSH[0].shape)
+def _cache_sharding(sharding: parallel.ActivationSharding, cache: transformer.KVCache):
+    k = sharding.named(transformer.K_CACHE_LOGICAL_AXES, cache.k_BKHS[0].shape)
+    v = sharding.named(transformer.V_CACHE_LOGICAL_AXES, cache.v_BKSH[0].shape)
     layers = len(cache.k_BKHS)
     return transformer.KVCache(k_BKHS=(k,) * layers, v_BKSH=(v,) * layers,
-                               mask_BS=named(("batch", "length"), cache.mask_BS.shape))
+                               mask_BS=sharding.named(("batch", "length"), cache.mask_BS.shape))
 
 
 def _cache_dtype(params: Any) -> Any:
@@ -117,51 +118,84 @@ def stop_id_array(stop_ids: Sequence[int]) -> np.ndarray:
 
 
 def prefill(params: Any, model_config: ModelConfig, prompt_BP: jax.Array,
-            prompt_mask_BP: jax.Array, cache: transformer.KVCache):
+            prompt_mask_BP: jax.Array, cache: transformer.KVCache,
+            sharding: parallel.ActivationSharding | None = None):
     """Writes the left-padded prompt block into cache slots [0, P); returns the logits of each
     row's last prompt token [B, V] (only that column is unembedded) and the cache."""
     positions_BP = transformer.positions_from_mask(prompt_mask_BP)
     h_BPD, cache = transformer.hidden_states(params, model_config, prompt_BP, positions_BP,
-                                             prompt_mask_BP, cache, 0)
-    return transformer.unembed(params, model_config, h_BPD[:, -1:])[:, 0], cache
+                                             prompt_mask_BP, cache, 0, sharding=sharding)
+    return transformer.unembed(params, model_config, h_BPD[:, -1:], sharding)[:, 0], cache
 
 
 def decode_step(params: Any, model_config: ModelConfig, token_B: jax.Array,
-                position_B: jax.Array, cache: transformer.KVCache, cache_index: jax.Array):
+                position_B: jax.Array, cache: transformer.KVCache, cache_index: jax.Array,
+                sharding: parallel.ActivationSharding | None = None):
     """Feeds one token per row at slot `cache_index`; returns (next-token logits [B, V], cache)."""
     B = token_B.shape[0]
     h_B1D, cache = transformer.hidden_states(params, model_config, token_B[:, None],
                                              position_B[:, None], jnp.ones((B, 1), bool),
-                                             cache, cache_index)
-    return transformer.unembed(params, model_config, h_B1D)[:, 0], cache
+                                             cache, cache_index, sharding=sharding)
+    return transformer.unembed(params, model_config, h_B1D, sharding)[:, 0], cache
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "model_config", "sampling", "max_new_tokens", "mesh", "rules", "prompt_group"))
+    "model_config", "sampling", "max_new_tokens", "mesh", "rules", "prompt_group",
+    "num_chunks", "cache_dtype"))
 def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
                     active_B: jax.Array, row_keys_B: jax.Array, stop_ids_S: jax.Array,
                     pad_id: jax.Array, *, model_config: ModelConfig, sampling: SamplingConfig,
                     max_new_tokens: int, mesh: Mesh | None = None,
                     rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
-                    prompt_group: int = 1) -> SampleOutput:
+                    prompt_group: int = 1, num_chunks: int = 1,
+                    cache_dtype: Any = None) -> SampleOutput:
     """The compiled sampler over one bucket. Rows must hold at least one prompt token
     (left-padded); inactive rows (batch padding, dropped prompts) produce nothing.
     stop_ids_S (int32, -1 = unused slot) and pad_id are traced, so they cost no recompiles.
     `prompt_group` > 1: rows [i*g, (i+1)*g) hold the same prompt (n samples of it), so the
-    prompt is prefilled once and its cache rows copied to the group."""
+    prompt is prefilled once and its cache rows copied to the group. `num_chunks` > 1: the
+    rows run as that many strided chunks of whole groups, one after another (a row's
+    samples do not depend on the other rows, so the output is the same). `cache_dtype`
+    (default: see _cache_dtype) is the KV cache's dtype."""
+    B = prompt_BP.shape[0]
+    if B % (num_chunks * prompt_group):
+        raise ValueError(f"generate_tokens: {B} rows do not split into {num_chunks} chunks of "
+                         f"whole groups of {prompt_group}.")
+    # Per-layer weight buffers, sliced once here rather than by scan in every decode step.
+    params = transformer.unstack_layers(params)
+    sharding = None if mesh is None else parallel.ActivationSharding(mesh, rules)
+    run = functools.partial(
+        _generate_rows, params, stop_ids_S=stop_ids_S, pad_id=pad_id,
+        model_config=model_config, sampling=sampling, max_new_tokens=max_new_tokens,
+        sharding=sharding, prompt_group=prompt_group,
+        cache_dtype=cache_dtype or _cache_dtype(params))
+    rows = (prompt_BP, prompt_mask_BP, active_B, row_keys_B)
+    if num_chunks == 1:
+        return run(*rows)
+    chunks = tuple(parallel.constrain(parallel.split_strided(x, num_chunks, prompt_group),
+                                      (None, "batch"), sharding) for x in rows)
+    out = jax.lax.map(lambda xs: run(*xs), chunks)
+    merged = jax.tree.map(lambda x: parallel.merge_strided(x, prompt_group),
+                          out.replace(num_steps=None))
+    return merged.replace(num_steps=jnp.max(out.num_steps))
+
+
+def _generate_rows(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
+                   active_B: jax.Array, row_keys_B: jax.Array, *, stop_ids_S: jax.Array,
+                   pad_id: jax.Array, model_config: ModelConfig, sampling: SamplingConfig,
+                   max_new_tokens: int, sharding: parallel.ActivationSharding | None,
+                   prompt_group: int, cache_dtype: Any) -> SampleOutput:
+    """Prefill + decode loop over one block of rows (see generate_tokens)."""
     B, P = prompt_BP.shape
     N = max_new_tokens
     g = prompt_group
-    if B % g:
-        raise ValueError(f"generate_tokens: {B} rows do not split into groups of {g}.")
-    # Per-layer weight buffers, sliced once here rather than by scan in every decode step.
-    params = transformer.unstack_layers(params)
-    cache = transformer.init_kv_cache(model_config, B // g, P + N - 1, _cache_dtype(params))
-    logits_BV, cache = prefill(params, model_config, prompt_BP[::g], prompt_mask_BP[::g], cache)
+    cache = transformer.init_kv_cache(model_config, B // g, P + N - 1, cache_dtype)
+    logits_BV, cache = prefill(params, model_config, prompt_BP[::g], prompt_mask_BP[::g], cache,
+                               sharding)
     if g > 1:
         logits_BV, cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), (logits_BV, cache))
-    if mesh is not None:
-        cache = jax.lax.with_sharding_constraint(cache, _cache_sharding(mesh, rules, cache))
+    if sharding is not None:
+        cache = jax.lax.with_sharding_constraint(cache, _cache_sharding(sharding, cache))
     keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32))
     tok_B, lp_B = strategies.sample(logits_BV, keys_B, sampling)
 
@@ -180,7 +214,7 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
     def body(s: _LoopState) -> _LoopState:
         # Rows already done keep feeding tokens (harmless: they only attend to themselves).
         logits_BV, cache = decode_step(params, model_config, s.last_B, s.position_B, s.cache,
-                                       P + s.step - 1)
+                                       P + s.step - 1, sharding)
         keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, jnp.full((B,), s.step, jnp.uint32))
         tok_B, lp_B = strategies.sample(logits_BV, keys_B, sampling)
         live_B = ~s.done_B
@@ -216,7 +250,7 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
              max_prompt_len: int | None = None, long_prompts: str = "error",
              row_keys: jax.Array | None = None,
              min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET,
-             share_prompts: bool = True) -> SampleOutput:
+             share_prompts: bool = True, max_rows: int | None = None) -> SampleOutput:
     """Samples `n` completions of each prompt (lists of token ids, unpadded).
 
     stop_ids defaults to model_config.eos_token_ids; max_prompt_len defaults to
@@ -226,6 +260,8 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
     be placed on it (e.g. parallel.shard_pytree with transformer.param_logical_axes).
     Rows follow sampling.layout.RowLayout(n, share_prompts): a prompt's n samples are
     consecutive rows, and with share_prompts its prefill runs once for them.
+    `max_rows` (global rows, all hosts) caps the rows decoded at once: more rows run as
+    strided chunks of whole prompts, one after another, in the same program (same samples).
     """
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
@@ -244,11 +280,18 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
         # Each host passes its own prompts; every host must build the same shapes.
         multiple = max(1, multiple // jax.process_count())
         min_prompt_bucket = max(min_prompt_bucket, _global_max_prompt_len(prompts, limit))
+    chunk = None
+    if max_rows and max_rows < len(prompts) * n * jax.process_count():
+        # Rows per chunk on this host: whole prompts (n rows) on whole data-parallel shards.
+        unit = math.lcm(n, multiple)
+        chunk = unit * max(1, max_rows // jax.process_count() // unit)
+        multiple = chunk
     batch = buckets.prepare_batch(prompts, n=n, max_prompt_len=limit,
                                   long_prompts=long_prompts, pad_id=pad,
                                   vocab_size=model_config.vocab_size, batch_multiple=multiple,
                                   min_prompt_bucket=min_prompt_bucket)
     B = batch.prompt_BP.shape[0]
+    num_chunks = B // chunk if chunk else 1
     # Prompt indices are global (offset by this host's share) so no two hosts draw alike.
     prompt_index_B = batch.prompt_index_B + (jax.process_index() * len(prompts) if multihost
                                              else 0)
@@ -275,7 +318,7 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
     prompt_group = RowLayout(n, share_prompts).prompt_group(B)
     out = generate_tokens(params, *inputs, stop_S, np.int32(pad), model_config=model_config,
                           sampling=sampling, max_new_tokens=int(max_new_tokens), mesh=mesh,
-                          rules=rules, prompt_group=prompt_group)
+                          rules=rules, prompt_group=prompt_group, num_chunks=num_chunks)
     if multihost:
         # Rows stay global (each host's block keeps its padding rows: see host_rows).
         dropped_B = jax.make_array_from_process_local_data(

@@ -10,7 +10,6 @@ warning and the previous one is tried, down to a clear error when none is usable
 """
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import threading
@@ -24,7 +23,7 @@ from absl import logging
 from jaxrl4llm.models import registry
 from jaxrl4llm.train import integrity
 from jaxrl4llm.train.config import TrainConfig, param_dtype
-from jaxrl4llm.train.state import TrainState
+from jaxrl4llm.train.state import abstract_state
 
 
 class CheckpointError(RuntimeError):
@@ -91,7 +90,9 @@ class Checkpointer:
 
     def restore(self, abstract_state: Any, step: int | None = None, *,
                 set_aside: bool = True) -> tuple[Any, dict]:
-        """Restores onto the shardings of `abstract_state` (a pytree of jax.ShapeDtypeStruct):
+        """Restores onto the shardings of `abstract_state` (a pytree of jax.ShapeDtypeStruct:
+        `abstract_like(state)` of a state from `state.create_state`, or
+        `state.abstract_state`), so optimizer moments come back laid out like their params:
         `step`, else the latest usable step. Damaged later steps are warned about and, with
         `set_aside` (a run that will save again), renamed out of the way."""
         steps = sorted(self._manager.all_steps(), reverse=True) if step is None else [step]
@@ -163,10 +164,8 @@ def load_trained_policy(workdir: str, step: int | None = None, mesh: Any = None
         config = TrainConfig.from_json(f.read())
     model_config, params, tokenizer = registry.load_model(
         config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype))
-    create = functools.partial(TrainState.create, optimizer=config.optimizer,
-                               seed=config.run.seed)
-    abstract = jax.eval_shape(create, params)
-    abstract = abstract.replace(params=abstract_like(params))
+    # Restored onto the params' layout, optimizer moments included.
+    abstract = abstract_state(params, config.optimizer, config.run.seed)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=1)
     try:
         if checkpointer.latest_step() is None:

@@ -100,6 +100,8 @@ class RolloutConfig:
     long_prompts: Prompts over --max_prompt_tokens: stop with an error, or drop and count them.
     share_prompts: Run each group's prompt once (sampler prefill; reference, old-policy and
         update passes): the same result with less compute and memory.
+    rollout_micro_batch: Rows per sampler / reference / old-logprob pass, run one after another
+        (0 = all rows at once); bounds the KV cache and activation memory.
     """
 
     prompts_per_step: int = 8
@@ -109,6 +111,7 @@ class RolloutConfig:
     sampling: SamplingConfig = group(SamplingConfig)
     long_prompts: str = "error"
     share_prompts: bool = True
+    rollout_micro_batch: int = 0
 
     @property
     def layout(self) -> RowLayout:
@@ -294,6 +297,12 @@ class TrainConfig:
                 f"The micro-batch of {self.micro_batch} rows cannot be split over the "
                 f"{data_parallel} data-parallel devices of --mesh={run.mesh}; make "
                 "--micro_batch_size a multiple of data*fsdp.")
+        R = r.rollout_micro_batch
+        require(R == 0 or (R > 0 and B % R == 0 and R % r.group_size == 0
+                           and R % data_parallel == 0),
+                f"--rollout_micro_batch={R} must divide the batch of {B} rows and be a multiple "
+                f"of --group_size={r.group_size} and of the {data_parallel} data-parallel "
+                f"devices of --mesh={run.mesh} (or 0: all rows at once).")
         rl.validate(self.algorithm, r.group_size)
         self.optimizer.validate()
         return self

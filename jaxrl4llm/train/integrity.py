@@ -7,6 +7,7 @@ does not depend on the sharding or the number of hosts, is computed where the sh
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -30,11 +31,14 @@ def _bits_u32(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
 
 
-def _index_weights(shape: tuple[int, ...]) -> jax.Array:
-    """An odd pseudo-random uint32 weight per element, from its row-major global index."""
+def _index_weights(shape: tuple[int, ...], global_shape: tuple[int, ...],
+                   offsets: jax.Array) -> jax.Array:
+    """An odd pseudo-random uint32 weight per element of a block of `shape` starting at
+    `offsets` in an array of `global_shape`, from the element's row-major global index."""
     index = jnp.zeros(shape, jnp.uint32)
-    for axis, size in enumerate(shape):
-        index = index * jnp.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+    for axis, size in enumerate(global_shape):
+        position = jax.lax.broadcasted_iota(jnp.uint32, shape, axis) + offsets[axis]
+        index = index * jnp.uint32(size) + position
     h = index ^ (index >> 16)  # murmur3's finalizer: nearby indices get unrelated weights
     h = h * jnp.uint32(0x85EBCA6B)
     h = h ^ (h >> 13)
@@ -43,16 +47,23 @@ def _index_weights(shape: tuple[int, ...]) -> jax.Array:
     return h | jnp.uint32(1)
 
 
-def _leaf_check(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    bits = _bits_u32(x)
-    digest = jnp.sum(bits * _index_weights(bits.shape), dtype=jnp.uint32)
-    finite = jnp.isfinite(x).all() if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.array(True)
-    return digest, finite
+@functools.partial(jax.jit, static_argnames=("global_shape",))
+def _block_check(block: jax.Array, offsets: jax.Array, *, global_shape: tuple[int, ...]
+                 ) -> tuple[jax.Array, jax.Array]:
+    """(digest, all finite) of one block of an array (a shard on one device)."""
+    bits = _bits_u32(block)
+    extra = bits.shape[len(global_shape):]  # 64-bit elements: two words each
+    digest = jnp.sum(bits * _index_weights(bits.shape, tuple(global_shape) + extra,
+                                           jnp.concatenate([offsets, jnp.zeros(len(extra),
+                                                                               jnp.uint32)])),
+                     dtype=jnp.uint32)
+    if jnp.issubdtype(block.dtype, jnp.inexact):
+        return digest, jnp.isfinite(block).all()
+    return digest, jnp.array(True)
 
 
-# Per leaf: a state's leaves may live on different device sets (a replicated scalar step next
-# to sharded params), which one jit over the whole tree rejects. Cached per shape / sharding.
-_leaf_check_jit = jax.jit(_leaf_check)
+def _shard_offsets(index: tuple[slice, ...], ndim: int) -> np.ndarray:
+    return np.array([s.start or 0 for s in index] + [0] * (ndim - len(index)), np.uint32)
 
 
 class Fingerprint(NamedTuple):
@@ -61,15 +72,36 @@ class Fingerprint(NamedTuple):
 
 
 def fingerprint(tree: Any) -> Fingerprint:
-    """Digests and finiteness of every array leaf of `tree` (one device pass, small transfer)."""
+    """Digests and finiteness of every array leaf of `tree`.
+
+    Each device digests the shards it holds (one replica of each), with no collective: on
+    the CPU backend, collectives in programs dispatched while other threads (orbax's) run
+    programs can deadlock. Partial digests add up mod 2^32 on the host (and over hosts)."""
     leaves = jax.tree_util.tree_leaves_with_path(tree)
-    checks = jax.device_get([_leaf_check_jit(leaf) for _, leaf in leaves])
+    pending = []  # per leaf: [(digest, finite)] of its local shards, still on device
+    for _, leaf in leaves:
+        if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        shards = [s for s in getattr(leaf, "addressable_shards", ()) if s.replica_id == 0]
+        if not shards:  # a host value (numpy / scalar)
+            leaf = jnp.asarray(leaf)
+            shards = [s for s in leaf.addressable_shards if s.replica_id == 0]
+        pending.append([_block_check(s.data, _shard_offsets(s.index, leaf.ndim),
+                                     global_shape=tuple(leaf.shape)) for s in shards])
+    local = jax.device_get(pending)
+    digests = np.array([sum(int(d) for d, _ in parts) % 2**32 for parts in local], np.uint32)
+    finite = np.array([all(bool(f) for _, f in parts) for parts in local], bool)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        all_digests, all_finite = multihost_utils.process_allgather((digests, finite))
+        digests = np.asarray(all_digests, np.uint64).sum(axis=0) % 2**32  # uint32 per host
+        finite = np.asarray(all_finite).all(axis=0)
     arrays, nonfinite = {}, []
-    for (path, leaf), (digest, finite) in zip(leaves, checks):
+    for (path, leaf), digest, ok in zip(leaves, digests, finite):
         name = jax.tree_util.keystr(path)
         arrays[name] = {"digest": int(digest), "shape": list(np.shape(leaf)),
                         "dtype": str(leaf.dtype)}
-        if not bool(finite):
+        if not ok:
             nonfinite.append(name)
     return Fingerprint(arrays, nonfinite)
 

@@ -16,8 +16,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.sampling.layout import prompt_completion_rows
+
+Sharding = parallel.ActivationSharding | None
 
 
 @flax.struct.dataclass
@@ -37,9 +40,10 @@ def _inputs(seqs: Sequences) -> tuple[jax.Array, jax.Array, jax.Array]:
     return tokens[:, :-1], positions[:, :-1], mask[:, :-1]
 
 
-def _chunk_logprobs(params: Any, config: Any, h_BCD: jax.Array, targets_BC: jax.Array,
+def _chunk_logprobs(spec: str, w: jax.Array, h_BCD: jax.Array, targets_BC: jax.Array,
                     temperature: float) -> tuple[jax.Array, jax.Array]:
-    logits_BCV = transformer.unembed(params, config, h_BCD) / temperature
+    logits_BCV = jnp.einsum(spec, h_BCD.astype(w.dtype), w,
+                            preferred_element_type=jnp.float32) / temperature
     logz_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
     target_logit_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
     probs_BCV = jnp.exp(logits_BCV - logz_BC[..., None])
@@ -47,19 +51,22 @@ def _chunk_logprobs(params: Any, config: Any, h_BCD: jax.Array, targets_BC: jax.
     return target_logit_BC - logz_BC, entropy_BC
 
 
-# Budget for one chunk of float32 logits [B, C, V]; the backward holds about three of them.
+# Budget (per device) for one chunk of float32 logits [B, C, V]; the backward holds about
+# three of them.
 LOGITS_CHUNK_BYTES = 64 * 2**20
 
 
 def logits_chunk_size(batch: int, length: int, vocab_size: int) -> int:
-    """Positions per unembedding chunk: a power of two whose [B, C, V] f32 logits fit the budget."""
+    """Positions per unembedding chunk: a power of two whose [B, C, V] f32 logits fit the
+    budget. `batch` and `vocab_size` are what one device holds."""
     fit = max(1, LOGITS_CHUNK_BYTES // (4 * batch * vocab_size))
     return min(1 << (fit.bit_length() - 1), length)
 
 
 def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: float = 1.0,
                         chunk_size: int | None = None, remat: bool = False,
-                        prompt_group: int = 1) -> tuple[jax.Array, jax.Array]:
+                        prompt_group: int = 1, sharding: Sharding = None
+                        ) -> tuple[jax.Array, jax.Array]:
     """Returns (logp_BT, entropy_BT) of the completion tokens, float32, at `temperature`:
     the sampler's logprob temperature (SamplingConfig.effective_temperature: 1 for greedy).
 
@@ -72,6 +79,10 @@ def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: 
     of g samples, as the sampler lays them out): the prompt then runs once per group
     (`transformer.hidden_states_shared_prefix`), which saves (g-1)/g of the prompt's compute
     and activations. The result is the same up to float rounding.
+
+    `sharding` (a mesh): activations are constrained to the batch layout; the unembedding
+    matrix is gathered once and each device unembeds its own rows (chunk size from what one
+    device holds).
     """
     num_prompt = seqs.prompt_tokens_BP.shape[1]
     if prompt_group > 1:
@@ -79,16 +90,47 @@ def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: 
         h_GPD, h_rest_BTD = transformer.hidden_states_shared_prefix(
             params, config, seqs.prompt_tokens_BP[::g], seqs.prompt_mask_BP[::g],
             seqs.completion_tokens_BT[:, :-1], seqs.completion_mask_BT[:, :-1], group=g,
-            remat=remat)
+            remat=remat, sharding=sharding)
         h_BTD = jnp.concatenate([jnp.repeat(h_GPD[:, -1:], g, axis=0), h_rest_BTD], axis=1)
     else:
         tokens, positions, mask = _inputs(seqs)
         hidden_BLD, _ = transformer.hidden_states(params, config, tokens, positions, mask,
-                                                  remat=remat)
+                                                  remat=remat, sharding=sharding)
         h_BTD = hidden_BLD[:, num_prompt - 1:]
-    targets_BT = seqs.completion_tokens_BT
+    h_BTD = parallel.constrain(h_BTD, transformer.H_AXES, sharding)
+    spec, w = transformer.unembedding_matrix(params, config, sharding)
+    V = config.vocab_size
+    chunked = functools.partial(
+        _chunked_logprobs, spec, temperature=temperature, chunk_size=chunk_size,
+        vocab_per_device=V if sharding is None else V // sharding.shards("vocab", V))
+    if sharding is None or sharding.shards("batch", h_BTD.shape[0]) == 1:
+        return chunked(w, h_BTD, seqs.completion_tokens_BT)
+    rows = sharding.spec(("batch",), h_BTD.shape[:1])[0]
+    # Per device over its own rows: each chunk's unembedding gradient then accumulates
+    # locally and is reduced once after the chunk loop (traced on the whole mesh, it would
+    # be all-reduced at every chunk: the vocabulary-sized matrix, once per chunk).
+    rows = (rows,) if isinstance(rows, str) else tuple(rows)
+    P = jax.sharding.PartitionSpec
+    dtype = w.dtype
+    # XLA's CPU compiler aborts on the bfloat16 all-reduce that sums this input's gradient
+    # over the devices (AllReducePromotion: "Invalid binary instruction opcode copy"), so on
+    # CPU the matrix crosses the boundary in float32 (and its gradient is summed in float32).
+    boundary = jnp.float32 if jax.default_backend() == "cpu" else dtype
+    # Varying before the cast, so the gradient's sum over devices happens in `boundary`.
+    per_device = lambda w, h, t: chunked(  # noqa: E731
+        jax.lax.pcast(w, rows, to="varying").astype(dtype), h, t)
+    return jax.shard_map(per_device, mesh=sharding.mesh, in_specs=(P(), P(rows), P(rows)),
+                         out_specs=(P(rows), P(rows)), axis_names=set(rows))(
+        w.astype(boundary), h_BTD, seqs.completion_tokens_BT)
+
+
+def _chunked_logprobs(spec: str, w: jax.Array, h_BTD: jax.Array, targets_BT: jax.Array, *,
+                      temperature: float, chunk_size: int | None, vocab_per_device: int
+                      ) -> tuple[jax.Array, jax.Array]:
+    """(logp_BT, entropy_BT) from final hidden states, unembedded `chunk_size` positions at a
+    time (default: as many as the logits budget allows for these rows)."""
     B, T, D = h_BTD.shape
-    chunk = min(chunk_size or logits_chunk_size(B, T, config.vocab_size), T)
+    chunk = min(chunk_size or logits_chunk_size(B, T, vocab_per_device), T)
     pad = (-T) % chunk
     if pad:
         h_BTD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0)))
@@ -96,18 +138,31 @@ def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: 
     n = (T + pad) // chunk
     h_NBCD = h_BTD.reshape(B, n, chunk, D).swapaxes(0, 1)
     t_NBC = targets_BT.reshape(B, n, chunk).swapaxes(0, 1)
-    fn = jax.checkpoint(functools.partial(_chunk_logprobs, params, config, temperature=temperature))
+    fn = jax.checkpoint(functools.partial(_chunk_logprobs, spec, w, temperature=temperature))
     logp_NBC, ent_NBC = jax.lax.map(lambda xs: fn(xs[0], xs[1]), (h_NBCD, t_NBC))
     logp_BT = logp_NBC.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
     ent_BT = ent_NBC.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
     return logp_BT, ent_BT
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("config", "temperature", "chunk_size", "prompt_group"))
+@functools.partial(jax.jit, static_argnames=(
+    "config", "temperature", "chunk_size", "prompt_group", "num_chunks", "sharding"))
 def completion_logprobs_jit(params: Any, config: Any, seqs: Sequences, temperature: float,
-                            chunk_size: int | None = None, prompt_group: int = 1) -> jax.Array:
-    """Jitted logprobs only (old-policy and reference passes in the rollout)."""
-    logp_BT, _ = completion_logprobs(params, config, seqs, temperature, chunk_size,
-                                     prompt_group=prompt_group)
-    return jnp.where(seqs.completion_mask_BT, logp_BT, 0.0)
+                            chunk_size: int | None = None, prompt_group: int = 1,
+                            num_chunks: int = 1, sharding: Sharding = None) -> jax.Array:
+    """Jitted logprobs only (old-policy and reference passes in the rollout).
+
+    `num_chunks` > 1 runs the rows in that many strided row chunks one after another (whole
+    prompt groups each; every chunk spans every device), so activations are sized by one
+    chunk; the result equals one pass over all rows.
+    """
+    def logprobs(seqs: Sequences) -> jax.Array:
+        logp_BT, _ = completion_logprobs(params, config, seqs, temperature, chunk_size,
+                                         prompt_group=prompt_group, sharding=sharding)
+        return jnp.where(seqs.completion_mask_BT, logp_BT, 0.0)
+
+    if num_chunks == 1:
+        return logprobs(seqs)
+    chunks = jax.tree.map(lambda x: parallel.constrain(
+        parallel.split_strided(x, num_chunks, prompt_group), (None, "batch"), sharding), seqs)
+    return parallel.merge_strided(jax.lax.map(logprobs, chunks), prompt_group)

@@ -24,11 +24,10 @@ from jaxrl4llm.train import plots
 from jaxrl4llm.train.checkpoint import Checkpointer, PreemptionFlag, abstract_like
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 from jaxrl4llm.train.rollout import RolloutContext, rollout
-from jaxrl4llm.train.state import TrainState, learning_rate_schedule
+from jaxrl4llm.train.state import create_state, learning_rate_schedule
 from jaxrl4llm.train.step import UpdateBatch, compile_train_step, train_step
 from jaxrl4llm.train.workdir_lock import WorkdirLock
 
-_create_state = jax.jit(TrainState.create, static_argnums=(1, 2))
 _increment = jax.jit(lambda step: step + 1)  # keeps the step a global (replicated) array
 
 
@@ -92,7 +91,7 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
         config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype))
     # A separate copy: the policy's buffers are donated to each update.
     ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
-    state = _create_state(params, config.optimizer, run_config.seed)
+    state = create_state(params, config.optimizer, run_config.seed)
     del params
 
     P_host = _prompts_per_host(config, mesh)
@@ -137,7 +136,8 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
     static = dict(model_config=model_config, algorithm=config.algorithm,
                   optimizer=config.optimizer, num_micro=num_micro,
                   temperature=config.rollout.sampling.effective_temperature,
-                  remat=config.model.remat)
+                  remat=config.model.remat, sharding=ctx.sharding)
+    data_parallel = parallel.data_parallel_size(mesh)
     bar = tqdm(total=num_steps, initial=start, desc="train", unit="step",
                disable=jax.process_index() != 0)
     try:
@@ -157,7 +157,8 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
             update_metrics = {}
             for mb in _minibatches(batch, config, jax.random.fold_in(step_key, 1), mesh):
                 # Rows still in their groups run each group's prompt once.
-                prompt_group = mb.layout.prompt_group(mb.keep_B.shape[0], num_micro)
+                prompt_group = mb.layout.prompt_group(mb.keep_B.shape[0], num_micro,
+                                                      data_parallel)
                 signature = (prompt_group, tuple(x.shape for x in jax.tree.leaves(mb)))
                 if signature not in compiled:
                     compile_train_step(state, mb, prompt_group=prompt_group, **static)

@@ -44,9 +44,16 @@ class RolloutContext:
         max_new_tokens tokens); the context length is checked against the model now."""
         sampler = Sampler(model_config, tokenizer, mesh=mesh,
                           max_prompt_len=rollout.max_prompt_tokens,
-                          long_prompts=rollout.long_prompts, **sampler_options)
+                          long_prompts=rollout.long_prompts,
+                          max_rows=rollout.rollout_micro_batch or None, **sampler_options)
         sampler.check_context(rollout.max_new_tokens)
         return cls(sampler, reward_fn, data, rollout)
+
+    @property
+    def sharding(self) -> parallel.ActivationSharding | None:
+        """Activation layout of the teacher-forced passes and the update (None: no mesh)."""
+        mesh = self.sampler.mesh
+        return None if mesh is None else parallel.ActivationSharding(mesh)
 
 
 def sample(ctx: RolloutContext, params: Any, records: Sequence[Any], key: jax.Array, *,
@@ -104,10 +111,17 @@ def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: A
     t0 = time.perf_counter()
     seqs = Sequences(prompt_tokens_BP=out.prompt_tokens_BP, prompt_mask_BP=out.prompt_mask_BP,
                      completion_tokens_BT=out.tokens_BT, completion_mask_BT=out.mask_BT)
+    rows = seqs.completion_tokens_BT.shape[0]
+    G = layout.group_size
+    chunks = parallel.num_row_chunks(rows, config.rollout.rollout_micro_batch,
+                                     G if rows % G == 0 else 1)
+    mesh = ctx.sampler.mesh
+    data_parallel = 1 if mesh is None else parallel.data_parallel_size(mesh)
     logprobs = functools.partial(
         completion_logprobs_jit, config=ctx.sampler.model_config, seqs=seqs,
         temperature=config.rollout.sampling.effective_temperature,
-        prompt_group=layout.prompt_group(seqs.completion_tokens_BT.shape[0]))
+        prompt_group=layout.prompt_group(rows, chunks, data_parallel),
+        num_chunks=chunks, sharding=ctx.sharding)
     ref_logp = logprobs(ref_params) if config.needs_reference else None
     old_logp = None
     if config.needs_old_logprobs:

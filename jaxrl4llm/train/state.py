@@ -1,13 +1,21 @@
-"""The train state pytree and the optimizer that updates it."""
+"""The train state pytree and the optimizer that updates it.
+
+The optimizer state is laid out like the parameters from the start: `create_state` compiles
+TrainState.create with output shardings that give every optimizer leaf shaped like a
+parameter that parameter's sharding (scalars replicated), and `abstract_state` gives the
+same layout as restore targets.
+"""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 SCHEDULES = ("constant", "cosine", "linear")
@@ -91,3 +99,59 @@ class TrainState:
 
     def key(self) -> jax.Array:
         return jax.random.wrap_key_data(self.rng)
+
+
+def like_params(tree: Any, params: Any, param_value: Any, other: Any) -> Any:
+    """`tree` (e.g. an optimizer state) with every subtree shaped like `params` replaced by
+    `param_value` (a tree with the params' structure) and every other leaf by `other`."""
+    params_def = jax.tree.structure(params)
+
+    def is_param_tree(x: Any) -> bool:
+        return jax.tree.structure(x) == params_def
+
+    return jax.tree.map(lambda x: param_value if is_param_tree(x) else other, tree,
+                        is_leaf=is_param_tree)
+
+
+def state_shardings(params: Any, optimizer: OptimizerConfig | optax.GradientTransformation
+                    ) -> TrainState | None:
+    """Shardings of the TrainState built from `params` (arrays or ShapeDtypeStructs carrying
+    NamedShardings): optimizer leaves shaped like the params take the params' shardings,
+    every other leaf is replicated. None when the params are not on a mesh."""
+    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]
+    if not shardings or not all(isinstance(s, NamedSharding) for s in shardings):
+        return None
+    replicated = NamedSharding(shardings[0].mesh, PartitionSpec())
+    abstract = jax.eval_shape(functools.partial(TrainState.create, optimizer=optimizer, seed=0),
+                              params)
+    param_shardings = jax.tree.unflatten(jax.tree.structure(params), shardings)
+    return TrainState(params=param_shardings,
+                      opt_state=like_params(abstract.opt_state, params, param_shardings,
+                                            replicated),
+                      step=replicated, rng=replicated)
+
+
+def create_state(params: Any, optimizer: OptimizerConfig, seed: int) -> TrainState:
+    """TrainState.create, compiled so the optimizer state is born with its params' sharding."""
+    create = jax.jit(TrainState.create, static_argnums=(1, 2),
+                     out_shardings=state_shardings(params, optimizer))
+    return create(params, optimizer, seed)
+
+
+def abstract_state(params: Any, optimizer: OptimizerConfig, seed: int) -> TrainState:
+    """ShapeDtypeStructs with shardings of the state `create_state` builds (restore targets)."""
+    abstract = jax.eval_shape(functools.partial(TrainState.create, optimizer=optimizer,
+                                                seed=seed), params)
+    shardings = state_shardings(params, optimizer)
+    if shardings is None:
+        return abstract
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract, shardings)
+
+
+def state_logical_axes(state: TrainState, param_axes: Any) -> TrainState:
+    """Logical axes of every state leaf: the params' for params and optimizer leaves shaped
+    like them, none (replicated) for the rest."""
+    return TrainState(params=param_axes,
+                      opt_state=like_params(state.opt_state, state.params, param_axes, ()),
+                      step=(), rng=(None,))

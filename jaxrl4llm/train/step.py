@@ -4,6 +4,11 @@ The loss of a mini-batch is sum_k loss_sum_k / D, with D the denominator of the 
 mini-batch (rl.loss_denominator, computed before splitting). The loss is linear in the
 per-micro-batch sums, so accumulating gradients over micro-batches gives exactly the
 gradient of the full mini-batch (up to float summation order) for every aggregation mode.
+
+On a mesh (`sharding`), micro-batch k is rows k, k + num_micro, ... (whole prompt groups
+when prompts are shared), so every micro-batch spans every device; activations are
+constrained to the batch layout and gradients to the params' layout, so the compiled update
+all-gathers each layer's weights inside the layer scan and reduce-scatters its gradients.
 """
 from __future__ import annotations
 
@@ -15,12 +20,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxrl4llm import rl
+from jaxrl4llm import parallel, rl
+from jaxrl4llm.models import transformer
 from jaxrl4llm.rl.metrics import Metric, identity_metrics
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.train import host_memory
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs
-from jaxrl4llm.train.state import OptimizerConfig, TrainState, make_optimizer
+from jaxrl4llm.train.state import (OptimizerConfig, TrainState, make_optimizer,
+                                   state_logical_axes)
 
 
 @flax.struct.dataclass
@@ -35,15 +42,12 @@ class UpdateBatch:
     layout: RowLayout = flax.struct.field(pytree_node=False, default=RowLayout())  # the rows' groups
 
 
-def _split(x: jax.Array, num_micro: int) -> jax.Array:
-    return x.reshape((num_micro, x.shape[0] // num_micro) + x.shape[1:])
-
-
 def _micro_loss(params: Any, mb: UpdateBatch, denominator: jax.Array, *, model_config: Any,
                 algorithm: rl.AlgorithmConfig, temperature: float, remat: bool,
-                prompt_group: int):
+                prompt_group: int, sharding: parallel.ActivationSharding | None):
     logp_BT, entropy_BT = completion_logprobs(params, model_config, mb.seqs, temperature,
-                                              remat=remat, prompt_group=prompt_group)
+                                              remat=remat, prompt_group=prompt_group,
+                                              sharding=sharding)
     loss_sum, _, metric_sums = rl.policy_loss(
         algorithm, logp_BT, mb.old_logp_BT, mb.advantages, mb.seqs.completion_mask_BT, mb.keep_B,
         ref_logp_BT=mb.ref_logp_BT, entropy_BT=entropy_BT)
@@ -52,13 +56,14 @@ def _micro_loss(params: Any, mb: UpdateBatch, denominator: jax.Array, *, model_c
 
 def accumulate_gradients(params: Any, batch: UpdateBatch, *, model_config: Any,
                          algorithm: rl.AlgorithmConfig, num_micro: int, temperature: float,
-                         remat: bool = False, prompt_group: int = 1
+                         remat: bool = False, prompt_group: int = 1,
+                         sharding: parallel.ActivationSharding | None = None
                          ) -> tuple[jax.Array, Any, dict]:
-    """(loss, grads, metrics) of a mini-batch, scanning over `num_micro` micro-batches;
+    """(loss, grads, metrics) of a mini-batch, scanning over `num_micro` strided micro-batches;
     metrics are rl.metrics.Metric values by final name, merged over the micro-batches.
 
     `prompt_group` > 1: consecutive blocks of that many rows share a prompt (see
-    `completion_logprobs`); each micro-batch must hold whole blocks.
+    `completion_logprobs`); each micro-batch holds whole blocks.
     """
     rows = batch.seqs.completion_tokens_BT.shape[0]
     if rows % num_micro or (rows // num_micro) % prompt_group:
@@ -68,16 +73,22 @@ def accumulate_gradients(params: Any, batch: UpdateBatch, *, model_config: Any,
         algorithm, batch.seqs.completion_mask_BT, batch.keep_B), 1e-8)
     grad_fn = jax.value_and_grad(functools.partial(
         _micro_loss, model_config=model_config, algorithm=algorithm, temperature=temperature,
-        remat=remat, prompt_group=prompt_group), has_aux=True)
-    micro = jax.tree.map(lambda x: _split(x, num_micro), batch)
+        remat=remat, prompt_group=prompt_group, sharding=sharding), has_aux=True)
+    micro = jax.tree.map(
+        lambda x: parallel.constrain(parallel.split_strided(x, num_micro, prompt_group),
+                                     (None, "batch"), sharding), batch)
+    param_axes = transformer.param_logical_axes(model_config)
     first = jax.tree.map(lambda x: x[0], micro)
     _, metric_shapes = jax.eval_shape(lambda: grad_fn(params, first, denominator)[0])
     zero_metrics = identity_metrics(metric_shapes)
-    zero_grads = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    zero_grads = parallel.constrain_tree(
+        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), param_axes, sharding)
 
     def body(carry, mb):
         grads, loss, metrics = carry
         (mb_loss, mb_metrics), mb_grads = grad_fn(params, mb, denominator)
+        # Laid out like the params: each micro-batch's gradient is reduce-scattered.
+        mb_grads = parallel.constrain_tree(mb_grads, param_axes, sharding)
         grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, mb_grads)
         return (grads, loss + mb_loss, rl.combine_metrics(metrics, mb_metrics)), None
 
@@ -89,25 +100,30 @@ def accumulate_gradients(params: Any, batch: UpdateBatch, *, model_config: Any,
 
 @functools.partial(jax.jit, donate_argnames=("state",), static_argnames=(
     "model_config", "algorithm", "optimizer", "num_micro", "temperature", "remat",
-    "prompt_group"))
+    "prompt_group", "sharding"))
 def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
                algorithm: rl.AlgorithmConfig, optimizer: OptimizerConfig,
                num_micro: int, temperature: float, remat: bool = False,
-               prompt_group: int = 1) -> tuple[TrainState, dict[str, jax.Array]]:
+               prompt_group: int = 1, sharding: parallel.ActivationSharding | None = None
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update on a mini-batch; the old state is donated (updated in place).
 
     Every static argument is a frozen config (hashable by value), so separate runs in one
-    process share the compiled program.
+    process share the compiled program. With `sharding`, the new state keeps the layout of
+    the params' logical axes (the layout `state.create_state` gives it).
     """
     loss, grads, metrics = accumulate_gradients(
         state.params, batch, model_config=model_config, algorithm=algorithm,
-        num_micro=num_micro, temperature=temperature, remat=remat, prompt_group=prompt_group)
+        num_micro=num_micro, temperature=temperature, remat=remat, prompt_group=prompt_group,
+        sharding=sharding)
     updates, opt_state = make_optimizer(optimizer).update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = dict(metrics, **{"policy/loss": Metric.mean(loss),
                                "optim/grad_norm": Metric.mean(optax.global_norm(grads)),
                                "optim/update_norm": Metric.mean(optax.global_norm(updates))})
-    return state.replace(params=params, opt_state=opt_state), metrics
+    new_state = state.replace(params=params, opt_state=opt_state)
+    axes = state_logical_axes(new_state, transformer.param_logical_axes(model_config))
+    return parallel.constrain_tree(new_state, axes, sharding), metrics
 
 
 def compile_train_step(state: TrainState, batch: UpdateBatch, **static: Any) -> None:

@@ -47,9 +47,11 @@ def test_every_preset_learns_the_copy_task(preset, toy_model_dir, copy_task_file
 
 
 def test_sharded_run_matches_unsharded(toy_model_dir, copy_task_file, tmp_path):
-    """fsdp=4 x tensor=2 on 8 fake devices gives the losses of one device (float32, 1e-4)."""
+    """fsdp=4 x tensor=2 on 8 fake devices gives the losses of one device (float32, 1e-4),
+    with the rollout and reference pass in two row chunks there."""
     one = _config(toy_model_dir, copy_task_file, tmp_path / "one", num_steps=3)
-    eight = one.replace(workdir=str(tmp_path / "eight"), mesh="data:1,fsdp:4,tensor:2")
+    eight = one.replace(workdir=str(tmp_path / "eight"), mesh="data:1,fsdp:4,tensor:2",
+                        rollout_micro_batch=16)
     loop.run(one, devices=_one_device())
     summary = loop.run(eight)
     assert summary["state"].params["embed"].sharding.spec[0] is not None or \
@@ -101,6 +103,7 @@ def test_kl_run_keeps_the_reference_frozen(toy_model_dir, copy_task_file, tmp_pa
     (dict(mini_batch_size=12), "does not divide the batch of 32 rows"),
     (dict(micro_batch_size=5, mini_batch_size=16), "does not divide the mini-batch of 16"),
     (dict(group_size=1), "group_size"),
+    (dict(rollout_micro_batch=6), "--rollout_micro_batch=6 must divide the batch of 32"),
     (dict(mesh="data:1,fsdp:3,tensor:1"), "needs 3 devices but 1 are available"),
     (dict(max_prompt_tokens=4), "longer than max_prompt_len=4"),
 ])

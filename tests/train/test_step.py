@@ -10,8 +10,9 @@ import pytest
 from jaxrl4llm import rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.train.logprobs import Sequences, completion_logprobs, logits_chunk_size
 from jaxrl4llm.sampling.layout import RowLayout
+from jaxrl4llm.train.logprobs import (Sequences, completion_logprobs, completion_logprobs_jit,
+                                      logits_chunk_size)
 from jaxrl4llm.train.state import OptimizerConfig, TrainState
 from jaxrl4llm.train.step import UpdateBatch, accumulate_gradients, train_step
 
@@ -102,7 +103,7 @@ def test_shared_prompt_logprobs_and_update_equal_the_per_row_ones(params):
                              temperature=1.0, prompt_group=4)
 
 
-def test_shared_prompt_group_needs_whole_groups_per_slice():
+def test_shared_prompt_group_needs_whole_groups_per_slice_and_device():
     layout = RowLayout(4)
     assert layout.prompt_group(32) == 4
     assert layout.prompt_group(32, slices=2) == 4
@@ -110,6 +111,8 @@ def test_shared_prompt_group_needs_whole_groups_per_slice():
     assert RowLayout(3).prompt_group(8) == 1            # a bucketed batch of 8 rows, groups of 3
     assert RowLayout(4, share_prompts=False).prompt_group(32) == 1   # --noshare_prompts
     assert layout.shuffled().prompt_group(32) == 1      # rows reshuffled into mini-batches
+    assert layout.prompt_group(64, slices=2, data_parallel=8) == 4   # 1 group per device
+    assert layout.prompt_group(64, slices=4, data_parallel=8) == 1   # 2 rows per device
     assert layout.repeat(["a", "b"]) == ["a"] * 4 + ["b"] * 4
 
 
@@ -181,3 +184,18 @@ def test_train_step_moves_params_towards_higher_advantage_tokens(params):
     # A = +1 everywhere: gradient ascent on the sampled tokens' logprobs.
     assert float(jnp.sum(after * m)) > float(jnp.sum(before * m))
     assert float(metrics["optim/grad_norm"].value) > 0
+
+
+def test_chunked_teacher_forced_pass_equals_one_pass(params):
+    """Reference / old-logprob passes in strided row chunks (whole prompt groups) equal one
+    pass over all rows."""
+    _, batch, _ = _batch(seed=6)
+    seqs = _grouped(batch, 2).seqs
+    one = completion_logprobs_jit(params, CONFIG, seqs, 0.9)
+    for chunks, group in ((2, 1), (4, 1), (2, 2), (4, 2)):
+        out = completion_logprobs_jit(params, CONFIG, seqs, 0.9, num_chunks=chunks,
+                                      prompt_group=group)
+        np.testing.assert_allclose(out, one, atol=1e-5)
+    assert float(jnp.abs(one).sum()) > 0
+    with pytest.raises(ValueError, match="whole groups of 2"):
+        completion_logprobs_jit(params, CONFIG, seqs, 0.9, num_chunks=8, prompt_group=2)

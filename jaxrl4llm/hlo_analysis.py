@@ -1,0 +1,304 @@
+"""What a compiled program does, read from its optimized HLO text: the collectives it runs
+(with loop trip counts) and its matmul FLOPs.
+
+Only the compiled program shows whether the work is split the way the parameters are
+(parallel.py): tests assert on these numbers, and tools/plan.py prints them.
+
+    compiled = jax.jit(f).lower(*args).compile()
+    ops = collectives(compiled.as_text())
+    sum(op.total_bytes for op in ops if op.kind == "all-gather")
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+from typing import Iterable
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+               "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
+               "f64": 8, "c64": 8, "c128": 16}
+
+_SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
+_CALLEES = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|"
+                      r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\})")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    dtype: str
+    dims: tuple[int, ...]
+
+    @property
+    def bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype] * math.prod(self.dims)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of the program.
+
+    result / operands: the shapes one device holds after / before it (tuples for combined
+    collectives). group_size: devices per replica group. executions: how often it runs per
+    call of the program (the product of the trip counts of the loops around it).
+    """
+
+    kind: str
+    name: str
+    computation: str
+    result: tuple[Shape, ...]
+    operands: tuple[Shape, ...]
+    group_size: int
+    executions: int
+    upcast_from: str | None = None   # the operand is a just-converted bfloat16 / float16 value
+
+    @property
+    def bytes(self) -> float:
+        """Per-device payload of one execution: the gathered result of an all-gather, the
+        operand of the others (what reduce-scatter / all-reduce / all-to-all consume).
+
+        An operand converted up from a narrower float right before the collective counts at
+        that width: XLA's CPU compiler (plans and tests) computes bfloat16 dots in float32
+        and hoists the convert above the all-gather; the TPU and GPU compilers move the
+        bfloat16 weights."""
+        shapes = self.result if self.kind == "all-gather" else self.operands
+        scale = DTYPE_BYTES[self.upcast_from] / 4 if self.upcast_from else 1.0
+        return sum(s.bytes * (scale if s.dtype == "f32" else 1.0) for s in shapes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes * self.executions
+
+    @property
+    def link_bytes(self) -> float:
+        """Bytes one device sends per call over a ring (bandwidth-optimal algorithms): an
+        all-reduce moves its buffer twice, the others once, each (n - 1) / n of it."""
+        n = max(self.group_size, 1)
+        share = (n - 1) / n if self.kind != "collective-permute" else 1.0
+        return self.total_bytes * share * (2 if self.kind == "all-reduce" else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+    name: str
+    op: str
+    result: str
+    rest: str
+
+
+def _parse_shapes(text: str) -> tuple[Shape, ...]:
+    return tuple(Shape(d, tuple(int(x) for x in dims.split(",") if x))
+                 for d, dims in _SHAPE.findall(text))
+
+
+def _computations(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
+    comps: dict[str, list[_Instruction]] = {}
+    entry, current = "", None
+    for line in hlo.splitlines():
+        if current is None:
+            m = _COMPUTATION.match(line)
+            if m and "=" not in line.split("(")[0]:
+                current = m.group(1)
+                comps[current] = []
+                if line.startswith("ENTRY"):
+                    entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTRUCTION.match(line)
+        if m:
+            comps[current].append(_Instruction(m.group(1), m.group(3), m.group(2), m.group(4)))
+    return comps, entry
+
+
+def _executions(comps: dict[str, list[_Instruction]], entry: str,
+                unknown_trip_count: int) -> dict[str, int]:
+    """How often each computation runs per call of the entry computation."""
+    calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+    for name, instructions in comps.items():
+        for inst in instructions:
+            trip = 1
+            if inst.op == "while":
+                m = _TRIP_COUNT.search(inst.rest)
+                trip = int(m.group(1)) if m else unknown_trip_count
+            for key, callees in _CALLEES.findall(inst.rest):
+                if key == "to_apply":
+                    continue   # scalar reducers: no collectives inside
+                for callee in callees.strip("{}").replace("%", "").split(","):
+                    callee = callee.strip()
+                    if callee in comps:
+                        calls[name].append((callee, trip if key in ("body", "condition")
+                                            else 1))
+    counts: dict[str, int] = collections.Counter()
+
+    def visit(name: str, times: int) -> None:
+        counts[name] += times
+        for callee, trip in calls.get(name, ()):
+            visit(callee, times * trip)
+
+    visit(entry, 1)
+    return counts
+
+
+def _group_size(rest: str, num_devices: int | None) -> int:
+    m = _GROUPS_MESH.search(rest)
+    if m:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+        axes = re.findall(r"'(\w+)'", m.group(2))
+        return math.prod(int(sizes[a]) for a in axes)
+    m = _GROUPS_IOTA.search(rest)
+    if m:
+        return int(m.group(1).split(",")[-1])
+    m = _GROUPS_LIST.search(rest)
+    if m:
+        return len([x for x in m.group(1).strip("{}").split(",") if x])
+    return num_devices or 1
+
+
+def _is_sliced(name: str, instructions: list[_Instruction],
+               comps: dict[str, list[_Instruction]]) -> bool:
+    """Whether every use of value `name` is a dynamic-slice, directly or inside a fusion."""
+    users = [i for i in instructions
+             if name in re.findall(r"%([\w.\-]+)", i.rest.split(")")[0])]
+    for user in users:
+        if user.op == "dynamic-slice":
+            continue
+        called = _CALLEES.search(user.rest) if user.op == "fusion" else None
+        body = comps.get(called.group(2).lstrip("%"), []) if called else []
+        if not any(i.op == "dynamic-slice" for i in body):
+            return False
+    return bool(users)
+
+
+def _upcast_source(operand_names: list[str], instructions: list[_Instruction],
+                   comps: dict[str, list[_Instruction]]) -> str | None:
+    """"bf16" / "f16" when every operand is produced by a convert (or a fusion of data
+    movement and converts) that passes the value through that narrower float, else None."""
+    narrow = set()
+    by_name = {i.name: i for i in instructions}
+    for name in operand_names:
+        producer = by_name.get(name)
+        if producer is None:
+            return None
+        body = [producer]
+        if producer.op == "fusion":
+            called = _CALLEES.search(producer.rest)
+            body = comps.get(called.group(2).lstrip("%"), []) if called else []
+        moves = {"parameter", "convert", "bitcast", "reshape", "copy", "transpose", "slice",
+                 "dynamic-slice", "constant", "broadcast", "subtract", "add", "multiply"}
+        if {i.op for i in body} - moves:
+            return None
+        inner = {i.name: i for i in body}
+        types = set()
+        for conv in (i for i in body if i.op == "convert"):
+            types.add(_parse_shapes(conv.result)[0].dtype)
+            source = re.findall(r"%([\w.\-]+)", conv.rest.split(")")[0])
+            if source and source[0] in inner:
+                types.add(_parse_shapes(inner[source[0]].result)[0].dtype)
+        found = types & {"bf16", "f16"}
+        if len(found) != 1:
+            return None
+        narrow |= found
+    return narrow.pop() if len(narrow) == 1 else None
+
+
+def _sliced_elements(inst: _Instruction, num: int, instructions: list[_Instruction],
+                     comps: dict[str, list[_Instruction]]) -> list[bool]:
+    """For each (tuple) element of an all-reduce: whether its result is only sliced, i.e.
+    the all-reduce + dynamic-slice pair that the TPU and GPU compilers turn into one
+    reduce-scatter (XLA's ReduceScatterCreator pass; the CPU compiler, which plans and
+    tests run on, keeps the pair)."""
+    if num == 1 and not inst.result.startswith("("):
+        return [_is_sliced(inst.name, instructions, comps)]
+    flags = [False] * num
+    for i in instructions:
+        m = re.match(rf"%?{re.escape(inst.name)}\), index=(\d+)", i.rest)
+        if i.op == "get-tuple-element" and m:
+            flags[int(m.group(1))] = _is_sliced(i.name, instructions, comps)
+    return flags
+
+
+def collectives(hlo: str, *, unknown_trip_count: int = 1,
+                num_devices: int | None = None) -> list[Collective]:
+    """Every collective of an optimized HLO module (compiled.as_text()), with how often it runs.
+
+    A while loop without a known trip count (a decode loop that stops early) counts as
+    `unknown_trip_count` iterations: pass its bound for a worst case. An all-reduce whose
+    result is only sliced counts as the reduce-scatter it becomes on TPU / GPU.
+    """
+    comps, entry = _computations(hlo)
+    runs = _executions(comps, entry, unknown_trip_count)
+    out = []
+    for comp, instructions in comps.items():
+        for inst in instructions:
+            kind = inst.op.removesuffix("-start")
+            if kind not in KINDS or not runs.get(comp):
+                continue
+            operands = _parse_shapes(inst.rest.split("),")[0])
+            if not operands:   # operands printed by name only: look their shapes up
+                names = re.findall(r"%([\w.\-]+)", inst.rest.split(")")[0])
+                shapes = {i.name: i.result for i in instructions}
+                operands = tuple(s for n in names for s in _parse_shapes(shapes.get(n, "")))
+            result = _parse_shapes(inst.result)
+            if inst.op.endswith("-start") and kind == "all-gather":
+                result = result[len(operands):]   # async: (operands, results) tuple
+            group = _group_size(inst.rest, num_devices)
+            upcast = _upcast_source(re.findall(r"%([\w.\-]+)", inst.rest.split(")")[0]),
+                                    instructions, comps)
+            if kind != "all-reduce" or inst.op.endswith("-start"):
+                out.append(Collective(kind, inst.name, comp, result, operands, group,
+                                      runs[comp], upcast))
+                continue
+            sliced = _sliced_elements(inst, len(operands), instructions, comps)
+            for flag, name in ((True, "reduce-scatter"), (False, "all-reduce")):
+                picked = [k for k, f in enumerate(sliced) if f == flag]
+                if picked:
+                    out.append(Collective(name, inst.name, comp,
+                                          tuple(result[k] for k in picked),
+                                          tuple(operands[k] for k in picked), group,
+                                          runs[comp], upcast))
+    return out
+
+
+def summarize(ops: Iterable[Collective]) -> dict[str, float]:
+    """Total per-device payload bytes per kind (plus "link" bytes over a ring, all kinds)."""
+    total: dict[str, float] = collections.defaultdict(float)
+    for op in ops:
+        total[op.kind] += op.total_bytes
+        total["link"] += op.link_bytes
+    return dict(total)
+
+
+_DOT_DIMS = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+
+
+def matmul_flops(hlo: str, *, unknown_trip_count: int = 1) -> float:
+    """2 x multiply-adds of every dot in the program, loops counted (per device)."""
+    comps, entry = _computations(hlo)
+    runs = _executions(comps, entry, unknown_trip_count)
+    # Dots inside fusions run when their fusion does: count fusion bodies like callees.
+    total = 0.0
+    for comp, instructions in comps.items():
+        shapes = {i.name: i.result for i in instructions}
+        for inst in instructions:
+            if inst.op != "dot" or not runs.get(comp):
+                continue
+            result = _parse_shapes(inst.result)
+            operand_shapes = _parse_shapes(inst.rest.split(")")[0])
+            if not operand_shapes:
+                name = re.findall(r"%([\w.\-]+)", inst.rest.split(")")[0])[0]
+                operand_shapes = _parse_shapes(shapes.get(name, ""))
+            m = _DOT_DIMS.search(inst.rest)
+            contracting = [int(x) for x in m.group(1).split(",") if x] if m else []
+            k = math.prod(operand_shapes[0].dims[d] for d in contracting) if operand_shapes else 1
+            total += 2.0 * math.prod(result[0].dims) * k * runs[comp]
+    return total

@@ -1,0 +1,315 @@
+"""Grouped-query attention: the full score matrix for short contexts, memory-efficient kernels
+for long ones.
+
+Every implementation computes the same thing. Query t of a row sits at key slot t + offset;
+it sees key s iff key_valid_BS[b, s] and s <= t + offset (causal over slots). One rule
+covers the three uses: self-attention (offset 0), a KV cache (offset = the first new slot)
+and a shared prefix (keys = prefix ++ row, offset = prefix length).
+
+  reference  the whole [B, K, G, T, S] score matrix: fastest for short contexts and for the
+             sampler's one-query decode steps.
+  chunked    online softmax (flash attention in plain jnp): a map over query blocks, a scan
+             over key blocks, and a custom VJP that recomputes each block's scores in the
+             backward pass, so forward and backward hold one [bq, bk] block of scores and
+             O(T * H) state; remat-friendly. The default on CPU and wherever no kernel fits.
+  splash     the Pallas TPU splash-attention kernel (causal mask with an offset, segment ids
+             for padding), per device under shard_map.
+  cudnn      jax.nn.dot_product_attention's cuDNN flash kernel on GPU (bf16/fp16), per device
+             under shard_map. "xla" runs the same call with XLA's implementation (tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl4llm import parallel
+
+_F32 = jnp.float32
+# Masked scores: large and finite so that fully masked rows (pads) stay NaN-free.
+MASKED = -1e30
+# Block padding past the last key: below MASKED, so it never outweighs a masked real key.
+_PADDED = 2 * MASKED
+IMPLS = ("auto", "reference", "chunked", "splash", "cudnn", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Which implementation runs and its block sizes (hashable: a static jit argument).
+
+    impl "auto": the reference for fewer than `min_chunked_keys` keys or one query per row
+    (decode); otherwise splash on TPU (head_dim a multiple of 128), cuDNN on GPU (bf16 /
+    fp16), the chunked online softmax elsewhere.
+    """
+
+    impl: str = "auto"
+    block_q: int = 512
+    block_k: int = 512
+    min_chunked_keys: int = 1024
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"AttentionConfig.impl={self.impl!r}: choose one of {IMPLS}.")
+        if self.block_q < 1 or self.block_k < 1:
+            raise ValueError("AttentionConfig block sizes must be positive.")
+
+    def resolve(self, num_queries: int, num_keys: int, head_dim: int, dtype: Any) -> str:
+        if self.impl != "auto":
+            return self.impl
+        if num_queries == 1 or num_keys < self.min_chunked_keys:
+            return "reference"
+        backend = jax.default_backend()
+        if backend == "tpu" and head_dim % 128 == 0:
+            return "splash"
+        if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+            return "cudnn"
+        return "chunked"
+
+
+def visible_mask(key_valid_BS: jax.Array, num_queries: int, offset: Any) -> jax.Array:
+    """bool [B, T, S]: query t sees key s iff key_valid[b, s] and s <= t + offset."""
+    S = key_valid_BS.shape[1]
+    causal_TS = jnp.arange(S)[None, :] <= jnp.arange(num_queries)[:, None] + offset
+    return causal_TS[None] & key_valid_BS[:, None, :]
+
+
+def attention(q_BTNH: jax.Array, k_BKHS: jax.Array, v_BKSH: jax.Array,
+              key_valid_BS: jax.Array, offset: Any = 0,
+              config: AttentionConfig = AttentionConfig(),
+              sharding: parallel.ActivationSharding | None = None) -> jax.Array:
+    """Attention of queries [B, T, N, H] over keys [B, K, H, S] / values [B, K, S, H];
+    q heads n*G .. n*G+G-1 share kv head n. Returns [B, T, N*H] float32.
+
+    Matmuls run in the keys' dtype with float32 accumulation; softmax is float32.
+    """
+    B, T, N, H = q_BTNH.shape
+    K, S = k_BKHS.shape[1], k_BKHS.shape[3]
+    q_BKGTH = (q_BTNH.reshape(B, T, K, N // K, H) * (H ** -0.5)).transpose(0, 2, 3, 1, 4)
+    q_BKGTH = q_BKGTH.astype(k_BKHS.dtype)
+    impl = config.resolve(T, S, H, k_BKHS.dtype)
+    if impl == "reference":
+        out = _reference(q_BKGTH, k_BKHS, v_BKSH, visible_mask(key_valid_BS, T, offset))
+    elif impl == "chunked":
+        out = _chunked(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, jnp.asarray(offset, jnp.int32),
+                       min(config.block_q, T), min(config.block_k, S))
+    else:
+        if not isinstance(offset, int):
+            raise ValueError(f"attention impl {impl!r} needs a static (int) offset; the decode "
+                             "step's traced cache index runs the reference implementation.")
+        kernel = _splash if impl == "splash" else functools.partial(_dot_product, impl=impl)
+        out = _per_device(kernel, q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, offset, config,
+                          sharding)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
+
+
+def _reference(q_BKGTH, k_BKHS, v_BKSH, visible_BTS):
+    scores_BKGTS = jnp.einsum("bkgth,bkhs->bkgts", q_BKGTH, k_BKHS, preferred_element_type=_F32)
+    scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, MASKED)
+    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
+    return jnp.einsum("bkgts,bksh->bkgth", probs_BKGTS.astype(v_BKSH.dtype), v_BKSH,
+                      preferred_element_type=_F32)
+
+
+# ----------------------------------------------------------------------------- chunked
+
+def _pad_to(x: jax.Array, axis: int, multiple: int, value: Any = 0) -> jax.Array:
+    pad = (-x.shape[axis]) % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _split_blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
+    """[..., n*block (at axis), ...] -> [n, ..., block, ...] (blocks leading)."""
+    shape = x.shape[:axis] + (x.shape[axis] // block, block) + x.shape[axis + 1:]
+    return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _merge_blocks(x: jax.Array, axis: int) -> jax.Array:
+    """Inverse of _split_blocks."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+
+
+def _block_scores(q_blk, k_blk, valid_blk, t0, s0, offset):
+    """Masked scores of one (query block, key block) pair: [B, K, G, bq, bk] float32."""
+    # Under jax.checkpoint a mask computed from integer inputs alone is "known" and gets
+    # saved as a residual, stacked over every block pair (GBs at long context); tied to the
+    # queries it is recomputed with the scores instead.
+    q_blk, valid_blk = lax.optimization_barrier((q_blk, valid_blk))
+    bq, bk = q_blk.shape[3], k_blk.shape[3]
+    s = jnp.einsum("bkgth,bkhs->bkgts", q_blk, k_blk, preferred_element_type=_F32)
+    causal = (s0 + jnp.arange(bk))[None, :] <= (t0 + jnp.arange(bq))[:, None] + offset
+    # valid_blk: 1 real key, 0 masked key, -1 block padding (past the last key).
+    visible = causal[None, :, :] & (valid_blk == 1)[:, None, :]
+    s = jnp.where(visible[:, None, None], s, MASKED)
+    return jnp.where((valid_blk >= 0)[:, None, None, None, :], s, _PADDED)
+
+
+def _blocked_inputs(q, k, v, key_valid_BS, bq, bk):
+    valid = _pad_to(key_valid_BS.astype(jnp.int32), 1, bk, value=-1)
+    return (_split_blocks(_pad_to(q, 3, bq), 3, bq), _split_blocks(_pad_to(k, 3, bk), 3, bk),
+            _split_blocks(_pad_to(v, 2, bk), 2, bk), _split_blocks(valid, 1, bk))
+
+
+def _flash_forward(q, k, v, key_valid_BS, offset, bq, bk):
+    """(out [B, K, G, T, H] f32, logsumexp [B, K, G, T] f32)."""
+    T = q.shape[3]
+    q_n, k_n, v_n, valid_n = _blocked_inputs(q, k, v, key_valid_BS, bq, bk)
+    starts_k = jnp.arange(k_n.shape[0]) * bk
+
+    def query_block(args):
+        q_blk, t0 = args
+        B, K, G, _, H = q_blk.shape
+
+        def key_block(carry, xs):
+            m, l, acc = carry
+            k_blk, v_blk, valid_blk, s0 = xs
+            s = _block_scores(q_blk, k_blk, valid_blk, t0, s0, offset)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            p = jnp.exp(s - m_new[..., None])
+            scale = jnp.exp(m - m_new)
+            pv = jnp.einsum("bkgts,bksh->bkgth", p.astype(v_blk.dtype), v_blk,
+                            preferred_element_type=_F32)
+            return (m_new, l * scale + p.sum(axis=-1), acc * scale[..., None] + pv), None
+
+        init = (jnp.full((B, K, G, bq), _PADDED, _F32), jnp.zeros((B, K, G, bq), _F32),
+                jnp.zeros((B, K, G, bq, H), _F32))
+        (m, l, acc), _ = lax.scan(key_block, init, (k_n, v_n, valid_n, starts_k))
+        return acc / l[..., None], m + jnp.log(l)
+
+    out_n, lse_n = lax.map(query_block, (q_n, jnp.arange(q_n.shape[0]) * bq))
+    return _merge_blocks(out_n, 3)[:, :, :, :T], _merge_blocks(lse_n, 3)[..., :T]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _chunked(q, k, v, key_valid_BS, offset, bq, bk):
+    return _flash_forward(q, k, v, key_valid_BS, offset, bq, bk)[0]
+
+
+def _chunked_fwd(q, k, v, key_valid_BS, offset, bq, bk):
+    out, lse = _flash_forward(q, k, v, key_valid_BS, offset, bq, bk)
+    return out, (q, k, v, key_valid_BS, offset, out, lse)
+
+
+def _chunked_bwd(bq, bk, residuals, dout):
+    """Flash-attention backward: per (key block, query block) pair, recompute the
+    probabilities from the saved logsumexp; dq accumulates over key blocks, dk / dv over
+    query blocks."""
+    q, k, v, key_valid_BS, offset, out, lse = residuals
+    T, S = q.shape[3], k.shape[3]
+    delta = jnp.sum(dout * out, axis=-1)                       # [B, K, G, T]
+    q_n, k_n, v_n, valid_n = _blocked_inputs(q, k, v, key_valid_BS, bq, bk)
+    do_n = _split_blocks(_pad_to(dout, 3, bq), 3, bq).astype(v.dtype)
+    lse_n = _split_blocks(_pad_to(lse, 3, bq), 3, bq)
+    delta_n = _split_blocks(_pad_to(delta, 3, bq), 3, bq)
+    starts_q = jnp.arange(q_n.shape[0]) * bq
+
+    def key_block(dq_n, xs):
+        k_blk, v_blk, valid_blk, s0 = xs
+
+        def query_block(carry, ys):
+            dk, dv = carry
+            q_blk, do_blk, lse_blk, delta_blk, t0 = ys
+            s = _block_scores(q_blk, k_blk, valid_blk, t0, s0, offset)
+            p = jnp.exp(s - lse_blk[..., None])
+            dv = dv + jnp.einsum("bkgts,bkgth->bksh", p.astype(v.dtype), do_blk,
+                                 preferred_element_type=_F32)
+            dp = jnp.einsum("bkgth,bksh->bkgts", do_blk, v_blk, preferred_element_type=_F32)
+            ds = p * (dp - delta_blk[..., None])
+            dq_blk = jnp.einsum("bkgts,bkhs->bkgth", ds.astype(k.dtype), k_blk,
+                                preferred_element_type=_F32)
+            dk = dk + jnp.einsum("bkgts,bkgth->bkhs", ds.astype(q.dtype), q_blk,
+                                 preferred_element_type=_F32)
+            return (dk, dv), dq_blk
+
+        zeros = (jnp.zeros(k_blk.shape, _F32), jnp.zeros(v_blk.shape, _F32))
+        (dk, dv), dq_contrib = lax.scan(query_block, zeros,
+                                        (q_n, do_n, lse_n, delta_n, starts_q))
+        return dq_n + dq_contrib, (dk, dv)
+
+    dq_n, (dk_n, dv_n) = lax.scan(key_block, jnp.zeros(q_n.shape, _F32),
+                                  (k_n, v_n, valid_n, jnp.arange(k_n.shape[0]) * bk))
+    dq = _merge_blocks(dq_n, 3)[:, :, :, :T].astype(q.dtype)
+    dk = _merge_blocks(dk_n, 3)[..., :S].astype(k.dtype)
+    dv = _merge_blocks(dv_n, 2)[:, :, :S].astype(v.dtype)
+    return dq, dk, dv, None, None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+def _per_device(kernel, q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, offset: int,
+                config: AttentionConfig, sharding: parallel.ActivationSharding | None):
+    """Runs a per-device kernel; on a mesh under shard_map over batch rows and kv heads
+    (a Pallas or cuDNN custom call is opaque to the SPMD partitioner, which would otherwise
+    gather every operand onto each device)."""
+    run = functools.partial(kernel, offset=offset, config=config)
+    if sharding is None:
+        return run(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS)
+    B, K = k_BKHS.shape[:2]
+    batch = sharding.spec(("batch",), (B,))[0]
+    heads = sharding.spec(("kv_heads",), (K,))[0]
+    P = jax.sharding.PartitionSpec
+    return jax.shard_map(run, mesh=sharding.mesh,
+                         in_specs=(P(batch, heads), P(batch, heads), P(batch, heads), P(batch)),
+                         out_specs=P(batch, heads), check_vma=False)(
+        q_BKGTH, k_BKHS, v_BKSH, key_valid_BS)
+
+
+def _query_segments(key_valid_BS, T: int, offset: int, Tp: int) -> jax.Array:
+    """A query's segment is its own key's validity, so every query sees at least its own key
+    (the kernels need no empty rows); block-padding queries count as real (they see every
+    real key before them)."""
+    own = key_valid_BS[:, offset:offset + T].astype(jnp.int32)
+    return jnp.pad(own, ((0, 0), (0, Tp - T)), constant_values=1)
+
+
+def _splash(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, *, offset: int, config: AttentionConfig):
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash, splash_attention_mask as masks)
+    B, K, G, T, H = q_BKGTH.shape
+    S = k_BKHS.shape[3]
+    bq, bk = min(config.block_q, _round_up(T, 128)), min(config.block_k, _round_up(S, 128))
+    Tp, Sp = _round_up(T, bq), _round_up(S, bk)
+    mask = masks.MultiHeadMask([masks.CausalMask((Tp, Sp), offset)] * G)
+    sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_q_dkv=bq, block_kv_dkv=bk,
+                              block_q_dq=bq, block_kv_dq=bk)
+    kernel = splash.make_splash_mqa_single_device(
+        mask, block_sizes=sizes, interpret=jax.default_backend() != "tpu")
+    q = _pad_to(q_BKGTH, 3, bq)
+    k = _pad_to(k_BKHS, 3, bk).swapaxes(2, 3)          # [B, K, Sp, H]
+    v = _pad_to(v_BKSH, 2, bk)
+    q_seg = _query_segments(key_valid_BS, T, offset, Tp)
+    kv_seg = _pad_to(key_valid_BS.astype(jnp.int32), 1, bk)
+
+    def one(q_GTH, k_SH, v_SH, qs, ks):
+        return kernel(q_GTH, k_SH, v_SH, segment_ids=splash.SegmentIds(q=qs, kv=ks))
+
+    per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))
+    out = jax.vmap(per_head)(q, k, v, q_seg, kv_seg)
+    return out[:, :, :, :T].astype(_F32)
+
+
+def _dot_product(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, *, offset: int,
+                 config: AttentionConfig, impl: str):
+    del config
+    B, K, G, T, H = q_BKGTH.shape
+    q_BTNH = q_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
+    visible_B1TS = visible_mask(key_valid_BS, T, offset)[:, None]
+    out_BTNH = jax.nn.dot_product_attention(
+        q_BTNH, k_BKHS.transpose(0, 3, 1, 2), v_BKSH.transpose(0, 2, 1, 3),
+        mask=visible_B1TS, scale=1.0, implementation=impl)
+    return out_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).astype(_F32)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

@@ -1,0 +1,51 @@
+"""Reading compiled programs: collectives with their loop trip counts, reduce-scatters made of
+all-reduce + slice, bfloat16 values counted at their width, matmul FLOPs."""
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrl4llm import hlo_analysis, parallel
+
+MESH = parallel.make_mesh("data:1,fsdp:8,tensor:1")
+
+
+def _put(shape, spec, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(MESH, spec))
+
+
+def test_collectives_inside_a_loop_count_each_iteration():
+    def f(w_LDF, x_BD):
+        def body(x, w):   # w sharded over its rows: gathered once per iteration
+            return jnp.tanh(x @ w), None
+        return jax.lax.scan(body, x_BD, w_LDF)[0]
+
+    hlo = jax.jit(f).lower(_put((5, 64, 64), P(None, "fsdp")),
+                           _put((16, 64), P("fsdp"))).compile().as_text()
+    gathers = [op for op in hlo_analysis.collectives(hlo) if op.kind == "all-gather"]
+    weight = [op for op in gathers if op.result[0].dims == (64, 64)]
+    assert weight and all(op.executions == 5 and op.group_size == 8 for op in weight)
+    assert sum(op.total_bytes for op in weight) == 5 * 64 * 64 * 4
+    # 5 iterations of a [16/8, 64] x [64, 64] matmul per device.
+    assert hlo_analysis.matmul_flops(hlo) == 5 * 2 * 2 * 64 * 64
+
+
+def test_sliced_all_reduce_is_a_reduce_scatter_and_bf16_counts_at_its_width():
+    def grad_like(x_BD, y_BF):   # batch-sharded operands, result sharded over its rows
+        out = jnp.einsum("bd,bf->df", x_BD, y_BF, preferred_element_type=jnp.float32)
+        return jax.lax.with_sharding_constraint(out, NamedSharding(MESH, P("fsdp")))
+
+    hlo = jax.jit(grad_like).lower(_put((16, 32), P("fsdp")),
+                                   _put((16, 48), P("fsdp"))).compile().as_text()
+    ops = hlo_analysis.collectives(hlo)
+    assert [op.kind for op in ops] == ["reduce-scatter"]
+    assert ops[0].bytes == 32 * 48 * 4 and ops[0].link_bytes == 32 * 48 * 4 * 7 / 8
+
+    def gather_bf16(w, x):   # the weight gathered whole, then a float32-accumulated matmul
+        w = jax.lax.with_sharding_constraint(w, NamedSharding(MESH, P()))
+        return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+    hlo = jax.jit(gather_bf16).lower(_put((64, 32), P("fsdp"), jnp.bfloat16),
+                                     _put((16, 64), P(), jnp.bfloat16)).compile().as_text()
+    gathers = [op for op in hlo_analysis.collectives(hlo) if op.kind == "all-gather"]
+    assert gathers and all(op.bytes == 64 * 32 * 2 for op in gathers)   # bf16, not f32

@@ -1,0 +1,64 @@
+"""tools/plan.py on a tiny model and 8 fake devices: every program compiles from abstract
+inputs, its memory is measured and estimated, the update is FSDP-shaped; topologies parse."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import jax
+import pytest
+
+from jaxrl4llm import rl
+from jaxrl4llm.models.config import ARCHITECTURES, TINY
+from jaxrl4llm.train.config import TrainConfig
+
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "tools")
+sys.path.insert(0, TOOLS)
+import plan  # noqa: E402
+import plan_programs  # noqa: E402
+
+MODEL = dataclasses.replace(TINY, vocab_size=512, num_layers=3)
+
+
+def test_topologies_know_their_devices_and_chips():
+    assert plan.topology("v5p-64").num_devices == 32           # 2 TensorCores per chip
+    assert plan.topology("v5e-256").num_devices == 256
+    h100 = plan.topology("8xh100")
+    assert h100.num_devices == 8 and h100.chip.hbm_bytes == 80e9
+    with pytest.raises(ValueError, match="use v5p-N"):
+        plan.topology("tpu-7")
+    with pytest.raises(ValueError, match="at most 8 GPUs"):
+        plan.topology("16xh100")
+
+
+def test_architectures_resolve_from_model_paths():
+    assert plan_programs.architecture("/models/Qwen2.5-Math-7B/") is ARCHITECTURES[
+        "qwen2.5-math-7b"]
+    assert round(ARCHITECTURES["qwen3-8b-base"].num_params / 1e9, 2) == 8.19
+    with pytest.raises(ValueError, match="ARCHITECTURES"):
+        plan_programs.architecture("/models/unknown-13b")
+
+
+def test_plan_of_a_tiny_run_on_eight_devices(capsys):
+    config = TrainConfig().replace(
+        prompts_per_step=8, group_size=4, max_prompt_tokens=16, max_new_tokens=16,
+        mini_batch_size=16, micro_batch_size=8, rollout_micro_batch=16, remat=True,
+        param_dtype="bfloat16", algorithm=rl.get_preset("grpo"), mesh="data:1,fsdp:8,tensor:1")
+    topo = plan.topology("cpu-8")
+    result = plan_programs.plan(config, MODEL, topo, jax.devices()[:8])
+    rows = {r.program: r for r in result.rows}
+    assert list(rows) == ["create", "rollout", "logprobs", "update"]
+    # GRPO with a KL term and 2 mini-batches: reference and old-policy passes, 2 updates.
+    assert (rows["logprobs"].calls, rows["update"].calls, rows["rollout"].calls) == (2, 2, 1)
+    for r in result.rows:
+        assert r.args > 0 and r.total > 0
+        assert 0.2 < r.total / r.estimate < 5, (r.program, r.total, r.estimate)
+    update = rows["update"].collectives
+    assert update["all-gather"] > 0 and update["reduce-scatter"] > 0
+    assert 0.5 < result.update_vs_textbook < 2
+    assert rows["update"].flops > 0 and rows["update"].t_compute > 0
+    plan.print_plan(result, markdown=True)
+    out = capsys.readouterr().out
+    assert "| update | 2 |" in out and "every program fits" in out

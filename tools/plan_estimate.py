@@ -1,0 +1,104 @@
+"""Hand estimates of the per-device memory of one step's programs (tools/plan.py).
+
+Symbols (per device; "rows" are those one device holds of the slice that runs at once):
+  Np parameters, n layers, D width, F MLP width, V vocabulary, K kv heads, H head_dim
+  s  bytes per parameter (2 for bfloat16); S = fsdp x tensor weight shards; T = tensor
+  Pb = Np s / S                       the params' shard
+  Wl = one layer's weights            (q, k, v, o, gate, up, down, norms)
+  c  bytes per element of a gathered weight. XLA's CPU compiler (the one plan.py runs)
+     computes bfloat16 matmuls in float32, so it converts weights before gathering: c = 4.
+     On TPU / GPU c = s, and the converted copies below are not there.
+  b  rows per device (micro-batch or rollout chunk / (data x fsdp)); P the prompt bucket,
+     N max_new_tokens. Teacher-forced passes whose g rows share a prompt run it once per
+     group: a row costs L = N - 1 + P / g tokens, its largest block Lb = N - 1 tokens
+     (g = 1: L = Lb = P + N - 1)
+  R  resident: arrays that live beside the program (the optimizer state while sampling, the
+     reference params, the rollout batch), counted exactly, not estimated
+
+  create    Pb + 3 Pb (params and Adam moments out) + R
+  update    3 Pb (params + moments, donated) + 2 (4 Np / S) (float32 gradient accumulator,
+            float32 weight shards) + n b L D 4 (remat checkpoints: one float32 residual per
+            layer) + 6 b Lb F/T 4 (the recomputed MLP and its gradients) + 4 b Lb D 4
+            + 4 D V/T 4 (unembedding gathered in float32, its gradient, the reduction buffer,
+            a conversion) + R
+  rollout   Pb + n Wl c / T (every layer gathered: the gathers leave the decode loop)
+            + 2 D V/T (c + s) (embedding and unembedding gathered, and converted)
+            + 2 n b K H (P + N - 1) s / T_kv (keys and values of one chunk) + R
+  logprobs  Pb + b Lb F/T (2 x 4 + s) (gate, up in float32, their product) + b Lb D 4
+            + D V/T c (unembedding gathered) + R
+"""
+from __future__ import annotations
+
+import math
+
+from jaxrl4llm import parallel
+from jaxrl4llm.models import transformer
+from jaxrl4llm.sampling import buckets
+from jaxrl4llm.train.config import TrainConfig, param_dtype
+
+_F32 = 4
+CPU_GATHER_BYTES = 4   # c: see the module docstring
+
+
+class Estimate:
+    def __init__(self, config: TrainConfig, model_config, mesh,
+                 gather_bytes: int = CPU_GATHER_BYTES):
+        c, m = config, model_config
+        self.c, self.m = c, m
+        self.s = param_dtype(c.model.param_dtype)(0).dtype.itemsize
+        self.g = max(gather_bytes, self.s)
+        shape = dict(zip(mesh.axis_names, mesh.devices.shape))
+        self.T = shape["tensor"]
+        self.dp = parallel.data_parallel_size(mesh)
+        self.S = shape["fsdp"] * self.T
+        self.Pb = m.num_params * self.s / self.S
+        layer = transformer.param_shapes(m)["layers"]
+        self.Wl = sum(math.prod(v[1:]) for v in layer.values())
+        self.P = buckets.bucket_prompt_length(c.rollout.max_prompt_tokens)
+        self.N = c.rollout.max_new_tokens
+        self.L = self.P + self.N - 1   # a row's tokens without prompt sharing
+        self.DV = m.hidden_size * m.vocab_size / self.T
+        self.F = m.intermediate_size / self.T
+        self.T_kv = self.T if m.num_kv_heads % self.T == 0 else 1
+
+    def create(self, resident: float) -> float:
+        return 4 * self.Pb + resident
+
+    def _tokens(self, group: int) -> tuple[float, float]:
+        """(L, Lb): a row's tokens and its largest block's, prompts shared by `group` rows."""
+        if group == 1:
+            return self.L, self.L
+        return self.N - 1 + self.P / group, self.N - 1
+
+    def update(self, group: int, resident: float) -> float:
+        m, b, D = self.m, self.c.micro_batch / self.dp, self.m.hidden_size
+        L, Lb = self._tokens(group)
+        state = 3 * self.Pb + 2 * _F32 * m.num_params / self.S
+        activations = (m.num_layers * b * L * D + 6 * b * Lb * self.F + 4 * b * Lb * D) * _F32
+        return state + activations + 4 * self.DV * _F32 + resident
+
+    def rollout(self, num_chunks: int, resident: float) -> float:
+        m, s = self.m, self.s
+        b = self.c.batch_size / num_chunks / self.dp
+        weights = m.num_layers * self.Wl * self.g / self.T + 2 * self.DV * (self.g + s)
+        cache = 2 * m.num_layers * b * m.num_kv_heads * m.head_dim * self.L * s / self.T_kv
+        return self.Pb + weights + cache + resident
+
+    def logprobs(self, num_chunks: int, group: int, resident: float) -> float:
+        b, D = self.c.batch_size / num_chunks / self.dp, self.m.hidden_size
+        _, Lb = self._tokens(group)
+        layer = b * Lb * self.F * (2 * _F32 + self.s) + b * Lb * D * _F32
+        return self.Pb + layer + self.DV * self.g + resident
+
+    def rollout_hbm_bytes(self, num_chunks: int) -> float:
+        """HBM reads of the decode loops: every gathered weight and the mean KV context per
+        step, max_new_tokens steps per chunk (the roofline of a memory-bound decode)."""
+        m, s = self.m, self.s
+        b = self.c.batch_size / num_chunks / self.dp
+        kv = 2 * m.num_layers * b * (self.P + self.N / 2) * m.num_kv_heads * m.head_dim * s
+        return num_chunks * self.N * (m.num_params * s / self.T + kv / self.T_kv)
+
+    def textbook_update_collectives(self, num_micro: int) -> float:
+        """Payload bytes of textbook FSDP per update: per micro-batch every weight gathered
+        for the forward and again for the backward, and every gradient reduce-scattered."""
+        return num_micro * 3 * self.m.num_params * self.s / self.T

@@ -1,0 +1,204 @@
+"""The programs of one training step, compiled for abstract inputs on a mesh (tools/plan.py).
+
+Every input is a jax.ShapeDtypeStruct with the sharding the trainer gives it, so nothing is
+allocated; each program is lowered and compiled exactly as the trainer's jit boundaries
+compile it, then measured: memory_analysis(), the collectives and matmul FLOPs of its HLO.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl4llm import hlo_analysis, parallel, rl
+from jaxrl4llm.models import transformer
+from jaxrl4llm.models.config import ARCHITECTURES, ModelConfig
+from jaxrl4llm.sampling import buckets, sampler
+from jaxrl4llm.train import logprobs, state as state_lib, step
+from jaxrl4llm.train.config import TrainConfig, param_dtype
+
+import plan_estimate
+
+
+@dataclasses.dataclass
+class Row:
+    program: str
+    calls: int                 # per training step
+    args: float                # bytes per device
+    temp: float
+    output: float
+    alias: float               # outputs written into donated arguments
+    resident: float            # live arrays outside the program (state, reference, batch)
+    estimate: float            # hand estimate of `total`
+    collectives: dict          # payload bytes per call by kind, and "link" bytes
+    flops: float               # matmul FLOPs per call per device
+    t_compute: float
+    t_comm: float
+    t_hbm: float
+
+    @property
+    def total(self) -> float:
+        return self.args + self.temp + self.output - self.alias + self.resident
+
+    @property
+    def seconds(self) -> float:
+        return max(self.t_compute, self.t_comm, self.t_hbm)
+
+
+@dataclasses.dataclass
+class Plan:
+    title: str
+    mesh: str
+    topology: Any
+    rows: list[Row]
+    update_vs_textbook: float
+
+
+def architecture(model: str) -> ModelConfig:
+    """The ModelConfig of --model: a local HF folder's config.json, else the architecture
+    table entry named like the folder (e.g. /models/Qwen2.5-Math-7B -> qwen2.5-math-7b)."""
+    if os.path.isfile(os.path.join(model, "config.json")):
+        return ModelConfig.from_hf_config(model)
+    name = os.path.basename(os.path.normpath(model)).lower()
+    if name not in ARCHITECTURES:
+        raise ValueError(f"--model={model!r}: no config.json there and {name!r} is not in "
+                         f"models/config.py ARCHITECTURES ({', '.join(sorted(ARCHITECTURES))}); "
+                         "pass --architecture=NAME or add the architecture there.")
+    return ARCHITECTURES[name]
+
+
+def _abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def abstract_params(model_config: ModelConfig, mesh, dtype) -> Any:
+    shapes = transformer.param_shapes(model_config)
+    shardings = parallel.logical_to_sharding(
+        transformer.param_logical_axes(model_config), mesh,
+        shapes=jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes,
+                            is_leaf=lambda x: isinstance(x, tuple)))
+    return jax.tree.map(lambda s, sh: _abstract(s, dtype, sh), shapes, shardings,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _rows(mesh, shape, dtype) -> jax.ShapeDtypeStruct:
+    return _abstract(shape, dtype, parallel.batch_sharding(mesh, len(shape)))
+
+
+def _measure(compiled, calls: int, chip, unknown_trip_count: int = 1) -> dict:
+    hlo = compiled.as_text()
+    mem = compiled.memory_analysis()
+    ops = hlo_analysis.collectives(hlo, unknown_trip_count=unknown_trip_count)
+    summary = hlo_analysis.summarize(ops)
+    flops = hlo_analysis.matmul_flops(hlo, unknown_trip_count=unknown_trip_count)
+    return dict(calls=calls, args=mem.argument_size_in_bytes, temp=mem.temp_size_in_bytes,
+                output=mem.output_size_in_bytes, alias=mem.alias_size_in_bytes,
+                collectives=summary, flops=flops, t_compute=flops / chip.peak_flops,
+                t_comm=summary.get("link", 0.0) / chip.link_bw)
+
+
+def _bytes(tree) -> float:
+    """Per-device bytes of a tree of abstract arrays (shards, not whole arrays)."""
+    total = 0.0
+    for x in jax.tree.leaves(tree):
+        shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += math.prod(shard) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
+    c, chip = config, topo.chip
+    mesh = parallel.make_mesh(c.run.mesh, devices)
+    sharding = parallel.ActivationSharding(mesh)
+    dp = parallel.data_parallel_size(mesh)
+    dtype = param_dtype(c.model.param_dtype)
+    params = abstract_params(model_config, mesh, dtype)
+    optimizer = c.optimizer
+    state_shardings = state_lib.state_shardings(params, optimizer)
+    abstract_state = state_lib.abstract_state(params, optimizer, c.run.seed)
+    est = plan_estimate.Estimate(c, model_config, mesh)
+    rows: list[Row] = []
+    state_bytes, param_bytes = _bytes(abstract_state), _bytes(params)
+    ref_bytes = param_bytes if c.needs_reference else 0.0
+
+    # create: params in, state out.
+    create = jax.jit(state_lib.TrainState.create, static_argnums=(1, 2),
+                     out_shardings=state_shardings)
+    m = _measure(create.lower(params, optimizer, c.run.seed).compile(), 0, chip)
+    rows.append(Row("create", resident=ref_bytes, estimate=est.create(ref_bytes), t_hbm=0.0,
+                    **m))
+
+    # rollout: all rows of a step, in row chunks.
+    G, B = c.rollout.group_size, c.batch_size
+    P = buckets.bucket_prompt_length(c.rollout.max_prompt_tokens)
+    N = c.rollout.max_new_tokens
+    num_chunks = parallel.num_row_chunks(B, c.rollout.rollout_micro_batch, G)
+    key_dtype = jax.random.key(0).dtype
+    compiled = sampler.generate_tokens.lower(
+        params, _rows(mesh, (B, P), jnp.int32), _rows(mesh, (B, P), bool),
+        _rows(mesh, (B,), bool), _rows(mesh, (B,), key_dtype),
+        jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
+        model_config=model_config, sampling=c.rollout.sampling,
+        max_new_tokens=N, mesh=mesh, prompt_group=G, num_chunks=num_chunks,
+        cache_dtype=dtype).compile()
+    m = _measure(compiled, 1, chip, unknown_trip_count=N)
+    resident = state_bytes - param_bytes + ref_bytes
+    rows.append(Row("rollout", resident=resident, estimate=est.rollout(num_chunks, resident),
+                    t_hbm=est.rollout_hbm_bytes(num_chunks) / chip.hbm_bw, **m))
+
+    # reference / old-policy logprobs: one teacher-forced pass over the rollout's rows.
+    seqs = logprobs.Sequences(
+        prompt_tokens_BP=_rows(mesh, (B, P), jnp.int32), prompt_mask_BP=_rows(mesh, (B, P), bool),
+        completion_tokens_BT=_rows(mesh, (B, N), jnp.int32),
+        completion_mask_BT=_rows(mesh, (B, N), bool))
+    calls = int(c.needs_reference) + int(c.needs_old_logprobs and c.update.recompute_old_logprobs)
+    temperature = c.rollout.sampling.effective_temperature
+    tf_group = c.rollout.layout.prompt_group(B, num_chunks, dp)
+    compiled = logprobs.completion_logprobs_jit.lower(
+        params, model_config, seqs, temperature, prompt_group=tf_group, num_chunks=num_chunks,
+        sharding=sharding).compile()
+    m = _measure(compiled, calls, chip)
+    rows.append(Row("logprobs", resident=resident, estimate=est.logprobs(num_chunks, tf_group, resident),
+                    t_hbm=0.0, **m))
+
+    # update: one optimizer step on a mini-batch.
+    M, num_micro = c.mini_batch, c.mini_batch // c.micro_batch
+    mb_seqs = jax.tree.map(lambda x: _rows(mesh, (M,) + x.shape[1:], x.dtype), seqs)
+    adv = jax.eval_shape(functools.partial(rl.compute_advantages, c.algorithm, group_size=G),
+                         jax.ShapeDtypeStruct((M,), jnp.float32),
+                         jax.ShapeDtypeStruct((M,), bool), jax.ShapeDtypeStruct((M, N), bool),
+                         truncated_B=jax.ShapeDtypeStruct((M,), bool),
+                         logp_BT=jax.ShapeDtypeStruct((M, N), jnp.float32),
+                         ref_logp_BT=jax.ShapeDtypeStruct((M, N), jnp.float32))[0]
+    logp = _rows(mesh, (M, N), jnp.float32)
+    batch = step.UpdateBatch(
+        seqs=mb_seqs, advantages=_rows(mesh, adv.shape, jnp.float32),
+        keep_B=_rows(mesh, (M,), bool),
+        old_logp_BT=logp if c.needs_old_logprobs else None,
+        ref_logp_BT=logp if c.needs_reference else None)
+    layout = c.rollout.layout.shuffled() if c.reshuffles_rows else c.rollout.layout
+    update_group = layout.prompt_group(M, num_micro, dp)
+    compiled = step.train_step.lower(
+        abstract_state, batch, model_config=model_config, algorithm=c.algorithm,
+        optimizer=optimizer, num_micro=num_micro, temperature=temperature, remat=c.model.remat,
+        prompt_group=update_group, sharding=sharding).compile()
+    m = _measure(compiled, c.updates_per_step, chip)
+    rollout_batch = B / dp * (P * 5 + N * (4 + 1 + 4 * (1 + c.needs_reference
+                                                        + c.needs_old_logprobs)))
+    resident = ref_bytes + rollout_batch
+    rows.append(Row("update", resident=resident, estimate=est.update(update_group, resident), t_hbm=0.0,
+                    **m))
+    textbook = est.textbook_update_collectives(num_micro)
+    update_bytes = sum(v for k, v in m["collectives"].items() if k != "link")
+    shape = dict(zip(mesh.axis_names, mesh.devices.shape))
+    title = (f"{os.path.basename(c.run.workdir)}: {model_config.num_params / 1e9:.2f}B params "
+             f"{c.model.param_dtype}, {c.rollout.prompts_per_step} prompts x {G} = {B} rows, "
+             f"{c.rollout.max_prompt_tokens}+{N} tokens, mini-batch {M}, micro-batch {c.micro_batch}, "
+             f"rollout chunk {B // num_chunks} rows, remat {c.model.remat}")
+    return Plan(title, ",".join(f"{k}:{v}" for k, v in shape.items()), topo, rows,
+                update_bytes / textbook)
