@@ -20,13 +20,18 @@ Presets and the two entry points (algorithms.py)
         lite_ppo, rloo, raft, raft_pp  (PRESETS maps name -> constructor)
     validate(config, group_size) -> config      raises ValueError naming the knob and the fix
     compute_advantages(config, rewards_B, correct_B, mask_BT, group_size, *,
-                       truncated_B=None, logp_BT=None, ref_logp_BT=None)
+                       truncated_B=None, logp_BT=None, ref_logp_BT=None, valid_B=None)
         -> (advantages [B] or [B, T], keep_B, metrics)
+        keep_B: rows in the loss; rows rejected by a filter are out of it (rejected_rows="drop")
+        or in it with A = 0 (rejected_rows="zero", Minimal-RL's convention); valid_B=False
+        rows (no reward) leave the loss and every statistic.
     policy_loss(config, logp_BT, old_logp_BT, advantages, mask_BT, keep_B=None, *,
                 ref_logp_BT=None, entropy_BT=None)
         -> (loss_sum, denominator, metrics)
         old_logp_BT=None means on-policy (ratio 1); pass entropy_BT (entropy_from_logits) whenever
         the logits are at hand: it is then always logged, and enters the loss when entropy_coef != 0.
+        With ref_logp_BT the KL to the reference is logged as "policy/kl_ref" whether or not it
+        is in the loss (config.log_kl_ref tells a trainer to pass it with no KL term).
     loss_denominator(config, mask_BT, keep_B=None) -> denominator of the whole mini-batch
 
 Advantages (advantages.py)
@@ -47,7 +52,7 @@ Filters (filters.py)
 Losses (losses.py)
     clipped_surrogate(logp_BT, old_logp_BT, advantages, *, clip_low, clip_high, dual_clip=None)
         -> (loss_BT, aux)
-    nll_loss(logp_BT), kl_estimate(logp_BT, ref_logp_BT, "k1"|"k2"|"k3"), k3(d),
+    nll_loss(logp_BT), kl_estimate(logp_BT, ref_logp_BT, "k1"|"k2"|"k3", k3_clamp=10.0), k3(d),
     entropy_from_logits(logits_BTV), log_ratio(logp_BT, old_logp_BT)
     aggregate(loss_BT, mask_BT, keep_B=None, mode="token-mean", max_tokens=None) -> (sum, denominator)
     losses.loss_denominator(mask_BT, keep_B=None, mode=..., max_tokens=None) (rl.loss_denominator takes a config),

@@ -40,16 +40,26 @@ def _weights(x: jnp.ndarray, keep: jnp.ndarray | None) -> jnp.ndarray:
 
 
 def _stats(x, w, axis, ddof):
-    """Weighted mean, std (with ddof) and a 'no spread' flag along ``axis`` (keepdims)."""
+    """Weighted mean, std (with ddof) and a 'no spread' flag along ``axis`` (keepdims).
+
+    The mean is taken around a pivot, one of the kept values: mu = pivot + mean(x - pivot).
+    When the kept values are all equal every x - pivot is exactly 0, so mu equals them
+    exactly and x - mu is exactly 0 whatever the compiler does with the division (XLA may
+    multiply by a rounded reciprocal or fuse a multiply-add; a plain sum / n then leaves
+    x - mu ~ 1e-8, which whitening divides by ~1e-6).
+    """
     n = w.sum(axis=axis, keepdims=True)
-    mu = (x * w).sum(axis=axis, keepdims=True) / jnp.maximum(n, 1.0)
-    dof = n - ddof
-    var = (jnp.square(x - mu) * w).sum(axis=axis, keepdims=True) / jnp.where(dof > 0, dof, 1.0)
-    std = jnp.where(dof > 0, jnp.sqrt(var), 0.0)
-    # Exact constancy test (max == min) rather than std < tol: float rounding of the mean
-    # can leave a tiny non-zero std for identical rewards, which would blow up under / eps.
     hi = jnp.where(w > 0, x, -jnp.inf).max(axis=axis, keepdims=True)
     lo = jnp.where(w > 0, x, jnp.inf).min(axis=axis, keepdims=True)
+    pivot = jnp.where(n > 0, hi, 0.0)
+    offset = jnp.where(w > 0, x - pivot, 0.0)
+    mu = pivot + offset.sum(axis=axis, keepdims=True) / jnp.maximum(n, 1.0)
+    dof = n - ddof
+    var = jnp.where(w > 0, jnp.square(x - mu), 0.0).sum(axis=axis, keepdims=True) / jnp.where(
+        dof > 0, dof, 1.0)
+    std = jnp.where(dof > 0, jnp.sqrt(var), 0.0)
+    # Exact constancy test (max == min) rather than std < tol: a scope of equal values has
+    # no spread, whatever rounding left in its std.
     flat = (hi <= lo) | (dof <= 0)
     return mu, std, flat
 
@@ -107,10 +117,12 @@ def rloo_advantages(rewards_B: jnp.ndarray, group_size: int, keep_B: jnp.ndarray
     r_B = jnp.asarray(rewards_B, jnp.float32)
     w_B = _weights(r_B, keep_B)
     r_PG, w_PG = to_groups(r_B, group_size), to_groups(w_B, group_size)
-    # Leave-one-out over the kept rows of the group (all G when none is removed).
-    n_others = w_PG.sum(axis=1, keepdims=True) - w_PG
-    others = ((r_PG * w_PG).sum(axis=1, keepdims=True) - r_PG * w_PG) / jnp.maximum(n_others, 1.0)
-    adv_B = jnp.where(n_others > 0, r_PG - others, 0.0).reshape(-1)
+    # r_i - (S - r_i) / (n - 1) = n / (n - 1) * (r_i - S / n) over the group's n kept rows
+    # (all G when none is removed); the centred form is exactly 0 for a flat group.
+    mu_PG = _stats(r_PG, w_PG, 1, 0)[0]
+    n_PG = w_PG.sum(axis=1, keepdims=True)
+    adv_PG = (r_PG - mu_PG) * (n_PG / jnp.maximum(n_PG - 1.0, 1.0))
+    adv_B = jnp.where(n_PG > 1, adv_PG, 0.0).reshape(-1)
     return jnp.where(w_B > 0, adv_B, 0.0)
 
 

@@ -20,6 +20,9 @@ from jaxrl4llm.rl.metrics import Metric
 ADVANTAGES = ("normalized", "rloo", "reinforce_pp", "reinforce_pp_baseline", "positives")
 OBJECTIVES = ("clipped", "nll")
 KL_PLACES = ("loss", "reward", None)
+REJECTED_ROWS = ("drop", "zero")
+# Estimators whose per-sequence advantage can take the KL penalty as token rewards.
+SEQUENCE_ADVANTAGES = ("normalized", "rloo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +43,20 @@ class AlgorithmConfig:
     clip_low, clip_high: Ratio clip range [1 - clip_low, 1 + clip_high].
     dual_clip: Dual-clip constant c > 1 for negative advantages (none = off).
     kl_in: Where the KL to the reference goes: "loss" (kl_coef * agg(KL) added to the loss),
-        "reward" (REINFORCE++ token rewards) or none.
+        "reward" (token rewards: REINFORCE++ returns, or A_i - kl_coef * sum_{s>=t} KL_s for
+        the normalized and rloo estimators, as OpenRLHF) or none.
     kl_estimator: KL estimator: k1, k2 or k3.
     kl_coef: KL coefficient (>= 0).
+    k3_clamp: Cap on the k3 KL estimate per token (10 as verl's low_var_kl and OpenRLHF; none
+        = no cap).
+    log_kl_ref: Log the KL to the reference (policy/kl_ref, kl_estimator) even when no KL term
+        is in the loss or reward; loads the reference model.
     entropy_coef: Entropy bonus coefficient (loss -= entropy_coef * agg(H)).
     reject_all_correct, reject_all_wrong: Drop groups whose samples are all correct / all
         wrong.
+    rejected_rows: Rows rejected by the group filters or by RAFT's selection: "drop" (out of
+        the loss's numerator and every denominator) or "zero" (kept in the loss with advantage
+        0, so they count in its denominators, KL and entropy terms, as Minimal-RL's code).
     overlong_filter: Drop samples that hit max_new_tokens without a stop token from the loss.
     positives: RAFT selection, "correct" or "best" (see filters.raft_positives).
     binary_reward: None to use the verifier's reward as is, or "wrong,right" to replace it by
@@ -67,9 +78,12 @@ class AlgorithmConfig:
     kl_in: Optional[str] = None
     kl_estimator: str = "k3"
     kl_coef: float = 0.0
+    k3_clamp: Optional[float] = losses.K3_CLAMP
+    log_kl_ref: bool = False
     entropy_coef: float = 0.0
     reject_all_correct: bool = False
     reject_all_wrong: bool = False
+    rejected_rows: str = "drop"
     overlong_filter: bool = False
     positives: str = "correct"
     binary_reward: Optional[tuple[float, float]] = None
@@ -87,6 +101,10 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
     require(c.kl_in in KL_PLACES, f"kl_in={c.kl_in!r}: choose one of {KL_PLACES}.")
     require(c.kl_estimator in losses.KL_ESTIMATORS,
            f"kl_estimator={c.kl_estimator!r}: choose one of {losses.KL_ESTIMATORS}.")
+    require(c.rejected_rows in REJECTED_ROWS,
+           f"rejected_rows={c.rejected_rows!r}: choose one of {REJECTED_ROWS}.")
+    require(c.k3_clamp is None or c.k3_clamp > 0,
+           f"k3_clamp={c.k3_clamp!r} must be > 0 (default 10) or None (no cap).")
     require(c.positives in filters.POSITIVE_SELECTIONS,
            f"positives={c.positives!r}: choose one of {filters.POSITIVE_SELECTIONS}.")
     require(isinstance(c.ddof, int) and c.ddof >= 0,
@@ -119,9 +137,9 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
     require(not (c.kl_coef > 0 and c.kl_in is None),
            f"kl_coef={c.kl_coef} but kl_in=None, so the KL would be ignored; set kl_in='loss' (or 'reward' "
            "for REINFORCE++), or kl_coef=0.")
-    require(not (c.kl_in == "reward" and c.advantage not in ("reinforce_pp", "reinforce_pp_baseline")),
-           f"kl_in='reward' needs token-level rewards, i.e. advantage='reinforce_pp' or 'reinforce_pp_baseline' "
-           f"(got advantage={c.advantage!r}); use kl_in='loss' instead.")
+    require(not (c.kl_in == "reward" and c.advantage == "positives"),
+           "kl_in='reward' needs an advantage that takes token rewards (normalized, rloo, reinforce_pp, "
+           "reinforce_pp_baseline), not advantage='positives'; use kl_in='loss' instead.")
     require(not (c.kl_in == "reward" and c.kl_estimator == "k3"),
            "kl_in='reward' uses kl_estimator 'k1' or 'k2' (REINFORCE++); set kl_estimator='k1' or 'k2'.")
     require(not (c.objective == "nll" and c.advantage != "positives"),
@@ -154,15 +172,19 @@ def reinforce() -> AlgorithmConfig:
     """Reinforce: Xiong et al. 2025, "A Minimalist Approach to LLM Reasoning" (arXiv:2504.11343).
 
     A = r with r = +1 correct / -1 wrong (binary_reward), no baseline; clipped importance-sampled
-    surrogate (clip 0.2), token-mean; no KL.
+    surrogate (clip 0.2), token-mean; no KL. Rows a filter rejects (the Figure 4 ablations add
+    group filters) keep A = 0 in the loss (rejected_rows="zero"), as the authors' code.
     """
-    return AlgorithmConfig(name="reinforce", mean="none", std="none", binary_reward=(-1.0, 1.0))
+    return AlgorithmConfig(name="reinforce", mean="none", std="none", binary_reward=(-1.0, 1.0),
+                           rejected_rows="zero")
 
 
 def reinforce_rej() -> AlgorithmConfig:
     """Reinforce-Rej: Xiong et al. 2025 (arXiv:2504.11343).
 
-    Reinforce (A = r in {-1, +1}) with all-correct and all-wrong groups rejected.
+    Reinforce (A = r in {-1, +1}) with all-correct and all-wrong groups rejected; their rows
+    stay in the token-mean denominator with A = 0 (rejected_rows="zero"), as the authors'
+    compute_reinforce_rej_outcome_advantage (github.com/RLHFlow/Minimal-RL).
     """
     return dataclasses.replace(reinforce(), name="reinforce_rej", reject_all_correct=True, reject_all_wrong=True)
 
@@ -180,9 +202,14 @@ def reinforce_pp() -> AlgorithmConfig:
 def reinforce_pp_baseline() -> AlgorithmConfig:
     """REINFORCE++-baseline: Hu 2025 (arXiv:2501.03262).
 
-    REINFORCE++ with the group mean of r subtracted before building token rewards.
+    REINFORCE++ with the group mean of r subtracted before the returns and the batch
+    whitening, and the KL to the reference as a k2 *loss* (coef 0.001) instead of k1 in the
+    reward: the setting of the authors' OpenRLHF example for this estimator
+    (train_reinforce_baseline_llama_ray_hybrid_engine.sh: --use_kl_loss --kl_estimator k2
+    --init_kl_coef 1e-3).
     """
-    return dataclasses.replace(reinforce_pp(), name="reinforce_pp_baseline", advantage="reinforce_pp_baseline")
+    return dataclasses.replace(reinforce_pp(), name="reinforce_pp_baseline", advantage="reinforce_pp_baseline",
+                               kl_in="loss", kl_estimator="k2", kl_coef=0.001)
 
 
 def lite_ppo() -> AlgorithmConfig:
@@ -213,9 +240,11 @@ def raft_pp() -> AlgorithmConfig:
     """RAFT++: Xiong et al. 2025 (arXiv:2504.11343).
 
     Clipped importance-sampled surrogate (clip 0.2, token-mean) with A = 1 on correct samples;
-    wrong samples are excluded.
+    wrong samples stay in the token-mean denominator with A = 0 (rejected_rows="zero"), as the
+    authors' compute_raft_outcome_advantage (github.com/RLHFlow/Minimal-RL).
     """
-    return AlgorithmConfig(name="raft_pp", advantage="positives", objective="clipped", positives="correct")
+    return AlgorithmConfig(name="raft_pp", advantage="positives", objective="clipped", positives="correct",
+                           rejected_rows="zero")
 
 
 PRESETS = {f.__name__: f for f in (grpo, dr_grpo, reinforce, reinforce_rej, reinforce_pp,
@@ -251,13 +280,17 @@ def compute_advantages(
     """Advantages for one rollout batch. Returns (advantages [B] or [B, T], keep_B bool,
     metrics: rl.metrics.Metric values by final name, "adv/...").
 
-    Group rejection and RAFT positives define which rows enter the statistics (batch mean/std,
-    whitening); overlong filtering (truncated_B, when config.overlong_filter) only removes rows
-    from the loss, so a truncated sample still counts in its group's statistics (as in DAPO).
-    kl_in='reward' needs logp_BT (the sampling policy) and ref_logp_BT.
-    valid_B (bool [B], default all True): rows with a reward at all. An unverified row (its
-    verification timed out or crashed) leaves the loss and every statistic, and its group is
-    judged (all-correct / all-wrong, best of group) by its verified rows only.
+    keep_B marks the rows that enter the loss. Group rejection and RAFT's selection decide
+    which rows carry a learning signal and enter the statistics (batch mean/std, whitening);
+    a row they reject is out of the loss (rejected_rows="drop") or in it with A = 0
+    (rejected_rows="zero"). Overlong filtering (truncated_B, when config.overlong_filter)
+    only removes rows from the loss, so a truncated sample still counts in its group's
+    statistics (as in DAPO). kl_in='reward' needs logp_BT (the sampling policy) and
+    ref_logp_BT.
+    valid_B (bool [B], default all True): rows with a reward at all. A row without one (its
+    verification timed out or crashed, or its prompt was dropped as too long) leaves the loss
+    and every statistic, and its group is judged (all-correct / all-wrong, best of group) by
+    its valid rows only.
     """
     c = config
     correct = jnp.asarray(correct_B, bool)
@@ -266,47 +299,54 @@ def compute_advantages(
     correct = correct & valid
     if c.binary_reward is not None:
         r_B = jnp.where(correct, c.binary_reward[1], c.binary_reward[0]).astype(jnp.float32)
-    stats_keep = valid & filters.group_keep_mask(
+    signal = valid & filters.group_keep_mask(
         correct, group_size, reject_all_correct=c.reject_all_correct,
         reject_all_wrong=c.reject_all_wrong, valid_B=valid)
     if c.advantage == "positives":
-        stats_keep &= filters.raft_positives(jnp.where(valid, r_B, -jnp.inf), correct, group_size,
-                                             select=c.positives)
-    keep = stats_keep
+        signal &= filters.raft_positives(jnp.where(valid, r_B, -jnp.inf), correct, group_size,
+                                         select=c.positives)
+    keep = valid if c.rejected_rows == "zero" else signal
     if c.overlong_filter:
         if truncated_B is None:
             raise ValueError("overlong_filter=True needs truncated_B (the sampler's 'hit max_new_tokens' flags).")
         keep = keep & filters.overlong_keep_mask(truncated_B)
 
+    kl_BT = None
+    if c.kl_in == "reward" and c.kl_coef != 0:
+        if logp_BT is None or ref_logp_BT is None:
+            raise ValueError("kl_in='reward' needs logp_BT (sampling policy) and ref_logp_BT (reference model).")
+        kl_BT = losses.kl_estimate(logp_BT, ref_logp_BT, c.kl_estimator, c.k3_clamp)
     if c.advantage == "normalized":
         adv = adv_lib.normalized_advantages(r_B, group_size, mean=c.mean, std=c.std, ddof=c.ddof,
-                                            eps=c.eps, keep_B=stats_keep)
+                                            eps=c.eps, keep_B=signal)
     elif c.advantage == "rloo":
-        adv = adv_lib.rloo_advantages(r_B, group_size, keep_B=stats_keep)
+        adv = adv_lib.rloo_advantages(r_B, group_size, keep_B=signal)
     elif c.advantage == "positives":
-        adv = stats_keep.astype(jnp.float32)
+        adv = signal.astype(jnp.float32)
     elif c.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
-        kl_BT = None
-        if c.kl_in == "reward" and c.kl_coef != 0:
-            if logp_BT is None or ref_logp_BT is None:
-                raise ValueError("kl_in='reward' needs logp_BT (sampling policy) and ref_logp_BT (reference model).")
-            kl_BT = losses.kl_estimate(logp_BT, ref_logp_BT, c.kl_estimator)
         adv = adv_lib.reinforce_pp_advantages(
             r_B, mask_BT, kl_BT=kl_BT, kl_coef=c.kl_coef, group_size=group_size,
-            baseline=c.advantage == "reinforce_pp_baseline", keep_B=stats_keep, ddof=c.ddof, eps=c.eps)
+            baseline=c.advantage == "reinforce_pp_baseline", keep_B=signal, ddof=c.ddof, eps=c.eps)
     else:
         raise ValueError(f"advantage={c.advantage!r}: choose one of {ADVANTAGES}.")
-    # Rejected rows carry A = 0 (they are masked anyway; this keeps logs readable).
-    adv = jnp.where(keep if adv.ndim == 1 else keep[:, None], adv, 0.0)
+    if kl_BT is not None and c.advantage in SEQUENCE_ADVANTAGES:
+        # OpenRLHF's KL-in-reward for per-sequence estimators: A at the last token, -beta KL
+        # on every token, returns with gamma = 1: A_it = A_i - beta sum_{s >= t} KL_is.
+        m = jnp.asarray(mask_BT, jnp.float32)
+        adv = adv_lib.returns_to_go(adv_lib.token_rewards(adv, m, kl_BT, c.kl_coef))
+    # Rows without a learning signal carry A = 0 (rejected ones are masked out under "drop";
+    # under "zero" this is what keeps them in the loss without a policy gradient).
+    learn = signal & keep
+    adv = jnp.where(learn if adv.ndim == 1 else learn[:, None], adv, 0.0)
 
-    kf = keep.astype(jnp.float32)
-    n_kept = jnp.maximum(kf.sum(), 1.0)
+    lf = learn.astype(jnp.float32)
+    n_learn = jnp.maximum(lf.sum(), 1.0)
     adv_B = adv if adv.ndim == 1 else adv.sum(1) / jnp.maximum(jnp.asarray(mask_BT, jnp.float32).sum(1), 1.0)
     metrics = {
-        "adv/frac_groups_rejected": Metric.mean(filters.rejected_group_fraction(stats_keep, group_size)),
-        "adv/frac_rows_kept": Metric.mean(kf.mean()),
-        "adv/adv_mean": Metric.mean((adv_B * kf).sum() / n_kept),
-        "adv/adv_abs_mean": Metric.mean((jnp.abs(adv_B) * kf).sum() / n_kept),
+        "adv/frac_groups_rejected": Metric.mean(filters.rejected_group_fraction(signal, group_size)),
+        "adv/frac_rows_kept": Metric.mean(lf.mean()),
+        "adv/adv_mean": Metric.mean((adv_B * lf).sum() / n_learn),
+        "adv/adv_abs_mean": Metric.mean((jnp.abs(adv_B) * lf).sum() / n_learn),
     }
     return adv, keep, metrics
 
@@ -329,8 +369,10 @@ def policy_loss(
 ) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, Metric]]:
     """(loss_sum, denominator, metrics) of one (micro-)batch; keep_B=None keeps every row.
 
-    loss per token = policy term (clipped surrogate, or RAFT's -logp) + kl_coef * KL_ref (when
-    kl_in='loss') - entropy_coef * H, aggregated with config.agg. old_logp_BT=None means
+    loss per token = policy term (clipped surrogate, or RAFT's -A logp with A = 1 on positives)
+    + kl_coef * KL_ref (when kl_in='loss') - entropy_coef * H, aggregated with config.agg.
+    With ref_logp_BT, the KL to the reference is always a metric ("policy/kl_ref", the
+    config's estimator), whether or not it is in the loss. old_logp_BT=None means
     on-policy (ratio 1, gradient still flows through logp_BT). Combine micro-batches by
     summing loss_sum and denominator (or divide each loss_sum by loss_denominator() of the
     whole mini-batch). `metrics` are rl.metrics.Metric values by final name ("policy/..."):
@@ -343,14 +385,15 @@ def policy_loss(
         keep_B = jnp.ones(logp_BT.shape[:1], bool)
     w = losses.row_weights(mask_BT, keep_B)
     if c.objective == "nll":
-        pg_BT, aux = losses.nll_loss(logp_BT), None
+        # A = 0 on rows kept only for the denominator (rejected_rows="zero").
+        pg_BT, aux = losses.nll_loss(logp_BT) * losses.broadcast_advantages(advantages, logp_BT.shape), None
     else:
         pg_BT, aux = losses.clipped_surrogate(logp_BT, old_logp_BT, advantages, clip_low=c.clip_low,
                                               clip_high=c.clip_high, dual_clip=c.dual_clip)
     total_BT = pg_BT
     kl_BT = None
     if ref_logp_BT is not None:
-        kl_BT = losses.kl_estimate(logp_BT, ref_logp_BT, c.kl_estimator)
+        kl_BT = losses.kl_estimate(logp_BT, ref_logp_BT, c.kl_estimator, c.k3_clamp)
     if c.kl_in == "loss" and c.kl_coef != 0:
         if kl_BT is None:
             raise ValueError("kl_in='loss' with kl_coef > 0 needs ref_logp_BT (reference-model log-probs).")

@@ -31,6 +31,7 @@ from jaxrl4llm.rl.metrics import Metric
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0
+K3_CLAMP = 10.0   # the cap verl (low_var_kl) and OpenRLHF (compute_approx_kl) put on k3
 
 
 def row_weights(mask_BT: jnp.ndarray, keep_B: jnp.ndarray | None) -> jnp.ndarray:
@@ -42,7 +43,7 @@ def row_weights(mask_BT: jnp.ndarray, keep_B: jnp.ndarray | None) -> jnp.ndarray
     return w
 
 
-def _broadcast_adv(advantages: jnp.ndarray, shape_BT: tuple[int, int]) -> jnp.ndarray:
+def broadcast_advantages(advantages: jnp.ndarray, shape_BT: tuple[int, int]) -> jnp.ndarray:
     adv = jnp.asarray(advantages, jnp.float32)
     if adv.ndim == 1:
         adv = adv[:, None]
@@ -73,7 +74,7 @@ def clipped_surrogate(
     clipped_low (A < 0, rho < 1 - clip_low), clipped_high (A > 0, rho > 1 + clip_high),
     dual_clipped (A < 0, rho > c).
     """
-    adv = _broadcast_adv(advantages, logp_BT.shape)
+    adv = broadcast_advantages(advantages, logp_BT.shape)
     ratio = jnp.exp(log_ratio(logp_BT, old_logp_BT))
     loss = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high))
     dual = jnp.zeros(loss.shape, bool)
@@ -94,11 +95,14 @@ def nll_loss(logp_BT: jnp.ndarray) -> jnp.ndarray:
     return -logp_BT
 
 
-def kl_estimate(logp_BT: jnp.ndarray, ref_logp_BT: jnp.ndarray, estimator: str = "k3") -> jnp.ndarray:
+def kl_estimate(logp_BT: jnp.ndarray, ref_logp_BT: jnp.ndarray, estimator: str = "k3",
+                k3_clamp: float | None = K3_CLAMP) -> jnp.ndarray:
     """Per-token KL(pi || pi_ref) estimate, d = logp - ref_logp.
 
-    k1 = d; k2 = d^2 / 2; k3 = exp(-d) + d - 1 (k3 evaluates d clamped to [-20, 20],
-    the same clamp as the ratio, so exp(-d) cannot overflow).
+    k1 = d; k2 = d^2 / 2; k3 = exp(-d) + d - 1, evaluated on d clamped to [-20, 20] (the
+    ratio's clamp, so exp(-d) cannot overflow) and then capped at k3_clamp (default 10, as
+    verl's low_var_kl and OpenRLHF's compute_approx_kl; None = no cap). Without the cap one
+    token at d = -20 contributes 4.9e8. k1 and k2 are not clamped.
     """
     d = logp_BT - ref_logp_BT
     if estimator == "k1":
@@ -106,7 +110,8 @@ def kl_estimate(logp_BT: jnp.ndarray, ref_logp_BT: jnp.ndarray, estimator: str =
     if estimator == "k2":
         return 0.5 * jnp.square(d)
     if estimator == "k3":
-        return k3(jnp.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        kl = k3(jnp.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        return kl if k3_clamp is None else jnp.minimum(kl, k3_clamp)
     raise ValueError(f"kl_estimator={estimator!r} is not one of {KL_ESTIMATORS}.")
 
 
@@ -117,10 +122,16 @@ def k3(d: jnp.ndarray) -> jnp.ndarray:
 
 
 def entropy_from_logits(logits_BTV: jnp.ndarray) -> jnp.ndarray:
-    """Per-token entropy -sum_v p log p, from logits via log_softmax (stable; -inf logits allowed)."""
+    """Per-token entropy -sum_v p log p, from logits via log_softmax (stable).
+
+    -inf logits (masked vocabulary entries) are allowed: they have p = 0 and contribute
+    nothing, to the value and to the gradient. Their log p is replaced by 0 *before* the
+    product, so the backward pass never forms 0 * (-inf); masking only the product
+    (where(p > 0, p * logp, 0)) would still send NaN into the whole row's gradient.
+    """
     logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    p = jnp.exp(logp)
-    return -jnp.where(p > 0, p * logp, 0.0).sum(axis=-1)
+    safe_logp = jnp.where(jnp.isfinite(logp), logp, 0.0)
+    return -(jnp.exp(logp) * safe_logp).sum(axis=-1)
 
 
 def _n_seqs(w_BT: jnp.ndarray) -> jnp.ndarray:

@@ -212,7 +212,8 @@ class TrainConfig:
                  "mean": rl.advantages.MEANS, "std": rl.advantages.STDS,
                  "objective": rl.algorithms.OBJECTIVES, "agg": rl.AGG_MODES,
                  "kl_in": rl.algorithms.KL_PLACES, "kl_estimator": rl.KL_ESTIMATORS,
-                 "positives": rl.filters.POSITIVE_SELECTIONS})
+                 "positives": rl.filters.POSITIVE_SELECTIONS,
+                 "rejected_rows": rl.algorithms.REJECTED_ROWS})
     optimizer: OptimizerConfig = group(
         OptimizerConfig, flags={"schedule": "lr_schedule", "b1": "adam_b1", "b2": "adam_b2",
                                 "eps": "adam_eps"},
@@ -250,7 +251,7 @@ class TrainConfig:
     @property
     def needs_reference(self) -> bool:
         a = self.algorithm
-        return a.kl_coef > 0 and a.kl_in is not None
+        return (a.kl_coef > 0 and a.kl_in is not None) or a.log_kl_ref
 
     @property
     def reshuffles_rows(self) -> bool:

@@ -76,12 +76,12 @@ def _global_rows(ctx: RolloutContext, local: np.ndarray) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("config", "group_size"))
 def _advantages(config, rewards_B, correct_B, mask_BT, truncated_B, dropped_B, valid_B, logp_BT,
                 ref_logp_BT, *, group_size):
-    # valid_B: False where verification failed (no reward): out of the loss and the statistics.
+    # Rows without a reward (verification failed, or the prompt was skipped as too long) leave
+    # the loss and every statistic (batch mean / std, whitening).
     advantages, keep_B, metrics = rl.compute_advantages(
         config, rewards_B, correct_B, mask_BT, group_size, truncated_B=truncated_B,
-        logp_BT=logp_BT, ref_logp_BT=ref_logp_BT, valid_B=valid_B)
-    # Prompts skipped as too long never enter the loss.
-    return advantages, keep_B & ~dropped_B, metrics
+        logp_BT=logp_BT, ref_logp_BT=ref_logp_BT, valid_B=valid_B & ~dropped_B)
+    return advantages, keep_B, metrics
 
 
 def _group_metrics(correct_B: np.ndarray, group_size: int) -> dict[str, Metric]:

@@ -1,9 +1,11 @@
 """Flags come from the config tree: every shipped flagfile parses to the config the old code
-gave, config.json round-trips (old flat files too), and a new field is a new flag."""
+gave (but for issue 14's deliberate changes), to the values of its table in docs/algorithms.md
+("Paper settings"), config.json round-trips (old flat files too), and a new field is a new flag."""
 import dataclasses
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -11,7 +13,7 @@ import pytest
 from absl import flags
 
 from experiments import train
-from jaxrl4llm import cli, options
+from jaxrl4llm import cli, options, rl
 from jaxrl4llm.train.config import TrainConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,9 +21,29 @@ FLAGFILES = sorted(glob.glob(os.path.join(REPO, "experiments", "configs", "*.fla
 # Resolved configs of the code before the config tree (commit 7d1c79a): `config_from_flags()`
 # of each flagfile (and of two extra argument lists), as its config.json.
 OLD = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "old_configs", "*.json")))
-# Where the old parser was wrong: it dropped a knob set to none (`--kl_in=none` kept the
-# preset's "loss"; with --kl_coef=0 nothing used it, so training was the same).
-FIXED = {"quickstart": {"kl_in": ("loss", None)}}
+# Knobs added since, with the value that reproduces the old code.
+ADDED = {"k3_clamp": None, "log_kl_ref": False, "rejected_rows": "drop"}
+# Deliberate changes since, as (old, new) by key of the old config.json ("optimizer.x" for the
+# optimizer's). Everywhere: k3 is capped at 10 (issue 14).
+CHANGED_EVERYWHERE = {"k3_clamp": (None, 10.0)}
+# Issue 14: the Minimalist flagfiles follow the authors' scripts (docs/algorithms.md).
+_MINIMALIST = {
+    "dual_clip": (None, 3.0), "entropy_coef": (0.0, 0.001), "optimizer.weight_decay": (0.0, 0.01),
+    "mini_batch_size": (512, 1024), "num_steps": (500, 444), "long_prompts": ("error", "drop"),
+    "system_prompt": (None, "Please reason step by step, and put your final answer within \\boxed{}."),
+    "instruction": (None, "Let's think step by step and output the final answer within \\boxed{}."),
+}
+FIXED = {
+    # The old parser dropped a knob set to none (`--kl_in=none` kept the preset's "loss"; with
+    # --kl_coef=0 nothing used it, so training was the same).
+    "quickstart": {"kl_in": ("loss", None)},
+    "minimalist_qwen25_math_7b_grpo": dict(
+        _MINIMALIST, agg=("seq-mean-token-mean", "token-mean"), kl_coef=(0.04, 0.001)),
+    "minimalist_qwen25_math_7b_raft_pp": dict(
+        _MINIMALIST, kl_in=(None, "loss"), kl_coef=(0.0, 0.001), rejected_rows=("drop", "zero")),
+    "minimalist_qwen25_math_7b_reinforce_rej": dict(
+        _MINIMALIST, kl_in=(None, "loss"), kl_coef=(0.0, 0.001), rejected_rows=("drop", "zero")),
+}
 # The paper flagfiles name their data by registry names and gym tasks (issue 16) instead of
 # /data/... paths: flag -> (the old value, today's).
 _NUMINA = {"data": ("parquet:/data/numinamath/{split}.parquet", "numina_math"),
@@ -33,7 +55,9 @@ DATA_BY_NAME = {
         "data": ("synthetic:knights_knaves?min_people=3&max_people=7&n=5000",
                  "gym:knights_knaves?n_people=3..7&n=4500"),
         "eval_data": ("synthetic:knights_knaves?min_people=8&max_people=8&n=200",
-                      "gym:knights_knaves?n_people=8&n=100")},
+                      "gym:knights_knaves?n_people=8&n=100"),
+        # Logic-RL's prompt and format reward (issue 14).
+        "system_prompt": (None, "@logic_rl"), "reward_scale": ("01", "logic_rl")},
     "tricks_or_traps_qwen3_8b_lite_ppo": {
         "data": ("parquet:/data/math/{split}.parquet", "dapo_math_17k"),
         "eval_data": (None, "math500")},
@@ -65,9 +89,10 @@ def _old(path):
 
 def test_there_are_flagfiles():
     names = {os.path.basename(f) for f in FLAGFILES}
-    assert "quickstart.flags" in names and len(names) >= 6
-    assert {os.path.basename(f)[:-len(".json")] for f in OLD} >= {
-        os.path.basename(f)[:-len(".flags")] for f in FLAGFILES}
+    assert "quickstart.flags" in names and len(names) >= 19
+    # Every flagfile of the old code is still here.
+    assert {os.path.basename(f)[:-len(".json")] for f in OLD} - {"defaults", "overrides"} <= {
+        n[:-len(".flags")] for n in names}
 
 
 @pytest.mark.parametrize("path", FLAGFILES, ids=os.path.basename)
@@ -84,17 +109,20 @@ def test_flags_parse_to_the_config_of_the_old_code(path, parsed, monkeypatch):
     monkeypatch.chdir(REPO)
     argv, old = _old(path)
     config = parsed(*argv)
-    fixed = FIXED.get(os.path.basename(path)[:-len(".json")], {})
+    fixed = dict(CHANGED_EVERYWHERE, **FIXED.get(os.path.basename(path)[:-len(".json")], {}))
     old = dict(old)
-    want_algorithm = dict(old.pop("algorithm"))
+    want = {"algorithm": dict(ADDED, **old.pop("algorithm")), "optimizer": old.pop("optimizer"),
+            "": old}
     for key, (before, after) in fixed.items():
-        assert want_algorithm[key] == before
-        want_algorithm[key] = after
+        part, _, name = key.rpartition(".")
+        part = part or ("algorithm" if name in want["algorithm"] else "")
+        assert want[part][name] == before, key
+        want[part][name] = after
     got_algorithm = dataclasses.asdict(config.algorithm)
     got_algorithm["binary_reward"] = (list(got_algorithm["binary_reward"])
                                       if got_algorithm["binary_reward"] else None)
-    assert got_algorithm == want_algorithm
-    assert dataclasses.asdict(config.optimizer) == old.pop("optimizer")
+    assert got_algorithm == want["algorithm"]
+    assert dataclasses.asdict(config.optimizer) == want["optimizer"]
     flat = options.flatten(config)
     name = os.path.basename(path)[:-5]
     for key, (before, after) in {**DATA_BY_NAME.get(name, {}), **PLANNED.get(name, {})}.items():
@@ -139,7 +167,9 @@ def test_paper_hyperparameters(parsed):
             c.optimizer.learning_rate) == (32, 8, 5e-7)
     assert (c.algorithm.kl_coef, c.algorithm.kl_in, c.algorithm.clip_low) == (0.001, "reward", 0.2)
     c = parsed(f"--flagfile={REPO}/experiments/configs/minimalist_qwen25_math_7b_raft_pp.flags")
-    assert (c.rollout.prompts_per_step, c.rollout.group_size, c.mini_batch) == (1024, 4, 512)
+    # 256 prompts per mini-batch (verl counts prompts) = 1024 rows: 4 updates per rollout.
+    assert (c.rollout.prompts_per_step, c.rollout.group_size, c.mini_batch) == (1024, 4, 1024)
+    assert c.updates_per_step == 4
     assert c.algorithm.name == "raft_pp"
     assert c.rollout.max_prompt_tokens + c.rollout.max_new_tokens == 4096
 
@@ -157,6 +187,13 @@ def test_preset_knobs_override_only_when_given(parsed):
     assert (c.algorithm.kl_in, c.algorithm.kl_estimator, c.algorithm.kl_coef) == ("reward", "k1", 0.01)
     c = parsed("--algorithm=grpo", "--kl_in=none", "--kl_coef=0", "--noreject_all_wrong")
     assert c.algorithm.kl_in is None and c.algorithm.kl_coef == 0.0 and not c.needs_reference
+    # The KL as a metric only: the reference is loaded, the loss has no KL term.
+    c = parsed("--algorithm=raft_pp", "--log_kl_ref")
+    assert c.needs_reference and c.algorithm.kl_in is None and c.algorithm.log_kl_ref
+    c = parsed("--algorithm=reinforce_rej", "--rejected_rows=drop", "--k3_clamp=none")
+    assert (c.algorithm.rejected_rows, c.algorithm.k3_clamp) == ("drop", None)
+    with pytest.raises(flags.IllegalFlagValueError, match="choose one of drop|zero"):
+        parsed("--rejected_rows=keep")
     c = parsed("--algorithm=reinforce_rej", "--reject_all_wrong=false")
     assert (c.algorithm.reject_all_correct, c.algorithm.reject_all_wrong) == (True, False)
 
@@ -225,3 +262,121 @@ def test_helpfull_groups_flags_by_sub_config():
     assert "--overlong_penalty" in sections["reward (RewardConfig)"]
     assert "--clip_high" in sections["algorithm (AlgorithmConfig)"]
     assert "--model" in sections["model (ModelOptions)"]
+
+
+# ---- docs/algorithms.md "Paper settings": one source of truth for presets and flagfiles ----
+
+DOCS = os.path.join(REPO, "docs", "algorithms.md")
+PAPER_FLAGFILES = sorted(os.path.basename(f) for f in FLAGFILES if not f.endswith("quickstart.flags"))
+
+
+def _paper_settings():
+    """{("preset", name) or ("flagfile", file): [(flag, value text or None), ...]} from the
+    tables of the docs' "Paper settings" section (`--flag=value`, `--flag`, `--noflag` spans
+    in the middle column; a table applies to the preset of its heading or to the files of
+    the "Flagfiles:" paragraph above it)."""
+    with open(DOCS) as f:
+        section = f.read().split("\n## Paper settings\n", 1)[1].split("\n## ", 1)[0]
+    settings, targets, files_paragraph = {}, [], None
+    for line in section.splitlines() + [""]:
+        if files_paragraph is not None:
+            if line.strip():
+                files_paragraph += " " + line
+                continue
+            targets = [("flagfile", n) for n in re.findall(r"`([\w.]+\.flags)`", files_paragraph)]
+            files_paragraph = None
+        if line.startswith("#"):
+            preset = re.match(r"#+ Preset `(\w+)`", line)
+            targets = [("preset", preset.group(1))] if preset else []
+        elif line.startswith("Flagfiles:"):
+            files_paragraph = line
+        elif line.startswith("|") and not line.startswith(("|---", "| paper setting")):
+            middle = line.strip().strip("|").split("|")[1]
+            spans = re.findall(r"`(--[^`]+)`", middle)
+            assert targets or not spans, f"a table row with flags but no preset / flagfiles: {line}"
+            for span in spans:
+                name, _, value = span[2:].partition("=")
+                for target in targets:
+                    settings.setdefault(target, []).append((name, value if "=" in span else None))
+    return settings
+
+
+def _expected(name, value):
+    option = options.option_map(TrainConfig)
+    if value is None:   # --flag / --noflag
+        if name in option:
+            return name, True
+        assert name.startswith("no") and name[2:] in option, f"--{name} is not a flag"
+        return name[2:], False
+    assert name in option, f"--{name} is not a flag"
+    return name, options.parse_text(option[name], value)
+
+
+def _check(flat, rows, where):
+    assert rows, f"{where} has no flags in its docs table"
+    for name, value in rows:
+        key, want = _expected(name, value)
+        assert flat[key] == want, f"{where}: --{key} is {flat[key]!r}, docs/algorithms.md says {want!r}"
+
+
+def test_every_preset_and_paper_flagfile_has_a_docs_table():
+    settings = _paper_settings()
+    assert {n for kind, n in settings if kind == "preset"} == set(rl.PRESETS), (
+        "every preset needs a '### Preset `name`' table under 'Paper settings' in docs/algorithms.md")
+    assert {n for kind, n in settings if kind == "flagfile"} == set(PAPER_FLAGFILES)
+
+
+@pytest.mark.parametrize("name", sorted(rl.PRESETS))
+def test_preset_matches_its_docs_table(name):
+    _check(options.flatten(TrainConfig().replace(algorithm=name)),
+           _paper_settings()[("preset", name)], f"preset {name}")
+
+
+@pytest.mark.parametrize("name", PAPER_FLAGFILES)
+def test_paper_flagfile_matches_its_docs_tables(name, parsed):
+    config = parsed(f"--flagfile={REPO}/experiments/configs/{name}")
+    _check(options.flatten(config), _paper_settings()[("flagfile", name)], name)
+
+
+# The --eval_sets syntax of the data/eval contract (one ITEM = NAME[=SOURCE][;OPT...]).
+_EVAL_OPT = r"(greedy|(avg|pass|maj)@\d+|t=[0-9.]+|max_new_tokens=\d+|prompts=\d+)"
+_EVAL_ITEM = rf"\w+(=[^,;]+)?(;{_EVAL_OPT})*"
+
+
+# What each paper evaluates (its table), by the flagfile's family; Tricks-or-Traps records none.
+PAPER_EVAL_SETS = {
+    "minimalist_": "math500;avg@16;t=1.0,minerva_math;avg@16;t=1.0,olympiadbench;avg@16;t=1.0",
+    "reinforce_pp_baseline_math": "aime24;pass@8,amc23;pass@8,math500;pass@1",
+    "reinforce_pp_baseline_aime24": "aime25",
+    "reinforce_pp_knights_knaves": ",".join(
+        f"kk{n}=gym:knights_knaves?n_people={n}&n=100;greedy" for n in range(2, 9)),
+}
+
+
+@pytest.mark.parametrize("name", PAPER_FLAGFILES)
+def test_paper_flagfile_names_its_data_and_evaluates_the_papers_sets(name, parsed):
+    """Data by registry name or gym task (no /data/... paths to fill in), and the paper's table
+    as --eval_sets, each item parsed into its protocol."""
+    config = parsed(f"--flagfile={REPO}/experiments/configs/{name}")
+    assert not config.data.source.startswith(("parquet:", "jsonl:", "/")), config.data.source
+    family = [k for k in PAPER_EVAL_SETS if name.startswith(k)]
+    if name.startswith("tricks_or_traps"):
+        assert not family and config.evaluation.eval_sets is None
+        return
+    assert len(family) == 1, name
+    assert config.evaluation.eval_sets == PAPER_EVAL_SETS[family[0]]
+    sets = config.evaluation.sets
+    assert [s.name for s in sets] == [
+        item.split(";")[0].split("=")[0] for item in PAPER_EVAL_SETS[family[0]].split(",")]
+    if family[0] == "minimalist_":
+        assert all((s.temperature, s.samples) == (1.0, 16) for s in sets)
+
+
+@pytest.mark.parametrize("reinforce_pp", ["reinforce_pp_knights_knaves", "reinforce_pp_baseline_math",
+                                          "reinforce_pp_baseline_aime24"])
+def test_grpo_counterparts_differ_only_in_the_advantage_estimator(reinforce_pp, parsed):
+    """The REINFORCE++ paper's comparisons change the estimator and nothing else."""
+    a = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/{reinforce_pp}.flags"))
+    b = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/{reinforce_pp}_grpo.flags"))
+    assert {k for k in a if a[k] != b[k]} == {"algorithm", "advantage", "workdir"}
+    assert b["advantage"] == "normalized" and (b["mean"], b["std"]) == ("group", "group")

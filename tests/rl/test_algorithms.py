@@ -47,7 +47,8 @@ def np_reinforce_pp(r_B, kl_coef=0.01, d=0.1):
 
 
 def _expected(name):
-    """(advantages, keep, per-token loss at ratio 1 on kept tokens) for each preset on this batch."""
+    """(advantages, keep, per-token loss at ratio 1 on kept tokens) of each preset on this batch,
+    from its paper's formula (ref_logp = logp - 0.1: k1 = 0.1, k2 = 0.005, k3 = K3 per token)."""
     ones = np.ones(8, bool)
     a_grpo = np.r_[np.array([0.75, -0.25, -0.25, -0.25]) / (0.5 + EPS), np.zeros(4)]
     centered = np.r_[0.75, -0.25, -0.25, -0.25, np.zeros(4)]
@@ -59,23 +60,35 @@ def _expected(name):
         a = 2 * R - 1
         return a, ones, -a[:, None] + 0 * MASK
     if name == "reinforce_rej":
-        keep = np.r_[np.ones(4, bool), np.zeros(4, bool)]
-        a = np.where(keep, 2 * R - 1, 0.0)
-        return a, keep, -a[:, None] + 0 * MASK
-    if name in ("reinforce_pp", "reinforce_pp_baseline"):
-        a = np_reinforce_pp(R if name == "reinforce_pp" else centered)
+        # The all-correct group stays in the loss with A = 0 (Minimal-RL's convention).
+        a = np.r_[1.0, -1.0, -1.0, -1.0, np.zeros(4)]
+        return a, ones, -a[:, None] + 0 * MASK
+    if name == "reinforce_pp":
+        a = np_reinforce_pp(R)
         return a, ones, -a
+    if name == "reinforce_pp_baseline":
+        # Group-centred reward, no KL in the reward; k2 KL (d^2 / 2 = 0.005) as a 0.001 loss.
+        a = np_reinforce_pp(centered, kl_coef=0.0)
+        return a, ones, -a + 0.001 * 0.005
     if name == "lite_ppo":
         a = centered / (R.std(ddof=1) + EPS)
         return a, ones, -a[:, None] + 0 * MASK
     if name == "rloo":
         a = np.r_[1.0, -1 / 3, -1 / 3, -1 / 3, np.zeros(4)]
         return a, ones, -a[:, None] + 0 * MASK
-    keep = np.array([1, 0, 0, 0, 1, 1, 1, 1], bool)
+    positives = np.array([1, 0, 0, 0, 1, 1, 1, 1], bool)
     if name == "raft":
-        return keep.astype(float), keep, 1.0 + 0 * MASK  # -logp = 1
+        return positives.astype(float), positives, 1.0 + 0 * MASK  # -logp = 1 on positives only
     if name == "raft_pp":
-        return keep.astype(float), keep, -1.0 + 0 * MASK
+        # Wrong samples stay in the denominator with A = 0 (Minimal-RL's convention).
+        a = positives.astype(float)
+        return a, ones, -a[:, None] + 0 * MASK
+
+
+# Token-mean losses written out (18 valid tokens; lengths 3 2 1 3 | 2 3 3 1):
+# reinforce_rej: -(1*3 - 1*2 - 1*1 - 1*3) / 18; raft_pp: -(3 + 2 + 3 + 3 + 1) / 18 (correct rows);
+# reinforce: -(3 - 2 - 1 - 3 + 2 + 3 + 3 + 1) / 18; raft: -logp = 1 on every kept token.
+LOSS_BY_HAND = {"reinforce_rej": 3 / 18, "raft_pp": -12 / 18, "reinforce": -6 / 18, "raft": 1.0}
 
 
 @pytest.mark.parametrize("name", sorted(rl.PRESETS))
@@ -91,6 +104,8 @@ def test_preset_closed_form(name):
     w = MASK * keep_want[:, None]
     want = np_agg(np.broadcast_to(L_want, (8, T)), w, cfg.agg)
     assert float(rl.finalize_loss(s, d)) == pytest.approx(want, rel=2e-5, abs=2e-6)
+    if name in LOSS_BY_HAND:
+        assert want == pytest.approx(LOSS_BY_HAND[name])
     assert float(d) == pytest.approx(float(rl.loss_denominator(cfg, jnp.asarray(MASK), keep)))
     fm = rl.finalize_metrics(m)
     assert fm["policy/frac_rejected"] == pytest.approx(1 - keep_want.mean())
@@ -124,7 +139,11 @@ def test_get_preset_errors_and_overrides():
         ({"std": "none"}, 1, "mean='group' with group_size=1"),
         ({"advantage": "rloo"}, 1, "advantage='rloo' needs group_size >= 2"),
         ({"kl_in": None}, 4, "kl_coef=0.04 but kl_in=None"),
-        ({"kl_in": "reward"}, 4, "kl_in='reward' needs token-level rewards"),
+        ({"advantage": "positives", "kl_in": "reward", "kl_estimator": "k1"}, 4,
+         "kl_in='reward' needs an advantage that takes token rewards"),
+        ({"kl_in": "reward"}, 4, "kl_in='reward' uses kl_estimator 'k1' or 'k2'"),
+        ({"rejected_rows": "keep"}, 4, "rejected_rows='keep': choose one of"),
+        ({"k3_clamp": 0.0}, 4, "k3_clamp=0.0 must be > 0"),
         ({"dual_clip": 0.5}, 4, "dual_clip=0.5 must be > 1"),
         ({"clip_low": 1.0}, 4, "clip_low=1.0"),
         ({"agg": "mean"}, 4, "agg='mean'"),

@@ -49,9 +49,13 @@ def test_failed_rows_leave_the_group_mean_and_std():
 
 def test_failed_rows_do_not_decide_group_rejection_or_rloo():
     # Group 1's verified rows are all correct: rejected as all-correct despite the failed row.
-    config = rl.get_preset("reinforce_rej")
+    config = rl.get_preset("reinforce_rej", rejected_rows="drop")
     _, keep, _ = _advantages(config)
     np.testing.assert_array_equal(keep, [True, True, True, False] + [False] * 4)
+    # The preset keeps rejected rows in the loss with A = 0 (Minimal-RL); failed rows stay out.
+    adv, keep, _ = _advantages(rl.get_preset("reinforce_rej"))
+    np.testing.assert_array_equal(keep, VALID)
+    np.testing.assert_array_equal(np.asarray(adv), [1, -1, 1, 0] + [0] * 4)
     adv, keep, _ = _advantages(rl.get_preset("rloo"))
     # Leave-one-out means over the verified [1, 0, 1]: 0.5, 1, 0.5.
     np.testing.assert_allclose(adv[:3], [1 - 0.5, 0 - 1.0, 1 - 0.5], atol=1e-6)
