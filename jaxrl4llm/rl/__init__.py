@@ -17,7 +17,7 @@ Presets and the two entry points (algorithms.py)
     AlgorithmConfig(...)                       frozen dataclass of every knob (hashable: a static jit arg)
     get_preset(name, **overrides) -> AlgorithmConfig
         names: grpo, dr_grpo, reinforce, reinforce_rej, reinforce_pp, reinforce_pp_baseline,
-        lite_ppo, rloo, raft, raft_pp  (PRESETS maps name -> constructor)
+        lite_ppo, rloo, raft, raft_pp, gspo  (PRESETS maps name -> constructor)
     validate(config, group_size) -> config      raises ValueError naming the knob and the fix
     compute_advantages(config, rewards_B, correct_B, mask_BT, group_size, *,
                        truncated_B=None, logp_BT=None, ref_logp_BT=None, valid_B=None)
@@ -52,6 +52,7 @@ Filters (filters.py)
 Losses (losses.py)
     clipped_surrogate(logp_BT, old_logp_BT, advantages, *, clip_low, clip_high, dual_clip=None)
         -> (loss_BT, aux)
+    sequence_old_logp(logp_BT, old_logp_BT, mask_BT): GSPO's sequence ratio as an old logp
     nll_loss(logp_BT), kl_estimate(logp_BT, ref_logp_BT, "k1"|"k2"|"k3", k3_clamp=10.0), k3(d),
     entropy_from_logits(logits_BTV), log_ratio(logp_BT, old_logp_BT)
     aggregate(loss_BT, mask_BT, keep_B=None, mode="token-mean", max_tokens=None) -> (sum, denominator)

@@ -20,6 +20,7 @@ from jaxrl4llm.rl.metrics import Metric
 ADVANTAGES = ("normalized", "rloo", "reinforce_pp", "reinforce_pp_baseline", "positives")
 OBJECTIVES = ("clipped", "nll")
 KL_PLACES = ("loss", "reward", None)
+IMPORTANCE = ("token", "sequence")
 REJECTED_ROWS = ("drop", "zero")
 # Estimators whose per-sequence advantage can take the KL penalty as token rewards.
 SEQUENCE_ADVANTAGES = ("normalized", "rloo")
@@ -41,6 +42,9 @@ class AlgorithmConfig:
     max_tokens: The constant of "seq-mean-token-sum-norm" (none = the padded completion
         length T).
     clip_low, clip_high: Ratio clip range [1 - clip_low, 1 + clip_high].
+    importance: Importance ratio of the clipped surrogate: "token" (PPO / GRPO, one ratio per
+        token) or "sequence" (GSPO: exp of the mean token log-ratio of the sequence, clipped
+        per sequence).
     dual_clip: Dual-clip constant c > 1 for negative advantages (none = off).
     kl_in: Where the KL to the reference goes: "loss" (kl_coef * agg(KL) added to the loss),
         "reward" (token rewards: REINFORCE++ returns, or A_i - kl_coef * sum_{s>=t} KL_s for
@@ -74,6 +78,7 @@ class AlgorithmConfig:
     max_tokens: Optional[int] = None
     clip_low: float = 0.2
     clip_high: float = 0.2
+    importance: str = "token"
     dual_clip: Optional[float] = None
     kl_in: Optional[str] = None
     kl_estimator: str = "k3"
@@ -98,6 +103,7 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
     require(c.std in adv_lib.STDS, f"std={c.std!r}: choose one of {adv_lib.STDS}.")
     require(c.objective in OBJECTIVES, f"objective={c.objective!r}: choose one of {OBJECTIVES}.")
     require(c.agg in losses.AGG_MODES, f"agg={c.agg!r}: choose one of {losses.AGG_MODES}.")
+    require(c.importance in IMPORTANCE, f"importance={c.importance!r}: choose one of {IMPORTANCE}.")
     require(c.kl_in in KL_PLACES, f"kl_in={c.kl_in!r}: choose one of {KL_PLACES}.")
     require(c.kl_estimator in losses.KL_ESTIMATORS,
            f"kl_estimator={c.kl_estimator!r}: choose one of {losses.KL_ESTIMATORS}.")
@@ -247,8 +253,20 @@ def raft_pp() -> AlgorithmConfig:
                            rejected_rows="zero")
 
 
+def gspo() -> AlgorithmConfig:
+    """GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071).
+
+    GRPO's group-normalised advantage with the sequence-level importance ratio
+    s_i = (pi(y_i | x) / pi_old(y_i | x))^(1 / |y_i|), clipped per sequence to
+    [1 - 3e-4, 1 + 4e-4] (the paper's ranges); per-sequence token mean (seq-mean-token-mean,
+    as verl's compute_policy_loss_gspo); no KL.
+    """
+    return AlgorithmConfig(name="gspo", mean="group", std="group", agg="seq-mean-token-mean",
+                           importance="sequence", clip_low=3e-4, clip_high=4e-4)
+
+
 PRESETS = {f.__name__: f for f in (grpo, dr_grpo, reinforce, reinforce_rej, reinforce_pp,
-                                   reinforce_pp_baseline, lite_ppo, rloo, raft, raft_pp)}
+                                   reinforce_pp_baseline, lite_ppo, rloo, raft, raft_pp, gspo)}
 
 
 def get_preset(name: str, **overrides) -> AlgorithmConfig:
@@ -388,6 +406,8 @@ def policy_loss(
         # A = 0 on rows kept only for the denominator (rejected_rows="zero").
         pg_BT, aux = losses.nll_loss(logp_BT) * losses.broadcast_advantages(advantages, logp_BT.shape), None
     else:
+        if c.importance == "sequence":
+            old_logp_BT = losses.sequence_old_logp(logp_BT, old_logp_BT, mask_BT)
         pg_BT, aux = losses.clipped_surrogate(logp_BT, old_logp_BT, advantages, clip_low=c.clip_low,
                                               clip_high=c.clip_high, dual_clip=c.dual_clip)
     total_BT = pg_BT

@@ -54,6 +54,8 @@ def _expected(name):
     centered = np.r_[0.75, -0.25, -0.25, -0.25, np.zeros(4)]
     if name == "grpo":
         return a_grpo, ones, -a_grpo[:, None] + 0.04 * K3
+    if name == "gspo":   # at ratio 1 the sequence ratio is 1 too: GRPO's advantage, no KL
+        return a_grpo, ones, -a_grpo[:, None] + 0 * MASK
     if name == "dr_grpo":
         return centered, ones, -centered[:, None] + 0 * MASK
     if name == "reinforce":

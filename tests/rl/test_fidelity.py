@@ -90,7 +90,8 @@ def test_zero_rows_keep_their_kl_and_entropy_terms():
 # ---- flat groups: exact zeros under jit --------------------------------------------------
 
 FLAT_VALUES = (1.0, 0.0, 0.1, 0.7, 1 / 3)   # one value per group; continuous ones too
-BASELINE_PRESETS = ("grpo", "dr_grpo", "lite_ppo", "rloo", "reinforce_pp_baseline", "reinforce_rej")
+BASELINE_PRESETS = ("grpo", "dr_grpo", "lite_ppo", "rloo", "reinforce_pp_baseline", "reinforce_rej",
+                    "gspo")
 
 
 def _flat_value(name, r_B, correct_B):
