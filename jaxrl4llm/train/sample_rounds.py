@@ -30,6 +30,9 @@ from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.sampling.frontend import Samples
 from jaxrl4llm.sampling.layout import RowLayout
 
+ONE_HOST_ONLY = ("--advantage=remax and --dynamic_sampling pick rows on the host and run on one "
+                 "host only; use one host, or --nodynamic_sampling / another advantage.")
+
 
 @dataclasses.dataclass(frozen=True)
 class Scored:
@@ -133,9 +136,8 @@ def sample_and_score(ctx: Any, algorithm: Any, params: Any, records: Sequence[An
     rollout/frac_groups_filtered, rollout/groups_short and reward/accuracy_sampled)."""
     greedy = algorithm.advantage == "remax"
     dynamic = algorithm.dynamic_sampling
-    if (greedy or dynamic) and jax.process_count() > 1:
-        raise ValueError("--algorithm=remax and --dynamic_sampling select rows on the host and "
-                         "run on one host only; use one host (or another algorithm).")
+    if (greedy or dynamic) and jax.process_count() > 1:   # TrainConfig.validate says so first
+        raise ValueError(ONE_HOST_ONLY)
     G, P = layout.group_size, len(records)
     part, t_sample, t_reward = _one_round(ctx, params, records, key, layout, greedy, dynamic)
     if not dynamic:

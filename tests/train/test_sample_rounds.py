@@ -124,3 +124,13 @@ def test_remax_samples_one_greedy_row_per_prompt_and_uses_its_reward_as_baseline
     np.testing.assert_allclose(rows.baseline_B, [1.5, 1.5, 0.5, 0.5])
     np.testing.assert_array_equal(rows.baseline_correct_B, [True, True, False, False])
     np.testing.assert_array_equal(rows.scored.rewards, [1.0, 0.0, 0.0, 1.0])
+
+
+@pytest.mark.parametrize("algorithm", ["dapo", "remax"])
+def test_several_hosts_are_refused_before_anything_loads(algorithm, monkeypatch):
+    from jaxrl4llm.train.config import TrainConfig
+    config = TrainConfig().replace(algorithm=algorithm, mesh="data:1,fsdp:1,tensor:1")
+    config.validate(1)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="run on one host only"):
+        config.validate(1)
