@@ -212,7 +212,8 @@ class TrainConfig:
         choices={"name": tuple(sorted(rl.PRESETS)), "advantage": rl.algorithms.ADVANTAGES,
                  "mean": rl.advantages.MEANS, "std": rl.advantages.STDS,
                  "objective": rl.algorithms.OBJECTIVES, "agg": rl.AGG_MODES,
-                 "kl_in": rl.algorithms.KL_PLACES, "importance": rl.algorithms.IMPORTANCE, "kl_estimator": rl.KL_ESTIMATORS,
+                 "kl_in": rl.algorithms.KL_PLACES, "kl_estimator": rl.KL_ESTIMATORS,
+                 "importance": rl.algorithms.IMPORTANCE,
                  "positives": rl.filters.POSITIVE_SELECTIONS,
                  "rejected_rows": rl.algorithms.REJECTED_ROWS})
     optimizer: OptimizerConfig = group(
