@@ -139,13 +139,22 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
     N = c.rollout.max_new_tokens
     num_chunks = parallel.num_row_chunks(B, c.rollout.rollout_micro_batch, G)
     key_dtype = jax.random.key(0).dtype
+    # ReMax samples one more (greedy) row per prompt in the same call, chunked and padded as
+    # sampler.generate does it: chunks of whole prompts on whole data-parallel shards.
+    remax = c.algorithm.advantage == "remax"
+    Gs, Bs, sample_chunks = G + int(remax), B // G * (G + int(remax)), num_chunks
+    if remax:
+        unit, R = math.lcm(Gs, dp), c.rollout.rollout_micro_batch
+        chunk = unit * max(1, R // unit) if R and R < Bs else unit
+        sample_chunks = -(-Bs // chunk) if R and R < Bs else 1
+        Bs = -(-Bs // chunk) * chunk
     compiled = sampler.generate_tokens.lower(
-        params, _rows(mesh, (B, P), jnp.int32), _rows(mesh, (B, P), bool),
-        _rows(mesh, (B,), bool), _rows(mesh, (B,), key_dtype),
+        params, _rows(mesh, (Bs, P), jnp.int32), _rows(mesh, (Bs, P), bool),
+        _rows(mesh, (Bs,), bool), _rows(mesh, (Bs,), key_dtype),
         jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
         model_config=model_config, sampling=c.rollout.sampling,
-        max_new_tokens=N, mesh=mesh, prompt_group=G, num_chunks=num_chunks,
-        cache_dtype=dtype).compile()
+        max_new_tokens=N, mesh=mesh, prompt_group=Gs, num_chunks=sample_chunks,
+        cache_dtype=dtype, greedy_B=_rows(mesh, (Bs,), bool) if remax else None).compile()
     m = _measure(compiled, 1, chip, unknown_trip_count=N)
     resident = state_bytes - param_bytes + ref_bytes
     rows.append(Row("rollout", resident=resident, estimate=est.rollout(num_chunks, resident),
@@ -174,7 +183,9 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
                          jax.ShapeDtypeStruct((M,), bool), jax.ShapeDtypeStruct((M, N), bool),
                          truncated_B=jax.ShapeDtypeStruct((M,), bool),
                          logp_BT=jax.ShapeDtypeStruct((M, N), jnp.float32),
-                         ref_logp_BT=jax.ShapeDtypeStruct((M, N), jnp.float32))[0]
+                         ref_logp_BT=jax.ShapeDtypeStruct((M, N), jnp.float32),
+                         baseline_B=jax.ShapeDtypeStruct((M,), jnp.float32),    # ReMax
+                         baseline_correct_B=jax.ShapeDtypeStruct((M,), bool))[0]
     logp = _rows(mesh, (M, N), jnp.float32)
     batch = step.UpdateBatch(
         seqs=mb_seqs, advantages=_rows(mesh, adv.shape, jnp.float32),

@@ -17,14 +17,15 @@ Presets and the two entry points (algorithms.py)
     AlgorithmConfig(...)                       frozen dataclass of every knob (hashable: a static jit arg)
     get_preset(name, **overrides) -> AlgorithmConfig
         names: grpo, dr_grpo, reinforce, reinforce_rej, reinforce_pp, reinforce_pp_baseline,
-        lite_ppo, rloo, raft, raft_pp  (PRESETS maps name -> constructor)
+        lite_ppo, rloo, raft, raft_pp, gspo, remax, dapo  (PRESETS maps name -> constructor)
     validate(config, group_size) -> config      raises ValueError naming the knob and the fix
     compute_advantages(config, rewards_B, correct_B, mask_BT, group_size, *,
-                       truncated_B=None, logp_BT=None, ref_logp_BT=None, valid_B=None)
+                       truncated_B=None, logp_BT=None, ref_logp_BT=None, valid_B=None,
+                       baseline_B=None, baseline_correct_B=None)
         -> (advantages [B] or [B, T], keep_B, metrics)
         keep_B: rows in the loss; rows rejected by a filter are out of it (rejected_rows="drop")
         or in it with A = 0 (rejected_rows="zero", Minimal-RL's convention); valid_B=False
-        rows (no reward) leave the loss and every statistic.
+        rows (no reward) leave the loss and every statistic. baseline_B: ReMax's greedy reward.
     policy_loss(config, logp_BT, old_logp_BT, advantages, mask_BT, keep_B=None, *,
                 ref_logp_BT=None, entropy_BT=None)
         -> (loss_sum, denominator, metrics)
@@ -52,6 +53,7 @@ Filters (filters.py)
 Losses (losses.py)
     clipped_surrogate(logp_BT, old_logp_BT, advantages, *, clip_low, clip_high, dual_clip=None)
         -> (loss_BT, aux)
+    sequence_old_logp(logp_BT, old_logp_BT, mask_BT): GSPO's sequence ratio as an old logp
     nll_loss(logp_BT), kl_estimate(logp_BT, ref_logp_BT, "k1"|"k2"|"k3", k3_clamp=10.0), k3(d),
     entropy_from_logits(logits_BTV), log_ratio(logp_BT, old_logp_BT)
     aggregate(loss_BT, mask_BT, keep_B=None, mode="token-mean", max_tokens=None) -> (sum, denominator)

@@ -17,12 +17,13 @@ from jaxrl4llm.rl import advantages as adv_lib
 from jaxrl4llm.rl import filters, losses
 from jaxrl4llm.rl.metrics import Metric
 
-ADVANTAGES = ("normalized", "rloo", "reinforce_pp", "reinforce_pp_baseline", "positives")
+ADVANTAGES = ("normalized", "rloo", "reinforce_pp", "reinforce_pp_baseline", "positives", "remax")
 OBJECTIVES = ("clipped", "nll")
 KL_PLACES = ("loss", "reward", None)
+IMPORTANCE = ("token", "sequence")
 REJECTED_ROWS = ("drop", "zero")
 # Estimators whose per-sequence advantage can take the KL penalty as token rewards.
-SEQUENCE_ADVANTAGES = ("normalized", "rloo")
+SEQUENCE_ADVANTAGES = ("normalized", "rloo", "remax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,8 @@ class AlgorithmConfig:
     name: Algorithm preset (a config built from a preset keeps its name; every other knob
         overrides the preset where it is set).
     advantage: "normalized" (mean/std below), "rloo", "reinforce_pp", "reinforce_pp_baseline",
-        or "positives" (A = 1 on RAFT positives, other rows rejected).
+        "positives" (A = 1 on RAFT positives, other rows rejected) or "remax" (A = r minus the
+        reward of the prompt's greedy completion, sampled beside the group).
     mean, std: Scopes of the normalized advantage's mean and std ("group", "batch", "none").
     ddof: Std degrees of freedom (1 = torch.std, 0 = numpy); also for REINFORCE++ whitening.
     eps: Added to the std of the normalized advantage and of REINFORCE++ whitening.
@@ -41,6 +43,9 @@ class AlgorithmConfig:
     max_tokens: The constant of "seq-mean-token-sum-norm" (none = the padded completion
         length T).
     clip_low, clip_high: Ratio clip range [1 - clip_low, 1 + clip_high].
+    importance: Importance ratio of the clipped surrogate: "token" (PPO / GRPO, one ratio per
+        token) or "sequence" (GSPO: exp of the mean token log-ratio of the sequence, clipped
+        per sequence).
     dual_clip: Dual-clip constant c > 1 for negative advantages (none = off).
     kl_in: Where the KL to the reference goes: "loss" (kl_coef * agg(KL) added to the loss),
         "reward" (token rewards: REINFORCE++ returns, or A_i - kl_coef * sum_{s>=t} KL_s for
@@ -58,6 +63,11 @@ class AlgorithmConfig:
         the loss's numerator and every denominator) or "zero" (kept in the loss with advantage
         0, so they count in its denominators, KL and entropy terms, as Minimal-RL's code).
     overlong_filter: Drop samples that hit max_new_tokens without a stop token from the loss.
+    dynamic_sampling: DAPO's dynamic sampling: the trainer resamples (next prompts) until the
+        batch holds prompts_per_step groups with both correct and wrong samples.
+    max_resample_rounds: Cap on dynamic sampling's extra rollout rounds per step; a batch
+        still short is filled with groups without spread (kept out of the loss by
+        reject_all_correct / reject_all_wrong).
     positives: RAFT selection, "correct" or "best" (see filters.raft_positives).
     binary_reward: None to use the verifier's reward as is, or "wrong,right" to replace it by
         a value chosen from `correct` (e.g. -1,1 or 0,1).
@@ -74,6 +84,7 @@ class AlgorithmConfig:
     max_tokens: Optional[int] = None
     clip_low: float = 0.2
     clip_high: float = 0.2
+    importance: str = "token"
     dual_clip: Optional[float] = None
     kl_in: Optional[str] = None
     kl_estimator: str = "k3"
@@ -85,6 +96,8 @@ class AlgorithmConfig:
     reject_all_wrong: bool = False
     rejected_rows: str = "drop"
     overlong_filter: bool = False
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = 10
     positives: str = "correct"
     binary_reward: Optional[tuple[float, float]] = None
 
@@ -98,6 +111,7 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
     require(c.std in adv_lib.STDS, f"std={c.std!r}: choose one of {adv_lib.STDS}.")
     require(c.objective in OBJECTIVES, f"objective={c.objective!r}: choose one of {OBJECTIVES}.")
     require(c.agg in losses.AGG_MODES, f"agg={c.agg!r}: choose one of {losses.AGG_MODES}.")
+    require(c.importance in IMPORTANCE, f"importance={c.importance!r}: choose one of {IMPORTANCE}.")
     require(c.kl_in in KL_PLACES, f"kl_in={c.kl_in!r}: choose one of {KL_PLACES}.")
     require(c.kl_estimator in losses.KL_ESTIMATORS,
            f"kl_estimator={c.kl_estimator!r}: choose one of {losses.KL_ESTIMATORS}.")
@@ -109,6 +123,11 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
            f"positives={c.positives!r}: choose one of {filters.POSITIVE_SELECTIONS}.")
     require(isinstance(c.ddof, int) and c.ddof >= 0,
            f"ddof={c.ddof!r} must be an int >= 0 (1 = torch.std, 0 = numpy default).")
+    require(isinstance(c.max_resample_rounds, int) and c.max_resample_rounds >= 0,
+           f"max_resample_rounds={c.max_resample_rounds!r} must be an int >= 0 (extra rounds per step).")
+    require(not (c.dynamic_sampling and G < 2),
+           "dynamic_sampling keeps groups with both correct and wrong samples; it needs "
+           f"group_size >= 2, got {G}.")
     require(c.eps > 0, f"eps={c.eps!r} must be > 0 (default 1e-6).")
     require(0 <= c.clip_low < 1, f"clip_low={c.clip_low!r} must be in [0, 1) so that 1 - clip_low > 0.")
     require(c.clip_high >= 0, f"clip_high={c.clip_high!r} must be >= 0.")
@@ -247,8 +266,46 @@ def raft_pp() -> AlgorithmConfig:
                            rejected_rows="zero")
 
 
+def gspo() -> AlgorithmConfig:
+    """GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071).
+
+    GRPO's group-normalised advantage with the sequence-level importance ratio
+    s_i = (pi(y_i | x) / pi_old(y_i | x))^(1 / |y_i|), clipped per sequence to
+    [1 - 3e-4, 1 + 4e-4] (the paper's ranges); per-sequence token mean (seq-mean-token-mean,
+    as verl's compute_policy_loss_gspo); no KL.
+    """
+    return AlgorithmConfig(name="gspo", mean="group", std="group", agg="seq-mean-token-mean",
+                           importance="sequence", clip_low=3e-4, clip_high=4e-4)
+
+
+def remax() -> AlgorithmConfig:
+    """ReMax: Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
+    Method for Aligning Large Language Models" (arXiv:2310.10505).
+
+    A_i = r(x, y_i) - r(x, y_greedy): the baseline is the reward of the prompt's greedy
+    completion, decoded in the same sampler call (one extra row per prompt, not trained on);
+    REINFORCE's per-sequence token sum averaged over sequences (seq-mean-token-sum); no KL.
+    """
+    return AlgorithmConfig(name="remax", advantage="remax", agg="seq-mean-token-sum")
+
+
+def dapo() -> AlgorithmConfig:
+    """DAPO: Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale"
+    (arXiv:2503.14476).
+
+    GRPO's group-normalised advantage; clip-higher (clip_low 0.2, clip_high 0.28); token-level
+    loss (token-mean); no KL; dynamic sampling: groups whose samples are all correct or all
+    wrong are resampled (up to max_resample_rounds extra rounds) and kept out of the loss.
+    The soft overlong punishment is a reward option (--overlong_buffer, --overlong_penalty).
+    """
+    return AlgorithmConfig(name="dapo", mean="group", std="group", agg="token-mean",
+                           clip_low=0.2, clip_high=0.28, reject_all_correct=True,
+                           reject_all_wrong=True, dynamic_sampling=True)
+
+
 PRESETS = {f.__name__: f for f in (grpo, dr_grpo, reinforce, reinforce_rej, reinforce_pp,
-                                   reinforce_pp_baseline, lite_ppo, rloo, raft, raft_pp)}
+                                   reinforce_pp_baseline, lite_ppo, rloo, raft, raft_pp, gspo,
+                                   remax, dapo)}
 
 
 def get_preset(name: str, **overrides) -> AlgorithmConfig:
@@ -276,6 +333,8 @@ def compute_advantages(
     logp_BT: jnp.ndarray | None = None,
     ref_logp_BT: jnp.ndarray | None = None,
     valid_B: jnp.ndarray | None = None,
+    baseline_B: jnp.ndarray | None = None,
+    baseline_correct_B: jnp.ndarray | None = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, Metric]]:
     """Advantages for one rollout batch. Returns (advantages [B] or [B, T], keep_B bool,
     metrics: rl.metrics.Metric values by final name, "adv/...").
@@ -291,6 +350,8 @@ def compute_advantages(
     verification timed out or crashed, or its prompt was dropped as too long) leaves the loss
     and every statistic, and its group is judged (all-correct / all-wrong, best of group) by
     its valid rows only.
+    baseline_B, baseline_correct_B: advantage="remax" only: each row's baseline reward and
+    verdict, those of its prompt's greedy completion (binary_reward maps the verdict).
     """
     c = config
     correct = jnp.asarray(correct_B, bool)
@@ -323,6 +384,8 @@ def compute_advantages(
         adv = adv_lib.rloo_advantages(r_B, group_size, keep_B=signal)
     elif c.advantage == "positives":
         adv = signal.astype(jnp.float32)
+    elif c.advantage == "remax":
+        adv = r_B - _baseline(c, baseline_B, baseline_correct_B)
     elif c.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
         adv = adv_lib.reinforce_pp_advantages(
             r_B, mask_BT, kl_BT=kl_BT, kl_coef=c.kl_coef, group_size=group_size,
@@ -349,6 +412,17 @@ def compute_advantages(
         "adv/adv_abs_mean": Metric.mean((jnp.abs(adv_B) * lf).sum() / n_learn),
     }
     return adv, keep, metrics
+
+
+def _baseline(c: AlgorithmConfig, baseline_B, baseline_correct_B) -> jnp.ndarray:
+    """ReMax's baseline per row, mapped like the rewards when binary_reward is set."""
+    if baseline_B is None or (c.binary_reward is not None and baseline_correct_B is None):
+        raise ValueError("advantage='remax' needs baseline_B (and baseline_correct_B with "
+                         "binary_reward): the reward and verdict of each prompt's greedy completion.")
+    if c.binary_reward is None:
+        return jnp.asarray(baseline_B, jnp.float32)
+    return jnp.where(jnp.asarray(baseline_correct_B, bool), c.binary_reward[1],
+                     c.binary_reward[0]).astype(jnp.float32)
 
 
 def loss_denominator(config: AlgorithmConfig, mask_BT: jnp.ndarray, keep_B: jnp.ndarray | None = None) -> jnp.ndarray:
@@ -388,6 +462,8 @@ def policy_loss(
         # A = 0 on rows kept only for the denominator (rejected_rows="zero").
         pg_BT, aux = losses.nll_loss(logp_BT) * losses.broadcast_advantages(advantages, logp_BT.shape), None
     else:
+        if c.importance == "sequence":
+            old_logp_BT = losses.sequence_old_logp(logp_BT, old_logp_BT, mask_BT)
         pg_BT, aux = losses.clipped_surrogate(logp_BT, old_logp_BT, advantages, clip_low=c.clip_low,
                                               clip_high=c.clip_high, dual_clip=c.dual_clip)
     total_BT = pg_BT

@@ -90,6 +90,21 @@ def clipped_surrogate(
     return loss, aux
 
 
+def sequence_old_logp(logp_BT: jnp.ndarray, old_logp_BT: jnp.ndarray, mask_BT: jnp.ndarray) -> jnp.ndarray:
+    """GSPO's sequence-level importance ratio as an "old logp" for ``clipped_surrogate``.
+
+    s_i = exp(mean_t (logp_it - old_logp_it)) over row i's valid tokens (the length-normalised
+    sequence ratio). Returns old'_BT = sg(logp) - sg(log s_i), so that logp - old' has the
+    value log s_i on every token and the gradient of logp: GSPO-token's
+    s_it = sg(s_i) pi(y_it) / sg(pi(y_it)), whose gradient under the per-sequence token mean
+    is GSPO's s_i A_i (1/|y_i|) sum_t grad log pi(y_it) (arXiv:2507.18071, eqs. 5-7, 10-11).
+    """
+    m = jnp.asarray(mask_BT).astype(jnp.float32)
+    d = jnp.where(m > 0, logp_BT - old_logp_BT, 0.0)
+    log_s_B = d.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0)
+    return jax.lax.stop_gradient(logp_BT - log_s_B[:, None])
+
+
 def nll_loss(logp_BT: jnp.ndarray) -> jnp.ndarray:
     """RAFT's supervised loss per token: -log pi(token)."""
     return -logp_BT

@@ -95,16 +95,18 @@ class Sampler:
 
     def generate(self, params: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                  max_new_tokens: int, key: jax.Array, *, group_size: int = 1,
-                 share_prompts: bool = True, row_keys: jax.Array | None = None) -> SampleOutput:
+                 share_prompts: bool = True, row_keys: jax.Array | None = None,
+                 greedy_last: int = 0) -> SampleOutput:
         """`group_size` samples of each prompt (token ids), laid out as
-        RowLayout(group_size, share_prompts); see the module function `generate`."""
+        RowLayout(group_size, share_prompts), the last `greedy_last` of each greedy; see the
+        module function `generate`."""
         self.check_context(max_new_tokens, max((len(p) for p in prompts), default=None))
         return generate(params, self.model_config, prompts, sampling, max_new_tokens, key,
                         stop_ids=self.stop_ids, n=group_size, pad_id=self.pad_id,
                         mesh=self.mesh, rules=self.rules, max_prompt_len=self.max_prompt_len,
                         long_prompts=self.long_prompts, row_keys=row_keys,
                         min_prompt_bucket=self.min_prompt_bucket, share_prompts=share_prompts,
-                        max_rows=self.max_rows)
+                        max_rows=self.max_rows, greedy_last=greedy_last)
 
     def encode(self, prompts: Sequence[Any], *, chat: bool = True,
                system: str | None = None) -> list[list[int]]:
@@ -127,11 +129,12 @@ class Sampler:
 
     def sample(self, params: Any, prompts: Sequence[Any], sampling: SamplingConfig,
                max_new_tokens: int, key: jax.Array, layout: RowLayout = RowLayout(), *,
-               chat: bool = True, system: str | None = None) -> Samples:
-        """Texts or chat message lists -> `layout.group_size` samples of each, decoded."""
+               chat: bool = True, system: str | None = None, greedy_last: int = 0) -> Samples:
+        """Texts or chat message lists -> `layout.group_size` samples of each, decoded (the
+        last `greedy_last` of each greedily)."""
         out = self.generate(params, self.encode(prompts, chat=chat, system=system), sampling,
                             max_new_tokens, key, group_size=layout.group_size,
-                            share_prompts=layout.share_prompts)
+                            share_prompts=layout.share_prompts, greedy_last=greedy_last)
         return Samples(out=out, texts=self.decode(out, len(prompts) * layout.group_size),
                        layout=layout)
 

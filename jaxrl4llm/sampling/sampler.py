@@ -148,7 +148,8 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
                     max_new_tokens: int, mesh: Mesh | None = None,
                     rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
                     prompt_group: int = 1, num_chunks: int = 1,
-                    cache_dtype: Any = None) -> SampleOutput:
+                    cache_dtype: Any = None, greedy_B: jax.Array | None = None
+                    ) -> SampleOutput:
     """The compiled sampler over one bucket. Rows must hold at least one prompt token
     (left-padded); inactive rows (batch padding, dropped prompts) produce nothing.
     stop_ids_S (int32, -1 = unused slot) and pad_id are traced, so they cost no recompiles.
@@ -156,7 +157,8 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
     prompt is prefilled once and its cache rows copied to the group. `num_chunks` > 1: the
     rows run as that many strided chunks of whole groups, one after another (a row's
     samples do not depend on the other rows, so the output is the same). `cache_dtype`
-    (default: see _cache_dtype) is the KV cache's dtype."""
+    (default: see _cache_dtype) is the KV cache's dtype. `greedy_B` (bool, optional): rows
+    that decode greedily (see strategies.sample)."""
     B = prompt_BP.shape[0]
     if B % (num_chunks * prompt_group):
         raise ValueError(f"generate_tokens: {B} rows do not split into {num_chunks} chunks of "
@@ -169,7 +171,8 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
         model_config=model_config, sampling=sampling, max_new_tokens=max_new_tokens,
         sharding=sharding, prompt_group=prompt_group,
         cache_dtype=cache_dtype or _cache_dtype(params))
-    rows = (prompt_BP, prompt_mask_BP, active_B, row_keys_B)
+    rows = (prompt_BP, prompt_mask_BP, active_B, row_keys_B) + (
+        () if greedy_B is None else (greedy_B,))
     if num_chunks == 1:
         return run(*rows)
     chunks = tuple(parallel.constrain(parallel.split_strided(x, num_chunks, prompt_group),
@@ -181,7 +184,8 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
 
 
 def _generate_rows(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
-                   active_B: jax.Array, row_keys_B: jax.Array, *, stop_ids_S: jax.Array,
+                   active_B: jax.Array, row_keys_B: jax.Array,
+                   greedy_B: jax.Array | None = None, *, stop_ids_S: jax.Array,
                    pad_id: jax.Array, model_config: ModelConfig, sampling: SamplingConfig,
                    max_new_tokens: int, sharding: parallel.ActivationSharding | None,
                    prompt_group: int, cache_dtype: Any) -> SampleOutput:
@@ -197,7 +201,7 @@ def _generate_rows(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
     if sharding is not None:
         cache = jax.lax.with_sharding_constraint(cache, _cache_sharding(sharding, cache))
     keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32))
-    tok_B, lp_B = strategies.sample(logits_BV, keys_B, sampling)
+    tok_B, lp_B = strategies.sample(logits_BV, keys_B, sampling, greedy_B)
 
     tok_B = jnp.where(active_B, tok_B, pad_id)
     done_B = ~active_B | _is_stop(tok_B, stop_ids_S)
@@ -216,7 +220,7 @@ def _generate_rows(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
         logits_BV, cache = decode_step(params, model_config, s.last_B, s.position_B, s.cache,
                                        P + s.step - 1, sharding)
         keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, jnp.full((B,), s.step, jnp.uint32))
-        tok_B, lp_B = strategies.sample(logits_BV, keys_B, sampling)
+        tok_B, lp_B = strategies.sample(logits_BV, keys_B, sampling, greedy_B)
         live_B = ~s.done_B
         tok_B = jnp.where(live_B, tok_B, pad_id)
         lp_B = jnp.where(live_B, lp_B, 0.0)
@@ -250,7 +254,8 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
              max_prompt_len: int | None = None, long_prompts: str = "error",
              row_keys: jax.Array | None = None,
              min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET,
-             share_prompts: bool = True, max_rows: int | None = None) -> SampleOutput:
+             share_prompts: bool = True, max_rows: int | None = None,
+             greedy_last: int = 0) -> SampleOutput:
     """Samples `n` completions of each prompt (lists of token ids, unpadded).
 
     stop_ids defaults to model_config.eos_token_ids; max_prompt_len defaults to
@@ -262,6 +267,8 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
     consecutive rows, and with share_prompts its prefill runs once for them.
     `max_rows` (global rows, all hosts) caps the rows decoded at once: more rows run as
     strided chunks of whole prompts, one after another, in the same program (same samples).
+    `greedy_last` > 0: the last that many samples of each prompt decode greedily, in the same
+    program (ReMax's baseline completion).
     """
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
@@ -316,9 +323,18 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
     # prepare_batch lays each prompt's n samples out as consecutive rows (batch padding rows
     # are all alike): with whole groups the prompt is prefilled once per group.
     prompt_group = RowLayout(n, share_prompts).prompt_group(B)
+    greedy_B = None
+    if greedy_last:
+        greedy_B = np.asarray(batch.sample_index_B) >= n - greedy_last
+        if multihost:
+            greedy_B = jax.make_array_from_process_local_data(
+                parallel.batch_sharding(mesh, 1, rules), greedy_B)
+        elif mesh is not None:
+            greedy_B = jax.device_put(greedy_B, parallel.batch_sharding(mesh, 1, rules))
     out = generate_tokens(params, *inputs, stop_S, np.int32(pad), model_config=model_config,
                           sampling=sampling, max_new_tokens=int(max_new_tokens), mesh=mesh,
-                          rules=rules, prompt_group=prompt_group, num_chunks=num_chunks)
+                          rules=rules, prompt_group=prompt_group, num_chunks=num_chunks,
+                          greedy_B=greedy_B)
     if multihost:
         # Rows stay global (each host's block keeps its padding rows: see host_rows).
         dropped_B = jax.make_array_from_process_local_data(

@@ -161,8 +161,12 @@ def allowed_tokens(logits_BV: jax.Array, config: SamplingConfig) -> jax.Array:
     return scaled_BV >= thresh_B[:, None]
 
 
-def sample(logits_BV: jax.Array, keys_B: jax.Array, config: SamplingConfig):
+def sample(logits_BV: jax.Array, keys_B: jax.Array, config: SamplingConfig,
+           greedy_B: jax.Array | None = None):
     """Draws one token per row; returns (tokens_B int32, logprobs_B float32).
+
+    greedy_B (bool [B], optional): rows that take the argmax instead (e.g. ReMax's greedy
+    baseline row beside the sampled ones); their logprobs follow `config` like the others.
 
     keys_B holds one PRNG key per row (the caller folds in the step), so a row's draw does not
     depend on the other rows. Sampling inverts the row's CDF with a single uniform: one exp
@@ -186,5 +190,8 @@ def sample(logits_BV: jax.Array, keys_B: jax.Array, config: SamplingConfig):
         # index whose CDF exceeds it has non-zero mass, so excluded tokens are never drawn.
         x_B = jnp.minimum(u_B * total_B, jnp.nextafter(total_B, 0.0))
         tokens_B = jnp.argmax(cdf_BV > x_B[:, None], axis=-1).astype(jnp.int32)
+        if greedy_B is not None:
+            tokens_B = jnp.where(greedy_B, jnp.argmax(scaled_BV, axis=-1).astype(jnp.int32),
+                                 tokens_B)
     chosen_B = jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, chosen_B - lse_B

@@ -23,6 +23,7 @@ from jaxrl4llm.rewards.shaping import SCALES
 from jaxrl4llm.sampling.buckets import LONG_PROMPT_MODES
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
+from jaxrl4llm.train import sample_rounds
 from jaxrl4llm.train.state import SCHEDULES, OptimizerConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -212,6 +213,7 @@ class TrainConfig:
                  "mean": rl.advantages.MEANS, "std": rl.advantages.STDS,
                  "objective": rl.algorithms.OBJECTIVES, "agg": rl.AGG_MODES,
                  "kl_in": rl.algorithms.KL_PLACES, "kl_estimator": rl.KL_ESTIMATORS,
+                 "importance": rl.algorithms.IMPORTANCE,
                  "positives": rl.filters.POSITIVE_SELECTIONS,
                  "rejected_rows": rl.algorithms.REJECTED_ROWS})
     optimizer: OptimizerConfig = group(
@@ -305,6 +307,9 @@ class TrainConfig:
                 f"of --group_size={r.group_size} and of the {data_parallel} data-parallel "
                 f"devices of --mesh={run.mesh} (or 0: all rows at once).")
         rl.validate(self.algorithm, r.group_size)
+        a = self.algorithm
+        require(not ((a.advantage == "remax" or a.dynamic_sampling) and jax.process_count() > 1),
+                sample_rounds.ONE_HOST_ONLY)
         self.optimizer.validate()
         return self
 

@@ -151,7 +151,8 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
             records = next(iterator)
             step_key = jax.random.fold_in(state.key(), step)
             batch, last = rollout(ctx, config, state.params, ref_params, records,
-                                  jax.random.fold_in(step_key, 0))
+                                  jax.random.fold_in(step_key, 0),
+                                  next_records=lambda: next(iterator))  # dynamic sampling
             host_memory.release_free_memory()  # the sampler's freed buffers, before the update
             t0 = time.perf_counter()
             update_metrics = {}

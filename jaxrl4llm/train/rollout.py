@@ -23,6 +23,7 @@ from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.train import metrics as metrics_lib
 from jaxrl4llm.train.config import DataConfig, RolloutConfig, TrainConfig
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs_jit
+from jaxrl4llm.train.sample_rounds import sample_and_score
 from jaxrl4llm.train.step import UpdateBatch
 
 
@@ -75,12 +76,13 @@ def _global_rows(ctx: RolloutContext, local: np.ndarray) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("config", "group_size"))
 def _advantages(config, rewards_B, correct_B, mask_BT, truncated_B, dropped_B, valid_B, logp_BT,
-                ref_logp_BT, *, group_size):
+                ref_logp_BT, baseline_B=None, baseline_correct_B=None, *, group_size):
     # Rows without a reward (verification failed, or the prompt was skipped as too long) leave
     # the loss and every statistic (batch mean / std, whitening).
     advantages, keep_B, metrics = rl.compute_advantages(
         config, rewards_B, correct_B, mask_BT, group_size, truncated_B=truncated_B,
-        logp_BT=logp_BT, ref_logp_BT=ref_logp_BT, valid_B=valid_B & ~dropped_B)
+        logp_BT=logp_BT, ref_logp_BT=ref_logp_BT, valid_B=valid_B & ~dropped_B,
+        baseline_B=baseline_B, baseline_correct_B=baseline_correct_B)
     return advantages, keep_B, metrics
 
 
@@ -94,19 +96,20 @@ def _group_metrics(correct_B: np.ndarray, group_size: int) -> dict[str, Metric]:
 
 
 def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: Any,
-            records: Sequence[Any], key: jax.Array) -> tuple[UpdateBatch, dict[str, float]]:
-    """Builds the update batch of one training step (B = len(records) * group_size rows)."""
+            records: Sequence[Any], key: jax.Array, next_records: Any = None
+            ) -> tuple[UpdateBatch, dict[str, float]]:
+    """Builds the update batch of one training step (B = len(records) * group_size rows).
+    `next_records()` gives more prompts when dynamic sampling resamples (default: the same)."""
     layout = config.rollout.layout
-    t0 = time.perf_counter()
-    samples = sample(ctx, params, records, key, group_size=layout.group_size)
+    rows, round_metrics = sample_and_score(ctx, config.algorithm, params, records, key, layout,
+                                           next_records)
+    samples, scored = rows.samples, rows.scored
     out = samples.out
-    jax.block_until_ready(out.tokens_BT)
-    t_sample = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
     lengths_B = samples.host(out.lengths_B)
-    scored = ctx.reward_fn.score(samples.texts, layout.repeat(records), lengths=lengths_B)
-    t_reward = time.perf_counter() - t0
+    valid = ~scored.failed if rows.baseline_failed_B is None else ~(
+        scored.failed | rows.baseline_failed_B)   # ReMax: no baseline, no advantage
+    baseline = [None if b is None else _global_rows(ctx, b)
+                for b in (rows.baseline_B, rows.baseline_correct_B)]
 
     t0 = time.perf_counter()
     seqs = Sequences(prompt_tokens_BP=out.prompt_tokens_BP, prompt_mask_BP=out.prompt_mask_BP,
@@ -129,8 +132,8 @@ def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: A
     behaviour_logp = old_logp if old_logp is not None else out.logprobs_BT
     advantages, keep_B, adv_metrics = _advantages(
         config.algorithm, _global_rows(ctx, scored.rewards), _global_rows(ctx, scored.correct),
-        out.mask_BT, out.truncated_B, out.dropped_B, _global_rows(ctx, ~scored.failed),
-        behaviour_logp, ref_logp, group_size=layout.group_size)
+        out.mask_BT, out.truncated_B, out.dropped_B, _global_rows(ctx, valid),
+        behaviour_logp, ref_logp, *baseline, group_size=layout.group_size)
     batch = UpdateBatch(seqs=seqs, advantages=advantages, keep_B=keep_B, old_logp_BT=old_logp,
                         ref_logp_BT=ref_logp, layout=layout)
     jax.block_until_ready(batch)
@@ -150,11 +153,13 @@ def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: A
         "response/dropped_prompts": Metric.sum(
             float(np.sum(samples.host(out.dropped_B)) / layout.group_size)),
         **{f"reward_reason/{k}": Metric.sum(float(v)) for k, v in scored.metrics().items()},
+        **{k: v for k, v in round_metrics.items() if isinstance(v, Metric)},
     }
     metrics = metrics_lib.to_host_scalars(metrics_lib.combine_over_hosts(host))
+    t_sample = round_metrics["time/rollout_s"]
     metrics.update({
         "time/rollout_s": t_sample,
-        "time/reward_s": t_reward,
+        "time/reward_s": round_metrics["time/reward_s"],
         "time/logprobs_s": t_logprobs,
         "throughput/rollout_tokens_per_s": float(lengths.sum() / max(t_sample, 1e-9)),
     })

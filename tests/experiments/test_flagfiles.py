@@ -22,7 +22,8 @@ FLAGFILES = sorted(glob.glob(os.path.join(REPO, "experiments", "configs", "*.fla
 # of each flagfile (and of two extra argument lists), as its config.json.
 OLD = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "old_configs", "*.json")))
 # Knobs added since, with the value that reproduces the old code.
-ADDED = {"k3_clamp": None, "log_kl_ref": False, "rejected_rows": "drop"}
+ADDED = {"k3_clamp": None, "log_kl_ref": False, "rejected_rows": "drop",
+         "importance": "token", "dynamic_sampling": False, "max_resample_rounds": 10}  # issue 18
 # Deliberate changes since, as (old, new) by key of the old config.json ("optimizer.x" for the
 # optimizer's). Everywhere: k3 is capped at 10 (issue 14).
 CHANGED_EVERYWHERE = {"k3_clamp": (None, 10.0)}
@@ -380,3 +381,15 @@ def test_grpo_counterparts_differ_only_in_the_advantage_estimator(reinforce_pp, 
     b = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/{reinforce_pp}_grpo.flags"))
     assert {k for k in a if a[k] != b[k]} == {"algorithm", "advantage", "workdir"}
     assert b["advantage"] == "normalized" and (b["mean"], b["std"]) == ("group", "group")
+
+
+def test_dapo_comparator_differs_from_lite_ppo_only_in_the_algorithm(parsed):
+    """Tricks-or-Traps' DAPO run: the Lite PPO flagfile with DAPO's algorithm knobs and its soft
+    overlong punishment, nothing else."""
+    a = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/tricks_or_traps_qwen3_8b_lite_ppo.flags"))
+    b = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/tricks_or_traps_qwen3_8b_dapo.flags"))
+    assert {k for k in a if a[k] != b[k]} == {
+        "algorithm", "std", "clip_high", "reject_all_correct", "reject_all_wrong",
+        "dynamic_sampling", "overlong_buffer", "workdir"}
+    assert (b["std"], b["clip_high"], b["overlong_buffer"], b["max_new_tokens"]) == (
+        "group", 0.28, 4096, 8192)

@@ -17,6 +17,7 @@ LENS = np.array([3, 2, 1, 3, 2, 3, 3, 1])
 MASK = (np.arange(T)[None, :] < LENS[:, None]).astype(np.float32)
 LOGP = np.full((8, T), -1.0, np.float32)
 K3 = np.exp(-0.1) + 0.1 - 1.0  # ref_logp = logp - 0.1
+BASELINE = np.array([1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])  # ReMax: each prompt's greedy reward
 # The entry points, jitted with the config (and group size) static: this is how the trainer calls them.
 compute_advantages = jax.jit(rl.compute_advantages, static_argnums=(0, 4))
 policy_loss = jax.jit(rl.policy_loss, static_argnums=0)
@@ -54,6 +55,13 @@ def _expected(name):
     centered = np.r_[0.75, -0.25, -0.25, -0.25, np.zeros(4)]
     if name == "grpo":
         return a_grpo, ones, -a_grpo[:, None] + 0.04 * K3
+    if name == "gspo":   # at ratio 1 the sequence ratio is 1 too: GRPO's advantage, no KL
+        return a_grpo, ones, -a_grpo[:, None] + 0 * MASK
+    if name == "remax":  # A = r - r(greedy), REINFORCE's token sum per sequence
+        a = R - BASELINE
+        return a, ones, -a[:, None] + 0 * MASK
+    if name == "dapo":   # GRPO's advantage; the all-correct group is out of the loss
+        return a_grpo, np.r_[ones[:4], np.zeros(4, bool)], -a_grpo[:, None] + 0 * MASK
     if name == "dr_grpo":
         return centered, ones, -centered[:, None] + 0 * MASK
     if name == "reinforce":
@@ -96,7 +104,8 @@ def test_preset_closed_form(name):
     cfg = rl.validate(rl.get_preset(name), G)
     logp = jnp.asarray(LOGP)
     adv, keep, met = compute_advantages(cfg, jnp.asarray(R), jnp.asarray(R > 0), jnp.asarray(MASK), G,
-                                        logp_BT=logp, ref_logp_BT=logp - 0.1)
+                                        logp_BT=logp, ref_logp_BT=logp - 0.1,
+                                        baseline_B=jnp.asarray(BASELINE))
     a_want, keep_want, L_want = _expected(name)
     np.testing.assert_array_equal(np.asarray(keep), keep_want)
     np.testing.assert_allclose(np.asarray(adv, np.float64), a_want, rtol=2e-5, atol=2e-6)
@@ -111,7 +120,7 @@ def test_preset_closed_form(name):
     assert fm["policy/frac_rejected"] == pytest.approx(1 - keep_want.mean())
     assert fm["policy/ratio_min"] == pytest.approx(1.0) and fm["policy/ratio_max"] == pytest.approx(1.0)
     assert rl.finalize_metrics(met)["adv/frac_groups_rejected"] == pytest.approx(
-        {"reinforce_rej": 0.5}.get(name, 0.0))
+        {"reinforce_rej": 0.5, "dapo": 0.5}.get(name, 0.0))
 
 
 def test_preset_docstrings_name_a_paper():
@@ -121,8 +130,8 @@ def test_preset_docstrings_name_a_paper():
 
 
 def test_get_preset_errors_and_overrides():
-    with pytest.raises(ValueError, match="valid names: dr_grpo, grpo"):
-        rl.get_preset("ppo")
+    with pytest.raises(ValueError, match="valid names: dapo, dr_grpo, grpo"):
+        rl.get_preset("ppo")   # (dapo sorts first)
     with pytest.raises(ValueError, match="clip_hi"):
         rl.get_preset("grpo", clip_hi=0.28)
     cfg = rl.get_preset("GRPO", clip_high=0.28, kl_coef=0.0, kl_in=None)
@@ -292,7 +301,7 @@ def test_entry_points_have_no_host_callbacks(name):
 
     def step(rewards, correct, mask, lp):
         adv, keep, _ = rl.compute_advantages(cfg, rewards, correct, mask, G, truncated_B=trunc, logp_BT=lp,
-                                             ref_logp_BT=lp - 0.1)
+                                             ref_logp_BT=lp - 0.1, baseline_B=rewards)
 
         def loss(lp):
             s, d, m = rl.policy_loss(cfg, lp, lp - 0.05, adv, mask, keep, ref_logp_BT=lp - 0.1, entropy_BT=ent)

@@ -90,7 +90,8 @@ def test_zero_rows_keep_their_kl_and_entropy_terms():
 # ---- flat groups: exact zeros under jit --------------------------------------------------
 
 FLAT_VALUES = (1.0, 0.0, 0.1, 0.7, 1 / 3)   # one value per group; continuous ones too
-BASELINE_PRESETS = ("grpo", "dr_grpo", "lite_ppo", "rloo", "reinforce_pp_baseline", "reinforce_rej")
+BASELINE_PRESETS = ("grpo", "dr_grpo", "lite_ppo", "rloo", "reinforce_pp_baseline", "reinforce_rej",
+                    "gspo", "dapo", "remax")
 
 
 def _flat_value(name, r_B, correct_B):
@@ -114,7 +115,8 @@ def test_flat_groups_get_exactly_their_formula_value_under_jit(name, G):
     lp = jnp.full((B, T), -0.5)
     cfg = rl.get_preset(name)
     adv, _, _ = compute_advantages(cfg, jnp.asarray(r), jnp.asarray(correct), jnp.asarray(mask), G,
-                                   logp_BT=lp, ref_logp_BT=lp)   # KL exactly 0
+                                   logp_BT=lp, ref_logp_BT=lp,   # KL exactly 0
+                                   baseline_B=jnp.asarray(r))    # ReMax: greedy = the flat value
     adv = np.asarray(adv, np.float64)
     want = _flat_value(name, r, correct)
     if adv.ndim == 2:

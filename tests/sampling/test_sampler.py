@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -298,3 +299,24 @@ def test_chunked_rollout_equals_one_pass(tiny, mesh_spec):
         np.testing.assert_array_equal(getattr(chunked, field), getattr(one, field))
     assert int(chunked.num_steps) == int(one.num_steps)
     assert (np.asarray(one.tokens_BT) == stop).any()          # some rows stopped early
+
+
+@pytest.mark.parametrize("mesh_spec,max_rows", [(None, None), ("data:2,fsdp:2,tensor:2", 6)])
+def test_greedy_last_rows_decode_greedily_in_the_same_call(tiny, mesh_spec, max_rows):
+    """ReMax's baseline row: with greedy_last=1 the last sample of each prompt is the greedy
+    completion (the argmax path of a GREEDY run) and the other rows are the usual samples."""
+    config, params = tiny
+    mesh = None if mesh_spec is None else parallel.make_mesh(mesh_spec)
+    if mesh is not None:
+        params = Sampler(config, mesh=mesh).shard_params(params)
+    prompts = _prompts(np.random.default_rng(12), [5, 3, 11, 7], config.vocab_size)
+    key = jax.random.key(4)
+    run = functools.partial(sampler.generate, params, config, prompts, max_new_tokens=N,
+                            key=key, n=3, stop_ids=(), mesh=mesh, max_rows=max_rows)
+    mixed = run(sampling=SAMPLING, greedy_last=1)
+    sampled = run(sampling=SAMPLING)
+    greedy = sampler.generate(params, config, prompts, GREEDY, N, key, n=1, stop_ids=())
+    tokens = np.asarray(mixed.tokens_BT).reshape(4, 3, N)
+    np.testing.assert_array_equal(tokens[:, 2], np.asarray(greedy.tokens_BT))
+    np.testing.assert_array_equal(tokens[:, :2], np.asarray(sampled.tokens_BT).reshape(4, 3, N)[:, :2])
+    assert (tokens[:, 0] != tokens[:, 2]).any()   # the sampled rows are not greedy

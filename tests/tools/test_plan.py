@@ -62,3 +62,15 @@ def test_plan_of_a_tiny_run_on_eight_devices(capsys):
     plan.print_plan(result, markdown=True)
     out = capsys.readouterr().out
     assert "| update | 2 |" in out and "every program fits" in out
+
+
+def test_plan_of_a_remax_run_samples_the_greedy_rows_too():
+    """ReMax's sampler program has one more row per prompt (greedy), chunked like the sampler's."""
+    config = TrainConfig().replace(
+        prompts_per_step=8, group_size=4, max_prompt_tokens=16, max_new_tokens=16,
+        rollout_micro_batch=16, param_dtype="bfloat16", algorithm=rl.get_preset("remax"),
+        mesh="data:1,fsdp:8,tensor:1")
+    result = plan_programs.plan(config, MODEL, plan.topology("cpu-8"), jax.devices()[:8])
+    rows = {r.program: r for r in result.rows}
+    assert list(rows) == ["create", "rollout", "logprobs", "update"]
+    assert rows["rollout"].args > 0 and rows["update"].total > 0

@@ -27,7 +27,10 @@ def _one_device():
 
 
 def _accuracy(workdir):
-    return np.array([r["reward/accuracy"] for r in read_metrics(str(workdir))])
+    """Per step: the accuracy of the policy's samples (with dynamic sampling, over every sample
+    drawn: the batch's own is biased towards groups holding a correct sample)."""
+    return np.array([r.get("reward/accuracy_sampled", r["reward/accuracy"])
+                     for r in read_metrics(str(workdir))])
 
 
 @pytest.mark.parametrize("preset", sorted(rl.PRESETS))
