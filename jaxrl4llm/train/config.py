@@ -128,12 +128,15 @@ class UpdateConfig:
     ppo_epochs: Passes over each rollout batch.
     recompute_old_logprobs: Recompute pi_old with a teacher-forced pass (else use the
         sampler's logprobs).
+    max_nonfinite_steps: Consecutive steps whose every update had a NaN / inf loss or
+        gradient (skipped, the state kept) after which the run stops with an error.
     """
 
     mini_batch_size: int = 0
     micro_batch_size: int = 0
     ppo_epochs: int = 1
     recompute_old_logprobs: bool = True
+    max_nonfinite_steps: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +276,7 @@ class TrainConfig:
         require(r.max_new_tokens >= 1 and r.max_prompt_tokens >= 1,
                 "--max_new_tokens and --max_prompt_tokens must be >= 1.")
         require(u.ppo_epochs >= 1, "--ppo_epochs must be >= 1.")
+        require(u.max_nonfinite_steps >= 1, "--max_nonfinite_steps must be >= 1.")
         require(run.num_steps >= 1, "--num_steps must be >= 1.")
         require(r.long_prompts in LONG_PROMPT_MODES, "--long_prompts: choose error or drop.")
         require(self.reward.scale in SCALES, f"--reward_scale: choose one of {SCALES}.")
