@@ -24,6 +24,7 @@ from jaxrl4llm.train import plots
 from jaxrl4llm.train.checkpoint import Checkpointer, PreemptionFlag, abstract_like
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 from jaxrl4llm.train.errors import TrainingDivergedError
+from jaxrl4llm.train.resume import check_resume
 from jaxrl4llm.train.rollout import RolloutContext, rollout
 from jaxrl4llm.train.state import create_state, learning_rate_schedule
 from jaxrl4llm.train.step import UpdateBatch, compile_train_step, train_step
@@ -83,6 +84,18 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
     run_config, e = config.run, config.evaluation
     mesh = parallel.make_mesh(run_config.mesh, devices)
     workdir = os.path.abspath(run_config.workdir)
+    check_resume(workdir, config)  # a different model / algorithm: refused before any write
+
+    # The data first: a bad source fails before the model loads or the workdir is written.
+    P_host = _prompts_per_host(config, mesh)
+    source = make_source(config.data.source, split="train", **config.data.field_names)
+    iterator = make_iterator(source, P_host, seed=run_config.seed,
+                             shard_index=jax.process_index(), shard_count=jax.process_count())
+    eval_records = evaluation.held_out_records(config.data, e)
+    eval_sets = e.sets  # --eval_sets: named sets, each with its own protocol
+    set_records = evaluation.eval_set_records(eval_sets, config.data)
+    has_eval = bool(eval_records or eval_sets)
+
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -94,15 +107,6 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
     ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
     state = create_state(params, config.optimizer, run_config.seed)
     del params
-
-    P_host = _prompts_per_host(config, mesh)
-    source = make_source(config.data.source, split="train", **config.data.field_names)
-    iterator = make_iterator(source, P_host, seed=run_config.seed,
-                             shard_index=jax.process_index(), shard_count=jax.process_count())
-    eval_records = evaluation.held_out_records(config.data, e)
-    eval_sets = e.sets  # --eval_sets: named sets, each with its own protocol
-    set_records = evaluation.eval_set_records(eval_sets, config.data)
-    has_eval = bool(eval_records or eval_sets)
     reward_fn = RewardFn("auto", config.reward)
     ctx = RolloutContext.create(model_config, tokenizer, reward_fn, mesh, config.data,
                                 config.rollout)
