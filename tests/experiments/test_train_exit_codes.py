@@ -10,6 +10,7 @@ import time
 import pytest
 
 from jaxrl4llm.train import errors
+from jaxrl4llm.train.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
@@ -89,7 +90,7 @@ def test_resume_refuses_another_model_or_algorithm_and_logs_allowed_changes(
     assert "new --workdir" in line
     assert line.index("--model") < line.index("--algorithm")
     assert (workdir / "config.json").read_text() == saved  # refused before any write
-    assert [json.loads(r)["step"] for r in (workdir / "metrics.jsonl").read_text().split()] == [1]
+    assert [r["step"] for r in read_metrics(str(workdir))] == [1]
     # Resumable changes (length, cadence, learning rate) resume, each logged.
     resumed = _run(toy_model_dir, copy_task_file, workdir, "--num_steps=2",
                    "--learning_rate=3e-6", "--checkpoint_every=5")
