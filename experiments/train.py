@@ -38,7 +38,7 @@ def config_from_flags() -> TrainConfig:
 
 def _fail(exc: Exception, code: int) -> int:
     """A user-facing error: one line naming the input and the fix, no traceback."""
-    print(f"Error: {exc}", file=sys.stderr)
+    print("Error: " + " ".join(str(exc).split()), file=sys.stderr)
     return code
 
 
