@@ -130,7 +130,8 @@ def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
     def apply(operands):
         params, opt_state, grads = operands
         updates, opt_state = make_optimizer(optimizer).update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, optax.global_norm(updates)
+        return (optax.apply_updates(params, updates), opt_state,
+                optax.global_norm(updates).astype(jnp.float32))
 
     def keep(operands):  # update_norm 0: nothing was applied
         params, opt_state, _ = operands
