@@ -71,12 +71,12 @@ class RewardConfig:
             raise ValueError(f"unknown default_task {self.default_task!r}; valid: "
                              f"{', '.join(TASK_VERIFIERS)}")
         if self.num_workers < 1:
-            raise ValueError(f"num_workers (verifier processes) must be >= 1, got "
-                             f"{self.num_workers}")
+            raise ValueError(f"--reward_workers={self.num_workers}: the verifier worker "
+                             "processes must be >= 1.")
         for name in ("item_timeout_s", "batch_timeout_s"):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+                raise ValueError(f"--{name}={value} must be a positive number of seconds.")
 
     @property
     def shaping(self) -> ShapingConfig:

@@ -16,6 +16,11 @@ MIN_PROMPT_BUCKET = 16
 LONG_PROMPT_MODES = ("error", "drop")
 
 
+class PromptTooLongError(ValueError):
+    """Prompts over the prompt-length limit with long_prompts="error" (a user error: the
+    message names the flags that fix it)."""
+
+
 def bucket_prompt_length(length: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
     """The next power of two >= length (at least `minimum`); multiples of 1024 past 1024."""
     if length < 0:
@@ -72,11 +77,11 @@ def prepare_batch(prompts: Sequence[Sequence[int]], *, n: int, max_prompt_len: i
     too_long = np.array([p.size > max_prompt_len for p in lists])
     if too_long.any() and long_prompts == "error":
         i = int(np.argmax(too_long))
-        raise ValueError(
-            f"{int(too_long.sum())} of {len(lists)} prompts are longer than max_prompt_len="
-            f"{max_prompt_len} tokens (prompt {i} has {lists[i].size}). Shorten them, raise "
-            "max_prompt_len (or lower max_new_tokens), or pass long_prompts='drop' to skip "
-            "and count them.")
+        raise PromptTooLongError(
+            f"{int(too_long.sum())} of {len(lists)} prompts are longer than --max_prompt_tokens="
+            f"{max_prompt_len} (prompt {i} has {lists[i].size} tokens). Shorten them, raise "
+            "--max_prompt_tokens (or lower --max_new_tokens), or pass --long_prompts=drop to "
+            "skip and count them.")
     num_rows = len(lists) * n
     B = bucket_batch_size(num_rows, batch_multiple)
     kept = [p.size for p, long in zip(lists, too_long) if not long] or [1]

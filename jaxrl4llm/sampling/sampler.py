@@ -279,8 +279,9 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
     limit = (model_config.max_position_embeddings - max_new_tokens if max_prompt_len is None
              else max_prompt_len)
     if limit < 1:
-        raise ValueError(f"No room for a prompt: max_new_tokens={max_new_tokens} leaves "
-                         f"max_prompt_len={limit}; lower max_new_tokens or set max_prompt_len.")
+        raise ValueError(f"No room for a prompt: --max_new_tokens={max_new_tokens} leaves "
+                         f"{limit} prompt tokens; lower --max_new_tokens or set "
+                         "--max_prompt_tokens.")
     multiple = 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
     multihost = mesh is not None and jax.process_count() > 1
     if multihost:

@@ -42,12 +42,12 @@ class SamplingConfig:
 
     def __post_init__(self):
         if not self.temperature >= 0.0:
-            raise ValueError(f"SamplingConfig.temperature={self.temperature} must be >= 0 "
+            raise ValueError(f"--temperature={self.temperature} must be >= 0 "
                              "(0 means greedy decoding).")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"SamplingConfig.top_k={self.top_k!r} must be an int >= 0 (0 = off).")
+            raise ValueError(f"--top_k={self.top_k!r} must be an int >= 0 (0 = off).")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingConfig.top_p={self.top_p} must be in (0, 1] (1.0 = off).")
+            raise ValueError(f"--top_p={self.top_p} must be in (0, 1] (1.0 = off).")
 
     @property
     def is_greedy(self) -> bool:

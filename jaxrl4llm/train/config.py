@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 import jax
@@ -129,12 +130,15 @@ class UpdateConfig:
     ppo_epochs: Passes over each rollout batch.
     recompute_old_logprobs: Recompute pi_old with a teacher-forced pass (else use the
         sampler's logprobs).
+    max_nonfinite_steps: Consecutive steps whose every update had a NaN / inf loss or
+        gradient (skipped, the state kept) after which the run stops with an error.
     """
 
     mini_batch_size: int = 0
     micro_batch_size: int = 0
     ppo_epochs: int = 1
     recompute_old_logprobs: bool = True
+    max_nonfinite_steps: int = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,6 +272,10 @@ class TrainConfig:
     def validate(self, num_devices: int, data_parallel: int | None = None) -> "TrainConfig":
         """Raises a clear error for any bad value, before anything is loaded or compiled."""
         r, u, e, run = self.rollout, self.update, self.evaluation, self.run
+        for name, value in options.flatten(self).items():  # nan / inf slip through float()
+            numbers = value if isinstance(value, tuple) else (value,)
+            require(all(math.isfinite(x) for x in numbers if isinstance(x, float)),
+                    f"--{name}={options.format_value(value)} is not a finite number.")
         require(self.model.param_dtype in DTYPES,
                 f"--param_dtype={self.model.param_dtype!r}: choose {DTYPES}.")
         require(r.prompts_per_step >= 1, "--prompts_per_step must be >= 1.")
@@ -275,7 +283,13 @@ class TrainConfig:
         require(r.max_new_tokens >= 1 and r.max_prompt_tokens >= 1,
                 "--max_new_tokens and --max_prompt_tokens must be >= 1.")
         require(u.ppo_epochs >= 1, "--ppo_epochs must be >= 1.")
+        require(u.max_nonfinite_steps >= 1, "--max_nonfinite_steps must be >= 1.")
         require(run.num_steps >= 1, "--num_steps must be >= 1.")
+        require(run.checkpoint_every >= 1, f"--checkpoint_every={run.checkpoint_every} must be "
+                ">= 1 (the run also saves at its end and when preempted).")
+        require(run.keep_checkpoints >= 1, f"--keep_checkpoints={run.keep_checkpoints} must be "
+                ">= 1: a run resumes from its latest checkpoint; to save less often, raise "
+                "--checkpoint_every.")
         require(r.long_prompts in LONG_PROMPT_MODES, "--long_prompts: choose error or drop.")
         require(self.reward.scale in SCALES, f"--reward_scale: choose one of {SCALES}.")
         require(e.eval_every >= 0 and e.eval_prompts >= -1 and e.eval_samples >= 1,

@@ -23,6 +23,8 @@ from jaxrl4llm.train import metrics as metrics_lib
 from jaxrl4llm.train import plots
 from jaxrl4llm.train.checkpoint import Checkpointer, PreemptionFlag, abstract_like
 from jaxrl4llm.train.config import TrainConfig, param_dtype
+from jaxrl4llm.train.errors import TrainingDivergedError
+from jaxrl4llm.train.resume import check_resume
 from jaxrl4llm.train.rollout import RolloutContext, rollout
 from jaxrl4llm.train.state import create_state, learning_rate_schedule
 from jaxrl4llm.train.step import UpdateBatch, compile_train_step, train_step
@@ -82,6 +84,18 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
     run_config, e = config.run, config.evaluation
     mesh = parallel.make_mesh(run_config.mesh, devices)
     workdir = os.path.abspath(run_config.workdir)
+    check_resume(workdir, config)  # a different model / algorithm: refused before any write
+
+    # The data first: a bad source fails before the model loads or the workdir is written.
+    P_host = _prompts_per_host(config, mesh)
+    source = make_source(config.data.source, split="train", **config.data.field_names)
+    iterator = make_iterator(source, P_host, seed=run_config.seed,
+                             shard_index=jax.process_index(), shard_count=jax.process_count())
+    eval_records = evaluation.held_out_records(config.data, e)
+    eval_sets = e.sets  # --eval_sets: named sets, each with its own protocol
+    set_records = evaluation.eval_set_records(eval_sets, config.data)
+    has_eval = bool(eval_records or eval_sets)
+
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -93,15 +107,6 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
     ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
     state = create_state(params, config.optimizer, run_config.seed)
     del params
-
-    P_host = _prompts_per_host(config, mesh)
-    source = make_source(config.data.source, split="train", **config.data.field_names)
-    iterator = make_iterator(source, P_host, seed=run_config.seed,
-                             shard_index=jax.process_index(), shard_count=jax.process_count())
-    eval_records = evaluation.held_out_records(config.data, e)
-    eval_sets = e.sets  # --eval_sets: named sets, each with its own protocol
-    set_records = evaluation.eval_set_records(eval_sets, config.data)
-    has_eval = bool(eval_records or eval_sets)
     reward_fn = RewardFn("auto", config.reward)
     ctx = RolloutContext.create(model_config, tokenizer, reward_fn, mesh, config.data,
                                 config.rollout)
@@ -140,6 +145,7 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
     data_parallel = parallel.data_parallel_size(mesh)
     bar = tqdm(total=num_steps, initial=start, desc="train", unit="step",
                disable=jax.process_index() != 0)
+    stalled = 0  # consecutive steps whose every update was skipped as non-finite
     try:
         if start == 0 and e.eval_every and has_eval:
             # The starting level, so curves show where training began.
@@ -181,6 +187,10 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
             writer.write(done, last)
             bar.update(1)
             tqdm.write(metrics_lib.console_line(done, num_steps, last))
+            skipped_all = last["optim/skipped_updates"] >= config.updates_per_step
+            stalled = stalled + 1 if skipped_all else 0
+            if stalled >= config.update.max_nonfinite_steps:
+                raise TrainingDivergedError(_diverged_message(done, stalled, checkpointer))
             if checkpointer.should_save(done) or preempted.requested:
                 checkpointer.save(done, state, {"iterator": iterator.get_state()})
             if preempted.requested:
@@ -203,6 +213,15 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
     return {"step": int(state.step), "metrics": last, "eval": eval_results, "workdir": workdir,
             "outputs": outputs,
             "state": state, "ref_params": ref_params, "preempted": preempted.requested}
+
+
+def _diverged_message(step: int, stalled: int, checkpointer: Checkpointer) -> str:
+    return (f"Stopped at step {step}: every update of the last {stalled} steps had a NaN / inf "
+            f"loss or gradient and was skipped (--max_nonfinite_steps={stalled}), so the model "
+            f"no longer trains. The last checkpoint is step {checkpointer.latest_step()} in "
+            f"{checkpointer.directory}. Check the rewards and advantages for NaN / inf "
+            "(metrics.jsonl: optim/skipped_updates, reward/*) or lower --learning_rate, then "
+            "rerun to resume from that checkpoint.")
 
 
 def _write_outputs(workdir: str, eval_results: dict[str, float]) -> dict[str, str]:

@@ -74,11 +74,11 @@ def test_every_verifier_runs_in_the_pool_under_its_deadlines(record, completion)
 
 
 def test_deadlines_are_reward_config_fields_and_validated():
-    with pytest.raises(ValueError, match="item_timeout_s must be a positive"):
+    with pytest.raises(ValueError, match="--item_timeout_s=0 must be a positive"):
         make_reward_fn("auto", item_timeout_s=0)
-    with pytest.raises(ValueError, match="batch_timeout_s must be a positive"):
+    with pytest.raises(ValueError, match="--batch_timeout_s=nan must be a positive"):
         make_reward_fn("auto", batch_timeout_s=float("nan"))
-    with pytest.raises(ValueError, match="num_workers"):
+    with pytest.raises(ValueError, match="--reward_workers=0"):  # the flag, not the field
         make_reward_fn("auto", num_workers=0)
     with make_reward_fn("auto", item_timeout_s=7.0, batch_timeout_s=90.0) as reward_fn:
         assert reward_fn.pool.config.item_timeout_s == 7.0

@@ -214,7 +214,7 @@ def test_long_prompts_error_or_are_dropped_and_counted(tiny):
     config, params = tiny
     rng = np.random.default_rng(6)
     short, long_, other = _prompts(rng, [4, 12, 5], config.vocab_size)
-    with pytest.raises(ValueError, match="max_prompt_len=8.*long_prompts='drop'"):
+    with pytest.raises(ValueError, match="--max_prompt_tokens=8.*--long_prompts=drop"):
         sampler.generate(params, config, [short, long_], GREEDY, N, jax.random.key(0),
                          max_prompt_len=8)
     out = sampler.generate(params, config, [short, long_], GREEDY, N, jax.random.key(0), n=4,

@@ -108,7 +108,7 @@ def test_kl_run_keeps_the_reference_frozen(toy_model_dir, copy_task_file, tmp_pa
     (dict(group_size=1), "group_size"),
     (dict(rollout_micro_batch=6), "--rollout_micro_batch=6 must divide the batch of 32"),
     (dict(mesh="data:1,fsdp:3,tensor:1"), "needs 3 devices but 1 are available"),
-    (dict(max_prompt_tokens=4), "longer than max_prompt_len=4"),
+    (dict(max_prompt_tokens=4), "longer than --max_prompt_tokens=4"),
 ])
 def test_bad_values_fail_with_a_clear_message(overrides, message, toy_model_dir, copy_task_file,
                                               tmp_path):

@@ -7,11 +7,16 @@ import socket
 import subprocess
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxrl4llm import rl
+from jaxrl4llm.models import registry
 from jaxrl4llm.train import loop
+from jaxrl4llm.train.checkpoint import load_trained_policy
 from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.errors import TrainingDivergedError
 from jaxrl4llm.train.metrics import read_metrics
 from jaxrl4llm.train.state import OptimizerConfig
 from jaxrl4llm.train.workdir_lock import LOCK_NAME, WorkdirInUseError
@@ -72,3 +77,43 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_previous_one(toy_model_dir
     assert result["step"] == 3
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3]
     assert sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()) == [1, 2, 3]
+
+
+def _nan_advantages_at(steps):
+    """loop.rollout, with every advantage NaN at the given (1-based) steps."""
+    real, calls = loop.rollout, []
+
+    def rollout(*args, **kwargs):
+        batch, metrics = real(*args, **kwargs)
+        calls.append(1)
+        if len(calls) in steps:
+            batch = batch.replace(advantages=jnp.full_like(batch.advantages, jnp.nan))
+        return batch, metrics
+    return rollout
+
+
+def test_a_non_finite_step_is_skipped_and_training_goes_on(toy_model_dir, copy_task_file,
+                                                           tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "rollout", _nan_advantages_at({2}))
+    config = _config(toy_model_dir, copy_task_file, tmp_path, num_steps=4, max_nonfinite_steps=2,
+                     mini_batch_size=4)  # two updates per step, both skipped at step 2
+    result = loop.run(config, devices=jax.devices()[:1])
+    assert result["step"] == 4
+    assert [r["optim/skipped_updates"] for r in read_metrics(str(tmp_path))] == [0, 2, 0, 0]
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(result["state"])))
+
+
+def test_a_run_that_keeps_skipping_stops_without_saving_nan(toy_model_dir, copy_task_file,
+                                                           tmp_path, monkeypatch):
+    monkeypatch.setattr(loop, "rollout", _nan_advantages_at({1, 2, 3, 4, 5, 6}))
+    config = _config(toy_model_dir, copy_task_file, tmp_path, num_steps=6, checkpoint_every=1,
+                     max_nonfinite_steps=2)
+    with pytest.raises(TrainingDivergedError, match=r"Stopped at step 2: every update of the "
+                       r"last 2 steps .* The last checkpoint is step 1"):
+        loop.run(config, devices=jax.devices()[:1])
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
+    _, _, saved, _ = load_trained_policy(str(tmp_path))  # verified: finite, the initial model
+    _, initial, _ = registry.load_model(toy_model_dir, with_tokenizer=False)
+    for a, b in zip(jax.tree.leaves(jax.device_get(saved)), jax.tree.leaves(initial)):
+        np.testing.assert_array_equal(a, b)
