@@ -1,7 +1,7 @@
 """Benchmark one GRPO training step on SmolLM2-135M-Instruct (CPU or accelerator).
 
     python tools/bench_train.py                       # float32 and bfloat16, 8 x 4 x 128 tokens
-    python tools/bench_train.py --dtypes=float32 --prompts=4 --new_tokens=32   # quicker
+    python tools/bench_train.py --dtypes float32 --prompts=4 --new_tokens=32   # quicker
 
 One step = rollout (sampler, forced length: stop tokens ignored) -> rewards -> reference
 logprobs (GRPO's KL term) -> one jitted update with per-layer remat (--no_remat to keep all
@@ -119,10 +119,24 @@ def _child(args) -> dict:
     return mean
 
 
-def main(argv=None) -> int:
+def dtype_list(values: list[str]) -> list[str]:
+    """`--dtypes float32 bfloat16` and `--dtypes=float32,bfloat16` -> ["float32", "bfloat16"]."""
+    return [d for v in values for d in v.split(",") if d]
+
+
+def child_flags(args: argparse.Namespace) -> list[str]:
+    """Every option but --dtypes / --child, spelled out for a child process."""
+    flags = [f"--{k}={v}" for k, v in vars(args).items()
+             if k not in ("dtypes", "child", "remat", "share_prompts")]
+    return flags + ([] if args.remat else ["--no_remat"]) + (
+        [] if args.share_prompts else ["--no_share_prompts"])
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        help="space- or comma-separated param dtypes (float32 bfloat16)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--new_tokens", type=int, default=128)
@@ -133,14 +147,17 @@ def main(argv=None) -> int:
                         help="run every row's prompt (not once per group) in the "
                              "reference and update passes")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.child:
         print("RESULT " + json.dumps(_child(args)), flush=True)
         return 0
     results = []
-    for dtype in args.dtypes.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), f"--child={dtype}"] + [
-            a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--dtypes")]
+    for dtype in dtype_list(args.dtypes):
+        cmd = [sys.executable, os.path.abspath(__file__), f"--child={dtype}"] + child_flags(args)
         out = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode or not lines:
