@@ -162,7 +162,7 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
         raise ValueError(f"generate_tokens: {B} rows do not split into {num_chunks} chunks of "
                          f"whole groups of {prompt_group}.")
     # Per-layer weight buffers, sliced once here rather than by scan in every decode step.
-    params = transformer.unstack_layers(params)
+    params = transformer.unstack_layers(transformer.cast_for_compute(params, model_config))
     sharding = None if mesh is None else parallel.ActivationSharding(mesh, rules)
     run = functools.partial(
         _generate_rows, params, stop_ids_S=stop_ids_S, pad_id=pad_id,

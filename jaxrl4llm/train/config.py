@@ -40,12 +40,20 @@ class ModelOptions:
     name: Registered model name (smollm2-135m-instruct is embedded), Hugging Face model folder
         or .gguf file.
     param_dtype: Parameter dtype.
+    compute_dtype: Dtype the sampler, teacher-forced passes and update compute in (default:
+        the parameter dtype); bfloat16 with --param_dtype=float32 is mixed precision: float32
+        master weights and optimizer state, bfloat16 matmuls accumulated in float32.
     remat: Rematerialise each layer in the backward pass (less memory, one more forward).
     """
 
     name: str = "smollm2-135m-instruct"
     param_dtype: str = "float32"
+    compute_dtype: str | None = None
     remat: bool = False
+
+    def compute_config(self, model_config: Any) -> Any:
+        """The loaded model's ModelConfig with this run's --compute_dtype."""
+        return dataclasses.replace(model_config, compute_dtype=self.compute_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +206,7 @@ class TrainConfig:
     """Everything a run needs; WORKDIR/config.json holds it (to_json / from_json)."""
 
     model: ModelOptions = group(ModelOptions, flags={"name": "model"},
-                                choices={"param_dtype": DTYPES})
+                                choices={"param_dtype": DTYPES, "compute_dtype": DTYPES})
     data: DataConfig = group(DataConfig, flags={"source": "data", "revision": "data_revision"})
     rollout: RolloutConfig = group(RolloutConfig, choices={"long_prompts": LONG_PROMPT_MODES})
     reward: RewardConfig = group(
@@ -268,6 +276,8 @@ class TrainConfig:
         r, u, e, run = self.rollout, self.update, self.evaluation, self.run
         require(self.model.param_dtype in DTYPES,
                 f"--param_dtype={self.model.param_dtype!r}: choose {DTYPES}.")
+        require(self.model.compute_dtype in (None,) + DTYPES,
+                f"--compute_dtype={self.model.compute_dtype!r}: choose {DTYPES}.")
         require(r.prompts_per_step >= 1, "--prompts_per_step must be >= 1.")
         require(r.group_size >= 1, "--group_size must be >= 1.")
         require(r.max_new_tokens >= 1 and r.max_prompt_tokens >= 1,

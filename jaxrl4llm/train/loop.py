@@ -89,6 +89,7 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
 
     model_config, params, tokenizer = registry.load_model(
         config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype))
+    model_config = config.model.compute_config(model_config)   # --compute_dtype
     # A separate copy: the policy's buffers are donated to each update.
     ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
     state = create_state(params, config.optimizer, run_config.seed)
