@@ -88,7 +88,7 @@ def _child(args) -> dict:
         prompt_group = batch.layout.prompt_group(batch.keep_B.shape[0])
         host_memory.release_free_memory()  # as the trainer does between rollout and update
         t0 = time.perf_counter()
-        static = dict(model_config=model_config, algorithm=config.algorithm,
+        static = dict(model_config=model_config, algorithm=config.update_algorithm,
                       optimizer=config.optimizer, num_micro=1,
                       temperature=config.rollout.sampling.effective_temperature,
                       remat=config.model.remat, prompt_group=prompt_group)

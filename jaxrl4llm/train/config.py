@@ -257,6 +257,16 @@ class TrainConfig:
         return self.update.ppo_epochs * (self.batch_size // self.mini_batch)
 
     @property
+    def update_algorithm(self) -> rl.AlgorithmConfig:
+        """The algorithm the update runs: seq-mean-token-sum-norm's constant (max_tokens)
+        pinned to --max_new_tokens, its value before rollouts were trimmed to their longest
+        completion (by default it is the padded length, which now varies per batch)."""
+        a = self.algorithm
+        if a.max_tokens is not None:
+            return a
+        return dataclasses.replace(a, max_tokens=self.rollout.max_new_tokens)
+
+    @property
     def needs_reference(self) -> bool:
         a = self.algorithm
         return (a.kl_coef > 0 and a.kl_in is not None) or a.log_kl_ref

@@ -134,7 +134,7 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
     num_micro = config.mini_batch // config.micro_batch
     num_steps = run_config.num_steps
     compiled: set = set()  # update shapes compiled so far
-    static = dict(model_config=model_config, algorithm=config.algorithm,
+    static = dict(model_config=model_config, algorithm=config.update_algorithm,
                   optimizer=config.optimizer, num_micro=num_micro,
                   temperature=config.rollout.sampling.effective_temperature,
                   remat=config.model.remat, sharding=ctx.sharding)
