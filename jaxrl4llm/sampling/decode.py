@@ -10,7 +10,8 @@ so the result equals decoding all B rows to the end (each row's tokens depend on
 own prompt, cache and key).
 
 Compaction gathers rows across the batch, which on a mesh would move cache rows between
-devices; with a mesh (or fewer than 2 * MIN_COMPACT_ROWS rows) the loop keeps all B slots.
+devices; with a mesh (or fewer than 2 * MIN_COMPACT_ROWS rows, or at most MIN_COMPACT_ROWS new
+tokens) the loop keeps all B slots.
 """
 from __future__ import annotations
 
@@ -87,6 +88,16 @@ def decode(params: Any, state: LoopState, *, model_config: ModelConfig,
            sharding: parallel.ActivationSharding | None, compact: bool) -> LoopState:
     """Runs the decode loop from `state` (after the first token) to the end."""
     N = max_new_tokens
+    # Short completions leave little to save; they skip the extra loops' compile time.
+    sizes = levels(state.row_S.shape[0], compact and sharding is None and N > MIN_COMPACT_ROWS)
+    # One level: slot i is row i throughout, and outputs are written in place by slices
+    # (a scatter into batch-sharded buffers could make the partitioner gather them).
+    in_place = len(sizes) == 1
+
+    def write(buf_RT: jax.Array, row_S: jax.Array, step: jax.Array, x_S: jax.Array):
+        if in_place:
+            return jax.lax.dynamic_update_slice(buf_RT, x_S[:, None], (0, step))
+        return buf_RT.at[row_S, step].set(x_S)
 
     def body(s: LoopState) -> LoopState:
         # Finished rows still in a slot keep feeding tokens (harmless: they only attend to
@@ -102,13 +113,14 @@ def decode(params: Any, state: LoopState, *, model_config: ModelConfig,
         done_S = s.done_S | is_stop(tok_S, stop_ids_S)
         return s.replace(
             step=s.step + 1, cache=cache, last_S=tok_S, position_S=s.position_S + 1,
-            done_S=done_S, length_R=s.length_R.at[s.row_S].add(live_S.astype(jnp.int32)),
-            done_R=s.done_R.at[s.row_S].set(done_S),
-            tokens_RT=s.tokens_RT.at[s.row_S, s.step].set(tok_S),
-            logprobs_RT=s.logprobs_RT.at[s.row_S, s.step].set(lp_S),
+            done_S=done_S,
+            length_R=(s.length_R + live_S.astype(jnp.int32) if in_place
+                      else s.length_R.at[s.row_S].add(live_S.astype(jnp.int32))),
+            done_R=done_S if in_place else s.done_R.at[s.row_S].set(done_S),
+            tokens_RT=write(s.tokens_RT, s.row_S, s.step, tok_S),
+            logprobs_RT=write(s.logprobs_RT, s.row_S, s.step, lp_S),
             slot_steps=s.slot_steps + s.row_S.shape[0])
 
-    sizes = levels(state.row_S.shape[0], compact and sharding is None)
     for level, size in enumerate(sizes):
         if level:
             state = _compact(state, size)
