@@ -18,22 +18,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
-
-def _best(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def main(argv=None) -> int:
@@ -49,6 +38,7 @@ def main(argv=None) -> int:
     from jaxrl4llm.models import registry, transformer
     from jaxrl4llm.sampling import decode, sampler, strategies
     from jaxrl4llm.train.config import param_dtype
+    from tools.bench_forward import _best_time
     from tools.bench_sampler import measure_bandwidth_gbs, measure_matmul_gflops
 
     dtype = param_dtype(args.dtype)
@@ -91,7 +81,7 @@ def main(argv=None) -> int:
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
-        ms = 1e3 * _best(compiled, fn_args, args.repeats)
+        ms = 1e3 * _best_time(compiled, *fn_args, repeats=args.repeats)
         step_ms = step_ms or ms
         flop_ms, bw_ms = flops / gflops / 1e6, nbytes / gbs / 1e6
         print(f"{name:>8} {ms:8.2f} {flops / 1e9:8.2f} {nbytes / 1e6:8.1f} {flop_ms:8.2f} "
