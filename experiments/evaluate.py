@@ -80,6 +80,7 @@ def main(argv):
         model_config, params, tokenizer = registry.load_model(
             config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype))
         name = config.model.name
+    model_config = config.model.compute_config(model_config)   # --compute_dtype
     spec = config.evaluation.eval_data or config.data.source
     records = (evaluation.eval_set_records(sets, config.data, split=opts.split) if sets
                else evaluation.held_out_records(config.data, config.evaluation, opts.split))

@@ -1,6 +1,6 @@
 """Sampler throughput: jaxrl4llm vs transformers PyTorch `generate`, and the decode roofline.
 
-    python tools/bench_sampler.py            # batches 8 and 32, float32 and bfloat16, 128 tokens
+    python tools/bench_sampler.py            # batches 8, 32, 128, float32 and bfloat16, 128 tokens
     python tools/bench_sampler.py --quick    # batch 8 and 32, bfloat16 only, 32 tokens
 
 Both sides decode greedily, the same chat prompts (SmolLM2-135M-Instruct, left-padded), in the
@@ -78,6 +78,12 @@ def measure_matmul_gflops(dtype, size: int = 1024, repeats: int = 5) -> float:
     return 2 * size ** 3 / best / 1e9
 
 
+def xla_threads() -> int:
+    """Threads of XLA's CPU runtime: one per core this process may run on (XLA sizes its
+    intra-op pool by the CPU affinity mask), which torch is then given too."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
 def param_bytes(params) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))
 
@@ -116,16 +122,9 @@ def time_torch(model, tokenizer, prompts, new_tokens, repeats):
     kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
                   min_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id,
                   temperature=None, top_p=None, top_k=None)
+    torch.set_num_threads(xla_threads())   # the same cores as XLA's CPU thread pool
     with torch.inference_mode():
-        # OpenMP threads spin badly when the cores are shared: give torch its faster setting.
-        warm = {}
-        for threads in (1, os.cpu_count() or 1):
-            torch.set_num_threads(threads)
-            model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
-            t0 = time.perf_counter()
-            model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
-            warm[threads] = time.perf_counter() - t0
-        torch.set_num_threads(min(warm, key=warm.get))
+        model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
         ts = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -137,7 +136,7 @@ def time_torch(model, tokenizer, prompts, new_tokens, repeats):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="bfloat16 only, 32 new tokens")
-    parser.add_argument("--batches", default="8,32")
+    parser.add_argument("--batches", default="8,32,128")
     parser.add_argument("--dtypes", default=None, help="default: float32,bfloat16")
     parser.add_argument("--new_tokens", type=int, default=None, help="default: 128 (32 quick)")
     parser.add_argument("--repeats", type=int, default=None)
@@ -169,7 +168,8 @@ def main():
             folder = tempfile.mkdtemp(prefix="bench_sampler_")
             weights.export_hf(params32, config, folder)
             torch_model = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
-            print(f"torch {torch.__version__}, threads: {torch.get_num_threads()}")
+            print(f"torch {torch.__version__}; threads: XLA {xla_threads()}, torch "
+                  f"{xla_threads()} (set before each generate)")
         except ImportError:
             print("torch/transformers not installed: skipping the reference")
 
@@ -203,7 +203,7 @@ def main():
                 t_torch, ref, threads = time_torch(torch_model.to(tdtype), tokenizer, prompts, new_tokens,
                                           repeats)
                 torch_tps = batch * new_tokens / t_torch
-                print(f"  (torch ran with {threads} thread(s))")
+                print(f"  (threads: XLA {xla_threads()}, torch {threads})")
                 # Mean length of the prefix on which both greedy decodes agree (float rounding
                 # differences flip near-ties, after which the continuations differ).
                 same = np.cumprod(ref == ours, axis=1).sum(axis=1)
@@ -211,7 +211,8 @@ def main():
             rows.append((dtype_name, batch, ours_tps, torch_tps, decode_tps, roofline_tps,
                          flop_roof_tps, match))
             print_row(*rows[-1], flush=True)
-    print("\nfinal table (new tokens = %d)" % new_tokens)
+    print("\nfinal table (new tokens = %d; threads: XLA %d, torch %d)"
+          % (new_tokens, xla_threads(), xla_threads()))
     print_header()
     for row in rows:
         print_row(*row)

@@ -1,7 +1,8 @@
 """Benchmark one GRPO training step on SmolLM2-135M-Instruct (CPU or accelerator).
 
     python tools/bench_train.py                       # float32 and bfloat16, 8 x 4 x 128 tokens
-    python tools/bench_train.py --dtypes=float32 --prompts=4 --new_tokens=32   # quicker
+    python tools/bench_train.py --dtypes float32 --prompts=4 --new_tokens=32   # quicker
+    python tools/bench_train.py --dtypes float32 float32:bfloat16   # f32 vs bf16 compute
 
 One step = rollout (sampler, forced length: stop tokens ignored) -> rewards -> reference
 logprobs (GRPO's KL term) -> one jitted update with per-layer remat (--no_remat to keep all
@@ -60,15 +61,18 @@ def _child(args) -> dict:
     from jaxrl4llm.train.state import TrainState
     from jaxrl4llm.train.step import compile_train_step, train_step
 
-    dtype = param_dtype(args.child)
+    param_name, _, compute_name = args.child.partition(":")
+    dtype = param_dtype(param_name)
     t0 = time.perf_counter()
     model_config, params, tokenizer = registry.load_model(args.model, dtype=dtype)
     load_s = time.perf_counter() - t0
     config = TrainConfig().replace(
-        model=args.model, param_dtype=args.child, prompts_per_step=args.prompts,
+        model=args.model, param_dtype=param_name, compute_dtype=compute_name or None,
+        prompts_per_step=args.prompts,
         group_size=args.group, max_new_tokens=args.new_tokens, algorithm="grpo",
         learning_rate=1e-6, answer_mode="lenient", remat=args.remat,
         share_prompts=args.share_prompts)
+    model_config = config.model.compute_config(model_config)   # as the trainer does
     ref_params = jax.tree.map(jnp.copy, params)
     state = TrainState.create(params, config.optimizer, seed=0)
     source = make_source("synthetic:arithmetic", split="train")
@@ -84,7 +88,7 @@ def _child(args) -> dict:
         prompt_group = batch.layout.prompt_group(batch.keep_B.shape[0])
         host_memory.release_free_memory()  # as the trainer does between rollout and update
         t0 = time.perf_counter()
-        static = dict(model_config=model_config, algorithm=config.algorithm,
+        static = dict(model_config=model_config, algorithm=config.update_algorithm,
                       optimizer=config.optimizer, num_micro=1,
                       temperature=config.rollout.sampling.effective_temperature,
                       remat=config.model.remat, prompt_group=prompt_group)
@@ -106,7 +110,7 @@ def _child(args) -> dict:
     mean = {k: sum(r[k] for r in timed) / len(timed) for k in timed[0]}
     # The compute floor: this step's matmul FLOPs at the best matmul rate measured here.
     from tools.bench_sampler import measure_matmul_gflops
-    peak_gflops = measure_matmul_gflops(dtype)
+    peak_gflops = measure_matmul_gflops(param_dtype(compute_name or param_name))
     tflop = step_tflop(model_config, args.prompts, args.group,
                        int(batch.seqs.prompt_tokens_BP.shape[1]), args.new_tokens,
                        remat=config.model.remat, share_prompts=config.rollout.share_prompts,
@@ -119,10 +123,25 @@ def _child(args) -> dict:
     return mean
 
 
-def main(argv=None) -> int:
+def dtype_list(values: list[str]) -> list[str]:
+    """`--dtypes float32 bfloat16` and `--dtypes=float32,bfloat16` -> ["float32", "bfloat16"]."""
+    return [d for v in values for d in v.split(",") if d]
+
+
+def child_flags(args: argparse.Namespace) -> list[str]:
+    """Every option but --dtypes / --child, spelled out for a child process."""
+    flags = [f"--{k}={v}" for k, v in vars(args).items()
+             if k not in ("dtypes", "child", "remat", "share_prompts")]
+    return flags + ([] if args.remat else ["--no_remat"]) + (
+        [] if args.share_prompts else ["--no_share_prompts"])
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        help="space- or comma-separated PARAM[:COMPUTE] dtypes, e.g. float32 "
+                             "float32:bfloat16 (float32 master weights, bfloat16 compute)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--new_tokens", type=int, default=128)
@@ -133,14 +152,17 @@ def main(argv=None) -> int:
                         help="run every row's prompt (not once per group) in the "
                              "reference and update passes")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     if args.child:
         print("RESULT " + json.dumps(_child(args)), flush=True)
         return 0
     results = []
-    for dtype in args.dtypes.split(","):
-        cmd = [sys.executable, os.path.abspath(__file__), f"--child={dtype}"] + [
-            a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--dtypes")]
+    for dtype in dtype_list(args.dtypes):
+        cmd = [sys.executable, os.path.abspath(__file__), f"--child={dtype}"] + child_flags(args)
         out = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
         if out.returncode or not lines:
@@ -156,6 +178,11 @@ def main(argv=None) -> int:
     for r in results:
         print(" | ".join(f"{r[c]:>13s}" if isinstance(r[c], str) else f"{r[c]:>13.2f}"
                          for c in cols))
+    for r in results[1:]:   # same run, same machine load
+        print(f"{r['dtype']} / {results[0]['dtype']}: step "
+              f"{r['step_s'] / results[0]['step_s']:.2f}x, update "
+              f"{r['update_s'] / results[0]['update_s']:.2f}x, rollout "
+              f"{r['rollout_s'] / results[0]['rollout_s']:.2f}x the time")
     return 0
 
 

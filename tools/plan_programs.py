@@ -195,7 +195,7 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
     layout = c.rollout.layout.shuffled() if c.reshuffles_rows else c.rollout.layout
     update_group = layout.prompt_group(M, num_micro, dp)
     compiled = step.train_step.lower(
-        abstract_state, batch, model_config=model_config, algorithm=c.algorithm,
+        abstract_state, batch, model_config=model_config, algorithm=c.update_algorithm,
         optimizer=optimizer, num_micro=num_micro, temperature=temperature, remat=c.model.remat,
         prompt_group=update_group, sharding=sharding).compile()
     m = _measure(compiled, c.updates_per_step, chip)

@@ -80,6 +80,10 @@ class ModelConfig:
     # attention, which is the same while a sequence fits the window: check_context refuses
     # longer ones.
     sliding_window: int | None = None
+    # Mixed precision: "bfloat16" runs every pass (sampler, teacher-forced, update) with its
+    # weights cast to bfloat16 at the start, over float32 master params (None: the params'
+    # dtype); see transformer.cast_for_compute. Not part of the HF config.
+    compute_dtype: str | None = None
 
     def __post_init__(self):
         if self.model_type not in FAMILIES:
@@ -90,6 +94,9 @@ class ModelConfig:
                              f"num_kv_heads={self.num_kv_heads} (grouped-query attention).")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE.")
+        if self.compute_dtype not in (None, "float32", "bfloat16"):
+            raise ValueError(f"ModelConfig.compute_dtype={self.compute_dtype!r}: use float32, "
+                             "bfloat16 or None (the params' dtype).")
         if self.rope_scaling is not None and self.rope_scaling.rope_type != "llama3":
             raise ValueError(f"rope_scaling.rope_type={self.rope_scaling.rope_type!r} is not "
                              "supported; only 'llama3' (or no scaling) is.")

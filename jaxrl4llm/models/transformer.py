@@ -117,6 +117,25 @@ def _init_params(config: ModelConfig, key: jax.Array, dtype: Any) -> Params:
     return jax.tree.unflatten(treedef, out)
 
 
+def cast_for_compute(params: Params, config: ModelConfig) -> Params:
+    """The params a pass computes with: matrices in `config.compute_dtype` (None: unchanged).
+
+    Called at the start of each pass, inside jit (and inside the loss under `grad`, so the
+    gradients of float32 master params come back float32). Norm scales and biases keep their
+    dtype: they are tiny and the norms run in float32 anyway. Matmuls then take bfloat16
+    operands with float32 accumulation, and logits / log-softmax stay float32 (`_dot`).
+    """
+    if config.compute_dtype is None:
+        return params
+    dtype = jnp.dtype(config.compute_dtype)
+
+    def cast(path, w):
+        small = str(getattr(path[-1], "key", "")).endswith(("norm", "bias"))
+        return w if small or w.dtype == dtype else w.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 # ----------------------------------------------------------------------------- building blocks
 
 def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:

@@ -42,6 +42,25 @@ def bucket_batch_size(batch: int, multiple: int = 1) -> int:
     return multiple * math.ceil(b / multiple)
 
 
+MIN_COMPLETION_BUCKET = 16
+
+
+def bucket_completion_length(length: int, max_new_tokens: int,
+                             minimum: int = MIN_COMPLETION_BUCKET) -> int:
+    """The padded completion length the teacher-forced passes and the update run on: the
+    longest completion of the batch rounded up to 2^k or 1.5 * 2^k (at least `minimum`),
+    capped at max_new_tokens. Two lengths per octave: at most a third of the computed
+    positions past the longest row are padding, and a run compiles at most
+    2 * log2(max_new_tokens / minimum) + 1 update programs."""
+    if not 0 <= length <= max_new_tokens:
+        raise ValueError(f"Completion length {length} is outside [0, max_new_tokens="
+                         f"{max_new_tokens}].")
+    n = max(length, minimum, 1)
+    octave = 1 << (n - 1).bit_length()          # the next power of two >= n
+    bucket = octave * 3 // 4 if octave >= 4 and n <= octave * 3 // 4 else octave
+    return min(bucket, max_new_tokens)
+
+
 @dataclasses.dataclass(frozen=True)
 class PromptBatch:
     """A bucketed, left-padded [B, P] prompt block; rows past num_rows are batch padding."""

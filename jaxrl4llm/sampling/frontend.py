@@ -51,6 +51,7 @@ class Sampler:
     `pad_id`, else the tokenizer's, else the model's, else 0. Greedy decoding reports
     temperature-1 logprobs (SamplingConfig.effective_temperature). `max_rows` caps the rows
     decoded at once (more run as strided chunks in the same program; the same samples).
+    `compact=False` keeps finished rows in the decode batch (decode.py; the same samples).
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer: Any = None, *,
@@ -59,7 +60,7 @@ class Sampler:
                  pad_id: int | None = None, max_prompt_len: int | None = None,
                  long_prompts: str = "error",
                  min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET,
-                 max_rows: int | None = None):
+                 max_rows: int | None = None, compact: bool = True):
         if long_prompts not in LONG_PROMPT_MODES:
             raise ValueError(f"long_prompts={long_prompts!r} must be one of {LONG_PROMPT_MODES}.")
         if stop_ids is None:
@@ -77,6 +78,7 @@ class Sampler:
         self.long_prompts = long_prompts
         self.min_prompt_bucket = min_prompt_bucket
         self.max_rows = max_rows
+        self.compact = compact
 
     def check_context(self, max_new_tokens: int, prompt_len: int | None = None) -> None:
         """Raises a clear error when a prompt of `prompt_len` tokens (default: the longest
@@ -106,7 +108,7 @@ class Sampler:
                         mesh=self.mesh, rules=self.rules, max_prompt_len=self.max_prompt_len,
                         long_prompts=self.long_prompts, row_keys=row_keys,
                         min_prompt_bucket=self.min_prompt_bucket, share_prompts=share_prompts,
-                        max_rows=self.max_rows, greedy_last=greedy_last)
+                        max_rows=self.max_rows, greedy_last=greedy_last, compact=self.compact)
 
     def encode(self, prompts: Sequence[Any], *, chat: bool = True,
                system: str | None = None) -> list[list[int]]:

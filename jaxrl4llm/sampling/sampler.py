@@ -6,7 +6,8 @@ One compiled program per shape bucket (batch, prompt length, max_new_tokens, sam
            logits of each row's last prompt token (only that position is unembedded);
   decode   a while loop feeds one token per step into the preallocated cache (per layer,
            P + max_new_tokens - 1 slots; see transformer.KVCache) and stops when every row
-           has emitted a stop token or max_new_tokens tokens exist (the cache is then full).
+           has emitted a stop token or max_new_tokens tokens exist (the cache is then full);
+           finished rows are compacted away in levels of halving batches (decode.py).
 
 The cache is created inside the program and carried by the loop, so XLA updates it in place;
 it never crosses the jit boundary and needs no donation. With a mesh it is sharded over
@@ -34,7 +35,8 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import buckets, strategies
+from jaxrl4llm.sampling import buckets, decode, strategies
+from jaxrl4llm.sampling.decode import decode_step  # noqa: F401  (re-exported)
 from jaxrl4llm.sampling.layout import RowLayout, prompt_completion_rows
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
@@ -54,7 +56,9 @@ class SampleOutput:
                    concatenated with tokens_BT / mask_BT they give the teacher-forced input.
     dropped_B      bool: the prompt was longer than the limit and skipped (long_prompts="drop");
                    such rows have no completion (mask all False).
-    num_steps      int32 scalar: decode steps run (<= max_new_tokens).
+    num_steps      int32 scalar: decode steps run (<= max_new_tokens; = the longest row).
+    slot_steps     int32 scalar: rows computed, summed over the decode steps (finished rows
+                   are compacted away, see decode.py): the decode loop's work.
     """
 
     tokens_BT: jax.Array
@@ -66,28 +70,25 @@ class SampleOutput:
     prompt_mask_BP: jax.Array
     dropped_B: jax.Array
     num_steps: jax.Array
+    slot_steps: jax.Array | None = None
 
     @property
     def num_dropped(self) -> int:
         return int(np.sum(np.asarray(self.dropped_B)))
+
+    def trimmed(self, length: int) -> "SampleOutput":
+        """The first `length` completion columns (>= every row's length: nothing real is cut),
+        so teacher-forced passes run on the batch's own longest completion, not
+        max_new_tokens (see buckets.bucket_completion_length)."""
+        return self.replace(tokens_BT=self.tokens_BT[:, :length],
+                            logprobs_BT=self.logprobs_BT[:, :length],
+                            mask_BT=self.mask_BT[:, :length])
 
     def sequences(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(tokens, mask, positions) of prompt + completion, [B, P + T], for a teacher-forced
         forward whose logits at column P - 1 + t predict completion token t."""
         return prompt_completion_rows(self.prompt_tokens_BP, self.prompt_mask_BP, self.tokens_BT,
                                       self.mask_BT)
-
-
-@flax.struct.dataclass
-class _LoopState:
-    step: jax.Array          # index of the completion token produced next
-    cache: transformer.KVCache
-    last_B: jax.Array        # the token produced at step - 1 (fed in this step)
-    position_B: jax.Array    # its RoPE position
-    done_B: jax.Array        # emitted a stop token (or an inactive row)
-    length_B: jax.Array
-    tokens_BT: jax.Array
-    logprobs_BT: jax.Array
 
 
 def _cache_sharding(sharding: parallel.ActivationSharding, cache: transformer.KVCache):
@@ -103,10 +104,6 @@ def _cache_dtype(params: Any) -> Any:
     float32 out of place (a copy of the layer's cache per step), and float32 attention over
     the cache costs about the same as bfloat16."""
     return jnp.float32 if jax.default_backend() == "cpu" else params["embed"].dtype
-
-
-def _is_stop(tokens_B: jax.Array, stop_ids_S: jax.Array) -> jax.Array:
-    return jnp.any(tokens_B[:, None] == stop_ids_S[None, :], axis=-1)
 
 
 def stop_id_array(stop_ids: Sequence[int]) -> np.ndarray:
@@ -128,28 +125,17 @@ def prefill(params: Any, model_config: ModelConfig, prompt_BP: jax.Array,
     return transformer.unembed(params, model_config, h_BPD[:, -1:], sharding)[:, 0], cache
 
 
-def decode_step(params: Any, model_config: ModelConfig, token_B: jax.Array,
-                position_B: jax.Array, cache: transformer.KVCache, cache_index: jax.Array,
-                sharding: parallel.ActivationSharding | None = None):
-    """Feeds one token per row at slot `cache_index`; returns (next-token logits [B, V], cache)."""
-    B = token_B.shape[0]
-    h_B1D, cache = transformer.hidden_states(params, model_config, token_B[:, None],
-                                             position_B[:, None], jnp.ones((B, 1), bool),
-                                             cache, cache_index, sharding=sharding)
-    return transformer.unembed(params, model_config, h_B1D, sharding)[:, 0], cache
-
-
 @functools.partial(jax.jit, static_argnames=(
     "model_config", "sampling", "max_new_tokens", "mesh", "rules", "prompt_group",
-    "num_chunks", "cache_dtype"))
+    "num_chunks", "cache_dtype", "compact"))
 def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
                     active_B: jax.Array, row_keys_B: jax.Array, stop_ids_S: jax.Array,
                     pad_id: jax.Array, *, model_config: ModelConfig, sampling: SamplingConfig,
                     max_new_tokens: int, mesh: Mesh | None = None,
                     rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
                     prompt_group: int = 1, num_chunks: int = 1,
-                    cache_dtype: Any = None, greedy_B: jax.Array | None = None
-                    ) -> SampleOutput:
+                    cache_dtype: Any = None, greedy_B: jax.Array | None = None,
+                    compact: bool = True) -> SampleOutput:
     """The compiled sampler over one bucket. Rows must hold at least one prompt token
     (left-padded); inactive rows (batch padding, dropped prompts) produce nothing.
     stop_ids_S (int32, -1 = unused slot) and pad_id are traced, so they cost no recompiles.
@@ -158,19 +144,20 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
     rows run as that many strided chunks of whole groups, one after another (a row's
     samples do not depend on the other rows, so the output is the same). `cache_dtype`
     (default: see _cache_dtype) is the KV cache's dtype. `greedy_B` (bool, optional): rows
-    that decode greedily (see strategies.sample)."""
+    that decode greedily (see strategies.sample). `compact`: decode finished rows away in
+    levels of halving batches (decode.py; not on a mesh)."""
     B = prompt_BP.shape[0]
     if B % (num_chunks * prompt_group):
         raise ValueError(f"generate_tokens: {B} rows do not split into {num_chunks} chunks of "
                          f"whole groups of {prompt_group}.")
     # Per-layer weight buffers, sliced once here rather than by scan in every decode step.
-    params = transformer.unstack_layers(params)
+    params = transformer.unstack_layers(transformer.cast_for_compute(params, model_config))
     sharding = None if mesh is None else parallel.ActivationSharding(mesh, rules)
     run = functools.partial(
         _generate_rows, params, stop_ids_S=stop_ids_S, pad_id=pad_id,
         model_config=model_config, sampling=sampling, max_new_tokens=max_new_tokens,
         sharding=sharding, prompt_group=prompt_group,
-        cache_dtype=cache_dtype or _cache_dtype(params))
+        cache_dtype=cache_dtype or _cache_dtype(params), compact=compact)
     rows = (prompt_BP, prompt_mask_BP, active_B, row_keys_B) + (
         () if greedy_B is None else (greedy_B,))
     if num_chunks == 1:
@@ -179,8 +166,8 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
                                       (None, "batch"), sharding) for x in rows)
     out = jax.lax.map(lambda xs: run(*xs), chunks)
     merged = jax.tree.map(lambda x: parallel.merge_strided(x, prompt_group),
-                          out.replace(num_steps=None))
-    return merged.replace(num_steps=jnp.max(out.num_steps))
+                          out.replace(num_steps=None, slot_steps=None))
+    return merged.replace(num_steps=jnp.max(out.num_steps), slot_steps=jnp.sum(out.slot_steps))
 
 
 def _generate_rows(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
@@ -188,7 +175,7 @@ def _generate_rows(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
                    greedy_B: jax.Array | None = None, *, stop_ids_S: jax.Array,
                    pad_id: jax.Array, model_config: ModelConfig, sampling: SamplingConfig,
                    max_new_tokens: int, sharding: parallel.ActivationSharding | None,
-                   prompt_group: int, cache_dtype: Any) -> SampleOutput:
+                   prompt_group: int, cache_dtype: Any, compact: bool) -> SampleOutput:
     """Prefill + decode loop over one block of rows (see generate_tokens)."""
     B, P = prompt_BP.shape
     N = max_new_tokens
@@ -204,40 +191,24 @@ def _generate_rows(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
     tok_B, lp_B = strategies.sample(logits_BV, keys_B, sampling, greedy_B)
 
     tok_B = jnp.where(active_B, tok_B, pad_id)
-    done_B = ~active_B | _is_stop(tok_B, stop_ids_S)
-    state = _LoopState(
-        step=jnp.array(1, jnp.int32), cache=cache, last_B=tok_B,
-        position_B=jnp.sum(prompt_mask_BP, axis=1, dtype=jnp.int32),
-        done_B=done_B, length_B=active_B.astype(jnp.int32),
-        tokens_BT=jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(tok_B),
-        logprobs_BT=jnp.zeros((B, N), jnp.float32).at[:, 0].set(jnp.where(active_B, lp_B, 0.0)))
-
-    def cond(s: _LoopState):
-        return (s.step < N) & ~jnp.all(s.done_B)
-
-    def body(s: _LoopState) -> _LoopState:
-        # Rows already done keep feeding tokens (harmless: they only attend to themselves).
-        logits_BV, cache = decode_step(params, model_config, s.last_B, s.position_B, s.cache,
-                                       P + s.step - 1, sharding)
-        keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, jnp.full((B,), s.step, jnp.uint32))
-        tok_B, lp_B = strategies.sample(logits_BV, keys_B, sampling, greedy_B)
-        live_B = ~s.done_B
-        tok_B = jnp.where(live_B, tok_B, pad_id)
-        lp_B = jnp.where(live_B, lp_B, 0.0)
-        return _LoopState(
-            step=s.step + 1, cache=cache, last_B=tok_B, position_B=s.position_B + 1,
-            done_B=s.done_B | _is_stop(tok_B, stop_ids_S),
-            length_B=s.length_B + live_B.astype(jnp.int32),
-            tokens_BT=jax.lax.dynamic_update_slice(s.tokens_BT, tok_B[:, None], (0, s.step)),
-            logprobs_BT=jax.lax.dynamic_update_slice(s.logprobs_BT, lp_B[:, None], (0, s.step)))
-
-    state = jax.lax.while_loop(cond, body, state)
-    mask_BT = jnp.arange(N)[None, :] < state.length_B[:, None]
+    done_B = ~active_B | decode.is_stop(tok_B, stop_ids_S)
+    state = decode.LoopState(
+        step=jnp.array(1, jnp.int32), cache=cache, last_S=tok_B,
+        position_S=jnp.sum(prompt_mask_BP, axis=1, dtype=jnp.int32), done_S=done_B,
+        row_S=jnp.arange(B, dtype=jnp.int32), keys_S=row_keys_B,
+        length_R=active_B.astype(jnp.int32), done_R=done_B,
+        tokens_RT=jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(tok_B),
+        logprobs_RT=jnp.zeros((B, N), jnp.float32).at[:, 0].set(jnp.where(active_B, lp_B, 0.0)),
+        slot_steps=jnp.array(0, jnp.int32), greedy_S=greedy_B)
+    state = decode.decode(params, state, model_config=model_config, sampling=sampling,
+                          stop_ids_S=stop_ids_S, pad_id=pad_id, prompt_len=P,
+                          max_new_tokens=N, sharding=sharding, compact=compact)
+    mask_BT = jnp.arange(N)[None, :] < state.length_R[:, None]
     return SampleOutput(
-        tokens_BT=state.tokens_BT, logprobs_BT=state.logprobs_BT, mask_BT=mask_BT,
-        lengths_B=state.length_B, truncated_B=active_B & ~state.done_B,
+        tokens_BT=state.tokens_RT, logprobs_BT=state.logprobs_RT, mask_BT=mask_BT,
+        lengths_B=state.length_R, truncated_B=active_B & ~state.done_R,
         prompt_tokens_BP=prompt_BP, prompt_mask_BP=prompt_mask_BP.astype(bool),
-        dropped_B=jnp.zeros((B,), bool), num_steps=state.step)
+        dropped_B=jnp.zeros((B,), bool), num_steps=state.step, slot_steps=state.slot_steps)
 
 
 @jax.jit
@@ -255,7 +226,7 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
              row_keys: jax.Array | None = None,
              min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET,
              share_prompts: bool = True, max_rows: int | None = None,
-             greedy_last: int = 0) -> SampleOutput:
+             greedy_last: int = 0, compact: bool = True) -> SampleOutput:
     """Samples `n` completions of each prompt (lists of token ids, unpadded).
 
     stop_ids defaults to model_config.eos_token_ids; max_prompt_len defaults to
@@ -269,6 +240,7 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
     strided chunks of whole prompts, one after another, in the same program (same samples).
     `greedy_last` > 0: the last that many samples of each prompt decode greedily, in the same
     program (ReMax's baseline completion).
+    `compact=False` keeps finished rows in the decode batch (the same samples; see decode.py).
     """
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
@@ -335,7 +307,7 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
     out = generate_tokens(params, *inputs, stop_S, np.int32(pad), model_config=model_config,
                           sampling=sampling, max_new_tokens=int(max_new_tokens), mesh=mesh,
                           rules=rules, prompt_group=prompt_group, num_chunks=num_chunks,
-                          greedy_B=greedy_B)
+                          greedy_B=greedy_B, compact=compact)
     if multihost:
         # Rows stay global (each host's block keeps its padding rows: see host_rows).
         dropped_B = jax.make_array_from_process_local_data(

@@ -42,12 +42,20 @@ class ModelOptions:
     name: Registered model name (smollm2-135m-instruct is embedded), Hugging Face model folder
         or .gguf file.
     param_dtype: Parameter dtype.
+    compute_dtype: Dtype the sampler, teacher-forced passes and update compute in (default:
+        the parameter dtype); bfloat16 with --param_dtype=float32 is mixed precision: float32
+        master weights and optimizer state, bfloat16 matmuls accumulated in float32.
     remat: Rematerialise each layer in the backward pass (less memory, one more forward).
     """
 
     name: str = "smollm2-135m-instruct"
     param_dtype: str = "float32"
+    compute_dtype: str | None = None
     remat: bool = False
+
+    def compute_config(self, model_config: Any) -> Any:
+        """The loaded model's ModelConfig with this run's --compute_dtype."""
+        return dataclasses.replace(model_config, compute_dtype=self.compute_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +211,7 @@ class TrainConfig:
     """Everything a run needs; WORKDIR/config.json holds it (to_json / from_json)."""
 
     model: ModelOptions = group(ModelOptions, flags={"name": "model"},
-                                choices={"param_dtype": DTYPES})
+                                choices={"param_dtype": DTYPES, "compute_dtype": DTYPES})
     data: DataConfig = group(DataConfig, flags={"source": "data", "revision": "data_revision"})
     rollout: RolloutConfig = group(RolloutConfig, choices={"long_prompts": LONG_PROMPT_MODES})
     reward: RewardConfig = group(
@@ -255,6 +263,16 @@ class TrainConfig:
         return self.update.ppo_epochs * (self.batch_size // self.mini_batch)
 
     @property
+    def update_algorithm(self) -> rl.AlgorithmConfig:
+        """The algorithm the update runs: seq-mean-token-sum-norm's constant (max_tokens)
+        pinned to --max_new_tokens, its value before rollouts were trimmed to their longest
+        completion (by default it is the padded length, which now varies per batch)."""
+        a = self.algorithm
+        if a.max_tokens is not None:
+            return a
+        return dataclasses.replace(a, max_tokens=self.rollout.max_new_tokens)
+
+    @property
     def needs_reference(self) -> bool:
         a = self.algorithm
         return (a.kl_coef > 0 and a.kl_in is not None) or a.log_kl_ref
@@ -278,6 +296,8 @@ class TrainConfig:
                     f"--{name}={options.format_value(value)} is not a finite number.")
         require(self.model.param_dtype in DTYPES,
                 f"--param_dtype={self.model.param_dtype!r}: choose {DTYPES}.")
+        require(self.model.compute_dtype in (None,) + DTYPES,
+                f"--compute_dtype={self.model.compute_dtype!r}: choose {DTYPES}.")
         require(r.prompts_per_step >= 1, "--prompts_per_step must be >= 1.")
         require(r.group_size >= 1, "--group_size must be >= 1.")
         require(r.max_new_tokens >= 1 and r.max_prompt_tokens >= 1,

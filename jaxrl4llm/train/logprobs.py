@@ -84,6 +84,7 @@ def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: 
     matrix is gathered once and each device unembeds its own rows (chunk size from what one
     device holds).
     """
+    params = transformer.cast_for_compute(params, config)   # mixed precision (compute_dtype)
     num_prompt = seqs.prompt_tokens_BP.shape[1]
     if prompt_group > 1:
         g = prompt_group
@@ -156,6 +157,8 @@ def completion_logprobs_jit(params: Any, config: Any, seqs: Sequences, temperatu
     prompt groups each; every chunk spans every device), so activations are sized by one
     chunk; the result equals one pass over all rows.
     """
+    params = transformer.cast_for_compute(params, config)   # once, not once per chunk
+
     def logprobs(seqs: Sequences) -> jax.Array:
         logp_BT, _ = completion_logprobs(params, config, seqs, temperature, chunk_size,
                                          prompt_group=prompt_group, sharding=sharding)

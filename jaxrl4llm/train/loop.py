@@ -103,6 +103,7 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
 
     model_config, params, tokenizer = registry.load_model(
         config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype))
+    model_config = config.model.compute_config(model_config)   # --compute_dtype
     # A separate copy: the policy's buffers are donated to each update.
     ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
     state = create_state(params, config.optimizer, run_config.seed)
@@ -138,7 +139,7 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
     num_micro = config.mini_batch // config.micro_batch
     num_steps = run_config.num_steps
     compiled: set = set()  # update shapes compiled so far
-    static = dict(model_config=model_config, algorithm=config.algorithm,
+    static = dict(model_config=model_config, algorithm=config.update_algorithm,
                   optimizer=config.optimizer, num_micro=num_micro,
                   temperature=config.rollout.sampling.effective_temperature,
                   remat=config.model.remat, sharding=ctx.sharding)

@@ -35,7 +35,7 @@ RESUMABLE = frozenset({
     "workdir", "mesh", "distributed",
     "eval_data", "eval_every", "eval_prompts", "eval_samples", "eval_sets",
     "reward_workers", "item_timeout_s", "batch_timeout_s", "memory_limit_mb",
-    "micro_batch_size", "rollout_micro_batch", "remat", "share_prompts",
+    "micro_batch_size", "rollout_micro_batch", "remat", "share_prompts", "compute_dtype",
     "learning_rate", "warmup_steps", "lr_schedule", "decay_steps",
 })
 _FIRST = ("model", "algorithm")  # named first: the usual mistake

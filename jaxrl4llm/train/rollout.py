@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxrl4llm import parallel, rl
 from jaxrl4llm.rl.metrics import Metric
+from jaxrl4llm.sampling import buckets
 from jaxrl4llm.sampling.frontend import Sampler, Samples
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -112,6 +113,9 @@ def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: A
                 for b in (rows.baseline_B, rows.baseline_correct_B)]
 
     t0 = time.perf_counter()
+    # Teacher-forced passes and the update run on the batch's longest completion, bucketed.
+    out = out.trimmed(buckets.bucket_completion_length(int(out.num_steps),
+                                                       config.rollout.max_new_tokens))
     seqs = Sequences(prompt_tokens_BP=out.prompt_tokens_BP, prompt_mask_BP=out.prompt_mask_BP,
                      completion_tokens_BT=out.tokens_BT, completion_mask_BT=out.mask_BT)
     rows = seqs.completion_tokens_BT.shape[0]
@@ -149,6 +153,9 @@ def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: A
         **_group_metrics(correct, layout.group_size),
         "response/length_mean": Metric.mean(float(lengths.mean())),
         "response/length_max": Metric.max(float(lengths.max())),
+        # Real completion tokens / positions the update computes (after trimming).
+        "response/update_real_frac": Metric.mean(
+            float(lengths.sum() / max(lengths.size * out.mask_BT.shape[1], 1))),
         "response/truncated_frac": Metric.mean(float(np.mean(samples.host(out.truncated_B)))),
         "response/dropped_prompts": Metric.sum(
             float(np.sum(samples.host(out.dropped_B)) / layout.group_size)),

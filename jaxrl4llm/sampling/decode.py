@@ -1,0 +1,133 @@
+"""The decode loop after prefill: one token per row per step, finished rows compacted away.
+
+RL completions have a long tail of lengths: most rows stop early while a few run to the
+limit. The loop exits when every row is done, and in between it runs in levels of B, B/2,
+B/4, ... slots: when at most half of the current slots are still live, the live rows (and
+their KV cache rows, keys, positions) are gathered into a batch half the size and decoding
+goes on there. Decode cost is then about proportional to the live rows instead of B for the
+whole longest row. Each slot knows its row (`row_S`), and every output is written at that row,
+so the result equals decoding all B rows to the end (each row's tokens depend only on its
+own prompt, cache and key).
+
+Compaction gathers rows across the batch, which on a mesh would move cache rows between
+devices; with a mesh (or fewer than 2 * MIN_COMPACT_ROWS rows, or at most MIN_COMPACT_ROWS new
+tokens) the loop keeps all B slots.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxrl4llm import parallel
+from jaxrl4llm.models import transformer
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.sampling import strategies
+from jaxrl4llm.sampling.strategies import SamplingConfig
+
+# The smallest batch a level compacts to: below it a decode step costs about the weights'
+# read whatever the rows, so halving the batch again saves little.
+MIN_COMPACT_ROWS = 8
+
+
+def decode_step(params: Any, model_config: ModelConfig, token_B: jax.Array,
+                position_B: jax.Array, cache: transformer.KVCache, cache_index: jax.Array,
+                sharding: parallel.ActivationSharding | None = None):
+    """Feeds one token per row at slot `cache_index`; returns (next-token logits [B, V], cache)."""
+    B = token_B.shape[0]
+    h_B1D, cache = transformer.hidden_states(params, model_config, token_B[:, None],
+                                             position_B[:, None], jnp.ones((B, 1), bool),
+                                             cache, cache_index, sharding=sharding)
+    return transformer.unembed(params, model_config, h_B1D, sharding)[:, 0], cache
+
+
+def is_stop(tokens_B: jax.Array, stop_ids_S: jax.Array) -> jax.Array:
+    return jnp.any(tokens_B[:, None] == stop_ids_S[None, :], axis=-1)
+
+
+@flax.struct.dataclass
+class LoopState:
+    """Per slot (_S, the current level's batch) and per row (_R, the block's B rows)."""
+
+    step: jax.Array          # index of the completion token produced next
+    cache: transformer.KVCache   # [S, ...] rows of the live slots
+    last_S: jax.Array        # the token produced at step - 1 (fed in this step)
+    position_S: jax.Array    # its RoPE position
+    done_S: jax.Array        # emitted a stop token (or an inactive row)
+    row_S: jax.Array         # the row each slot decodes
+    keys_S: jax.Array        # that row's key
+    length_R: jax.Array
+    done_R: jax.Array
+    tokens_RT: jax.Array
+    logprobs_RT: jax.Array
+    slot_steps: jax.Array    # int32: sum over decode steps of the slots computed
+    greedy_S: jax.Array | None = None   # rows that decode greedily (ReMax's baseline row)
+
+
+def levels(rows: int, compact: bool) -> tuple[int, ...]:
+    """Slot counts of the successive levels: rows, rows/2, ... down to MIN_COMPACT_ROWS."""
+    sizes = [rows]
+    while compact and sizes[-1] % 2 == 0 and sizes[-1] // 2 >= MIN_COMPACT_ROWS:
+        sizes.append(sizes[-1] // 2)
+    return tuple(sizes)
+
+
+def _compact(s: LoopState, size: int) -> LoopState:
+    """The `size` slots holding every live row (live first, then finished ones as filler)."""
+    order = jnp.argsort(s.done_S, stable=True)[:size]
+    take = lambda x: jnp.take(x, order, axis=0)  # noqa: E731
+    return s.replace(cache=jax.tree.map(take, s.cache), last_S=take(s.last_S),
+                     position_S=take(s.position_S), done_S=take(s.done_S),
+                     row_S=take(s.row_S), keys_S=take(s.keys_S),
+                     greedy_S=None if s.greedy_S is None else take(s.greedy_S))
+
+
+def decode(params: Any, state: LoopState, *, model_config: ModelConfig,
+           sampling: SamplingConfig, stop_ids_S: jax.Array, pad_id: jax.Array,
+           prompt_len: int, max_new_tokens: int,
+           sharding: parallel.ActivationSharding | None, compact: bool) -> LoopState:
+    """Runs the decode loop from `state` (after the first token) to the end."""
+    N = max_new_tokens
+    # Short completions leave little to save; they skip the extra loops' compile time.
+    sizes = levels(state.row_S.shape[0], compact and sharding is None and N > MIN_COMPACT_ROWS)
+    # One level: slot i is row i throughout, and outputs are written in place by slices
+    # (a scatter into batch-sharded buffers could make the partitioner gather them).
+    in_place = len(sizes) == 1
+
+    def write(buf_RT: jax.Array, row_S: jax.Array, step: jax.Array, x_S: jax.Array):
+        if in_place:
+            return jax.lax.dynamic_update_slice(buf_RT, x_S[:, None], (0, step))
+        return buf_RT.at[row_S, step].set(x_S)
+
+    def body(s: LoopState) -> LoopState:
+        # Finished rows still in a slot keep feeding tokens (harmless: they only attend to
+        # themselves) and write pad / 0 at their own row.
+        logits_SV, cache = decode_step(params, model_config, s.last_S, s.position_S, s.cache,
+                                       prompt_len + s.step - 1, sharding)
+        keys_S = jax.vmap(jax.random.fold_in)(s.keys_S, jnp.full(s.row_S.shape, s.step,
+                                                                  jnp.uint32))
+        tok_S, lp_S = strategies.sample(logits_SV, keys_S, sampling, s.greedy_S)
+        live_S = ~s.done_S
+        tok_S = jnp.where(live_S, tok_S, pad_id)
+        lp_S = jnp.where(live_S, lp_S, 0.0)
+        done_S = s.done_S | is_stop(tok_S, stop_ids_S)
+        return s.replace(
+            step=s.step + 1, cache=cache, last_S=tok_S, position_S=s.position_S + 1,
+            done_S=done_S,
+            length_R=(s.length_R + live_S.astype(jnp.int32) if in_place
+                      else s.length_R.at[s.row_S].add(live_S.astype(jnp.int32))),
+            done_R=done_S if in_place else s.done_R.at[s.row_S].set(done_S),
+            tokens_RT=write(s.tokens_RT, s.row_S, s.step, tok_S),
+            logprobs_RT=write(s.logprobs_RT, s.row_S, s.step, lp_S),
+            slot_steps=s.slot_steps + s.row_S.shape[0])
+
+    for level, size in enumerate(sizes):
+        if level:
+            state = _compact(state, size)
+        # Stay at this level while the live rows do not fit the next one.
+        floor = sizes[level + 1] if level + 1 < len(sizes) else 0
+        state = jax.lax.while_loop(
+            lambda s, floor=floor: (s.step < N) & (jnp.sum(~s.done_S) > floor), body, state)
+    return state

@@ -1,0 +1,119 @@
+"""Padding waste of a real sampled rollout: decode steps spent on finished rows, and update
+positions spent past each row's end, with and without trimming to the batch's longest
+completion (buckets.bucket_completion_length).
+
+    python tools/bench_rollout.py                          # SmolLM2, 8 prompts x 4, T = 1, 256 tokens
+    python tools/bench_rollout.py --prompts=16 --new_tokens=512 --data=synthetic:countdown
+
+Samples as the trainer does (chat prompts of --data with the default instruction, stop
+tokens on, temperature --temperature) and prints, over --rollouts rollouts:
+  sampler useful        decoded tokens / rows computed over the decode steps (the first
+                        token of each row comes from the prefill): "full" = every row at
+                        every step until the longest row ends (the loop exits when all
+                        rows are done), "compacted" = the rows actually computed once
+                        finished rows are compacted away (sampling/decode.py)
+  update real frac      real tokens / (rows x columns the teacher-forced passes and the
+                        update compute): trimmed (the bucket of the longest row) and
+                        untrimmed (max_new_tokens, as before trimming)
+  lengths               min / mean / max completion length
+  time_ratio            (--time) wall time of the compacted sampler / the uncompacted one,
+                        same prompts and keys (the same samples), measured in the same run
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def waste(lengths_B: np.ndarray, num_steps: int, slot_steps: int, max_new_tokens: int
+          ) -> dict[str, float]:
+    """The fractions of one rollout (see the module docstring)."""
+    from jaxrl4llm.sampling.buckets import bucket_completion_length
+    real, rows = float(lengths_B.sum()), lengths_B.size
+    bucket = bucket_completion_length(num_steps, max_new_tokens)
+    # The first token comes from the prefill; each decode step computes `slots` rows.
+    return {"sampler_useful_full": (real - rows) / (rows * (num_steps - 1)),
+            "sampler_useful_compacted": (real - rows) / slot_steps,
+            "update_real_trimmed": real / (rows * bucket),
+            "update_real_untrimmed": real / (rows * max_new_tokens),
+            "bucket": bucket, "steps": num_steps,
+            "len_min": float(lengths_B.min()), "len_mean": float(lengths_B.mean()),
+            "len_max": float(lengths_B.max())}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--data", default="synthetic:arithmetic")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--new_tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--rollouts", type=int, default=2)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--time", action="store_true",
+                        help="also time the compacted sampler against the uncompacted one "
+                             "(compiles both first)")
+    args = parser.parse_args(argv)
+
+    from jaxrl4llm.data import make_source
+    from jaxrl4llm.models import registry
+    from jaxrl4llm.sampling.layout import RowLayout
+    from jaxrl4llm.sampling.strategies import SamplingConfig
+    from jaxrl4llm.train.config import DataConfig, param_dtype
+    from jaxrl4llm.sampling.frontend import Sampler
+
+    model_config, params, tokenizer = registry.load_model(args.model,
+                                                          dtype=param_dtype(args.dtype))
+    # One prompt bucket for every rollout: the warm-up compiles the only programs timed.
+    samplers = {"compact": Sampler(model_config, tokenizer, min_prompt_bucket=256),
+                "full": Sampler(model_config, tokenizer, min_prompt_bucket=256,
+                                compact=False)}
+    source = make_source(args.data, split="train")
+    data = DataConfig(source=args.data)
+    sampling = SamplingConfig(temperature=args.temperature)
+    print(f"{args.model} {args.dtype}, {args.data}, {args.prompts} prompts x {args.group}, "
+          f"T={args.temperature}, max_new_tokens={args.new_tokens}, device "
+          f"{jax.devices()[0].platform}")
+
+    def run(name, r):
+        records = [source[(r * args.prompts + i) % len(source)] for i in range(args.prompts)]
+        t0 = time.perf_counter()
+        samples = samplers[name].sample(params, [data.messages(x) for x in records], sampling,
+                                        args.new_tokens, jax.random.key(r),
+                                        RowLayout(args.group))
+        return samples, time.perf_counter() - t0
+
+    names = tuple(samplers) if args.time else ("compact",)
+    if args.time:
+        for name in names:   # compiles
+            run(name, 0)
+    rows = []
+    for r in range(args.rollouts):
+        timed = {name: run(name, r) for name in names}
+        out = timed["compact"][0].out
+        row = waste(timed["compact"][0].host(out.lengths_B), int(out.num_steps),
+                    int(out.slot_steps), args.new_tokens)
+        if args.time:
+            row["compact_s"], row["full_s"] = timed["compact"][1], timed["full"][1]
+            row["time_ratio"] = row["compact_s"] / row["full_s"]
+        rows.append(row)
+        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in row.items()), flush=True)
+    keys = ("sampler_useful_full", "sampler_useful_compacted", "update_real_trimmed",
+            "update_real_untrimmed") + (("time_ratio",) if args.time else ())
+    print("mean over rollouts: " + ", ".join(
+        f"{k} {np.mean([r[k] for r in rows]):.3f}" for k in keys))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
