@@ -47,3 +47,26 @@ def test_compacted_decode_gives_the_same_samples_with_less_work():
     assert int(full.slot_steps) == 32 * steps
     live = int((lengths - 1).sum())
     assert live <= int(compacted.slot_steps) < int(full.slot_steps)
+
+
+def test_greedy_rows_stay_greedy_when_compacted():
+    """ReMax's greedy baseline row keeps decoding greedily after its slot moves: it equals a
+    greedy decode of the same prompt (argmax of the logits, checked by a separate run)."""
+    params = transformer.init_params(CONFIG, jax.random.key(0))
+    params["unembed"] = params["unembed"] * 10.0
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(6, 32, size=n).tolist() for n in rng.integers(2, 10, 8)]
+    run = lambda compact: sampler.generate(  # noqa: E731
+        params, CONFIG, prompts, SamplingConfig(temperature=1.0), N, jax.random.key(1),
+        stop_ids=STOPS, n=4, greedy_last=1, compact=compact)
+    full, compacted = run(False), run(True)
+    assert int(compacted.slot_steps) < int(full.slot_steps)     # compaction did happen
+    np.testing.assert_array_equal(np.asarray(compacted.tokens_BT), np.asarray(full.tokens_BT))
+    greedy = sampler.generate(params, CONFIG, prompts, SamplingConfig(temperature=0.0), N,
+                              jax.random.key(7), stop_ids=STOPS, n=1, compact=False)
+    last = np.arange(3, 32, 4)       # each prompt's 4th sample is its greedy row
+    np.testing.assert_array_equal(np.asarray(compacted.tokens_BT)[last],
+                                  np.asarray(greedy.tokens_BT))
+    # ... while the sampled rows are not greedy (so the check above can fail).
+    sampled = np.asarray(compacted.tokens_BT).reshape(8, 4, N)[:, :3]
+    assert (sampled != np.asarray(greedy.tokens_BT)[:, None]).any(axis=-1).mean() > 0.5
