@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from experiments.study_spec import SHORT_QUANTITIES, Run, Study
+from experiments.study_spec import REPO, SHORT_QUANTITIES, Run, Study
 from jaxrl4llm.train.metrics import read_metrics
 
 TRAIN_KEYS = ("reward/mean", "reward/accuracy", "policy/entropy", "policy/kl_ref",
@@ -146,7 +146,10 @@ def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "
             verdict, "supported" if verdict == expected else "contradicted")
         claims.append({"text": c.text, "a": c.a, "b": c.b, "quantity": q, "expect": c.expect,
                        "verdict": label, "difference": diff, "two_se": two_se})
-    return {"study": study.name, "spec": os.path.relpath(study.path), "scale": scale,
+    spec = os.path.abspath(study.path)
+    if spec.startswith(REPO + os.sep):
+        spec = os.path.relpath(spec, REPO)
+    return {"study": study.name, "spec": spec, "scale": scale,
             "description": study.description, "note": s.note, "command": command,
             "primary_metric": primary, "threshold": threshold,
             "final_window": study.final_window, "runs": run_rows, "arms": arms,
@@ -154,6 +157,8 @@ def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "
 
 
 def _fmt(stat: dict | None, digits: int = 3) -> str:
+    if stat and stat["mean"] is None and "reached" in stat:
+        return f"never ({stat['reached']})"
     if not stat or stat["mean"] is None:
         return "-"
     text = f"{stat['mean']:.{digits}g}"
