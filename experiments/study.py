@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -47,20 +48,40 @@ _KEEP_GOING = flags.DEFINE_boolean("keep_going", True, "After a failed run, go o
                                    "next ones (the study then exits with status 1).")
 
 
+_STOPPED: list[int] = []   # the SIGTERMs received while a run trained
+
+
 def train(run: Run, cache_dir: str) -> tuple[int, str]:
     """Runs (or resumes) one training run; its console output is appended to train.log."""
     os.makedirs(run.workdir, exist_ok=True)
     log_path = os.path.join(run.workdir, "train.log")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"   # train.log follows the run live
     if cache_dir:   # the user's own JAX_* settings win
         env.setdefault("JAX_COMPILATION_CACHE_DIR", cache_dir)
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    with open(log_path, "a") as log:
-        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {run.shell()}\n")
-        log.flush()
-        code = subprocess.run(run.argv, cwd=REPO, env=env, stdout=log,
-                              stderr=subprocess.STDOUT).returncode
+    started: list[subprocess.Popen] = []
+
+    def stop(signum, frame):
+        # `kill RUNNER`: the run checkpoints and exits (the trainer's preemption path), and
+        # no further run starts; a rerun resumes it.
+        _STOPPED.append(signum)
+        for proc in started:
+            proc.send_signal(signal.SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        with open(log_path, "a") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {run.shell()}\n")
+            log.flush()
+            started.append(subprocess.Popen(run.argv, cwd=REPO, env=env, stdout=log,
+                                            stderr=subprocess.STDOUT))
+            if _STOPPED:   # a SIGTERM before the run existed
+                started[0].send_signal(signal.SIGTERM)
+            code = started[0].wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return code, log_path
 
 
@@ -89,6 +110,10 @@ def run_all(runs: list[Run], keep_going: bool, cache_dir: str) -> list[str]:
         code, log_path = train(run, cache_dir)
         status, last = study_report.run_status(run.workdir, run.num_steps)
         minutes = (time.time() - t0) / 60
+        if _STOPPED:
+            bar.write(f"{run.label}: stopped (SIGTERM) at step {last}/{run.num_steps} after "
+                      f"{minutes:.1f} min; the next runs did not start. Rerun to resume.")
+            break
         if code == 0 and status == "finished":
             bar.write(f"{run.label}: finished (step {last}) in {minutes:.1f} min")
         else:

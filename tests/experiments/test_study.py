@@ -39,13 +39,31 @@ def _spec(tmp_path, model_dir, data):
     return str(path)
 
 
-def _study(spec, root, *extra, popen=False):
+def _study(spec, root, *extra, popen=None):
+    """Runs the study CLI; with `popen` (a file to write its stdout to), in the background."""
     argv = [sys.executable, "-m", "experiments.study", f"--study={spec}", "--scale=toy",
             f"--root={root}", *extra]
     if popen:
-        return subprocess.Popen(argv, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+        return subprocess.Popen(argv, cwd=REPO, env=ENV, stdout=open(popen, "w"),
                                 stderr=subprocess.DEVNULL, start_new_session=True)
     return subprocess.run(argv, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+
+
+def _text(path):
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _processes_naming(text):
+    """Live processes whose command line contains `text`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
 
 
 def _records(workdir):
@@ -82,7 +100,7 @@ def test_study_runs_resumes_after_a_kill_and_reports_recomputable_numbers(
     root = tmp_path / "root"
     first = root / "grpo" / "seed_0"
     # Kill the whole study (runner and trainer) once the first run has checkpointed step 1.
-    proc = _study(spec, root, popen=True)
+    proc = _study(spec, root, popen=tmp_path / "killed.out")
     deadline = time.time() + 600
     while not (first / "checkpoints" / "1").exists():
         assert proc.poll() is None, "the study exited before its first checkpoint"
@@ -94,9 +112,21 @@ def test_study_runs_resumes_after_a_kill_and_reports_recomputable_numbers(
     assert steps == [0, 1], f"killed too late to test resuming: {steps}"
     assert not (root / "grpo" / "seed_1").exists()
 
+    # SIGTERM to the runner alone (a scheduler's stop) reaches its run and starts no other.
+    proc = _study(spec, root, popen=tmp_path / "stopped.out")
+    while _text(first / "train.log").count("\n=== ") < 2:   # the runner started it again
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=600) == 0
+    assert not _processes_naming(str(root)), "a run outlived its stopped study"
+    assert not (root / "grpo" / "seed_1").exists()
+    out = (tmp_path / "stopped.out").read_text()
+    assert "grpo/seed_0: training (resuming after step 1)" in out
+    assert "grpo/seed_0: stopped (SIGTERM)" in out
+
     result = _study(spec, root)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "grpo/seed_0: training (resuming after step 1)" in result.stdout
     assert "Resumed from step 1" in (first / "train.log").read_text()
     assert f"Report: {root / 'report.md'}" in result.stdout
     again = _study(spec, root)   # everything finished: nothing runs again
