@@ -221,8 +221,8 @@ def render_markdown(report: dict) -> str:
     done = len(report["runs"]) - len(pending)
     lines.append(f"{done} of {len(report['runs'])} runs finished.")
     for r in pending:
-        where = (f"stopped at step {r['last_step']}/{r['num_steps']}"
-                 if r["status"] == "unfinished" else "not started")
+        where = (f"logged up to step {r['last_step']} of {r['num_steps']}: running, stopped "
+                 "or failed" if r["status"] == "unfinished" else "not started")
         lines.append(f"- {r['arm']} seed {r['seed']}: {r['status']} ({where})")
     lines += ["", "![curves](curves.png)", ""]
     return "\n".join(lines)

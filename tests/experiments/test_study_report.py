@@ -81,7 +81,7 @@ def test_report_numbers_by_hand(tmp_path):
     md = open(paths["report.md"]).read()
     assert "| a | 2 | 0.8 ± 0.2 | 0.8 ± 0.2 | 0.45 ± 0.05 | 4 (1/2) |" in md
     assert "| b | 1 | 0.1 (n=1) | 0.1 (n=1) | 0.1 (n=1) | never (0/1) |" in md
-    assert "b seed 1: unfinished (stopped at step 2/4)" in md
+    assert "b seed 1: unfinished (logged up to step 2 of 4: running, stopped or failed)" in md
 
 
 def test_pairwise_difference_beyond_two_standard_errors():
