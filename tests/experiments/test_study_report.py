@@ -1,0 +1,121 @@
+"""The study report's statistics on hand-written metrics files (no training), and spec errors."""
+import json
+
+import pytest
+
+from experiments import study_report, study_spec
+
+SPEC = """
+name = "hand"
+primary_metric = "eval/accuracy"
+threshold = 0.7
+final_window = 2
+[scales.x]
+flags = ["--num_steps=4"]
+seeds = [0, 1]
+[[arms]]
+name = "a"
+flags = ["--algorithm=grpo"]
+[[arms]]
+name = "b"
+flags = ["--algorithm=reinforce"]
+x = ["--learning_rate=0.001"]
+[[claims]]
+text = "a beats b"
+a = "a"
+b = "b"
+quantity = "auc"
+expect = ">"
+"""
+
+
+def _write(workdir, rows):
+    workdir.mkdir(parents=True)
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _run(step, acc=None, entropy=None):
+    row = {"step": step}
+    if acc is not None:
+        row["eval/accuracy"] = acc
+        row["eval/num_prompts"] = 32.0
+    if entropy is not None:
+        row["policy/entropy"] = entropy
+    return row
+
+
+def test_report_numbers_by_hand(tmp_path):
+    spec = tmp_path / "hand.toml"
+    spec.write_text(SPEC)
+    study = study_spec.load_study(str(spec))
+    runs = study_spec.plan(study, "x", str(tmp_path / "root"))
+    assert [r.label for r in runs] == ["a/seed_0", "a/seed_1", "b/seed_0", "b/seed_1"]
+    assert all(r.num_steps == 4 for r in runs)
+    assert runs[2].argv[3:] == ("--num_steps=4", "--algorithm=reinforce", "--learning_rate=0.001",
+                                "--seed=0", f"--workdir={tmp_path / 'root' / 'b' / 'seed_0'}")
+    root = tmp_path / "root"
+    # a/0: acc 0, .5, 1 at steps 0, 2, 4; entropy 3, 2, 1, 0 at steps 1-4.
+    _write(root / "a" / "seed_0", [_run(0, 0.0), _run(1, entropy=3.0), _run(2, 0.5, 2.0),
+                                    _run(3, entropy=1.0), _run(4, 1.0, 0.0)])
+    _write(root / "a" / "seed_1", [_run(0, 0.2), _run(2, 0.4, 1.0), _run(4, 0.6, 1.0)])
+    _write(root / "b" / "seed_0", [_run(0, 0.1), _run(2, 0.1), _run(4, 0.1)])
+    _write(root / "b" / "seed_1", [_run(0, 0.1), _run(2, 0.9)])   # killed after step 2
+    report = study_report.build_report(study, "x", runs)
+    assert [r["status"] for r in report["runs"]] == ["finished"] * 3 + ["unfinished"]
+    a = report["arms"]["a"]
+    assert a["final eval/accuracy"]["mean"] == pytest.approx(0.8)        # (1.0 + 0.6) / 2
+    assert a["final eval/accuracy"]["se"] == pytest.approx(0.2)          # |1.0 - 0.6| / 2
+    assert a["best eval/accuracy"]["values"] == pytest.approx([1.0, 0.6])
+    # Trapezoids over steps 0..4, / 4: (0.5 + 1.5) / 4 = 0.5 and (0.6 + 1.0) / 4 = 0.4.
+    assert a["auc eval/accuracy"]["values"] == pytest.approx([0.5, 0.4])
+    # First eval step with acc >= 0.7: step 4 for seed 0; seed 1 never (1 of 2 reached).
+    assert a["steps eval/accuracy>=0.7"]["values"] == [4.0]
+    assert a["steps eval/accuracy>=0.7"]["reached"] == "1/2"
+    # Final entropy: mean of the last 2 logged steps: (1 + 0) / 2 and (1 + 1) / 2.
+    assert a["final policy/entropy"]["values"] == pytest.approx([0.5, 1.0])
+    assert "final eval/num_prompts" not in a
+    b = report["arms"]["b"]
+    assert b["_finished"] == 1 and b["final eval/accuracy"]["se"] is None
+    assert report["claims"][0]["verdict"].startswith("not measured")
+    paths = study_report.write_report(report, str(root))
+    md = open(paths["report.md"]).read()
+    assert "| a | 2 | 0.8 ± 0.2 | 0.8 ± 0.2 | 0.45 ± 0.05 | 4 (1/2) |" in md
+    assert "| b | 1 | 0.1 (n=1) | 0.1 (n=1) | 0.1 (n=1) | never (0/1) |" in md
+    assert "b seed 1: unfinished (logged up to step 2 of 4: running, stopped or failed)" in md
+
+
+def test_pairwise_difference_beyond_two_standard_errors():
+    a = {"mean": 1.0, "se": 0.1, "n": 3}
+    b = {"mean": 0.5, "se": 0.1, "n": 3}
+    verdict, diff, two_se = study_report.compare(a, b)
+    assert verdict == "a>b" and diff == pytest.approx(0.5)
+    assert two_se == pytest.approx(2 * 0.02 ** 0.5)                      # 0.283
+    assert study_report.compare(a, {"mean": 0.8, "se": 0.1, "n": 3})[0] == "unresolved"
+
+
+def test_spec_errors_name_the_problem(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(SPEC.replace('flags = ["--algorithm=grpo"]', 'flags = ["--seed=3"]'))
+    with pytest.raises(ValueError, match="sets --seed and --workdir"):
+        study_spec.load_study(str(bad))
+    bad.write_text(SPEC.replace('a = "a"', 'a = "zzz"'))
+    with pytest.raises(ValueError, match="claim 1: a and b must name arms"):
+        study_spec.load_study(str(bad))
+    bad.write_text(SPEC.replace('x = ["--learning_rate', 'y = ["--learning_rate'))
+    with pytest.raises(ValueError, match=r"unknown keys \['y'\]"):
+        study_spec.load_study(str(bad))
+    with pytest.raises(ValueError, match="not a shipped study.*minimalist_fig4"):
+        study_spec.find_spec("no_such_study")
+    bad.write_text(SPEC.replace("--learning_rate=0.001", "--learning_rate=fast"))
+    study = study_spec.load_study(str(bad))
+    with pytest.raises(ValueError, match="arm b at scale x.*learning_rate"):
+        study_spec.plan(study, "x", str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["minimalist_fig4", "raft_vs_grpo", "reinforcepp_vs_grpo",
+                                  "tricks_norm"])
+def test_shipped_specs_resolve_at_every_scale(name):
+    study = study_spec.load_study(name)
+    for scale in study.scales:
+        runs = study_spec.plan(study, scale, "/tmp/unused")
+        assert len(runs) == len(study.arms) * len(study.scales[scale].seeds)
