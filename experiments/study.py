@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from experiments import study_report
 from experiments.study_spec import REPO, Run, load_study, plan, select
+from jaxrl4llm.train.errors import EXIT_PREEMPTED
 
 _STUDY = flags.DEFINE_string("study", None, "A shipped study's name (experiments/studies/) "
                              "or the path of a study spec (.toml).")
@@ -110,7 +111,7 @@ def run_all(runs: list[Run], keep_going: bool, cache_dir: str) -> list[str]:
         code, log_path = train(run, cache_dir)
         status, last = study_report.run_status(run.workdir, run.num_steps)
         minutes = (time.time() - t0) / 60
-        if _STOPPED:
+        if _STOPPED or code == EXIT_PREEMPTED:   # the runner's SIGTERM, or the run's own
             bar.write(f"{run.label}: stopped (SIGTERM) at step {last}/{run.num_steps} after "
                       f"{minutes:.1f} min; the next runs did not start. Rerun to resume.")
             break
