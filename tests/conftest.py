@@ -82,3 +82,17 @@ def toy_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def copy_task_file(tmp_path_factory):
     return write_copy_task(tmp_path_factory.mktemp("toy_data") / "copy.jsonl")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_jax_caches_per_module():
+    """Drops jax's compiled executables after each test module.
+
+    The whole suite compiles thousands of programs in one process; keeping them all alive
+    grew memory without bound and crashed XLA:CPU's compiler late in the suite (a
+    segmentation fault in backend_compile_and_load at a test that passes alone). No test
+    relies on a cache hit across modules.
+    """
+    yield
+    import jax
+    jax.clear_caches()
