@@ -1,6 +1,8 @@
 """The study report's statistics on hand-written metrics files (no training), and spec errors."""
 import json
 
+import os
+
 import pytest
 
 from experiments import study_report, study_spec
@@ -112,8 +114,16 @@ def test_spec_errors_name_the_problem(tmp_path):
         study_spec.plan(study, "x", str(tmp_path))
 
 
-@pytest.mark.parametrize("name", ["minimalist_fig4", "raft_vs_grpo", "reinforcepp_vs_grpo",
-                                  "tricks_norm"])
+SHIPPED = ["minimalist_fig4", "raft_vs_grpo", "reinforcepp_vs_grpo", "tricks_norm",
+           "dapo_vs_lite_ppo"]
+
+
+def test_every_shipped_spec_is_checked():
+    folder = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "studies")
+    assert sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".toml")) == sorted(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_specs_resolve_at_every_scale(name):
     study = study_spec.load_study(name)
     for scale in study.scales:
