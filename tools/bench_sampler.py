@@ -2,8 +2,10 @@
 
     python tools/bench_sampler.py            # batches 8, 32, 128, float32 and bfloat16, 128 tokens
     python tools/bench_sampler.py --quick    # batch 8 and 32, bfloat16 only, 32 tokens
+    python tools/bench_sampler.py --modes=greedy,t1   # also sampling at T = 1 (the RL setting)
 
-Both sides decode greedily, the same chat prompts (SmolLM2-135M-Instruct, left-padded), in the
+Both sides decode greedily (mode `greedy`) or sample at temperature 1 over the whole vocabulary
+(mode `t1`: no top-k / top-p on either side), the same chat prompts (SmolLM2-135M-Instruct, left-padded), in the
 same dtype, with stop tokens disabled so every row produces exactly --new_tokens tokens.
 Reported per setting:
   ours tok/s, torch tok/s, ratio   new tokens / wall time of the whole generate (incl. prefill)
@@ -15,12 +17,14 @@ Reported per setting:
                                    at batch 32 on 2 CPU cores decode is compute-bound, so this
                                    is the lower of the two ceilings there
   same pref                        mean number of leading tokens where ours == torch's
+                                   (greedy only: sampled tokens come from different generators)
 Bandwidth and FLOP rate are measured in the same run: the best of several jitted sums over a
 1 GiB array, and of 1024^3 matmuls in the benchmarked dtype.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import time
 
@@ -32,7 +36,14 @@ import numpy as np  # noqa: E402
 
 from jaxrl4llm.models import registry  # noqa: E402
 from jaxrl4llm.sampling import Sampler  # noqa: E402
-from jaxrl4llm.sampling.strategies import GREEDY  # noqa: E402
+from jaxrl4llm.sampling.strategies import GREEDY, SamplingConfig  # noqa: E402
+
+# Decoding modes: ours, and transformers' generate arguments for the same distribution.
+MODES = {
+    "greedy": (GREEDY, dict(do_sample=False, temperature=None, top_p=None, top_k=None)),
+    "t1": (SamplingConfig(temperature=1.0), dict(do_sample=True, temperature=1.0, top_p=1.0,
+                                                 top_k=0)),
+}
 
 QUESTIONS = [
     "What is 17 plus 25?", "Name three primary colors.", "Explain gravity in one sentence.",
@@ -88,9 +99,9 @@ def param_bytes(params) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
-def time_ours(smp, params, prompts, new_tokens, repeats):
+def time_ours(smp, params, prompts, new_tokens, repeats, strategy=GREEDY):
     def run(n):
-        out = smp.generate(params, prompts, GREEDY, n, jax.random.key(0))
+        out = smp.generate(params, prompts, strategy, n, jax.random.key(0))
         jax.block_until_ready(out)
         return out
 
@@ -110,7 +121,7 @@ def time_ours(smp, params, prompts, new_tokens, repeats):
     return best[new_tokens], best[1], tokens
 
 
-def time_torch(model, tokenizer, prompts, new_tokens, repeats):
+def time_torch(model, tokenizer, prompts, new_tokens, repeats, mode_kwargs=MODES["greedy"][1]):
     import torch
 
     width = max(len(p) for p in prompts)
@@ -119,9 +130,8 @@ def time_torch(model, tokenizer, prompts, new_tokens, repeats):
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                  min_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id,
-                  temperature=None, top_p=None, top_k=None)
+    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  pad_token_id=tokenizer.pad_token_id, **mode_kwargs)
     torch.set_num_threads(xla_threads())   # the same cores as XLA's CPU thread pool
     with torch.inference_mode():
         model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
@@ -140,12 +150,18 @@ def main():
     parser.add_argument("--dtypes", default=None, help="default: float32,bfloat16")
     parser.add_argument("--new_tokens", type=int, default=None, help="default: 128 (32 quick)")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--modes", default="greedy",
+                        help="comma-separated decoding modes: " + ", ".join(MODES))
     parser.add_argument("--no_torch", action="store_true")
     args = parser.parse_args()
     dtypes = (args.dtypes or ("bfloat16" if args.quick else "float32,bfloat16")).split(",")
     new_tokens = args.new_tokens or (32 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 2)
     batches = [int(b) for b in args.batches.split(",")]
+    modes = args.modes.split(",")
+    for mode in modes:
+        if mode not in MODES:
+            parser.error(f"--modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
 
     path = registry.resolve("smollm2-135m-instruct")
     bandwidth = measure_bandwidth_gbs()
@@ -181,9 +197,11 @@ def main():
         # Every weight is read once per step, except an untied input embedding (gathered).
         wbytes = param_bytes(params) - (0 if config.tie_word_embeddings else
                                         config.vocab_size * config.hidden_size * itemsize)
-        for batch in batches:
+        for batch, mode in itertools.product(batches, modes):
+            strategy, torch_kwargs = MODES[mode]
             prompts = [chats[i % len(chats)] for i in range(batch)]
-            t_full, t_prefill, ours = time_ours(smp, params, prompts, new_tokens, repeats)
+            t_full, t_prefill, ours = time_ours(smp, params, prompts, new_tokens, repeats,
+                                                strategy)
             ours_tps = batch * new_tokens / t_full
             decode_tps = batch * (new_tokens - 1) / max(t_full - t_prefill, 1e-9)
             ctx = np.mean([len(p) for p in prompts]) + new_tokens / 2
@@ -200,15 +218,16 @@ def main():
             if torch_model is not None:
                 import torch
                 tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-                t_torch, ref, threads = time_torch(torch_model.to(tdtype), tokenizer, prompts, new_tokens,
-                                          repeats)
+                t_torch, ref, threads = time_torch(torch_model.to(tdtype), tokenizer, prompts,
+                                                   new_tokens, repeats, torch_kwargs)
                 torch_tps = batch * new_tokens / t_torch
                 print(f"  (threads: XLA {xla_threads()}, torch {threads})")
                 # Mean length of the prefix on which both greedy decodes agree (float rounding
                 # differences flip near-ties, after which the continuations differ).
-                same = np.cumprod(ref == ours, axis=1).sum(axis=1)
-                match = float(np.mean(same))
-            rows.append((dtype_name, batch, ours_tps, torch_tps, decode_tps, roofline_tps,
+                if mode == "greedy":
+                    same = np.cumprod(ref == ours, axis=1).sum(axis=1)
+                    match = float(np.mean(same))
+            rows.append((dtype_name, mode, batch, ours_tps, torch_tps, decode_tps, roofline_tps,
                          flop_roof_tps, match))
             print_row(*rows[-1], flush=True)
     print("\nfinal table (new tokens = %d; threads: XLA %d, torch %d)"
@@ -219,7 +238,7 @@ def main():
 
 
 def print_header():
-    print(f"{'dtype':>9} {'batch':>5} {'ours tok/s':>10} {'torch tok/s':>11} {'ratio':>6} "
+    print(f"{'dtype':>9} {'mode':>6} {'batch':>5} {'ours tok/s':>10} {'torch tok/s':>11} {'ratio':>6} "
           f"{'decode tok/s':>12} {'bw roof':>8} {'decode %':>8} {'flop roof':>9} "
           f"{'decode %':>8} {'same pref':>9}")
 
@@ -227,7 +246,7 @@ def print_header():
 _header_printed = False
 
 
-def print_row(dtype, batch, ours, torch_tps, decode, roofline, flop_roof, match, flush=False):
+def print_row(dtype, mode, batch, ours, torch_tps, decode, roofline, flop_roof, match, flush=False):
     global _header_printed
     if flush and not _header_printed:
         print_header()
@@ -235,7 +254,7 @@ def print_row(dtype, batch, ours, torch_tps, decode, roofline, flop_roof, match,
     t = f"{torch_tps:11.1f}" if torch_tps else f"{'-':>11}"
     r = f"{ours / torch_tps:6.2f}" if torch_tps else f"{'-':>6}"
     m = f"{match:9.1f}" if match is not None else f"{'-':>9}"
-    print(f"{dtype:>9} {batch:5d} {ours:10.1f} {t} {r} {decode:12.1f} {roofline:8.1f} "
+    print(f"{dtype:>9} {mode:>6} {batch:5d} {ours:10.1f} {t} {r} {decode:12.1f} {roofline:8.1f} "
           f"{100 * decode / roofline:7.1f}% {flop_roof:9.1f} {100 * decode / flop_roof:7.1f}% "
           f"{m}", flush=True)
 
