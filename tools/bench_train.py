@@ -188,10 +188,12 @@ def load_average() -> str:
 
 
 def print_table(cols: tuple[str, ...], rows: list[dict]) -> None:
-    print(" | ".join(f"{c:>13s}" for c in cols))
+    width = {c: max([13, len(c)] + [len(r[c]) for r in rows if isinstance(r[c], str)])
+             for c in cols}
+    print(" | ".join(f"{c:>{width[c]}s}" for c in cols))
     for r in rows:
-        print(" | ".join(f"{r[c]:>13s}" if isinstance(r[c], str) else f"{r[c]:>13.2f}"
-                         for c in cols))
+        print(" | ".join(f"{r[c]:>{width[c]}s}" if isinstance(r[c], str)
+                         else f"{r[c]:>{width[c]}.2f}" for c in cols))
 
 
 def print_comparison(ours: list[dict], theirs: list[dict]) -> None:
