@@ -166,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "reference and update passes")
     parser.add_argument("--no_trl", dest="trl", action="store_false",
                         help="do not time TRL's GRPOTrainer even if trl is installed")
+    parser.add_argument("--omp_wait_policy", choices=("PASSIVE", "ACTIVE"), default=None,
+                        help="OMP_WAIT_POLICY for the child processes (default: torch's own). "
+                             "On a loaded machine torch's spinning OpenMP workers slow it "
+                             "several-fold; PASSIVE keeps its thread count but lets them sleep")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--hf_dir", default=None, help=argparse.SUPPRESS)
     return parser
@@ -174,7 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
 def run_child(args: argparse.Namespace, child: str) -> dict | None:
     """Runs this script as `--child=CHILD` (its own process: its own peak RSS)."""
     cmd = [sys.executable, os.path.abspath(__file__), f"--child={child}"] + child_flags(args)
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ)
+    if args.omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
         print(f"--child={child} failed (exit {out.returncode}):\n{out.stderr[-4000:]}",
@@ -199,7 +206,8 @@ def print_table(cols: tuple[str, ...], rows: list[dict]) -> None:
 def print_comparison(ours: list[dict], theirs: list[dict]) -> None:
     """Ours against TRL per dtype, and our step against its same-run compute floor."""
     print(f"ours vs TRL {theirs[0]['trl']} GRPOTrainer (torch {theirs[0]['torch']}, threads: "
-          f"XLA {ours[0]['xla_threads']}, torch {theirs[0]['torch_threads']}); TRL's completions: "
+          f"XLA {ours[0]['xla_threads']}, torch {theirs[0]['torch_threads']}, OMP_WAIT_POLICY "
+          f"{theirs[0]['omp_wait_policy']}); TRL's completions: "
           f"{theirs[0]['mean_new_tokens']:.1f} tokens on average")
     rows = [{"dtype": o["dtype"], "ours_step_s": o["step_s"], "trl_step_s": t["step_s"],
              "ratio": o["step_s"] / t["step_s"], "ours_rss_gib": o["peak_rss_gib"],

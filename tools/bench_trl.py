@@ -167,4 +167,5 @@ def run_trl(args: Any, dtype: str, hf_dir: str) -> dict[str, Any]:
             "load_s": load_s, "peak_rss_gib": host_memory.peak_rss_gib(),
             "mean_new_tokens": sum(lengths) / max(len(lengths), 1),
             "torch_threads": torch.get_num_threads(), "trl": trl.__version__,
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
             "torch": torch.__version__}
