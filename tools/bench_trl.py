@@ -127,10 +127,15 @@ def run_trl(args: Any, dtype: str, hf_dir: str) -> dict[str, Any]:
     reward_fn = make_reward_fn("auto", answer_mode="lenient")
     lengths: list[int] = []
 
+    verify_s: list[float] = []
+
     def reward(prompts, completions, completion_ids, index, **_):
         lengths.extend(len(c) for c in completion_ids)
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(x) for x in reward_fn(texts, [records[i] for i in index]).rewards]
+        t0 = time.perf_counter()
+        rewards = reward_fn(texts, [records[i] for i in index]).rewards
+        verify_s.append(time.perf_counter() - t0)
+        return [float(x) for x in rewards]
 
     step_times: list[float] = []
     stage_times: list[tuple[float, float]] = []
@@ -164,7 +169,7 @@ def run_trl(args: Any, dtype: str, hf_dir: str) -> dict[str, Any]:
     reward_s = sum(r for _, r in stages) / len(stages)
     return {"dtype": dtype, "step_s": step_s, "rollout_s": rollout_s, "reward_s": reward_s,
             "update_s": step_s - rollout_s - reward_s, "compile_step_s": step_times[0],
-            "load_s": load_s, "peak_rss_gib": host_memory.peak_rss_gib(),
+            "load_s": load_s, "verify_s": sum(verify_s[1:]) / len(timed), "peak_rss_gib": host_memory.peak_rss_gib(),
             "mean_new_tokens": sum(lengths) / max(len(lengths), 1),
             "torch_threads": torch.get_num_threads(), "trl": trl.__version__,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
