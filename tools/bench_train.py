@@ -12,7 +12,8 @@ step compiles everything first, then `--repeats` timed steps.
 When `trl` is installed (the `bench` extra; --no_trl skips it), TRL's GRPOTrainer runs the same
 work in its own process after ours, per dtype (tools/bench_trl.py: same weights, prompts,
 reward, group, forced token count, one optimizer step over the same rows, torch given XLA's
-thread count); the last table is ours / TRL per dtype (target <= 0.75).
+thread count); the last table is ours / TRL per dtype (target <= 0.75). On a loaded machine
+pass --omp_wait_policy=PASSIVE: torch's spinning OpenMP workers otherwise slow it several-fold.
 Prints seconds per stage, tokens/s and peak RSS, and the compute floor: the step's matmul
 FLOPs (`step_tflop`) at the best matmul rate measured in the same process (`matmul_gflops`),
 i.e. the fastest this step could run on this machine (`floor_s`; `floor_share` = floor_s /
