@@ -13,7 +13,7 @@ advantages read the reward. Masks are bool or {0,1} float [B, T]; ``keep_B`` is 
 
 Public API (stable):
 
-Presets and the two entry points (algorithms.py)
+Presets (presets.py) and the two entry points (algorithms.py)
     AlgorithmConfig(...)                       frozen dataclass of every knob (hashable: a static jit arg)
     get_preset(name, **overrides) -> AlgorithmConfig
         names: grpo, dr_grpo, reinforce, reinforce_rej, reinforce_pp, reinforce_pp_baseline,
@@ -79,7 +79,7 @@ with verl, OpenRLHF and TRL.
 """
 from __future__ import annotations
 
-from jaxrl4llm.rl import advantages, algorithms, filters, losses, metrics
+from jaxrl4llm.rl import advantages, algorithms, filters, losses, metrics, presets
 from jaxrl4llm.rl.advantages import (
     last_token_onehot,
     normalized_advantages,
@@ -92,10 +92,8 @@ from jaxrl4llm.rl.advantages import (
     whiten,
 )
 from jaxrl4llm.rl.algorithms import (
-    PRESETS,
     AlgorithmConfig,
     compute_advantages,
-    get_preset,
     loss_denominator,
     policy_loss,
     validate,
@@ -122,9 +120,10 @@ from jaxrl4llm.rl.losses import (
     nll_loss,
 )
 from jaxrl4llm.rl.metrics import Metric, combine_metrics, finalize_metrics
+from jaxrl4llm.rl.presets import PRESETS, get_preset
 
 __all__ = [
-    "advantages", "algorithms", "filters", "losses", "metrics", "Metric", "k3",
+    "advantages", "algorithms", "filters", "losses", "metrics", "presets", "Metric", "k3",
     "AlgorithmConfig", "PRESETS", "get_preset", "validate", "compute_advantages", "policy_loss",
     "loss_denominator", "normalized_advantages", "rloo_advantages", "reinforce_advantages",
     "reinforce_pp_advantages", "token_rewards", "returns_to_go", "whiten", "last_token_onehot",

@@ -220,7 +220,7 @@ class TrainConfig:
                  "default_task": tuple(TASK_VERIFIERS)},
         derived={"max_new_tokens": "max_new_tokens"})
     algorithm: rl.AlgorithmConfig = group(
-        rl.algorithms.grpo, flags={"name": "algorithm"}, preset=rl.get_preset,
+        rl.presets.grpo, flags={"name": "algorithm"}, preset=rl.get_preset,
         choices={"name": tuple(sorted(rl.PRESETS)), "advantage": rl.algorithms.ADVANTAGES,
                  "mean": rl.advantages.MEANS, "std": rl.advantages.STDS,
                  "objective": rl.algorithms.OBJECTIVES, "agg": rl.AGG_MODES,
