@@ -16,9 +16,11 @@ import jax.numpy as jnp
 from jaxrl4llm.options import require
 from jaxrl4llm.rl import advantages as adv_lib
 from jaxrl4llm.rl import filters, losses
+from jaxrl4llm.rl import value as value_lib
 from jaxrl4llm.rl.metrics import Metric
 
-ADVANTAGES = ("normalized", "rloo", "reinforce_pp", "reinforce_pp_baseline", "positives", "remax")
+ADVANTAGES = ("normalized", "rloo", "reinforce_pp", "reinforce_pp_baseline", "positives", "remax",
+              "gae")
 OBJECTIVES = ("clipped", "nll")
 KL_PLACES = ("loss", "reward", None)
 IMPORTANCE = ("token", "sequence")
@@ -34,8 +36,9 @@ class AlgorithmConfig:
     name: Algorithm preset (a config built from a preset keeps its name; every other knob
         overrides the preset where it is set).
     advantage: "normalized" (mean/std below), "rloo", "reinforce_pp", "reinforce_pp_baseline",
-        "positives" (A = 1 on RAFT positives, other rows rejected) or "remax" (A = r minus the
-        reward of the prompt's greedy completion, sampled beside the group).
+        "positives" (A = 1 on RAFT positives, other rows rejected), "remax" (A = r minus the
+        reward of the prompt's greedy completion, sampled beside the group) or "gae" (PPO:
+        GAE on a learned critic's values, whitened over the batch; trains the critic).
     mean, std: Scopes of the normalized advantage's mean and std ("group", "batch", "none").
     ddof: Std degrees of freedom (1 = torch.std, 0 = numpy); also for REINFORCE++ whitening.
     eps: Added to the std of the normalized advantage and of REINFORCE++ whitening.
@@ -72,6 +75,10 @@ class AlgorithmConfig:
     positives: RAFT selection, "correct" or "best" (see filters.raft_positives).
     binary_reward: None to use the verifier's reward as is, or "wrong,right" to replace it by
         a value chosen from `correct` (e.g. -1,1 or 0,1).
+    gamma: GAE discount (advantage="gae").
+    lam: GAE lambda (advantage="gae"): 1 = Monte-Carlo returns minus V, 0 = one-step TD.
+    value_clip: Clip of the critic's new values around its rollout values in the value loss
+        (advantage="gae"; none = unclipped).
     """
 
     name: str = "custom"
@@ -101,6 +108,9 @@ class AlgorithmConfig:
     max_resample_rounds: int = 10
     positives: str = "correct"
     binary_reward: Optional[tuple[float, float]] = None
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: Optional[float] = 0.2
 
 
 def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
@@ -130,6 +140,10 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
            "dynamic_sampling keeps groups with both correct and wrong samples; it needs "
            f"group_size >= 2, got {G}.")
     require(c.eps > 0, f"eps={c.eps!r} must be > 0 (default 1e-6).")
+    require(0 <= c.gamma <= 1, f"gamma={c.gamma!r} must be in [0, 1] (1 = no discount, PPO's default).")
+    require(0 <= c.lam <= 1, f"lam={c.lam!r} must be in [0, 1] (GAE lambda; verl / OpenRLHF use 0.95 or 1).")
+    require(c.value_clip is None or c.value_clip > 0,
+           f"value_clip={c.value_clip!r} must be > 0 (e.g. 0.2) or None (no clip).")
     require(0 <= c.clip_low < 1, f"clip_low={c.clip_low!r} must be in [0, 1) so that 1 - clip_low > 0.")
     require(c.clip_high >= 0, f"clip_high={c.clip_high!r} must be >= 0.")
     require(c.dual_clip is None or c.dual_clip > 1,
@@ -169,7 +183,17 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
 
 # ---- entry points -------------------------------------------------------------------------
 
-def compute_advantages(
+def compute_advantages(config: AlgorithmConfig, rewards_B: jnp.ndarray, correct_B: jnp.ndarray,
+                       mask_BT: jnp.ndarray, group_size: int, **kwargs
+                       ) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, Metric]]:
+    """Advantages for one rollout batch: (advantages [B] or [B, T], keep_B bool, metrics);
+    ``compute_advantages_and_returns`` without the critic's returns (same arguments)."""
+    adv, _, keep, metrics = compute_advantages_and_returns(config, rewards_B, correct_B, mask_BT,
+                                                           group_size, **kwargs)
+    return adv, keep, metrics
+
+
+def compute_advantages_and_returns(
     config: AlgorithmConfig,
     rewards_B: jnp.ndarray,
     correct_B: jnp.ndarray,
@@ -182,9 +206,11 @@ def compute_advantages(
     valid_B: jnp.ndarray | None = None,
     baseline_B: jnp.ndarray | None = None,
     baseline_correct_B: jnp.ndarray | None = None,
-) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, Metric]]:
-    """Advantages for one rollout batch. Returns (advantages [B] or [B, T], keep_B bool,
-    metrics: rl.metrics.Metric values by final name, "adv/...").
+    values_BT: jnp.ndarray | None = None,
+) -> tuple[jnp.ndarray, jnp.ndarray | None, jnp.ndarray, dict[str, Metric]]:
+    """Advantages for one rollout batch. Returns (advantages [B] or [B, T], returns_BT (the
+    critic's targets; None unless advantage="gae"), keep_B bool, metrics: rl.metrics.Metric
+    values by final name, "adv/...").
 
     keep_B marks the rows that enter the loss. Group rejection and RAFT's selection decide
     which rows carry a learning signal and enter the statistics (batch mean/std, whitening);
@@ -199,6 +225,7 @@ def compute_advantages(
     its valid rows only.
     baseline_B, baseline_correct_B: advantage="remax" only: each row's baseline reward and
     verdict, those of its prompt's greedy completion (binary_reward maps the verdict).
+    values_BT: advantage="gae" only: the critic's values of the rollout (V(s_t) at token t).
     """
     c = config
     correct = jnp.asarray(correct_B, bool)
@@ -219,7 +246,7 @@ def compute_advantages(
             raise ValueError("overlong_filter=True needs truncated_B (the sampler's 'hit max_new_tokens' flags).")
         keep = keep & filters.overlong_keep_mask(truncated_B)
 
-    kl_BT = None
+    kl_BT, returns_BT = None, None
     if c.kl_in == "reward" and c.kl_coef != 0:
         if logp_BT is None or ref_logp_BT is None:
             raise ValueError("kl_in='reward' needs logp_BT (sampling policy) and ref_logp_BT (reference model).")
@@ -233,6 +260,12 @@ def compute_advantages(
         adv = signal.astype(jnp.float32)
     elif c.advantage == "remax":
         adv = r_B - _baseline(c, baseline_B, baseline_correct_B)
+    elif c.advantage == "gae":
+        if values_BT is None:
+            raise ValueError("advantage='gae' (PPO) needs values_BT: the critic's values of the rollout.")
+        adv, returns_BT = value_lib.ppo_advantages(r_B, values_BT, mask_BT, gamma=c.gamma, lam=c.lam,
+                                                   kl_BT=kl_BT, kl_coef=c.kl_coef, keep_B=signal)
+        returns_BT = jnp.where(valid[:, None], returns_BT, 0.0)
     elif c.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
         adv = adv_lib.reinforce_pp_advantages(
             r_B, mask_BT, kl_BT=kl_BT, kl_coef=c.kl_coef, group_size=group_size,
@@ -258,7 +291,7 @@ def compute_advantages(
         "adv/adv_mean": Metric.mean((adv_B * lf).sum() / n_learn),
         "adv/adv_abs_mean": Metric.mean((jnp.abs(adv_B) * lf).sum() / n_learn),
     }
-    return adv, keep, metrics
+    return adv, returns_BT, keep, metrics
 
 
 def _baseline(c: AlgorithmConfig, baseline_B, baseline_correct_B) -> jnp.ndarray:

@@ -144,9 +144,26 @@ def dapo() -> AlgorithmConfig:
                            reject_all_wrong=True, dynamic_sampling=True)
 
 
+def ppo() -> AlgorithmConfig:
+    """PPO with a critic: Schulman et al. 2017, "Proximal Policy Optimization Algorithms"
+    (arXiv:1707.06347), as the PPO baseline of the REINFORCE++ paper (Hu 2025,
+    arXiv:2501.03262), run with OpenRLHF.
+
+    Token rewards r at the last token - 0.01 * k1 KL on every token; GAE on a learned
+    critic's values with gamma 1, lambda 0.95; advantages whitened over the batch's tokens
+    (verl's masked_whiten); clip 0.2; token-mean. The critic (same family, scalar head) is
+    trained on 0.5 * max((V - R)^2, (clip(V, V_old +- 0.2) - R)^2): OpenRLHF's defaults
+    (--gamma 1 --lambd 0.95 --value_clip 0.2; verl's ppo_trainer.yaml has lam 1.0 and
+    cliprange_value 0.5).
+    """
+    return AlgorithmConfig(name="ppo", advantage="gae", mean="none", std="none", agg="token-mean",
+                           kl_in="reward", kl_estimator="k1", kl_coef=0.01, gamma=1.0, lam=0.95,
+                           value_clip=0.2)
+
+
 PRESETS = {f.__name__: f for f in (grpo, dr_grpo, reinforce, reinforce_rej, reinforce_pp,
                                    reinforce_pp_baseline, lite_ppo, rloo, raft, raft_pp, gspo,
-                                   remax, dapo)}
+                                   remax, dapo, ppo)}
 
 
 def get_preset(name: str, **overrides) -> AlgorithmConfig:
