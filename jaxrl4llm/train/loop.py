@@ -192,6 +192,8 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
             last["optim/learning_rate"] = float(lr_schedule(
                 (step + 1) * config.updates_per_step - 1))
             state = state.replace(step=_increment(state.step))
+            if critic_state is not None:
+                critic_state = critic_state.replace(step=_increment(critic_state.step))
             done = step + 1
             if e.eval_every and done % e.eval_every == 0 and has_eval:
                 eval_results = evaluate(jax.random.fold_in(step_key, 2))

@@ -179,3 +179,13 @@ def test_warmup_updates_only_the_critic_and_resume_is_exact(toy_model_dir, copy_
     reloaded = critic.load(str(tmp_path / "exported-critic"), model_config)
     for x, y in zip(jax.tree.leaves(straight["critic_state"].params), jax.tree.leaves(reloaded)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert int(resumed["critic_state"].step) == 4
+
+    # --critic_model starts a run from that critic: its first values are not the zero head's.
+    fresh = loop.run(_config(toy_model_dir, copy_task_file, tmp_path / "c", num_steps=1,
+                             algorithm=rl.get_preset("ppo"),
+                             critic_model=str(tmp_path / "exported-critic")),
+                     devices=_one_device())
+    assert read_metrics(str(tmp_path / "c"))[0]["critic/values_mean"] != 0
+    assert fresh["critic_state"] is not None
+
