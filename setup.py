@@ -43,6 +43,11 @@ EXTRAS_REQUIRE = {
     # (~45 MB installed, one small C extension, pycosat), no torch / tensorflow; importing it
     # takes ~1.5 s, so it stays optional and is imported only when a gym: source is used.
     "gym": ["reasoning-gym>=0.1.25"],
+    # bench: tools/bench_train.py times TRL's GRPOTrainer on the same work as our GRPO step
+    # (issue 19). trl 1.16.0 is the newest release; it works with transformers 5.23 and brings
+    # accelerate, datasets and pandas (~110 MB in all, no CUDA packages). Pinned exactly so
+    # the comparison is against a known version; torch pinned as in 'test' (its CPU wheel).
+    "bench": ["trl==1.16.0", "torch==2.13.0"],
     "tpu": ["jax[tpu]>=0.10.2"],
     "gpu": ["jax[cuda13]>=0.10.2"],
     # tensorflow-datasets is only needed to read TFDS-prepared datasets.

@@ -1,13 +1,19 @@
-"""Benchmark one GRPO training step on SmolLM2-135M-Instruct (CPU or accelerator).
+"""Benchmark one GRPO training step on SmolLM2-135M-Instruct (CPU or accelerator), against TRL.
 
     python tools/bench_train.py                       # float32 and bfloat16, 8 x 4 x 128 tokens
     python tools/bench_train.py --dtypes float32 --prompts=4 --new_tokens=32   # quicker
     python tools/bench_train.py --dtypes float32 float32:bfloat16   # f32 vs bf16 compute
 
 One step = rollout (sampler, forced length: stop tokens ignored) -> rewards -> reference
-logprobs (GRPO's KL term) -> one jitted update with per-layer remat (--no_remat to keep all
-activations: about 17 GiB peak RSS instead of a few). Each dtype runs in its own process so its
-peak RSS is its own; a warm-up step compiles everything first, then `--repeats` timed steps.
+logprobs (only with --kl_coef > 0: GRPO's KL term; off by default, as TRL's beta = 0) -> one
+jitted update with per-layer remat (--no_remat to keep all activations: about 17 GiB peak RSS
+instead of a few). Each dtype runs in its own process so its peak RSS is its own; a warm-up
+step compiles everything first, then `--repeats` timed steps.
+When `trl` is installed (the `bench` extra; --no_trl skips it), TRL's GRPOTrainer runs the same
+work in its own process after ours, per dtype (tools/bench_trl.py: same weights, prompts,
+reward, group, forced token count, one optimizer step over the same rows, torch given XLA's
+thread count); the last table is ours / TRL per dtype (target <= 0.75). On a loaded machine
+pass --omp_wait_policy=PASSIVE: torch's spinning OpenMP workers otherwise slow it several-fold.
 Prints seconds per stage, tokens/s and peak RSS, and the compute floor: the step's matmul
 FLOPs (`step_tflop`) at the best matmul rate measured in the same process (`matmul_gflops`),
 i.e. the fastest this step could run on this machine (`floor_s`; `floor_share` = floor_s /
@@ -21,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,6 +67,7 @@ def _child(args) -> dict:
     from jaxrl4llm.train.rollout import RolloutContext, rollout
     from jaxrl4llm.train.state import TrainState
     from jaxrl4llm.train.step import compile_train_step, train_step
+    from tools.bench_trl import step_records, xla_threads
 
     param_name, _, compute_name = args.child.partition(":")
     dtype = param_dtype(param_name)
@@ -71,9 +79,11 @@ def _child(args) -> dict:
         prompts_per_step=args.prompts,
         group_size=args.group, max_new_tokens=args.new_tokens, algorithm="grpo",
         learning_rate=1e-6, answer_mode="lenient", remat=args.remat,
-        share_prompts=args.share_prompts)
+        share_prompts=args.share_prompts, kl_coef=args.kl_coef,
+        kl_in="loss" if args.kl_coef > 0 else None)
     model_config = config.model.compute_config(model_config)   # as the trainer does
-    ref_params = jax.tree.map(jnp.copy, params)
+    # The reference weights are a second copy only when the KL term needs them.
+    ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
     state = TrainState.create(params, config.optimizer, seed=0)
     source = make_source("synthetic:arithmetic", split="train")
     reward_fn = make_reward_fn("auto", answer_mode="lenient")
@@ -82,7 +92,7 @@ def _child(args) -> dict:
                                 config.rollout, stop_ids=())
     rows = []
     for step in range(1 + args.repeats):  # step 0 compiles
-        records = [source[(step * args.prompts + i) % len(source)] for i in range(args.prompts)]
+        records = step_records(source, step, args.prompts)
         t_step = time.perf_counter()
         batch, m = rollout(ctx, config, state.params, ref_params, records, jax.random.key(step))
         prompt_group = batch.layout.prompt_group(batch.keep_B.shape[0])
@@ -109,8 +119,8 @@ def _child(args) -> dict:
     timed = rows[1:]
     mean = {k: sum(r[k] for r in timed) / len(timed) for k in timed[0]}
     # The compute floor: this step's matmul FLOPs at the best matmul rate measured here.
-    from tools.bench_sampler import measure_matmul_gflops
-    peak_gflops = measure_matmul_gflops(param_dtype(compute_name or param_name))
+    from tools import bench_sampler
+    peak_gflops = bench_sampler.measure_matmul_gflops(param_dtype(compute_name or param_name))
     tflop = step_tflop(model_config, args.prompts, args.group,
                        int(batch.seqs.prompt_tokens_BP.shape[1]), args.new_tokens,
                        remat=config.model.remat, share_prompts=config.rollout.share_prompts,
@@ -119,6 +129,7 @@ def _child(args) -> dict:
     mean.update(dtype=args.child, compile_step_s=rows[0]["step_s"], load_s=load_s,
                 peak_rss_gib=peak_rss, step_tflop=sum(tflop.values()), matmul_gflops=peak_gflops,
                 floor_s=floor_s, floor_share=floor_s / mean["step_s"],
+                xla_threads=xla_threads(),
                 device=str(jax.devices()[0].platform))
     return mean
 
@@ -131,7 +142,7 @@ def dtype_list(values: list[str]) -> list[str]:
 def child_flags(args: argparse.Namespace) -> list[str]:
     """Every option but --dtypes / --child, spelled out for a child process."""
     flags = [f"--{k}={v}" for k, v in vars(args).items()
-             if k not in ("dtypes", "child", "remat", "share_prompts")]
+             if k not in ("dtypes", "child", "remat", "share_prompts", "trl") and v is not None]
     return flags + ([] if args.remat else ["--no_remat"]) + (
         [] if args.share_prompts else ["--no_share_prompts"])
 
@@ -146,43 +157,118 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--kl_coef", type=float, default=0.0,
+                        help="GRPO's KL coefficient (0.04 in the paper): > 0 adds the reference "
+                             "pass; 0 (default) matches TRL's default beta = 0")
     parser.add_argument("--no_remat", dest="remat", action="store_false",
                         help="keep every layer's activations (much more memory)")
     parser.add_argument("--no_share_prompts", dest="share_prompts", action="store_false",
                         help="run every row's prompt (not once per group) in the "
                              "reference and update passes")
+    parser.add_argument("--no_trl", dest="trl", action="store_false",
+                        help="do not time TRL's GRPOTrainer even if trl is installed")
+    parser.add_argument("--omp_wait_policy", choices=("PASSIVE", "ACTIVE"), default=None,
+                        help="OMP_WAIT_POLICY for the child processes (default: torch's own). "
+                             "On a loaded machine torch's spinning OpenMP workers slow it "
+                             "several-fold; PASSIVE keeps its thread count but lets them sleep")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--hf_dir", default=None, help=argparse.SUPPRESS)
     return parser
+
+
+def run_child(args: argparse.Namespace, child: str) -> dict | None:
+    """Runs this script as `--child=CHILD` (its own process: its own peak RSS)."""
+    cmd = [sys.executable, os.path.abspath(__file__), f"--child={child}"] + child_flags(args)
+    env = dict(os.environ)
+    if args.omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode or not lines:
+        print(f"--child={child} failed (exit {out.returncode}):\n{out.stderr[-4000:]}",
+              file=sys.stderr)
+        return None
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def load_average() -> str:
+    return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def print_table(cols: tuple[str, ...], rows: list[dict]) -> None:
+    width = {c: max([13, len(c)] + [len(r[c]) for r in rows if isinstance(r[c], str)])
+             for c in cols}
+    print(" | ".join(f"{c:>{width[c]}s}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:>{width[c]}s}" if isinstance(r[c], str)
+                         else f"{r[c]:>{width[c]}.2f}" for c in cols))
+
+
+def print_comparison(ours: list[dict], theirs: list[dict]) -> None:
+    """Ours against TRL per dtype, and our step against its same-run compute floor."""
+    print(f"ours vs TRL {theirs[0]['trl']} GRPOTrainer (torch {theirs[0]['torch']}, threads: "
+          f"XLA {ours[0]['xla_threads']}, torch {theirs[0]['torch_threads']}, OMP_WAIT_POLICY "
+          f"{theirs[0]['omp_wait_policy']}); TRL's completions: "
+          f"{theirs[0]['mean_new_tokens']:.1f} tokens on average")
+    rows = [{"dtype": o["dtype"], "ours_step_s": o["step_s"], "trl_step_s": t["step_s"],
+             "ratio": o["step_s"] / t["step_s"],
+             # The reward's cost depends on the sampled texts (which differ between the sides).
+             "ratio_no_reward": (o["step_s"] - o["reward_s"]) / (t["step_s"] - t["reward_s"]),
+             "ours_rss_gib": o["peak_rss_gib"],
+             "trl_rss_gib": t["peak_rss_gib"], "rss_ratio": o["peak_rss_gib"] / t["peak_rss_gib"],
+             "floor_share": o["floor_share"]} for o, t in zip(ours, theirs)]
+    print_table(tuple(rows[0]), rows)
+    print("ratio = ours / TRL step time (target <= 0.75), ratio_no_reward the same without the "
+          "reward's time; rss_ratio = ours / TRL peak RSS (target <= 0.5); floor_share = our "
+          "compute floor / our step (target >= 0.70)")
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(_child(args)), flush=True)
+        from tools import bench_trl
+        if args.child == "export":
+            bench_trl.export_model(args.model, args.hf_dir)
+            result = {"hf_dir": args.hf_dir}
+        elif args.child.startswith("trl/"):
+            result = bench_trl.run_trl(args, args.child[len("trl/"):], args.hf_dir)
+        else:
+            result = _child(args)
+        print("RESULT " + json.dumps(result), flush=True)
         return 0
-    results = []
-    for dtype in dtype_list(args.dtypes):
-        cmd = [sys.executable, os.path.abspath(__file__), f"--child={dtype}"] + child_flags(args)
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-        if out.returncode or not lines:
-            print(out.stderr[-4000:], file=sys.stderr)
+    from tools import bench_trl
+    with_trl = args.trl and bench_trl.trl_available()
+    if args.trl and not with_trl:
+        print(bench_trl.TRL_MISSING)
+    print(f"before: {load_average()}", flush=True)
+    ours, theirs = [], []
+    with tempfile.TemporaryDirectory(prefix="bench_train_hf_") as hf_dir:
+        args.hf_dir = hf_dir
+        if with_trl and run_child(args, "export") is None:
             return 1
-        results.append(json.loads(lines[-1][len("RESULT "):]))
+        for dtype in dtype_list(args.dtypes):
+            ours.append(run_child(args, dtype))
+            if with_trl:   # right after ours: the two sides see about the same load
+                theirs.append(run_child(args, f"trl/{dtype}"))
+            if ours[-1] is None or (with_trl and theirs[-1] is None):
+                return 1
+    print(f"after: {load_average()}")
     print(f"GRPO step: {args.prompts} prompts x {args.group} samples x {args.new_tokens} new "
-          f"tokens (forced), {args.model}, device {results[0]['device']}")
-    cols = ("dtype", "rollout_s", "reward_s", "reference_s", "update_s", "step_s",
-            "sample_tok_s", "update_tok_s", "peak_rss_gib", "compile_step_s", "step_tflop",
-            "matmul_gflops", "floor_s", "floor_share")
-    print(" | ".join(f"{c:>13s}" for c in cols))
-    for r in results:
-        print(" | ".join(f"{r[c]:>13s}" if isinstance(r[c], str) else f"{r[c]:>13.2f}"
-                         for c in cols))
-    for r in results[1:]:   # same run, same machine load
-        print(f"{r['dtype']} / {results[0]['dtype']}: step "
-              f"{r['step_s'] / results[0]['step_s']:.2f}x, update "
-              f"{r['update_s'] / results[0]['update_s']:.2f}x, rollout "
-              f"{r['rollout_s'] / results[0]['rollout_s']:.2f}x the time")
+          f"tokens (forced), KL coef {args.kl_coef}, {args.model}, device {ours[0]['device']}")
+    print_table(("dtype", "rollout_s", "reward_s", "reference_s", "update_s", "step_s",
+                 "sample_tok_s", "update_tok_s", "peak_rss_gib", "compile_step_s", "step_tflop",
+                 "matmul_gflops", "floor_s", "floor_share"), ours)
+    for r in ours[1:]:   # same run, same machine load
+        print(f"{r['dtype']} / {ours[0]['dtype']}: step "
+              f"{r['step_s'] / ours[0]['step_s']:.2f}x, update "
+              f"{r['update_s'] / ours[0]['update_s']:.2f}x, rollout "
+              f"{r['rollout_s'] / ours[0]['rollout_s']:.2f}x the time")
+    if with_trl:
+        print("TRL GRPOTrainer (rollout_s: its _generate; reward_s: its _calculate_rewards, of "
+              "which verify_s in our reward function; update_s: step - rollout - reward)")
+        print_table(("dtype", "rollout_s", "reward_s", "verify_s", "update_s", "step_s",
+                     "peak_rss_gib", "compile_step_s"), theirs)
+        print_comparison(ours, theirs)
     return 0
 
 

@@ -2,7 +2,9 @@
 
     python tools/export_hf.py workdirs/quickstart exported/quickstart [--step N]
 
-Writes config.json, model.safetensors and the tokenizer files.
+Writes config.json, model.safetensors and the tokenizer files. A PPO run's critic goes to a
+folder beside it (OUTPUT-critic, or --critic_output): the backbone and its value head as
+transformers' *ForTokenClassification (num_labels 1), which --critic_model reads back.
 """
 from __future__ import annotations
 
@@ -18,17 +20,25 @@ def main(argv=None) -> int:
     parser.add_argument("workdir", help="training workdir (with config.json and checkpoints/)")
     parser.add_argument("output", help="folder to write the HF checkpoint into")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--critic_output", default=None,
+                        help="folder for a PPO run's critic (default: OUTPUT-critic)")
     args = parser.parse_args(argv)
 
     from jaxrl4llm.models import weights
-    from jaxrl4llm.train.checkpoint import load_trained_policy
+    from jaxrl4llm.train import critic
+    from jaxrl4llm.train.checkpoint import load_trained_models
 
     try:
-        _, model_config, params, tokenizer = load_trained_policy(args.workdir, args.step)
+        _, model_config, params, critic_params, tokenizer = load_trained_models(args.workdir,
+                                                                                args.step)
     except FileNotFoundError as e:
         parser.error(str(e))
     weights.export_hf(params, model_config, args.output, tokenizer=tokenizer)
     print(f"wrote {args.output}")
+    if critic_params is not None:
+        folder = args.critic_output or args.output.rstrip("/\\") + "-critic"
+        critic.export(critic_params, model_config, folder, tokenizer)
+        print(f"wrote {folder} (the critic)")
     return 0
 
 

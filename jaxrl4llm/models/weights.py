@@ -82,13 +82,16 @@ def _place(buffer: np.ndarray, sharding: Any) -> jax.Array:
 
 def load_params(source: Any, config: ModelConfig, mesh: Any = None,
                 rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
-                dtype: Any = jnp.float32) -> transformer.Params:
+                dtype: Any = jnp.float32, skip: tuple[str, ...] = (),
+                ignore: tuple[str, ...] = ()) -> transformer.Params:
     """Reads every leaf from `source` (HF names and layouts) onto `mesh` (or the default device).
 
     Missing tensors, shape mismatches and tensors the model does not use are errors naming them.
+    `skip`: leaves (params names, e.g. "unembed") neither read nor required, their tensors
+    ignored if present; `ignore`: tensor names the caller reads itself (a critic's head).
     """
     available = source.names()
-    used: set[str] = set()
+    used: set[str] = set(ignore) & available
     shardings = None
     if mesh is not None:
         shardings = parallel.logical_to_sharding(
@@ -98,6 +101,9 @@ def load_params(source: Any, config: ModelConfig, mesh: Any = None,
     params: dict[str, Any] = {"layers": {}}
     np_dtype = np.dtype(dtype)
     for leaf in schema.leaves(config):
+        if leaf.name in skip:
+            used.add(leaf.hf_name(None if not leaf.per_layer else 0))
+            continue
         shape = leaf.our_shape(config)
         layers = range(config.num_layers) if leaf.per_layer else (None,)
         hf_shape = leaf.dims(config, leaf.hf_shape)
@@ -169,16 +175,22 @@ def _write_safetensors(path: str, tensors: dict[str, np.ndarray],
 
 
 def export_hf(params: transformer.Params, config: ModelConfig, path: str | os.PathLike,
-              tokenizer: Any = None) -> None:
+              tokenizer: Any = None, *, extra_tensors: dict[str, np.ndarray] | None = None,
+              hf_config: dict[str, Any] | None = None) -> None:
     """Writes `path`/config.json + model.safetensors that `transformers` loads.
 
     Tensors keep the params' dtype (float32 or bfloat16). Gathers one leaf at a time to host.
+    Leaves absent from `params` (a critic has no "unembed") are not written; `extra_tensors`
+    are written as they are and `hf_config` keys override config.json's (a critic's head and
+    its *ForTokenClassification architecture).
     """
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
     dtype = None
     for leaf in schema.leaves(config):
+        if not leaf.per_layer and leaf.name not in params:
+            continue
         value = np.asarray(jax.device_get(
             params["layers"][leaf.name] if leaf.per_layer else params[leaf.name]))
         dtype = dtype or value.dtype
@@ -187,12 +199,14 @@ def export_hf(params: transformer.Params, config: ModelConfig, path: str | os.Pa
                 tensors[leaf.hf_name(i)] = np.ascontiguousarray(leaf.to_hf(config, value[i]))
         else:
             tensors[leaf.hf_name()] = np.ascontiguousarray(leaf.to_hf(config, value))
+    tensors.update(extra_tensors or {})
     _write_safetensors(os.path.join(path, "model.safetensors"), tensors)
-    hf_config = config.to_hf_config()
-    hf_config["dtype"] = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
-                          np.dtype(np.float16): "float16"}.get(np.dtype(dtype), "float32")
+    written = config.to_hf_config()
+    written["dtype"] = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
+                        np.dtype(np.float16): "float16"}.get(np.dtype(dtype), "float32")
+    written.update(hf_config or {})
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(hf_config, f, indent=2)
+        json.dump(written, f, indent=2)
     if tokenizer is not None:
         getattr(tokenizer, "hf_tokenizer", tokenizer).save_pretrained(path)
 

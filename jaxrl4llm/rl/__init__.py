@@ -13,11 +13,11 @@ advantages read the reward. Masks are bool or {0,1} float [B, T]; ``keep_B`` is 
 
 Public API (stable):
 
-Presets and the two entry points (algorithms.py)
+Presets (presets.py) and the two entry points (algorithms.py)
     AlgorithmConfig(...)                       frozen dataclass of every knob (hashable: a static jit arg)
     get_preset(name, **overrides) -> AlgorithmConfig
         names: grpo, dr_grpo, reinforce, reinforce_rej, reinforce_pp, reinforce_pp_baseline,
-        lite_ppo, rloo, raft, raft_pp, gspo, remax, dapo  (PRESETS maps name -> constructor)
+        lite_ppo, rloo, raft, raft_pp, gspo, remax, dapo, ppo  (PRESETS maps name -> constructor)
     validate(config, group_size) -> config      raises ValueError naming the knob and the fix
     compute_advantages(config, rewards_B, correct_B, mask_BT, group_size, *,
                        truncated_B=None, logp_BT=None, ref_logp_BT=None, valid_B=None,
@@ -26,6 +26,9 @@ Presets and the two entry points (algorithms.py)
         keep_B: rows in the loss; rows rejected by a filter are out of it (rejected_rows="drop")
         or in it with A = 0 (rejected_rows="zero", Minimal-RL's convention); valid_B=False
         rows (no reward) leave the loss and every statistic. baseline_B: ReMax's greedy reward.
+    compute_advantages_and_returns(..., values_BT=None) -> (advantages, returns_BT, keep_B, metrics)
+        the same, with the critic's targets for advantage="gae" (PPO; values_BT: the critic's
+        V(s_t) of the rollout); returns_BT is None for every other estimator.
     policy_loss(config, logp_BT, old_logp_BT, advantages, mask_BT, keep_B=None, *,
                 ref_logp_BT=None, entropy_BT=None)
         -> (loss_sum, denominator, metrics)
@@ -42,6 +45,14 @@ Advantages (advantages.py)
     reinforce_pp_advantages(rewards_B, mask_BT, *, kl_BT=None, kl_coef=0., group_size=1,
                             baseline=False, keep_B=None, ddof=1, eps=1e-6) -> [B, T]
     token_rewards, returns_to_go, whiten, last_token_onehot, to_groups
+
+PPO's critic math (value.py)
+    gae_advantages(token_rewards_BT, values_BT, mask_BT, *, gamma, lam) -> (advantages_BT, returns_BT)
+    masked_whiten(values_BT, weights_BT, eps=1e-8): verl's (x - mean) * rsqrt(var + eps), var ddof=1
+    ppo_advantages(rewards_B, values_BT, mask_BT, *, gamma, lam, kl_BT=None, kl_coef=0., keep_B=None)
+        -> (whitened advantages_BT, returns_BT)
+    value_loss(values_BT, old_values_BT, returns_BT, mask_BT, keep_B=None, *, value_clip=0.2,
+               agg="token-mean", max_tokens=None) -> (loss_sum, denominator, metrics)
 
 Filters (filters.py)
     keep_mask(correct_B, group_size, *, reject_all_correct=False, reject_all_wrong=False,
@@ -79,7 +90,7 @@ with verl, OpenRLHF and TRL.
 """
 from __future__ import annotations
 
-from jaxrl4llm.rl import advantages, algorithms, filters, losses, metrics
+from jaxrl4llm.rl import advantages, algorithms, filters, losses, metrics, presets, value
 from jaxrl4llm.rl.advantages import (
     last_token_onehot,
     normalized_advantages,
@@ -92,10 +103,9 @@ from jaxrl4llm.rl.advantages import (
     whiten,
 )
 from jaxrl4llm.rl.algorithms import (
-    PRESETS,
     AlgorithmConfig,
     compute_advantages,
-    get_preset,
+    compute_advantages_and_returns,
     loss_denominator,
     policy_loss,
     validate,
@@ -122,9 +132,13 @@ from jaxrl4llm.rl.losses import (
     nll_loss,
 )
 from jaxrl4llm.rl.metrics import Metric, combine_metrics, finalize_metrics
+from jaxrl4llm.rl.presets import PRESETS, get_preset
+from jaxrl4llm.rl.value import gae_advantages, masked_whiten, ppo_advantages, value_loss
 
 __all__ = [
-    "advantages", "algorithms", "filters", "losses", "metrics", "Metric", "k3",
+    "advantages", "algorithms", "filters", "losses", "metrics", "presets", "value", "Metric", "k3",
+    "compute_advantages_and_returns", "gae_advantages", "masked_whiten", "ppo_advantages",
+    "value_loss",
     "AlgorithmConfig", "PRESETS", "get_preset", "validate", "compute_advantages", "policy_loss",
     "loss_denominator", "normalized_advantages", "rloo_advantages", "reinforce_advantages",
     "reinforce_pp_advantages", "token_rewards", "returns_to_go", "whiten", "last_token_onehot",

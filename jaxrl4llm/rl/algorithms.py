@@ -1,7 +1,8 @@
-"""AlgorithmConfig (every knob, as data), the named presets, and the two entry points.
+"""AlgorithmConfig (every knob, as data) and the two entry points.
 
 The trainer calls only ``compute_advantages`` (once per rollout batch) and ``policy_loss``
-(per micro-batch); every preset is a value of ``AlgorithmConfig``, never a subclass.
+(per micro-batch); every preset is a value of ``AlgorithmConfig``, never a subclass (the
+named presets live in presets.py).
 """
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ import jax.numpy as jnp
 from jaxrl4llm.options import require
 from jaxrl4llm.rl import advantages as adv_lib
 from jaxrl4llm.rl import filters, losses
+from jaxrl4llm.rl import value as value_lib
 from jaxrl4llm.rl.metrics import Metric
 
-ADVANTAGES = ("normalized", "rloo", "reinforce_pp", "reinforce_pp_baseline", "positives", "remax")
+ADVANTAGES = ("normalized", "rloo", "reinforce_pp", "reinforce_pp_baseline", "positives", "remax",
+              "gae")
 OBJECTIVES = ("clipped", "nll")
 KL_PLACES = ("loss", "reward", None)
 IMPORTANCE = ("token", "sequence")
@@ -33,8 +36,9 @@ class AlgorithmConfig:
     name: Algorithm preset (a config built from a preset keeps its name; every other knob
         overrides the preset where it is set).
     advantage: "normalized" (mean/std below), "rloo", "reinforce_pp", "reinforce_pp_baseline",
-        "positives" (A = 1 on RAFT positives, other rows rejected) or "remax" (A = r minus the
-        reward of the prompt's greedy completion, sampled beside the group).
+        "positives" (A = 1 on RAFT positives, other rows rejected), "remax" (A = r minus the
+        reward of the prompt's greedy completion, sampled beside the group) or "gae" (PPO:
+        GAE on a learned critic's values, whitened over the batch; trains the critic).
     mean, std: Scopes of the normalized advantage's mean and std ("group", "batch", "none").
     ddof: Std degrees of freedom (1 = torch.std, 0 = numpy); also for REINFORCE++ whitening.
     eps: Added to the std of the normalized advantage and of REINFORCE++ whitening.
@@ -71,6 +75,10 @@ class AlgorithmConfig:
     positives: RAFT selection, "correct" or "best" (see filters.raft_positives).
     binary_reward: None to use the verifier's reward as is, or "wrong,right" to replace it by
         a value chosen from `correct` (e.g. -1,1 or 0,1).
+    gamma: GAE discount (advantage="gae").
+    lam: GAE lambda (advantage="gae"): 1 = Monte-Carlo returns minus V, 0 = one-step TD.
+    value_clip: Clip of the critic's new values around its rollout values in the value loss
+        (advantage="gae"; none = unclipped).
     """
 
     name: str = "custom"
@@ -100,6 +108,9 @@ class AlgorithmConfig:
     max_resample_rounds: int = 10
     positives: str = "correct"
     binary_reward: Optional[tuple[float, float]] = None
+    gamma: float = 1.0
+    lam: float = 0.95
+    value_clip: Optional[float] = 0.2
 
 
 def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
@@ -129,6 +140,10 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
            "dynamic_sampling keeps groups with both correct and wrong samples; it needs "
            f"group_size >= 2, got {G}.")
     require(c.eps > 0, f"eps={c.eps!r} must be > 0 (default 1e-6).")
+    require(0 <= c.gamma <= 1, f"gamma={c.gamma!r} must be in [0, 1] (1 = no discount, PPO's default).")
+    require(0 <= c.lam <= 1, f"lam={c.lam!r} must be in [0, 1] (GAE lambda; verl / OpenRLHF use 0.95 or 1).")
+    require(c.value_clip is None or c.value_clip > 0,
+           f"value_clip={c.value_clip!r} must be > 0 (e.g. 0.2) or None (no clip).")
     require(0 <= c.clip_low < 1, f"clip_low={c.clip_low!r} must be in [0, 1) so that 1 - clip_low > 0.")
     require(c.clip_high >= 0, f"clip_high={c.clip_high!r} must be >= 0.")
     require(c.dual_clip is None or c.dual_clip > 1,
@@ -166,163 +181,19 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
     return config
 
 
-# ---- presets ------------------------------------------------------------------------------
-
-def grpo() -> AlgorithmConfig:
-    """GRPO: Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300).
-
-    A = (r - group mean) / (group std (ddof=1) + 1e-6); per-sequence token-mean then mean over
-    sequences (seq-mean-token-mean); clip 0.2; k3 KL to the reference in the loss, coef 0.04.
-    """
-    return AlgorithmConfig(name="grpo", mean="group", std="group", agg="seq-mean-token-mean",
-                           kl_in="loss", kl_estimator="k3", kl_coef=0.04)
-
-
-def dr_grpo() -> AlgorithmConfig:
-    """Dr. GRPO: Liu et al. 2025, "Understanding R1-Zero-Like Training" (arXiv:2503.20783).
-
-    A = r - group mean (no std division); loss summed over tokens and divided by a constant
-    (#sequences * max_tokens: seq-mean-token-sum-norm); clip 0.2; no KL.
-    """
-    return AlgorithmConfig(name="dr_grpo", mean="group", std="none", agg="seq-mean-token-sum-norm")
-
-
-def reinforce() -> AlgorithmConfig:
-    """Reinforce: Xiong et al. 2025, "A Minimalist Approach to LLM Reasoning" (arXiv:2504.11343).
-
-    A = r with r = +1 correct / -1 wrong (binary_reward), no baseline; clipped importance-sampled
-    surrogate (clip 0.2), token-mean; no KL. Rows a filter rejects (the Figure 4 ablations add
-    group filters) keep A = 0 in the loss (rejected_rows="zero"), as the authors' code.
-    """
-    return AlgorithmConfig(name="reinforce", mean="none", std="none", binary_reward=(-1.0, 1.0),
-                           rejected_rows="zero")
-
-
-def reinforce_rej() -> AlgorithmConfig:
-    """Reinforce-Rej: Xiong et al. 2025 (arXiv:2504.11343).
-
-    Reinforce (A = r in {-1, +1}) with all-correct and all-wrong groups rejected; their rows
-    stay in the token-mean denominator with A = 0 (rejected_rows="zero"), as the authors'
-    compute_reinforce_rej_outcome_advantage (github.com/RLHFlow/Minimal-RL).
-    """
-    return dataclasses.replace(reinforce(), name="reinforce_rej", reject_all_correct=True, reject_all_wrong=True)
-
-
-def reinforce_pp() -> AlgorithmConfig:
-    """REINFORCE++: Hu 2025, "REINFORCE++" (arXiv:2501.03262).
-
-    Token rewards r at the last token - 0.01 * k1 KL on every token; returns with gamma = 1;
-    whitened over all valid tokens of the batch (ddof=1, eps=1e-6); clip 0.2; token-mean.
-    """
-    return AlgorithmConfig(name="reinforce_pp", advantage="reinforce_pp", kl_in="reward",
-                           kl_estimator="k1", kl_coef=0.01)
-
-
-def reinforce_pp_baseline() -> AlgorithmConfig:
-    """REINFORCE++-baseline: Hu 2025 (arXiv:2501.03262).
-
-    REINFORCE++ with the group mean of r subtracted before the returns and the batch
-    whitening, and the KL to the reference as a k2 *loss* (coef 0.001) instead of k1 in the
-    reward: the setting of the authors' OpenRLHF example for this estimator
-    (train_reinforce_baseline_llama_ray_hybrid_engine.sh: --use_kl_loss --kl_estimator k2
-    --init_kl_coef 1e-3).
-    """
-    return dataclasses.replace(reinforce_pp(), name="reinforce_pp_baseline", advantage="reinforce_pp_baseline",
-                               kl_in="loss", kl_estimator="k2", kl_coef=0.001)
-
-
-def lite_ppo() -> AlgorithmConfig:
-    """Lite PPO: Liu et al. 2025, "Tricks or Traps? A Deep Dive into RL for LLM Reasoning" (arXiv:2508.08221).
-
-    A = (r - group mean) / (batch std + 1e-6); token-level aggregation (token-mean); clip 0.2; no KL.
-    """
-    return AlgorithmConfig(name="lite_ppo", mean="group", std="batch", agg="token-mean")
-
-
-def rloo() -> AlgorithmConfig:
-    """RLOO: Ahmadian et al. 2024, "Back to Basics" (arXiv:2402.14740); Kool et al. 2019.
-
-    A_i = r_i - mean_{j != i} r_j; clipped surrogate (clip 0.2), token-mean; no KL.
-    """
-    return AlgorithmConfig(name="rloo", advantage="rloo")
-
-
-def raft() -> AlgorithmConfig:
-    """RAFT: Dong et al. 2023, "RAFT: Reward rAnked FineTuning" (arXiv:2304.06767).
-
-    Supervised log-likelihood (token-mean) on each group's best correct sample(s); the rest rejected.
-    """
-    return AlgorithmConfig(name="raft", advantage="positives", objective="nll", positives="best")
-
-
-def raft_pp() -> AlgorithmConfig:
-    """RAFT++: Xiong et al. 2025 (arXiv:2504.11343).
-
-    Clipped importance-sampled surrogate (clip 0.2, token-mean) with A = 1 on correct samples;
-    wrong samples stay in the token-mean denominator with A = 0 (rejected_rows="zero"), as the
-    authors' compute_raft_outcome_advantage (github.com/RLHFlow/Minimal-RL).
-    """
-    return AlgorithmConfig(name="raft_pp", advantage="positives", objective="clipped", positives="correct",
-                           rejected_rows="zero")
-
-
-def gspo() -> AlgorithmConfig:
-    """GSPO: Zheng et al. 2025, "Group Sequence Policy Optimization" (arXiv:2507.18071).
-
-    GRPO's group-normalised advantage with the sequence-level importance ratio
-    s_i = (pi(y_i | x) / pi_old(y_i | x))^(1 / |y_i|), clipped per sequence to
-    [1 - 3e-4, 1 + 4e-4] (the paper's ranges); per-sequence token mean (seq-mean-token-mean,
-    as verl's compute_policy_loss_gspo); no KL.
-    """
-    return AlgorithmConfig(name="gspo", mean="group", std="group", agg="seq-mean-token-mean",
-                           importance="sequence", clip_low=3e-4, clip_high=4e-4)
-
-
-def remax() -> AlgorithmConfig:
-    """ReMax: Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
-    Method for Aligning Large Language Models" (arXiv:2310.10505).
-
-    A_i = r(x, y_i) - r(x, y_greedy): the baseline is the reward of the prompt's greedy
-    completion, decoded in the same sampler call (one extra row per prompt, not trained on);
-    REINFORCE's per-sequence token sum averaged over sequences (seq-mean-token-sum); no KL.
-    """
-    return AlgorithmConfig(name="remax", advantage="remax", agg="seq-mean-token-sum")
-
-
-def dapo() -> AlgorithmConfig:
-    """DAPO: Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale"
-    (arXiv:2503.14476).
-
-    GRPO's group-normalised advantage; clip-higher (clip_low 0.2, clip_high 0.28); token-level
-    loss (token-mean); no KL; dynamic sampling: groups whose samples are all correct or all
-    wrong are resampled (up to max_resample_rounds extra rounds) and kept out of the loss.
-    The soft overlong punishment is a reward option (--overlong_buffer, --overlong_penalty).
-    """
-    return AlgorithmConfig(name="dapo", mean="group", std="group", agg="token-mean",
-                           clip_low=0.2, clip_high=0.28, reject_all_correct=True,
-                           reject_all_wrong=True, dynamic_sampling=True)
-
-
-PRESETS = {f.__name__: f for f in (grpo, dr_grpo, reinforce, reinforce_rej, reinforce_pp,
-                                   reinforce_pp_baseline, lite_ppo, rloo, raft, raft_pp, gspo,
-                                   remax, dapo)}
-
-
-def get_preset(name: str, **overrides) -> AlgorithmConfig:
-    """The named preset, with any knob overridden (dataclasses.replace)."""
-    key = name.lower().replace("-", "_")
-    if key not in PRESETS:
-        raise ValueError(f"unknown algorithm {name!r}; valid names: {', '.join(sorted(PRESETS))}.")
-    known = {f.name for f in dataclasses.fields(AlgorithmConfig)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ValueError(f"unknown AlgorithmConfig knob(s) {unknown}; valid knobs: {', '.join(sorted(known))}.")
-    return dataclasses.replace(PRESETS[key](), **overrides)
-
-
 # ---- entry points -------------------------------------------------------------------------
 
-def compute_advantages(
+def compute_advantages(config: AlgorithmConfig, rewards_B: jnp.ndarray, correct_B: jnp.ndarray,
+                       mask_BT: jnp.ndarray, group_size: int, **kwargs
+                       ) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, Metric]]:
+    """Advantages for one rollout batch: (advantages [B] or [B, T], keep_B bool, metrics);
+    ``compute_advantages_and_returns`` without the critic's returns (same arguments)."""
+    adv, _, keep, metrics = compute_advantages_and_returns(config, rewards_B, correct_B, mask_BT,
+                                                           group_size, **kwargs)
+    return adv, keep, metrics
+
+
+def compute_advantages_and_returns(
     config: AlgorithmConfig,
     rewards_B: jnp.ndarray,
     correct_B: jnp.ndarray,
@@ -335,9 +206,11 @@ def compute_advantages(
     valid_B: jnp.ndarray | None = None,
     baseline_B: jnp.ndarray | None = None,
     baseline_correct_B: jnp.ndarray | None = None,
-) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, Metric]]:
-    """Advantages for one rollout batch. Returns (advantages [B] or [B, T], keep_B bool,
-    metrics: rl.metrics.Metric values by final name, "adv/...").
+    values_BT: jnp.ndarray | None = None,
+) -> tuple[jnp.ndarray, jnp.ndarray | None, jnp.ndarray, dict[str, Metric]]:
+    """Advantages for one rollout batch. Returns (advantages [B] or [B, T], returns_BT (the
+    critic's targets; None unless advantage="gae"), keep_B bool, metrics: rl.metrics.Metric
+    values by final name, "adv/...").
 
     keep_B marks the rows that enter the loss. Group rejection and RAFT's selection decide
     which rows carry a learning signal and enter the statistics (batch mean/std, whitening);
@@ -352,6 +225,7 @@ def compute_advantages(
     its valid rows only.
     baseline_B, baseline_correct_B: advantage="remax" only: each row's baseline reward and
     verdict, those of its prompt's greedy completion (binary_reward maps the verdict).
+    values_BT: advantage="gae" only: the critic's values of the rollout (V(s_t) at token t).
     """
     c = config
     correct = jnp.asarray(correct_B, bool)
@@ -372,7 +246,7 @@ def compute_advantages(
             raise ValueError("overlong_filter=True needs truncated_B (the sampler's 'hit max_new_tokens' flags).")
         keep = keep & filters.overlong_keep_mask(truncated_B)
 
-    kl_BT = None
+    kl_BT, returns_BT = None, None
     if c.kl_in == "reward" and c.kl_coef != 0:
         if logp_BT is None or ref_logp_BT is None:
             raise ValueError("kl_in='reward' needs logp_BT (sampling policy) and ref_logp_BT (reference model).")
@@ -386,6 +260,12 @@ def compute_advantages(
         adv = signal.astype(jnp.float32)
     elif c.advantage == "remax":
         adv = r_B - _baseline(c, baseline_B, baseline_correct_B)
+    elif c.advantage == "gae":
+        if values_BT is None:
+            raise ValueError("advantage='gae' (PPO) needs values_BT: the critic's values of the rollout.")
+        adv, returns_BT = value_lib.ppo_advantages(r_B, values_BT, mask_BT, gamma=c.gamma, lam=c.lam,
+                                                   kl_BT=kl_BT, kl_coef=c.kl_coef, keep_B=signal)
+        returns_BT = jnp.where(valid[:, None], returns_BT, 0.0)
     elif c.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
         adv = adv_lib.reinforce_pp_advantages(
             r_B, mask_BT, kl_BT=kl_BT, kl_coef=c.kl_coef, group_size=group_size,
@@ -411,7 +291,7 @@ def compute_advantages(
         "adv/adv_mean": Metric.mean((adv_B * lf).sum() / n_learn),
         "adv/adv_abs_mean": Metric.mean((jnp.abs(adv_B) * lf).sum() / n_learn),
     }
-    return adv, keep, metrics
+    return adv, returns_BT, keep, metrics
 
 
 def _baseline(c: AlgorithmConfig, baseline_B, baseline_correct_B) -> jnp.ndarray:
@@ -485,3 +365,12 @@ def policy_loss(
         kl_ref_BT=kl_BT, entropy_BT=entropy_BT)
     metrics = jax.tree_util.tree_map(jax.lax.stop_gradient, metrics)
     return loss_sum, denom, metrics
+
+
+def __getattr__(name: str):
+    """The presets lived here before presets.py: rl.algorithms.grpo, .PRESETS, .get_preset
+    still resolve (imported lazily: presets.py imports this module)."""
+    from jaxrl4llm.rl import presets
+    if name == "get_preset" or name == "PRESETS" or name in presets.PRESETS:
+        return getattr(presets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -157,6 +157,14 @@ def load_trained_policy(workdir: str, step: int | None = None, mesh: Any = None
     The base model named in WORKDIR/config.json gives the architecture and tokenizer; the
     latest (or `step`) checkpoint gives the parameters.
     """
+    config, model_config, params, _, tokenizer = load_trained_models(workdir, step, mesh)
+    return config, model_config, params, tokenizer
+
+
+def load_trained_models(workdir: str, step: int | None = None, mesh: Any = None
+                        ) -> tuple[Any, Any, Any, Any, Any]:
+    """(train config, model config, policy params, critic params or None, tokenizer): as
+    `load_trained_policy`, with PPO's critic when the run trained one."""
     config_path = os.path.join(workdir, "config.json")
     if not os.path.exists(config_path):
         raise FileNotFoundError(f"{workdir!r} has no config.json: pass a training --workdir.")
@@ -166,6 +174,11 @@ def load_trained_policy(workdir: str, step: int | None = None, mesh: Any = None
         config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype))
     # Restored onto the params' layout, optimizer moments included.
     abstract = abstract_state(params, config.optimizer, config.run.seed)
+    if config.needs_critic:   # PPO: the critic's state sits beside the policy's
+        from jaxrl4llm.train import critic
+        abstract = {"policy": abstract, "critic": abstract_state(
+            critic.from_policy(params), critic.optimizer_config(
+                config.optimizer, config.critic.learning_rate), config.run.seed)}
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=1)
     try:
         if checkpointer.latest_step() is None:
@@ -173,7 +186,9 @@ def load_trained_policy(workdir: str, step: int | None = None, mesh: Any = None
         state, _ = checkpointer.restore(abstract, step, set_aside=False)  # read-only here
     finally:
         checkpointer.close()
-    return config, model_config, state.params, tokenizer
+    if config.needs_critic:
+        return config, model_config, state["policy"].params, state["critic"].params, tokenizer
+    return config, model_config, state.params, None, tokenizer
 
 
 class PreemptionFlag:

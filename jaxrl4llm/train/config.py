@@ -150,6 +150,23 @@ class UpdateConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CriticOptions:
+    """PPO's critic (algorithms with advantage=gae, e.g. --algorithm=ppo).
+
+    model: The critic's starting weights: an HF folder / GGUF / registered name of the
+        policy's family (a folder exported by tools/export_hf.py holds its value head); none =
+        the policy's weights with a zero head.
+    learning_rate: The critic's AdamW learning rate (none = 10 x --learning_rate); its
+        warm-up, schedule and clipping are the policy's.
+    warmup_steps: First steps that update only the critic (the policy is not updated).
+    """
+
+    model: str | None = None
+    learning_rate: float | None = None
+    warmup_steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
     """Held-out evaluation, the same in the trainer and in experiments/evaluate.py.
 
@@ -220,7 +237,7 @@ class TrainConfig:
                  "default_task": tuple(TASK_VERIFIERS)},
         derived={"max_new_tokens": "max_new_tokens"})
     algorithm: rl.AlgorithmConfig = group(
-        rl.algorithms.grpo, flags={"name": "algorithm"}, preset=rl.get_preset,
+        rl.presets.grpo, flags={"name": "algorithm"}, preset=rl.get_preset,
         choices={"name": tuple(sorted(rl.PRESETS)), "advantage": rl.algorithms.ADVANTAGES,
                  "mean": rl.advantages.MEANS, "std": rl.advantages.STDS,
                  "objective": rl.algorithms.OBJECTIVES, "agg": rl.AGG_MODES,
@@ -233,6 +250,9 @@ class TrainConfig:
                                 "eps": "adam_eps"},
         choices={"schedule": SCHEDULES})
     update: UpdateConfig = group(UpdateConfig)
+    critic: CriticOptions = group(CriticOptions, flags={
+        "model": "critic_model", "learning_rate": "critic_learning_rate",
+        "warmup_steps": "critic_warmup_steps"})
     evaluation: EvalConfig = group(EvalConfig)
     run: RunConfig = group(RunConfig)
 
@@ -276,6 +296,11 @@ class TrainConfig:
     def needs_reference(self) -> bool:
         a = self.algorithm
         return (a.kl_coef > 0 and a.kl_in is not None) or a.log_kl_ref
+
+    @property
+    def needs_critic(self) -> bool:
+        """PPO: a value model is trained beside the policy."""
+        return self.algorithm.advantage == "gae"
 
     @property
     def reshuffles_rows(self) -> bool:
@@ -341,6 +366,16 @@ class TrainConfig:
                 f"of --group_size={r.group_size} and of the {data_parallel} data-parallel "
                 f"devices of --mesh={run.mesh} (or 0: all rows at once).")
         rl.validate(self.algorithm, r.group_size)
+        c = self.critic
+        require(c.warmup_steps >= 0, f"--critic_warmup_steps={c.warmup_steps} must be >= 0.")
+        require(c.learning_rate is None or c.learning_rate > 0,
+                f"--critic_learning_rate={c.learning_rate} must be > 0 (or unset: 10 x "
+                "--learning_rate).")
+        require(self.needs_critic or (c.model is None and c.learning_rate is None
+                                      and c.warmup_steps == 0),
+                f"--critic_model / --critic_learning_rate / --critic_warmup_steps are set but "
+                f"--algorithm={self.algorithm.name} trains no critic; use --algorithm=ppo (or "
+                "--advantage=gae), or drop the critic flags.")
         a = self.algorithm
         require(not ((a.advantage == "remax" or a.dynamic_sampling) and jax.process_count() > 1),
                 sample_rounds.ONE_HOST_ONLY)

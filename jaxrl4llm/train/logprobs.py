@@ -85,20 +85,8 @@ def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: 
     device holds).
     """
     params = transformer.cast_for_compute(params, config)   # mixed precision (compute_dtype)
-    num_prompt = seqs.prompt_tokens_BP.shape[1]
-    if prompt_group > 1:
-        g = prompt_group
-        h_GPD, h_rest_BTD = transformer.hidden_states_shared_prefix(
-            params, config, seqs.prompt_tokens_BP[::g], seqs.prompt_mask_BP[::g],
-            seqs.completion_tokens_BT[:, :-1], seqs.completion_mask_BT[:, :-1], group=g,
-            remat=remat, sharding=sharding)
-        h_BTD = jnp.concatenate([jnp.repeat(h_GPD[:, -1:], g, axis=0), h_rest_BTD], axis=1)
-    else:
-        tokens, positions, mask = _inputs(seqs)
-        hidden_BLD, _ = transformer.hidden_states(params, config, tokens, positions, mask,
-                                                  remat=remat, sharding=sharding)
-        h_BTD = hidden_BLD[:, num_prompt - 1:]
-    h_BTD = parallel.constrain(h_BTD, transformer.H_AXES, sharding)
+    h_BTD = completion_hidden_states(params, config, seqs, remat=remat,
+                                     prompt_group=prompt_group, sharding=sharding)
     spec, w = transformer.unembedding_matrix(params, config, sharding)
     V = config.vocab_size
     chunked = functools.partial(
@@ -123,6 +111,27 @@ def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: 
     return jax.shard_map(per_device, mesh=sharding.mesh, in_specs=(P(), P(rows), P(rows)),
                          out_specs=(P(rows), P(rows)), axis_names=set(rows))(
         w.astype(boundary), h_BTD, seqs.completion_tokens_BT)
+
+
+def completion_hidden_states(params: Any, config: Any, seqs: Sequences, *, remat: bool = False,
+                             prompt_group: int = 1, sharding: Sharding = None) -> jax.Array:
+    """h_BTD: the last layer's hidden state (after the final norm) at the column that predicts
+    each completion token, i.e. of the prefix before it; `params` already cast for compute.
+    The policy unembeds it into logprobs, the critic's head reads V(s_t) from it."""
+    num_prompt = seqs.prompt_tokens_BP.shape[1]
+    if prompt_group > 1:
+        g = prompt_group
+        h_GPD, h_rest_BTD = transformer.hidden_states_shared_prefix(
+            params, config, seqs.prompt_tokens_BP[::g], seqs.prompt_mask_BP[::g],
+            seqs.completion_tokens_BT[:, :-1], seqs.completion_mask_BT[:, :-1], group=g,
+            remat=remat, sharding=sharding)
+        h_BTD = jnp.concatenate([jnp.repeat(h_GPD[:, -1:], g, axis=0), h_rest_BTD], axis=1)
+    else:
+        tokens, positions, mask = _inputs(seqs)
+        hidden_BLD, _ = transformer.hidden_states(params, config, tokens, positions, mask,
+                                                  remat=remat, sharding=sharding)
+        h_BTD = hidden_BLD[:, num_prompt - 1:]
+    return parallel.constrain(h_BTD, transformer.H_AXES, sharding)
 
 
 def _chunked_logprobs(spec: str, w: jax.Array, h_BTD: jax.Array, targets_BT: jax.Array, *,
@@ -164,8 +173,15 @@ def completion_logprobs_jit(params: Any, config: Any, seqs: Sequences, temperatu
                                          prompt_group=prompt_group, sharding=sharding)
         return jnp.where(seqs.completion_mask_BT, logp_BT, 0.0)
 
+    return over_row_chunks(logprobs, seqs, num_chunks, prompt_group, sharding)
+
+
+def over_row_chunks(fn: Any, seqs: Sequences, num_chunks: int, prompt_group: int,
+                    sharding: Sharding) -> jax.Array:
+    """fn(seqs) -> [B, T], run over `num_chunks` strided row chunks one after another (whole
+    prompt groups each) and merged back into row order."""
     if num_chunks == 1:
-        return logprobs(seqs)
+        return fn(seqs)
     chunks = jax.tree.map(lambda x: parallel.constrain(
         parallel.split_strided(x, num_chunks, prompt_group), (None, "batch"), sharding), seqs)
-    return parallel.merge_strided(jax.lax.map(logprobs, chunks), prompt_group)
+    return parallel.merge_strided(jax.lax.map(fn, chunks), prompt_group)

@@ -18,7 +18,7 @@ from jaxrl4llm.models import registry
 from jaxrl4llm.rewards import RewardFn
 from jaxrl4llm.rl.metrics import combine_metrics
 from jaxrl4llm.sampling import buckets
-from jaxrl4llm.train import host_memory
+from jaxrl4llm.train import critic, host_memory
 from jaxrl4llm.train import metrics as metrics_lib
 from jaxrl4llm.train import plots
 from jaxrl4llm.train.checkpoint import Checkpointer, PreemptionFlag, abstract_like
@@ -107,6 +107,7 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
     # A separate copy: the policy's buffers are donated to each update.
     ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
     state = create_state(params, config.optimizer, run_config.seed)
+    critic_state = _create_critic(config, params, model_config, mesh)
     del params
     reward_fn = RewardFn("auto", config.reward)
     ctx = RolloutContext.create(model_config, tokenizer, reward_fn, mesh, config.data,
@@ -118,7 +119,9 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
     writer = metrics_lib.MetricsWriter(workdir, tensorboard=run_config.tensorboard)
     start = 0
     if checkpointer.latest_step() is not None:
-        state, data_state = checkpointer.restore(abstract_like(state))
+        saved, data_state = checkpointer.restore(abstract_like(_saved(state, critic_state)))
+        state, critic_state = (saved, None) if critic_state is None else (saved["policy"],
+                                                                          saved["critic"])
         # The saved iterator state is host 0's; hosts differ only in their shard index.
         iterator.set_state(dict(data_state["iterator"], shard_index=jax.process_index()))
         start = int(state.step)
@@ -143,6 +146,10 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
                   optimizer=config.optimizer, num_micro=num_micro,
                   temperature=config.rollout.sampling.effective_temperature,
                   remat=config.model.remat, sharding=ctx.sharding)
+    critic_static = dict(model_config=model_config, algorithm=config.update_algorithm,
+                         optimizer=critic.optimizer_config(config.optimizer,
+                                                           config.critic.learning_rate),
+                         num_micro=num_micro, remat=config.model.remat, sharding=ctx.sharding)
     data_parallel = parallel.data_parallel_size(mesh)
     bar = tqdm(total=num_steps, initial=start, desc="train", unit="step",
                disable=jax.process_index() != 0)
@@ -159,7 +166,9 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
             step_key = jax.random.fold_in(state.key(), step)
             batch, last = rollout(ctx, config, state.params, ref_params, records,
                                   jax.random.fold_in(step_key, 0),
-                                  next_records=lambda: next(iterator))  # dynamic sampling
+                                  next_records=lambda: next(iterator),  # dynamic sampling
+                                  critic_params=None if critic_state is None
+                                  else critic_state.params)
             host_memory.release_free_memory()  # the sampler's freed buffers, before the update
             t0 = time.perf_counter()
             update_metrics = {}
@@ -168,16 +177,23 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
                 prompt_group = mb.layout.prompt_group(mb.keep_B.shape[0], num_micro,
                                                       data_parallel)
                 signature = (prompt_group, tuple(x.shape for x in jax.tree.leaves(mb)))
-                if signature not in compiled:
-                    compile_train_step(state, mb, prompt_group=prompt_group, **static)
-                    compiled.add(signature)
-                state, m = train_step(state, mb, prompt_group=prompt_group, **static)
-                update_metrics = combine_metrics(update_metrics, m)
+                if step >= config.critic.warmup_steps:  # PPO: the first steps train the critic only
+                    if signature not in compiled:
+                        compile_train_step(state, mb, prompt_group=prompt_group, **static)
+                        compiled.add(signature)
+                    state, m = train_step(state, mb, prompt_group=prompt_group, **static)
+                    update_metrics = combine_metrics(update_metrics, m)
+                if critic_state is not None:
+                    critic_state, m = critic.critic_step(critic_state, mb, prompt_group=prompt_group,
+                                                         **critic_static)
+                    update_metrics = combine_metrics(update_metrics, m)
             last.update(metrics_lib.to_host_scalars(update_metrics))  # waits for the updates
             last["time/update_s"] = time.perf_counter() - t0
             last["optim/learning_rate"] = float(lr_schedule(
                 (step + 1) * config.updates_per_step - 1))
             state = state.replace(step=_increment(state.step))
+            if critic_state is not None:
+                critic_state = critic_state.replace(step=_increment(critic_state.step))
             done = step + 1
             if e.eval_every and done % e.eval_every == 0 and has_eval:
                 eval_results = evaluate(jax.random.fold_in(step_key, 2))
@@ -188,18 +204,21 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
             writer.write(done, last)
             bar.update(1)
             tqdm.write(metrics_lib.console_line(done, num_steps, last))
-            skipped_all = last["optim/skipped_updates"] >= config.updates_per_step
+            # (During PPO's critic warm-up only the critic updates.)
+            skipped = last.get("optim/skipped_updates", last.get("critic/skipped_updates", 0.0))
+            skipped_all = skipped >= config.updates_per_step
             stalled = stalled + 1 if skipped_all else 0
             if stalled >= config.update.max_nonfinite_steps:
                 raise TrainingDivergedError(_diverged_message(done, stalled, checkpointer))
             if checkpointer.should_save(done) or preempted.requested:
-                checkpointer.save(done, state, {"iterator": iterator.get_state()})
+                checkpointer.save(done, _saved(state, critic_state),
+                                  {"iterator": iterator.get_state()})
             if preempted.requested:
                 logging.warning("Preempted: checkpoint %d saved; exiting.", done)
                 break
         else:
             final = int(state.step)
-            checkpointer.save(final, state, {"iterator": iterator.get_state()})
+            checkpointer.save(final, _saved(state, critic_state), {"iterator": iterator.get_state()})
             if has_eval and not (e.eval_every and final % e.eval_every == 0
                                      and eval_results):
                 eval_results = evaluate(jax.random.key(run_config.seed + 1))
@@ -213,7 +232,27 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
     outputs = _write_outputs(workdir, eval_results) if jax.process_index() == 0 else {}
     return {"step": int(state.step), "metrics": last, "eval": eval_results, "workdir": workdir,
             "outputs": outputs,
-            "state": state, "ref_params": ref_params, "preempted": preempted.requested}
+            "state": state, "critic_state": critic_state, "ref_params": ref_params,
+            "preempted": preempted.requested}
+
+
+def _create_critic(config: TrainConfig, params: Any, model_config: Any, mesh: Any):
+    """PPO's critic state (None for every other algorithm): from --critic_model, else the
+    policy's weights with a zero head, laid out like the policy."""
+    if not config.needs_critic:
+        return None
+    if config.critic.model:
+        critic_params = critic.load(config.critic.model, model_config, mesh,
+                                    dtype=param_dtype(config.model.param_dtype))
+    else:
+        critic_params = critic.from_policy(params)
+    return create_state(critic_params, critic.optimizer_config(
+        config.optimizer, config.critic.learning_rate), config.run.seed)
+
+
+def _saved(state: Any, critic_state: Any) -> Any:
+    """What a checkpoint holds: the policy's state, with PPO's critic beside it."""
+    return state if critic_state is None else {"policy": state, "critic": critic_state}
 
 
 def _diverged_message(step: int, stalled: int, checkpointer: Checkpointer) -> str:

@@ -16,8 +16,8 @@ allowed and logged:
   --memory_limit_mb;
 - memory / speed knobs that compute the same update: --micro_batch_size,
   --rollout_micro_batch, --remat, --share_prompts;
-- the learning-rate schedule: --learning_rate, --warmup_steps, --lr_schedule, --decay_steps
-  (the Adam moments stay valid; lowering the rate after a spike is a common deliberate
+- the learning-rate schedule: --learning_rate, --warmup_steps, --lr_schedule, --decay_steps,
+  --critic_learning_rate (the Adam moments stay valid; lowering the rate after a spike is a common deliberate
   change).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ RESUMABLE = frozenset({
     "eval_data", "eval_every", "eval_prompts", "eval_samples", "eval_sets",
     "reward_workers", "item_timeout_s", "batch_timeout_s", "memory_limit_mb",
     "micro_batch_size", "rollout_micro_batch", "remat", "share_prompts", "compute_dtype",
-    "learning_rate", "warmup_steps", "lr_schedule", "decay_steps",
+    "learning_rate", "warmup_steps", "lr_schedule", "decay_steps", "critic_learning_rate",
 })
 _FIRST = ("model", "algorithm")  # named first: the usual mistake
 

@@ -21,6 +21,7 @@ from jaxrl4llm.sampling import buckets
 from jaxrl4llm.sampling.frontend import Sampler, Samples
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
+from jaxrl4llm.train import critic
 from jaxrl4llm.train import metrics as metrics_lib
 from jaxrl4llm.train.config import DataConfig, RolloutConfig, TrainConfig
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs_jit
@@ -77,14 +78,14 @@ def _global_rows(ctx: RolloutContext, local: np.ndarray) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("config", "group_size"))
 def _advantages(config, rewards_B, correct_B, mask_BT, truncated_B, dropped_B, valid_B, logp_BT,
-                ref_logp_BT, baseline_B=None, baseline_correct_B=None, *, group_size):
+                ref_logp_BT, baseline_B=None, baseline_correct_B=None, values_BT=None, *,
+                group_size):
     # Rows without a reward (verification failed, or the prompt was skipped as too long) leave
-    # the loss and every statistic (batch mean / std, whitening).
-    advantages, keep_B, metrics = rl.compute_advantages(
+    # the loss and every statistic (batch mean / std, whitening). returns_BT: None unless PPO.
+    return rl.compute_advantages_and_returns(
         config, rewards_B, correct_B, mask_BT, group_size, truncated_B=truncated_B,
         logp_BT=logp_BT, ref_logp_BT=ref_logp_BT, valid_B=valid_B & ~dropped_B,
-        baseline_B=baseline_B, baseline_correct_B=baseline_correct_B)
-    return advantages, keep_B, metrics
+        baseline_B=baseline_B, baseline_correct_B=baseline_correct_B, values_BT=values_BT)
 
 
 def _group_metrics(correct_B: np.ndarray, group_size: int) -> dict[str, Metric]:
@@ -97,10 +98,11 @@ def _group_metrics(correct_B: np.ndarray, group_size: int) -> dict[str, Metric]:
 
 
 def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: Any,
-            records: Sequence[Any], key: jax.Array, next_records: Any = None
-            ) -> tuple[UpdateBatch, dict[str, float]]:
+            records: Sequence[Any], key: jax.Array, next_records: Any = None,
+            critic_params: Any = None) -> tuple[UpdateBatch, dict[str, float]]:
     """Builds the update batch of one training step (B = len(records) * group_size rows).
-    `next_records()` gives more prompts when dynamic sampling resamples (default: the same)."""
+    `next_records()` gives more prompts when dynamic sampling resamples (default: the same).
+    `critic_params` (PPO): the critic's values of the batch give the advantages and returns."""
     layout = config.rollout.layout
     rows, round_metrics = sample_and_score(ctx, config.algorithm, params, records, key, layout,
                                            next_records)
@@ -124,22 +126,25 @@ def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: A
                                      G if rows % G == 0 else 1)
     mesh = ctx.sampler.mesh
     data_parallel = 1 if mesh is None else parallel.data_parallel_size(mesh)
-    logprobs = functools.partial(
-        completion_logprobs_jit, config=ctx.sampler.model_config, seqs=seqs,
-        temperature=config.rollout.sampling.effective_temperature,
-        prompt_group=layout.prompt_group(rows, chunks, data_parallel),
-        num_chunks=chunks, sharding=ctx.sharding)
+    passes = dict(config=ctx.sampler.model_config, seqs=seqs,
+                  prompt_group=layout.prompt_group(rows, chunks, data_parallel),
+                  num_chunks=chunks, sharding=ctx.sharding)
+    logprobs = functools.partial(completion_logprobs_jit,
+                                 temperature=config.rollout.sampling.effective_temperature,
+                                 **passes)
     ref_logp = logprobs(ref_params) if config.needs_reference else None
     old_logp = None
     if config.needs_old_logprobs:
         old_logp = logprobs(params) if config.update.recompute_old_logprobs else out.logprobs_BT
     behaviour_logp = old_logp if old_logp is not None else out.logprobs_BT
-    advantages, keep_B, adv_metrics = _advantages(
+    values = None if critic_params is None else critic.values_jit(critic_params, **passes)
+    advantages, returns, keep_B, adv_metrics = _advantages(
         config.algorithm, _global_rows(ctx, scored.rewards), _global_rows(ctx, scored.correct),
         out.mask_BT, out.truncated_B, out.dropped_B, _global_rows(ctx, valid),
-        behaviour_logp, ref_logp, *baseline, group_size=layout.group_size)
+        behaviour_logp, ref_logp, *baseline, values, group_size=layout.group_size)
     batch = UpdateBatch(seqs=seqs, advantages=advantages, keep_B=keep_B, old_logp_BT=old_logp,
-                        ref_logp_BT=ref_logp, layout=layout)
+                        ref_logp_BT=ref_logp, old_values_BT=values, returns_BT=returns,
+                        layout=layout)
     jax.block_until_ready(batch)
     t_logprobs = time.perf_counter() - t0
 

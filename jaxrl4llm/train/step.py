@@ -39,6 +39,8 @@ class UpdateBatch:
     keep_B: jax.Array                # bool [M]: rows that enter the loss
     old_logp_BT: jax.Array | None    # None: on-policy (one update per rollout), ratio = 1
     ref_logp_BT: jax.Array | None    # None unless a KL to the reference is used
+    old_values_BT: jax.Array | None = None  # PPO: the critic's values in the rollout
+    returns_BT: jax.Array | None = None     # PPO: the critic's targets (GAE returns)
     layout: RowLayout = flax.struct.field(pytree_node=False, default=RowLayout())  # the rows' groups
 
 
@@ -65,19 +67,29 @@ def accumulate_gradients(params: Any, batch: UpdateBatch, *, model_config: Any,
     `prompt_group` > 1: consecutive blocks of that many rows share a prompt (see
     `completion_logprobs`); each micro-batch holds whole blocks.
     """
-    rows = batch.seqs.completion_tokens_BT.shape[0]
-    if rows % num_micro or (rows // num_micro) % prompt_group:
-        raise ValueError(f"A mini-batch of {rows} rows cannot be split into {num_micro} "
-                         f"micro-batches of whole prompt groups of {prompt_group} rows.")
     denominator = jnp.maximum(rl.loss_denominator(
         algorithm, batch.seqs.completion_mask_BT, batch.keep_B), 1e-8)
     grad_fn = jax.value_and_grad(functools.partial(
         _micro_loss, model_config=model_config, algorithm=algorithm, temperature=temperature,
         remat=remat, prompt_group=prompt_group, sharding=sharding), has_aux=True)
+    return accumulate(params, batch, grad_fn, denominator, num_micro=num_micro,
+                      prompt_group=prompt_group,
+                      param_axes=transformer.param_logical_axes(model_config), sharding=sharding)
+
+
+def accumulate(params: Any, batch: UpdateBatch, grad_fn: Any, denominator: jax.Array, *,
+               num_micro: int, prompt_group: int, param_axes: Any,
+               sharding: parallel.ActivationSharding | None) -> tuple[jax.Array, Any, dict]:
+    """(loss, grads, metrics) of `grad_fn(params, micro_batch, denominator)` (value_and_grad
+    with metrics as aux) summed over `num_micro` strided micro-batches, gradients laid out
+    like `param_axes`: the policy's update and the critic's share it."""
+    rows = batch.seqs.completion_tokens_BT.shape[0]
+    if rows % num_micro or (rows // num_micro) % prompt_group:
+        raise ValueError(f"A mini-batch of {rows} rows cannot be split into {num_micro} "
+                         f"micro-batches of whole prompt groups of {prompt_group} rows.")
     micro = jax.tree.map(
         lambda x: parallel.constrain(parallel.split_strided(x, num_micro, prompt_group),
                                      (None, "batch"), sharding), batch)
-    param_axes = transformer.param_logical_axes(model_config)
     first = jax.tree.map(lambda x: x[0], micro)
     _, metric_shapes = jax.eval_shape(lambda: grad_fn(params, first, denominator)[0])
     zero_metrics = identity_metrics(metric_shapes)
@@ -118,6 +130,19 @@ def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
         state.params, batch, model_config=model_config, algorithm=algorithm,
         num_micro=num_micro, temperature=temperature, remat=remat, prompt_group=prompt_group,
         sharding=sharding)
+    new_state, update_metrics = apply_update(
+        state, loss, grads, optimizer=optimizer,
+        param_axes=transformer.param_logical_axes(model_config), sharding=sharding,
+        loss_name="policy/loss", prefix="optim")
+    return new_state, dict(metrics, **update_metrics)
+
+
+def apply_update(state: TrainState, loss: jax.Array, grads: Any, *, optimizer: OptimizerConfig,
+                 param_axes: Any, sharding: parallel.ActivationSharding | None,
+                 loss_name: str, prefix: str) -> tuple[TrainState, dict[str, Metric]]:
+    """The optimizer step of `train_step` (and the critic's): skipped when the loss or the
+    gradient is not finite; metrics `loss_name`, PREFIX/grad_norm, /update_norm,
+    /skipped_updates."""
     # A non-finite loss or gradient (a NaN reward, an overflow) skips the update: the state
     # stays as it was, optimizer count included (optax.apply_if_finite's rule, without its
     # extra optimizer state, so older checkpoints still restore). A cond, not a select over
@@ -139,13 +164,12 @@ def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
 
     params, opt_state, update_norm = jax.lax.cond(finite, apply, keep,
                                                   (state.params, state.opt_state, grads))
-    metrics = dict(metrics, **{"policy/loss": Metric.mean(loss),
-                               "optim/grad_norm": Metric.mean(grad_norm),
-                               "optim/update_norm": Metric.mean(update_norm),
-                               "optim/skipped_updates": Metric.sum(1.0 - finite.astype(
-                                   jnp.float32))})
+    metrics = {loss_name: Metric.mean(loss),
+               f"{prefix}/grad_norm": Metric.mean(grad_norm),
+               f"{prefix}/update_norm": Metric.mean(update_norm),
+               f"{prefix}/skipped_updates": Metric.sum(1.0 - finite.astype(jnp.float32))}
     new_state = state.replace(params=params, opt_state=opt_state)
-    axes = state_logical_axes(new_state, transformer.param_logical_axes(model_config))
+    axes = state_logical_axes(new_state, param_axes)
     return parallel.constrain_tree(new_state, axes, sharding), metrics
 
 

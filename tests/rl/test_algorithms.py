@@ -47,6 +47,19 @@ def np_reinforce_pp(r_B, kl_coef=0.01, d=0.1):
     return np.where(MASK > 0, (ret - v.mean()) / (v.std(ddof=1) + EPS), 0.0)
 
 
+def np_ppo(r_B, kl_coef=0.01, d=0.1, lam=0.95):
+    """PPO by hand with a critic whose values are all 0 (its zero-initialised head): delta_t
+    is the token reward, so A_t = sum_{s >= t} lam^(s - t) (r [s = last] - kl_coef * d);
+    whitened as verl's masked_whiten: (A - mean) / sqrt(var (ddof=1) + 1e-8)."""
+    adv = np.zeros((8, T))
+    for i in range(8):
+        for t in range(LENS[i]):
+            adv[i, t] = sum(lam ** (s - t) * (r_B[i] * (s == LENS[i] - 1) - kl_coef * d)
+                            for s in range(t, LENS[i]))
+    v = adv[MASK > 0]
+    return np.where(MASK > 0, (adv - v.mean()) / np.sqrt(v.var(ddof=1) + 1e-8), 0.0)
+
+
 def _expected(name):
     """(advantages, keep, per-token loss at ratio 1 on kept tokens) of each preset on this batch,
     from its paper's formula (ref_logp = logp - 0.1: k1 = 0.1, k2 = 0.005, k3 = K3 per token)."""
@@ -73,6 +86,9 @@ def _expected(name):
         return a, ones, -a[:, None] + 0 * MASK
     if name == "reinforce_pp":
         a = np_reinforce_pp(R)
+        return a, ones, -a
+    if name == "ppo":
+        a = np_ppo(R)
         return a, ones, -a
     if name == "reinforce_pp_baseline":
         # Group-centred reward, no KL in the reward; k2 KL (d^2 / 2 = 0.005) as a 0.001 loss.
@@ -105,7 +121,8 @@ def test_preset_closed_form(name):
     logp = jnp.asarray(LOGP)
     adv, keep, met = compute_advantages(cfg, jnp.asarray(R), jnp.asarray(R > 0), jnp.asarray(MASK), G,
                                         logp_BT=logp, ref_logp_BT=logp - 0.1,
-                                        baseline_B=jnp.asarray(BASELINE))
+                                        baseline_B=jnp.asarray(BASELINE),
+                                        values_BT=jnp.zeros((8, T)))  # PPO: a zero-head critic
     a_want, keep_want, L_want = _expected(name)
     np.testing.assert_array_equal(np.asarray(keep), keep_want)
     np.testing.assert_allclose(np.asarray(adv, np.float64), a_want, rtol=2e-5, atol=2e-6)
@@ -131,7 +148,7 @@ def test_preset_docstrings_name_a_paper():
 
 def test_get_preset_errors_and_overrides():
     with pytest.raises(ValueError, match="valid names: dapo, dr_grpo, grpo"):
-        rl.get_preset("ppo")   # (dapo sorts first)
+        rl.get_preset("trpo")   # (dapo sorts first)
     with pytest.raises(ValueError, match="clip_hi"):
         rl.get_preset("grpo", clip_hi=0.28)
     cfg = rl.get_preset("GRPO", clip_high=0.28, kl_coef=0.0, kl_in=None)
@@ -301,7 +318,7 @@ def test_entry_points_have_no_host_callbacks(name):
 
     def step(rewards, correct, mask, lp):
         adv, keep, _ = rl.compute_advantages(cfg, rewards, correct, mask, G, truncated_B=trunc, logp_BT=lp,
-                                             ref_logp_BT=lp - 0.1, baseline_B=rewards)
+                                             ref_logp_BT=lp - 0.1, baseline_B=rewards, values_BT=lp)
 
         def loss(lp):
             s, d, m = rl.policy_loss(cfg, lp, lp - 0.05, adv, mask, keep, ref_logp_BT=lp - 0.1, entropy_BT=ent)

@@ -23,9 +23,11 @@ def test_dtypes_space_or_comma_separated():
 def test_child_flags_round_trip():
     parser = bench_train.build_parser()
     args = parser.parse_args(["--dtypes", "float32", "--prompts=3", "--no_remat",
-                              "--new_tokens", "16"])
+                              "--new_tokens", "16", "--kl_coef=0.04", "--no_trl"])
     flags = bench_train.child_flags(args)
-    assert not any(f.startswith(("--dtypes", "--child")) for f in flags)
+    assert not any(f.startswith(("--dtypes", "--child", "--trl", "--no_trl", "--hf_dir"))
+                   for f in flags)   # unset --hf_dir (None) is not passed as "None"
     child = parser.parse_args(flags + ["--child=float32"])
     assert (child.prompts, child.new_tokens, child.remat, child.share_prompts) == (3, 16, False,
                                                                                   True)
+    assert child.kl_coef == 0.04 and child.hf_dir is None

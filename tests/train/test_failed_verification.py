@@ -33,9 +33,11 @@ def _np_group_normalized(r, valid, ddof=1, eps=1e-6):
 
 
 def _advantages(config, valid=VALID):
-    return rollout._advantages(config, jnp.asarray(REWARDS), jnp.asarray(CORRECT),
-                               jnp.asarray(MASK), jnp.zeros(8, bool), jnp.zeros(8, bool),
-                               jnp.asarray(valid), jnp.zeros((8, T)), None, group_size=G)
+    adv, _, keep, metrics = rollout._advantages(   # (_: PPO's returns, None here)
+        config, jnp.asarray(REWARDS), jnp.asarray(CORRECT), jnp.asarray(MASK),
+        jnp.zeros(8, bool), jnp.zeros(8, bool), jnp.asarray(valid), jnp.zeros((8, T)), None,
+        group_size=G)
+    return adv, keep, metrics
 
 
 def test_failed_rows_leave_the_group_mean_and_std():

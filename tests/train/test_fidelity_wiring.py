@@ -40,7 +40,7 @@ def test_dropped_prompts_leave_the_batch_statistics():
     mask = np.ones((12, T), np.float32)
     mask[dropped] = 0.0
     lp = jnp.zeros((12, T))
-    adv, keep, _ = rollout._advantages(
+    adv, _, keep, _ = rollout._advantages(   # (PPO's returns: None here)
         rl.get_preset("lite_ppo"), jnp.asarray(rewards), jnp.asarray(rewards > 0), jnp.asarray(mask),
         jnp.zeros(12, bool), jnp.asarray(dropped), jnp.ones(12, bool), lp, lp, group_size=G)
     centered = np.r_[0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]
