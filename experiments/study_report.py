@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from experiments.study_spec import REPO, SHORT_QUANTITIES, Run, Study
+from jaxrl4llm.train import plots
 from jaxrl4llm.train.metrics import read_metrics
 
 TRAIN_KEYS = ("reward/mean", "reward/accuracy", "policy/entropy", "policy/kl_ref",
@@ -258,14 +259,7 @@ def plot_curves(report: dict, out: str) -> str:
             if len(curves) >= 2:
                 se = table.std(0, ddof=1) / math.sqrt(len(curves))
                 ax.fill_between(steps, mean - se, mean + se, color=color, alpha=0.2)
-        ax.set_title(f"{title} ({key})")
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes,
-                    color="gray")
+        plots.finish_axis(ax, f"{title} ({key})", legend_size=7)
     axes.flat[-1].axis("off")
     fig.suptitle(f"{report['study']} ({report['scale']}): mean over seeds, shaded ± 1 s.e.")
     fig.savefig(out, dpi=100)

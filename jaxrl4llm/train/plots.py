@@ -34,16 +34,21 @@ def plot_runs(workdirs: Sequence[str], out: str) -> str:
                     label = name if len(keys) == 1 else f"{name} ({key.split('/')[0]})"
                     ax.plot(steps, values, style, color=colors[i % len(colors)], label=label,
                             marker="o" if len(points) < 30 else None, markersize=3)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=8)
-        else:
-            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes,
-                    color="gray")
+        finish_axis(ax, title, legend_size=8)
     fig.suptitle(", ".join(runs))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def finish_axis(ax, title: str, legend_size: int) -> None:
+    """Title, step axis and grid of a curves panel; a legend, or "not logged" when empty."""
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=legend_size)
+    else:
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes,
+                color="gray")
