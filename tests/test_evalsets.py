@@ -95,11 +95,15 @@ def test_trainer_logs_each_set_and_their_mean(toy_model_dir, copy_task_file, tmp
     config = TrainConfig().replace(
         model=toy_model_dir, data=copy_task_file, instruction="", prompts_per_step=4,
         group_size=2, max_prompt_tokens=16, max_new_tokens=1, algorithm=rl.get_preset("grpo"),
-        num_steps=2, eval_every=2, mesh="data:1,fsdp:1,tensor:1", eval_prompts=0,
+        num_steps=3, eval_every=2, mesh="data:1,fsdp:1,tensor:1", eval_prompts=0,
         eval_sets=sets, checkpoint_every=1000, workdir=str(tmp_path), answer_mode="lenient",
         tensorboard=False)
     summary = loop.run(config, devices=jax.devices()[:1])
-    last = read_metrics(str(tmp_path))[-1]
+    records = read_metrics(str(tmp_path))
+    # Evals at 0, every 2 steps, and after the last step (3, not a multiple of eval_every).
+    assert [r["step"] for r in records if "eval/one/greedy" in r] == [0, 2, 3]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]  # one record per step
+    last = records[-1]
     for key in ("eval/one/greedy", "eval/two/greedy", "eval/two/avg@2", "eval/two/pass@2",
                 "eval/two/maj@2", "eval/mean/greedy", "eval/two/num_prompts"):
         assert 0 <= last[key] <= 3, key

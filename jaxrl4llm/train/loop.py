@@ -195,7 +195,9 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
             if critic_state is not None:
                 critic_state = critic_state.replace(step=_increment(critic_state.step))
             done = step + 1
-            if e.eval_every and done % e.eval_every == 0 and has_eval:
+            # Every eval_every steps, and after the last step whatever eval_every is, so the
+            # final score is in metrics.jsonl (and its curve) like every other eval.
+            if has_eval and (done == num_steps or (e.eval_every and done % e.eval_every == 0)):
                 eval_results = evaluate(jax.random.fold_in(step_key, 2))
                 last.update(eval_results)
             last["time/step_s"] = time.perf_counter() - t_step
@@ -219,8 +221,7 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
         else:
             final = int(state.step)
             checkpointer.save(final, _saved(state, critic_state), {"iterator": iterator.get_state()})
-            if has_eval and not (e.eval_every and final % e.eval_every == 0
-                                     and eval_results):
+            if has_eval and start >= num_steps:   # resumed after the last step: eval.json only
                 eval_results = evaluate(jax.random.key(run_config.seed + 1))
     finally:
         # Whatever happened, what was computed is kept: metrics flushed, pool closed.

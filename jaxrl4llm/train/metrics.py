@@ -157,4 +157,19 @@ def console_line(step: int, num_steps: int, metrics: Mapping[str, float]) -> str
     for key, label in CONSOLE_KEYS:
         if key in metrics and metrics[key] is not None:
             parts.append(f"{label} {metrics[key]:.4g}")
+    parts += [f"{label} {value:.4g}" for label, value in _eval_set_scores(metrics)]
     return " | ".join(parts)
+
+
+def _eval_set_scores(metrics: Mapping[str, float]) -> list[tuple[str, float]]:
+    """Each --eval_sets set's average score, `eval/NAME/avg@k` -> ("NAME avg@k", value), in
+    name order; the mean over sets (`eval/mean/...`) only when there are several sets."""
+    scores = []
+    for key in sorted(metrics):
+        parts = key.split("/")
+        if (len(parts) == 3 and parts[0] == "eval" and parts[2].startswith("avg@")
+                and metrics[key] is not None):
+            scores.append((parts[1], f"{parts[1]} {parts[2]}", metrics[key]))
+    sets = {name for name, _, _ in scores if name != "mean"}
+    return [(label, value) for name, label, value in scores
+            if name != "mean" or len(sets) > 1]

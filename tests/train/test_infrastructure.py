@@ -32,6 +32,15 @@ def test_console_line_is_ordered_and_short():
     assert line == "step 3/10 | reward 0.25 | acc 0.5"
 
 
+def test_console_line_shows_each_eval_set_and_the_mean_only_over_several():
+    one = {"eval/add1/avg@4": 0.5, "eval/add1/pass@4": 1.0, "eval/mean/avg@4": 0.5}
+    assert metrics.console_line(6, 12, one) == "step 6/12 | add1 avg@4 0.5"
+    two = {"eval/gsm8k/avg@1": 0.25, "eval/add1/avg@4": 0.75, "eval/mean/avg@1": 0.5,
+           "eval/add1/num_prompts": 32.0}
+    assert (metrics.console_line(6, 12, two)
+            == "step 6/12 | add1 avg@4 0.75 | gsm8k avg@1 0.25 | mean avg@1 0.5")
+
+
 def test_learning_rate_schedule_warmup_then_cosine():
     cfg = state.OptimizerConfig(learning_rate=1e-3, warmup_steps=4, schedule="cosine",
                                 decay_steps=10)
