@@ -34,20 +34,32 @@ _increment = jax.jit(lambda step: step + 1)  # keeps the step a global (replicat
 
 
 def _minibatches(batch: UpdateBatch, config: TrainConfig, key: jax.Array, mesh: Any):
-    """Yields the mini-batches of every PPO epoch (rows reshuffled per epoch when split)."""
+    """Yields (mini-batch, its real completion tokens) for every PPO epoch (rows reshuffled
+    per epoch when split). A mini-batch runs on its own longest completion, bucketed: the
+    rollout's batch is already cut to the longest row of all, a mini-batch of fewer rows is
+    often shorter still (the columns cut are padding, so the update is unchanged)."""
     B, M = config.batch_size, config.mini_batch
+    mask_BT = batch.seqs.completion_mask_BT
+    # Multi-host: the rows are global and not all here; only the rollout's cut applies.
+    lengths_B = (np.asarray(jax.device_get(mask_BT.sum(axis=1)))
+                 if mask_BT.is_fully_addressable else None)
     if not config.reshuffles_rows:
-        yield batch
+        yield batch, None if lengths_B is None else int(lengths_B.sum())
         return
     for epoch in range(config.update.ppo_epochs):
         order = np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), B))
         for start in range(0, B, M):
             rows = order[start:start + M]
             mb = jax.tree.map(lambda x: x[rows], batch).replace(layout=batch.layout.shuffled())
+            real = None
+            if lengths_B is not None:
+                real = int(lengths_B[rows].sum())
+                mb = mb.trimmed(buckets.bucket_completion_length(
+                    int(lengths_B[rows].max()), config.rollout.max_new_tokens))
             if mesh is not None:
                 mb = jax.tree.map(
                     lambda x: jax.device_put(x, parallel.batch_sharding(mesh, x.ndim)), mb)
-            yield mb
+            yield mb, real
 
 
 def _prompts_per_host(config: TrainConfig, mesh: Any) -> int:
@@ -172,7 +184,11 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
             host_memory.release_free_memory()  # the sampler's freed buffers, before the update
             t0 = time.perf_counter()
             update_metrics = {}
-            for mb in _minibatches(batch, config, jax.random.fold_in(step_key, 1), mesh):
+            real_tokens, update_columns = 0, 0  # completion tokens / positions the update runs
+            for mb, real in _minibatches(batch, config, jax.random.fold_in(step_key, 1), mesh):
+                if real is not None:
+                    real_tokens += real
+                    update_columns += mb.seqs.completion_mask_BT.size
                 # Rows still in their groups run each group's prompt once.
                 prompt_group = mb.layout.prompt_group(mb.keep_B.shape[0], num_micro,
                                                       data_parallel)
@@ -188,6 +204,8 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
                                                          **critic_static)
                     update_metrics = combine_metrics(update_metrics, m)
             last.update(metrics_lib.to_host_scalars(update_metrics))  # waits for the updates
+            if update_columns:
+                last["response/update_real_frac"] = real_tokens / update_columns
             last["time/update_s"] = time.perf_counter() - t0
             last["optim/learning_rate"] = float(lr_schedule(
                 (step + 1) * config.updates_per_step - 1))

@@ -158,8 +158,9 @@ def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: A
         **_group_metrics(correct, layout.group_size),
         "response/length_mean": Metric.mean(float(lengths.mean())),
         "response/length_max": Metric.max(float(lengths.max())),
-        # Real completion tokens / positions the update computes (after trimming).
-        "response/update_real_frac": Metric.mean(
+        # Real completion tokens / positions the teacher-forced passes compute (after
+        # trimming); the loop logs the update's own as response/update_real_frac.
+        "response/logprob_real_frac": Metric.mean(
             float(lengths.sum() / max(lengths.size * out.mask_BT.shape[1], 1))),
         "response/truncated_frac": Metric.mean(float(np.mean(samples.host(out.truncated_B)))),
         "response/dropped_prompts": Metric.sum(

@@ -43,6 +43,22 @@ class UpdateBatch:
     returns_BT: jax.Array | None = None     # PPO: the critic's targets (GAE returns)
     layout: RowLayout = flax.struct.field(pytree_node=False, default=RowLayout())  # the rows' groups
 
+    def trimmed(self, length: int) -> UpdateBatch:
+        """The batch cut to its first `length` completion columns. With no row longer than
+        `length` the cut columns are padding (off every mask), so the loss, its gradient and
+        the metrics are unchanged (the sequence-length constant of seq-mean-token-sum-norm
+        is pinned by TrainConfig.update_algorithm, not read from the shape)."""
+        T = self.seqs.completion_tokens_BT.shape[1]
+        if length >= T:
+            return self
+        cut = lambda x: None if x is None else x[:, :length]  # noqa: E731
+        return self.replace(
+            seqs=self.seqs.replace(completion_tokens_BT=cut(self.seqs.completion_tokens_BT),
+                                   completion_mask_BT=cut(self.seqs.completion_mask_BT)),
+            advantages=cut(self.advantages) if self.advantages.ndim == 2 else self.advantages,
+            old_logp_BT=cut(self.old_logp_BT), ref_logp_BT=cut(self.ref_logp_BT),
+            old_values_BT=cut(self.old_values_BT), returns_BT=cut(self.returns_BT))
+
 
 def _micro_loss(params: Any, mb: UpdateBatch, denominator: jax.Array, *, model_config: Any,
                 algorithm: rl.AlgorithmConfig, temperature: float, remat: bool,

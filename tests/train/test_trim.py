@@ -34,11 +34,13 @@ def test_buckets_are_two_per_octave_capped_at_max_new_tokens():
         bucket_completion_length(9, 8)
 
 
-def _sample_output(seed=0) -> SampleOutput:
-    """A sampler output padded to N columns whose rows hold 1..19 tokens."""
+def _sample_output(seed=0, lengths=None) -> SampleOutput:
+    """A sampler output padded to N columns whose rows hold 1..19 tokens (or `lengths`)."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, 20, B)
-    lengths[2] = 19
+    if lengths is None:
+        lengths = rng.integers(1, 20, B)
+        lengths[2] = 19
+    lengths = np.asarray(lengths)
     mask = np.arange(N)[None, :] < lengths[:, None]
     prompt_mask = np.arange(P)[None, :] >= (P - rng.integers(2, P + 1, B))[:, None]
     tokens = np.where(mask, rng.integers(2, 48, (B, N)), 0)
@@ -50,7 +52,7 @@ def _sample_output(seed=0) -> SampleOutput:
         prompt_tokens_BP=jnp.asarray(np.where(prompt_mask, rng.integers(2, 48, (B, P)), 0),
                                      jnp.int32),
         prompt_mask_BP=jnp.asarray(prompt_mask), dropped_B=jnp.zeros(B, bool),
-        num_steps=jnp.asarray(19, jnp.int32))
+        num_steps=jnp.asarray(int(lengths.max()), jnp.int32))
 
 
 def _update_batch(out: SampleOutput, params, ref_params, advantages) -> UpdateBatch:
@@ -89,3 +91,62 @@ def test_trimmed_update_equals_the_padded_one(agg):
     np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5, atol=1e-7)
     for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-7)
+
+
+def test_each_minibatch_runs_on_its_own_longest_completion():
+    """Mini-batches of the rollout's rows are cut to the bucket of their own longest row; each
+    one's loss and gradients equal those of the same rows padded to max_new_tokens."""
+    from jaxrl4llm.train import loop
+
+    params = transformer.init_params(CONFIG, jax.random.key(0))
+    ref_params = transformer.init_params(CONFIG, jax.random.key(1))
+    lengths = np.array([3, 5, 19, 2, 4, 6, 7, 1])   # only row 2 needs more than 16 columns
+    out = _sample_output(lengths=lengths)
+    row_ids = jnp.arange(B, dtype=jnp.float32) / 8 - 0.4   # distinct advantages name the rows
+    algorithm = dataclasses.replace(rl.get_preset("grpo"), agg="seq-mean-token-sum-norm",
+                                    kl_coef=0.1)
+    config = TrainConfig().replace(algorithm=algorithm, max_new_tokens=N, prompts_per_step=2,
+                                   group_size=4, mini_batch_size=4, ppo_epochs=2)
+    padded = _update_batch(out, params, ref_params, row_ids)
+    rollout_batch = padded.trimmed(bucket_completion_length(19, N))  # as the rollout cuts it
+    seen, columns = [], []
+    for mb, real in loop._minibatches(rollout_batch, config, jax.random.key(3), None):
+        rows = np.rint((np.asarray(mb.advantages) + 0.4) * 8).astype(int)
+        seen += rows.tolist()
+        T = mb.seqs.completion_tokens_BT.shape[1]
+        assert T == (24 if 2 in rows else 16) and real == lengths[rows].sum()
+        columns.append(T)
+        for x in (mb.old_logp_BT, mb.ref_logp_BT, mb.seqs.completion_mask_BT):
+            assert x.shape == (4, T)
+        # The same rows at N columns, the algorithm as configured (constant = N).
+        reference = jax.tree.map(lambda x: x[rows], padded)
+        loss_ref, grads_ref, _ = accumulate_gradients(
+            params, reference, model_config=CONFIG, algorithm=config.algorithm, num_micro=1,
+            temperature=1.0)
+        loss, grads, _ = accumulate_gradients(
+            params, mb, model_config=CONFIG, algorithm=config.update_algorithm, num_micro=1,
+            temperature=1.0)
+        np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5, atol=1e-7)
+        for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-7)
+    assert sorted(seen) == sorted(list(range(B)) * 2)   # every row once per epoch
+    assert sorted(columns) == [16, 16, 24, 24]
+
+
+def test_update_batch_trimmed_cuts_every_per_token_array():
+    out = _sample_output()
+    per_token = jnp.asarray(np.random.default_rng(2).normal(size=(B, N)), jnp.float32)
+    batch = UpdateBatch(
+        seqs=Sequences(out.prompt_tokens_BP, out.prompt_mask_BP, out.tokens_BT, out.mask_BT),
+        advantages=per_token, keep_B=jnp.ones(B, bool), old_logp_BT=per_token + 1,
+        ref_logp_BT=None, old_values_BT=per_token + 2, returns_BT=per_token + 3)
+    cut = batch.trimmed(24)
+    assert cut.seqs.prompt_tokens_BP.shape == (B, P) and cut.keep_B.shape == (B,)
+    assert cut.ref_logp_BT is None
+    for name, offset in (("advantages", 0), ("old_logp_BT", 1), ("old_values_BT", 2),
+                         ("returns_BT", 3)):
+        np.testing.assert_array_equal(np.asarray(getattr(cut, name)),
+                                      np.asarray(per_token)[:, :24] + offset, err_msg=name)
+    np.testing.assert_array_equal(np.asarray(cut.seqs.completion_tokens_BT),
+                                  np.asarray(out.tokens_BT)[:, :24])
+    assert batch.trimmed(N) is batch and batch.trimmed(N + 8) is batch
