@@ -14,7 +14,10 @@ tokens on, temperature --temperature) and prints, over --rollouts rollouts:
                         finished rows are compacted away (sampling/decode.py)
   update real frac      real tokens / (rows x columns the teacher-forced passes and the
                         update compute): trimmed (the bucket of the longest row) and
-                        untrimmed (max_new_tokens, as before trimming)
+                        untrimmed (max_new_tokens, as before trimming); with --mini_batch,
+                        also `update_real_minibatch`: the trainer's own mini-batches
+                        (train/loop.py, rows reshuffled per epoch, each cut to the bucket of
+                        its longest row) over --ppo_epochs epochs
   lengths               min / mean / max completion length
   time_ratio            (--time) wall time of the compacted sampler / the uncompacted one,
                         same prompts and keys (the same samples), measured in the same run
@@ -49,6 +52,34 @@ def waste(lengths_B: np.ndarray, num_steps: int, slot_steps: int, max_new_tokens
             "len_max": float(lengths_B.max())}
 
 
+def minibatch_real_frac(out, group: int, mini_batch: int, ppo_epochs: int,
+                        max_new_tokens: int, seed: int = 0) -> float:
+    """Real completion tokens / positions the trainer's update computes on this rollout when
+    it runs mini-batches of `mini_batch` rows for `ppo_epochs` epochs (train/loop.py)."""
+    import jax.numpy as jnp
+
+    from jaxrl4llm.sampling.buckets import bucket_completion_length
+    from jaxrl4llm.train import loop
+    from jaxrl4llm.train.config import TrainConfig
+    from jaxrl4llm.train.logprobs import Sequences
+    from jaxrl4llm.train.step import UpdateBatch
+
+    rows = out.tokens_BT.shape[0]
+    out = out.trimmed(bucket_completion_length(int(out.num_steps), max_new_tokens))
+    batch = UpdateBatch(seqs=Sequences(out.prompt_tokens_BP, out.prompt_mask_BP, out.tokens_BT,
+                                       out.mask_BT),
+                        advantages=jnp.zeros(rows), keep_B=jnp.ones(rows, bool),
+                        old_logp_BT=None, ref_logp_BT=None)
+    config = TrainConfig().replace(prompts_per_step=rows // group, group_size=group,
+                                   mini_batch_size=mini_batch, ppo_epochs=ppo_epochs,
+                                   max_new_tokens=max_new_tokens)
+    real = columns = 0
+    for mb, mb_real in loop._minibatches(batch, config, jax.random.key(seed), None):
+        real += mb_real
+        columns += mb.seqs.completion_mask_BT.size
+    return real / columns
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -59,6 +90,10 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--rollouts", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--mini_batch", type=int, default=0,
+                        help="rows per update (0: none): also report the real-token share of "
+                             "the trainer's mini-batches, each cut to its own longest row")
+    parser.add_argument("--ppo_epochs", type=int, default=1)
     parser.add_argument("--time", action="store_true",
                         help="also time the compacted sampler against the uncompacted one "
                              "(compiles both first)")
@@ -102,6 +137,9 @@ def main(argv=None) -> int:
         out = timed["compact"][0].out
         row = waste(timed["compact"][0].host(out.lengths_B), int(out.num_steps),
                     int(out.slot_steps), args.new_tokens)
+        if args.mini_batch:
+            row["update_real_minibatch"] = minibatch_real_frac(
+                out, args.group, args.mini_batch, args.ppo_epochs, args.new_tokens, seed=r)
         if args.time:
             row["compact_s"], row["full_s"] = timed["compact"][1], timed["full"][1]
             row["time_ratio"] = row["compact_s"] / row["full_s"]
@@ -109,7 +147,8 @@ def main(argv=None) -> int:
         print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in row.items()), flush=True)
     keys = ("sampler_useful_full", "sampler_useful_compacted", "update_real_trimmed",
-            "update_real_untrimmed") + (("time_ratio",) if args.time else ())
+            "update_real_untrimmed") + (("update_real_minibatch",) if args.mini_batch else ()) + (
+                ("time_ratio",) if args.time else ())
     print("mean over rollouts: " + ", ".join(
         f"{k} {np.mean([r[k] for r in rows]):.3f}" for k in keys))
     return 0

@@ -1,0 +1,44 @@
+"""tools/bench_rollout.py: the real-token share of the trainer's mini-batches, each cut to the
+bucket of its own longest row, against shares worked out by hand."""
+from __future__ import annotations
+
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl4llm.sampling.sampler import SampleOutput
+
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "tools")
+sys.path.insert(0, TOOLS)
+import bench_rollout  # noqa: E402
+
+
+def _rollout(lengths, N=64, P=4) -> SampleOutput:
+    lengths = np.asarray(lengths)
+    B = lengths.size
+    mask = np.arange(N)[None, :] < lengths[:, None]
+    return SampleOutput(
+        tokens_BT=jnp.asarray(np.where(mask, 5, 0), jnp.int32),
+        logprobs_BT=jnp.zeros((B, N)), mask_BT=jnp.asarray(mask),
+        lengths_B=jnp.asarray(lengths, jnp.int32), truncated_B=jnp.zeros(B, bool),
+        prompt_tokens_BP=jnp.full((B, P), 7, jnp.int32), prompt_mask_BP=jnp.ones((B, P), bool),
+        dropped_B=jnp.zeros(B, bool), num_steps=jnp.asarray(int(lengths.max()), jnp.int32))
+
+
+def test_minibatch_share_counts_each_minibatch_at_its_own_bucket():
+    # 47 real tokens; the batch's bucket is 24 (longest 19). Mini-batches of 4: the one
+    # holding row 2 runs 4 x 24 columns, the other 4 x 16 (buckets are >= 16).
+    out = _rollout([3, 5, 19, 2, 4, 6, 7, 1])
+    for seed in range(3):
+        share = bench_rollout.minibatch_real_frac(out, group=4, mini_batch=4, ppo_epochs=2,
+                                                  max_new_tokens=64, seed=seed)
+        assert abs(share - 47 / 160) < 1e-12
+    # One mini-batch of all 8 rows: the rollout's own cut, 8 x 24.
+    whole = bench_rollout.minibatch_real_frac(out, group=4, mini_batch=8, ppo_epochs=1,
+                                              max_new_tokens=64)
+    assert abs(whole - 47 / 192) < 1e-12
+    assert abs(bench_rollout.waste(np.array([3, 5, 19, 2, 4, 6, 7, 1]), 19, 100, 64)[
+        "update_real_trimmed"] - 47 / 192) < 1e-12
