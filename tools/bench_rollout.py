@@ -17,7 +17,9 @@ tokens on, temperature --temperature) and prints, over --rollouts rollouts:
                         untrimmed (max_new_tokens, as before trimming); with --mini_batch,
                         also `update_real_minibatch`: the trainer's own mini-batches
                         (train/loop.py, rows reshuffled per epoch, each cut to the bucket of
-                        its longest row) over --ppo_epochs epochs
+                        its longest row) over --ppo_epochs epochs, with --micro_batch and
+                        --length_classes (--micro_batch_length_classes) micro-batches sorted
+                        by length, each run at its length class
   lengths               min / mean / max completion length
   time_ratio            (--time) wall time of the compacted sampler / the uncompacted one,
                         same prompts and keys (the same samples), measured in the same run
@@ -53,9 +55,11 @@ def waste(lengths_B: np.ndarray, num_steps: int, slot_steps: int, max_new_tokens
 
 
 def minibatch_real_frac(out, group: int, mini_batch: int, ppo_epochs: int,
-                        max_new_tokens: int, seed: int = 0) -> float:
+                        max_new_tokens: int, seed: int = 0, micro_batch: int = 0,
+                        length_classes: int = 1) -> float:
     """Real completion tokens / positions the trainer's update computes on this rollout when
-    it runs mini-batches of `mini_batch` rows for `ppo_epochs` epochs (train/loop.py)."""
+    it runs mini-batches of `mini_batch` rows for `ppo_epochs` epochs, in micro-batches of
+    `micro_batch` rows run at up to `length_classes` lengths (train/loop.py)."""
     import jax.numpy as jnp
 
     from jaxrl4llm.sampling.buckets import bucket_completion_length
@@ -72,11 +76,14 @@ def minibatch_real_frac(out, group: int, mini_batch: int, ppo_epochs: int,
                         old_logp_BT=None, ref_logp_BT=None)
     config = TrainConfig().replace(prompts_per_step=rows // group, group_size=group,
                                    mini_batch_size=mini_batch, ppo_epochs=ppo_epochs,
+                                   micro_batch_size=micro_batch,
+                                   micro_batch_length_classes=length_classes,
                                    max_new_tokens=max_new_tokens)
     real = columns = 0
-    for mb, mb_real in loop._minibatches(batch, config, jax.random.key(seed), None):
+    for _, _, (mb_real, mb_columns) in loop._minibatches(batch, config, jax.random.key(seed),
+                                                          None):
         real += mb_real
-        columns += mb.seqs.completion_mask_BT.size
+        columns += mb_columns
     return real / columns
 
 
@@ -94,6 +101,10 @@ def main(argv=None) -> int:
                         help="rows per update (0: none): also report the real-token share of "
                              "the trainer's mini-batches, each cut to its own longest row")
     parser.add_argument("--ppo_epochs", type=int, default=1)
+    parser.add_argument("--micro_batch", type=int, default=0,
+                        help="rows per micro-batch of the --mini_batch share (0: the mini-batch)")
+    parser.add_argument("--length_classes", type=int, default=1,
+                        help="--micro_batch_length_classes of the --mini_batch share")
     parser.add_argument("--time", action="store_true",
                         help="also time the compacted sampler against the uncompacted one "
                              "(compiles both first)")
@@ -139,13 +150,17 @@ def main(argv=None) -> int:
                     int(out.slot_steps), args.new_tokens)
         if args.mini_batch:
             row["update_real_minibatch"] = minibatch_real_frac(
-                out, args.group, args.mini_batch, args.ppo_epochs, args.new_tokens, seed=r)
+                out, args.group, args.mini_batch, args.ppo_epochs, args.new_tokens, seed=r,
+                micro_batch=args.micro_batch, length_classes=args.length_classes)
         if args.time:
             row["compact_s"], row["full_s"] = timed["compact"][1], timed["full"][1]
             row["time_ratio"] = row["compact_s"] / row["full_s"]
         rows.append(row)
         print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in row.items()), flush=True)
+        # The sampled lengths, so other update layouts can be worked out from this rollout.
+        print("lengths=" + ",".join(str(int(x)) for x in timed["compact"][0].host(
+            out.lengths_B)), flush=True)
     keys = ("sampler_useful_full", "sampler_useful_compacted", "update_real_trimmed",
             "update_real_untrimmed") + (("update_real_minibatch",) if args.mini_batch else ()) + (
                 ("time_ratio",) if args.time else ())

@@ -135,6 +135,11 @@ class UpdateConfig:
 
     mini_batch_size: Rows per optimizer update (0 = the whole batch).
     micro_batch_size: Rows per gradient-accumulation slice (0 = the mini-batch).
+    micro_batch_length_classes: Completion lengths a micro-batch may run at. 1: every
+        micro-batch at the mini-batch's longest completion (bucketed). K > 1: the mini-batch's
+        rows are sorted by length into the micro-batches, and each micro-batch runs at the
+        shortest of K lengths (the longest, then halving) that holds its rows: the same
+        update on fewer padded positions, for K branches of the compiled update.
     ppo_epochs: Passes over each rollout batch.
     recompute_old_logprobs: Recompute pi_old with a teacher-forced pass (else use the
         sampler's logprobs).
@@ -144,6 +149,7 @@ class UpdateConfig:
 
     mini_batch_size: int = 0
     micro_batch_size: int = 0
+    micro_batch_length_classes: int = 1
     ppo_epochs: int = 1
     recompute_old_logprobs: bool = True
     max_nonfinite_steps: int = 3
@@ -328,6 +334,9 @@ class TrainConfig:
         require(r.max_new_tokens >= 1 and r.max_prompt_tokens >= 1,
                 "--max_new_tokens and --max_prompt_tokens must be >= 1.")
         require(u.ppo_epochs >= 1, "--ppo_epochs must be >= 1.")
+        require(u.micro_batch_length_classes >= 1,
+                f"--micro_batch_length_classes={u.micro_batch_length_classes} must be >= 1 "
+                "(1 = every micro-batch at the mini-batch's longest completion).")
         require(u.max_nonfinite_steps >= 1, "--max_nonfinite_steps must be >= 1.")
         require(run.num_steps >= 1, "--num_steps must be >= 1.")
         require(run.checkpoint_every >= 1, f"--checkpoint_every={run.checkpoint_every} must be "

@@ -27,39 +27,64 @@ from jaxrl4llm.train.errors import TrainingDivergedError
 from jaxrl4llm.train.resume import check_resume
 from jaxrl4llm.train.rollout import RolloutContext, rollout
 from jaxrl4llm.train.state import create_state, learning_rate_schedule
-from jaxrl4llm.train.step import UpdateBatch, compile_train_step, train_step
+from jaxrl4llm.train.step import (UpdateBatch, compile_train_step, length_classes,
+                                  micro_batch_order, train_step)
 from jaxrl4llm.train.workdir_lock import WorkdirLock
 
 _increment = jax.jit(lambda step: step + 1)  # keeps the step a global (replicated) array
 
 
 def _minibatches(batch: UpdateBatch, config: TrainConfig, key: jax.Array, mesh: Any):
-    """Yields (mini-batch, its real completion tokens) for every PPO epoch (rows reshuffled
-    per epoch when split). A mini-batch runs on its own longest completion, bucketed: the
-    rollout's batch is already cut to the longest row of all, a mini-batch of fewer rows is
-    often shorter still (the columns cut are padding, so the update is unchanged)."""
+    """Yields (mini-batch, its length_classes, (real completion tokens, completion positions
+    the update computes) or None) for every PPO epoch (rows reshuffled per epoch when split).
+
+    A mini-batch runs on its own longest completion, bucketed: the rollout's batch is already
+    cut to the longest row of all, a mini-batch of fewer rows is often shorter still (the
+    columns cut are padding, so the update is unchanged). With --micro_batch_length_classes
+    > 1 its rows are also ordered so that each micro-batch holds rows of similar length
+    (step.micro_batch_order), and each micro-batch runs at the first of the length classes
+    that holds it (the update's sum over micro-batches does not depend on the order)."""
     B, M = config.batch_size, config.mini_batch
+    num_micro = M // config.micro_batch
     mask_BT = batch.seqs.completion_mask_BT
     # Multi-host: the rows are global and not all here; only the rollout's cut applies.
     lengths_B = (np.asarray(jax.device_get(mask_BT.sum(axis=1)))
                  if mask_BT.is_fully_addressable else None)
-    if not config.reshuffles_rows:
-        yield batch, None if lengths_B is None else int(lengths_B.sum())
-        return
-    for epoch in range(config.update.ppo_epochs):
-        order = np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), B))
+    num_classes = config.update.micro_batch_length_classes
+    sort = lengths_B is not None and num_micro > 1 and num_classes > 1
+    reshuffle = config.reshuffles_rows
+    layout = batch.layout.shuffled() if reshuffle else batch.layout
+    group = layout.prompt_group(M, num_micro, parallel.data_parallel_size(mesh) if mesh else 1)
+    if sort and group == 1:
+        layout = layout.shuffled()   # rows move one by one: no longer in their groups
+    epochs = config.update.ppo_epochs if reshuffle else 1
+    for epoch in range(epochs):
+        order = (np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), B))
+                 if reshuffle else np.arange(B))
         for start in range(0, B, M):
             rows = order[start:start + M]
-            mb = jax.tree.map(lambda x: x[rows], batch).replace(layout=batch.layout.shuffled())
-            real = None
-            if lengths_B is not None:
-                real = int(lengths_B[rows].sum())
-                mb = mb.trimmed(buckets.bucket_completion_length(
-                    int(lengths_B[rows].max()), config.rollout.max_new_tokens))
-            if mesh is not None:
-                mb = jax.tree.map(
-                    lambda x: jax.device_put(x, parallel.batch_sharding(mesh, x.ndim)), mb)
-            yield mb, real
+            if sort:
+                rows = rows[micro_batch_order(lengths_B[rows], num_micro, group)]
+            if not reshuffle and not sort:
+                mb = batch
+            else:
+                mb = jax.tree.map(lambda x: x[rows], batch).replace(layout=layout)
+                if mesh is not None:
+                    mb = jax.tree.map(
+                        lambda x: jax.device_put(x, parallel.batch_sharding(mesh, x.ndim)), mb)
+            if lengths_B is None:
+                yield mb, (), None
+                continue
+            lengths = lengths_B[rows]
+            mb = mb.trimmed(buckets.bucket_completion_length(int(lengths.max()),
+                                                             config.rollout.max_new_tokens))
+            T = mb.seqs.completion_mask_BT.shape[1]
+            classes = length_classes(T, num_classes) if sort else ()
+            # Micro-batch k holds the groups k, k + num_micro, ... (step.accumulate).
+            longest_k = lengths.reshape(-1, num_micro, group).max(axis=(0, 2))
+            runs_at = (np.asarray(classes)[np.searchsorted(classes, longest_k)] if classes
+                       else np.full(num_micro, T))
+            yield mb, classes, (int(lengths.sum()), int(runs_at.sum()) * (M // num_micro))
 
 
 def _prompts_per_host(config: TrainConfig, mesh: Any) -> int:
@@ -185,19 +210,22 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
             t0 = time.perf_counter()
             update_metrics = {}
             real_tokens, update_columns = 0, 0  # completion tokens / positions the update runs
-            for mb, real in _minibatches(batch, config, jax.random.fold_in(step_key, 1), mesh):
-                if real is not None:
-                    real_tokens += real
-                    update_columns += mb.seqs.completion_mask_BT.size
+            for mb, classes, tokens in _minibatches(batch, config,
+                                                    jax.random.fold_in(step_key, 1), mesh):
+                if tokens is not None:
+                    real_tokens += tokens[0]
+                    update_columns += tokens[1]
                 # Rows still in their groups run each group's prompt once.
                 prompt_group = mb.layout.prompt_group(mb.keep_B.shape[0], num_micro,
                                                       data_parallel)
-                signature = (prompt_group, tuple(x.shape for x in jax.tree.leaves(mb)))
+                signature = (prompt_group, classes, tuple(x.shape for x in jax.tree.leaves(mb)))
                 if step >= config.critic.warmup_steps:  # PPO: the first steps train the critic only
                     if signature not in compiled:
-                        compile_train_step(state, mb, prompt_group=prompt_group, **static)
+                        compile_train_step(state, mb, prompt_group=prompt_group,
+                                           length_classes=classes, **static)
                         compiled.add(signature)
-                    state, m = train_step(state, mb, prompt_group=prompt_group, **static)
+                    state, m = train_step(state, mb, prompt_group=prompt_group,
+                                          length_classes=classes, **static)
                     update_metrics = combine_metrics(update_metrics, m)
                 if critic_state is not None:
                     critic_state, m = critic.critic_step(critic_state, mb, prompt_group=prompt_group,

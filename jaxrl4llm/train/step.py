@@ -5,6 +5,12 @@ mini-batch (rl.loss_denominator, computed before splitting). The loss is linear 
 per-micro-batch sums, so accumulating gradients over micro-batches gives exactly the
 gradient of the full mini-batch (up to float summation order) for every aggregation mode.
 
+With `length_classes` (--micro_batch_length_classes > 1; the loop sorts the mini-batch's rows
+by length into the micro-batches, see `micro_batch_order`), each micro-batch runs at the
+shortest of those completion lengths that holds its longest row: one branch of a lax.switch
+per length, so short micro-batches skip the padded columns (the loss is unchanged: the cut
+columns are off every mask).
+
 On a mesh (`sharding`), micro-batch k is rows k, k + num_micro, ... (whole prompt groups
 when prompts are shared), so every micro-batch spans every device; activations are
 constrained to the batch layout and gradients to the params' layout, so the compiled update
@@ -18,6 +24,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from jaxrl4llm import parallel, rl
@@ -60,6 +67,32 @@ class UpdateBatch:
             old_values_BT=cut(self.old_values_BT), returns_BT=cut(self.returns_BT))
 
 
+def length_classes(length: int, num_classes: int) -> tuple[int, ...]:
+    """The completion lengths (ascending) a micro-batch of a mini-batch cut to `length`
+    columns may run at: `length`, then halving, at most `num_classes` of them and none below
+    16 (shorter programs save little). () when there is only one."""
+    classes = sorted({max(min(16, length), -(-length // 2**i)) for i in range(num_classes)})
+    return tuple(classes) if len(classes) > 1 else ()
+
+
+def micro_batch_order(lengths_R: np.ndarray, num_micro: int, group: int = 1) -> np.ndarray:
+    """A permutation of a mini-batch's R rows (host side) after which the strided micro-batches
+    of `accumulate` (micro-batch k = groups k, k + num_micro, ...) hold the groups of `group`
+    rows sorted by their longest row: micro-batch 0 the longest groups, the last the
+    shortest. Whole groups move, so rows sharing a prompt stay together."""
+    R = lengths_R.shape[0]
+    groups = R // group
+    per_micro = groups // num_micro
+    if R % group or groups % num_micro:
+        raise ValueError(f"{R} rows do not split into {num_micro} micro-batches of whole "
+                         f"groups of {group} rows.")
+    longest_G = np.asarray(lengths_R).reshape(groups, group).max(axis=1)
+    by_length = np.argsort(-longest_G, kind="stable")
+    # Group position b * num_micro + k (block b of micro-batch k) <- sorted group k * per_micro + b.
+    order_G = by_length.reshape(num_micro, per_micro).T.reshape(-1)
+    return (order_G[:, None] * group + np.arange(group)[None, :]).reshape(-1)
+
+
 def _micro_loss(params: Any, mb: UpdateBatch, denominator: jax.Array, *, model_config: Any,
                 algorithm: rl.AlgorithmConfig, temperature: float, remat: bool,
                 prompt_group: int, sharding: parallel.ActivationSharding | None):
@@ -75,7 +108,8 @@ def _micro_loss(params: Any, mb: UpdateBatch, denominator: jax.Array, *, model_c
 def accumulate_gradients(params: Any, batch: UpdateBatch, *, model_config: Any,
                          algorithm: rl.AlgorithmConfig, num_micro: int, temperature: float,
                          remat: bool = False, prompt_group: int = 1,
-                         sharding: parallel.ActivationSharding | None = None
+                         sharding: parallel.ActivationSharding | None = None,
+                         length_classes: tuple[int, ...] = ()
                          ) -> tuple[jax.Array, Any, dict]:
     """(loss, grads, metrics) of a mini-batch, scanning over `num_micro` strided micro-batches;
     metrics are rl.metrics.Metric values by final name, merged over the micro-batches.
@@ -90,15 +124,19 @@ def accumulate_gradients(params: Any, batch: UpdateBatch, *, model_config: Any,
         remat=remat, prompt_group=prompt_group, sharding=sharding), has_aux=True)
     return accumulate(params, batch, grad_fn, denominator, num_micro=num_micro,
                       prompt_group=prompt_group,
-                      param_axes=transformer.param_logical_axes(model_config), sharding=sharding)
+                      param_axes=transformer.param_logical_axes(model_config), sharding=sharding,
+                      length_classes=length_classes)
 
 
 def accumulate(params: Any, batch: UpdateBatch, grad_fn: Any, denominator: jax.Array, *,
                num_micro: int, prompt_group: int, param_axes: Any,
-               sharding: parallel.ActivationSharding | None) -> tuple[jax.Array, Any, dict]:
+               sharding: parallel.ActivationSharding | None,
+               length_classes: tuple[int, ...] = ()) -> tuple[jax.Array, Any, dict]:
     """(loss, grads, metrics) of `grad_fn(params, micro_batch, denominator)` (value_and_grad
     with metrics as aux) summed over `num_micro` strided micro-batches, gradients laid out
-    like `param_axes`: the policy's update and the critic's share it."""
+    like `param_axes`: the policy's update and the critic's share it. With `length_classes`
+    (ascending, see `length_classes`), a micro-batch runs cut to the first that holds its
+    longest completion."""
     rows = batch.seqs.completion_tokens_BT.shape[0]
     if rows % num_micro or (rows // num_micro) % prompt_group:
         raise ValueError(f"A mini-batch of {rows} rows cannot be split into {num_micro} "
@@ -112,9 +150,19 @@ def accumulate(params: Any, batch: UpdateBatch, grad_fn: Any, denominator: jax.A
     zero_grads = parallel.constrain_tree(
         jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), param_axes, sharding)
 
+    def run_at(length, mb):
+        return grad_fn(params, mb.trimmed(length), denominator)
+
     def body(carry, mb):
         grads, loss, metrics = carry
-        (mb_loss, mb_metrics), mb_grads = grad_fn(params, mb, denominator)
+        if length_classes:
+            longest = jnp.max(jnp.sum(mb.seqs.completion_mask_BT, axis=1, dtype=jnp.int32))
+            index = jnp.minimum(jnp.searchsorted(jnp.asarray(length_classes, jnp.int32),
+                                                 longest), len(length_classes) - 1)
+            branches = [functools.partial(run_at, length) for length in length_classes]
+            (mb_loss, mb_metrics), mb_grads = jax.lax.switch(index, branches, mb)
+        else:
+            (mb_loss, mb_metrics), mb_grads = grad_fn(params, mb, denominator)
         # Laid out like the params: each micro-batch's gradient is reduce-scattered.
         mb_grads = parallel.constrain_tree(mb_grads, param_axes, sharding)
         grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, mb_grads)
@@ -128,11 +176,12 @@ def accumulate(params: Any, batch: UpdateBatch, grad_fn: Any, denominator: jax.A
 
 @functools.partial(jax.jit, donate_argnames=("state",), static_argnames=(
     "model_config", "algorithm", "optimizer", "num_micro", "temperature", "remat",
-    "prompt_group", "sharding"))
+    "prompt_group", "sharding", "length_classes"))
 def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
                algorithm: rl.AlgorithmConfig, optimizer: OptimizerConfig,
                num_micro: int, temperature: float, remat: bool = False,
-               prompt_group: int = 1, sharding: parallel.ActivationSharding | None = None
+               prompt_group: int = 1, sharding: parallel.ActivationSharding | None = None,
+               length_classes: tuple[int, ...] = ()
                ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update on a mini-batch; the old state is donated (updated in place).
 
@@ -145,7 +194,7 @@ def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
     loss, grads, metrics = accumulate_gradients(
         state.params, batch, model_config=model_config, algorithm=algorithm,
         num_micro=num_micro, temperature=temperature, remat=remat, prompt_group=prompt_group,
-        sharding=sharding)
+        sharding=sharding, length_classes=length_classes)
     new_state, update_metrics = apply_update(
         state, loss, grads, optimizer=optimizer,
         param_axes=transformer.param_logical_axes(model_config), sharding=sharding,

@@ -139,3 +139,21 @@ def test_a_new_loss_metric_reaches_metrics_jsonl(toy_model_dir, copy_task_file, 
     assert record["policy/probe_rows"] == 32.0 and record["policy/probe_max"] == 8.0
     assert not {"adv/reward_mean", "adv/accuracy", "adv/frac_truncated"} & set(record)
     assert {"reward/mean", "reward/accuracy", "policy/entropy", "optim/grad_norm"} <= set(record)
+
+
+def test_length_classes_give_the_same_run(toy_model_dir, copy_task_file, tmp_path):
+    """--micro_batch_length_classes changes which padded columns the update computes, not the
+    update: the same losses as the plain run, and no more columns."""
+    kwargs = dict(num_steps=2, max_new_tokens=40, micro_batch_size=8)
+    plain = _config(toy_model_dir, copy_task_file, tmp_path / "plain", **kwargs)
+    loop.run(plain, devices=_one_device())
+    loop.run(plain.replace(workdir=str(tmp_path / "classes"), micro_batch_length_classes=3),
+             devices=_one_device())
+    a, b = read_metrics(str(tmp_path / "plain")), read_metrics(str(tmp_path / "classes"))
+    assert len(a) == len(b) == 2
+    for ra, rb in zip(a, b):
+        assert ra["reward/mean"] == rb["reward/mean"]
+        assert ra["response/length_mean"] == rb["response/length_mean"]
+        np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(rb["optim/grad_norm"], ra["optim/grad_norm"], rtol=1e-4)
+        assert rb["response/update_real_frac"] >= ra["response/update_real_frac"] > 0

@@ -110,11 +110,13 @@ def test_each_minibatch_runs_on_its_own_longest_completion():
     padded = _update_batch(out, params, ref_params, row_ids)
     rollout_batch = padded.trimmed(bucket_completion_length(19, N))  # as the rollout cuts it
     seen, columns = [], []
-    for mb, real in loop._minibatches(rollout_batch, config, jax.random.key(3), None):
+    for mb, classes, (real, computed) in loop._minibatches(rollout_batch, config,
+                                                           jax.random.key(3), None):
         rows = np.rint((np.asarray(mb.advantages) + 0.4) * 8).astype(int)
         seen += rows.tolist()
         T = mb.seqs.completion_tokens_BT.shape[1]
         assert T == (24 if 2 in rows else 16) and real == lengths[rows].sum()
+        assert classes == () and computed == 4 * T
         columns.append(T)
         for x in (mb.old_logp_BT, mb.ref_logp_BT, mb.seqs.completion_mask_BT):
             assert x.shape == (4, T)
