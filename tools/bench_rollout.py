@@ -56,11 +56,15 @@ def waste(lengths_B: np.ndarray, num_steps: int, slot_steps: int, max_new_tokens
 
 def minibatch_real_frac(out, group: int, mini_batch: int, ppo_epochs: int,
                         max_new_tokens: int, seed: int = 0, micro_batch: int = 0,
-                        length_classes: int = 1) -> float:
+                        length_classes: int = 1, share_prompts: bool = True) -> float:
     """Real completion tokens / positions the trainer's update computes on this rollout when
     it runs mini-batches of `mini_batch` rows for `ppo_epochs` epochs, in micro-batches of
-    `micro_batch` rows run at up to `length_classes` lengths (train/loop.py)."""
+    `micro_batch` rows run at up to `length_classes` lengths (train/loop.py). With
+    `share_prompts` (the trainer's default) a rollout's rows stay in their groups when the
+    micro-batches hold whole groups, so sorting moves whole groups."""
     import jax.numpy as jnp
+
+    from jaxrl4llm.sampling.layout import RowLayout
 
     from jaxrl4llm.sampling.buckets import bucket_completion_length
     from jaxrl4llm.train import loop
@@ -73,7 +77,8 @@ def minibatch_real_frac(out, group: int, mini_batch: int, ppo_epochs: int,
     batch = UpdateBatch(seqs=Sequences(out.prompt_tokens_BP, out.prompt_mask_BP, out.tokens_BT,
                                        out.mask_BT),
                         advantages=jnp.zeros(rows), keep_B=jnp.ones(rows, bool),
-                        old_logp_BT=None, ref_logp_BT=None)
+                        old_logp_BT=None, ref_logp_BT=None,
+                        layout=RowLayout(group, share_prompts))
     config = TrainConfig().replace(prompts_per_step=rows // group, group_size=group,
                                    mini_batch_size=mini_batch, ppo_epochs=ppo_epochs,
                                    micro_batch_size=micro_batch,

@@ -10,7 +10,9 @@ warning and the previous one is tried, down to a clear error when none is usable
 """
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import signal
 import threading
 import time
@@ -32,6 +34,17 @@ class CheckpointError(RuntimeError):
 
 class NonFiniteStateError(ValueError):
     """The state to save holds NaN or inf (a diverged update): it is never written."""
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether a save failed for want of disk space (orbax reports ENOSPC from its writer
+    threads as a ValueError naming RESOURCE_EXHAUSTED / "No space left on device")."""
+    while error is not None:
+        if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or (
+                "No space left on device" in str(error)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class Checkpointer:
@@ -68,12 +81,30 @@ class Checkpointer:
                 f"{', '.join(saved.nonfinite[:5])}. The last good checkpoint is "
                 f"{self._manager.latest_step()}. The update diverged: lower the learning rate, "
                 "check the rewards for NaN / inf, or resume from that checkpoint.")
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
-        self._manager.wait_until_finished()  # finalized: the step folder has its final name
+        try:
+            self._manager.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
+            self._manager.wait_until_finished()  # finalized: the step folder has its final name
+        except (OSError, ValueError) as e:
+            if not _disk_full(e):
+                raise
+            self._remove_partial(step)
+            free = shutil.disk_usage(self.directory).free / 2**30
+            raise CheckpointError(
+                f"Could not write checkpoint {step} to {self.directory}: no space left on the "
+                f"device ({free:.1f} GiB free after removing the partial step). Free space "
+                "there (or point --workdir elsewhere), or keep fewer / rarer checkpoints "
+                "(--keep_checkpoints, --checkpoint_every); rerunning the same command resumes "
+                f"from checkpoint {self._manager.latest_step()}.") from e
         if jax.process_index() == 0:
             integrity.write_record(self._step_dir(step), step, saved, data_state)
         logging.info("Saved checkpoint %d to %s", step, self.directory)
+
+    def _remove_partial(self, step: int) -> None:
+        """Deletes what a failed save of `step` left (orbax's temporary step folder)."""
+        for name in os.listdir(self.directory):
+            if name.startswith(f"{step}.orbax-checkpoint-tmp"):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def _check(self, step: int, state: Any, data_state: dict) -> str | None:
         """What is wrong with a restored step (digests, finiteness), else None."""

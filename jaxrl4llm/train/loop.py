@@ -42,8 +42,9 @@ def _minibatches(batch: UpdateBatch, config: TrainConfig, key: jax.Array, mesh: 
     cut to the longest row of all, a mini-batch of fewer rows is often shorter still (the
     columns cut are padding, so the update is unchanged). With --micro_batch_length_classes
     > 1 its rows are also ordered so that each micro-batch holds rows of similar length
-    (step.micro_batch_order), and each micro-batch runs at the first of the length classes
-    that holds it (the update's sum over micro-batches does not depend on the order)."""
+    (step.micro_batch_order; rows leave their prompt groups), and each micro-batch runs at
+    the first of the length classes that holds it (the update's sum over micro-batches does
+    not depend on the order)."""
     B, M = config.batch_size, config.mini_batch
     num_micro = M // config.micro_batch
     mask_BT = batch.seqs.completion_mask_BT
@@ -53,10 +54,10 @@ def _minibatches(batch: UpdateBatch, config: TrainConfig, key: jax.Array, mesh: 
     num_classes = config.update.micro_batch_length_classes
     sort = lengths_B is not None and num_micro > 1 and num_classes > 1
     reshuffle = config.reshuffles_rows
-    layout = batch.layout.shuffled() if reshuffle else batch.layout
-    group = layout.prompt_group(M, num_micro, parallel.data_parallel_size(mesh) if mesh else 1)
-    if sort and group == 1:
-        layout = layout.shuffled()   # rows move one by one: no longer in their groups
+    # Sorted rows leave their prompt groups: a group's rows differ in length (on SmolLM2 at
+    # T = 1 nearly every group of 4 holds a row near the limit), and the columns saved by
+    # sorting rows outweigh running each prompt once per group (bench_rollout.py).
+    layout = batch.layout.shuffled() if reshuffle or sort else batch.layout
     epochs = config.update.ppo_epochs if reshuffle else 1
     for epoch in range(epochs):
         order = (np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), B))
@@ -64,7 +65,7 @@ def _minibatches(batch: UpdateBatch, config: TrainConfig, key: jax.Array, mesh: 
         for start in range(0, B, M):
             rows = order[start:start + M]
             if sort:
-                rows = rows[micro_batch_order(lengths_B[rows], num_micro, group)]
+                rows = rows[micro_batch_order(lengths_B[rows], num_micro)]
             if not reshuffle and not sort:
                 mb = batch
             else:
@@ -80,8 +81,8 @@ def _minibatches(batch: UpdateBatch, config: TrainConfig, key: jax.Array, mesh: 
                                                              config.rollout.max_new_tokens))
             T = mb.seqs.completion_mask_BT.shape[1]
             classes = length_classes(T, num_classes) if sort else ()
-            # Micro-batch k holds the groups k, k + num_micro, ... (step.accumulate).
-            longest_k = lengths.reshape(-1, num_micro, group).max(axis=(0, 2))
+            # Micro-batch k holds the rows k, k + num_micro, ... (step.accumulate).
+            longest_k = lengths.reshape(-1, num_micro).max(axis=0)
             runs_at = (np.asarray(classes)[np.searchsorted(classes, longest_k)] if classes
                        else np.full(num_micro, T))
             yield mb, classes, (int(lengths.sum()), int(runs_at.sum()) * (M // num_micro))

@@ -75,22 +75,16 @@ def length_classes(length: int, num_classes: int) -> tuple[int, ...]:
     return tuple(classes) if len(classes) > 1 else ()
 
 
-def micro_batch_order(lengths_R: np.ndarray, num_micro: int, group: int = 1) -> np.ndarray:
+def micro_batch_order(lengths_R: np.ndarray, num_micro: int) -> np.ndarray:
     """A permutation of a mini-batch's R rows (host side) after which the strided micro-batches
-    of `accumulate` (micro-batch k = groups k, k + num_micro, ...) hold the groups of `group`
-    rows sorted by their longest row: micro-batch 0 the longest groups, the last the
-    shortest. Whole groups move, so rows sharing a prompt stay together."""
+    of `accumulate` (micro-batch k = rows k, k + num_micro, ...) hold the rows sorted by
+    length: micro-batch 0 the longest R / num_micro rows, the last the shortest."""
     R = lengths_R.shape[0]
-    groups = R // group
-    per_micro = groups // num_micro
-    if R % group or groups % num_micro:
-        raise ValueError(f"{R} rows do not split into {num_micro} micro-batches of whole "
-                         f"groups of {group} rows.")
-    longest_G = np.asarray(lengths_R).reshape(groups, group).max(axis=1)
-    by_length = np.argsort(-longest_G, kind="stable")
-    # Group position b * num_micro + k (block b of micro-batch k) <- sorted group k * per_micro + b.
-    order_G = by_length.reshape(num_micro, per_micro).T.reshape(-1)
-    return (order_G[:, None] * group + np.arange(group)[None, :]).reshape(-1)
+    if R % num_micro:
+        raise ValueError(f"{R} rows do not split into {num_micro} micro-batches.")
+    by_length = np.argsort(-np.asarray(lengths_R), kind="stable")
+    # Position b * num_micro + k (row b of micro-batch k) <- sorted row k * (R / num_micro) + b.
+    return by_length.reshape(num_micro, R // num_micro).T.reshape(-1)
 
 
 def _micro_loss(params: Any, mb: UpdateBatch, denominator: jax.Array, *, model_config: Any,

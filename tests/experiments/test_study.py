@@ -125,9 +125,12 @@ def test_study_runs_resumes_after_a_kill_and_reports_recomputable_numbers(
     assert "grpo/seed_0: training (resuming after step 1)" in out
     assert "grpo/seed_0: stopped (SIGTERM)" in out
 
-    result = _study(spec, root)
+    result = _study(spec, root, "--prune_checkpoints")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "Resumed from step 1" in (first / "train.log").read_text()
+    # Each run's checkpoints went once it finished (the resumed one's too).
+    assert not list(root.glob("*/seed_*/checkpoints"))
+    assert len(list(root.glob("*/seed_*/metrics.jsonl"))) == 4
     assert f"Report: {root / 'report.md'}" in result.stdout
     again = _study(spec, root)   # everything finished: nothing runs again
     assert again.returncode == 0 and again.stdout.count("finished earlier") == 4

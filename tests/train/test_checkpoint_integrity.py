@@ -123,6 +123,36 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
     ckpt.close()
 
 
+def test_a_full_disk_is_a_clear_error_and_leaves_no_partial_step(tmp_path, monkeypatch):
+    """What orbax raised when a study filled the disk (ENOSPC in its writer thread, surfaced
+    as a ValueError): a CheckpointError naming the folder, the step to resume from and the
+    fix; the partial step folder is removed. Any other save error passes through."""
+    ckpt = checkpoint.Checkpointer(str(tmp_path), every=2, keep=3)
+    ckpt.save(2, _state(2), {})
+
+    def full_disk(step, args):
+        os.makedirs(tmp_path / f"{step}.orbax-checkpoint-tmp" / "state")
+        raise ValueError("RESOURCE_EXHAUSTED: Error writing \"opt_state.1.0.count/0\" in OCDBT "
+                         "database: Failed to write 739627008 bytes to file 12: No space left "
+                         "on device [os_error_code='28']")
+
+    monkeypatch.setattr(ckpt._manager, "save", full_disk)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=rf"checkpoint 4 to {tmp_path}: no space left.*--keep_checkpoints.*"
+                             r"resumes from checkpoint 2"):
+        ckpt.save(4, _state(4), {})
+    assert sorted(os.listdir(tmp_path)) == ["2"]
+
+    def broken(step, args):
+        raise ValueError("something else")
+
+    monkeypatch.setattr(ckpt._manager, "save", broken)
+    with pytest.raises(ValueError, match="something else"):
+        ckpt.save(4, _state(4), {})
+    assert ckpt.latest_step() == 2
+    ckpt.close()
+
+
 def test_digests_do_not_depend_on_the_sharding():
     from jax.sharding import NamedSharding, PartitionSpec as P
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))

@@ -37,18 +37,16 @@ def test_length_classes_halve_down_to_16():
     assert length_classes(8, 3) == ()           # below 16 only the length itself
 
 
-def test_micro_batch_order_puts_sorted_groups_in_the_strided_micro_batches():
-    lengths = np.array([4, 9, 1, 7, 30, 2, 8, 8, 5, 6, 3, 20])   # 6 groups of 2 rows
-    perm = micro_batch_order(lengths, num_micro=3, group=2)
+def test_micro_batch_order_puts_sorted_rows_in_the_strided_micro_batches():
+    lengths = np.array([4, 9, 1, 7, 30, 2, 8, 8, 5, 6, 3, 20])
+    perm = micro_batch_order(lengths, num_micro=3)
     assert sorted(perm.tolist()) == list(range(12))
-    micro = np.asarray(parallel.split_strided(jnp.asarray(lengths[perm]), 3, group=2))
-    # Group maxima 9, 7, 30, 8, 6, 20 -> longest first: 30, 20, 9, 8, 7, 6, two per micro-batch.
-    assert [sorted(m.reshape(2, 2).max(1).tolist(), reverse=True) for m in micro] == [
-        [30, 20], [9, 8], [7, 6]]
-    # Whole groups moved: each pair of consecutive rows is an original group.
-    assert all(perm[i] // 2 == perm[i + 1] // 2 and perm[i] % 2 == 0 for i in range(0, 12, 2))
-    with pytest.raises(ValueError, match="whole groups of 2 rows"):
-        micro_batch_order(lengths[:10], num_micro=3, group=2)
+    micro = np.asarray(parallel.split_strided(jnp.asarray(lengths[perm]), 3))
+    # Longest first, four rows per micro-batch: 30 20 9 8 | 8 7 6 5 | 4 3 2 1.
+    assert [sorted(m.tolist(), reverse=True) for m in micro] == [
+        [30, 20, 9, 8], [8, 7, 6, 5], [4, 3, 2, 1]]
+    with pytest.raises(ValueError, match="do not split into 3 micro-batches"):
+        micro_batch_order(lengths[:10], num_micro=3)
 
 
 def _batch(params, ref_params) -> UpdateBatch:
