@@ -63,6 +63,12 @@ def _update_batch(out: SampleOutput, params, ref_params, advantages) -> UpdateBa
                        old_logp_BT=jnp.where(out.mask_BT, old, 0.0), ref_logp_BT=ref)
 
 
+def _assert_same_update(loss, grads, loss_ref, grads_ref):
+    np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5, atol=1e-7)
+    for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-7)
+
+
 # The two modes whose denominator depends on the columns: per-row counts and the constant.
 @pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_trimmed_update_equals_the_padded_one(agg):
@@ -88,9 +94,7 @@ def test_trimmed_update_equals_the_padded_one(agg):
     loss, grads, _ = accumulate_gradients(
         params, trimmed, model_config=CONFIG, algorithm=config.update_algorithm, num_micro=2,
         temperature=1.0)
-    np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5, atol=1e-7)
-    for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-7)
+    _assert_same_update(loss, grads, loss_ref, grads_ref)
 
 
 def test_each_minibatch_runs_on_its_own_longest_completion():
@@ -128,9 +132,7 @@ def test_each_minibatch_runs_on_its_own_longest_completion():
         loss, grads, _ = accumulate_gradients(
             params, mb, model_config=CONFIG, algorithm=config.update_algorithm, num_micro=1,
             temperature=1.0)
-        np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-5, atol=1e-7)
-        for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), rtol=1e-4, atol=1e-7)
+        _assert_same_update(loss, grads, loss_ref, grads_ref)
     assert sorted(seen) == sorted(list(range(B)) * 2)   # every row once per epoch
     assert sorted(columns) == [16, 16, 24, 24]
 
