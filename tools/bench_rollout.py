@@ -59,14 +59,13 @@ def minibatch_real_frac(out, group: int, mini_batch: int, ppo_epochs: int,
                         length_classes: int = 1, share_prompts: bool = True) -> float:
     """Real completion tokens / positions the trainer's update computes on this rollout when
     it runs mini-batches of `mini_batch` rows for `ppo_epochs` epochs, in micro-batches of
-    `micro_batch` rows run at up to `length_classes` lengths (train/loop.py). With
-    `share_prompts` (the trainer's default) a rollout's rows stay in their groups when the
-    micro-batches hold whole groups, so sorting moves whole groups."""
+    `micro_batch` rows run at up to `length_classes` lengths (train/loop.py). The rows carry
+    the trainer's layout (`share_prompts` is its default); sorting by length moves single
+    rows out of their groups either way."""
     import jax.numpy as jnp
 
-    from jaxrl4llm.sampling.layout import RowLayout
-
     from jaxrl4llm.sampling.buckets import bucket_completion_length
+    from jaxrl4llm.sampling.layout import RowLayout
     from jaxrl4llm.train import loop
     from jaxrl4llm.train.config import TrainConfig
     from jaxrl4llm.train.logprobs import Sequences

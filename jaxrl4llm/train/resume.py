@@ -35,7 +35,8 @@ RESUMABLE = frozenset({
     "workdir", "mesh", "distributed",
     "eval_data", "eval_every", "eval_prompts", "eval_samples", "eval_sets",
     "reward_workers", "item_timeout_s", "batch_timeout_s", "memory_limit_mb",
-    "micro_batch_size", "micro_batch_length_classes", "rollout_micro_batch", "remat", "share_prompts", "compute_dtype",
+    "micro_batch_size", "micro_batch_length_classes", "rollout_micro_batch", "remat",
+    "share_prompts", "compute_dtype",
     "learning_rate", "warmup_steps", "lr_schedule", "decay_steps", "critic_learning_rate",
 })
 _FIRST = ("model", "algorithm")  # named first: the usual mistake
