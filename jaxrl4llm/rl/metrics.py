@@ -59,6 +59,18 @@ class Metric:
         return Metric(self.total + other.total, self.count + other.count, self.reduce)
 
     @property
+    def is_empty(self) -> Any:
+        """True when no item was counted: a mean over 0 items, or an extreme still at its
+        identity (+-inf). Its `value` (0 or +-inf) is then a placeholder, not a measurement;
+        the trainer does not log it (an update whose every row was rejected has no entropy)."""
+        xp = _xp(self.total, self.count)
+        if self.reduce == "mean":
+            return xp.asarray(self.count) == 0
+        if self.reduce in ("min", "max"):
+            return ~xp.isfinite(xp.asarray(self.total))
+        return xp.asarray(False)
+
+    @property
     def value(self) -> Any:
         if self.reduce == "mean":
             return self.total / _xp(self.count).maximum(self.count, 1.0)
@@ -89,7 +101,9 @@ def combine_metrics(a: Metrics, b: Metrics) -> dict[str, Metric]:
 
 
 def finalize_metrics(metrics: Metrics) -> dict[str, jax.Array]:
-    """{final name: value} of merged metrics (for logging)."""
+    """{final name: value} of merged metrics (for logging). Jittable, so every name stays: a
+    metric that counted nothing reads 0 (a mean) or +-inf (an extreme); check
+    `Metric.is_empty` before logging it (the trainer leaves such metrics out)."""
     return {k: m.value for k, m in metrics.items()}
 
 

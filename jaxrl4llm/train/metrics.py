@@ -33,10 +33,15 @@ CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
 
 
 def to_host_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """{name: rl.Metric or array} -> {name: float} (one transfer for the whole dict)."""
+    """{name: rl.Metric or array} -> {name: float} (one transfer for the whole dict).
+
+    A Metric that counted nothing (`Metric.is_empty`: e.g. the entropy of an update whose
+    every row was rejected, as in RAFT's first steps) is left out rather than logged as 0,
+    so curves and final averages do not take its placeholder for a measurement."""
     host = jax.device_get(dict(metrics))
     return {k: float(np.asarray(v.value if isinstance(v, Metric) else v))
-            for k, v in host.items()}
+            for k, v in host.items()
+            if not (isinstance(v, Metric) and bool(np.asarray(v.is_empty)))}
 
 
 def combine_over_hosts(metrics: Mapping[str, Metric]) -> dict[str, Metric]:

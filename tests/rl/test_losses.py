@@ -148,6 +148,9 @@ def test_metrics_combine_and_finalize():
     uneven = rl.finalize_metrics(rl.combine_metrics({"x": Metric.mean(1.0, 1.0)}, {"x": Metric.mean(6.0, 3.0)}))
     assert uneven["x"] == pytest.approx(7 / 4)   # token-weighted, not (1 + 2) / 2
     assert rl.finalize_metrics({"e": Metric.mean(0.0, 0.0)})["e"] == 0.0   # nothing counted
+    assert bool(Metric.mean(0.0, 0.0).is_empty) and not bool(Metric.mean(0.0, 2.0).is_empty)
+    assert bool(Metric.min(jnp.inf).is_empty) and bool(Metric.max(-jnp.inf).is_empty)
+    assert not bool(Metric.min(0.5).is_empty) and not bool(Metric.sum(0.0).is_empty)
     with pytest.raises(ValueError, match="Cannot merge"):
         rl.combine_metrics({"x": Metric.min(1.0)}, {"x": Metric.max(1.0)})
     # Under jit and as a scan carry: the identities merge as no-ops.

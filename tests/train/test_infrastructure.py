@@ -27,6 +27,30 @@ def test_metrics_jsonl_tensorboard_and_resume_truncation(tmp_path):
     assert [r["step"] for r in metrics.read_metrics(str(tmp_path))] == [1, 2]
 
 
+def test_metrics_that_counted_nothing_are_not_logged():
+    """An update whose every row is rejected (RAFT with no correct sample) has no tokens to
+    average: its entropy, clip fraction and ratio extremes are absent, not 0 / inf; what it
+    did measure (the rejected fraction, 1) stays."""
+    from jaxrl4llm import rl
+    from jaxrl4llm.rl.losses import token_metrics
+    B, T = 4, 6
+    zeros_BT = jnp.zeros((B, T))
+    part = token_metrics(zeros_BT, jnp.zeros((B,), bool), ratio_BT=jnp.ones((B, T)),
+                         log_ratio_BT=zeros_BT, entropy_BT=jnp.full((B, T), 2.0),
+                         pg_loss_BT=zeros_BT)
+    host = metrics.to_host_scalars({**part, "time/step_s": jnp.float32(3.0)})
+    assert host == {"policy/frac_rejected": 1.0, "time/step_s": 3.0}
+    # Merged with a part that kept 2 tokens of entropy 1.0 and 3.0, the mean is theirs alone.
+    w_BT = jnp.zeros((B, T)).at[0, :2].set(1.0)
+    kept = token_metrics(w_BT, jnp.array([True, False, False, False]),
+                         ratio_BT=jnp.full((B, T), 1.5), log_ratio_BT=zeros_BT,
+                         entropy_BT=jnp.zeros((B, T)).at[0, :2].set(jnp.array([1.0, 3.0])))
+    host = metrics.to_host_scalars(rl.combine_metrics(part, kept))
+    assert host["policy/entropy"] == pytest.approx(2.0)
+    assert host["policy/ratio_min"] == host["policy/ratio_max"] == pytest.approx(1.5)
+    assert host["policy/frac_rejected"] == pytest.approx(7 / 8)
+
+
 def test_console_line_is_ordered_and_short():
     line = metrics.console_line(3, 10, {"reward/accuracy": 0.5, "reward/mean": 0.25, "x": 1.0})
     assert line == "step 3/10 | reward 0.25 | acc 0.5"
