@@ -2,7 +2,8 @@
 
 Every distinct (batch, prompt length, max_new_tokens, sampling config) is one compiled
 program. A training run has a fixed batch (prompts x group size) and prompts of varying
-length, so lengths go to powers of two (a handful of programs) and batches to a few sizes.
+length, so lengths go to two sizes per octave (2^k and 1.5 * 2^k: a handful of programs, at
+most a third of a block's positions padding) and batches to a few sizes.
 """
 from __future__ import annotations
 
@@ -21,14 +22,27 @@ class PromptTooLongError(ValueError):
     message names the flags that fix it)."""
 
 
+def two_per_octave(n: int) -> int:
+    """The smallest 2^k or 1.5 * 2^k that is >= n (n >= 1): at most a third of it is padding."""
+    octave = 1 << (n - 1).bit_length()          # the next power of two >= n
+    return octave * 3 // 4 if octave >= 4 and n <= octave * 3 // 4 else octave
+
+
 def bucket_prompt_length(length: int, minimum: int = MIN_PROMPT_BUCKET) -> int:
-    """The next power of two >= length (at least `minimum`); multiples of 1024 past 1024."""
+    """The prompt block's width: the next 2^k or 1.5 * 2^k >= length (at least `minimum`);
+    multiples of 1024 past 1024.
+
+    Two widths per octave, as for completions: prompts of 33-48 tokens run at 48, not 64, so
+    the prefill, the KV cache and every teacher-forced pass compute at most a third more
+    prompt positions than the longest prompt has (a power of two alone allowed twice). The
+    price is up to twice as many compiled prompt widths in a run whose prompts vary a lot.
+    """
     if length < 0:
         raise ValueError(f"Prompt length {length} is negative.")
     n = max(length, minimum, 1)
     if n > 1024:
         return 1024 * math.ceil(n / 1024)
-    return 1 << (n - 1).bit_length()
+    return two_per_octave(n)
 
 
 def bucket_batch_size(batch: int, multiple: int = 1) -> int:
@@ -55,10 +69,7 @@ def bucket_completion_length(length: int, max_new_tokens: int,
     if not 0 <= length <= max_new_tokens:
         raise ValueError(f"Completion length {length} is outside [0, max_new_tokens="
                          f"{max_new_tokens}].")
-    n = max(length, minimum, 1)
-    octave = 1 << (n - 1).bit_length()          # the next power of two >= n
-    bucket = octave * 3 // 4 if octave >= 4 and n <= octave * 3 // 4 else octave
-    return min(bucket, max_new_tokens)
+    return min(two_per_octave(max(length, minimum, 1)), max_new_tokens)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,22 @@ def tiny():
     return TINY_UNTIED, _peaked_params(TINY_UNTIED)
 
 
+def test_prompt_buckets_are_two_per_octave():
+    """Prompt widths are 2^k or 1.5 * 2^k (at least 16, multiples of 1024 past 1024): a
+    block is at most a third padding, where powers of two alone allowed half (33 -> 64)."""
+    expected = {0: 16, 1: 16, 16: 16, 17: 24, 24: 24, 25: 32, 33: 48, 43: 48, 48: 48,
+                49: 64, 65: 96, 97: 128, 129: 192, 513: 768, 769: 1024, 1024: 1024,
+                1025: 2048}
+    assert {n: buckets.bucket_prompt_length(n) for n in expected} == expected
+    assert buckets.bucket_prompt_length(20, minimum=40) == 48   # a floor, then bucketed
+    for n in range(1, 1025):
+        width = buckets.bucket_prompt_length(n)
+        assert n <= width and (width <= 16 or 3 * (width - n) < width), n
+    batch = buckets.prepare_batch([[5] * 40, [6] * 3], n=2, max_prompt_len=100,
+                                  long_prompts="error", pad_id=0, vocab_size=10)
+    assert batch.prompt_BP.shape == (4, 48)
+
+
 def test_cache_parity_with_mixed_left_padding(tiny):
     config, params = tiny
     rng = np.random.default_rng(0)
