@@ -15,7 +15,8 @@ reward, group, forced token count, one optimizer step over the same rows, torch 
 thread count); the last table is ours / TRL per dtype (target <= 0.75). On a loaded machine
 pass --omp_wait_policy=PASSIVE: torch's spinning OpenMP workers otherwise slow it several-fold.
 Prints seconds per stage, tokens/s and peak RSS, and the compute floor: the step's matmul
-FLOPs (`step_tflop`) at the best matmul rate measured in the same process (`matmul_gflops`),
+FLOPs (`step_tflop`) at the best matmul rate measured in the same process (`matmul_gflops`:
+1024^3 matmuls in the compute dtype, probed before and after the steps),
 i.e. the fastest this step could run on this machine (`floor_s`; `floor_share` = floor_s /
 step_s). The reference and update passes run each prompt once per group (--no_share_prompts
 runs it once per row, as before).
@@ -67,10 +68,17 @@ def _child(args) -> dict:
     from jaxrl4llm.train.rollout import RolloutContext, rollout
     from jaxrl4llm.train.state import TrainState
     from jaxrl4llm.train.step import compile_train_step, train_step
+    from tools import bench_sampler
     from tools.bench_trl import step_records, xla_threads
 
     param_name, _, compute_name = args.child.partition(":")
     dtype = param_dtype(param_name)
+    # The matmul rate is probed before the steps and again after them, and the best is the
+    # floor's rate: one probe can land on a slow moment (after the steps it once read 112
+    # GFLOP/s in float32 where the sampler bench measured 199-210 minutes apart), and a slow
+    # probe inflates floor_share.
+    probe_dtype = param_dtype(compute_name or param_name)
+    probe_before = bench_sampler.measure_matmul_gflops(probe_dtype)
     t0 = time.perf_counter()
     model_config, params, tokenizer = registry.load_model(args.model, dtype=dtype)
     load_s = time.perf_counter() - t0
@@ -119,8 +127,7 @@ def _child(args) -> dict:
     timed = rows[1:]
     mean = {k: sum(r[k] for r in timed) / len(timed) for k in timed[0]}
     # The compute floor: this step's matmul FLOPs at the best matmul rate measured here.
-    from tools import bench_sampler
-    peak_gflops = bench_sampler.measure_matmul_gflops(param_dtype(compute_name or param_name))
+    peak_gflops = max(probe_before, bench_sampler.measure_matmul_gflops(probe_dtype))
     tflop = step_tflop(model_config, args.prompts, args.group,
                        int(batch.seqs.prompt_tokens_BP.shape[1]), args.new_tokens,
                        remat=config.model.remat, share_prompts=config.rollout.share_prompts,

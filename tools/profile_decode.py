@@ -11,13 +11,30 @@ per-layer weight buffers, float32 cache on CPU):
   sample    sampling one token from [B, V] logits (--temperature; 0 = greedy)
 and prints, per part, XLA's cost analysis (FLOPs, bytes accessed), the best of --repeats
 timings, and what the machine allows for it in the same run: FLOPs / the measured matmul rate
-and bytes / the measured read bandwidth (the larger of the two is the part's floor).
+and bytes / the measured read bandwidth (the larger of the two is the part's floor). Each part
+is its own program, so the KV cache is copied in and out of it (not donated): the parts are an
+upper bound of what they cost inside the sampler's loop.
+
+    python tools/profile_decode.py --trace --steps=32
+
+instead profiles the sampler itself (`sampler.generate_tokens`, no compaction, no stop tokens)
+with jax.profiler, attributes every op that XLA ran inside the decode loop to a category by its
+HLO (dense layer matmuls, attention over the KV cache, the unembedding, the other work over the
+vocabulary (sampling), everything else), and prints each category's time per decode step with
+the rate it reached: GFLOP/s for matmuls, GB/s of KV cache read for attention. Beside it, the
+same matmul shapes timed alone (XLA, and torch's `F.linear` with the same threads when torch is
+installed), which says whether an op in the loop runs slower than the library can run it.
 """
 from __future__ import annotations
 
 import argparse
+import glob
+import gzip
+import json
 import os
+import re
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,7 +50,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--trace", action="store_true",
+                        help="profile the sampler's decode loop op by op (see the docstring)")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps traced (--trace)")
     args = parser.parse_args(argv)
+    if args.trace:
+        return trace_main(args)
 
     from jaxrl4llm.models import registry, transformer
     from jaxrl4llm.sampling import decode, sampler, strategies
@@ -87,6 +109,197 @@ def main(argv=None) -> int:
         print(f"{name:>8} {ms:8.2f} {flops / 1e9:8.2f} {nbytes / 1e6:8.1f} {flop_ms:8.2f} "
               f"{bw_ms:8.2f} {100 * max(flop_ms, bw_ms) / ms:7.1f}% {100 * ms / step_ms:7.1f}%",
               flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------- --trace
+
+CATEGORIES = ("dense layers (matmuls)", "attention (KV cache)", "unembedding (matmul)",
+              "vocabulary ops (sampling)", "other")
+_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+|\(.*?\)) (\S+?)\((.*)")
+
+
+def _elements(shape: str) -> int:
+    """Elements of an HLO shape string ("f32[32,576]{1,0}"; a tuple: its largest part)."""
+    best = 0
+    for dims in re.findall(r"\[([\d,]*)\]", shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        best = max(best, n)
+    return best
+
+
+def _rank(shape: str) -> int:
+    dims = re.findall(r"\[([\d,]*)\]", shape)
+    return max((len([d for d in x.split(",") if d]) for x in dims), default=0)
+
+
+def categorize_ops(hlo_text: str, batch: int, vocab: int, scope: str = "/while/body/"
+                   ) -> dict[str, str]:
+    """{instruction name: category} for the instructions of `hlo_text` (a compiled module's
+    as_text()) whose metadata op_name contains `scope` (the decode loop's body).
+
+    A dot (or a fusion holding one) is the unembedding when its output has batch * vocab
+    elements, attention when its output has rank >= 4 (the [B, K, G, S] scores and the
+    [B, K, G, H] outputs over the cache), and a dense layer matmul otherwise ([B, D] x [D, F]).
+    Other ops are vocabulary work when they read or write >= batch * vocab / 2 elements,
+    attention when their output has rank >= 4 (softmax, masks, cache writes), else other.
+    """
+    shapes, lines, bodies, current = {}, {}, {}, None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+        if header:
+            current = header.group(1)
+            bodies[current] = []
+            continue
+        m = _INSTRUCTION.match(line)
+        if m:
+            name, shape, op, rest = m.groups()
+            shapes[name] = shape
+            lines[name] = (shape, op, rest, current)
+            if current is not None:
+                bodies[current].append(op)
+    # Ops inside a fusion or a reducer run as part of their caller: only the instructions of
+    # the computations that execute op by op (the entry, while bodies, branches) are counted.
+    nested = set(re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", hlo_text))
+    out = {}
+    big = batch * vocab // 2
+    for name, (shape, op, rest, computation) in lines.items():
+        if scope not in rest or computation in nested:
+            continue
+        called = re.search(r"calls=%?([\w.\-]+)", rest)
+        ops = set(bodies.get(called.group(1), [])) if called else set()
+        operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+        sizes = [_elements(shape)] + [_elements(shapes.get(o, "")) for o in operands]
+        if op == "dot" or "dot" in ops:
+            if _elements(shape) == batch * vocab:
+                out[name] = CATEGORIES[2]
+            elif _rank(shape) >= 4:
+                out[name] = CATEGORIES[1]
+            else:
+                out[name] = CATEGORIES[0]
+        elif max(sizes) >= big:
+            out[name] = CATEGORIES[3]
+        elif _rank(shape) >= 4:
+            out[name] = CATEGORIES[1]
+        else:
+            out[name] = CATEGORIES[4]
+    return out
+
+
+def op_times_ms(trace_dir: str) -> dict[str, float]:
+    """{op name: total duration in ms} of the XLA ops in the newest trace under trace_dir."""
+    paths = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*",
+                                          "*.trace.json.gz")))
+    if not paths:
+        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}: jax.profiler wrote "
+                                "no trace (is the profiler plugin available?)")
+    with gzip.open(paths[-1]) as f:
+        events = json.load(f)["traceEvents"]
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.get("ph") == "X":
+            totals[e["name"]] = totals.get(e["name"], 0.0) + e.get("dur", 0.0) / 1e3
+    return totals
+
+
+def _standalone_gflops(shapes, dtype, repeats: int) -> dict[tuple[int, int, int], tuple]:
+    """{(M, K, N): (XLA GFLOP/s, torch F.linear GFLOP/s or None)} of [M, K] @ [K, N] alone."""
+    from tools.bench_forward import _best_time
+    from tools.bench_sampler import xla_threads
+    try:
+        import torch
+        torch.set_num_threads(xla_threads())
+    except ImportError:
+        torch = None
+    out = {}
+    for m, k, n in shapes:
+        x = jnp.ones((m, k), dtype)
+        w = jnp.full((k, n), 0.01, dtype)
+        dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+        xla = 2 * m * k * n / _best_time(dot, x, w, repeats=repeats) / 1e9
+        ref = None
+        if torch is not None:
+            tdtype = torch.float32 if dtype == jnp.float32 else torch.bfloat16
+            tx, tw = torch.ones(m, k, dtype=tdtype), torch.full((n, k), 0.01, dtype=tdtype)
+            with torch.inference_mode():
+                torch.nn.functional.linear(tx, tw)
+                best = float("inf")
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    torch.nn.functional.linear(tx, tw)
+                    best = min(best, time.perf_counter() - t0)
+            ref = 2 * m * k * n / best / 1e9
+        out[(m, k, n)] = (xla, ref)
+    return out
+
+
+def trace_main(args) -> int:
+    import tempfile
+
+    from jaxrl4llm.models import registry
+    from jaxrl4llm.sampling import sampler, strategies
+    from jaxrl4llm.train.config import param_dtype
+    from tools.bench_forward import _best_time
+    from tools.bench_sampler import measure_bandwidth_gbs, measure_matmul_gflops
+
+    dtype = param_dtype(args.dtype)
+    config, params, _ = registry.load_model(args.model, dtype=dtype, with_tokenizer=False)
+    B, N, V, D = args.batch, args.steps + 1, config.vocab_size, config.hidden_size
+    P = max(1, args.context - N)            # mean context of the traced steps ~ --context
+    prompt_BP = jnp.full((B, P), 100, jnp.int32)
+    inputs = (params, prompt_BP, jnp.ones((B, P), bool), jnp.ones((B,), bool),
+              jax.random.split(jax.random.key(0), B), jnp.full((1,), -1, jnp.int32),
+              jnp.int32(0))
+    static = dict(model_config=config, max_new_tokens=N, compact=False,
+                  sampling=strategies.SamplingConfig(temperature=args.temperature))
+    compiled = sampler.generate_tokens.lower(*inputs, **static).compile()
+    one = sampler.generate_tokens.lower(*inputs, **{**static, "max_new_tokens": 1}).compile()
+    step_ms = 1e3 * (_best_time(compiled, *inputs, repeats=args.repeats)
+                     - _best_time(one, *inputs, repeats=args.repeats)) / (N - 1)
+    with tempfile.TemporaryDirectory(prefix="profile_decode_") as trace_dir:
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+        jax.block_until_ready(compiled(*inputs))
+        jax.profiler.stop_trace()
+        times = op_times_ms(trace_dir)
+    categories = categorize_ops(compiled.as_text(), B, V)
+    per_step = {c: 0.0 for c in CATEGORIES}
+    for name, cat in categories.items():
+        per_step[cat] += times.get(name, 0.0) / (N - 1)
+    gflops = measure_matmul_gflops(dtype)
+    gbs = measure_bandwidth_gbs()
+
+    L, S = config.num_layers, P + N - 1
+    F, Nq, Nk = config.intermediate_size, config.num_heads, config.num_kv_heads
+    Hd = config.head_dim
+    layer_shapes = [(B, D, Nq * Hd), (B, D, Nk * Hd), (B, D, Nk * Hd), (B, Nq * Hd, D),
+                    (B, D, F), (B, D, F), (B, F, D)]
+    dense_flop = 2 * L * sum(m * k * n for m, k, n in layer_shapes)
+    unembed_flop = 2 * B * D * V
+    cache_bytes = 2 * L * B * Nk * (P + N / 2) * Hd * jnp.dtype(
+        sampler._cache_dtype(params)).itemsize
+    print(f"{args.model} {args.dtype}, batch {B}, {N - 1} decode steps at contexts {P}..{S} "
+          f"(cache {S} slots), T={args.temperature}; measured here: matmul {gflops:.0f} GFLOP/s, "
+          f"read bandwidth {gbs:.1f} GB/s; decode step {step_ms:.1f} ms (wall, prefill "
+          f"excluded); ops traced {sum(per_step.values()):.1f} ms/step (two threads can run "
+          "ops side by side, so op time may exceed wall time)")
+    rates = {CATEGORIES[0]: (dense_flop / 1e9, "GFLOP/s"),
+             CATEGORIES[1]: (cache_bytes / 1e9, "GB/s (K/V read; every slot is attended)"),
+             CATEGORIES[2]: (unembed_flop / 1e9, "GFLOP/s")}
+    print(f"{'category':>28} {'ms/step':>8} {'share':>6}  rate reached")
+    total = sum(per_step.values()) or 1.0
+    for cat in CATEGORIES:
+        ms = per_step[cat]
+        rate = ""
+        if cat in rates and ms > 0:
+            amount, unit = rates[cat]
+            rate = f"{amount / (ms / 1e3):7.1f} {unit}"
+        print(f"{cat:>28} {ms:8.2f} {100 * ms / total:5.1f}%  {rate}")
+    alone = _standalone_gflops(sorted(set(layer_shapes) | {(B, D, V)}), dtype, args.repeats)
+    print("the same matmuls alone ([M, K] @ [K, N], GFLOP/s): "
+          + "; ".join(f"{m}x{k}x{n} XLA {x:.0f}" + (f" torch {t:.0f}" if t else "")
+                      for (m, k, n), (x, t) in alone.items()))
     return 0
 
 
