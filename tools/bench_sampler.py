@@ -19,7 +19,10 @@ Reported per setting:
   same pref                        mean number of leading tokens where ours == torch's
                                    (greedy only: sampled tokens come from different generators)
 Bandwidth and FLOP rate are measured in the same run: the best of several jitted sums over a
-1 GiB array, and of 1024^3 matmuls in the benchmarked dtype.
+1 GiB array, and of 1024^3 matmuls in the benchmarked dtype. Each setting is timed in
+--repeats turns of (ours, ours with 1 new token, torch), best of each: on a shared machine
+whose speed drifts by tens of percent over minutes, a slow spell then slows every side alike
+instead of the one that happened to run in it.
 """
 from __future__ import annotations
 
@@ -99,29 +102,22 @@ def param_bytes(params) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
-def time_ours(smp, params, prompts, new_tokens, repeats, strategy=GREEDY):
+def ours_runner(smp, params, prompts, strategy=GREEDY):
+    """run(n) -> (seconds, tokens [B, n]) of one `generate` of n new tokens (compile first)."""
     def run(n):
+        t0 = time.perf_counter()
         out = smp.generate(params, prompts, strategy, n, jax.random.key(0))
         jax.block_until_ready(out)
-        return out
+        seconds = time.perf_counter() - t0
+        assert int(np.asarray(out.lengths_B).min()) == n
+        return seconds, np.asarray(out.tokens_BT)
 
-    for n in (new_tokens, 1):          # compile both programs first
-        run(n)
-    best = {}
-    for n in (new_tokens, 1):
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            out = run(n)
-            ts.append(time.perf_counter() - t0)
-        best[n] = min(ts)
-        if n == new_tokens:
-            assert int(np.asarray(out.lengths_B).min()) == new_tokens
-            tokens = np.asarray(out.tokens_BT)
-    return best[new_tokens], best[1], tokens
+    return run
 
 
-def time_torch(model, tokenizer, prompts, new_tokens, repeats, mode_kwargs=MODES["greedy"][1]):
+def torch_runner(model, tokenizer, prompts, mode_kwargs=MODES["greedy"][1]):
+    """run(n) -> (seconds, tokens [B, n]) of one transformers `generate` of exactly n tokens,
+    with XLA's thread count; the same left-padded prompts."""
     import torch
 
     width = max(len(p) for p in prompts)
@@ -130,17 +126,29 @@ def time_torch(model, tokenizer, prompts, new_tokens, repeats, mode_kwargs=MODES
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    kwargs = dict(attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                  pad_token_id=tokenizer.pad_token_id, **mode_kwargs)
-    torch.set_num_threads(xla_threads())   # the same cores as XLA's CPU thread pool
-    with torch.inference_mode():
-        model.generate(ids, **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
-        ts = []
-        for _ in range(repeats):
+
+    def run(n):
+        torch.set_num_threads(xla_threads())   # the same cores as XLA's CPU thread pool
+        kwargs = dict(attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                      pad_token_id=tokenizer.pad_token_id, **mode_kwargs)
+        with torch.inference_mode():
             t0 = time.perf_counter()
             out = model.generate(ids, **kwargs)
-            ts.append(time.perf_counter() - t0)
-    return min(ts), out[:, width:].numpy(), torch.get_num_threads()
+            seconds = time.perf_counter() - t0
+        return seconds, out[:, width:].numpy()
+
+    return run
+
+
+def best_interleaved(runs: dict, repeats: int) -> dict:
+    """{name: (best seconds, last output)} of `runs` ({name: (run, n)}), timed in turns (a, b,
+    c, a, b, c, ...) so that a slow minute of a shared machine hits every side alike."""
+    best = {name: (float("inf"), None) for name in runs}
+    for _ in range(repeats):
+        for name, (run, n) in runs.items():
+            seconds, out = run(n)
+            best[name] = (min(best[name][0], seconds), out)
+    return best
 
 
 def main():
@@ -200,8 +208,17 @@ def main():
         for batch, mode in itertools.product(batches, modes):
             strategy, torch_kwargs = MODES[mode]
             prompts = [chats[i % len(chats)] for i in range(batch)]
-            t_full, t_prefill, ours = time_ours(smp, params, prompts, new_tokens, repeats,
-                                                strategy)
+            ours_run = ours_runner(smp, params, prompts, strategy)
+            runs = {"ours": (ours_run, new_tokens), "ours_prefill": (ours_run, 1)}
+            if torch_model is not None:
+                import torch
+                tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+                runs["torch"] = (torch_runner(torch_model.to(tdtype), tokenizer, prompts,
+                                              torch_kwargs), new_tokens)
+            for run, n in runs.values():    # compile / warm up every side first
+                run(n if run is ours_run else 2)
+            best = best_interleaved(runs, repeats)
+            (t_full, ours), (t_prefill, _) = best["ours"], best["ours_prefill"]
             ours_tps = batch * new_tokens / t_full
             decode_tps = batch * (new_tokens - 1) / max(t_full - t_prefill, 1e-9)
             ctx = np.mean([len(p) for p in prompts]) + new_tokens / 2
@@ -217,11 +234,10 @@ def main():
             torch_tps = match = None
             if torch_model is not None:
                 import torch
-                tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-                t_torch, ref, threads = time_torch(torch_model.to(tdtype), tokenizer, prompts,
-                                                   new_tokens, repeats, torch_kwargs)
+                t_torch, ref = best["torch"]
                 torch_tps = batch * new_tokens / t_torch
-                print(f"  (threads: XLA {xla_threads()}, torch {threads})")
+                print(f"  (threads: XLA {xla_threads()}, torch {torch.get_num_threads()}; "
+                      f"{repeats} turns of ours / ours prefill / torch)")
                 # Mean length of the prefix on which both greedy decodes agree (float rounding
                 # differences flip near-ties, after which the continuations differ).
                 if mode == "greedy":
