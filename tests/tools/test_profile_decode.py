@@ -29,6 +29,9 @@ def test_shape_helpers():
     assert profile_decode._elements("s32[]") == 1
     assert profile_decode._rank("f32[32,3,3,192]{3,2,1,0}") == 4
     assert profile_decode._rank("f32[32,576]{1,0}") == 2
+    # Two ops side by side count once: [0, 3] covered, then [5, 6].
+    assert profile_decode.busy_ms([(5.0, 6.0), (0.0, 2.0), (1.0, 3.0), (1.5, 2.5)]) == 4.0
+    assert profile_decode.busy_ms([]) == 0.0
 
 
 def test_decode_loop_ops_are_categorized_from_the_compiled_hlo():
