@@ -116,6 +116,8 @@ def main(argv=None) -> int:
 
 CATEGORIES = ("dense layers (matmuls)", "attention (KV cache)", "unembedding (matmul)",
               "vocabulary ops (sampling)", "other")
+# Ops that move no data at run time (and carry no op_name metadata).
+_FREE_OPS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+|\(.*?\)) (\S+?)\((.*)")
 
 
@@ -135,10 +137,12 @@ def _rank(shape: str) -> int:
     return max((len([d for d in x.split(",") if d]) for x in dims), default=0)
 
 
-def categorize_ops(hlo_text: str, batch: int, vocab: int, scope: str = "/while/body/"
+def categorize_ops(hlo_text: str, batch: int, vocab: int, loop_only: bool = True
                    ) -> dict[str, str]:
-    """{instruction name: category} for the instructions of `hlo_text` (a compiled module's
-    as_text()) whose metadata op_name contains `scope` (the decode loop's body).
+    """{instruction name: category} for the ops of `hlo_text` (a compiled module's as_text())
+    that run op by op (not inside a fusion): with `loop_only`, those of the decode loop, the
+    while loop whose body holds the most matmuls, and of the loops nested in it (e.g. a
+    random-number loop); the prefill and the first token's sampling are left out.
 
     A dot (or a fusion holding one) is the unembedding when its output has batch * vocab
     elements, attention when its output has rank >= 4 (the [B, K, G, S] scores and the
@@ -160,16 +164,39 @@ def categorize_ops(hlo_text: str, batch: int, vocab: int, scope: str = "/while/b
             lines[name] = (shape, op, rest, current)
             if current is not None:
                 bodies[current].append(op)
+
+    def called(rest: str, keys: str) -> list[str]:
+        return re.findall(rf"(?:{keys})=%?([\w.\-]+)", rest)
+
+    def dots(computation: str) -> int:
+        """Matmuls of a computation, those inside its fusions included."""
+        return sum(1 for _, op, rest, c in lines.values() if c == computation and (
+            op == "dot" or any("dot" in bodies.get(f, []) for f in called(rest, "calls"))))
+
     # Ops inside a fusion or a reducer run as part of their caller: only the instructions of
     # the computations that execute op by op (the entry, while bodies, branches) are counted.
     nested = set(re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", hlo_text))
+    scope = set(bodies) - nested
+    if loop_only:
+        loops = [called(rest, "body")[0] for _, op, rest, _ in lines.values() if op == "while"]
+        if not loops:
+            raise ValueError("categorize_ops: the module has no while loop to profile.")
+        scope, todo = set(), [max(loops, key=dots)]
+        while todo:                      # the decode loop's body and the loops inside it
+            computation = todo.pop()
+            scope.add(computation)
+            for _, op, rest, c in lines.values():
+                if c == computation and op in ("while", "conditional"):
+                    todo += called(rest, "body|condition|true_computation|false_computation")
+                    todo += re.findall(r"%([\w.\-]+)", rest.split("branch_computations=")[-1]
+                                       .split("}")[0]) if "branch_computations=" in rest else []
     out = {}
     big = batch * vocab // 2
     for name, (shape, op, rest, computation) in lines.items():
-        if scope not in rest or computation in nested:
+        if computation not in scope or op in _FREE_OPS:
             continue
-        called = re.search(r"calls=%?([\w.\-]+)", rest)
-        ops = set(bodies.get(called.group(1), [])) if called else set()
+        fused = called(rest, "calls")
+        ops = set(bodies.get(fused[0], [])) if fused else set()
         operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
         sizes = [_elements(shape)] + [_elements(shapes.get(o, "")) for o in operands]
         if op == "dot" or "dot" in ops:
@@ -259,7 +286,7 @@ def trace_main(args) -> int:
     dtype = param_dtype(args.dtype)
     config, params, _ = registry.load_model(args.model, dtype=dtype, with_tokenizer=False)
     B, N, V, D = args.batch, args.steps + 1, config.vocab_size, config.hidden_size
-    P = max(1, args.context - N)            # mean context of the traced steps ~ --context
+    P = max(1, args.context - N)            # so the cache holds about --context slots
     prompt_BP = jnp.full((B, P), 100, jnp.int32)
     inputs = (params, prompt_BP, jnp.ones((B, P), bool), jnp.ones((B,), bool),
               jax.random.split(jax.random.key(0), B), jnp.full((1,), -1, jnp.int32),
@@ -280,6 +307,10 @@ def trace_main(args) -> int:
     for name, cat in categories.items():
         spans[cat] += intervals.get(name, [])
     per_step = {c: busy_ms(spans[c]) / (N - 1) for c in CATEGORIES}
+    # The traced loop's wall time: from its first op's start to its last op's end.
+    everything = [span for c in CATEGORIES for span in spans[c]]
+    loop_ms = (max(b for _, b in everything) - min(a for a, _ in everything)) / (N - 1)
+    idle_ms = loop_ms - busy_ms(everything) / (N - 1)
     gflops = measure_matmul_gflops(dtype)
     gbs = measure_bandwidth_gbs()
 
@@ -309,6 +340,9 @@ def trace_main(args) -> int:
             amount, unit = rates[cat]
             rate = f"{amount / (ms / 1e3):7.1f} {unit}"
         print(f"{cat:>28} {ms:8.2f} {100 * ms / total:5.1f}%  {rate}")
+    print(f"{'no op of the loop running':>28} {idle_ms:8.2f}         "
+          f"(the traced loop took {loop_ms:.1f} ms/step; this is its condition, dispatch and "
+          "waits between ops)")
     alone = _standalone_gflops(sorted(set(layer_shapes) | {(B, D, V)}), dtype, args.repeats)
     print("the same matmuls alone ([M, K] @ [K, N], GFLOP/s): "
           + "; ".join(f"{m}x{k}x{n} XLA {x:.0f}" + (f" torch {t:.0f}" if t else "")
