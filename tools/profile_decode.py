@@ -31,6 +31,7 @@ import argparse
 import glob
 import gzip
 import json
+import math
 import os
 import re
 import sys
@@ -121,20 +122,18 @@ _FREE_OPS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+|\(.*?\)) (\S+?)\((.*)")
 
 
+def _dims(shape: str) -> list[list[int]]:
+    """The dimensions of each array in an HLO shape string ("f32[32,576]{1,0}", a tuple)."""
+    return [[int(d) for d in x.split(",") if d] for x in re.findall(r"\[([\d,]*)\]", shape)]
+
+
 def _elements(shape: str) -> int:
-    """Elements of an HLO shape string ("f32[32,576]{1,0}"; a tuple: its largest part)."""
-    best = 0
-    for dims in re.findall(r"\[([\d,]*)\]", shape):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        best = max(best, n)
-    return best
+    """Elements of an HLO shape string (a tuple: its largest part)."""
+    return max((math.prod(d) for d in _dims(shape)), default=0)
 
 
 def _rank(shape: str) -> int:
-    dims = re.findall(r"\[([\d,]*)\]", shape)
-    return max((len([d for d in x.split(",") if d]) for x in dims), default=0)
+    return max((len(d) for d in _dims(shape)), default=0)
 
 
 def categorize_ops(hlo_text: str, batch: int, vocab: int, loop_only: bool = True

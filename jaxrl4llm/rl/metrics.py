@@ -61,7 +61,7 @@ class Metric:
     @property
     def is_empty(self) -> Any:
         """True when no item was counted: a mean over 0 items, or an extreme still at its
-        identity (+-inf). Its `value` (0 or +-inf) is then a placeholder, not a measurement;
+        identity (+-inf). Its `value` (0 or +-inf) then stands in for nothing measured;
         the trainer does not log it (an update whose every row was rejected has no entropy)."""
         xp = _xp(self.total, self.count)
         if self.reduce == "mean":

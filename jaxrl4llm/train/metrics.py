@@ -37,7 +37,7 @@ def to_host_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
 
     A Metric that counted nothing (`Metric.is_empty`: e.g. the entropy of an update whose
     every row was rejected, as in RAFT's first steps) is left out rather than logged as 0,
-    so curves and final averages do not take its placeholder for a measurement."""
+    so curves and final averages do not take its stand-in value for a measurement."""
     host = jax.device_get(dict(metrics))
     return {k: float(np.asarray(v.value if isinstance(v, Metric) else v))
             for k, v in host.items()
