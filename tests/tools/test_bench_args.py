@@ -31,3 +31,38 @@ def test_child_flags_round_trip():
     assert (child.prompts, child.new_tokens, child.remat, child.share_prompts) == (3, 16, False,
                                                                                   True)
     assert child.kl_coef == 0.04 and child.hf_dir is None
+
+
+def test_rounds_alternate_the_sides_and_keep_each_sides_fastest(monkeypatch, capsys):
+    calls = []
+    steps = {"float32": [5.0, 3.0], "trl/float32": [9.0, 11.0]}
+
+    def fake_child(args, child):
+        calls.append(child)
+        if child == "export":
+            return {"hf_dir": args.hf_dir}
+        step = steps[child].pop(0)
+        return {"dtype": "float32", "step_s": step, "reward_s": 0.5, "peak_rss_gib": step / 10,
+                "floor_share": 1 / step, "device": "cpu", "xla_threads": 2, "trl": "1",
+                "torch": "2", "torch_threads": 2, "omp_wait_policy": None,
+                "mean_new_tokens": 8.0, **{k: 0.0 for k in (
+                    "rollout_s", "reference_s", "update_s", "sample_tok_s", "update_tok_s",
+                    "compile_step_s", "step_tflop", "matmul_gflops", "floor_s", "verify_s")}}
+
+    monkeypatch.setattr(bench_train, "run_child", fake_child)
+    import bench_trl
+    monkeypatch.setattr(bench_trl, "trl_available", lambda: True)
+    assert bench_train.main(["--dtypes=float32", "--rounds=2"]) == 0
+    assert calls == ["export", "float32", "trl/float32", "float32", "trl/float32"]
+    out = capsys.readouterr().out
+    # ours kept 3.0 (round 2), TRL kept 9.0 (round 1): ratio 1/3, RSS of the kept runs.
+    assert "ours float32: steps of the 2 rounds 5.00, 3.00 s" in out
+    assert "TRL float32: steps of the 2 rounds 9.00, 11.00 s" in out
+    row = [line for line in out.splitlines() if line.strip().startswith("float32 |")][-1]
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[1:4] == ["3.00", "9.00", "0.33"] and cells[-2] == "0.33"
+
+
+def test_fastest_of_no_or_failed_rounds_is_none():
+    assert bench_train.fastest([]) is None
+    assert bench_train.fastest([{"step_s": 1.0}, None]) is None
