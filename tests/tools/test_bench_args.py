@@ -50,8 +50,8 @@ def test_rounds_alternate_the_sides_and_keep_each_sides_fastest(monkeypatch, cap
                     "compile_step_s", "step_tflop", "matmul_gflops", "floor_s", "verify_s")}}
 
     monkeypatch.setattr(bench_train, "run_child", fake_child)
-    import bench_trl
-    monkeypatch.setattr(bench_trl, "trl_available", lambda: True)
+    from tools import bench_trl  # the module main() imports (repo root put on sys.path by it)
+    monkeypatch.setattr(bench_trl, "trl_available", lambda: True)   # CI has no trl
     assert bench_train.main(["--dtypes=float32", "--rounds=2"]) == 0
     assert calls == ["export", "float32", "trl/float32", "float32", "trl/float32"]
     out = capsys.readouterr().out
