@@ -246,7 +246,10 @@ def print_comparison(ours: list[dict], theirs: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.repeats < 1:
+        parser.error(f"--rounds={args.rounds} --repeats={args.repeats}: both must be >= 1.")
     if args.child:
         from tools import bench_trl
         if args.child == "export":

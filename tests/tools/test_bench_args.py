@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "tools")
 sys.path.insert(0, TOOLS)
@@ -66,3 +68,9 @@ def test_rounds_alternate_the_sides_and_keep_each_sides_fastest(monkeypatch, cap
 def test_fastest_of_no_or_failed_rounds_is_none():
     assert bench_train.fastest([]) is None
     assert bench_train.fastest([{"step_s": 1.0}, None]) is None
+
+
+def test_zero_rounds_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_train.main(["--rounds=0"])
+    assert exit_info.value.code == 2 and "--rounds=0" in capsys.readouterr().err
