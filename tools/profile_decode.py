@@ -183,12 +183,16 @@ def categorize_ops(hlo_text: str, batch: int, vocab: int, loop_only: bool = True
         scope, todo = set(), [max(loops, key=dots)]
         while todo:                      # the decode loop's body and the loops inside it
             computation = todo.pop()
+            if computation in scope:
+                continue
             scope.add(computation)
             for _, op, rest, c in lines.values():
-                if c == computation and op in ("while", "conditional"):
-                    todo += called(rest, "body|condition|true_computation|false_computation")
-                    todo += re.findall(r"%([\w.\-]+)", rest.split("branch_computations=")[-1]
-                                       .split("}")[0]) if "branch_computations=" in rest else []
+                if c != computation or op not in ("while", "conditional"):
+                    continue
+                todo += called(rest, "body|condition|true_computation|false_computation")
+                if "branch_computations=" in rest:
+                    branches = rest.split("branch_computations=", 1)[1].split("}", 1)[0]
+                    todo += re.findall(r"%([\w.\-]+)", branches)
     out = {}
     big = batch * vocab // 2
     for name, (shape, op, rest, computation) in lines.items():
