@@ -4,8 +4,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from jaxrl4llm.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """Bad user data: the message names the file, the line / row and the field, and the fix."""
 
 

@@ -13,11 +13,13 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxrl4llm.errors import UserError
+
 MIN_PROMPT_BUCKET = 16
 LONG_PROMPT_MODES = ("error", "drop")
 
 
-class PromptTooLongError(ValueError):
+class PromptTooLongError(UserError, ValueError):
     """Prompts over the prompt-length limit with long_prompts="error" (a user error: the
     message names the flags that fix it)."""
 

@@ -22,13 +22,14 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
+from jaxrl4llm.errors import UserError
 from jaxrl4llm.models import registry
 from jaxrl4llm.train import integrity
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 from jaxrl4llm.train.state import abstract_state
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """No usable checkpoint; the message names the folder, each step's problem and the fix."""
 
 

@@ -17,10 +17,8 @@ docs/reliability.md lists the tests behind each.
 """
 from __future__ import annotations
 
-EXIT_FINISHED = 0
-EXIT_USER_ERROR = 2
-EXIT_DIVERGED = 3
-EXIT_PREEMPTED = 75
+from jaxrl4llm.errors import (EXIT_DIVERGED, EXIT_FINISHED, EXIT_PREEMPTED,  # noqa: F401
+                              EXIT_USER_ERROR, UserError)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -28,6 +26,6 @@ class TrainingDivergedError(RuntimeError):
     stuck, so the run stops; the message names the steps, the last checkpoint and the fix."""
 
 
-class ResumeMismatchError(ValueError):
+class ResumeMismatchError(UserError, ValueError):
     """The workdir was trained with settings a resume cannot change (model, algorithm, ...):
     the message names each flag with its saved and new value, and the fix."""

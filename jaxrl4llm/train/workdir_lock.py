@@ -19,10 +19,12 @@ from typing import Any
 
 from absl import logging
 
+from jaxrl4llm.errors import UserError
+
 LOCK_NAME = "run.lock"
 
 
-class WorkdirInUseError(RuntimeError):
+class WorkdirInUseError(UserError, RuntimeError):
     """Another live run holds the workdir."""
 
 
