@@ -6,7 +6,9 @@ completion (reasoning-gym's convention), else the last \\boxed{}. In a pool work
 dataset is rebuilt from its config once per worker (cached) and scores the answer; only a
 full score (1.0) is "correct": reasoning-gym's partial credits (e.g. 0.01 for a wrong
 number, 0.3 + 0.7 * matched / people in knights_knaves) count as "wrong", so every task has
-the same binary reward as math.
+the same binary reward as math. A knights_knaves answer that hedges or gives one person two
+roles is "wrong" before reasoning-gym's scorer sees it (rewards/hedges.py): that scorer
+credits "Zoey is a knight, maybe" and reads "Zoey is a knave and a knight" as a knave.
 
 Untrusted text and reasoning-gym scorers: several scorers pass the answer to sympy's
 `parse_expr`, which evaluates Python. countdown is therefore scored by our own countdown
@@ -23,7 +25,7 @@ import pickle
 import re
 from typing import Any, Sequence
 
-from jaxrl4llm.rewards import extract
+from jaxrl4llm.rewards import extract, hedges
 from jaxrl4llm.rewards.base import Job, Verdict, record_metadata, run_in_process
 from jaxrl4llm.rewards.countdown import CountdownConfig, CountdownVerifier
 
@@ -49,8 +51,12 @@ def _dataset(task: str, config_json: str):
 
 
 def score_gym_answer(answer: str, task: str, config_json: str, entry_pickle: bytes) -> str:
-    """Runs in a pool worker: "correct" iff reasoning-gym's score is 1.0, else "wrong"."""
+    """Runs in a pool worker: "correct" iff reasoning-gym's score is 1.0, else "wrong"; a
+    knights_knaves hedge or second role (hedges.gym_hedge) is "wrong" unscored."""
     entry = pickle.loads(entry_pickle)
+    if task == "knights_knaves" and hedges.gym_hedge(
+            answer, entry.get("metadata", {}).get("names", ())) is not None:
+        return "wrong"
     score = float(_dataset(task, config_json).score_answer(answer, entry))
     return "correct" if score >= 1.0 - 1e-9 else "wrong"
 

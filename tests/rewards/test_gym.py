@@ -35,6 +35,20 @@ def test_knights_knaves_scores_in_the_pool(reward_fn):
     assert "reasoning_gym" in reward_fn.pool.config.preload  # imported at worker start
 
 
+def test_knights_knaves_hedges_are_wrong_in_the_pool(reward_fn):
+    """reasoning-gym's scorer alone gives each of these full marks (tests/rewards/test_hedges.py
+    checks that with the library); in the pool they are wrong."""
+    (record,) = make_source("gym:knights_knaves?n_people=3&n=1", "train")
+    first, rest = record.answer.split(", ", 1)
+    other = _flip(first).split()[-1]
+    hedged = [f"{first} and a {other}, {rest}", f"{first}, maybe, {rest}",
+              f"{first} /{other}, {rest}", f"{record.answer} All of them are {other}s."]
+    scored = reward_fn.score([f"<answer>{record.answer}</answer>"]
+                             + [f"<answer>{h}</answer>" for h in hedged], [record] * 5)
+    assert scored.correct.tolist() == [True] + [False] * 4
+    assert scored.reasons[1:] == ["wrong"] * 4
+
+
 def test_partial_credit_is_not_correct(reward_fn):
     (record,) = make_source("gym:knights_knaves?n_people=4&n=1", "train")
     claims = record.answer.rstrip(".").split(", ")
