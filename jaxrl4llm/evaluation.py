@@ -170,7 +170,6 @@ def set_context(ctx: RolloutContext, eval_set: evalsets.EvalSet) -> RolloutConte
         rollout = dataclasses.replace(rollout, sampling=dataclasses.replace(
             rollout.sampling, temperature=eval_set.temperature))
     if eval_set.max_new_tokens is not None:
-        ctx.sampler.check_context(eval_set.max_new_tokens)
         rollout = dataclasses.replace(rollout, max_new_tokens=eval_set.max_new_tokens)
     return dataclasses.replace(ctx, rollout=rollout)
 

@@ -2,9 +2,13 @@
 for long ones.
 
 Every implementation computes the same thing. Query t of a row sits at key slot t + offset;
-it sees key s iff key_valid_BS[b, s] and s <= t + offset (causal over slots). One rule
-covers the three uses: self-attention (offset 0), a KV cache (offset = the first new slot)
-and a shared prefix (keys = prefix ++ row, offset = prefix length).
+it sees key s iff key_valid_BS[b, s] and s <= t + offset (causal over slots), and with a
+sliding window of W (Mistral) also s > t + offset - W: the query and the W - 1 slots before
+it, as transformers' sliding-window mask keeps them. One rule covers the three uses:
+self-attention (offset 0), a KV cache (offset = the first new slot) and a shared prefix
+(keys = prefix ++ row, offset = prefix length). Rows are a left-padded prompt followed by
+contiguous real tokens, so a distance in slots is a distance in real tokens (RoPE positions)
+between any two real tokens, and the window counts real tokens.
 
   reference  the whole [B, K, G, T, S] score matrix: fastest for short contexts and for the
              sampler's one-query decode steps.
@@ -70,19 +74,32 @@ class AttentionConfig:
         return "chunked"
 
 
-def visible_mask(key_valid_BS: jax.Array, num_queries: int, offset: Any) -> jax.Array:
-    """bool [B, T, S]: query t sees key s iff key_valid[b, s] and s <= t + offset."""
+def _causal(key_slots: jax.Array, query_slots: jax.Array, window: int | None) -> jax.Array:
+    """bool [T, S] from query slots [T] and key slots [S]: s <= t and, with a window W,
+    s > t - W."""
+    visible = key_slots[None, :] <= query_slots[:, None]
+    if window is not None:
+        visible &= key_slots[None, :] > query_slots[:, None] - window
+    return visible
+
+
+def visible_mask(key_valid_BS: jax.Array, num_queries: int, offset: Any,
+                 window: int | None = None) -> jax.Array:
+    """bool [B, T, S]: query t sees key s iff key_valid[b, s], s <= t + offset and (with a
+    sliding window W) s > t + offset - W."""
     S = key_valid_BS.shape[1]
-    causal_TS = jnp.arange(S)[None, :] <= jnp.arange(num_queries)[:, None] + offset
+    causal_TS = _causal(jnp.arange(S), jnp.arange(num_queries) + offset, window)
     return causal_TS[None] & key_valid_BS[:, None, :]
 
 
 def attention(q_BTNH: jax.Array, k_BKHS: jax.Array, v_BKSH: jax.Array,
               key_valid_BS: jax.Array, offset: Any = 0,
               config: AttentionConfig = AttentionConfig(),
-              sharding: parallel.ActivationSharding | None = None) -> jax.Array:
+              sharding: parallel.ActivationSharding | None = None,
+              window: int | None = None) -> jax.Array:
     """Attention of queries [B, T, N, H] over keys [B, K, H, S] / values [B, K, S, H];
-    q heads n*G .. n*G+G-1 share kv head n. Returns [B, T, N*H] float32.
+    q heads n*G .. n*G+G-1 share kv head n. Returns [B, T, N*H] float32. `window`: the
+    sliding window W (None: full causal attention), static.
 
     Matmuls run in the keys' dtype with float32 accumulation; softmax is float32.
     """
@@ -92,17 +109,18 @@ def attention(q_BTNH: jax.Array, k_BKHS: jax.Array, v_BKSH: jax.Array,
     q_BKGTH = q_BKGTH.astype(k_BKHS.dtype)
     impl = config.resolve(T, S, H, k_BKHS.dtype)
     if impl == "reference":
-        out = _reference(q_BKGTH, k_BKHS, v_BKSH, visible_mask(key_valid_BS, T, offset))
+        out = _reference(q_BKGTH, k_BKHS, v_BKSH,
+                         visible_mask(key_valid_BS, T, offset, window))
     elif impl == "chunked":
         out = _chunked(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, jnp.asarray(offset, jnp.int32),
-                       min(config.block_q, T), min(config.block_k, S))
+                       min(config.block_q, T), min(config.block_k, S), window)
     else:
         if not isinstance(offset, int):
             raise ValueError(f"attention impl {impl!r} needs a static (int) offset; the decode "
                              "step's traced cache index runs the reference implementation.")
         kernel = _splash if impl == "splash" else functools.partial(_dot_product, impl=impl)
-        out = _per_device(kernel, q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, offset, config,
-                          sharding)
+        out = _per_device(kernel, q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, offset, window,
+                          config, sharding)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
 
 
@@ -137,7 +155,7 @@ def _merge_blocks(x: jax.Array, axis: int) -> jax.Array:
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
 
 
-def _block_scores(q_blk, k_blk, valid_blk, t0, s0, offset):
+def _block_scores(q_blk, k_blk, valid_blk, t0, s0, offset, window):
     """Masked scores of one (query block, key block) pair: [B, K, G, bq, bk] float32."""
     # Under jax.checkpoint a mask computed from integer inputs alone is "known" and gets
     # saved as a residual, stacked over every block pair (GBs at long context); tied to the
@@ -145,7 +163,7 @@ def _block_scores(q_blk, k_blk, valid_blk, t0, s0, offset):
     q_blk, valid_blk = lax.optimization_barrier((q_blk, valid_blk))
     bq, bk = q_blk.shape[3], k_blk.shape[3]
     s = jnp.einsum("bkgth,bkhs->bkgts", q_blk, k_blk, preferred_element_type=_F32)
-    causal = (s0 + jnp.arange(bk))[None, :] <= (t0 + jnp.arange(bq))[:, None] + offset
+    causal = _causal(s0 + jnp.arange(bk), t0 + jnp.arange(bq) + offset, window)
     # valid_blk: 1 real key, 0 masked key, -1 block padding (past the last key).
     visible = causal[None, :, :] & (valid_blk == 1)[:, None, :]
     s = jnp.where(visible[:, None, None], s, MASKED)
@@ -158,7 +176,7 @@ def _blocked_inputs(q, k, v, key_valid_BS, bq, bk):
             _split_blocks(_pad_to(v, 2, bk), 2, bk), _split_blocks(valid, 1, bk))
 
 
-def _flash_forward(q, k, v, key_valid_BS, offset, bq, bk):
+def _flash_forward(q, k, v, key_valid_BS, offset, bq, bk, window):
     """(out [B, K, G, T, H] f32, logsumexp [B, K, G, T] f32)."""
     T = q.shape[3]
     q_n, k_n, v_n, valid_n = _blocked_inputs(q, k, v, key_valid_BS, bq, bk)
@@ -171,7 +189,7 @@ def _flash_forward(q, k, v, key_valid_BS, offset, bq, bk):
         def key_block(carry, xs):
             m, l, acc = carry
             k_blk, v_blk, valid_blk, s0 = xs
-            s = _block_scores(q_blk, k_blk, valid_blk, t0, s0, offset)
+            s = _block_scores(q_blk, k_blk, valid_blk, t0, s0, offset, window)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.exp(s - m_new[..., None])
             scale = jnp.exp(m - m_new)
@@ -188,17 +206,17 @@ def _flash_forward(q, k, v, key_valid_BS, offset, bq, bk):
     return _merge_blocks(out_n, 3)[:, :, :, :T], _merge_blocks(lse_n, 3)[..., :T]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _chunked(q, k, v, key_valid_BS, offset, bq, bk):
-    return _flash_forward(q, k, v, key_valid_BS, offset, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _chunked(q, k, v, key_valid_BS, offset, bq, bk, window):
+    return _flash_forward(q, k, v, key_valid_BS, offset, bq, bk, window)[0]
 
 
-def _chunked_fwd(q, k, v, key_valid_BS, offset, bq, bk):
-    out, lse = _flash_forward(q, k, v, key_valid_BS, offset, bq, bk)
+def _chunked_fwd(q, k, v, key_valid_BS, offset, bq, bk, window):
+    out, lse = _flash_forward(q, k, v, key_valid_BS, offset, bq, bk, window)
     return out, (q, k, v, key_valid_BS, offset, out, lse)
 
 
-def _chunked_bwd(bq, bk, residuals, dout):
+def _chunked_bwd(bq, bk, window, residuals, dout):
     """Flash-attention backward: per (key block, query block) pair, recompute the
     probabilities from the saved logsumexp; dq accumulates over key blocks, dk / dv over
     query blocks."""
@@ -217,7 +235,7 @@ def _chunked_bwd(bq, bk, residuals, dout):
         def query_block(carry, ys):
             dk, dv = carry
             q_blk, do_blk, lse_blk, delta_blk, t0 = ys
-            s = _block_scores(q_blk, k_blk, valid_blk, t0, s0, offset)
+            s = _block_scores(q_blk, k_blk, valid_blk, t0, s0, offset, window)
             p = jnp.exp(s - lse_blk[..., None])
             dv = dv + jnp.einsum("bkgts,bkgth->bksh", p.astype(v.dtype), do_blk,
                                  preferred_element_type=_F32)
@@ -248,11 +266,12 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 # ----------------------------------------------------------------------------- kernels
 
 def _per_device(kernel, q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, offset: int,
-                config: AttentionConfig, sharding: parallel.ActivationSharding | None):
+                window: int | None, config: AttentionConfig,
+                sharding: parallel.ActivationSharding | None):
     """Runs a per-device kernel; on a mesh under shard_map over batch rows and kv heads
     (a Pallas or cuDNN custom call is opaque to the SPMD partitioner, which would otherwise
     gather every operand onto each device)."""
-    run = functools.partial(kernel, offset=offset, config=config)
+    run = functools.partial(kernel, offset=offset, window=window, config=config)
     if sharding is None:
         return run(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS)
     B, K = k_BKHS.shape[:2]
@@ -273,14 +292,18 @@ def _query_segments(key_valid_BS, T: int, offset: int, Tp: int) -> jax.Array:
     return jnp.pad(own, ((0, 0), (0, Tp - T)), constant_values=1)
 
 
-def _splash(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, *, offset: int, config: AttentionConfig):
+def _splash(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, *, offset: int, window: int | None,
+            config: AttentionConfig):
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash, splash_attention_mask as masks)
     B, K, G, T, H = q_BKGTH.shape
     S = k_BKHS.shape[3]
     bq, bk = min(config.block_q, _round_up(T, 128)), min(config.block_k, _round_up(S, 128))
     Tp, Sp = _round_up(T, bq), _round_up(S, bk)
-    mask = masks.MultiHeadMask([masks.CausalMask((Tp, Sp), offset)] * G)
+    # LocalMask keeps t + offset - left <= s <= t + offset + right.
+    causal = (masks.CausalMask((Tp, Sp), offset) if window is None
+              else masks.LocalMask((Tp, Sp), (window - 1, 0), offset))
+    mask = masks.MultiHeadMask([causal] * G)
     sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_q_dkv=bq, block_kv_dkv=bk,
                               block_q_dq=bq, block_kv_dq=bk)
     kernel = splash.make_splash_mqa_single_device(
@@ -299,12 +322,12 @@ def _splash(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, *, offset: int, config: Atten
     return out[:, :, :, :T].astype(_F32)
 
 
-def _dot_product(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, *, offset: int,
+def _dot_product(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, *, offset: int, window: int | None,
                  config: AttentionConfig, impl: str):
     del config
     B, K, G, T, H = q_BKGTH.shape
     q_BTNH = q_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
-    visible_B1TS = visible_mask(key_valid_BS, T, offset)[:, None]
+    visible_B1TS = visible_mask(key_valid_BS, T, offset, window)[:, None]
     out_BTNH = jax.nn.dot_product_attention(
         q_BTNH, k_BKHS.transpose(0, 3, 1, 2), v_BKSH.transpose(0, 2, 1, 3),
         mask=visible_B1TS, scale=1.0, implementation=impl)

@@ -18,7 +18,7 @@ class Family:
     attention_bias: q/k/v projections carry biases (Qwen2: always).
     qk_norm: per-head RMSNorm of q and k before RoPE (Qwen3).
     sliding_window: config.json's `sliding_window` limits attention (Mistral); see
-        ModelConfig.check_context.
+        ModelConfig.sliding_window.
     gguf_permutes_qk: llama.cpp stores this family's q/k rows RoPE-interleaved.
     hf_extra: fixed keys written into an exported config.json.
     """
@@ -76,9 +76,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     model_type: str = "llama"      # which HF family to export as
-    # Mistral: a token attends to the last `sliding_window` positions. This decoder runs full
-    # attention, which is the same while a sequence fits the window: check_context refuses
-    # longer ones.
+    # Mistral: a token attends to itself and the `sliding_window` - 1 tokens before it (None:
+    # every earlier token), in every pass (see models/attention.py).
     sliding_window: int | None = None
     # Mixed precision: "bfloat16" runs every pass (sampler, teacher-forced, update) with its
     # weights cast to bfloat16 at the start, over float32 master params (None: the params'
@@ -97,20 +96,12 @@ class ModelConfig:
         if self.compute_dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"ModelConfig.compute_dtype={self.compute_dtype!r}: use float32, "
                              "bfloat16 or None (the params' dtype).")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"ModelConfig.sliding_window={self.sliding_window} must be at "
+                             "least 1 (a token attends to itself), or None for no window.")
         if self.rope_scaling is not None and self.rope_scaling.rope_type != "llama3":
             raise ValueError(f"rope_scaling.rope_type={self.rope_scaling.rope_type!r} is not "
                              "supported; only 'llama3' (or no scaling) is.")
-
-    def check_context(self, length: int) -> None:
-        """Raises a clear error when sequences of `length` tokens (prompt + completion) would
-        need attention this decoder does not compute (past the sliding window)."""
-        if self.sliding_window is not None and length > self.sliding_window:
-            raise ValueError(
-                f"This {self.model_type} model attends over a sliding window of "
-                f"{self.sliding_window} tokens, and sequences of {length} tokens (max prompt + "
-                f"max new tokens) would pass it; jaxrl4llm runs full attention, exact only "
-                f"within the window. Lower --max_prompt_tokens and --max_new_tokens so that their "
-                f"sum is at most {self.sliding_window}.")
 
     @property
     def num_params(self) -> int:

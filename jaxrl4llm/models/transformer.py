@@ -1,9 +1,11 @@
-"""The decoder (Llama / Qwen2 / Qwen3) as pure functions over a params pytree.
+"""The decoder (Llama / Qwen2 / Qwen3 / Mistral) as pure functions over a params pytree.
 
 Params are a nested dict of arrays; the per-layer weights are stacked along a leading
 [L, ...] axis and run with `lax.scan`, so compile time does not grow with depth. Matmuls
 take the params' dtype (float32 or bfloat16) and accumulate in float32; the residual
-stream, norms, RoPE and softmax are float32; logits are float32.
+stream, norms, RoPE and softmax are float32; logits are float32. A config with a
+`sliding_window` (Mistral) attends over that many tokens in every pass: the teacher-forced
+forward, the shared-prefix forward, the sampler's prefill and its KV-cache decode steps.
 
     params = init_params(config, jax.random.key(0))
     logits_BTV, _ = forward(params, config, tokens_BT, positions_BT, mask_BT)
@@ -204,7 +206,7 @@ def _layer(config: ModelConfig, h_BTD: jax.Array, lp: Params, cos_BTF: jax.Array
     keys, values, key_valid_BS, offset, aux = kv_fn(k.transpose(0, 2, 3, 1),
                                                     jnp.swapaxes(v.astype(dtype), 1, 2))
     attn_BTM = attn_lib.attention(q.astype(dtype), keys, values, key_valid_BS, offset,
-                                  attention, sharding)
+                                  attention, sharding, window=c.sliding_window)
     attn_BTM = act(attn_BTM, ("batch", "length", "heads"))
     # One [N*H, D] matrix (a free reshape): as "btnh,nhd" XLA transposed o every call.
     o_MD = lp["o"].reshape(-1, lp["o"].shape[-1])
@@ -252,7 +254,8 @@ def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
     positions_BT index RoPE (left-padded rows: cumsum(mask) - 1, clipped at 0). mask_BT marks
     real tokens. Without a cache, query i sees key j iff j <= i and mask_BT[:, j]. With a
     cache, the T new tokens fill slots [cache_index, cache_index + T) and query slot p sees
-    slots s <= p whose cache mask is set.
+    slots s <= p whose cache mask is set. With `config.sliding_window` W, also only j > i - W
+    (s > p - W): the token itself and the W - 1 before it, as in transformers' Mistral.
 
     params["layers"] may be stacked (run with lax.scan without a cache) or a tuple of per-layer
     dicts (`unstack_layers`; run as a Python loop). With a cache the layers always run as a

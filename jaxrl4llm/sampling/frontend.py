@@ -80,14 +80,6 @@ class Sampler:
         self.max_rows = max_rows
         self.compact = compact
 
-    def check_context(self, max_new_tokens: int, prompt_len: int | None = None) -> None:
-        """Raises a clear error when a prompt of `prompt_len` tokens (default: the longest
-        allowed) plus max_new_tokens completion tokens does not fit the model (e.g. Mistral's
-        sliding window)."""
-        limit = (self.model_config.max_position_embeddings - max_new_tokens
-                 if self.max_prompt_len is None else self.max_prompt_len)
-        self.model_config.check_context(min(limit, prompt_len or limit) + max_new_tokens)
-
     def shard_params(self, params: Any) -> Any:
         """Places params on the sampler's mesh (a no-op without one)."""
         if self.mesh is None:
@@ -102,7 +94,6 @@ class Sampler:
         """`group_size` samples of each prompt (token ids), laid out as
         RowLayout(group_size, share_prompts), the last `greedy_last` of each greedy; see the
         module function `generate`."""
-        self.check_context(max_new_tokens, max((len(p) for p in prompts), default=None))
         return generate(params, self.model_config, prompts, sampling, max_new_tokens, key,
                         stop_ids=self.stop_ids, n=group_size, pad_id=self.pad_id,
                         mesh=self.mesh, rules=self.rules, max_prompt_len=self.max_prompt_len,

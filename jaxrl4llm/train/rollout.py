@@ -44,12 +44,11 @@ class RolloutContext:
                data: DataConfig, rollout: RolloutConfig, **sampler_options: Any
                ) -> "RolloutContext":
         """`sampler_options` go to Sampler (e.g. stop_ids=() to sample exactly
-        max_new_tokens tokens); the context length is checked against the model now."""
+        max_new_tokens tokens)."""
         sampler = Sampler(model_config, tokenizer, mesh=mesh,
                           max_prompt_len=rollout.max_prompt_tokens,
                           long_prompts=rollout.long_prompts,
                           max_rows=rollout.rollout_micro_batch or None, **sampler_options)
-        sampler.check_context(rollout.max_new_tokens)
         return cls(sampler, reward_fn, data, rollout)
 
     @property

@@ -1,6 +1,7 @@
 """Attention implementations against a float64 numpy softmax: chunked online softmax (forward
 and its custom backward), the Pallas splash kernel (interpret mode on CPU), the
-dot_product_attention call, padding masks, GQA, offsets, sharded under a mesh."""
+dot_product_attention call, padding masks, GQA, offsets, sliding windows, sharded under a
+mesh."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,12 +31,14 @@ def _inputs(Tq, S, seed=0, dtype=jnp.float32):
             jnp.asarray(valid))
 
 
-def _numpy_attention(q, k, v, valid, offset):
-    """softmax(q k^T / sqrt(H)) v per head in float64; query t sees valid keys s <= t+offset."""
+def _numpy_attention(q, k, v, valid, offset, window=None):
+    """softmax(q k^T / sqrt(H)) v per head in float64; query t sees valid keys s <= t+offset,
+    and with a window W only the W slots t+offset-W < s <= t+offset."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     Tq, S = q.shape[1], k.shape[3]
-    visible = np.asarray(valid)[:, None, :] & (np.arange(S)[None, :] <= np.arange(Tq)[:, None]
-                                               + offset)[None]
+    distance = np.arange(Tq)[:, None] + offset - np.arange(S)[None, :]
+    causal = (distance >= 0) & (distance < (S + Tq + offset if window is None else window))
+    visible = np.asarray(valid)[:, None, :] & causal[None]
     out = np.zeros((B, Tq, N, H))
     for n in range(N):
         kv = n // (N // K)
@@ -50,30 +53,45 @@ def _numpy_attention(q, k, v, valid, offset):
 
 
 CASES = [(9, 9, 0), (5, 13, 8), (7, 12, 3)]   # self-attention, shared prefix of 8, a cache
+WINDOWS = [None, 3]                             # full causal, a sliding window of 3 slots
+_run = jax.jit(A.attention, static_argnames=("offset", "config", "sharding", "window"))
 
 
+@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("Tq,S,offset", CASES)
-def test_chunked_forward_equals_the_softmax(Tq, S, offset):
+def test_chunked_forward_equals_the_softmax(Tq, S, offset, window):
     q, k, v, valid = _inputs(Tq, S)
-    expected, seen = _numpy_attention(q, k, v, valid, offset)
+    expected, seen = _numpy_attention(q, k, v, valid, offset, window)
     for blocks in ((4, 4), (3, 5), (64, 64)):   # several blocks, ragged, one block
         config = A.AttentionConfig("chunked", *blocks)
-        out = jax.jit(A.attention, static_argnames=("offset", "config"))(
-            q, k, v, valid, offset=offset, config=config)
+        out = _run(q, k, v, valid, offset=offset, config=config, window=window)
         np.testing.assert_allclose(np.asarray(out)[seen], expected[seen], atol=1e-5)
         assert np.isfinite(np.asarray(out)).all()
-    ref = A.attention(q, k, v, valid, offset, A.AttentionConfig("reference"))
+    ref = A.attention(q, k, v, valid, offset, A.AttentionConfig("reference"), window=window)
     np.testing.assert_allclose(np.asarray(ref)[seen], expected[seen], atol=1e-5)
 
 
+def test_window_keeps_the_query_and_the_slots_before_it():
+    """Query slot p sees p - W < s <= p (transformers: kv_idx > q_idx - sliding_window), and
+    a window at least as long as the keys masks nothing."""
+    valid = jnp.ones((1, 6), bool)
+    visible = np.asarray(A.visible_mask(valid, 3, 3, window=2))[0]
+    assert visible.tolist() == [[False, False, True, True, False, False],
+                                [False, False, False, True, True, False],
+                                [False, False, False, False, True, True]]
+    np.testing.assert_array_equal(A.visible_mask(valid, 3, 3, window=6),
+                                  A.visible_mask(valid, 3, 3))
+
+
+@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("Tq,S,offset", CASES[1:])
-def test_chunked_gradients_equal_the_reference(Tq, S, offset):
+def test_chunked_gradients_equal_the_reference(Tq, S, offset, window):
     q, k, v, valid = _inputs(Tq, S, seed=1)
-    seen = np.asarray(A.visible_mask(valid, Tq, offset).any(-1))
+    seen = np.asarray(A.visible_mask(valid, Tq, offset, window).any(-1))
     w = jnp.asarray(np.random.default_rng(2).standard_normal((B, Tq, N * H)), jnp.float32)
 
     def loss(q, k, v, impl):
-        out = A.attention(q, k, v, valid, offset, A.AttentionConfig(impl, 4, 3))
+        out = A.attention(q, k, v, valid, offset, A.AttentionConfig(impl, 4, 3), window=window)
         return jnp.sum(jnp.where(seen[..., None], out * w, 0.0))  # pads carry no gradient
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
@@ -100,19 +118,20 @@ def test_auto_picks_the_reference_for_decode_and_short_contexts():
         A.AttentionConfig("flash3")
 
 
-def test_splash_kernel_equals_the_softmax_in_interpret_mode():
+@pytest.mark.parametrize("window", [None, 20])
+def test_splash_kernel_equals_the_softmax_in_interpret_mode(window):
     """The TPU kernel's own code, run by the Pallas interpreter on CPU: layout, GQA, segment
-    ids for padding, the causal offset of a shared prefix, block padding and gradients."""
+    ids for padding, the causal offset of a shared prefix, block padding, the sliding window
+    and gradients."""
     Tq, S, offset = 100, 160, 60
     q, k, v, valid = _inputs(Tq, S, seed=4)
-    expected, seen = _numpy_attention(q, k, v, valid, offset)
+    expected, seen = _numpy_attention(q, k, v, valid, offset, window)
     config = A.AttentionConfig("splash", 128, 128)
-    run = jax.jit(A.attention, static_argnames=("offset", "config"))
-    out = run(q, k, v, valid, offset=offset, config=config)
+    out = _run(q, k, v, valid, offset=offset, config=config, window=window)
     np.testing.assert_allclose(np.asarray(out)[seen], expected[seen], atol=1e-5)
 
     def loss(q, k, v, config):
-        out = A.attention(q, k, v, valid, offset, config)
+        out = A.attention(q, k, v, valid, offset, config, window=window)
         return jnp.sum(jnp.where(seen[..., None], out, 0.0) ** 2)
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
@@ -120,19 +139,20 @@ def test_splash_kernel_equals_the_softmax_in_interpret_mode():
         np.testing.assert_allclose(b, a, atol=2e-4, rtol=1e-4)
 
 
-def test_dot_product_attention_call_on_a_mesh_equals_the_softmax():
+@pytest.mark.parametrize("window", WINDOWS)
+def test_dot_product_attention_call_on_a_mesh_equals_the_softmax(window):
     """The cuDNN path's call (layout, mask, scale, shard_map over rows and kv heads) with
     XLA's implementation, which runs on CPU."""
     Tq, S, offset = 7, 12, 3
     q, k, v, valid = _inputs(Tq, S, seed=5)
-    expected, seen = _numpy_attention(q, k, v, valid, offset)
+    expected, seen = _numpy_attention(q, k, v, valid, offset, window)
     mesh = parallel.make_mesh("data:1,fsdp:4,tensor:2")
     sharding = parallel.ActivationSharding(mesh)
     q4 = jnp.concatenate([q, q[:1]])   # 4 rows: split over fsdp=4
     args = [jnp.concatenate([x, x[:1]]) for x in (k, v, valid)]
-    run = jax.jit(A.attention, static_argnames=("offset", "config", "sharding"))
     for s in (None, sharding):
-        out = run(q4, *args, offset=offset, config=A.AttentionConfig("xla"), sharding=s)
+        out = _run(q4, *args, offset=offset, config=A.AttentionConfig("xla"), sharding=s,
+                   window=window)
         np.testing.assert_allclose(np.asarray(out)[:B][seen], expected[seen], atol=1e-5)
 
 
@@ -140,10 +160,12 @@ CFG = dataclasses.replace(TINY, vocab_size=96, attention_bias=True, qk_norm=True
                           tie_word_embeddings=False, model_type="qwen2")
 
 
-def test_model_paths_with_chunked_attention_equal_the_reference():
+@pytest.mark.parametrize("window", [None, 4])
+def test_model_paths_with_chunked_attention_equal_the_reference(window):
     """hidden_states_shared_prefix with 3-slot blocks (values and gradients) equals the
     full-score-matrix attention (its prefix pass is the plain self-attention path)."""
-    params = T.init_params(CFG, jax.random.key(0))
+    cfg = dataclasses.replace(CFG, sliding_window=window)
+    params = T.init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(6)
     G, group, P, Tc = 2, 2, 7, 6
     prefix = jnp.asarray(rng.integers(0, CFG.vocab_size, (G, P)), jnp.int32)
@@ -154,7 +176,7 @@ def test_model_paths_with_chunked_attention_equal_the_reference():
     reference = A.AttentionConfig("reference")
 
     def loss(p, attention):
-        hp, hc = T.hidden_states_shared_prefix(p, CFG, prefix, prefix_mask, rest, rest_mask,
+        hp, hc = T.hidden_states_shared_prefix(p, cfg, prefix, prefix_mask, rest, rest_mask,
                                                group=group, attention=attention)
         return (jnp.sum(jnp.where(rest_mask[..., None], hc, 0.0) ** 2)
                 + jnp.sum(jnp.where(prefix_mask[..., None], hp, 0.0) ** 2))

@@ -1,4 +1,5 @@
-"""The pure decoder: KV cache == full forward, masking, remat, bf16, sharded == unsharded."""
+"""The pure decoder: KV cache == full forward (with and without a sliding window), masking,
+remat, bf16, sharded == unsharded."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,6 +18,9 @@ from jaxrl4llm.models.config import TINY, RopeScaling
 CFG = dataclasses.replace(TINY, vocab_size=160, intermediate_size=96, attention_bias=True,
                           qk_norm=True, tie_word_embeddings=False,
                           rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64), model_type="qwen2")
+# The same with a sliding window shorter than the test rows (9 tokens); the windowed full
+# forward itself is compared with transformers' Mistral in tests/models/test_weights.py.
+WINDOWED = dataclasses.replace(CFG, sliding_window=3)
 
 
 # One compiled forward per input shape (eager dispatch is slow on the shared CI cores).
@@ -56,26 +60,28 @@ def test_shapes_axes_and_dtypes():
     assert sum(x.size for x in jax.tree.leaves(params)) == CFG.num_params
 
 
-def test_padding_does_not_leak_and_pads_are_finite():
+@pytest.mark.parametrize("cfg", [CFG, WINDOWED], ids=["full", "window"])
+def test_padding_does_not_leak_and_pads_are_finite(cfg):
     params = _params()
     tokens, pos, mask = _batch()
-    logits, _ = _fwd(params, CFG, tokens, pos, mask)
+    logits, _ = _fwd(params, cfg, tokens, pos, mask)
     assert np.isfinite(np.asarray(logits)).all()
     # Changing the ids under the pads leaves the real positions' logits unchanged.
     other = jnp.where(mask, tokens, (tokens + 7) % CFG.vocab_size)
-    logits2, _ = _fwd(params, CFG, other, pos, mask)
+    logits2, _ = _fwd(params, cfg, other, pos, mask)
     np.testing.assert_allclose(np.asarray(logits2)[np.asarray(mask)],
                                np.asarray(logits)[np.asarray(mask)], atol=1e-6)
     # A row alone equals the same row inside the padded batch (its unpadded length).
     n = int(mask[1].sum())
-    alone, _ = _fwd(params, CFG, tokens[1:2, -n:], pos[1:2, -n:], mask[1:2, -n:])
+    alone, _ = _fwd(params, cfg, tokens[1:2, -n:], pos[1:2, -n:], mask[1:2, -n:])
     np.testing.assert_allclose(alone[0], logits[1, -n:], atol=2e-5)
 
 
-def test_kv_cache_prefill_then_decode_equals_full_forward():
+@pytest.mark.parametrize("cfg", [CFG, WINDOWED], ids=["full", "window"])
+def test_kv_cache_prefill_then_decode_equals_full_forward(cfg):
     params = _params()
     tokens, pos, mask = _batch()
-    full, _ = _fwd(params, CFG, tokens, pos, mask)
+    full, _ = _fwd(params, cfg, tokens, pos, mask)
     step = _fwd
     cache = T.init_kv_cache(CFG, 3, 16)
     assert len(cache.k_BKHS) == len(cache.v_BKSH) == 2 and not cache.mask_BS.any()
@@ -83,10 +89,10 @@ def test_kv_cache_prefill_then_decode_equals_full_forward():
     assert cache.max_len == 16
     other = T.init_kv_cache(CFG, 3, 12)   # keys [B, K, H, S], values [B, K, S, H]
     assert other.k_BKHS[1].shape == (3, 2, 16, 12) and other.v_BKSH[1].shape == (3, 2, 12, 16)
-    out, cache = step(params, CFG, tokens[:, :5], pos[:, :5], mask[:, :5], cache, 0)
+    out, cache = step(params, cfg, tokens[:, :5], pos[:, :5], mask[:, :5], cache, 0)
     outs = [out]
     for t in range(5, 9):  # one token at a time, traced cache_index
-        out, cache = step(params, CFG, tokens[:, t:t + 1], pos[:, t:t + 1], mask[:, t:t + 1],
+        out, cache = step(params, cfg, tokens[:, t:t + 1], pos[:, t:t + 1], mask[:, t:t + 1],
                           cache, jnp.int32(t))
         outs.append(out)
     inc = jnp.concatenate(outs, axis=1)
@@ -120,18 +126,19 @@ def _shared_prefix_rows(G=3, group=2, P=6, T_=5, seed=3):
     return prefix, prefix_mask, rest, rest_mask
 
 
-def test_shared_prefix_equals_the_concatenated_rows():
+@pytest.mark.parametrize("cfg", [CFG, WINDOWED], ids=["full", "window"])
+def test_shared_prefix_equals_the_concatenated_rows(cfg):
     params, group = _params(), 2
     prefix, prefix_mask, rest, rest_mask = _shared_prefix_rows(group=group)
     P = prefix.shape[1]
     tokens = np.concatenate([np.repeat(prefix, group, 0), rest], 1)
     mask = np.concatenate([np.repeat(prefix_mask, group, 0), rest_mask], 1)
     run = jax.jit(T.hidden_states, static_argnums=1, static_argnames="remat")
-    full, _ = run(params, CFG, jnp.asarray(tokens), T.positions_from_mask(jnp.asarray(mask)),
+    full, _ = run(params, cfg, jnp.asarray(tokens), T.positions_from_mask(jnp.asarray(mask)),
                   jnp.asarray(mask))
     shared = jax.jit(T.hidden_states_shared_prefix, static_argnums=1,
                      static_argnames=("group", "remat"))
-    h_prefix, h_rest = shared(params, CFG, prefix, prefix_mask, rest, rest_mask, group=group)
+    h_prefix, h_rest = shared(params, cfg, prefix, prefix_mask, rest, rest_mask, group=group)
     full = np.asarray(full)
     for g in range(prefix.shape[0]):  # every row of a block sees the same prefix states
         for r in range(g * group, (g + 1) * group):
@@ -141,10 +148,10 @@ def test_shared_prefix_equals_the_concatenated_rows():
 
     def loss(p, share):
         if share:
-            _, h = T.hidden_states_shared_prefix(p, CFG, prefix, prefix_mask, rest, rest_mask,
+            _, h = T.hidden_states_shared_prefix(p, cfg, prefix, prefix_mask, rest, rest_mask,
                                                  group=group, remat=True)
         else:
-            h, _ = T.hidden_states(p, CFG, tokens, T.positions_from_mask(mask), mask)
+            h, _ = T.hidden_states(p, cfg, tokens, T.positions_from_mask(mask), mask)
             h = h[:, P:]
         return jnp.sum(jnp.where(rest_mask[..., None], h, 0.0) ** 2)
 

@@ -5,6 +5,7 @@ with our loader; logits are compared on a left-padded batch at the real position
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -21,6 +22,8 @@ transformers = pytest.importorskip("transformers")
 from jaxrl4llm import parallel  # noqa: E402
 from jaxrl4llm.models import transformer as T  # noqa: E402
 from jaxrl4llm.models import weights  # noqa: E402
+from jaxrl4llm.models.attention import AttentionConfig  # noqa: E402
+from jaxrl4llm.models.config import ModelConfig  # noqa: E402
 
 _SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -36,11 +39,14 @@ FAMILIES = {
                                                        rope_theta=1e6)),
     "qwen3_qknorm_untied": (transformers.Qwen3Config, dict(tie_word_embeddings=False,
                                                            head_dim=32)),
-    # Mistral: Llama-shaped with a sliding window, here wider than every test sequence (11).
+    # Mistral: Llama-shaped with a sliding window, here wider than the 11-token test rows.
     "mistral_window_untied": (transformers.MistralConfig, dict(
         tie_word_embeddings=False, sliding_window=16, head_dim=32, rope_theta=1e6)),
+    # A window of 6, shorter than the test rows: later tokens attend to the last 6 only.
+    "mistral_short_window_tied": (transformers.MistralConfig, dict(
+        tie_word_embeddings=True, sliding_window=6, head_dim=16)),
 }
-_fwd = jax.jit(T.forward, static_argnums=1)
+_fwd = jax.jit(T.forward, static_argnums=1, static_argnames="attention")
 
 
 @functools.cache
@@ -76,9 +82,10 @@ def _torch_logits(model, tokens, mask, positions) -> np.ndarray:
                      position_ids=torch.tensor(positions)).logits.float().numpy()
 
 
-def _our_logits(params, config, tokens, mask, positions) -> np.ndarray:
+def _our_logits(params, config, tokens, mask, positions,
+                attention: AttentionConfig = AttentionConfig()) -> np.ndarray:
     out, _ = _fwd(params, config, jnp.asarray(tokens, jnp.int32),
-                  jnp.asarray(positions, jnp.int32), jnp.asarray(mask))
+                  jnp.asarray(positions, jnp.int32), jnp.asarray(mask), attention=attention)
     return np.asarray(out)
 
 
@@ -168,21 +175,50 @@ def test_checkpoint_errors_name_the_tensor(root, tmp_path):
         weights.load_hf(tmp_path / "nowhere")
 
 
-def test_mistral_sliding_window_is_read_and_enforced(root):
-    """A Mistral context within the window is exact (the parity test); past it the sampler
-    refuses with the flags to change, before compiling anything."""
-    from jaxrl4llm.sampling import Sampler
+def _long_batch(length: int = 24):
+    """Rows longer than the short window: no padding, 5 and 13 pads (19 and 11 tokens)."""
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 160, (3, length))
+    mask = np.arange(length)[None] >= np.array([0, 5, 13])[:, None]
+    positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
+    return tokens, mask, positions
 
-    _, path = _saved_model("mistral_window_untied", root)
-    config, _ = weights.load_hf(path)
-    assert (config.model_type, config.sliding_window) == ("mistral", 16)
-    config.check_context(16)
-    with pytest.raises(ValueError, match="sliding window of 16 tokens.*--max_prompt_tokens"):
-        config.check_context(17)
-    Sampler(config, max_prompt_len=8).check_context(8)
-    with pytest.raises(ValueError, match="sequences of 20 tokens"):
-        Sampler(config, max_prompt_len=8).check_context(12)
-    # Without a prompt limit, the prompts at hand decide (max_position_embeddings is 256).
-    Sampler(config).check_context(4, prompt_len=10)
-    with pytest.raises(ValueError, match="sequences of 256 tokens"):
-        Sampler(config).check_context(4)
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_mistral_sliding_window_equals_transformers_past_the_window(root, impl):
+    """Logits of 24-token rows under a window of 6 equal transformers' (which masks keys
+    kv <= q - 6), left-padded or not; with the window off, the positions past it differ."""
+    model, path = _saved_model("mistral_short_window_tied", root)
+    config, params = weights.load_hf(path)
+    assert (config.model_type, config.sliding_window) == ("mistral", 6)
+    tokens, mask, positions = _long_batch()
+    ref = _torch_logits(model, tokens, mask, positions)
+    past = mask & (positions >= config.sliding_window)
+    assert past[0].sum() == 18 and past[1].sum() == 13 and past[2].sum() == 5
+    attention = AttentionConfig(impl, 4, 4, 0)   # chunked: 4-slot blocks, a window across them
+    err = np.abs(_our_logits(params, config, tokens, mask, positions, attention) - ref)
+    full = dataclasses.replace(config, sliding_window=None)
+    err_full = np.abs(_our_logits(params, full, tokens, mask, positions, attention) - ref)
+    print(f"{impl}: max |logit error| past the window {err[past].max():.2e} with the window, "
+          f"{err_full[past].max():.2e} without (logit scale {np.abs(ref).max():.2f})")
+    assert err[mask].max() <= 1e-4
+    assert err_full[mask & ~past].max() <= 1e-4 and err_full[past].max() > 0.1
+
+
+def test_a_window_at_least_as_long_as_the_rows_changes_nothing(root):
+    _, path = _saved_model("mistral_short_window_tied", root)
+    config, params = weights.load_hf(path)
+    tokens, mask, positions = _long_batch()
+    full = _our_logits(params, dataclasses.replace(config, sliding_window=None), tokens, mask,
+                       positions)
+    for window in (24, 100):
+        np.testing.assert_array_equal(_our_logits(
+            params, dataclasses.replace(config, sliding_window=window), tokens, mask,
+            positions), full)
+
+
+def test_sliding_window_below_one_is_a_clear_error():
+    with pytest.raises(ValueError, match="sliding_window=0 must be at least 1"):
+        ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+                    num_heads=1, num_kv_heads=1, head_dim=8, model_type="mistral",
+                    sliding_window=0)

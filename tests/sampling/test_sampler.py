@@ -1,4 +1,5 @@
-"""The KV-cache sampler on tiny random models: cache parity, distributions, stops, RNG, sharding."""
+"""The KV-cache sampler on tiny random models: cache parity (with and without a sliding
+window), distributions, stops, RNG, sharding."""
 from __future__ import annotations
 
 import dataclasses
@@ -62,8 +63,14 @@ def test_prompt_buckets_are_two_per_octave():
     assert batch.prompt_BP.shape == (4, 48)
 
 
-def test_cache_parity_with_mixed_left_padding(tiny):
+# A sliding window of 4, shorter than most prompt + completion rows below.
+WINDOWS = [None, 4]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_cache_parity_with_mixed_left_padding(tiny, window):
     config, params = tiny
+    config = dataclasses.replace(config, sliding_window=window)
     rng = np.random.default_rng(0)
     lengths, steps = [3, 7, 12], 6
     prompts = _prompts(rng, lengths, config.vocab_size)
@@ -100,8 +107,10 @@ def test_cache_parity_with_mixed_left_padding(tiny):
                                    atol=1e-4, rtol=0)
 
 
-def test_logprobs_equal_teacher_forced_recompute(tiny):
+@pytest.mark.parametrize("window", WINDOWS)
+def test_logprobs_equal_teacher_forced_recompute(tiny, window):
     config, params = tiny
+    config = dataclasses.replace(config, sliding_window=window)
     prompts = _prompts(np.random.default_rng(1), [4, 9, 2, 6], config.vocab_size)
     out = sampler.generate(params, config, prompts, SAMPLING, N, jax.random.key(0), n=2,
                            stop_ids=())

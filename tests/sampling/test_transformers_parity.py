@@ -1,4 +1,5 @@
-"""Greedy decoding equals transformers PyTorch `generate(do_sample=False)` token for token."""
+"""Greedy decoding equals transformers PyTorch `generate(do_sample=False)` token for token
+(Llama; Mistral with a sliding window shorter than prompt + completion)."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxrl4llm.models import registry, weights  # noqa: E402
+from jaxrl4llm.models import registry, transformer, weights  # noqa: E402
 from jaxrl4llm.sampling import Sampler, sampler  # noqa: E402
 from jaxrl4llm.sampling.strategies import GREEDY  # noqa: E402
 
@@ -32,16 +33,21 @@ def _ours(out):
     return [tokens[r, :lengths[r]].tolist() for r in range(tokens.shape[0])]
 
 
-def test_greedy_matches_transformers_on_a_tiny_random_llama(tmp_path):
+def _tiny_random(path, config_class, **extra):
+    """(torch model, our config, our params) of a tiny random transformers model."""
     torch.manual_seed(0)
-    hf_config = transformers.LlamaConfig(
+    hf_config = config_class(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-        initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = transformers.LlamaForCausalLM(hf_config).eval()
-    model.save_pretrained(tmp_path)
-    config, params = weights.load_hf(tmp_path)
+        initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    model.save_pretrained(path)
+    return (model, *weights.load_hf(path))
+
+
+def test_greedy_matches_transformers_on_a_tiny_random_llama(tmp_path):
+    model, config, params = _tiny_random(tmp_path, transformers.LlamaConfig)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 128, size=n).tolist() for n in (3, 11, 6, 17)]
     N = 12
@@ -53,6 +59,30 @@ def test_greedy_matches_transformers_on_a_tiny_random_llama(tmp_path):
     ref = [_torch_greedy(model, p, N, stop_ids, 0) for p in prompts]
     assert _ours(out) == ref
     assert len(ref[0]) <= 5 and any(len(r) == N for r in ref)   # some stopped, some ran out
+
+
+def test_greedy_with_a_sliding_window_matches_transformers(tmp_path):
+    """Mistral, window 5: prompts of 3-17 tokens (left-padded to one block) and 16 new
+    tokens, so prefill and the KV-cache decode steps both attend past the window. Equal to
+    transformers' generate, and to the argmax of our own teacher-forced forward."""
+    model, config, params = _tiny_random(tmp_path, transformers.MistralConfig,
+                                         sliding_window=5, head_dim=16)
+    assert config.sliding_window == 5
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 128, size=n).tolist() for n in (3, 11, 6, 17)]
+    N = 16
+    out = sampler.generate(params, config, prompts, GREEDY, N, jax.random.key(0),
+                           stop_ids=(2,))
+    ref = [_torch_greedy(model, p, N, (2,), 0) for p in prompts]
+    assert _ours(out) == ref
+    assert min(len(p) + len(r) for p, r in zip(prompts, ref)) > 2 * config.sliding_window
+    # Teacher-forced: each completion token is the argmax of the full forward before it.
+    tokens, mask, positions = out.sequences()
+    logits, _ = transformer.forward(params, config, tokens, positions, mask)
+    P = out.prompt_tokens_BP.shape[1]
+    argmax = np.asarray(logits[:, P - 1:-1].argmax(-1))
+    real = np.asarray(out.mask_BT)
+    np.testing.assert_array_equal(argmax[real], np.asarray(out.tokens_BT)[real])
 
 
 def test_greedy_matches_transformers_on_smollm2_chat_prompts(tmp_path):
