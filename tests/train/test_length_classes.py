@@ -14,7 +14,7 @@ from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.sampling.buckets import bucket_completion_length
-from jaxrl4llm.train import loop
+from jaxrl4llm.train import minibatches
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs_jit
 from jaxrl4llm.train.step import (UpdateBatch, accumulate, accumulate_gradients, length_classes,
@@ -81,7 +81,7 @@ def test_sorted_micro_batches_at_their_length_classes_give_the_full_gradient(agg
         params, padded, model_config=CONFIG, algorithm=config.algorithm, num_micro=1,
         temperature=1.0)
     rollout_batch = padded.trimmed(bucket_completion_length(60, N))   # as the rollout cuts it
-    (mb, classes, (real, computed)), = loop._minibatches(rollout_batch, config,
+    (mb, classes, (real, computed)), = minibatches.minibatches(rollout_batch, config,
                                                          jax.random.key(0), None)
     assert classes == (16, 32, 64) and real == LENGTHS.sum()
     # Sorted 60, 40 | 33, 9 | 5, 3 | 2, 1 in 4 micro-batches of 2: run at 64, 64, 16, 16.
@@ -102,7 +102,7 @@ def test_each_micro_batch_runs_at_its_class_on_device():
                                    micro_batch_size=2, micro_batch_length_classes=3)
     batch = _batch(transformer.init_params(CONFIG, jax.random.key(0)),
                    transformer.init_params(CONFIG, jax.random.key(1))).trimmed(64)
-    (mb, classes, (_, computed)), = loop._minibatches(batch, config, jax.random.key(0), None)
+    (mb, classes, (_, computed)), = minibatches.minibatches(batch, config, jax.random.key(0), None)
 
     def grad_fn(params, micro, denominator):
         rows, columns = micro.seqs.completion_mask_BT.shape

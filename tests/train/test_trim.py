@@ -100,7 +100,7 @@ def test_trimmed_update_equals_the_padded_one(agg):
 def test_each_minibatch_runs_on_its_own_longest_completion():
     """Mini-batches of the rollout's rows are cut to the bucket of their own longest row; each
     one's loss and gradients equal those of the same rows padded to max_new_tokens."""
-    from jaxrl4llm.train import loop
+    from jaxrl4llm.train import minibatches
 
     params = transformer.init_params(CONFIG, jax.random.key(0))
     ref_params = transformer.init_params(CONFIG, jax.random.key(1))
@@ -114,7 +114,7 @@ def test_each_minibatch_runs_on_its_own_longest_completion():
     padded = _update_batch(out, params, ref_params, row_ids)
     rollout_batch = padded.trimmed(bucket_completion_length(19, N))  # as the rollout cuts it
     seen, columns = [], []
-    for mb, classes, (real, computed) in loop._minibatches(rollout_batch, config,
+    for mb, classes, (real, computed) in minibatches.minibatches(rollout_batch, config,
                                                            jax.random.key(3), None):
         rows = np.rint((np.asarray(mb.advantages) + 0.4) * 8).astype(int)
         seen += rows.tolist()

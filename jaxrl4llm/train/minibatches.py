@@ -1,0 +1,86 @@
+"""The update's mini-batches of one rollout batch: PPO epochs, row order and each
+mini-batch's completion length (a pure function of the batch and the config)."""
+from __future__ import annotations
+
+from typing import Any, Iterator, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxrl4llm import parallel
+from jaxrl4llm.sampling import buckets
+from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.step import UpdateBatch, length_classes, micro_batch_order
+
+
+class MiniBatch(NamedTuple):
+    """One optimizer update's rows. `length_classes`: the completion lengths its
+    micro-batches may run at (() = the mini-batch's own length); `tokens`: (real completion
+    tokens, completion positions the update computes), None where rows are not all on this
+    host."""
+
+    batch: UpdateBatch
+    length_classes: tuple[int, ...]
+    tokens: tuple[int, int] | None
+
+
+def minibatches(batch: UpdateBatch, config: TrainConfig, key: jax.Array,
+                mesh: Any) -> Iterator[MiniBatch]:
+    """Yields every PPO epoch's mini-batches (rows reshuffled per epoch when split).
+
+    A mini-batch runs on its own longest completion, bucketed: the rollout's batch is already
+    cut to the longest row of all, a mini-batch of fewer rows is often shorter still (the
+    columns cut are padding, so the update is unchanged). With --micro_batch_length_classes
+    > 1 its rows are also ordered so that each micro-batch holds rows of similar length
+    (step.micro_batch_order; rows leave their prompt groups), and each micro-batch runs at
+    the first of the length classes that holds it (the update's sum over micro-batches does
+    not depend on the order)."""
+    B, M = config.batch_size, config.mini_batch
+    num_micro = M // config.micro_batch
+    mask_BT = batch.seqs.completion_mask_BT
+    # Multi-host: the rows are global and not all here; only the rollout's cut applies.
+    lengths_B = (np.asarray(jax.device_get(mask_BT.sum(axis=1)))
+                 if mask_BT.is_fully_addressable else None)
+    num_classes = config.update.micro_batch_length_classes
+    sort = lengths_B is not None and num_micro > 1 and num_classes > 1
+    reshuffle = config.reshuffles_rows
+    # Sorted rows leave their prompt groups: a group's rows differ in length (on SmolLM2 at
+    # T = 1 nearly every group of 4 holds a row near the limit), and the columns saved by
+    # sorting rows outweigh running each prompt once per group (bench_rollout.py).
+    layout = batch.layout.shuffled() if reshuffle or sort else batch.layout
+    epochs = config.update.ppo_epochs if reshuffle else 1
+    for epoch in range(epochs):
+        order = (np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), B))
+                 if reshuffle else np.arange(B))
+        for start in range(0, B, M):
+            rows = order[start:start + M]
+            if sort:
+                rows = rows[micro_batch_order(lengths_B[rows], num_micro)]
+            mb = batch if not reshuffle and not sort else _take_rows(batch, rows, layout, mesh)
+            if lengths_B is None:
+                yield MiniBatch(mb, (), None)
+                continue
+            yield _cut_to_length(mb, lengths_B[rows], config, num_micro, sort)
+
+
+def _take_rows(batch: UpdateBatch, rows: np.ndarray, layout: Any, mesh: Any) -> UpdateBatch:
+    mb = jax.tree.map(lambda x: x[rows], batch).replace(layout=layout)
+    if mesh is None:
+        return mb
+    return jax.tree.map(lambda x: jax.device_put(x, parallel.batch_sharding(mesh, x.ndim)), mb)
+
+
+def _cut_to_length(mb: UpdateBatch, lengths: np.ndarray, config: TrainConfig, num_micro: int,
+                   sort: bool) -> MiniBatch:
+    """The mini-batch cut to its longest completion (bucketed), with its length classes and
+    (real tokens, computed positions)."""
+    mb = mb.trimmed(buckets.bucket_completion_length(int(lengths.max()),
+                                                     config.rollout.max_new_tokens))
+    T = mb.seqs.completion_mask_BT.shape[1]
+    classes = length_classes(T, config.update.micro_batch_length_classes) if sort else ()
+    # Micro-batch k holds the rows k, k + num_micro, ... (step.accumulate).
+    longest_k = lengths.reshape(-1, num_micro).max(axis=0)
+    runs_at = (np.asarray(classes)[np.searchsorted(classes, longest_k)] if classes
+               else np.full(num_micro, T))
+    rows = len(lengths)
+    return MiniBatch(mb, classes, (int(lengths.sum()), int(runs_at.sum()) * (rows // num_micro)))

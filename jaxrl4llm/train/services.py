@@ -1,0 +1,195 @@
+"""A training run's setup: the models it trains (`Models`, checkpointed) and the services a
+step uses (`Services`: mesh, sampler context, reward pool, data iterator, evaluation,
+checkpointer, metric writers), built once by `setup` and closed by `Services.close`."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from tqdm.auto import tqdm
+
+from jaxrl4llm import evaluation, parallel
+from jaxrl4llm.data import make_iterator, make_source
+from jaxrl4llm.models import registry
+from jaxrl4llm.rewards import RewardFn
+from jaxrl4llm.sampling import buckets
+from jaxrl4llm.train import critic
+from jaxrl4llm.train import metrics as metrics_lib
+from jaxrl4llm.train.checkpoint import Checkpointer, abstract_like
+from jaxrl4llm.train.config import TrainConfig, param_dtype
+from jaxrl4llm.train.resume import check_resume
+from jaxrl4llm.train.rollout import RolloutContext
+from jaxrl4llm.train.state import TrainState, create_state, learning_rate_schedule
+
+_increment = jax.jit(lambda step: step + 1)  # keeps the step a global (replicated) array
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    """What the run trains, and the frozen reference: the policy's state (params, optimizer
+    state, step, key), PPO's critic state (else None), the reference params (a separate
+    copy, when the algorithm needs one; else None)."""
+
+    state: TrainState
+    critic_state: TrainState | None
+    ref_params: Any
+
+    def saved(self) -> Any:
+        """What a checkpoint holds: the policy's state, with PPO's critic beside it."""
+        if self.critic_state is None:
+            return self.state
+        return {"policy": self.state, "critic": self.critic_state}
+
+    def restored(self, saved: Any) -> "Models":
+        if self.critic_state is None:
+            return dataclasses.replace(self, state=saved)
+        return dataclasses.replace(self, state=saved["policy"], critic_state=saved["critic"])
+
+    def next_step(self) -> "Models":
+        """The step counters advanced after a training step."""
+        critic_state = self.critic_state
+        if critic_state is not None:
+            critic_state = critic_state.replace(step=_increment(critic_state.step))
+        return dataclasses.replace(self, state=self.state.replace(step=_increment(self.state.step)),
+                                   critic_state=critic_state)
+
+
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """The held-out evaluation: the --eval_data prompts and the --eval_sets (each with its
+    own protocol), scored with the trainer's own sampler."""
+
+    config: Any              # EvaluationConfig
+    records: list            # --eval_data / held-out split prompts (may be empty)
+    set_records: Any         # --eval_sets' prompts by set
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.records or self.config.sets)
+
+    def due(self, done: int, num_steps: int) -> bool:
+        """Every eval_every steps, and after the last step whatever eval_every is, so the
+        final score is in metrics.jsonl (and its curve) like every other eval."""
+        every = self.config.eval_every
+        return self.enabled and (done == num_steps or bool(every and done % every == 0))
+
+    def run(self, ctx: RolloutContext, params: Any, key: jax.Array) -> dict[str, float]:
+        results = evaluation.evaluate(ctx, params, self.records, samples=self.config.eval_samples,
+                                      key=key) if self.records else {}
+        if self.config.sets:
+            results.update(evaluation.evaluate_sets(ctx, params, self.config.sets,
+                                                    self.set_records,
+                                                    key=jax.random.fold_in(key, 1)))
+        return results
+
+
+@dataclasses.dataclass(frozen=True)
+class Services:
+    """What a training step uses besides the models; built by `setup`."""
+
+    config: TrainConfig
+    mesh: Any
+    model_config: Any                  # the policy's ModelConfig, with --compute_dtype
+    workdir: str
+    iterator: Any                      # the resumable prompt iterator (this host's shard)
+    ctx: RolloutContext                # sampler, tokenizer, reward function, sharding
+    reward_fn: RewardFn
+    evaluation: Evaluation
+    checkpointer: Checkpointer
+    writer: metrics_lib.MetricsWriter
+    lr_schedule: Callable[[int], Any]
+    start: int                         # the step this run starts at (after a resume)
+
+    def close(self) -> None:
+        """Whatever happened, what was computed is kept: metrics flushed, pool closed."""
+        self.writer.close()
+        self.checkpointer.close()
+        self.reward_fn.close()
+
+
+def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
+    """Builds the run in the order that fails early: flags, resume compatibility and the
+    data (before the model loads or the workdir is written), then the model, the states, the
+    sampler and the writers, and restores the latest checkpoint if the workdir has one."""
+    config.validate(len(devices))
+    run = config.run
+    mesh = parallel.make_mesh(run.mesh, devices)
+    workdir = os.path.abspath(run.workdir)
+    check_resume(workdir, config)  # a different model / algorithm: refused before any write
+
+    # The data first: a bad source fails before the model loads or the workdir is written.
+    source = make_source(config.data.source, split="train", **config.data.field_names)
+    iterator = make_iterator(source, _prompts_per_host(config, mesh), seed=run.seed,
+                             shard_index=jax.process_index(), shard_count=jax.process_count())
+    evals = Evaluation(config.evaluation,
+                       evaluation.held_out_records(config.data, config.evaluation),
+                       evaluation.eval_set_records(config.evaluation.sets, config.data))
+
+    os.makedirs(workdir, exist_ok=True)
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json())
+
+    model_config, params, tokenizer = registry.load_model(
+        config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype))
+    model_config = config.model.compute_config(model_config)   # --compute_dtype
+    # A separate copy: the policy's buffers are donated to each update.
+    ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
+    models = Models(state=create_state(params, config.optimizer, run.seed),
+                    critic_state=_create_critic(config, params, model_config, mesh),
+                    ref_params=ref_params)
+    del params
+    reward_fn = RewardFn("auto", config.reward)
+    ctx = RolloutContext.create(model_config, tokenizer, reward_fn, mesh, config.data,
+                                config.rollout)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint_every,
+                                run.keep_checkpoints)
+    writer = metrics_lib.MetricsWriter(workdir, tensorboard=run.tensorboard)
+    start = 0
+    if checkpointer.latest_step() is not None:
+        saved, data_state = checkpointer.restore(abstract_like(models.saved()))
+        models = models.restored(saved)
+        # The saved iterator state is host 0's; hosts differ only in their shard index.
+        iterator.set_state(dict(data_state["iterator"], shard_index=jax.process_index()))
+        start = int(models.state.step)
+        tqdm.write(f"Resumed from step {start} in {workdir}")
+    writer.truncate_after(start)  # also at 0: a run killed before its first checkpoint
+    return models, Services(config=config, mesh=mesh, model_config=model_config,
+                            workdir=workdir, iterator=iterator, ctx=ctx, reward_fn=reward_fn,
+                            evaluation=evals, checkpointer=checkpointer, writer=writer,
+                            lr_schedule=learning_rate_schedule(config.optimizer), start=start)
+
+
+def _prompts_per_host(config: TrainConfig, mesh: Any) -> int:
+    """Each host feeds an equal share of the prompts, filling its data-parallel devices."""
+    hosts = jax.process_count()
+    P = config.rollout.prompts_per_step
+    if hosts == 1:
+        return P
+    rows = config.batch_size // hosts
+    local_shards = max(1, parallel.data_parallel_size(mesh) // hosts)
+    if P % hosts or buckets.bucket_batch_size(rows, local_shards) != rows:
+        raise ValueError(
+            f"--prompts_per_step={P} x --group_size={config.rollout.group_size} "
+            f"over {hosts} hosts gives {rows} rows per host; it must split evenly over the hosts "
+            f"and fill the {local_shards} local data-parallel devices of each (a multiple of "
+            f"{max(local_shards, 8)} rows per host).")
+    return P // hosts
+
+
+def _create_critic(config: TrainConfig, params: Any, model_config: Any,
+                   mesh: Any) -> TrainState | None:
+    """PPO's critic state (None for every other algorithm): from --critic_model, else the
+    policy's weights with a zero head, laid out like the policy."""
+    if not config.needs_critic:
+        return None
+    if config.critic.model:
+        critic_params = critic.load(config.critic.model, model_config, mesh,
+                                    dtype=param_dtype(config.model.param_dtype))
+    else:
+        critic_params = critic.from_policy(params)
+    return create_state(critic_params, critic.optimizer_config(
+        config.optimizer, config.critic.learning_rate), config.run.seed)

@@ -1,0 +1,84 @@
+"""The update stage of a training step: every mini-batch of the rollout's batch through the
+jitted policy update (and PPO's critic update), compiled once per shape."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+
+from jaxrl4llm import parallel
+from jaxrl4llm.rl.metrics import Metric, combine_metrics
+from jaxrl4llm.train import critic
+from jaxrl4llm.train import metrics as metrics_lib
+from jaxrl4llm.train.minibatches import minibatches
+from jaxrl4llm.train.services import Models, Services
+from jaxrl4llm.train.step import UpdateBatch, compile_train_step, train_step
+
+
+@dataclasses.dataclass
+class Updater:
+    """Runs the update stage; remembers the update shapes compiled so far (each new shape
+    is compiled ahead of its first call, see step.compile_train_step)."""
+
+    services: Services
+    compiled: set = dataclasses.field(default_factory=set)
+
+    def __post_init__(self):
+        config, ctx = self.services.config, self.services.ctx
+        self.num_micro = config.mini_batch // config.micro_batch
+        self.data_parallel = parallel.data_parallel_size(self.services.mesh)
+        model_config = self.services.model_config
+        self.policy_static = dict(
+            model_config=model_config, algorithm=config.update_algorithm,
+            optimizer=config.optimizer, num_micro=self.num_micro,
+            temperature=config.rollout.sampling.effective_temperature,
+            remat=config.model.remat, sharding=ctx.sharding)
+        self.critic_static = dict(
+            model_config=model_config, algorithm=config.update_algorithm,
+            optimizer=critic.optimizer_config(config.optimizer, config.critic.learning_rate),
+            num_micro=self.num_micro, remat=config.model.remat, sharding=ctx.sharding)
+
+    def __call__(self, models: Models, batch: UpdateBatch, step: int,
+                 key: jax.Array) -> tuple[Models, dict[str, float]]:
+        """All of a step's optimizer updates; returns the new models and the update's
+        metrics (optim/*, policy/*, critic/*, response/update_real_frac, time/update_s)."""
+        config = self.services.config
+        t0 = time.perf_counter()
+        metrics: dict[str, Metric] = {}
+        real_tokens, update_columns = 0, 0  # completion tokens / positions the update runs
+        for mb, classes, tokens in minibatches(batch, config, key, self.services.mesh):
+            if tokens is not None:
+                real_tokens += tokens[0]
+                update_columns += tokens[1]
+            # Rows still in their groups run each group's prompt once.
+            prompt_group = mb.layout.prompt_group(mb.keep_B.shape[0], self.num_micro,
+                                                  self.data_parallel)
+            # PPO: the first steps train the critic only.
+            if step >= config.critic.warmup_steps:
+                models, m = self._policy_update(models, mb, prompt_group, classes)
+                metrics = combine_metrics(metrics, m)
+            if models.critic_state is not None:
+                critic_state, m = critic.critic_step(models.critic_state, mb,
+                                                     prompt_group=prompt_group,
+                                                     **self.critic_static)
+                models = dataclasses.replace(models, critic_state=critic_state)
+                metrics = combine_metrics(metrics, m)
+        host = metrics_lib.to_host_scalars(metrics)  # waits for the updates
+        if update_columns:
+            host["response/update_real_frac"] = real_tokens / update_columns
+        host["time/update_s"] = time.perf_counter() - t0
+        host["optim/learning_rate"] = float(self.services.lr_schedule(
+            (step + 1) * config.updates_per_step - 1))
+        return models, host
+
+    def _policy_update(self, models: Models, mb: UpdateBatch, prompt_group: int,
+                       classes: tuple[int, ...]) -> tuple[Models, dict[str, Metric]]:
+        signature = (prompt_group, classes, tuple(x.shape for x in jax.tree.leaves(mb)))
+        if signature not in self.compiled:
+            compile_train_step(models.state, mb, prompt_group=prompt_group,
+                               length_classes=classes, **self.policy_static)
+            self.compiled.add(signature)
+        state, metrics = train_step(models.state, mb, prompt_group=prompt_group,
+                                    length_classes=classes, **self.policy_static)
+        return dataclasses.replace(models, state=state), metrics
