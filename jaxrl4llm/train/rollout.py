@@ -99,34 +99,41 @@ def _group_metrics(correct_B: np.ndarray, group_size: int) -> dict[str, Metric]:
 def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: Any,
             records: Sequence[Any], key: jax.Array, next_records: Any = None,
             critic_params: Any = None) -> tuple[UpdateBatch, dict[str, float]]:
-    """Builds the update batch of one training step (B = len(records) * group_size rows).
-    `next_records()` gives more prompts when dynamic sampling resamples (default: the same).
-    `critic_params` (PPO): the critic's values of the batch give the advantages and returns."""
-    layout = config.rollout.layout
-    rows, round_metrics = sample_and_score(ctx, config.algorithm, params, records, key, layout,
-                                           next_records)
-    samples, scored = rows.samples, rows.scored
-    out = samples.out
-    lengths_B = samples.host(out.lengths_B)
-    valid = ~scored.failed if rows.baseline_failed_B is None else ~(
-        scored.failed | rows.baseline_failed_B)   # ReMax: no baseline, no advantage
-    baseline = [None if b is None else _global_rows(ctx, b)
-                for b in (rows.baseline_B, rows.baseline_correct_B)]
-
+    """Builds the update batch of one training step (B = len(records) * group_size rows):
+    sample -> score -> filter (`sample_and_score`, in rounds when dynamic sampling
+    resamples), then the teacher-forced passes (reference / old logprobs, PPO's values) and
+    the advantages. `next_records()` gives more prompts when dynamic sampling resamples
+    (default: the same). `critic_params` (PPO): the critic's values of the batch give the
+    advantages and returns."""
+    rows, round_metrics = sample_and_score(ctx, config.algorithm, params, records, key,
+                                           config.rollout.layout, next_records)
     t0 = time.perf_counter()
     # Teacher-forced passes and the update run on the batch's longest completion, bucketed.
-    out = out.trimmed(buckets.bucket_completion_length(int(out.num_steps),
-                                                       config.rollout.max_new_tokens))
+    out = rows.samples.out.trimmed(buckets.bucket_completion_length(
+        int(rows.samples.out.num_steps), config.rollout.max_new_tokens))
+    batch, adv_metrics = _update_batch(ctx, config, params, ref_params, critic_params, rows, out)
+    jax.block_until_ready(batch)
+    t_logprobs = time.perf_counter() - t0
+    metrics = _rollout_metrics(rows, out, config.rollout.layout, round_metrics, t_logprobs)
+    # Computed on the global batch already (identical on every host).
+    metrics.update(metrics_lib.to_host_scalars(adv_metrics))
+    return batch, metrics
+
+
+def _update_batch(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: Any,
+                  critic_params: Any, rows: Any, out: Any) -> tuple[UpdateBatch, dict]:
+    """The reference / old-policy logprobs and PPO's values of the trimmed samples `out`,
+    then the advantages: the update's batch and the advantage metrics."""
+    layout, scored = config.rollout.layout, rows.scored
     seqs = Sequences(prompt_tokens_BP=out.prompt_tokens_BP, prompt_mask_BP=out.prompt_mask_BP,
                      completion_tokens_BT=out.tokens_BT, completion_mask_BT=out.mask_BT)
-    rows = seqs.completion_tokens_BT.shape[0]
-    G = layout.group_size
-    chunks = parallel.num_row_chunks(rows, config.rollout.rollout_micro_batch,
-                                     G if rows % G == 0 else 1)
+    B = seqs.completion_tokens_BT.shape[0]
+    chunks = parallel.num_row_chunks(B, config.rollout.rollout_micro_batch,
+                                     layout.group_size if B % layout.group_size == 0 else 1)
     mesh = ctx.sampler.mesh
     data_parallel = 1 if mesh is None else parallel.data_parallel_size(mesh)
     passes = dict(config=ctx.sampler.model_config, seqs=seqs,
-                  prompt_group=layout.prompt_group(rows, chunks, data_parallel),
+                  prompt_group=layout.prompt_group(B, chunks, data_parallel),
                   num_chunks=chunks, sharding=ctx.sharding)
     logprobs = functools.partial(completion_logprobs_jit,
                                  temperature=config.rollout.sampling.effective_temperature,
@@ -137,6 +144,10 @@ def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: A
         old_logp = logprobs(params) if config.update.recompute_old_logprobs else out.logprobs_BT
     behaviour_logp = old_logp if old_logp is not None else out.logprobs_BT
     values = None if critic_params is None else critic.values_jit(critic_params, **passes)
+    valid = ~scored.failed if rows.baseline_failed_B is None else ~(
+        scored.failed | rows.baseline_failed_B)   # ReMax: no baseline, no advantage
+    baseline = [None if b is None else _global_rows(ctx, b)
+                for b in (rows.baseline_B, rows.baseline_correct_B)]
     advantages, returns, keep_B, adv_metrics = _advantages(
         config.algorithm, _global_rows(ctx, scored.rewards), _global_rows(ctx, scored.correct),
         out.mask_BT, out.truncated_B, out.dropped_B, _global_rows(ctx, valid),
@@ -144,11 +155,17 @@ def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: A
     batch = UpdateBatch(seqs=seqs, advantages=advantages, keep_B=keep_B, old_logp_BT=old_logp,
                         ref_logp_BT=ref_logp, old_values_BT=values, returns_BT=returns,
                         layout=layout)
-    jax.block_until_ready(batch)
-    t_logprobs = time.perf_counter() - t0
+    return batch, adv_metrics
 
+
+def _rollout_metrics(rows: Any, out: Any, layout: RowLayout, round_metrics: dict,
+                     t_logprobs: float) -> dict[str, float]:
+    """reward/*, response/*, reward_reason/* and the rounds' metrics, combined over hosts,
+    and the sampling / scoring / teacher-forced pass times. `out`: the samples trimmed for
+    the passes."""
+    samples, scored = rows.samples, rows.scored
     correct = np.asarray(scored.correct, bool)
-    lengths = lengths_B.astype(np.float32)
+    lengths = samples.host(samples.out.lengths_B).astype(np.float32)
     host = {
         "reward/mean": Metric.mean(float(np.mean(scored.rewards))),
         "reward/accuracy": Metric.mean(float(correct.mean())),
@@ -175,6 +192,4 @@ def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: A
         "time/logprobs_s": t_logprobs,
         "throughput/rollout_tokens_per_s": float(lengths.sum() / max(t_sample, 1e-9)),
     })
-    # Computed on the global batch already (identical on every host).
-    metrics.update(metrics_lib.to_host_scalars(adv_metrics))
-    return batch, metrics
+    return metrics
