@@ -23,13 +23,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 from experiments import train as _train  # defines the training flags (shared flagfiles)
 from jaxrl4llm import cli
+from jaxrl4llm.options import require
+from jaxrl4llm.train.checkpoint import check_workdir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,15 +55,18 @@ FLAGS = flags.FLAGS
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments {argv[1:]}: every option is a --flag.")
+    del argv   # cli.run refuses positional arguments
     cli.quiet_logs()
-    config = _train.config_from_flags()
     opts = cli.config_from_flags(EvaluateOptions)
+    # Every flag (and --model, unless a checkpoint replaces it) checked before anything loads.
+    config = _train.checked_config(check_model=not opts.checkpoint)
+    require(opts.batch_prompts >= 1, f"--batch_prompts={opts.batch_prompts} must be >= 1.")
+    if opts.checkpoint:
+        check_workdir(opts.checkpoint, f"--checkpoint={opts.checkpoint}")
     sets = config.evaluation.sets
-    if config.evaluation.eval_prompts == 0 and not sets:
-        raise app.UsageError("--eval_prompts=0 evaluates nothing; pass N prompts or -1 for the "
-                             "whole split, or name sets with --eval_sets.")
+    require(config.evaluation.eval_prompts != 0 or sets,
+            "--eval_prompts=0 evaluates nothing; pass N prompts or -1 for the whole split, or "
+            "name sets with --eval_sets.")
     import jax
 
     from jaxrl4llm import evaluation, parallel
@@ -138,4 +142,4 @@ def table(results: dict[str, float], names: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(app.run(main))
+    cli.run(main)

@@ -20,14 +20,15 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
-from absl import app, flags
+from absl import flags
 from tqdm.auto import tqdm
 
 from experiments import study_report
 from experiments.study_spec import REPO, Run, load_study, plan, select
+from jaxrl4llm import cli
+from jaxrl4llm.options import require
 from jaxrl4llm.train.errors import EXIT_PREEMPTED
 
 _STUDY = flags.DEFINE_string("study", None, "A shipped study's name (experiments/studies/) "
@@ -138,15 +139,14 @@ def run_all(runs: list[Run], keep_going: bool, cache_dir: str, prune: bool = Fal
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments {argv[1:]}: every option is a --flag.")
-    if not _STUDY.value:
-        raise app.UsageError("Give --study=NAME (experiments/studies/NAME.toml) or a path.")
-    study = load_study(_STUDY.value)
-    arms, seeds = select(study, _ARMS.value, _SEEDS.value, _SCALE.value)
-    root = os.path.abspath(_ROOT.value or os.path.join("workdirs", "studies", study.name,
-                                                       _SCALE.value))
-    runs = plan(study, _SCALE.value, root, arms, seeds)
+    del argv   # cli.run refuses positional arguments
+    require(_STUDY.value, "Give --study=NAME (experiments/studies/NAME.toml) or a path.")
+    with cli.flag_errors():   # a bad spec, arm, seed or scale: one line naming it
+        study = load_study(_STUDY.value)
+        arms, seeds = select(study, _ARMS.value, _SEEDS.value, _SCALE.value)
+        root = os.path.abspath(_ROOT.value or os.path.join("workdirs", "studies", study.name,
+                                                           _SCALE.value))
+        runs = plan(study, _SCALE.value, root, arms, seeds)
     if _PRINT.value:
         print(f"# {study.name} ({_SCALE.value}): {len(runs)} runs; run each from {REPO}")
         for run in runs:
@@ -171,4 +171,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(app.run(main))
+    cli.run(main)

@@ -4,25 +4,29 @@
     python -m experiments.train --flagfile=... --algorithm=lite_ppo --clip_high=0.28
 
 Every field of jaxrl4llm.train.config.TrainConfig is a flag (`--helpfull` lists them by
-sub-config). `--algorithm` picks a preset (grpo, dr_grpo, reinforce, reinforce_rej,
-reinforce_pp, reinforce_pp_baseline, lite_ppo, rloo, raft, raft_pp); every knob of
-rl.AlgorithmConfig is also a flag of the same name that overrides the preset. Flags on the
+sub-config). `--algorithm` picks a preset (dapo, dr_grpo, grpo, gspo, lite_ppo, ppo, raft,
+raft_pp, reinforce, reinforce_pp, reinforce_pp_baseline, reinforce_rej, remax, rloo); every
+knob of rl.AlgorithmConfig is also a flag of the same name that overrides the preset. Flags on the
 command line override the flagfile. The resolved configuration is written to
 WORKDIR/config.json. The console shows a progress bar, one line per step, warnings and
 errors; `--verbosity=1` (or 0: INFO only) adds the libraries' log lines.
 
-Exit codes (jaxrl4llm/train/errors.py): 0 finished; 2 a bad flag, data source or workdir
-(one line naming it and the fix); 3 stopped on non-finite values; 75 preempted (SIGTERM:
-checkpoint saved, rerun the same command to resume); 1 a bug (with its traceback).
+Every flag is checked before any data or model is read. Exit codes (docs/reliability.md,
+"Exit codes"): 0 finished; 2 a bad flag, data source, model, checkpoint or workdir (one line
+naming it and the fix; `--debug` adds the traceback); 3 stopped on non-finite values; 75
+preempted (SIGTERM: checkpoint saved, rerun the same command to resume); 1 a bug (with its
+traceback).
 """
 from __future__ import annotations
 
 import os
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
 
 from jaxrl4llm import cli, parallel
+from jaxrl4llm.errors import one_line
+from jaxrl4llm.models import registry
 from jaxrl4llm.train import errors
 from jaxrl4llm.train.config import TrainConfig
 
@@ -32,42 +36,39 @@ for _name in FLAG_NAMES:
 FLAGS = flags.FLAGS
 
 
-def config_from_flags() -> TrainConfig:
-    return cli.config_from_flags(TrainConfig)
+def config_from_flags(flag_values: flags.FlagValues = FLAGS) -> TrainConfig:
+    return cli.config_from_flags(TrainConfig, flag_values)
 
 
-def _fail(exc: Exception, code: int) -> int:
-    """A user-facing error: one line naming the input and the fix, no traceback."""
-    print("Error: " + " ".join(str(exc).split()), file=sys.stderr)
-    return code
+def checked_config(flag_values: flags.FlagValues = FLAGS, check_model: bool = True
+                   ) -> TrainConfig:
+    """The TrainConfig of the parsed flags with every value checked (a FlagError names the
+    flag and the fix) and, with `check_model`, --model (and --critic_model) found, before
+    any data or model is read. Joins a multi-host run first (--distributed): the checks
+    need the global device count."""
+    config = config_from_flags(flag_values)  # each sub-config checks its own values
+    parallel.maybe_initialize_distributed(auto_detect=config.run.distributed)
+    import jax
+    with cli.flag_errors():
+        config.validate(jax.device_count())
+    if check_model:
+        registry.check(config.model.name)
+        if config.critic.model is not None:
+            registry.check(config.critic.model, flag="--critic_model")
+    return config
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments {argv[1:]}: every option is a --flag.")
+    del argv   # cli.run refuses positional arguments
     cli.quiet_logs()
-    try:
-        config = config_from_flags()  # each sub-config checks its own values
-    except ValueError as exc:
-        return _fail(exc, errors.EXIT_USER_ERROR)
-    parallel.maybe_initialize_distributed(auto_detect=config.run.distributed)
-    import jax
-    try:
-        config.validate(jax.device_count())  # every flag, before the data or the model load
-    except ValueError as exc:
-        return _fail(exc, errors.EXIT_USER_ERROR)
-    from jaxrl4llm.data import DataError
-    from jaxrl4llm.sampling.buckets import PromptTooLongError
+    config = checked_config()
     from jaxrl4llm.train import loop  # heavy imports after flag parsing: fast --help
-    from jaxrl4llm.train.checkpoint import CheckpointError, NonFiniteStateError
-    from jaxrl4llm.train.workdir_lock import WorkdirInUseError
+    from jaxrl4llm.train.checkpoint import NonFiniteStateError
     try:
-        summary = loop.run(config)
-    except (DataError, PromptTooLongError, WorkdirInUseError, CheckpointError,
-            errors.ResumeMismatchError) as exc:
-        return _fail(exc, errors.EXIT_USER_ERROR)
+        summary = loop.run(config)   # a UserError (data, workdir, resume, ...) -> exit 2
     except (errors.TrainingDivergedError, NonFiniteStateError) as exc:
-        return _fail(exc, errors.EXIT_DIVERGED)
+        print(one_line(exc), file=sys.stderr)
+        return errors.EXIT_DIVERGED
     if summary["preempted"]:
         print(f"\nPreempted at step {summary['step']}; checkpoint saved in "
               f"{os.path.join(summary['workdir'], 'checkpoints')}; rerun the same command to "
@@ -89,4 +90,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(app.run(main))
+    cli.run(main)

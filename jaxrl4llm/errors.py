@@ -26,6 +26,16 @@ class ModelError(UserError, ValueError):
     """A model name or folder that cannot be loaded (unknown name, missing files, offline)."""
 
 
+class ModelNotFoundError(ModelError, FileNotFoundError):
+    """A model name that is neither registered, nor a model folder or file, nor reachable on
+    the Hugging Face Hub (nor in its cache)."""
+
+
 class DependencyError(UserError, ImportError):
     """An optional dependency that a feature needs is not installed; the message gives the
     install command."""
+
+
+def one_line(exc: BaseException) -> str:
+    """The message an entry point prints for a user error: `Error: ...` on one line."""
+    return "Error: " + " ".join(str(exc).split())

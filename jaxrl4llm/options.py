@@ -28,13 +28,16 @@ import types
 import typing
 from typing import Any, Callable, Mapping
 
+from jaxrl4llm.errors import FlagError
+
 _MOUNT = "jaxrl4llm.options.mount"
 
 
 def require(cond: Any, message: str) -> None:
-    """Raises ValueError(message) unless `cond`: every user-facing check in one form."""
+    """Raises FlagError(message) (a ValueError) unless `cond`: every user-facing check in one
+    form; the message names the flag and the fix."""
     if not cond:
-        raise ValueError(message)
+        raise FlagError(message)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)   # compared and hashed by identity
@@ -172,9 +175,9 @@ def parse_text(option: Option, text: str) -> Any:
     base, optional = base_type(option.type)
     low = text.strip().lower()
 
-    def bad() -> ValueError:
+    def bad() -> FlagError:
         allowed = f"; choose one of {_choices_text(option.choices)}" if option.choices else ""
-        return ValueError(f"--{option.name}={text!r} is not a valid {type_name(option.type)}"
+        return FlagError(f"--{option.name}={text!r} is not a valid {type_name(option.type)}"
                           f"{allowed}.")
 
     is_free_text = base is str and not option.choices
@@ -305,7 +308,7 @@ def replace(tree: Any, **values: Any) -> Any:
         elif name in by_name:
             plain[name] = value
         else:
-            raise ValueError(f"Unknown option {name!r}; valid options: "
+            raise FlagError(f"Unknown option {name!r}; valid options: "
                              f"{', '.join(sorted(by_name))}.")
     flat.update(plain)
     return root(**{f.name: (_rebuild(root, flat, f.name) if _mount(f) is not None

@@ -11,13 +11,13 @@ tests/rewards/test_adversarial.py runs `--check` under a generous wall-clock bou
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxrl4llm import cli  # noqa: E402
 from jaxrl4llm.rewards import countdown, extract, knights_knaves, math_verifier  # noqa: E402
 
 KINDS = {
@@ -69,12 +69,12 @@ def _time(fn: Callable[[str], object], text: str) -> float:
     return time.perf_counter() - start
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bytes", type=int, default=1 << 20, help="largest input size")
     parser.add_argument("--check", action="store_true",
                         help="run every case once at --bytes, printing each before it starts")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     large = texts(args.bytes)
     if args.check:
         for fname, fn in FUNCTIONS.items():
@@ -95,4 +95,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, absl_flags=False)

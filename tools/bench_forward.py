@@ -17,10 +17,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
+from jaxrl4llm import cli
 from jaxrl4llm.models import transformer as T
 from jaxrl4llm.models.config import PRESETS
+from jaxrl4llm.options import require
 
 flags.DEFINE_string("model", "smollm2-135m", f"config preset: {sorted(PRESETS)}")
 flags.DEFINE_integer("batch", 8, "rows per step")
@@ -57,7 +59,10 @@ def _loss(params, config, tokens_BT, remat):
 
 
 def main(argv):
-    del argv
+    del argv   # cli.run refuses positional arguments
+    require(FLAGS.model in PRESETS, f"--model={FLAGS.model}: choose one of {sorted(PRESETS)}.")
+    require(min(FLAGS.batch, FLAGS.seq_len, FLAGS.matmul_size, FLAGS.repeats) >= 1,
+            "--batch, --seq_len, --matmul_size and --repeats must be >= 1.")
     config = PRESETS[FLAGS.model]
     B, S = FLAGS.batch, FLAGS.seq_len
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()} "
@@ -105,4 +110,4 @@ def main(argv):
 
 if __name__ == "__main__":
     np.set_printoptions(precision=3)
-    app.run(main)
+    cli.run(main)

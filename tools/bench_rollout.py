@@ -26,7 +26,6 @@ tokens on, temperature --temperature) and prints, over --rollouts rollouts:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -36,6 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+
+from jaxrl4llm import cli  # noqa: E402
 
 
 def waste(lengths_B: np.ndarray, num_steps: int, slot_steps: int, max_new_tokens: int
@@ -92,7 +93,7 @@ def minibatch_real_frac(out, group: int, mini_batch: int, ppo_epochs: int,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--data", default="synthetic:arithmetic")
     parser.add_argument("--prompts", type=int, default=8)
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new_tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--rollouts", type=int, default=2)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--mini_batch", type=int, default=0,
                         help="rows per update (0: none): also report the real-token share of "
                              "the trainer's mini-batches, each cut to its own longest row")
@@ -174,4 +175,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, absl_flags=False)

@@ -26,7 +26,6 @@ instead of the one that happened to run in it.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import time
@@ -37,6 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxrl4llm import cli  # noqa: E402
 from jaxrl4llm.models import registry  # noqa: E402
 from jaxrl4llm.sampling import Sampler  # noqa: E402
 from jaxrl4llm.sampling.strategies import GREEDY, SamplingConfig  # noqa: E402
@@ -151,8 +151,8 @@ def best_interleaved(runs: dict, repeats: int) -> dict:
     return best
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None):
+    parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="bfloat16 only, 32 new tokens")
     parser.add_argument("--batches", default="8,32,128")
     parser.add_argument("--dtypes", default=None, help="default: float32,bfloat16")
@@ -161,7 +161,7 @@ def main():
     parser.add_argument("--modes", default="greedy",
                         help="comma-separated decoding modes: " + ", ".join(MODES))
     parser.add_argument("--no_torch", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     dtypes = (args.dtypes or ("bfloat16" if args.quick else "float32,bfloat16")).split(",")
     new_tokens = args.new_tokens or (32 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 2)
@@ -276,4 +276,4 @@ def print_row(dtype, mode, batch, ours, torch_tps, decode, roofline, flop_roof, 
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, absl_flags=False)

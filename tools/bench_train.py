@@ -33,6 +33,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxrl4llm import cli  # noqa: E402
 
 
 def step_tflop(config, prompts: int, group: int, prompt_len: int, new_tokens: int, *,
@@ -150,14 +151,14 @@ def dtype_list(values: list[str]) -> list[str]:
 def child_flags(args: argparse.Namespace) -> list[str]:
     """Every option but --dtypes / --child, spelled out for a child process."""
     flags = [f"--{k}={v}" for k, v in vars(args).items()
-             if k not in ("dtypes", "child", "remat", "share_prompts", "trl", "rounds")
+             if k not in ("dtypes", "child", "remat", "share_prompts", "trl", "rounds", "debug")
              and v is not None]
     return flags + ([] if args.remat else ["--no_remat"]) + (
-        [] if args.share_prompts else ["--no_share_prompts"])
+        [] if args.share_prompts else ["--no_share_prompts"]) + ["--debug"] * args.debug
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                         help="space- or comma-separated PARAM[:COMPUTE] dtypes, e.g. float32 "
@@ -312,4 +313,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, absl_flags=False)

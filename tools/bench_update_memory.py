@@ -19,7 +19,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrl4llm import rl  # noqa: E402
+from jaxrl4llm import cli, rl  # noqa: E402
 from jaxrl4llm.models import transformer  # noqa: E402
 from jaxrl4llm.models.config import ModelConfig  # noqa: E402
 from jaxrl4llm.train.logprobs import Sequences  # noqa: E402
@@ -31,7 +31,8 @@ MODEL = ModelConfig(vocab_size=1024, hidden_size=512, intermediate_size=1536, nu
                     eos_token_ids=(1,), pad_token_id=0)
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    cli.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     optimizer = OptimizerConfig(learning_rate=1e-3)
     state = jax.eval_shape(lambda: TrainState.create(
         transformer.init_params(MODEL, jax.random.key(0)), optimizer, 0))
@@ -50,4 +51,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, absl_flags=False)

@@ -5,34 +5,43 @@
 Writes config.json, model.safetensors and the tokenizer files. A PPO run's critic goes to a
 folder beside it (OUTPUT-critic, or --critic_output): the backbone and its value head as
 transformers' *ForTokenClassification (num_labels 1), which --critic_model reads back.
+
+Needs PyTorch, which training does not: transformers reads the tokenizer out of a GGUF model
+(the embedded SmolLM2) only with torch installed (`pip install torch==2.13.0`; without it
+the tool stops with exit code 2 and that command).
 """
 from __future__ import annotations
 
-import argparse
+import importlib.util
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxrl4llm import cli  # noqa: E402
+from jaxrl4llm.errors import DependencyError  # noqa: E402
+
+TORCH_INSTALL = "pip install torch==2.13.0"
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workdir", help="training workdir (with config.json and checkpoints/)")
     parser.add_argument("output", help="folder to write the HF checkpoint into")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     parser.add_argument("--critic_output", default=None,
                         help="folder for a PPO run's critic (default: OUTPUT-critic)")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("torch") is None:
+        raise DependencyError("tools/export_hf.py needs PyTorch (transformers reads and writes "
+                              f"the tokenizer with it), which is not installed: {TORCH_INSTALL}")
 
     from jaxrl4llm.models import weights
     from jaxrl4llm.train import critic
-    from jaxrl4llm.train.checkpoint import load_trained_models
+    from jaxrl4llm.train.checkpoint import check_workdir, load_trained_models
 
-    try:
-        _, model_config, params, critic_params, tokenizer = load_trained_models(args.workdir,
-                                                                                args.step)
-    except FileNotFoundError as e:
-        parser.error(str(e))
+    check_workdir(args.workdir, f"WORKDIR {args.workdir}")   # before the model loads
+    _, model_config, params, critic_params, tokenizer = load_trained_models(args.workdir,
+                                                                            args.step)
     weights.export_hf(params, model_config, args.output, tokenizer=tokenizer)
     print(f"wrote {args.output}")
     if critic_params is not None:
@@ -43,4 +52,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, absl_flags=False)

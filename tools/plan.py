@@ -103,16 +103,22 @@ def _argv_value(argv: list[str], name: str) -> str | None:
 
 if __name__ == "__main__":   # fake the devices before jax starts
     _topo = _argv_value(sys.argv, "topology")
-    if _topo and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    try:
+        _devices = topology(_topo).num_devices if _topo else 0
+    except ValueError:
+        _devices = 0   # main() reports the bad --topology
+    if _devices and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_"
-                                   f"platform_device_count={topology(_topo).num_devices}").strip()
+                                   f"platform_device_count={_devices}").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 import plan_programs  # noqa: E402
 from experiments import train  # noqa: E402  (defines the training flags)
+from jaxrl4llm import cli  # noqa: E402
+from jaxrl4llm.options import require  # noqa: E402
 
 flags.DEFINE_string("topology", None, "v5p-N, v5e-N, Kxh100 or Kxh200 (e.g. v5p-64).")
 flags.DEFINE_string("architecture", None, "Override the model architecture (a key of "
@@ -160,15 +166,14 @@ def print_plan(result: plan_programs.Plan, markdown: bool = False) -> None:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments {argv[1:]}.")
+    del argv   # cli.run refuses positional arguments
     FLAGS = flags.FLAGS
-    if not FLAGS.topology:
-        raise app.UsageError("--topology is required (e.g. --topology=v5p-64).")
-    topo = topology(FLAGS.topology)
-    if jax.device_count() < topo.num_devices:
-        raise app.UsageError(f"{topo.num_devices} devices needed, {jax.device_count()} "
-                             "available: XLA_FLAGS already fixes another device count.")
+    require(FLAGS.topology, "--topology is required (e.g. --topology=v5p-64).")
+    with cli.flag_errors():
+        topo = topology(FLAGS.topology)
+    require(jax.device_count() >= topo.num_devices,
+            f"--topology={FLAGS.topology}: {topo.num_devices} devices needed, "
+            f"{jax.device_count()} available: XLA_FLAGS already fixes another device count.")
     config = train.config_from_flags()
     model_config = plan_programs.architecture(FLAGS.architecture or config.model.name)
     result = plan_programs.plan(config, model_config, topo, jax.devices()[:topo.num_devices])
@@ -176,4 +181,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    cli.run(main)

@@ -7,17 +7,18 @@ and clip fraction against the step; each run is one colour, named by its folder.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxrl4llm import cli  # noqa: E402
+from jaxrl4llm.errors import UserError  # noqa: E402
 from jaxrl4llm.train.plots import plot_runs  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workdirs", nargs="+", help="training workdirs (with metrics.jsonl)")
     parser.add_argument("--out", default=None,
                         help="output PNG (default: <first workdir>/curves.png)")
@@ -25,10 +26,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or os.path.join(args.workdirs[0], "curves.png")
     try:
         print(plot_runs(args.workdirs, out))
-    except FileNotFoundError as e:
-        parser.error(str(e))
+    except FileNotFoundError as e:   # a folder without metrics.jsonl
+        raise UserError(f"{e} Pass training workdirs (each holds metrics.jsonl).") from None
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, absl_flags=False)

@@ -27,7 +27,6 @@ installed), which says whether an op in the loop runs slower than the library ca
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import gzip
 import json
@@ -42,13 +41,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jaxrl4llm import cli  # noqa: E402
+
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=192)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--trace", action="store_true",
@@ -354,4 +355,4 @@ def trace_main(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, absl_flags=False)

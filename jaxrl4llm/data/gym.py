@@ -31,6 +31,7 @@ from typing import Any, Sequence
 from urllib.parse import unquote
 
 from jaxrl4llm.data.records import DataError, Record
+from jaxrl4llm.errors import DependencyError
 from jaxrl4llm.data.tasks.common import canonical_split, split_of
 
 GYM_HINT = "pip install -e '.[gym]' (the reasoning-gym package)"
@@ -46,8 +47,8 @@ def import_gym():
     try:
         import reasoning_gym
     except ImportError:
-        raise ImportError(f"gym: sources need reasoning-gym, which is not installed; install "
-                          f"it with: {GYM_HINT}") from None
+        raise DependencyError(f"gym: sources need reasoning-gym, which is not installed; "
+                              f"install it with: {GYM_HINT}") from None
     return reasoning_gym
 
 

@@ -3,7 +3,9 @@
 Files come through `huggingface_hub` (installed with transformers): its cache
 (`HF_HUB_CACHE`, default ~/.cache/huggingface/hub), revision pinning (a branch, tag or
 commit) and offline mode (`HF_HUB_OFFLINE=1`: only the cache is read, and a file that is not
-cached is an error naming the repository and the file). Which files hold a config's split
+cached is an error naming the repository and the file). Without network (the normal case on
+a cluster's compute nodes) the first request fails within seconds, naming the cache and the
+`hf download` command (jaxrl4llm.hub_access). Which files hold a config's split
 follows the Hub's conventions: the `configs:` block of the repository's README.md when it
 has one, else the split name in the file path (`test.jsonl`, `data/test-0000.parquet`,
 `main/test-*.parquet` for config `main`). Parquet, JSONL and JSON files are read with pyarrow
@@ -19,6 +21,7 @@ import os
 import re
 from typing import Any, Iterator
 
+from jaxrl4llm import hub_access
 from jaxrl4llm.data.records import DataError
 
 DATA_EXTENSIONS = (".parquet", ".jsonl", ".json")
@@ -50,17 +53,7 @@ class HubSpec:
                 + (f"@{self.split}" if self.split else ""))
 
 
-def hub_settings() -> tuple[str, bool]:
-    """(cache folder, offline), read from the environment now (huggingface_hub reads them
-    once at import): HF_HUB_CACHE / HF_HOME and HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE."""
-    from huggingface_hub import constants
-
-    cache = os.environ.get("HF_HUB_CACHE") or (
-        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME")
-        else constants.HF_HUB_CACHE)
-    flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
-    offline = flag.strip().upper() in ("1", "ON", "YES", "TRUE") or constants.HF_HUB_OFFLINE
-    return os.path.expanduser(cache), offline
+hub_settings = hub_access.settings
 
 
 class HubRepo:
@@ -73,10 +66,20 @@ class HubRepo:
 
     def _hint(self) -> str:
         if self.offline:
+            command = hub_access.download_command(self.repo, "dataset", self.revision,
+                                                  self.cache)
             return (f"HF_HUB_OFFLINE is set and the file is not in the hub cache {self.cache}; "
-                    f"download it once online (huggingface-cli download {self.repo} "
-                    f"--repo-type dataset --revision {self.revision}) or unset HF_HUB_OFFLINE")
+                    f"download it where there is network (`{command}`) or unset HF_HUB_OFFLINE")
         return "check the repository name, revision and your network / HF_TOKEN"
+
+    def _check_network(self) -> None:
+        """Fails fast, with the offline fix, when the hub cannot be reached (see
+        jaxrl4llm.hub_access); a no-op in offline mode."""
+        if self.offline:
+            return
+        problem = hub_access.require_reachable(self.repo, "dataset", self.revision, self.cache)
+        if problem:
+            raise DataError(f"hf:{self.repo}: {problem}")
 
     def download(self, path: str) -> str:
         """The local path of `path` at this revision (from the cache, or downloaded into it).
@@ -84,6 +87,7 @@ class HubRepo:
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import (EntryNotFoundError, HfHubHTTPError,
                                             LocalEntryNotFoundError, OfflineModeIsEnabled)
+        self._check_network()
         try:
             local = hf_hub_download(self.repo, path, repo_type="dataset",
                                     revision=self.commit or self.revision, cache_dir=self.cache,
@@ -120,6 +124,7 @@ class HubRepo:
             return sorted(os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/")
                           for root, _, names in os.walk(folder) for name in names)
         from huggingface_hub import HfApi
+        self._check_network()
         try:
             return sorted(HfApi().list_repo_files(self.repo, repo_type="dataset",
                                                   revision=self.commit or self.revision))

@@ -193,13 +193,27 @@ def load_trained_policy(workdir: str, step: int | None = None, mesh: Any = None
     return config, model_config, params, tokenizer
 
 
+def check_workdir(workdir: str, name: str | None = None) -> None:
+    """Raises CheckpointError, naming `name` (the flag or argument; default the path) and the
+    fix, unless `workdir` is a training workdir (config.json) with at least one saved step."""
+    name = name or workdir
+    if not os.path.isfile(os.path.join(workdir, "config.json")):
+        raise CheckpointError(f"{name} is not a training workdir (it has no "
+                              "config.json): pass the folder that `python -m experiments.train "
+                              "--workdir=...` wrote.")
+    folder = os.path.join(workdir, "checkpoints")
+    if not (os.path.isdir(folder) and any(d.isdigit() for d in os.listdir(folder))):
+        raise CheckpointError(f"{name} has no checkpoint yet (nothing in {folder}): "
+                              "train it first (a run saves one every --checkpoint_every steps "
+                              "and at its end).")
+
+
 def load_trained_models(workdir: str, step: int | None = None, mesh: Any = None
                         ) -> tuple[Any, Any, Any, Any, Any]:
     """(train config, model config, policy params, critic params or None, tokenizer): as
     `load_trained_policy`, with PPO's critic when the run trained one."""
+    check_workdir(workdir)   # before the model loads
     config_path = os.path.join(workdir, "config.json")
-    if not os.path.exists(config_path):
-        raise FileNotFoundError(f"{workdir!r} has no config.json: pass a training --workdir.")
     with open(config_path) as f:
         config = TrainConfig.from_json(f.read())
     model_config, params, tokenizer = registry.load_model(
@@ -214,7 +228,8 @@ def load_trained_models(workdir: str, step: int | None = None, mesh: Any = None
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=1)
     try:
         if checkpointer.latest_step() is None:
-            raise FileNotFoundError(f"{workdir!r} has no checkpoint yet.")
+            raise CheckpointError(f"{workdir} has no checkpoint yet: train it first (its run "
+                                  "saves one every --checkpoint_every steps and at its end).")
         state, _ = checkpointer.restore(abstract, step, set_aside=False)  # read-only here
     finally:
         checkpointer.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from typing import Any
 
 import jax
@@ -345,7 +346,11 @@ class TrainConfig:
                 ">= 1: a run resumes from its latest checkpoint; to save less often, raise "
                 "--checkpoint_every.")
         require(r.long_prompts in LONG_PROMPT_MODES, "--long_prompts: choose error or drop.")
-        require(self.reward.scale in SCALES, f"--reward_scale: choose one of {SCALES}.")
+        self._validate_reward()
+        self._validate_data()
+        require(not os.path.exists(run.workdir) or os.path.isdir(run.workdir),
+                f"--workdir={run.workdir} is a file, not a folder: name a new or existing "
+                "folder for the run's outputs.")
         require(e.eval_every >= 0 and e.eval_prompts >= -1 and e.eval_samples >= 1,
                 "--eval_every must be >= 0, --eval_prompts >= -1 (-1 = all) and "
                 "--eval_samples >= 1.")
@@ -389,7 +394,46 @@ class TrainConfig:
         require(not ((a.advantage == "remax" or a.dynamic_sampling) and jax.process_count() > 1),
                 sample_rounds.ONE_HOST_ONLY)
         self.optimizer.validate()
+        o = self.optimizer
+        require(o.weight_decay >= 0, f"--weight_decay={o.weight_decay} must be >= 0.")
+        require(0 <= o.b1 < 1 and 0 <= o.b2 < 1,
+                f"--adam_b1={o.b1} and --adam_b2={o.b2} must be in [0, 1) (defaults 0.9, 0.999).")
+        require(o.eps > 0, f"--adam_eps={o.eps} must be > 0 (default 1e-8).")
         return self
+
+    def _validate_data(self) -> None:
+        """Flags that a data source would ignore (the source itself is read, and checked, by
+        the trainer before the model loads)."""
+        d = self.data
+        kind = d.source.partition(":")[0] if ":" in d.source else (
+            "name" if d.source.isidentifier() else "file")
+        require(d.revision is None or kind in ("hf", "name"),
+                f"--data_revision={d.revision} applies to hf: sources and registered names "
+                f"only, not --data={d.source}; drop it.")
+        own = [f"--{k}" for k, v in (("prompt_field", d.prompt_field),
+                                     ("answer_field", d.answer_field)) if v]
+        require(not own or kind not in ("synthetic", "gym", "name"),
+                f"{' and '.join(own)} name columns, but --data={d.source} brings its own "
+                "fields; drop them (they apply to hf:, jsonl:, parquet: and tfds: sources).")
+
+    def _validate_reward(self) -> None:
+        """The reward flags that rewards.shaping and the verifier pool would otherwise refuse
+        only when the reward function is built, after the model has loaded."""
+        w, r = self.reward, self.rollout
+        require(w.scale in SCALES, f"--reward_scale: choose one of {SCALES}.")
+        require(w.format_penalty >= 0, f"--format_penalty={w.format_penalty} must be >= 0 (it is "
+                "subtracted from the reward of a completion without a final answer).")
+        require(not (w.scale == "logic_rl" and w.format_penalty),
+                f"--format_penalty={w.format_penalty} does not apply to --reward_scale=logic_rl, "
+                "which has its own format reward; leave --format_penalty at 0.")
+        require(0 <= w.overlong_buffer <= r.max_new_tokens,
+                f"--overlong_buffer={w.overlong_buffer} must be in [0, --max_new_tokens="
+                f"{r.max_new_tokens}] (0 = no overlong punishment).")
+        require(w.overlong_penalty >= 0, f"--overlong_penalty={w.overlong_penalty} must be >= 0 "
+                "(it is subtracted).")
+        require(w.memory_limit_mb >= 0, f"--memory_limit_mb={w.memory_limit_mb} must be >= 0 "
+                "(0 = no limit).")
+        w.shaping, w.pool   # their own checks, now rather than when the reward is built
 
     # ---- config.json ----------------------------------------------------------------------
 

@@ -1,5 +1,12 @@
-"""hf: sources from a hub cache written by the test (HF_HUB_OFFLINE=1: no network)."""
+"""hf: sources from a hub cache written by the test (HF_HUB_OFFLINE=1: no network), and
+without network: HF_ENDPOINT at a closed loopback port, so the tests behave the same on a
+machine that can reach the Hub."""
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -81,7 +88,8 @@ def test_offline_missing_file_names_the_repository_and_the_file(hub):
         make_source("hf:o/partial", split="test")
     message = str(err.value)
     assert "hf:o/partial" in message and "'test.jsonl'" in message
-    assert "HF_HUB_OFFLINE" in message and "huggingface-cli download o/partial" in message
+    assert "HF_HUB_OFFLINE" in message
+    assert f"hf download o/partial --repo-type dataset --cache-dir {hub}" in message
     # A repository that was never cached: named, with the revision.
     with pytest.raises(DataError, match="hf:o/absent: revision 'main' is not in the hub cache"):
         make_source("hf:o/absent", split="test")
@@ -106,3 +114,63 @@ def test_readme_data_files_as_a_mapping_and_a_plain_list(hub):
                                            "\n  - a.jsonl\n  - b.jsonl\n---\n",
                                "a.jsonl": ROWS_V1, "b.jsonl": ROWS_V2})
     assert len(make_source("hf:o/list", split="train")) == 3  # paths without a split: train
+
+
+CLOSED_ENDPOINT = "http://127.0.0.1:9"   # the discard port: nothing listens there
+
+
+@pytest.fixture
+def no_network(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", CLOSED_ENDPOINT)
+    from huggingface_hub import constants   # read HF_HUB_OFFLINE when first imported
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy",
+                  "ALL_PROXY"):
+        monkeypatch.delenv(proxy, raising=False)
+    return str(cache)
+
+
+def test_without_network_an_uncached_repo_fails_fast_with_the_download_command(no_network):
+    start = time.perf_counter()
+    with pytest.raises(DataError) as err:
+        make_source("hf:o/remote:main", split="train")
+    assert time.perf_counter() - start < 5
+    message = str(err.value)
+    assert "\n" not in message
+    assert "hf:o/remote" in message and CLOSED_ENDPOINT in message and no_network in message
+    assert f"`hf download o/remote --repo-type dataset --cache-dir {no_network}`" in message
+
+
+def test_without_network_a_cached_repo_names_hf_hub_offline(no_network, monkeypatch):
+    write_repo(no_network, "o/cached", {"train.jsonl": ROWS_V1})
+    with pytest.raises(DataError) as err:
+        make_source("hf:o/cached", split="train")
+    message = str(err.value)
+    assert "HF_HUB_OFFLINE=1" in message and no_network in message
+    assert "hf download" not in message
+    # ... and with it set, the cache serves the rows.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert [r.answer for r in make_source("hf:o/cached", split="train")] == ["2"]
+
+
+def test_train_with_an_hf_source_and_no_network_exits_2_in_one_line(no_network, tmp_path):
+    """The whole command: one line naming the fix, exit 2, none of huggingface_hub's retry
+    lines (each retry prints one; five take ~25 s)."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    model = tmp_path / "model"   # passes the flag check; the data fails before it loads
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.train", "--data=hf:o/remote", f"--model={model}",
+         f"--workdir={tmp_path / 'run'}"],
+        cwd=repo, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert len(lines) == 1 and "hf download o/remote" in lines[0], result.stderr[-3000:]
+    assert "Retry" not in result.stderr and "Traceback" not in result.stderr

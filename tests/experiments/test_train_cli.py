@@ -70,6 +70,14 @@ def test_train_cli_rejects_unknown_flags_and_bad_knobs(tmp_path):
     assert "--clip_high='wide' is not a valid" in result.stderr
 
 
+def test_the_train_docstring_names_every_preset():
+    from experiments import train
+    from jaxrl4llm import rl
+    named = set(re.findall(r"[a-z_]+", train.__doc__.split("picks a preset (", 1)[1]
+                           .split(")", 1)[0]))
+    assert named == set(rl.PRESETS)
+
+
 def test_evaluate_cli_on_a_trained_checkpoint(toy_model_dir, copy_task_file, tmp_path):
     workdir, trained = _train_one_step(toy_model_dir, copy_task_file, tmp_path / "run",
                                        "--verbosity=0")

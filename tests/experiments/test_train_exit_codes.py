@@ -59,8 +59,13 @@ def test_a_bad_flag_or_data_fails_in_one_line_before_the_model_loads(flag, expec
     data = {"--data=MISSING": str(tmp_path / "missing.jsonl"),
             "--data=MALFORMED": str(bad)}.get(flag, str(bad))
     extra = [] if flag.startswith("--data=") else [flag]
-    # The model does not exist: had it been loaded first, its error would show instead.
-    result = _run(tmp_path / "no_such_model", data, tmp_path / "run", *extra)
+    # A model folder the flag check accepts but that cannot load: had it been loaded first,
+    # its error would show instead.
+    model = tmp_path / "unloadable_model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    result = _run(model, data, tmp_path / "run", *extra)
     line = _one_line_error(result, errors.EXIT_USER_ERROR)
     assert expected in line
     for internal in ("max_to_keep", "num_workers", "max_prompt_len", "SamplingConfig"):
