@@ -121,7 +121,8 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
     check_resume(workdir, config)  # a different model / algorithm: refused before any write
 
     # The data first: a bad source fails before the model loads or the workdir is written.
-    source = make_source(config.data.source, split="train", **config.data.field_names)
+    source = make_source(config.data.source, split="train", revision=config.data.revision,
+                         **config.data.field_names)
     iterator = make_iterator(source, _prompts_per_host(config, mesh), seed=run.seed,
                              shard_index=jax.process_index(), shard_count=jax.process_count())
     evals = Evaluation(config.evaluation,
