@@ -167,12 +167,8 @@ def _run(config: TrainConfig, devices: list | None) -> dict[str, Any]:
     writer.truncate_after(start)  # also at 0: a run killed before its first checkpoint
 
     def evaluate(key: jax.Array) -> dict[str, float]:
-        results = evaluation.evaluate(ctx, state.params, eval_records, samples=e.eval_samples,
-                                      key=key) if eval_records else {}
-        if eval_sets:
-            results.update(evaluation.evaluate_sets(ctx, state.params, eval_sets, set_records,
-                                                    key=jax.random.fold_in(key, 1)))
-        return results
+        return evaluation.evaluate_run(ctx, state.params, eval_records, eval_sets, set_records,
+                                       samples=e.eval_samples, key=key)
 
     preempted = PreemptionFlag()
     last: dict[str, float] = {}
