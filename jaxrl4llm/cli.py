@@ -92,6 +92,13 @@ def _given(flag: Any) -> bool:
     return bool(flag.present) or flag.value != flag.default
 
 
+def given_values(root: type, flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, Any]:
+    """{flag name: value} of the options of `root` the user gave (on the command line or in a
+    --flagfile); the others are at their defaults."""
+    return {o.name: flag_values[o.name].value for o in options.options(root)
+            if _given(flag_values[o.name])}
+
+
 def config_from_flags(root: type, flag_values: flags.FlagValues = flags.FLAGS) -> Any:
     """The config tree the parsed flags describe (a preset's overrides only where given);
     a value a sub-config refuses raises FlagError."""

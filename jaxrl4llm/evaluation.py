@@ -1,8 +1,9 @@
 """Evaluation: greedy accuracy, avg@k, unbiased pass@k, maj@k over held-out prompts.
 
 The statistics are pure numpy over a [num_prompts, K] table of per-sample results; the
-trainer's periodic eval and the evaluation CLI share `held_out_records`, `evaluate` (the one
---eval_data set) and `evaluate_sets` (the named --eval_sets, jaxrl4llm.evalsets). maj@k votes
+trainer's periodic eval and the evaluation CLI share `held_out_records`, `evaluate_run` (both
+of: `evaluate`, the one --eval_data set, and `evaluate_sets`, the named --eval_sets of
+jaxrl4llm.evalsets) and `eval_key` (the key of the eval after a given step). maj@k votes
 on each task's own final answer (RewardFn.answer_keys: the math answer, the countdown
 expression, the knights-and-knaves claims, the reasoning-gym answer).
 """
@@ -204,3 +205,28 @@ def evaluate_sets(ctx: RolloutContext, params: Any, sets: Sequence[evalsets.Eval
         out.update({f"{prefix}{eval_set.name}/{m}": v for m, v in metrics.items()})
         out[f"{prefix}{eval_set.name}/num_prompts"] = float(len(set_records))
     return evalsets.add_means(out, tuple(sets), prefix)
+
+
+def evaluate_run(ctx: RolloutContext, params: Any, records: Sequence[Any],
+                 sets: Sequence[evalsets.EvalSet], set_records: Sequence[Sequence[Any]], *,
+                 samples: int, key: jax.Array, prompts_per_batch: int = 16,
+                 prefix: str = "eval/", progress: bool = False) -> dict[str, float]:
+    """A run's evaluation: `evaluate` over the held-out `records` (none: skipped) and
+    `evaluate_sets` over the named sets (with `key` folded with 1)."""
+    results = evaluate(ctx, params, records, samples=samples, key=key, prefix=prefix,
+                       prompts_per_batch=prompts_per_batch, progress=progress) if records else {}
+    if sets:
+        results.update(evaluate_sets(ctx, params, sets, set_records, prefix=prefix,
+                                     key=jax.random.fold_in(key, 1), progress=progress,
+                                     prompts_per_batch=prompts_per_batch))
+    return results
+
+
+def eval_key(seed: int, step: int) -> jax.Array:
+    """The key of the trainer's evaluation after `step` steps of a run with `seed` (step 0:
+    the one before training): the train loop's step key (the state's key, which is
+    key(seed), folded with the 0-based step index) folded with 2. Evaluating a checkpoint
+    with it samples what the run's own evaluation sampled."""
+    if step == 0:
+        return jax.random.key(seed + 2)
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step - 1), 2)

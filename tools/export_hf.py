@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from jaxrl4llm.train import critic
     from jaxrl4llm.train.checkpoint import check_workdir, load_trained_models
 
-    check_workdir(args.workdir, f"WORKDIR {args.workdir}")   # before the model loads
+    check_workdir(args.workdir)   # before the model loads
     _, model_config, params, critic_params, tokenizer = load_trained_models(args.workdir,
                                                                             args.step)
     weights.export_hf(params, model_config, args.output, tokenizer=tokenizer)

@@ -33,6 +33,11 @@ class CheckpointError(UserError, RuntimeError):
     """No usable checkpoint; the message names the folder, each step's problem and the fix."""
 
 
+class RunNotFoundError(CheckpointError, FileNotFoundError):
+    """A folder that is not a training workdir, or one without a checkpoint yet (also a
+    FileNotFoundError, as callers that predate CheckpointError catch)."""
+
+
 class NonFiniteStateError(ValueError):
     """The state to save holds NaN or inf (a diverged update): it is never written."""
 
@@ -193,19 +198,13 @@ def load_trained_policy(workdir: str, step: int | None = None, mesh: Any = None
     return config, model_config, params, tokenizer
 
 
-def check_workdir(workdir: str, name: str | None = None) -> None:
-    """Raises CheckpointError, naming `name` (the flag or argument; default the path) and the
-    fix, unless `workdir` is a training workdir (config.json) with at least one saved step."""
-    name = name or workdir
-    if not os.path.isfile(os.path.join(workdir, "config.json")):
-        raise CheckpointError(f"{name} is not a training workdir (it has no "
-                              "config.json): pass the folder that `python -m experiments.train "
-                              "--workdir=...` wrote.")
-    folder = os.path.join(workdir, "checkpoints")
-    if not (os.path.isdir(folder) and any(d.isdigit() for d in os.listdir(folder))):
-        raise CheckpointError(f"{name} has no checkpoint yet (nothing in {folder}): "
-                              "train it first (a run saves one every --checkpoint_every steps "
-                              "and at its end).")
+def check_workdir(workdir: str) -> None:
+    """Raises RunNotFoundError / CheckpointError, naming the folder and the fix, unless
+    `workdir` is a training workdir (a readable config.json) with at least one saved step:
+    the entry points check this before any model loads."""
+    read_run_config(workdir)
+    if not saved_steps(workdir):
+        raise RunNotFoundError(_no_checkpoint(workdir))
 
 
 def load_trained_models(workdir: str, step: int | None = None, mesh: Any = None
@@ -213,9 +212,7 @@ def load_trained_models(workdir: str, step: int | None = None, mesh: Any = None
     """(train config, model config, policy params, critic params or None, tokenizer): as
     `load_trained_policy`, with PPO's critic when the run trained one."""
     check_workdir(workdir)   # before the model loads
-    config_path = os.path.join(workdir, "config.json")
-    with open(config_path) as f:
-        config = TrainConfig.from_json(f.read())
+    config = read_run_config(workdir)
     model_config, params, tokenizer = registry.load_model(
         config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype))
     # Restored onto the params' layout, optimizer moments included.
@@ -227,15 +224,63 @@ def load_trained_models(workdir: str, step: int | None = None, mesh: Any = None
                 config.optimizer, config.critic.learning_rate), config.run.seed)}
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=1)
     try:
-        if checkpointer.latest_step() is None:
-            raise CheckpointError(f"{workdir} has no checkpoint yet: train it first (its run "
-                                  "saves one every --checkpoint_every steps and at its end).")
         state, _ = checkpointer.restore(abstract, step, set_aside=False)  # read-only here
     finally:
         checkpointer.close()
     if config.needs_critic:
         return config, model_config, state["policy"].params, state["critic"].params, tokenizer
     return config, model_config, state.params, None, tokenizer
+
+
+def read_run_config(workdir: str) -> TrainConfig:
+    """The settings a training run saved in WORKDIR/config.json (the trainer writes it before
+    its first step); a RunNotFoundError / CheckpointError naming the folder and the fix when
+    it is not a training workdir or the file cannot be read."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.isdir(workdir):
+        raise RunNotFoundError(f"{workdir!r} does not exist: pass the --workdir of a training "
+                               "run (python -m experiments.train writes it).")
+    if not os.path.isfile(path):
+        raise RunNotFoundError(f"{workdir!r} has no config.json, so it is not a training "
+                               "workdir: pass the --workdir a python -m experiments.train run "
+                               "wrote to.")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return TrainConfig.from_json(f.read())
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CheckpointError(
+            f"Cannot read the run's settings from {path} ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:200]}): it is not the config.json the trainer "
+            "wrote. Restore that file, or pass the --workdir of another training run.") from exc
+
+
+def saved_steps(workdir: str) -> list[int]:
+    """The steps saved in WORKDIR/checkpoints, ascending (finalized step folders only)."""
+    folder = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(folder):
+        return []
+    return sorted(int(name) for name in os.listdir(folder) if name.isdigit())
+
+
+def checkpoint_step(workdir: str, step: int | None = None) -> int:
+    """`step` if WORKDIR holds that checkpoint, else (None) its latest; a RunNotFoundError /
+    CheckpointError naming the saved steps when there is none / not that one."""
+    steps = saved_steps(workdir)
+    if not steps:
+        raise RunNotFoundError(_no_checkpoint(workdir))
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise CheckpointError(
+            f"{workdir!r} holds no checkpoint of step {step}: it has steps "
+            f"{', '.join(map(str, steps))}. Pass one of them (or no step: the latest).")
+    return step
+
+
+def _no_checkpoint(workdir: str) -> str:
+    return (f"{workdir!r} has no checkpoint yet (no step folder in "
+            f"{os.path.join(workdir, 'checkpoints')}): train it for --checkpoint_every steps "
+            "first, or evaluate the base model with --model.")
 
 
 class PreemptionFlag:

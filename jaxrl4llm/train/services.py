@@ -77,13 +77,9 @@ class Evaluation:
         return self.enabled and (done == num_steps or bool(every and done % every == 0))
 
     def run(self, ctx: RolloutContext, params: Any, key: jax.Array) -> dict[str, float]:
-        results = evaluation.evaluate(ctx, params, self.records, samples=self.config.eval_samples,
-                                      key=key) if self.records else {}
-        if self.config.sets:
-            results.update(evaluation.evaluate_sets(ctx, params, self.config.sets,
-                                                    self.set_records,
-                                                    key=jax.random.fold_in(key, 1)))
-        return results
+        return evaluation.evaluate_run(ctx, params, self.records, self.config.sets,
+                                       self.set_records, samples=self.config.eval_samples,
+                                       key=key)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,7 +28,8 @@ def test_evaluate_cli_scores_named_sets_and_prints_the_table(tmp_path):
                XLA_FLAGS="--xla_force_host_platform_device_count=1")
     result = subprocess.run(
         [sys.executable, "-m", "experiments.evaluate", "--model=smollm2-135m-instruct",
-         f"--eval_sets={sets}", "--max_new_tokens=4", "--max_prompt_tokens=512",
+         f"--eval_sets={sets}", "--eval_prompts=0", "--max_new_tokens=4",
+         "--max_prompt_tokens=512",
          f"--output={out}", "--mesh=data:1,fsdp:-1,tensor:1"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -42,8 +43,9 @@ def test_evaluate_cli_scores_named_sets_and_prints_the_table(tmp_path):
         (results["math500/greedy"] + results["kk2/greedy"] + results["kk3/greedy"]) / 3)
     assert report["eval_sets"]["kk2"]["max_new_tokens"] == 6
     assert report["eval_sets"]["math500"]["source"] == "math500"
+    assert "data" not in report and "accuracy" not in results   # --eval_prompts=0: sets only
     lines = result.stdout.splitlines()
-    header = next(line for line in lines if line.strip().startswith("set"))
+    header = next(line for line in lines if line.split()[:1] == ["set"])
     assert header.split() == ["set", "greedy", "avg@2", "maj@2", "pass@2", "prompts"]
     rows = {line.split()[0]: line.split() for line in lines[lines.index(header) + 1:]
             if line.strip() and not line.startswith("wrote")}
