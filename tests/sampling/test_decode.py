@@ -28,8 +28,13 @@ def test_compacted_decode_gives_the_same_samples_with_less_work():
     params["unembed"] = params["unembed"] * 10.0
     rng = np.random.default_rng(0)
     prompts = [rng.integers(6, 32, size=n).tolist() for n in rng.integers(2, 10, 8)]
+    # Compaction runs the decode steps at other batch sizes (another XLA program), so the
+    # logits may differ in the last bits (~1e-6) and a draw that falls that close to the edge
+    # of its token's CDF interval could go either way. With key 3 every one of the ~300 draws
+    # is at least 8e-5 of the mass from an edge (measured; key 1 had one at 4e-6). A slot that
+    # reads another row's cache or key changes the samples outright.
     run = lambda compact: sampler.generate(  # noqa: E731
-        params, CONFIG, prompts, SamplingConfig(temperature=1.0), N, jax.random.key(1),
+        params, CONFIG, prompts, SamplingConfig(temperature=1.0), N, jax.random.key(3),
         stop_ids=STOPS, n=4, compact=compact)
     full, compacted = run(False), run(True)
     lengths = np.asarray(full.lengths_B)

@@ -11,6 +11,8 @@ from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.metrics import read_metrics
 from jaxrl4llm.train.state import OptimizerConfig
 
+from tests.train.float_checks import LINEAR_OPT
+
 
 def _config(model_dir, data, workdir, **overrides):
     base = dict(model=model_dir, data=data, instruction="", prompts_per_step=8, group_size=4,
@@ -51,8 +53,11 @@ def test_every_preset_learns_the_copy_task(preset, toy_model_dir, copy_task_file
 
 def test_sharded_run_matches_unsharded(toy_model_dir, copy_task_file, tmp_path):
     """fsdp=4 x tensor=2 on 8 fake devices gives the losses of one device (float32, 1e-4),
-    with the rollout and reference pass in two row chunks there."""
-    one = _config(toy_model_dir, copy_task_file, tmp_path / "one", num_steps=3)
+    with the rollout and reference pass in two row chunks there. LINEAR_OPT: with Adam's
+    default eps a near-zero gradient's rounding, which differs between the layouts, would move
+    a weight by +-lr, and the next steps' samples would then differ (see float_checks)."""
+    one = _config(toy_model_dir, copy_task_file, tmp_path / "one", num_steps=3,
+                  optimizer=LINEAR_OPT)
     eight = one.replace(workdir=str(tmp_path / "eight"), mesh="data:1,fsdp:4,tensor:2",
                         rollout_micro_batch=16)
     loop.run(one, devices=_one_device())
@@ -143,8 +148,9 @@ def test_a_new_loss_metric_reaches_metrics_jsonl(toy_model_dir, copy_task_file, 
 
 def test_length_classes_give_the_same_run(toy_model_dir, copy_task_file, tmp_path):
     """--micro_batch_length_classes changes which padded columns the update computes, not the
-    update: the same losses as the plain run, and no more columns."""
-    kwargs = dict(num_steps=2, max_new_tokens=40, micro_batch_size=8)
+    update: the same losses as the plain run, and no more columns. (LINEAR_OPT, so that step
+    2 samples from the same policy: see test_sharded_run_matches_unsharded.)"""
+    kwargs = dict(num_steps=2, max_new_tokens=40, micro_batch_size=8, optimizer=LINEAR_OPT)
     plain = _config(toy_model_dir, copy_task_file, tmp_path / "plain", **kwargs)
     loop.run(plain, devices=_one_device())
     loop.run(plain.replace(workdir=str(tmp_path / "classes"), micro_batch_length_classes=3),

@@ -16,6 +16,8 @@ from jaxrl4llm.train.metrics import read_metrics
 from jaxrl4llm.train.state import OptimizerConfig, TrainState
 from jaxrl4llm.train.step import UpdateBatch, train_step
 
+from tests.train.float_checks import LINEAR_OPT
+
 F32 = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64,
                   eos_token_ids=(1,), pad_token_id=0, attention_bias=True)
@@ -69,7 +71,7 @@ def test_bf16_compute_logprobs_are_bf16_rounded_f32_ones():
 def test_bf16_compute_update_keeps_float32_state_and_the_f32_gradient_direction():
     params = transformer.init_params(F32, jax.random.key(2))
     batch = _batch(seed=3)
-    opt = OptimizerConfig(learning_rate=1e-3)
+    opt = LINEAR_OPT   # a step proportional to the gradient (see float_checks)
     static = dict(algorithm=dataclasses.replace(rl.get_preset("grpo"), kl_coef=0.0),
                   optimizer=opt, num_micro=1, temperature=1.0)
     new = {}
@@ -79,12 +81,14 @@ def test_bf16_compute_update_keeps_float32_state_and_the_f32_gradient_direction(
     for leaf in jax.tree.leaves((new["bf16"].params, new["bf16"].opt_state)):
         if jnp.issubdtype(leaf.dtype, jnp.floating):
             assert leaf.dtype == jnp.float32
-    # Adam's first update is ~lr * sign(g): the two runs move (almost) every weight alike.
+    # The updates are the clipped gradients: measured cosine 0.99999 (bf16 rounding of the
+    # activations); a bf16 gradient path that lost a term or a scale falls far below 0.999.
+    # (Adam's default step, ~lr * sign(g), would compare signs instead: cosine 0.996.)
     d32 = jax.tree.leaves(jax.tree.map(lambda a, b: a - b, new["f32"].params, params))
     d16 = jax.tree.leaves(jax.tree.map(lambda a, b: a - b, new["bf16"].params, params))
     u32, u16 = np.concatenate([np.ravel(x) for x in d32]), np.concatenate([np.ravel(x) for x in d16])
     cosine = u32 @ u16 / np.linalg.norm(u32) / np.linalg.norm(u16)
-    assert cosine > 0.9, cosine
+    assert cosine > 0.999, cosine
 
 
 def test_bf16_compute_run_learns_the_copy_task(toy_model_dir, copy_task_file, tmp_path):

@@ -12,7 +12,8 @@ from jaxrl4llm import rl
 from jaxrl4llm.train import loop
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.metrics import read_metrics
-from jaxrl4llm.train.state import OptimizerConfig
+
+from tests.train.float_checks import LINEAR_OPT
 
 WORKER = r"""
 import json, os, sys
@@ -37,11 +38,13 @@ def _free_port():
 
 def _config(model_dir, data, workdir):
     # Greedy decoding and plain Reinforce: the samples and the loss do not depend on how
-    # the rows are split over hosts, so one process and two must agree.
+    # the rows are split over hosts, so one process and two must agree. LINEAR_OPT: with
+    # Adam's default eps a near-zero gradient's rounding, which differs between the layouts,
+    # would move a weight by +-lr and step 2 would start from another policy.
     return TrainConfig().replace(
         model=model_dir, data=data, instruction="", prompts_per_step=8, group_size=4,
         max_prompt_tokens=16, max_new_tokens=1, temperature=0.0,
-        algorithm=rl.get_preset("reinforce"), optimizer=OptimizerConfig(learning_rate=1e-2),
+        algorithm=rl.get_preset("reinforce"), optimizer=LINEAR_OPT,
         num_steps=2, mesh="data:2,fsdp:2,tensor:1", eval_prompts=0, checkpoint_every=1,
         workdir=str(workdir), answer_mode="lenient", tensorboard=False)
 

@@ -19,6 +19,8 @@ from jaxrl4llm.train.logprobs import Sequences
 from jaxrl4llm.train.state import OptimizerConfig, abstract_state, create_state
 from jaxrl4llm.train.step import UpdateBatch, accumulate_gradients, train_step
 
+from tests.train.float_checks import LINEAR_OPT, assert_trees_close, param_step
+
 CONFIG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3,
                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128,
                      eos_token_ids=(1,), pad_token_id=0)
@@ -125,27 +127,9 @@ def test_compiled_update_moves_no_whole_batch_activation(update_hlo):
                 assert not whole_batch, (op.kind, shape)
 
 
-# An optimizer whose step is proportional to the gradient: on the first step Adam moves each
-# weight by lr * g / (|g| + eps) (bias-corrected moments), so with eps >> |g| (the gradient is
-# clipped to global norm 1) and lr = eps the step is g / (1 + |g| / eps) ~ g. The default
-# eps (1e-8) would turn a near-zero gradient's last-bit rounding difference, which depends on
-# the host's float paths (summation order of a sharded reduction, the CPU's vector width),
-# into a step of +-lr: the update would then compare the sign of rounding noise.
-LINEAR_OPT = OptimizerConfig(learning_rate=1e3, eps=1e3)
-
-
 def _sharded_and_unsharded(mesh_spec, run):
     return [run(mesh, None if mesh is None else parallel.ActivationSharding(mesh))
             for mesh in (None, parallel.make_mesh(mesh_spec))]
-
-
-def _assert_trees_close(actual, expected, rel):
-    """Leaf by leaf, to `rel` times the largest magnitude of `expected` (float32 sums in
-    another order differ by a few ulps of the largest term, not of each element)."""
-    scale = max(float(np.max(np.abs(x))) for x in jax.tree.leaves(expected))
-    for (path, b), a in zip(jax.tree.leaves_with_path(actual), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(b, a, rtol=0, atol=rel * scale,
-                                   err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("mesh_spec", ["data:2,fsdp:2,tensor:2"])
@@ -160,7 +144,7 @@ def test_sharded_gradients_equal_unsharded(mesh_spec):
 
     (loss0, grads0), (loss1, grads1) = _sharded_and_unsharded(mesh_spec, run)
     np.testing.assert_allclose(loss1, loss0, rtol=1e-5, atol=1e-7)
-    _assert_trees_close(grads1, grads0, rel=1e-5)
+    assert_trees_close(grads1, grads0, rel=1e-5)
 
 
 @pytest.mark.parametrize("mesh_spec", ["data:2,fsdp:2,tensor:2"])
@@ -170,16 +154,15 @@ def test_sharded_update_equals_unsharded(mesh_spec):
     gradient (LINEAR_OPT), so that what is compared is the update and not rounding noise."""
     def run(mesh, sharding):
         state = create_state(_params(mesh), LINEAR_OPT, seed=0)
-        before = jax.device_get(state.params)
+        before = jax.device_get(state.params)   # train_step may donate the state
         state, metrics = train_step(state, _batch(mesh), model_config=CONFIG, algorithm=ALGO,
                                     optimizer=LINEAR_OPT, num_micro=NUM_MICRO,
                                     temperature=1.0, remat=True, prompt_group=4,
                                     sharding=sharding)
-        after = jax.device_get(state.params)
-        return jax.tree.map(np.subtract, after, before), jax.device_get(metrics)
+        return param_step(before, state.params), jax.device_get(metrics)
 
     (step0, m0), (step1, m1) = _sharded_and_unsharded(mesh_spec, run)
     np.testing.assert_allclose(m1["policy/loss"].value, m0["policy/loss"].value, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(m1["optim/grad_norm"].value, m0["optim/grad_norm"].value, rtol=1e-4)
     assert m0["optim/skipped_updates"].value == 0
-    _assert_trees_close(step1, step0, rel=1e-4)
+    assert_trees_close(step1, step0, rel=1e-4)
