@@ -26,8 +26,9 @@ import time
 from absl import app, flags
 from tqdm.auto import tqdm
 
-from experiments import study_report
+from experiments import study_estimate, study_report
 from experiments.study_spec import REPO, Run, load_study, plan, select
+from jaxrl4llm.errors import EXIT_USER_ERROR
 from jaxrl4llm.train.errors import EXIT_PREEMPTED
 
 _STUDY = flags.DEFINE_string("study", None, "A shipped study's name (experiments/studies/) "
@@ -137,6 +138,17 @@ def run_all(runs: list[Run], keep_going: bool, cache_dir: str, prune: bool = Fal
     return failed
 
 
+def announce(name: str, scale: str, runs: list[Run], root: str, prune: bool) -> bool:
+    """Prints the runs, the estimated time and disk (experiments/study_estimate.py); False,
+    with one line on stderr, when the disk cannot hold the checkpoints."""
+    try:
+        print(study_estimate.summary(name, scale, runs, root, prune), flush=True)
+    except study_estimate.InsufficientDiskError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments {argv[1:]}: every option is a --flag.")
@@ -152,6 +164,8 @@ def main(argv):
         for run in runs:
             print(run.shell())
         return 0
+    if not _COLLECT.value and not announce(study.name, _SCALE.value, runs, root, _PRUNE.value):
+        return EXIT_USER_ERROR
     cache = os.path.join(root, "jax_cache") if _CACHE.value is None else _CACHE.value
     failed = [] if _COLLECT.value else run_all(runs, _KEEP_GOING.value, cache, _PRUNE.value)
     collect = ["python", "-m", "experiments.study", f"--study={_STUDY.value}",
