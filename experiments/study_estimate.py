@@ -5,7 +5,7 @@ Disk: a checkpoint holds the train state (train/state.py TrainState): the parame
 AdamW's two moments, each of the parameters' dtype (--param_dtype), so a parameter costs
 3 x its bytes (12 for float32; PPO's critic adds its own state). Orbax compresses the
 arrays (zstd), which saves 5-15% on trained weights, so this is an upper bound (the
-quickstart's 134.5M parameters: 1.61 GB estimated, 1.4 GB on disk). The parameter count comes
+quickstart's 134.5M parameters: 1.61 GB estimated, 1.49 GB on disk). The parameter count comes
 from the model's architecture (a Hugging Face folder's config.json, or the table in
 models/config.py). A run keeps min(--keep_checkpoints, its saves) checkpoints; while it
 saves, one more is on disk (orbax deletes the oldest only after the new one is finalized).
