@@ -32,8 +32,9 @@ from jaxrl4llm.train.config import TrainConfig, param_dtype
 from jaxrl4llm.train.metrics import read_metrics
 
 # Seconds per step per parameter per token of the step's rows (prompts x group, prompt +
-# completion budget): the quickstart (SmolLM2-135M, 16 rows x 192 tokens) took 16 s per step
-# on 2 AMD EPYC cores: 16 / (134.5e6 x 16 x 192) = 3.9e-11.
+# completion budget): the quickstart (SmolLM2-135M, 16 rows x 192 tokens) took 6.4 min for its
+# 24 steps on 2 idle CPU cores, 16 s per step: 16 / (134.5e6 x 16 x 192) = 3.9e-11. On 2
+# cores shared with other jobs (load average 13) it took 68 s per step, 4x this.
 CPU_SECONDS_PER_PARAM_TOKEN = 3.9e-11
 GB = 1e9
 
