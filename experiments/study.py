@@ -25,7 +25,7 @@ import time
 from absl import flags
 from tqdm.auto import tqdm
 
-from experiments import study_report
+from experiments import study_estimate, study_report
 from experiments.study_spec import REPO, Run, load_study, plan, select
 from jaxrl4llm import cli
 from jaxrl4llm.options import require
@@ -138,6 +138,13 @@ def run_all(runs: list[Run], keep_going: bool, cache_dir: str, prune: bool = Fal
     return failed
 
 
+def announce(name: str, scale: str, runs: list[Run], root: str, prune: bool) -> None:
+    """Prints the runs, the estimated time and disk (experiments/study_estimate.py); an
+    InsufficientDiskError (a UserError: exit 2, one line) when the disk cannot hold the
+    checkpoints."""
+    print(study_estimate.summary(name, scale, runs, root, prune), flush=True)
+
+
 def main(argv):
     del argv   # cli.run refuses positional arguments
     require(_STUDY.value, "Give --study=NAME (experiments/studies/NAME.toml) or a path.")
@@ -152,6 +159,8 @@ def main(argv):
         for run in runs:
             print(run.shell())
         return 0
+    if not _COLLECT.value:
+        announce(study.name, _SCALE.value, runs, root, _PRUNE.value)
     cache = os.path.join(root, "jax_cache") if _CACHE.value is None else _CACHE.value
     failed = [] if _COLLECT.value else run_all(runs, _KEEP_GOING.value, cache, _PRUNE.value)
     collect = ["python", "-m", "experiments.study", f"--study={_STUDY.value}",

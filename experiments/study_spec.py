@@ -206,8 +206,14 @@ def select(study: Study, arms: str = "", seeds: str = "", scale: str = "cpu"
 
 
 def resolve_num_steps(train_flags: Sequence[str], where: str) -> int:
+    """A run's --num_steps (resolve_config), and a clear error for a bad flag before any run
+    starts."""
+    return resolve_config(train_flags, where).run.num_steps
+
+
+def resolve_config(train_flags: Sequence[str], where: str) -> Any:
     """Parses a run's flags as the trainer does (flagfiles read from the repository root):
-    its --num_steps, and a clear error for a bad flag before any run starts."""
+    its TrainConfig."""
     from absl import flags as absl_flags
 
     from jaxrl4llm import cli
@@ -223,7 +229,7 @@ def resolve_num_steps(train_flags: Sequence[str], where: str) -> int:
         raise ValueError(f"{where}: {e}") from None
     finally:
         os.chdir(cwd)
-    return config.run.num_steps
+    return config
 
 
 def plan(study: Study, scale: str, root: str, arms: list[Arm] | None = None,

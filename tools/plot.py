@@ -2,8 +2,9 @@
 
     python tools/plot.py workdirs/quickstart [workdirs/other ...] [--out curves.png]
 
-Panels: reward, accuracy (train and held-out), entropy, KL to the reference, response length
-and clip fraction against the step; each run is one colour, named by its folder.
+Panels, against the step: reward, accuracy (train and held-out), completion length and
+entropy; the KL to the reference and the clip fraction only when a run logged them and they
+vary (jaxrl4llm/train/plots.py, choose_panels). Each run is one colour, named by its folder.
 """
 from __future__ import annotations
 

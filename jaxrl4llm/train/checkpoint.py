@@ -54,7 +54,12 @@ def _disk_full(error: BaseException) -> bool:
 
 
 class Checkpointer:
-    """Saves every `every` steps (and on demand), keeps the last `keep`, restores the latest."""
+    """Saves every `every` steps (and on demand), keeps the last `keep`, restores the latest.
+
+    `keep` counts the latest steps, so the run's final save (always its latest step) is
+    always kept and a rerun resumes from it. Orbax deletes the older steps only once the new
+    one is finalized: during a save, `keep` + 1 steps are on disk.
+    """
 
     def __init__(self, directory: str, every: int, keep: int = 3):
         if every <= 0:

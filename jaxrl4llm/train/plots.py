@@ -1,19 +1,44 @@
-"""Training curves of one or more runs, overlaid, in one PNG (matplotlib, headless)."""
+"""Training curves of one or more runs, overlaid, in one PNG (matplotlib, headless).
+
+The panels are those a person reads a run by: reward, accuracy (train and held-out),
+completion length and entropy always; the KL to the reference and the clip fraction only
+when a run logged them and they vary (a run without a KL term, or with one update per
+rollout, whose clip fraction is always 0, would show an empty or flat panel).
+"""
 from __future__ import annotations
 
+import math
 import os
-from typing import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from jaxrl4llm.train.metrics import read_metrics
 
-PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+Panel = tuple[str, tuple[str, ...]]   # (title, metric keys drawn in it: solid, then dashed)
+ALWAYS: tuple[Panel, ...] = (
     ("reward", ("reward/mean",)),
     ("accuracy", ("reward/accuracy", "eval/accuracy")),
+    ("completion length", ("response/length_mean",)),
     ("entropy", ("policy/entropy",)),
+)
+WHEN_VARYING: tuple[Panel, ...] = (
     ("KL to reference", ("policy/kl_ref",)),
-    ("response length", ("response/length_mean",)),
     ("clip fraction", ("policy/clip_frac",)),
 )
+
+
+def _varies(runs: Sequence[Sequence[Mapping[str, Any]]], key: str) -> bool:
+    """Whether `key` takes at least two different finite values over all records of all runs."""
+    values = {r[key] for records in runs for r in records
+              if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])}
+    return len(values) > 1
+
+
+def choose_panels(runs: Sequence[Sequence[Mapping[str, Any]]]) -> list[Panel]:
+    """The panels to draw for these runs' metrics records: ALWAYS, then each WHEN_VARYING
+    panel one of whose keys varies."""
+    return list(ALWAYS) + [panel for panel in WHEN_VARYING
+                           if any(_varies(runs, key) for key in panel[1])]
 
 
 def plot_runs(workdirs: Sequence[str], out: str) -> str:
@@ -23,9 +48,13 @@ def plot_runs(workdirs: Sequence[str], out: str) -> str:
     import matplotlib.pyplot as plt
 
     runs = {os.path.basename(os.path.normpath(w)) or w: read_metrics(w) for w in workdirs}
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
+    panels = choose_panels(list(runs.values()))
+    cols = 2 if len(panels) <= 4 else 3
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), constrained_layout=True,
+                             squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (title, keys) in zip(axes.flat, PANELS):
+    for ax, (title, keys) in zip(axes.flat, panels):
         for i, (name, records) in enumerate(runs.items()):
             for key, style in zip(keys, ("-", "--")):
                 points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
@@ -35,6 +64,8 @@ def plot_runs(workdirs: Sequence[str], out: str) -> str:
                     ax.plot(steps, values, style, color=colors[i % len(colors)], label=label,
                             marker="o" if len(points) < 30 else None, markersize=3)
         finish_axis(ax, title, legend_size=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")   # the grid's unused cell
     fig.suptitle(", ".join(runs))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=100)

@@ -37,8 +37,9 @@ _MINIMALIST = {
 }
 FIXED = {
     # The old parser dropped a knob set to none (`--kl_in=none` kept the preset's "loss"; with
-    # --kl_coef=0 nothing used it, so training was the same).
-    "quickstart": {"kl_in": ("loss", None)},
+    # --kl_coef=0 nothing used it, so training was the same). The quickstart keeps one
+    # checkpoint (each is about 1.4 GB: a laptop's disk).
+    "quickstart": {"kl_in": ("loss", None), "keep_checkpoints": (3, 1)},
     "minimalist_qwen25_math_7b_grpo": dict(
         _MINIMALIST, agg=("seq-mean-token-mean", "token-mean"), kl_coef=(0.04, 0.001)),
     "minimalist_qwen25_math_7b_raft_pp": dict(
