@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
 
@@ -248,7 +248,7 @@ def num_row_chunks(rows: int, max_rows: int, group: int = 1) -> int:
     return chunks
 
 
-def data_parallel_size(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> int:
+def data_parallel_size(mesh: Mesh | AbstractMesh, rules: LogicalRules = DEFAULT_RULES) -> int:
     """How many shards the batch axis is split into (the product of its mesh axes)."""
     axes = logical_to_partition_spec(("batch",), rules)[0] or ()
     axes = (axes,) if isinstance(axes, str) else axes

@@ -41,8 +41,7 @@ _MLP_AXES = ("batch", "length", "mlp")
 LOGITS_AXES = ("batch", "length", "vocab")
 
 
-@flax.struct.dataclass
-class KVCache:
+class KVCache(flax.struct.PyTreeNode):
     """Keys [B, K, H, S] and values [B, K, S, H] for S cache slots, one array per layer;
     `mask_BS` marks slots holding real tokens.
 

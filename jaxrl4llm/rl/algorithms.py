@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -184,7 +184,7 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
 # ---- entry points -------------------------------------------------------------------------
 
 def compute_advantages(config: AlgorithmConfig, rewards_B: jnp.ndarray, correct_B: jnp.ndarray,
-                       mask_BT: jnp.ndarray, group_size: int, **kwargs
+                       mask_BT: jnp.ndarray, group_size: int, **kwargs: jnp.ndarray | None
                        ) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, Metric]]:
     """Advantages for one rollout batch: (advantages [B] or [B, T], keep_B bool, metrics);
     ``compute_advantages_and_returns`` without the critic's returns (same arguments)."""
@@ -294,7 +294,8 @@ def compute_advantages_and_returns(
     return adv, returns_BT, keep, metrics
 
 
-def _baseline(c: AlgorithmConfig, baseline_B, baseline_correct_B) -> jnp.ndarray:
+def _baseline(c: AlgorithmConfig, baseline_B: jnp.ndarray | None,
+              baseline_correct_B: jnp.ndarray | None) -> jnp.ndarray:
     """ReMax's baseline per row, mapped like the rewards when binary_reward is set."""
     if baseline_B is None or (c.binary_reward is not None and baseline_correct_B is None):
         raise ValueError("advantage='remax' needs baseline_B (and baseline_correct_B with "
@@ -367,7 +368,7 @@ def policy_loss(
     return loss_sum, denom, metrics
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     """The presets lived here before presets.py: rl.algorithms.grpo, .PRESETS, .get_preset
     still resolve (imported lazily: presets.py imports this module)."""
     from jaxrl4llm.rl import presets

@@ -43,7 +43,7 @@ def row_weights(mask_BT: jnp.ndarray, keep_B: jnp.ndarray | None) -> jnp.ndarray
     return w
 
 
-def broadcast_advantages(advantages: jnp.ndarray, shape_BT: tuple[int, int]) -> jnp.ndarray:
+def broadcast_advantages(advantages: jnp.ndarray, shape_BT: tuple[int, ...]) -> jnp.ndarray:
     adv = jnp.asarray(advantages, jnp.float32)
     if adv.ndim == 1:
         adv = adv[:, None]

@@ -6,6 +6,7 @@ every name to its constructor (docs/algorithms.md gives each one's formula and f
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from jaxrl4llm.rl.algorithms import AlgorithmConfig
 
@@ -166,7 +167,7 @@ PRESETS = {f.__name__: f for f in (grpo, dr_grpo, reinforce, reinforce_rej, rein
                                    remax, dapo, ppo)}
 
 
-def get_preset(name: str, **overrides) -> AlgorithmConfig:
+def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
     """The named preset, with any knob overridden (dataclasses.replace)."""
     key = name.lower().replace("-", "_")
     if key not in PRESETS:

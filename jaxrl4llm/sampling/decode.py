@@ -15,6 +15,7 @@ tokens) the loop keeps all B slots.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
@@ -34,21 +35,22 @@ MIN_COMPACT_ROWS = 8
 
 def decode_step(params: Any, model_config: ModelConfig, token_B: jax.Array,
                 position_B: jax.Array, cache: transformer.KVCache, cache_index: jax.Array,
-                sharding: parallel.ActivationSharding | None = None):
+                sharding: parallel.ActivationSharding | None = None
+                ) -> tuple[jax.Array, transformer.KVCache]:
     """Feeds one token per row at slot `cache_index`; returns (next-token logits [B, V], cache)."""
     B = token_B.shape[0]
-    h_B1D, cache = transformer.hidden_states(params, model_config, token_B[:, None],
-                                             position_B[:, None], jnp.ones((B, 1), bool),
-                                             cache, cache_index, sharding=sharding)
-    return transformer.unembed(params, model_config, h_B1D, sharding)[:, 0], cache
+    h_B1D, new_cache = transformer.hidden_states(params, model_config, token_B[:, None],
+                                                 position_B[:, None], jnp.ones((B, 1), bool),
+                                                 cache, cache_index, sharding=sharding)
+    assert new_cache is not None  # hidden_states returns the cache it is given, updated
+    return transformer.unembed(params, model_config, h_B1D, sharding)[:, 0], new_cache
 
 
 def is_stop(tokens_B: jax.Array, stop_ids_S: jax.Array) -> jax.Array:
     return jnp.any(tokens_B[:, None] == stop_ids_S[None, :], axis=-1)
 
 
-@flax.struct.dataclass
-class LoopState:
+class LoopState(flax.struct.PyTreeNode):
     """Per slot (_S, the current level's batch) and per row (_R, the block's B rows)."""
 
     step: jax.Array          # index of the completion token produced next
@@ -96,7 +98,8 @@ def decode(params: Any, state: LoopState, *, model_config: ModelConfig,
     # (a scatter into batch-sharded buffers could make the partitioner gather them).
     in_place = len(sizes) == 1
 
-    def write(buf_RT: jax.Array, row_S: jax.Array, step: jax.Array, x_S: jax.Array):
+    def write(buf_RT: jax.Array, row_S: jax.Array, step: jax.Array, x_S: jax.Array
+              ) -> jax.Array:
         if in_place:
             return jax.lax.dynamic_update_slice(buf_RT, x_S[:, None], (0, step))
         return buf_RT.at[row_S, step].set(x_S)
@@ -123,11 +126,13 @@ def decode(params: Any, state: LoopState, *, model_config: ModelConfig,
             logprobs_RT=write(s.logprobs_RT, s.row_S, s.step, lp_S),
             slot_steps=s.slot_steps + s.row_S.shape[0])
 
+    def more_live_than(floor: int, s: LoopState) -> jax.Array:
+        return (s.step < N) & (jnp.sum(~s.done_S) > floor)
+
     for level, size in enumerate(sizes):
         if level:
             state = _compact(state, size)
         # Stay at this level while the live rows do not fit the next one.
         floor = sizes[level + 1] if level + 1 < len(sizes) else 0
-        state = jax.lax.while_loop(
-            lambda s, floor=floor: (s.step < N) & (jnp.sum(~s.done_S) > floor), body, state)
+        state = jax.lax.while_loop(functools.partial(more_live_than, floor), body, state)
     return state

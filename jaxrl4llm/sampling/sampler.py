@@ -43,8 +43,7 @@ from jaxrl4llm.sampling.strategies import SamplingConfig
 LONG_PROMPT_MODES = buckets.LONG_PROMPT_MODES
 
 
-@flax.struct.dataclass
-class SampleOutput:
+class SampleOutput(flax.struct.PyTreeNode):
     """Completions of B = num_prompts * n rows (row p * n + g is sample g of prompt p).
 
     tokens_BT      int32 completion tokens; pad_id after the first stop token.
@@ -91,12 +90,14 @@ class SampleOutput:
                                       self.mask_BT)
 
 
-def _cache_sharding(sharding: parallel.ActivationSharding, cache: transformer.KVCache):
+def _cache_sharding(sharding: parallel.ActivationSharding, cache: transformer.KVCache
+                    ) -> transformer.KVCache:
+    """The cache's tree with a sharding at every leaf (`replace` swaps all three fields)."""
     k = sharding.named(transformer.K_CACHE_LOGICAL_AXES, cache.k_BKHS[0].shape)
     v = sharding.named(transformer.V_CACHE_LOGICAL_AXES, cache.v_BKSH[0].shape)
     layers = len(cache.k_BKHS)
-    return transformer.KVCache(k_BKHS=(k,) * layers, v_BKSH=(v,) * layers,
-                               mask_BS=sharding.named(("batch", "length"), cache.mask_BS.shape))
+    return cache.replace(k_BKHS=(k,) * layers, v_BKSH=(v,) * layers,
+                         mask_BS=sharding.named(("batch", "length"), cache.mask_BS.shape))
 
 
 def _cache_dtype(params: Any) -> Any:
@@ -116,13 +117,15 @@ def stop_id_array(stop_ids: Sequence[int]) -> np.ndarray:
 
 def prefill(params: Any, model_config: ModelConfig, prompt_BP: jax.Array,
             prompt_mask_BP: jax.Array, cache: transformer.KVCache,
-            sharding: parallel.ActivationSharding | None = None):
+            sharding: parallel.ActivationSharding | None = None
+            ) -> tuple[jax.Array, transformer.KVCache]:
     """Writes the left-padded prompt block into cache slots [0, P); returns the logits of each
     row's last prompt token [B, V] (only that column is unembedded) and the cache."""
     positions_BP = transformer.positions_from_mask(prompt_mask_BP)
-    h_BPD, cache = transformer.hidden_states(params, model_config, prompt_BP, positions_BP,
-                                             prompt_mask_BP, cache, 0, sharding=sharding)
-    return transformer.unembed(params, model_config, h_BPD[:, -1:], sharding)[:, 0], cache
+    h_BPD, new_cache = transformer.hidden_states(params, model_config, prompt_BP, positions_BP,
+                                                 prompt_mask_BP, cache, 0, sharding=sharding)
+    assert new_cache is not None  # hidden_states returns the cache it is given, updated
+    return transformer.unembed(params, model_config, h_BPD[:, -1:], sharding)[:, 0], new_cache
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -286,6 +289,7 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
         keys_B = jnp.concatenate([row_keys, extra]) if B > batch.num_rows else row_keys
     inputs = (batch.prompt_BP, batch.mask_BP, batch.active_B, keys_B)
     if multihost:   # host-local rows -> one global batch, hosts' blocks in process order
+        assert mesh is not None  # multihost implies a mesh
         inputs = inputs[:3] + (np.asarray(jax.random.key_data(keys_B)),)
         inputs = tuple(jax.make_array_from_process_local_data(
             parallel.batch_sharding(mesh, np.ndim(x), rules), np.asarray(x)) for x in inputs)
@@ -300,6 +304,7 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
     if greedy_last:
         greedy_B = np.asarray(batch.sample_index_B) >= n - greedy_last
         if multihost:
+            assert mesh is not None  # multihost implies a mesh
             greedy_B = jax.make_array_from_process_local_data(
                 parallel.batch_sharding(mesh, 1, rules), greedy_B)
         elif mesh is not None:
@@ -309,6 +314,7 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
                           rules=rules, prompt_group=prompt_group, num_chunks=num_chunks,
                           greedy_B=greedy_B, compact=compact)
     if multihost:
+        assert mesh is not None  # multihost implies a mesh
         # Rows stay global (each host's block keeps its padding rows: see host_rows).
         dropped_B = jax.make_array_from_process_local_data(
             parallel.batch_sharding(mesh, 1, rules), batch.dropped_B)

@@ -138,7 +138,8 @@ def keep_threshold(scaled_BV: jax.Array, config: SamplingConfig) -> jax.Array | 
     return jnp.where(found_B, thresh_B, slow_B)
 
 
-def _nucleus_in_candidates(vals_BK: jax.Array, probs_BK: jax.Array, top_p: float):
+def _nucleus_in_candidates(vals_BK: jax.Array, probs_BK: jax.Array,
+                           top_p: float) -> tuple[jax.Array, jax.Array]:
     """Nucleus cut-off among K descending candidates; found_B says it ends inside them."""
     cum_BK = jnp.cumsum(probs_BK, axis=-1)
     above_BK = cum_BK - probs_BK                       # mass strictly above each candidate
@@ -162,7 +163,7 @@ def allowed_tokens(logits_BV: jax.Array, config: SamplingConfig) -> jax.Array:
 
 
 def sample(logits_BV: jax.Array, keys_B: jax.Array, config: SamplingConfig,
-           greedy_B: jax.Array | None = None):
+           greedy_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row; returns (tokens_B int32, logprobs_B float32).
 
     greedy_B (bool [B], optional): rows that take the argmax instead (e.g. ReMax's greedy

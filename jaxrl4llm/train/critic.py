@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxrl4llm import parallel, rl
 from jaxrl4llm.models import registry, transformer, weights
+from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.train.logprobs import Sequences, completion_hidden_states, over_row_chunks
 from jaxrl4llm.train.state import OptimizerConfig, TrainState
 from jaxrl4llm.train.step import UpdateBatch, accumulate, apply_update
@@ -66,6 +67,7 @@ def load(name: str, model_config: Any, mesh: Any = None, dtype: Any = jnp.float3
     path = registry.resolve(name)
     if path.endswith(".gguf"):
         from jaxrl4llm.models import gguf_file
+        source: gguf_file.GGUFSource | weights.SafetensorsSource
         source = gguf_file.GGUFSource(path)
         config = source.config()
     else:
@@ -143,7 +145,10 @@ def values_jit(critic_params: Any, config: Any, seqs: Sequences, prompt_group: i
 
 def _micro_loss(critic_params: Any, mb: UpdateBatch, denominator: jax.Array, *,
                 model_config: Any, algorithm: rl.AlgorithmConfig, remat: bool,
-                prompt_group: int, sharding: parallel.ActivationSharding | None):
+                prompt_group: int, sharding: parallel.ActivationSharding | None
+                ) -> tuple[jax.Array, dict[str, Metric]]:
+    # PPO's update batches carry the critic's old values and returns (train.rollout).
+    assert mb.old_values_BT is not None and mb.returns_BT is not None
     values_BT = completion_values(critic_params, model_config, mb.seqs, remat=remat,
                                   prompt_group=prompt_group, sharding=sharding)
     loss_sum, _, metrics = rl.value_loss(

@@ -95,7 +95,7 @@ def fingerprint(tree: Any) -> Fingerprint:
         from jax.experimental import multihost_utils
         all_digests, all_finite = multihost_utils.process_allgather((digests, finite))
         digests = np.asarray(all_digests, np.uint64).sum(axis=0) % 2**32  # uint32 per host
-        finite = np.asarray(all_finite).all(axis=0)
+        finite = np.all(np.asarray(all_finite), axis=0)
     arrays, nonfinite = {}, []
     for (path, leaf), digest, ok in zip(leaves, digests, finite):
         name = jax.tree_util.keystr(path)

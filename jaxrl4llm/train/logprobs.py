@@ -23,8 +23,7 @@ from jaxrl4llm.sampling.layout import prompt_completion_rows
 Sharding = parallel.ActivationSharding | None
 
 
-@flax.struct.dataclass
-class Sequences:
+class Sequences(flax.struct.PyTreeNode):
     """Prompt + completion token blocks of a batch of samples."""
 
     prompt_tokens_BP: jax.Array      # int32, left-padded

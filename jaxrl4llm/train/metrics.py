@@ -90,7 +90,7 @@ class MetricsWriter:
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self._is_writer:
             return
-        record = {"step": int(step)}
+        record: dict[str, float | None] = {"step": int(step)}
         record.update({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                        for k, v in sorted(metrics.items())})
         with open(self.path, "a") as f:

@@ -55,6 +55,7 @@ def minibatches(batch: UpdateBatch, config: TrainConfig, key: jax.Array,
         for start in range(0, B, M):
             rows = order[start:start + M]
             if sort:
+                assert lengths_B is not None  # sort implies it
                 rows = rows[micro_batch_order(lengths_B[rows], num_micro)]
             mb = batch if not reshuffle and not sort else _take_rows(batch, rows, layout, mesh)
             if lengths_B is None:

@@ -71,8 +71,10 @@ def _global_rows(ctx: RolloutContext, local: np.ndarray) -> jax.Array:
     """This host's rows (e.g. rewards) -> the global batch array, laid out like the samples."""
     if jax.process_count() == 1:
         return jnp.asarray(local)
-    return jax.make_array_from_process_local_data(
-        parallel.batch_sharding(ctx.sampler.mesh, local.ndim), local)
+    mesh = ctx.sampler.mesh
+    assert mesh is not None  # several hosts always run on one mesh (train.services)
+    return jax.make_array_from_process_local_data(parallel.batch_sharding(mesh, local.ndim),
+                                                  local)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "group_size"))

@@ -57,7 +57,7 @@ def _take(part: Scored, rows: np.ndarray) -> Scored:
     return Scored(Samples(out, [s.texts[i] for i in rows], s.layout), scored, *base)
 
 
-def _left_pad(x: np.ndarray, width: int, value: Any) -> np.ndarray:
+def _left_pad(x: jax.Array | np.ndarray, width: int, value: Any) -> np.ndarray:
     return np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=value)
 
 

@@ -79,8 +79,7 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
     return optax.chain(*parts)
 
 
-@flax.struct.dataclass
-class TrainState:
+class TrainState(flax.struct.PyTreeNode):
     """Everything that changes during training; checkpointed whole."""
 
     params: Any
@@ -107,7 +106,8 @@ def like_params(tree: Any, params: Any, param_value: Any, other: Any) -> Any:
     params_def = jax.tree.structure(params)
 
     def is_param_tree(x: Any) -> bool:
-        return jax.tree.structure(x) == params_def
+        # jaxlib ships no stub for its compiled PyTreeDef, so mypy sees no __eq__ on it.
+        return jax.tree.structure(x) == params_def  # type: ignore[operator]
 
     return jax.tree.map(lambda x: param_value if is_param_tree(x) else other, tree,
                         is_leaf=is_param_tree)
@@ -118,17 +118,19 @@ def state_shardings(params: Any, optimizer: OptimizerConfig | optax.GradientTran
     """Shardings of the TrainState built from `params` (arrays or ShapeDtypeStructs carrying
     NamedShardings): optimizer leaves shaped like the params take the params' shardings,
     every other leaf is replicated. None when the params are not on a mesh."""
-    shardings = [getattr(x, "sharding", None) for x in jax.tree.leaves(params)]
-    if not shardings or not all(isinstance(s, NamedSharding) for s in shardings):
+    leaves = jax.tree.leaves(params)
+    shardings = [s for x in leaves if isinstance(s := getattr(x, "sharding", None), NamedSharding)]
+    if not shardings or len(shardings) < len(leaves):
         return None
     replicated = NamedSharding(shardings[0].mesh, PartitionSpec())
     abstract = jax.eval_shape(functools.partial(TrainState.create, optimizer=optimizer, seed=0),
                               params)
     param_shardings = jax.tree.unflatten(jax.tree.structure(params), shardings)
-    return TrainState(params=param_shardings,
-                      opt_state=like_params(abstract.opt_state, params, param_shardings,
-                                            replicated),
-                      step=replicated, rng=replicated)
+    # The state's tree with a sharding at every leaf: `replace` swaps all four fields.
+    return abstract.replace(params=param_shardings,
+                            opt_state=like_params(abstract.opt_state, params, param_shardings,
+                                                  replicated),
+                            step=replicated, rng=replicated)
 
 
 def create_state(params: Any, optimizer: OptimizerConfig, seed: int) -> TrainState:
@@ -152,6 +154,7 @@ def abstract_state(params: Any, optimizer: OptimizerConfig, seed: int) -> TrainS
 def state_logical_axes(state: TrainState, param_axes: Any) -> TrainState:
     """Logical axes of every state leaf: the params' for params and optimizer leaves shaped
     like them, none (replicated) for the rest."""
-    return TrainState(params=param_axes,
-                      opt_state=like_params(state.opt_state, state.params, param_axes, ()),
-                      step=(), rng=(None,))
+    # The state's tree with logical axes at every leaf: `replace` swaps all four fields.
+    return state.replace(params=param_axes,
+                         opt_state=like_params(state.opt_state, state.params, param_axes, ()),
+                         step=(), rng=(None,))

@@ -37,8 +37,7 @@ from jaxrl4llm.train.state import (OptimizerConfig, TrainState, make_optimizer,
                                    state_logical_axes)
 
 
-@flax.struct.dataclass
-class UpdateBatch:
+class UpdateBatch(flax.struct.PyTreeNode):
     """What the update needs of a rollout, rows aligned: [M, ...] for a mini-batch of M."""
 
     seqs: Sequences
@@ -89,7 +88,8 @@ def micro_batch_order(lengths_R: np.ndarray, num_micro: int) -> np.ndarray:
 
 def _micro_loss(params: Any, mb: UpdateBatch, denominator: jax.Array, *, model_config: Any,
                 algorithm: rl.AlgorithmConfig, temperature: float, remat: bool,
-                prompt_group: int, sharding: parallel.ActivationSharding | None):
+                prompt_group: int, sharding: parallel.ActivationSharding | None
+                ) -> tuple[jax.Array, dict[str, Metric]]:
     logp_BT, entropy_BT = completion_logprobs(params, model_config, mb.seqs, temperature,
                                               remat=remat, prompt_group=prompt_group,
                                               sharding=sharding)

@@ -69,7 +69,7 @@ class WorkdirLock:
         self.acquire()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
     def acquire(self) -> None:
