@@ -42,9 +42,10 @@ class NonFiniteStateError(ValueError):
     """The state to save holds NaN or inf (a diverged update): it is never written."""
 
 
-def _disk_full(error: BaseException) -> bool:
+def _disk_full(error: BaseException | None) -> bool:
     """Whether a save failed for want of disk space (orbax reports ENOSPC from its writer
-    threads as a ValueError naming RESOURCE_EXHAUSTED / "No space left on device")."""
+    threads as a ValueError naming RESOURCE_EXHAUSTED / "No space left on device"), looking
+    through the chain of causes."""
     while error is not None:
         if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or (
                 "No space left on device" in str(error)):
@@ -142,6 +143,7 @@ class Checkpointer:
             raise FileNotFoundError(f"No checkpoint in {self.directory} to restore.")
         failures: list[tuple[int, str]] = []
         for candidate in steps:
+            problem: str | None
             try:
                 restored = self._manager.restore(candidate, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
@@ -221,7 +223,7 @@ def load_trained_models(workdir: str, step: int | None = None, mesh: Any = None
     model_config, params, tokenizer = registry.load_model(
         config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype))
     # Restored onto the params' layout, optimizer moments included.
-    abstract = abstract_state(params, config.optimizer, config.run.seed)
+    abstract: Any = abstract_state(params, config.optimizer, config.run.seed)
     if config.needs_critic:   # PPO: the critic's state sits beside the policy's
         from jaxrl4llm.train import critic
         abstract = {"policy": abstract, "critic": abstract_state(

@@ -73,7 +73,7 @@ def plot_runs(workdirs: Sequence[str], out: str) -> str:
     return out
 
 
-def finish_axis(ax, title: str, legend_size: int) -> None:
+def finish_axis(ax: Any, title: str, legend_size: int) -> None:
     """Title, step axis and grid of a curves panel; a legend, or "not logged" when empty."""
     ax.set_title(title)
     ax.set_xlabel("step")
