@@ -19,7 +19,8 @@ from jaxrl4llm import hlo_analysis, parallel, rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ARCHITECTURES, ModelConfig
 from jaxrl4llm.sampling import buckets, sampler
-from jaxrl4llm.train import logprobs, state as state_lib, step
+from jaxrl4llm.train import logprobs, step
+from jaxrl4llm.train import state as state_lib
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 
 import plan_estimate

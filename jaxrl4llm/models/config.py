@@ -10,6 +10,7 @@ import json
 import os
 from typing import Any, Mapping
 
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """A decoder family: what its HF config.json says beyond the shared Llama layout.

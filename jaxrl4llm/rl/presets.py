@@ -10,6 +10,7 @@ from typing import Any
 
 from jaxrl4llm.rl.algorithms import AlgorithmConfig
 
+
 def grpo() -> AlgorithmConfig:
     """GRPO: Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300).
 

@@ -33,8 +33,7 @@ from jaxrl4llm.rl.metrics import Metric, identity_metrics
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.train import host_memory
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs
-from jaxrl4llm.train.state import (OptimizerConfig, TrainState, make_optimizer,
-                                   state_logical_axes)
+from jaxrl4llm.train.state import OptimizerConfig, TrainState, make_optimizer, state_logical_axes
 
 
 class UpdateBatch(flax.struct.PyTreeNode):

@@ -9,7 +9,6 @@ import pytest
 from jaxrl4llm import rl
 from jaxrl4llm.rl import losses
 
-
 surrogate = jax.jit(rl.clipped_surrogate, static_argnames=("clip_low", "clip_high", "dual_clip"))
 agg = jax.jit(rl.aggregate, static_argnums=(3, 4))
 kl = jax.jit(rl.kl_estimate, static_argnums=2)

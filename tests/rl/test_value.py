@@ -15,7 +15,6 @@ import torch
 
 from jaxrl4llm import rl
 
-
 # ---- the references, transcribed ----------------------------------------------------------
 
 def verl_gae(token_level_rewards, values, response_mask, gamma, lam):

@@ -154,7 +154,8 @@ def test_a_full_disk_is_a_clear_error_and_leaves_no_partial_step(tmp_path, monke
 
 
 def test_digests_do_not_depend_on_the_sharding():
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     tree = {"w": jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8)}
     sharded = jax.device_put(tree, NamedSharding(mesh, P("x")))

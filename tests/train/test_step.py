@@ -11,8 +11,12 @@ from jaxrl4llm import rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.train.logprobs import (Sequences, completion_logprobs, completion_logprobs_jit,
-                                      logits_chunk_size)
+from jaxrl4llm.train.logprobs import (
+    Sequences,
+    completion_logprobs,
+    completion_logprobs_jit,
+    logits_chunk_size,
+)
 from jaxrl4llm.train.state import OptimizerConfig, TrainState
 from jaxrl4llm.train.step import UpdateBatch, accumulate_gradients, train_step
 
