@@ -2,7 +2,7 @@
 positions spent past each row's end, with and without trimming to the batch's longest
 completion (buckets.bucket_completion_length).
 
-    python tools/bench_rollout.py                          # SmolLM2, 8 prompts x 4, T = 1, 256 tokens
+    python tools/bench_rollout.py              # SmolLM2, 8 prompts x 4, T = 1, 256 tokens
     python tools/bench_rollout.py --prompts=16 --new_tokens=512 --data=synthetic:countdown
 
 Samples as the trainer does (chat prompts of --data with the default instruction, stop

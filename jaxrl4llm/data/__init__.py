@@ -30,7 +30,8 @@ from jaxrl4llm.data.sources import (
 from jaxrl4llm.data.tasks import TASKS, generate_record, split_of
 
 __all__ = [
-    "BENCHMARKS", "Benchmark", "load_benchmark", "BatchIterator", "IteratorConfig", "make_iterator", "DEFAULT_INSTRUCTION", "build_messages",
+    "BENCHMARKS", "Benchmark", "load_benchmark", "BatchIterator", "IteratorConfig",
+    "make_iterator", "DEFAULT_INSTRUCTION", "build_messages",
     "record_messages", "user_content", "DataError", "Record", "FieldNames", "ListSource",
     "SyntheticSource", "TfdsSource", "make_source", "parse_synthetic", "read_jsonl",
     "read_parquet", "TASKS", "generate_record", "split_of",

@@ -46,7 +46,8 @@ class UpdateBatch(flax.struct.PyTreeNode):
     ref_logp_BT: jax.Array | None    # None unless a KL to the reference is used
     old_values_BT: jax.Array | None = None  # PPO: the critic's values in the rollout
     returns_BT: jax.Array | None = None     # PPO: the critic's targets (GAE returns)
-    layout: RowLayout = flax.struct.field(pytree_node=False, default=RowLayout())  # the rows' groups
+    # the rows' groups
+    layout: RowLayout = flax.struct.field(pytree_node=False, default=RowLayout())
 
     def trimmed(self, length: int) -> UpdateBatch:
         """The batch cut to its first `length` completion columns. With no row longer than

@@ -161,7 +161,8 @@ def test_digests_do_not_depend_on_the_sharding():
     sharded = jax.device_put(tree, NamedSharding(mesh, P("x")))
     assert integrity.fingerprint(tree).arrays == integrity.fingerprint(sharded).arrays
     mixed = dict(sharded, step=jax.device_put(jnp.int32(3), jax.devices()[0]))
-    assert integrity.fingerprint(mixed).arrays["['w']"] == integrity.fingerprint(tree).arrays["['w']"]
+    assert (integrity.fingerprint(mixed).arrays["['w']"]
+            == integrity.fingerprint(tree).arrays["['w']"])
     flipped = {"w": tree["w"].at[17, 3].set(jax.lax.bitcast_convert_type(
         jax.lax.bitcast_convert_type(tree["w"][17, 3], jnp.uint32) ^ 1, jnp.float32))}
     assert (integrity.fingerprint(flipped).arrays["['w']"]["digest"]
