@@ -32,6 +32,7 @@ EXTRAS_REQUIRE = {
         "pytest-xdist>=3.8.0",   # parallel test processes on the 2-core CI machine
         "hypothesis>=6.170",     # property tests of the RL math
         "mypy>=2.4",             # type checking in CI (.ci/run; configured in pyproject.toml)
+        "ruff>=0.17",            # lint in CI (.ci/run; configured in pyproject.toml)
         # The reference implementation that logits and greedy decoding are checked
         # against. Exactly 2.13.0: its CPU wheel is on the build machines; any other
         # version pulls gigabytes of CUDA packages.

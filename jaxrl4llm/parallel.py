@@ -61,8 +61,8 @@ class MeshSpec:
             try:
                 sizes[name] = int(value)
             except ValueError:
-                raise ValueError(f"Bad mesh spec {text!r}: size {value!r} of axis {name!r} "
-                                 "is not an integer (use -1 for 'all remaining devices').") from None
+                raise ValueError(f"Bad mesh spec {text!r}: size {value!r} of axis {name!r} is "
+                                 "not an integer (use -1 for 'all remaining devices').") from None
         return cls(**sizes)
 
     def resolve(self, num_devices: int) -> tuple[int, ...]:
@@ -150,8 +150,9 @@ def logical_to_sharding(logical_axes_tree: Any, mesh: Mesh, rules: LogicalRules 
                         shapes: Any = None) -> Any:
     """A pytree of logical-axis tuples (and optional matching shapes) -> NamedShardings."""
     if shapes is None:
-        return jax.tree.map(lambda axes: NamedSharding(mesh, logical_to_partition_spec(axes, rules)),
-                            logical_axes_tree, is_leaf=_is_axes_leaf)
+        return jax.tree.map(
+            lambda axes: NamedSharding(mesh, logical_to_partition_spec(axes, rules)),
+            logical_axes_tree, is_leaf=_is_axes_leaf)
     return jax.tree.map(
         lambda axes, x: NamedSharding(mesh, logical_to_partition_spec(axes, rules, x.shape, mesh)),
         logical_axes_tree, shapes, is_leaf=_is_axes_leaf)

@@ -8,7 +8,8 @@ import pytest
 from jaxrl4llm import evaluation
 
 
-@pytest.mark.parametrize("n,c,k", [(5, 0, 1), (5, 5, 3), (5, 2, 1), (6, 2, 3), (10, 3, 4), (4, 1, 4)])
+@pytest.mark.parametrize("n,c,k", [(5, 0, 1), (5, 5, 3), (5, 2, 1), (6, 2, 3), (10, 3, 4),
+                                   (4, 1, 4)])
 def test_pass_at_k_matches_binomial_formula(n, c, k):
     expected = 1.0 - math.comb(n - c, k) / math.comb(n, k)
     assert evaluation.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)

@@ -2,7 +2,7 @@
 positions spent past each row's end, with and without trimming to the batch's longest
 completion (buckets.bucket_completion_length).
 
-    python tools/bench_rollout.py                          # SmolLM2, 8 prompts x 4, T = 1, 256 tokens
+    python tools/bench_rollout.py              # SmolLM2, 8 prompts x 4, T = 1, 256 tokens
     python tools/bench_rollout.py --prompts=16 --new_tokens=512 --data=synthetic:countdown
 
 Samples as the trainer does (chat prompts of --data with the default instruction, stop
@@ -117,10 +117,10 @@ def main(argv=None) -> int:
 
     from jaxrl4llm.data import make_source
     from jaxrl4llm.models import registry
+    from jaxrl4llm.sampling.frontend import Sampler
     from jaxrl4llm.sampling.layout import RowLayout
     from jaxrl4llm.sampling.strategies import SamplingConfig
     from jaxrl4llm.train.config import DataConfig, param_dtype
-    from jaxrl4llm.sampling.frontend import Sampler
 
     model_config, params, tokenizer = registry.load_model(args.model,
                                                           dtype=param_dtype(args.dtype))

@@ -5,8 +5,9 @@
     python tools/bench_sampler.py --modes=greedy,t1   # also sampling at T = 1 (the RL setting)
 
 Both sides decode greedily (mode `greedy`) or sample at temperature 1 over the whole vocabulary
-(mode `t1`: no top-k / top-p on either side), the same chat prompts (SmolLM2-135M-Instruct, left-padded), in the
-same dtype, with stop tokens disabled so every row produces exactly --new_tokens tokens.
+(mode `t1`: no top-k / top-p on either side), the same chat prompts (SmolLM2-135M-Instruct,
+left-padded), in the same dtype, with stop tokens disabled so every row produces exactly
+--new_tokens tokens.
 Reported per setting:
   ours tok/s, torch tok/s, ratio   new tokens / wall time of the whole generate (incl. prefill)
   decode tok/s                     ours, prefill excluded: B * (N - 1) / (t(N) - t(1))
@@ -254,8 +255,8 @@ def main(argv=None):
 
 
 def print_header():
-    print(f"{'dtype':>9} {'mode':>6} {'batch':>5} {'ours tok/s':>10} {'torch tok/s':>11} {'ratio':>6} "
-          f"{'decode tok/s':>12} {'bw roof':>8} {'decode %':>8} {'flop roof':>9} "
+    print(f"{'dtype':>9} {'mode':>6} {'batch':>5} {'ours tok/s':>10} {'torch tok/s':>11} "
+          f"{'ratio':>6} {'decode tok/s':>12} {'bw roof':>8} {'decode %':>8} {'flop roof':>9} "
           f"{'decode %':>8} {'same pref':>9}")
 
 

@@ -169,7 +169,8 @@ def run_trl(args: Any, dtype: str, hf_dir: str) -> dict[str, Any]:
     reward_s = sum(r for _, r in stages) / len(stages)
     return {"dtype": dtype, "step_s": step_s, "rollout_s": rollout_s, "reward_s": reward_s,
             "update_s": step_s - rollout_s - reward_s, "compile_step_s": step_times[0],
-            "load_s": load_s, "verify_s": sum(verify_s[1:]) / len(timed), "peak_rss_gib": host_memory.peak_rss_gib(),
+            "load_s": load_s, "verify_s": sum(verify_s[1:]) / len(timed),
+            "peak_rss_gib": host_memory.peak_rss_gib(),
             "mean_new_tokens": sum(lengths) / max(len(lengths), 1),
             "torch_threads": torch.get_num_threads(), "trl": trl.__version__,
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),

@@ -115,10 +115,11 @@ if __name__ == "__main__":   # fake the devices before jax starts
 import jax  # noqa: E402
 from absl import flags  # noqa: E402
 
-import plan_programs  # noqa: E402
 from experiments import train  # noqa: E402  (defines the training flags)
 from jaxrl4llm import cli  # noqa: E402
 from jaxrl4llm.options import require  # noqa: E402
+
+import plan_programs  # noqa: E402
 
 flags.DEFINE_string("topology", None, "v5p-N, v5e-N, Kxh100 or Kxh200 (e.g. v5p-64).")
 flags.DEFINE_string("architecture", None, "Override the model architecture (a key of "
@@ -154,7 +155,7 @@ def print_plan(result: plan_programs.Plan, markdown: bool = False) -> None:
         for line in lines:
             print("| " + " | ".join(line) + " |")
     else:
-        widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]
+        widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
         print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
         for line in lines:
             print("  ".join(c.ljust(w) for c, w in zip(line, widths)))

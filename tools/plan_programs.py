@@ -19,7 +19,8 @@ from jaxrl4llm import hlo_analysis, parallel, rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ARCHITECTURES, ModelConfig
 from jaxrl4llm.sampling import buckets, sampler
-from jaxrl4llm.train import logprobs, state as state_lib, step
+from jaxrl4llm.train import logprobs, step
+from jaxrl4llm.train import state as state_lib
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 
 import plan_estimate
@@ -172,8 +173,8 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
         params, model_config, seqs, temperature, prompt_group=tf_group, num_chunks=num_chunks,
         sharding=sharding).compile()
     m = _measure(compiled, calls, chip)
-    rows.append(Row("logprobs", resident=resident, estimate=est.logprobs(num_chunks, tf_group, resident),
-                    t_hbm=0.0, **m))
+    rows.append(Row("logprobs", resident=resident,
+                    estimate=est.logprobs(num_chunks, tf_group, resident), t_hbm=0.0, **m))
 
     # update: one optimizer step on a mini-batch.
     M, num_micro = c.mini_batch, c.mini_batch // c.micro_batch
@@ -202,14 +203,15 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
     rollout_batch = B / dp * (P * 5 + N * (4 + 1 + 4 * (1 + c.needs_reference
                                                         + c.needs_old_logprobs)))
     resident = ref_bytes + rollout_batch
-    rows.append(Row("update", resident=resident, estimate=est.update(update_group, resident), t_hbm=0.0,
-                    **m))
+    rows.append(Row("update", resident=resident, estimate=est.update(update_group, resident),
+                    t_hbm=0.0, **m))
     textbook = est.textbook_update_collectives(num_micro)
     update_bytes = sum(v for k, v in m["collectives"].items() if k != "link")
     shape = dict(zip(mesh.axis_names, mesh.devices.shape))
     title = (f"{os.path.basename(c.run.workdir)}: {model_config.num_params / 1e9:.2f}B params "
              f"{c.model.param_dtype}, {c.rollout.prompts_per_step} prompts x {G} = {B} rows, "
-             f"{c.rollout.max_prompt_tokens}+{N} tokens, mini-batch {M}, micro-batch {c.micro_batch}, "
-             f"rollout chunk {B // num_chunks} rows, remat {c.model.remat}")
+             f"{c.rollout.max_prompt_tokens}+{N} tokens, mini-batch {M}, "
+             f"micro-batch {c.micro_batch}, rollout chunk {B // num_chunks} rows, "
+             f"remat {c.model.remat}")
     return Plan(title, ",".join(f"{k}:{v}" for k, v in shape.items()), topo, rows,
                 update_bytes / textbook)

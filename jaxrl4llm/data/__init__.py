@@ -10,15 +10,28 @@
 """
 from jaxrl4llm.data.benchmarks import BENCHMARKS, Benchmark, load_benchmark
 from jaxrl4llm.data.iterator import BatchIterator, IteratorConfig, make_iterator
-from jaxrl4llm.data.prompts import (DEFAULT_INSTRUCTION, build_messages, record_messages,
-                                    user_content)
+from jaxrl4llm.data.prompts import (
+    DEFAULT_INSTRUCTION,
+    build_messages,
+    record_messages,
+    user_content,
+)
 from jaxrl4llm.data.records import DataError, Record
-from jaxrl4llm.data.sources import (FieldNames, ListSource, SyntheticSource, TfdsSource,
-                                    make_source, parse_synthetic, read_jsonl, read_parquet)
+from jaxrl4llm.data.sources import (
+    FieldNames,
+    ListSource,
+    SyntheticSource,
+    TfdsSource,
+    make_source,
+    parse_synthetic,
+    read_jsonl,
+    read_parquet,
+)
 from jaxrl4llm.data.tasks import TASKS, generate_record, split_of
 
 __all__ = [
-    "BENCHMARKS", "Benchmark", "load_benchmark", "BatchIterator", "IteratorConfig", "make_iterator", "DEFAULT_INSTRUCTION", "build_messages",
+    "BENCHMARKS", "Benchmark", "load_benchmark", "BatchIterator", "IteratorConfig",
+    "make_iterator", "DEFAULT_INSTRUCTION", "build_messages",
     "record_messages", "user_content", "DataError", "Record", "FieldNames", "ListSource",
     "SyntheticSource", "TfdsSource", "make_source", "parse_synthetic", "read_jsonl",
     "read_parquet", "TASKS", "generate_record", "split_of",

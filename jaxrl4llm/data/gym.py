@@ -8,11 +8,11 @@ Every key that is a field of the task's reasoning-gym config is passed to it; ou
 (records per split; default 10,000 train / 500 test), `seed`, `test_fraction` and, for
 knights_knaves, `terms`. An integer option may be a range `LO..HI` (one per source): record i
 then uses the value LO + i mod (HI - LO + 1), an equal mix, e.g. n_people=3..7 for the
-knights-and-knaves training set of Logic-RL / REINFORCE++ (3 to 7 people). Records are generated on access. The held-out split works as for
-our synthetic tasks: a puzzle belongs to "test" iff its question hashes into the
-`test_fraction` bucket, so train and test never share a question (reasoning-gym alone only
-offers different seeds). Scoring is reasoning-gym's own `score_answer` (rewards/gym.py), run
-in the verifier pool.
+knights-and-knaves training set of Logic-RL / REINFORCE++ (3 to 7 people). Records are
+generated on access. The held-out split works as for our synthetic tasks: a puzzle belongs to
+"test" iff its question hashes into the `test_fraction` bucket, so train and test never share
+a question (reasoning-gym alone only offers different seeds). Scoring is reasoning-gym's own
+`score_answer` (rewards/gym.py), run in the verifier pool.
 
 knights_knaves: reasoning-gym draws the role words of each puzzle from seven pairs
 (knight/knave, hero/villain, saint/sinner, ...), which is Xie et al.'s "random_pair"
@@ -31,8 +31,8 @@ from typing import Any, Sequence
 from urllib.parse import unquote
 
 from jaxrl4llm.data.records import DataError, Record
-from jaxrl4llm.errors import DependencyError
 from jaxrl4llm.data.tasks.common import canonical_split, split_of
+from jaxrl4llm.errors import DependencyError
 
 GYM_HINT = "pip install -e '.[gym]' (the reasoning-gym package)"
 OUR_OPTIONS = {"n": int, "seed": int, "test_fraction": float, "terms": str}

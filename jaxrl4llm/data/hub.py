@@ -85,8 +85,12 @@ class HubRepo:
         """The local path of `path` at this revision (from the cache, or downloaded into it).
         The first download pins the commit, so every later file comes from the same one."""
         from huggingface_hub import hf_hub_download
-        from huggingface_hub.errors import (EntryNotFoundError, HfHubHTTPError,
-                                            LocalEntryNotFoundError, OfflineModeIsEnabled)
+        from huggingface_hub.errors import (
+            EntryNotFoundError,
+            HfHubHTTPError,
+            LocalEntryNotFoundError,
+            OfflineModeIsEnabled,
+        )
         self._check_network()
         try:
             local = hf_hub_download(self.repo, path, repo_type="dataset",

@@ -2,9 +2,17 @@
 from __future__ import annotations
 
 from jaxrl4llm.models.config import PRESETS, ModelConfig, RopeScaling
-from jaxrl4llm.models.transformer import (KVCache, Params, forward, hidden_states, init_kv_cache,
-                                          init_params, param_logical_axes, positions_from_mask,
-                                          unembed)
+from jaxrl4llm.models.transformer import (
+    KVCache,
+    Params,
+    forward,
+    hidden_states,
+    init_kv_cache,
+    init_params,
+    param_logical_axes,
+    positions_from_mask,
+    unembed,
+)
 
 __all__ = [
     "PRESETS", "ModelConfig", "RopeScaling", "KVCache", "Params", "forward", "hidden_states",

@@ -187,7 +187,7 @@ def _flash_forward(q, k, v, key_valid_BS, offset, bq, bk, window):
         B, K, G, _, H = q_blk.shape
 
         def key_block(carry, xs):
-            m, l, acc = carry
+            m, row_sum, acc = carry
             k_blk, v_blk, valid_blk, s0 = xs
             s = _block_scores(q_blk, k_blk, valid_blk, t0, s0, offset, window)
             m_new = jnp.maximum(m, s.max(axis=-1))
@@ -195,12 +195,12 @@ def _flash_forward(q, k, v, key_valid_BS, offset, bq, bk, window):
             scale = jnp.exp(m - m_new)
             pv = jnp.einsum("bkgts,bksh->bkgth", p.astype(v_blk.dtype), v_blk,
                             preferred_element_type=_F32)
-            return (m_new, l * scale + p.sum(axis=-1), acc * scale[..., None] + pv), None
+            return (m_new, row_sum * scale + p.sum(axis=-1), acc * scale[..., None] + pv), None
 
         init = (jnp.full((B, K, G, bq), _PADDED, _F32), jnp.zeros((B, K, G, bq), _F32),
                 jnp.zeros((B, K, G, bq, H), _F32))
-        (m, l, acc), _ = lax.scan(key_block, init, (k_n, v_n, valid_n, starts_k))
-        return acc / l[..., None], m + jnp.log(l)
+        (m, row_sum, acc), _ = lax.scan(key_block, init, (k_n, v_n, valid_n, starts_k))
+        return acc / row_sum[..., None], m + jnp.log(row_sum)
 
     out_n, lse_n = lax.map(query_block, (q_n, jnp.arange(q_n.shape[0]) * bq))
     return _merge_blocks(out_n, 3)[:, :, :, :T], _merge_blocks(lse_n, 3)[..., :T]
@@ -294,8 +294,8 @@ def _query_segments(key_valid_BS, T: int, offset: int, Tp: int) -> jax.Array:
 
 def _splash(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, *, offset: int, window: int | None,
             config: AttentionConfig):
-    from jax.experimental.pallas.ops.tpu.splash_attention import (
-        splash_attention_kernel as splash, splash_attention_mask as masks)
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
     B, K, G, T, H = q_BKGTH.shape
     S = k_BKHS.shape[3]
     bq, bk = min(config.block_q, _round_up(T, 128)), min(config.block_k, _round_up(S, 128))

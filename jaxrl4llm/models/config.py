@@ -10,6 +10,7 @@ import json
 import os
 from typing import Any, Mapping
 
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """A decoder family: what its HF config.json says beyond the shared Llama layout.
@@ -151,7 +152,8 @@ class ModelConfig:
             "rope_parameters": rope,
             # Older transformers read these two keys instead of rope_parameters.
             "rope_theta": float(self.rope_theta),
-            "rope_scaling": None if self.rope_scaling is None else dataclasses.asdict(self.rope_scaling),
+            "rope_scaling": (None if self.rope_scaling is None
+                             else dataclasses.asdict(self.rope_scaling)),
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id,
@@ -176,8 +178,8 @@ def _from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
     family = FAMILIES[model_type]
     for arch in archs:
         if _ARCH_TO_TYPE.get(arch) != model_type:
-            raise ValueError(f"config.json field architectures={archs} names {arch!r}, which is not "
-                             f"a {model_type} model; a {model_type} config.json names "
+            raise ValueError(f"config.json field architectures={archs} names {arch!r}, which "
+                             f"is not a {model_type} model; a {model_type} config.json names "
                              f"{family.architecture!r}.")
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
@@ -195,7 +197,8 @@ def _from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
     hidden = int(cfg["hidden_size"])
     theta, scaling = _rope_from_hf(cfg)
     eos = cfg.get("eos_token_id")
-    eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    eos_ids = (() if eos is None
+               else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])))
     pad = cfg.get("pad_token_id")
     return ModelConfig(
         vocab_size=int(cfg["vocab_size"]),
@@ -221,7 +224,8 @@ def _from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
 
 
 def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
-    """RoPE theta + scaling from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
+    """RoPE theta + scaling from `rope_parameters` (transformers 5) or
+    `rope_theta`/`rope_scaling`."""
     params = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or {}
     field = "rope_parameters" if params else "rope_scaling"
@@ -241,7 +245,8 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
             original_max_position_embeddings=int(spec["original_max_position_embeddings"]),
         )
     except KeyError as e:
-        raise ValueError(f"config.json field {field} of rope_type 'llama3' lacks {e.args[0]!r}.") from None
+        raise ValueError(f"config.json field {field} of rope_type 'llama3' lacks "
+                         f"{e.args[0]!r}.") from None
 
 
 # A tiny config for tests and smoke runs (2 layers, width 64, GQA 4:2).

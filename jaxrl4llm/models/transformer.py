@@ -231,14 +231,14 @@ def unstack_layers(params: Params) -> Params:
     if isinstance(layers, (tuple, list)):
         return params
     L = jax.tree.leaves(layers)[0].shape[0]
-    return {**params, "layers": tuple(jax.tree.map(lambda w, l=l: w[l], layers)
-                                      for l in range(L))}
+    return {**params, "layers": tuple(jax.tree.map(lambda w, i=i: w[i], layers)
+                                      for i in range(L))}
 
 
-def _layer_params(layers: Any, l: int) -> Params:
+def _layer_params(layers: Any, index: int) -> Params:
     if isinstance(layers, (tuple, list)):
-        return layers[l]
-    return jax.tree.map(lambda w: w[l], layers)
+        return layers[index]
+    return jax.tree.map(lambda w: w[index], layers)
 
 
 def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
@@ -307,9 +307,9 @@ def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
         if remat:
             body = jax.checkpoint(body, prevent_cse=False)
         ks, vs = [], []
-        for l in range(config.num_layers):
-            h_BTD, (k_cache, v_cache) = body(h_BTD, _layer_params(layers, l),
-                                             kv_cache.k_BKHS[l], kv_cache.v_BKSH[l])
+        for i in range(config.num_layers):
+            h_BTD, (k_cache, v_cache) = body(h_BTD, _layer_params(layers, i),
+                                             kv_cache.k_BKHS[i], kv_cache.v_BKSH[i])
             ks.append(k_cache)
             vs.append(v_cache)
         new_cache = KVCache(k_BKHS=tuple(ks), v_BKSH=tuple(vs), mask_BS=cache_mask_BS)

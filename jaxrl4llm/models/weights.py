@@ -43,8 +43,8 @@ class SafetensorsSource:
         else:
             files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
         if not files:
-            raise FileNotFoundError(f"No *.safetensors files in {folder!r}: expected a Hugging Face "
-                                    "model folder (config.json + model*.safetensors).")
+            raise FileNotFoundError(f"No *.safetensors files in {folder!r}: expected a Hugging "
+                                    "Face model folder (config.json + model*.safetensors).")
         self._entries: dict[str, tuple[str, dict[str, Any], int]] = {}
         for name in files:
             path = os.path.join(folder, name)

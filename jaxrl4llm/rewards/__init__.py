@@ -7,8 +7,15 @@ reasoning-gym tasks (their own scorers, in the same pool), Logic-RL's format rew
     batch.failed   # bool [B]: verification timed out / crashed: not a score, mask these rows
     reward_fn.close()
 """
-from jaxrl4llm.rewards.base import (FAILED_REASONS, REASONS, Job, RewardBatch, Verdict,
-                                    Verifier, run_plan)
+from jaxrl4llm.rewards.base import (
+    FAILED_REASONS,
+    REASONS,
+    Job,
+    RewardBatch,
+    Verdict,
+    Verifier,
+    run_plan,
+)
 from jaxrl4llm.rewards.countdown import CountdownConfig, CountdownVerifier
 from jaxrl4llm.rewards.extract import extract_answer_tag, extract_boxed, extract_last_number
 from jaxrl4llm.rewards.formats import think_answer_format

@@ -15,8 +15,7 @@ from fractions import Fraction
 from typing import Any, Mapping, Sequence
 
 from jaxrl4llm.rewards import extract
-from jaxrl4llm.rewards.base import (Job, Verdict, record_answer, record_metadata,
-                                    run_in_process)
+from jaxrl4llm.rewards.base import Job, Verdict, record_answer, record_metadata, run_in_process
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv}

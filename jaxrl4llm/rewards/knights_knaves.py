@@ -12,8 +12,7 @@ from collections import deque
 from typing import Any, Iterator, Mapping, Sequence
 
 from jaxrl4llm.rewards import extract, hedges
-from jaxrl4llm.rewards.base import (Job, Verdict, record_answer, record_metadata,
-                                    run_in_process)
+from jaxrl4llm.rewards.base import Job, Verdict, record_answer, record_metadata, run_in_process
 
 _WORD_RE = re.compile(r"[\w'-]+")
 _ROLES = {"knight": True, "knights": True, "knave": False, "knaves": False}

@@ -14,7 +14,8 @@ advantages read the reward. Masks are bool or {0,1} float [B, T]; ``keep_B`` is 
 Public API (stable):
 
 Presets (presets.py) and the two entry points (algorithms.py)
-    AlgorithmConfig(...)                       frozen dataclass of every knob (hashable: a static jit arg)
+    AlgorithmConfig(...)                       frozen dataclass of every knob (hashable: a static
+                                               jit arg)
     get_preset(name, **overrides) -> AlgorithmConfig
         names: grpo, dr_grpo, reinforce, reinforce_rej, reinforce_pp, reinforce_pp_baseline,
         lite_ppo, rloo, raft, raft_pp, gspo, remax, dapo, ppo  (PRESETS maps name -> constructor)
@@ -32,10 +33,11 @@ Presets (presets.py) and the two entry points (algorithms.py)
     policy_loss(config, logp_BT, old_logp_BT, advantages, mask_BT, keep_B=None, *,
                 ref_logp_BT=None, entropy_BT=None)
         -> (loss_sum, denominator, metrics)
-        old_logp_BT=None means on-policy (ratio 1); pass entropy_BT (entropy_from_logits) whenever
-        the logits are at hand: it is then always logged, and enters the loss when entropy_coef != 0.
-        With ref_logp_BT the KL to the reference is logged as "policy/kl_ref" whether or not it
-        is in the loss (config.log_kl_ref tells a trainer to pass it with no KL term).
+        old_logp_BT=None means on-policy (ratio 1); pass entropy_BT (entropy_from_logits)
+        whenever the logits are at hand: it is then always logged, and enters the loss when
+        entropy_coef != 0. With ref_logp_BT the KL to the reference is logged as
+        "policy/kl_ref" whether or not it is in the loss (config.log_kl_ref tells a trainer to
+        pass it with no KL term).
     loss_denominator(config, mask_BT, keep_B=None) -> denominator of the whole mini-batch
 
 Advantages (advantages.py)
@@ -47,9 +49,11 @@ Advantages (advantages.py)
     token_rewards, returns_to_go, whiten, last_token_onehot, to_groups
 
 PPO's critic math (value.py)
-    gae_advantages(token_rewards_BT, values_BT, mask_BT, *, gamma, lam) -> (advantages_BT, returns_BT)
+    gae_advantages(token_rewards_BT, values_BT, mask_BT, *, gamma, lam)
+        -> (advantages_BT, returns_BT)
     masked_whiten(values_BT, weights_BT, eps=1e-8): verl's (x - mean) * rsqrt(var + eps), var ddof=1
-    ppo_advantages(rewards_B, values_BT, mask_BT, *, gamma, lam, kl_BT=None, kl_coef=0., keep_B=None)
+    ppo_advantages(rewards_B, values_BT, mask_BT, *, gamma, lam, kl_BT=None, kl_coef=0.,
+                   keep_B=None)
         -> (whitened advantages_BT, returns_BT)
     value_loss(values_BT, old_values_BT, returns_BT, mask_BT, keep_B=None, *, value_clip=0.2,
                agg="token-mean", max_tokens=None) -> (loss_sum, denominator, metrics)
@@ -67,8 +71,10 @@ Losses (losses.py)
     sequence_old_logp(logp_BT, old_logp_BT, mask_BT): GSPO's sequence ratio as an old logp
     nll_loss(logp_BT), kl_estimate(logp_BT, ref_logp_BT, "k1"|"k2"|"k3", k3_clamp=10.0), k3(d),
     entropy_from_logits(logits_BTV), log_ratio(logp_BT, old_logp_BT)
-    aggregate(loss_BT, mask_BT, keep_B=None, mode="token-mean", max_tokens=None) -> (sum, denominator)
-    losses.loss_denominator(mask_BT, keep_B=None, mode=..., max_tokens=None) (rl.loss_denominator takes a config),
+    aggregate(loss_BT, mask_BT, keep_B=None, mode="token-mean", max_tokens=None)
+        -> (sum, denominator)
+    losses.loss_denominator(mask_BT, keep_B=None, mode=..., max_tokens=None)
+        (rl.loss_denominator takes a config),
     finalize_loss(sum, denominator)
 
 Metrics (metrics.py)
@@ -79,11 +85,12 @@ Metrics (metrics.py)
 How the trainer combines micro-batches (exact, for every aggregation mode):
     Both parts of every (loss_sum, denominator) pair are sums over rows, so for micro-batches k of
     one mini-batch: loss = sum_k loss_sum_k / sum_k denominator_k. The denominator depends only on
-    masks, so either compute D = loss_denominator(config, mask_BT, keep_B) over the whole mini-batch
-    before splitting and accumulate grad(loss_sum_k / D), or accumulate grad(loss_sum_k) and
-    denominator_k and divide once at the end. Never average per-micro-batch means. Micro-batches must
-    be row slices of one padded [B, T] array (same T) for "seq-mean-token-sum-norm" with
-    max_tokens=None. Merge metrics with combine_metrics, then finalize_metrics for logging.
+    masks, so either compute D = loss_denominator(config, mask_BT, keep_B) over the whole
+    mini-batch before splitting and accumulate grad(loss_sum_k / D), or accumulate
+    grad(loss_sum_k) and denominator_k and divide once at the end. Never average per-micro-batch
+    means. Micro-batches must be row slices of one padded [B, T] array (same T) for
+    "seq-mean-token-sum-norm" with max_tokens=None. Merge metrics with combine_metrics, then
+    finalize_metrics for logging.
 
 docs/algorithms.md gives every preset's formula, flags and paper, and compares the conventions
 with verl, OpenRLHF and TRL.

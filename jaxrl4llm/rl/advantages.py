@@ -87,7 +87,8 @@ def normalized_advantages(
     r_B = jnp.asarray(rewards_B, jnp.float32)
     w_B = _weights(r_B, keep_B)
     r_PG, w_PG = to_groups(r_B, group_size), to_groups(w_B, group_size)
-    g_mu, g_std, g_flat = (a.repeat(group_size, axis=1).reshape(-1) for a in _stats(r_PG, w_PG, 1, ddof))
+    g_mu, g_std, g_flat = (a.repeat(group_size, axis=1).reshape(-1)
+                           for a in _stats(r_PG, w_PG, 1, ddof))
     b_mu, b_std, b_flat = _stats(r_B, w_B, None, ddof)
 
     mu = {"group": g_mu, "batch": b_mu, "none": 0.0}[mean]
@@ -106,14 +107,16 @@ def reinforce_advantages(rewards_B: jnp.ndarray, keep_B: jnp.ndarray | None = No
     return jnp.where(_weights(r_B, keep_B) > 0, r_B, 0.0)
 
 
-def rloo_advantages(rewards_B: jnp.ndarray, group_size: int, keep_B: jnp.ndarray | None = None) -> jnp.ndarray:
+def rloo_advantages(rewards_B: jnp.ndarray, group_size: int,
+                    keep_B: jnp.ndarray | None = None) -> jnp.ndarray:
     """RLOO: A_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean_j r_j). Returns [B].
 
     Needs group_size >= 2 (a singleton group has no leave-one-out baseline). With keep_B, j runs
     over the group's kept rows; a kept row alone in its group gets A = 0.
     """
     if group_size < 2:
-        raise ValueError(f"RLOO needs group_size >= 2 (got {group_size}); use advantage='normalized' instead.")
+        raise ValueError(f"RLOO needs group_size >= 2 (got {group_size}); "
+                         "use advantage='normalized' instead.")
     r_B = jnp.asarray(rewards_B, jnp.float32)
     w_B = _weights(r_B, keep_B)
     r_PG, w_PG = to_groups(r_B, group_size), to_groups(w_B, group_size)
@@ -141,7 +144,8 @@ def token_rewards(
     kl_BT: jnp.ndarray | None = None,
     kl_coef: float = 0.0,
 ) -> jnp.ndarray:
-    """REINFORCE++ token rewards: r at the last valid token, minus kl_coef * KL_t on every valid token."""
+    """REINFORCE++ token rewards: r at the last valid token, minus kl_coef * KL_t on every valid
+    token."""
     m = jnp.asarray(mask_BT, jnp.float32)
     tok = jnp.asarray(rewards_B, jnp.float32)[:, None] * last_token_onehot(m)
     if kl_BT is not None:
@@ -154,7 +158,8 @@ def returns_to_go(token_rewards_BT: jnp.ndarray) -> jnp.ndarray:
     return jnp.flip(jnp.cumsum(jnp.flip(token_rewards_BT, axis=1), axis=1), axis=1)
 
 
-def whiten(values_BT: jnp.ndarray, weights_BT: jnp.ndarray, *, ddof: int = 1, eps: float = 1e-6) -> jnp.ndarray:
+def whiten(values_BT: jnp.ndarray, weights_BT: jnp.ndarray, *, ddof: int = 1,
+           eps: float = 1e-6) -> jnp.ndarray:
     """(x - mean) / (std + eps) over all weighted (valid) entries; 0 elsewhere."""
     w = jnp.asarray(weights_BT, jnp.float32)
     mu, std, flat = _stats(values_BT, w, None, ddof)

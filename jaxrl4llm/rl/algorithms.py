@@ -135,49 +135,60 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
     require(isinstance(c.ddof, int) and c.ddof >= 0,
            f"ddof={c.ddof!r} must be an int >= 0 (1 = torch.std, 0 = numpy default).")
     require(isinstance(c.max_resample_rounds, int) and c.max_resample_rounds >= 0,
-           f"max_resample_rounds={c.max_resample_rounds!r} must be an int >= 0 (extra rounds per step).")
+           f"max_resample_rounds={c.max_resample_rounds!r} must be an int >= 0 "
+           "(extra rounds per step).")
     require(not (c.dynamic_sampling and G < 2),
            "dynamic_sampling keeps groups with both correct and wrong samples; it needs "
            f"group_size >= 2, got {G}.")
     require(c.eps > 0, f"eps={c.eps!r} must be > 0 (default 1e-6).")
-    require(0 <= c.gamma <= 1, f"gamma={c.gamma!r} must be in [0, 1] (1 = no discount, PPO's default).")
-    require(0 <= c.lam <= 1, f"lam={c.lam!r} must be in [0, 1] (GAE lambda; verl / OpenRLHF use 0.95 or 1).")
+    require(0 <= c.gamma <= 1,
+           f"gamma={c.gamma!r} must be in [0, 1] (1 = no discount, PPO's default).")
+    require(0 <= c.lam <= 1,
+           f"lam={c.lam!r} must be in [0, 1] (GAE lambda; verl / OpenRLHF use 0.95 or 1).")
     require(c.value_clip is None or c.value_clip > 0,
            f"value_clip={c.value_clip!r} must be > 0 (e.g. 0.2) or None (no clip).")
-    require(0 <= c.clip_low < 1, f"clip_low={c.clip_low!r} must be in [0, 1) so that 1 - clip_low > 0.")
+    require(0 <= c.clip_low < 1,
+           f"clip_low={c.clip_low!r} must be in [0, 1) so that 1 - clip_low > 0.")
     require(c.clip_high >= 0, f"clip_high={c.clip_high!r} must be >= 0.")
     require(c.dual_clip is None or c.dual_clip > 1,
            f"dual_clip={c.dual_clip!r} must be > 1 (typically 3.0) or None.")
     require(c.max_tokens is None or c.max_tokens >= 1,
            f"max_tokens={c.max_tokens!r} must be >= 1 or None (= padded length).")
-    require(c.kl_coef >= 0 and math.isfinite(c.kl_coef), f"kl_coef={c.kl_coef!r} must be finite and >= 0.")
+    require(c.kl_coef >= 0 and math.isfinite(c.kl_coef),
+           f"kl_coef={c.kl_coef!r} must be finite and >= 0.")
     require(math.isfinite(c.entropy_coef), f"entropy_coef={c.entropy_coef!r} must be finite.")
     if c.binary_reward is not None:
         require(len(c.binary_reward) == 2,
-               f"binary_reward={c.binary_reward!r} must be a pair (wrong, right), e.g. (-1.0, 1.0).")
+               f"binary_reward={c.binary_reward!r} must be a pair (wrong, right), "
+               "e.g. (-1.0, 1.0).")
     # Contradictions between knobs.
     if c.advantage == "normalized":
         require(not (c.std == "group" and G <= c.ddof),
-               f"std='group' with ddof={c.ddof} needs group_size > {c.ddof}, got {G}: every group std would be "
-               "undefined; use std='batch' or std='none', or sample more completions per prompt.")
+               f"std='group' with ddof={c.ddof} needs group_size > {c.ddof}, got {G}: every "
+               "group std would be undefined; use std='batch' or std='none', or sample more "
+               "completions per prompt.")
         require(not (c.mean == "group" and G == 1),
-               "mean='group' with group_size=1 makes every advantage 0; use mean='batch' or 'none', "
-               "or sample more completions per prompt.")
+               "mean='group' with group_size=1 makes every advantage 0; use mean='batch' or "
+               "'none', or sample more completions per prompt.")
     require(not (c.advantage in ("rloo", "reinforce_pp_baseline") and G < 2),
-           f"advantage={c.advantage!r} needs group_size >= 2 (a leave-one-out / group baseline), got {G}.")
+           f"advantage={c.advantage!r} needs group_size >= 2 (a leave-one-out / group "
+           f"baseline), got {G}.")
     require(not ((c.reject_all_correct or c.reject_all_wrong) and G == 1),
-           "reject_all_correct/reject_all_wrong with group_size=1 reject every correct/wrong sample; "
-           "set them to False or sample more completions per prompt.")
+           "reject_all_correct/reject_all_wrong with group_size=1 reject every correct/wrong "
+           "sample; set them to False or sample more completions per prompt.")
     require(not (c.kl_coef > 0 and c.kl_in is None),
-           f"kl_coef={c.kl_coef} but kl_in=None, so the KL would be ignored; set kl_in='loss' (or 'reward' "
-           "for REINFORCE++), or kl_coef=0.")
+           f"kl_coef={c.kl_coef} but kl_in=None, so the KL would be ignored; set kl_in='loss' "
+           "(or 'reward' for REINFORCE++), or kl_coef=0.")
     require(not (c.kl_in == "reward" and c.advantage == "positives"),
-           "kl_in='reward' needs an advantage that takes token rewards (normalized, rloo, reinforce_pp, "
-           "reinforce_pp_baseline), not advantage='positives'; use kl_in='loss' instead.")
+           "kl_in='reward' needs an advantage that takes token rewards (normalized, rloo, "
+           "reinforce_pp, reinforce_pp_baseline), not advantage='positives'; use kl_in='loss' "
+           "instead.")
     require(not (c.kl_in == "reward" and c.kl_estimator == "k3"),
-           "kl_in='reward' uses kl_estimator 'k1' or 'k2' (REINFORCE++); set kl_estimator='k1' or 'k2'.")
+           "kl_in='reward' uses kl_estimator 'k1' or 'k2' (REINFORCE++); set kl_estimator='k1' "
+           "or 'k2'.")
     require(not (c.objective == "nll" and c.advantage != "positives"),
-           f"objective='nll' (RAFT) trains on positives only; set advantage='positives' (got {c.advantage!r}).")
+           f"objective='nll' (RAFT) trains on positives only; set advantage='positives' "
+           f"(got {c.advantage!r}).")
     return config
 
 
@@ -243,13 +254,15 @@ def compute_advantages_and_returns(
     keep = valid if c.rejected_rows == "zero" else signal
     if c.overlong_filter:
         if truncated_B is None:
-            raise ValueError("overlong_filter=True needs truncated_B (the sampler's 'hit max_new_tokens' flags).")
+            raise ValueError("overlong_filter=True needs truncated_B (the sampler's "
+                             "'hit max_new_tokens' flags).")
         keep = keep & filters.overlong_keep_mask(truncated_B)
 
     kl_BT, returns_BT = None, None
     if c.kl_in == "reward" and c.kl_coef != 0:
         if logp_BT is None or ref_logp_BT is None:
-            raise ValueError("kl_in='reward' needs logp_BT (sampling policy) and ref_logp_BT (reference model).")
+            raise ValueError("kl_in='reward' needs logp_BT (sampling policy) and ref_logp_BT "
+                             "(reference model).")
         kl_BT = losses.kl_estimate(logp_BT, ref_logp_BT, c.kl_estimator, c.k3_clamp)
     if c.advantage == "normalized":
         adv = adv_lib.normalized_advantages(r_B, group_size, mean=c.mean, std=c.std, ddof=c.ddof,
@@ -262,9 +275,11 @@ def compute_advantages_and_returns(
         adv = r_B - _baseline(c, baseline_B, baseline_correct_B)
     elif c.advantage == "gae":
         if values_BT is None:
-            raise ValueError("advantage='gae' (PPO) needs values_BT: the critic's values of the rollout.")
-        adv, returns_BT = value_lib.ppo_advantages(r_B, values_BT, mask_BT, gamma=c.gamma, lam=c.lam,
-                                                   kl_BT=kl_BT, kl_coef=c.kl_coef, keep_B=signal)
+            raise ValueError("advantage='gae' (PPO) needs values_BT: the critic's values of the "
+                             "rollout.")
+        adv, returns_BT = value_lib.ppo_advantages(r_B, values_BT, mask_BT, gamma=c.gamma,
+                                                   lam=c.lam, kl_BT=kl_BT, kl_coef=c.kl_coef,
+                                                   keep_B=signal)
         returns_BT = jnp.where(valid[:, None], returns_BT, 0.0)
     elif c.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
         adv = adv_lib.reinforce_pp_advantages(
@@ -284,9 +299,11 @@ def compute_advantages_and_returns(
 
     lf = learn.astype(jnp.float32)
     n_learn = jnp.maximum(lf.sum(), 1.0)
-    adv_B = adv if adv.ndim == 1 else adv.sum(1) / jnp.maximum(jnp.asarray(mask_BT, jnp.float32).sum(1), 1.0)
+    adv_B = (adv if adv.ndim == 1
+             else adv.sum(1) / jnp.maximum(jnp.asarray(mask_BT, jnp.float32).sum(1), 1.0))
     metrics = {
-        "adv/frac_groups_rejected": Metric.mean(filters.rejected_group_fraction(signal, group_size)),
+        "adv/frac_groups_rejected":
+            Metric.mean(filters.rejected_group_fraction(signal, group_size)),
         "adv/frac_rows_kept": Metric.mean(lf.mean()),
         "adv/adv_mean": Metric.mean((adv_B * lf).sum() / n_learn),
         "adv/adv_abs_mean": Metric.mean((jnp.abs(adv_B) * lf).sum() / n_learn),
@@ -299,15 +316,18 @@ def _baseline(c: AlgorithmConfig, baseline_B: jnp.ndarray | None,
     """ReMax's baseline per row, mapped like the rewards when binary_reward is set."""
     if baseline_B is None or (c.binary_reward is not None and baseline_correct_B is None):
         raise ValueError("advantage='remax' needs baseline_B (and baseline_correct_B with "
-                         "binary_reward): the reward and verdict of each prompt's greedy completion.")
+                         "binary_reward): the reward and verdict of each prompt's greedy "
+                         "completion.")
     if c.binary_reward is None:
         return jnp.asarray(baseline_B, jnp.float32)
     return jnp.where(jnp.asarray(baseline_correct_B, bool), c.binary_reward[1],
                      c.binary_reward[0]).astype(jnp.float32)
 
 
-def loss_denominator(config: AlgorithmConfig, mask_BT: jnp.ndarray, keep_B: jnp.ndarray | None = None) -> jnp.ndarray:
-    """The mini-batch denominator of ``policy_loss`` (compute once, before splitting micro-batches)."""
+def loss_denominator(config: AlgorithmConfig, mask_BT: jnp.ndarray,
+                     keep_B: jnp.ndarray | None = None) -> jnp.ndarray:
+    """The mini-batch denominator of ``policy_loss`` (compute once, before splitting
+    micro-batches)."""
     return losses.loss_denominator(mask_BT, keep_B, config.agg, config.max_tokens)
 
 
@@ -341,7 +361,8 @@ def policy_loss(
     w = losses.row_weights(mask_BT, keep_B)
     if c.objective == "nll":
         # A = 0 on rows kept only for the denominator (rejected_rows="zero").
-        pg_BT, aux = losses.nll_loss(logp_BT) * losses.broadcast_advantages(advantages, logp_BT.shape), None
+        pg_BT, aux = (losses.nll_loss(logp_BT)
+                      * losses.broadcast_advantages(advantages, logp_BT.shape), None)
     else:
         if c.importance == "sequence":
             old_logp_BT = losses.sequence_old_logp(logp_BT, old_logp_BT, mask_BT)
@@ -353,11 +374,13 @@ def policy_loss(
         kl_BT = losses.kl_estimate(logp_BT, ref_logp_BT, c.kl_estimator, c.k3_clamp)
     if c.kl_in == "loss" and c.kl_coef != 0:
         if kl_BT is None:
-            raise ValueError("kl_in='loss' with kl_coef > 0 needs ref_logp_BT (reference-model log-probs).")
+            raise ValueError("kl_in='loss' with kl_coef > 0 needs ref_logp_BT (reference-model "
+                             "log-probs).")
         total_BT = total_BT + c.kl_coef * kl_BT
     if c.entropy_coef != 0:
         if entropy_BT is None:
-            raise ValueError("entropy_coef != 0 needs entropy_BT (losses.entropy_from_logits of the policy logits).")
+            raise ValueError("entropy_coef != 0 needs entropy_BT (losses.entropy_from_logits of "
+                             "the policy logits).")
         total_BT = total_BT - c.entropy_coef * entropy_BT
     loss_sum, denom = losses.aggregate(total_BT, mask_BT, keep_B, c.agg, c.max_tokens)
     d = losses.log_ratio(logp_BT, old_logp_BT)

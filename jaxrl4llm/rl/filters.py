@@ -64,7 +64,8 @@ def keep_mask(
 ) -> jnp.ndarray:
     """bool [B]: group rejection AND (when truncated_B is given) overlong filtering."""
     keep = group_keep_mask(
-        correct_B, group_size, reject_all_correct=reject_all_correct, reject_all_wrong=reject_all_wrong
+        correct_B, group_size, reject_all_correct=reject_all_correct,
+        reject_all_wrong=reject_all_wrong
     )
     if truncated_B is not None:
         keep &= overlong_keep_mask(truncated_B)

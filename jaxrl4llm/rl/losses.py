@@ -38,7 +38,8 @@ def row_weights(mask_BT: jnp.ndarray, keep_B: jnp.ndarray | None) -> jnp.ndarray
     w = jnp.asarray(mask_BT).astype(jnp.float32)
     if keep_B is not None:
         if keep_B.shape != w.shape[:1]:
-            raise ValueError(f"keep_B has shape {keep_B.shape}, expected ({w.shape[0]},) to match mask_BT {w.shape}.")
+            raise ValueError(f"keep_B has shape {keep_B.shape}, expected ({w.shape[0]},) to match "
+                             f"mask_BT {w.shape}.")
         w = w * jnp.asarray(keep_B).astype(jnp.float32)[:, None]
     return w
 
@@ -48,7 +49,8 @@ def broadcast_advantages(advantages: jnp.ndarray, shape_BT: tuple[int, ...]) -> 
     if adv.ndim == 1:
         adv = adv[:, None]
     if adv.shape not in ((shape_BT[0], 1), tuple(shape_BT)):
-        raise ValueError(f"advantages have shape {advantages.shape}; expected [B]={shape_BT[:1]} or [B, T]={shape_BT}.")
+        raise ValueError(f"advantages have shape {advantages.shape}; expected [B]={shape_BT[:1]} "
+                         f"or [B, T]={shape_BT}.")
     return jnp.broadcast_to(adv, shape_BT)
 
 
@@ -90,7 +92,8 @@ def clipped_surrogate(
     return loss, aux
 
 
-def sequence_old_logp(logp_BT: jnp.ndarray, old_logp_BT: jnp.ndarray, mask_BT: jnp.ndarray) -> jnp.ndarray:
+def sequence_old_logp(logp_BT: jnp.ndarray, old_logp_BT: jnp.ndarray,
+                      mask_BT: jnp.ndarray) -> jnp.ndarray:
     """GSPO's sequence-level importance ratio as an "old logp" for ``clipped_surrogate``.
 
     s_i = exp(mean_t (logp_it - old_logp_it)) over row i's valid tokens (the length-normalised

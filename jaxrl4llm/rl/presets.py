@@ -10,6 +10,7 @@ from typing import Any
 
 from jaxrl4llm.rl.algorithms import AlgorithmConfig
 
+
 def grpo() -> AlgorithmConfig:
     """GRPO: Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300).
 
@@ -47,7 +48,8 @@ def reinforce_rej() -> AlgorithmConfig:
     stay in the token-mean denominator with A = 0 (rejected_rows="zero"), as the authors'
     compute_reinforce_rej_outcome_advantage (github.com/RLHFlow/Minimal-RL).
     """
-    return dataclasses.replace(reinforce(), name="reinforce_rej", reject_all_correct=True, reject_all_wrong=True)
+    return dataclasses.replace(reinforce(), name="reinforce_rej", reject_all_correct=True,
+                               reject_all_wrong=True)
 
 
 def reinforce_pp() -> AlgorithmConfig:
@@ -69,14 +71,17 @@ def reinforce_pp_baseline() -> AlgorithmConfig:
     (train_reinforce_baseline_llama_ray_hybrid_engine.sh: --use_kl_loss --kl_estimator k2
     --init_kl_coef 1e-3).
     """
-    return dataclasses.replace(reinforce_pp(), name="reinforce_pp_baseline", advantage="reinforce_pp_baseline",
-                               kl_in="loss", kl_estimator="k2", kl_coef=0.001)
+    return dataclasses.replace(reinforce_pp(), name="reinforce_pp_baseline",
+                               advantage="reinforce_pp_baseline", kl_in="loss", kl_estimator="k2",
+                               kl_coef=0.001)
 
 
 def lite_ppo() -> AlgorithmConfig:
-    """Lite PPO: Liu et al. 2025, "Tricks or Traps? A Deep Dive into RL for LLM Reasoning" (arXiv:2508.08221).
+    """Lite PPO: Liu et al. 2025, "Tricks or Traps? A Deep Dive into RL for LLM Reasoning"
+    (arXiv:2508.08221).
 
-    A = (r - group mean) / (batch std + 1e-6); token-level aggregation (token-mean); clip 0.2; no KL.
+    A = (r - group mean) / (batch std + 1e-6); token-level aggregation (token-mean); clip 0.2;
+    no KL.
     """
     return AlgorithmConfig(name="lite_ppo", mean="group", std="batch", agg="token-mean")
 
@@ -92,7 +97,8 @@ def rloo() -> AlgorithmConfig:
 def raft() -> AlgorithmConfig:
     """RAFT: Dong et al. 2023, "RAFT: Reward rAnked FineTuning" (arXiv:2304.06767).
 
-    Supervised log-likelihood (token-mean) on each group's best correct sample(s); the rest rejected.
+    Supervised log-likelihood (token-mean) on each group's best correct sample(s); the rest
+    rejected.
     """
     return AlgorithmConfig(name="raft", advantage="positives", objective="nll", positives="best")
 
@@ -104,8 +110,8 @@ def raft_pp() -> AlgorithmConfig:
     wrong samples stay in the token-mean denominator with A = 0 (rejected_rows="zero"), as the
     authors' compute_raft_outcome_advantage (github.com/RLHFlow/Minimal-RL).
     """
-    return AlgorithmConfig(name="raft_pp", advantage="positives", objective="clipped", positives="correct",
-                           rejected_rows="zero")
+    return AlgorithmConfig(name="raft_pp", advantage="positives", objective="clipped",
+                           positives="correct", rejected_rows="zero")
 
 
 def gspo() -> AlgorithmConfig:
@@ -175,5 +181,6 @@ def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
     known = {f.name for f in dataclasses.fields(AlgorithmConfig)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise ValueError(f"unknown AlgorithmConfig knob(s) {unknown}; valid knobs: {', '.join(sorted(known))}.")
+        raise ValueError(f"unknown AlgorithmConfig knob(s) {unknown}; valid knobs: "
+                         f"{', '.join(sorted(known))}.")
     return dataclasses.replace(PRESETS[key](), **overrides)

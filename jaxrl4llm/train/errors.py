@@ -17,8 +17,13 @@ docs/reliability.md lists the tests behind each.
 """
 from __future__ import annotations
 
-from jaxrl4llm.errors import (EXIT_DIVERGED, EXIT_FINISHED, EXIT_PREEMPTED,  # noqa: F401
-                              EXIT_USER_ERROR, UserError)
+from jaxrl4llm.errors import (  # noqa: F401
+    EXIT_DIVERGED,
+    EXIT_FINISHED,
+    EXIT_PREEMPTED,
+    EXIT_USER_ERROR,
+    UserError,
+)
 
 
 class TrainingDivergedError(RuntimeError):

@@ -154,7 +154,8 @@ def problems(record: dict[str, Any] | None, restored: Fingerprint, data_state: A
         found.append(f"checksum mismatch in {_plural(len(changed), 'array')} "
                      f"({', '.join(changed[:3])}): the files changed after they were saved")
     if missing:
-        found.append(f"{_plural(len(missing), 'saved array')} not restored ({', '.join(missing[:3])})")
+        found.append(f"{_plural(len(missing), 'saved array')} not restored "
+                     f"({', '.join(missing[:3])})")
     if record.get("data_sha256") != data_digest(data_state):
         found.append("checksum mismatch in the data-iterator state")
     return found

@@ -17,8 +17,8 @@ allowed and logged:
 - memory / speed knobs that compute the same update: --micro_batch_size,
   --micro_batch_length_classes, --rollout_micro_batch, --remat, --share_prompts;
 - the learning-rate schedule: --learning_rate, --warmup_steps, --lr_schedule, --decay_steps,
-  --critic_learning_rate (the Adam moments stay valid; lowering the rate after a spike is a common deliberate
-  change).
+  --critic_learning_rate (the Adam moments stay valid; lowering the rate after a spike is a
+  common deliberate change).
 """
 from __future__ import annotations
 

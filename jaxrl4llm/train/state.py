@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-
 SCHEDULES = ("constant", "cosine", "linear")
 
 

@@ -33,8 +33,7 @@ from jaxrl4llm.rl.metrics import Metric, identity_metrics
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.train import host_memory
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs
-from jaxrl4llm.train.state import (OptimizerConfig, TrainState, make_optimizer,
-                                   state_logical_axes)
+from jaxrl4llm.train.state import OptimizerConfig, TrainState, make_optimizer, state_logical_axes
 
 
 class UpdateBatch(flax.struct.PyTreeNode):
@@ -47,7 +46,8 @@ class UpdateBatch(flax.struct.PyTreeNode):
     ref_logp_BT: jax.Array | None    # None unless a KL to the reference is used
     old_values_BT: jax.Array | None = None  # PPO: the critic's values in the rollout
     returns_BT: jax.Array | None = None     # PPO: the critic's targets (GAE returns)
-    layout: RowLayout = flax.struct.field(pytree_node=False, default=RowLayout())  # the rows' groups
+    # the rows' groups
+    layout: RowLayout = flax.struct.field(pytree_node=False, default=RowLayout())
 
     def trimmed(self, length: int) -> UpdateBatch:
         """The batch cut to its first `length` completion columns. With no row longer than

@@ -8,6 +8,7 @@ from jaxrl4llm.data.benchmarks import ANSWER_FORMS, BENCHMARKS
 from jaxrl4llm.data.records import DataError
 from jaxrl4llm.data.sources import make_source
 from jaxrl4llm.rewards import make_reward_fn
+
 from tests.data.hub_fixtures import write_registry_repos
 
 # name -> (split, the reference answers the fixture rows must normalise to, a wrong answer)

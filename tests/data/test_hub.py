@@ -13,6 +13,7 @@ import pytest
 from jaxrl4llm.data.hub import HubSpec
 from jaxrl4llm.data.records import DataError
 from jaxrl4llm.data.sources import make_source
+
 from tests.data.hub_fixtures import readme, write_repo
 
 ROWS_V1 = [{"question": "1+1?", "answer": "2"}]
@@ -126,7 +127,7 @@ def no_network(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", CLOSED_ENDPOINT)
-    from huggingface_hub import constants   # read HF_HUB_OFFLINE when first imported
+    from huggingface_hub import constants  # read HF_HUB_OFFLINE when first imported
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy",
                   "ALL_PROXY"):

@@ -6,8 +6,7 @@ import dataclasses
 import pytest
 
 from jaxrl4llm.data.records import DataError, Record
-from jaxrl4llm.data.tasks import TASKS, generate_record, split_of
-from jaxrl4llm.data.tasks import arithmetic
+from jaxrl4llm.data.tasks import TASKS, arithmetic, generate_record, split_of
 from jaxrl4llm.rewards import make_reward_fn
 
 CONFIGS = {

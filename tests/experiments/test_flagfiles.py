@@ -32,7 +32,8 @@ CHANGED_EVERYWHERE = {"k3_clamp": (None, 10.0)}
 _MINIMALIST = {
     "dual_clip": (None, 3.0), "entropy_coef": (0.0, 0.001), "optimizer.weight_decay": (0.0, 0.01),
     "mini_batch_size": (512, 1024), "num_steps": (500, 444), "long_prompts": ("error", "drop"),
-    "system_prompt": (None, "Please reason step by step, and put your final answer within \\boxed{}."),
+    "system_prompt": (None, "Please reason step by step, and put your final answer within "
+                            "\\boxed{}."),
     "instruction": (None, "Let's think step by step and output the final answer within \\boxed{}."),
 }
 FIXED = {
@@ -153,7 +154,8 @@ def test_old_flat_config_json_still_loads(path):
 
 
 def test_config_json_round_trips_the_tree(parsed):
-    config = parsed(f"--flagfile={REPO}/experiments/configs/tricks_or_traps_qwen3_8b_lite_ppo.flags",
+    config = parsed(f"--flagfile={REPO}/experiments/configs/"
+                    "tricks_or_traps_qwen3_8b_lite_ppo.flags",
                     "--binary_reward=-1,1", "--overlong_buffer=64", "--top_k=5")
     data = json.loads(config.to_json())
     assert data["rollout"]["sampling"]["top_k"] == 5
@@ -185,7 +187,8 @@ def test_command_line_overrides_the_flagfile(parsed):
 
 def test_preset_knobs_override_only_when_given(parsed):
     c = parsed("--algorithm=reinforce_pp")
-    assert (c.algorithm.kl_in, c.algorithm.kl_estimator, c.algorithm.kl_coef) == ("reward", "k1", 0.01)
+    assert ((c.algorithm.kl_in, c.algorithm.kl_estimator, c.algorithm.kl_coef)
+            == ("reward", "k1", 0.01))
     c = parsed("--algorithm=grpo", "--kl_in=none", "--kl_coef=0", "--noreject_all_wrong")
     assert c.algorithm.kl_in is None and c.algorithm.kl_coef == 0.0 and not c.needs_reference
     # The KL as a metric only: the reference is loaded, the loss has no KL term.
@@ -268,7 +271,8 @@ def test_helpfull_groups_flags_by_sub_config():
 # ---- docs/algorithms.md "Paper settings": one source of truth for presets and flagfiles ----
 
 DOCS = os.path.join(REPO, "docs", "algorithms.md")
-PAPER_FLAGFILES = sorted(os.path.basename(f) for f in FLAGFILES if not f.endswith("quickstart.flags"))
+PAPER_FLAGFILES = sorted(os.path.basename(f) for f in FLAGFILES
+                         if not f.endswith("quickstart.flags"))
 
 
 def _paper_settings():
@@ -317,13 +321,15 @@ def _check(flat, rows, where):
     assert rows, f"{where} has no flags in its docs table"
     for name, value in rows:
         key, want = _expected(name, value)
-        assert flat[key] == want, f"{where}: --{key} is {flat[key]!r}, docs/algorithms.md says {want!r}"
+        assert flat[key] == want, (
+            f"{where}: --{key} is {flat[key]!r}, docs/algorithms.md says {want!r}")
 
 
 def test_every_preset_and_paper_flagfile_has_a_docs_table():
     settings = _paper_settings()
     assert {n for kind, n in settings if kind == "preset"} == set(rl.PRESETS), (
-        "every preset needs a '### Preset `name`' table under 'Paper settings' in docs/algorithms.md")
+        "every preset needs a '### Preset `name`' table under 'Paper settings' in "
+        "docs/algorithms.md")
     assert {n for kind, n in settings if kind == "flagfile"} == set(PAPER_FLAGFILES)
 
 
@@ -373,7 +379,8 @@ def test_paper_flagfile_names_its_data_and_evaluates_the_papers_sets(name, parse
         assert all((s.temperature, s.samples) == (1.0, 16) for s in sets)
 
 
-@pytest.mark.parametrize("reinforce_pp", ["reinforce_pp_knights_knaves", "reinforce_pp_baseline_math",
+@pytest.mark.parametrize("reinforce_pp", ["reinforce_pp_knights_knaves",
+                                          "reinforce_pp_baseline_math",
                                           "reinforce_pp_baseline_aime24"])
 def test_grpo_counterparts_differ_only_in_the_advantage_estimator(reinforce_pp, parsed):
     """The REINFORCE++ paper's comparisons change the estimator and nothing else."""
@@ -386,8 +393,10 @@ def test_grpo_counterparts_differ_only_in_the_advantage_estimator(reinforce_pp, 
 def test_dapo_comparator_differs_from_lite_ppo_only_in_the_algorithm(parsed):
     """Tricks-or-Traps' DAPO run: the Lite PPO flagfile with DAPO's algorithm knobs and its soft
     overlong punishment, nothing else."""
-    a = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/tricks_or_traps_qwen3_8b_lite_ppo.flags"))
-    b = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/tricks_or_traps_qwen3_8b_dapo.flags"))
+    a = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/"
+                               "tricks_or_traps_qwen3_8b_lite_ppo.flags"))
+    b = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/"
+                               "tricks_or_traps_qwen3_8b_dapo.flags"))
     assert {k for k in a if a[k] != b[k]} == {
         "algorithm", "std", "clip_high", "reject_all_correct", "reject_all_wrong",
         "dynamic_sampling", "overlong_buffer", "workdir"}

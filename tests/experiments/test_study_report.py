@@ -1,6 +1,5 @@
 """The study report's statistics on hand-written metrics files (no training), and spec errors."""
 import json
-
 import os
 
 import pytest

@@ -11,7 +11,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
     return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -130,5 +131,6 @@ def test_export_hf_writes_a_folder_transformers_loads(toy_model_dir, copy_task_f
     tokens = np.array([[2, 4, 8, 12, 3]])
     with torch.no_grad():
         expected = torch_model(torch.tensor(tokens)).logits.numpy()
-    logits, _ = transformer.forward(trained, config, tokens, np.arange(5)[None], np.ones((1, 5), bool))
+    logits, _ = transformer.forward(trained, config, tokens, np.arange(5)[None],
+                                    np.ones((1, 5), bool))
     np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4)

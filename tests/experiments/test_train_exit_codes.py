@@ -108,8 +108,9 @@ def test_resume_refuses_another_model_or_algorithm_and_logs_allowed_changes(
 
 def test_a_run_ending_with_non_finite_parameters_exits_non_zero(toy_model_dir, copy_task_file,
                                                                 tmp_path):
-    from jaxrl4llm.models import registry, weights
     import jax.numpy as jnp
+
+    from jaxrl4llm.models import registry, weights
     config, params, tokenizer = registry.load_model(toy_model_dir)
     params["final_norm"] = params["final_norm"].at[0].set(jnp.nan)  # a broken model file
     broken = tmp_path / "broken"

@@ -14,8 +14,8 @@ import pytest
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from jaxrl4llm.models import registry, transformer as T  # noqa: E402
-from jaxrl4llm.models import weights  # noqa: E402
+from jaxrl4llm.models import registry, weights  # noqa: E402
+from jaxrl4llm.models import transformer as T  # noqa: E402
 from jaxrl4llm.models.config import SMOLLM2_135M, TINY  # noqa: E402
 from jaxrl4llm.models.gguf_file import _hf_name, unpermute_qk  # noqa: E402
 from jaxrl4llm.models.tokenizer import Tokenizer, left_pad  # noqa: E402

@@ -1,4 +1,5 @@
-"""HF checkpoints: logit parity with transformers PyTorch, export round trip, sharded loading, errors.
+"""HF checkpoints: logit parity with transformers PyTorch, export round trip, sharded loading,
+errors.
 
 Each family is a tiny random transformers model saved with save_pretrained and loaded back
 with our loader; logits are compared on a left-padded batch at the real positions only.

@@ -6,8 +6,13 @@ from fractions import Fraction
 import pytest
 
 from jaxrl4llm.data.records import Record
-from jaxrl4llm.rewards.countdown import (CountdownConfig, CountdownError, CountdownVerifier,
-                                         clean_expression, evaluate)
+from jaxrl4llm.rewards.countdown import (
+    CountdownConfig,
+    CountdownError,
+    CountdownVerifier,
+    clean_expression,
+    evaluate,
+)
 
 RECORD = Record("q", "(25 - 5) * 5", {"task": "countdown", "numbers": [25, 5, 5, 7], "target": 100})
 

@@ -5,8 +5,14 @@ import time
 
 import pytest
 
-from jaxrl4llm.rewards.extract import (extract_answer_tag, extract_boxed, extract_last_number,
-                                       gold_answer, normalize_answer, normalize_unicode)
+from jaxrl4llm.rewards.extract import (
+    extract_answer_tag,
+    extract_boxed,
+    extract_last_number,
+    gold_answer,
+    normalize_answer,
+    normalize_unicode,
+)
 from jaxrl4llm.rewards.math_verifier import extract_math_answer, fast_verdict
 
 

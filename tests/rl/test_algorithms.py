@@ -18,7 +18,8 @@ MASK = (np.arange(T)[None, :] < LENS[:, None]).astype(np.float32)
 LOGP = np.full((8, T), -1.0, np.float32)
 K3 = np.exp(-0.1) + 0.1 - 1.0  # ref_logp = logp - 0.1
 BASELINE = np.array([1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0])  # ReMax: each prompt's greedy reward
-# The entry points, jitted with the config (and group size) static: this is how the trainer calls them.
+# The entry points, jitted with the config (and group size) static: this is how the trainer calls
+# them.
 compute_advantages = jax.jit(rl.compute_advantages, static_argnums=(0, 4))
 policy_loss = jax.jit(rl.policy_loss, static_argnums=0)
 
@@ -119,8 +120,8 @@ LOSS_BY_HAND = {"reinforce_rej": 3 / 18, "raft_pp": -12 / 18, "reinforce": -6 / 
 def test_preset_closed_form(name):
     cfg = rl.validate(rl.get_preset(name), G)
     logp = jnp.asarray(LOGP)
-    adv, keep, met = compute_advantages(cfg, jnp.asarray(R), jnp.asarray(R > 0), jnp.asarray(MASK), G,
-                                        logp_BT=logp, ref_logp_BT=logp - 0.1,
+    adv, keep, met = compute_advantages(cfg, jnp.asarray(R), jnp.asarray(R > 0),
+                                        jnp.asarray(MASK), G, logp_BT=logp, ref_logp_BT=logp - 0.1,
                                         baseline_B=jnp.asarray(BASELINE),
                                         values_BT=jnp.zeros((8, T)))  # PPO: a zero-head critic
     a_want, keep_want, L_want = _expected(name)
@@ -135,7 +136,8 @@ def test_preset_closed_form(name):
     assert float(d) == pytest.approx(float(rl.loss_denominator(cfg, jnp.asarray(MASK), keep)))
     fm = rl.finalize_metrics(m)
     assert fm["policy/frac_rejected"] == pytest.approx(1 - keep_want.mean())
-    assert fm["policy/ratio_min"] == pytest.approx(1.0) and fm["policy/ratio_max"] == pytest.approx(1.0)
+    assert (fm["policy/ratio_min"] == pytest.approx(1.0)
+            and fm["policy/ratio_max"] == pytest.approx(1.0))
     assert rl.finalize_metrics(met)["adv/frac_groups_rejected"] == pytest.approx(
         {"reinforce_rej": 0.5, "dapo": 0.5}.get(name, 0.0))
 
@@ -175,7 +177,8 @@ def test_get_preset_errors_and_overrides():
         ({"agg": "mean"}, 4, "agg='mean'"),
         ({"objective": "nll"}, 4, "objective='nll'"),
         ({"eps": 0.0}, 4, "eps=0.0"),
-        ({"reject_all_wrong": True, "mean": "none", "std": "none"}, 1, "reject_all_correct/reject_all_wrong"),
+        ({"reject_all_wrong": True, "mean": "none", "std": "none"}, 1,
+         "reject_all_correct/reject_all_wrong"),
     ],
 )
 def test_validate_rejects_contradictions(overrides, G, match):
@@ -196,8 +199,8 @@ def test_validate_reward_kl_estimator_and_passes_presets():
 def test_overlong_filter_and_binary_reward():
     cfg = rl.get_preset("dr_grpo", overlong_filter=True, binary_reward=(-1.0, 1.0))
     trunc = jnp.array([False, True, False, False, False, False, False, False])
-    adv, keep, met = compute_advantages(cfg, jnp.asarray(R * 7), jnp.asarray(R > 0), jnp.asarray(MASK), G,
-                                        truncated_B=trunc)
+    adv, keep, met = compute_advantages(cfg, jnp.asarray(R * 7), jnp.asarray(R > 0),
+                                        jnp.asarray(MASK), G, truncated_B=trunc)
     # rewards replaced by +-1 from `correct`; the truncated row keeps counting in its group's mean.
     np.testing.assert_allclose(np.asarray(adv), [1.5, 0, -0.5, -0.5, 0, 0, 0, 0], atol=1e-6)
     np.testing.assert_array_equal(np.asarray(keep), [1, 0, 1, 1, 1, 1, 1, 1])
@@ -209,12 +212,14 @@ def test_overlong_filter_and_binary_reward():
 def test_missing_inputs_raise():
     cfg = rl.get_preset("grpo")
     with pytest.raises(ValueError, match="needs ref_logp_BT"):
-        policy_loss(cfg, jnp.asarray(LOGP), None, jnp.zeros(8), jnp.asarray(MASK), jnp.ones(8, bool))
+        policy_loss(cfg, jnp.asarray(LOGP), None, jnp.zeros(8), jnp.asarray(MASK),
+                    jnp.ones(8, bool))
     with pytest.raises(ValueError, match="needs entropy_BT"):
         policy_loss(rl.get_preset("rloo", entropy_coef=0.01), jnp.asarray(LOGP), None, jnp.zeros(8),
                     jnp.asarray(MASK), jnp.ones(8, bool))
     with pytest.raises(ValueError, match="needs logp_BT"):
-        compute_advantages(rl.get_preset("reinforce_pp"), jnp.asarray(R), jnp.asarray(R > 0), jnp.asarray(MASK), G)
+        compute_advantages(rl.get_preset("reinforce_pp"), jnp.asarray(R), jnp.asarray(R > 0),
+                           jnp.asarray(MASK), G)
 
 
 def test_entropy_bonus_and_kl_in_loss_terms():
@@ -247,7 +252,8 @@ def _toy(seed=0, B=6, D=5, V=7):
 @pytest.mark.parametrize("adv_kind", ["B", "BT"])
 def test_gradient_at_ratio_one_is_minus_A_grad_logp(mode, adv_kind):
     W, logp_fn = _toy()
-    mask = jnp.array([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [0, 0, 0]], jnp.float32)
+    mask = jnp.array([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [0, 0, 0]],
+                     jnp.float32)
     keep = jnp.array([True, True, False, True, True, True])
     A = jnp.array([1.0, -0.5, 3.0, 0.25, -2.0, 1.0])
     if adv_kind == "BT":
@@ -281,13 +287,16 @@ def test_clipped_tokens_have_zero_gradient():
     A = jnp.array([1.0, -1.0])
     cfg = rl.get_preset("rloo")
     lp0 = logp_fn(W)
-    # Old policy far below on row 0 (ratio > 1.2 with A > 0) and far above on row 1 (ratio < 0.8, A < 0).
+    # Old policy far below on row 0 (ratio > 1.2 with A > 0) and far above on row 1 (ratio < 0.8,
+    # A < 0).
     old = jax.lax.stop_gradient(lp0) + jnp.array([[-1.0], [1.0]])
-    g = jax.jit(jax.grad(lambda W: policy_loss(cfg, logp_fn(W), old, A, mask, jnp.ones(2, bool))[0]))(W)
+    g = jax.jit(jax.grad(
+        lambda W: policy_loss(cfg, logp_fn(W), old, A, mask, jnp.ones(2, bool))[0]))(W)
     assert float(jnp.abs(g).max()) == 0.0
     _, _, m = policy_loss(cfg, lp0, old, A, mask, jnp.ones(2, bool))
     fm = rl.finalize_metrics(m)
-    assert fm["policy/clip_frac_high"] == pytest.approx(0.5) and fm["policy/clip_frac_low"] == pytest.approx(0.5)
+    assert (fm["policy/clip_frac_high"] == pytest.approx(0.5)
+            and fm["policy/clip_frac_low"] == pytest.approx(0.5))
     assert fm["policy/clip_frac"] == pytest.approx(1.0)
 
 
@@ -317,16 +326,19 @@ def test_entry_points_have_no_host_callbacks(name):
     ent, trunc = jnp.ones((8, T)), jnp.zeros(8, bool)
 
     def step(rewards, correct, mask, lp):
-        adv, keep, _ = rl.compute_advantages(cfg, rewards, correct, mask, G, truncated_B=trunc, logp_BT=lp,
-                                             ref_logp_BT=lp - 0.1, baseline_B=rewards, values_BT=lp)
+        adv, keep, _ = rl.compute_advantages(cfg, rewards, correct, mask, G, truncated_B=trunc,
+                                             logp_BT=lp, ref_logp_BT=lp - 0.1, baseline_B=rewards,
+                                             values_BT=lp)
 
         def loss(lp):
-            s, d, m = rl.policy_loss(cfg, lp, lp - 0.05, adv, mask, keep, ref_logp_BT=lp - 0.1, entropy_BT=ent)
+            s, d, m = rl.policy_loss(cfg, lp, lp - 0.05, adv, mask, keep, ref_logp_BT=lp - 0.1,
+                                     entropy_BT=ent)
             return rl.finalize_loss(s, d), m
 
         return jax.grad(loss, has_aux=True)(lp)
 
-    jaxpr = jax.make_jaxpr(step)(jnp.asarray(R), jnp.asarray(R > 0), jnp.asarray(MASK), jnp.asarray(LOGP))
+    jaxpr = jax.make_jaxpr(step)(jnp.asarray(R), jnp.asarray(R > 0), jnp.asarray(MASK),
+                                 jnp.asarray(LOGP))
     assert len(jaxpr.eqns) > 10
     assert not _host_primitives(jaxpr)
 

@@ -167,7 +167,8 @@ def test_dapo_keeps_only_groups_with_both_verdicts():
     trainer when it can)."""
     correct = jnp.array([True, False, True, True, False, False])
     r = correct.astype(jnp.float32)
-    adv, keep, met = rl.compute_advantages(rl.get_preset("dapo"), r, correct, jnp.ones((6, 2), bool), 2)
+    adv, keep, met = rl.compute_advantages(rl.get_preset("dapo"), r, correct,
+                                           jnp.ones((6, 2), bool), 2)
     np.testing.assert_array_equal(np.asarray(keep), [True, True, False, False, False, False])
     # GRPO's advantage of the mixed group: (1 - 0.5) / (std_ddof1 = 0.7071 + 1e-6).
     np.testing.assert_allclose(np.asarray(adv)[:2], [0.5 / (math.sqrt(0.5) + 1e-6),

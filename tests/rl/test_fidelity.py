@@ -18,7 +18,7 @@ policy_loss = jax.jit(rl.policy_loss, static_argnums=0)
 
 def _random_batch(seed, G=4, P=6, T=5):
     rng = np.random.default_rng(seed)
-    p_correct = rng.choice([0.0, 0.3, 0.7, 1.0], P)           # all-wrong / mixed / all-correct groups
+    p_correct = rng.choice([0.0, 0.3, 0.7, 1.0], P)    # all-wrong / mixed / all-correct groups
     correct = rng.random((P, G)) < p_correct[:, None]
     lens = rng.integers(1, T + 1, P * G)
     mask = (np.arange(T)[None] < lens[:, None]).astype(np.float32)
@@ -56,13 +56,15 @@ def test_rejected_rows_drop_over_zero_is_n_all_over_n_kept(preset, seed):
     results = {}
     for rows in ("drop", "zero"):
         cfg = rl.get_preset(preset, rejected_rows=rows)
-        adv, keep, _ = compute_advantages(cfg, jnp.asarray(correct, jnp.float32), jnp.asarray(correct),
-                                          jnp.asarray(mask), G)
-        np.testing.assert_array_equal(np.asarray(keep), kept if rows == "drop" else np.ones(B, bool))
+        adv, keep, _ = compute_advantages(cfg, jnp.asarray(correct, jnp.float32),
+                                          jnp.asarray(correct), jnp.asarray(mask), G)
+        np.testing.assert_array_equal(np.asarray(keep),
+                                      kept if rows == "drop" else np.ones(B, bool))
 
         def loss(W, cfg=cfg, adv=adv, keep=keep):
             lp = logp_fn(W)
-            s, d, _ = rl.policy_loss(cfg, lp, jax.lax.stop_gradient(lp), adv, jnp.asarray(mask), keep)
+            s, d, _ = rl.policy_loss(cfg, lp, jax.lax.stop_gradient(lp), adv, jnp.asarray(mask),
+                                     keep)
             return rl.finalize_loss(s, d)
 
         results[rows] = jax.jit(jax.value_and_grad(loss))(W)
@@ -77,7 +79,8 @@ def test_zero_rows_keep_their_kl_and_entropy_terms():
     """Minimal-RL's rejected rows stay in the KL and entropy terms (same response mask)."""
     correct = np.array([1, 1, 0, 0], bool)       # G=2: an all-correct and an all-wrong group
     mask = np.ones((4, 2), np.float32)
-    cfg = rl.get_preset("reinforce_rej", kl_in="loss", kl_coef=0.5, kl_estimator="k1", entropy_coef=0.1)
+    cfg = rl.get_preset("reinforce_rej", kl_in="loss", kl_coef=0.5, kl_estimator="k1",
+                        entropy_coef=0.1)
     adv, keep, _ = compute_advantages(cfg, jnp.zeros(4), jnp.asarray(correct), jnp.asarray(mask), 2)
     assert np.all(np.asarray(adv) == 0) and np.all(np.asarray(keep))
     lp = jnp.full((4, 2), -1.0)
@@ -97,7 +100,8 @@ BASELINE_PRESETS = ("grpo", "dr_grpo", "lite_ppo", "rloo", "reinforce_pp_baselin
 def _flat_value(name, r_B, correct_B):
     """What a flat group's rows get from each preset's formula, exactly."""
     if name in BASELINE_PRESETS or name == "reinforce_pp":
-        return np.zeros_like(r_B)   # r - group mean = 0 (rej: rejected; ++: a flat batch whitens to 0)
+        # r - group mean = 0 (rej: rejected; ++: a flat batch whitens to 0)
+        return np.zeros_like(r_B)
     if name == "reinforce":
         return np.where(correct_B, 1.0, -1.0)          # A = r in {-1, 1}, no baseline
     return correct_B.astype(np.float64)                # raft / raft_pp: A = 1 on positives
@@ -144,7 +148,8 @@ def test_entropy_gradient_with_minus_inf_logits_is_finite_and_right():
     z = np.array([[[1.0, -np.inf, 0.5, 2.0, -np.inf],
                    [0.3, 0.3, 0.3, 0.3, 0.3],
                    [-np.inf, -np.inf, 4.0, -1.0, 0.0]]], np.float32)
-    g = np.asarray(jax.jit(jax.grad(lambda x: rl.entropy_from_logits(x).sum()))(jnp.asarray(z)), np.float64)
+    g = np.asarray(jax.jit(jax.grad(lambda x: rl.entropy_from_logits(x).sum()))(jnp.asarray(z)),
+                   np.float64)
     assert np.isfinite(g).all()
     # Closed form over the finite entries: dH/dz_j = -p_j (log p_j + H); 0 where z_j = -inf.
     for row, g_row in zip(z[0], g[0]):
@@ -165,8 +170,8 @@ def test_k3_is_capped_at_10_by_default():
     d = np.array([-30.0, -5.0, 0.5, 30.0], np.float32)
     logp, ref = jnp.asarray(d)[None], jnp.zeros((1, 4))
     raw = np.exp(-np.clip(d, -20, 20)) + np.clip(d, -20, 20) - 1     # k3 of the clamped log-ratio
-    np.testing.assert_allclose(np.asarray(rl.kl_estimate(logp, ref, "k3"))[0], np.minimum(raw, 10.0),
-                               rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(rl.kl_estimate(logp, ref, "k3"))[0],
+                               np.minimum(raw, 10.0), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(rl.kl_estimate(logp, ref, "k3", None))[0], raw, rtol=1e-5)
     # Past the cap the KL term has no gradient (as verl / OpenRLHF).
     g = jax.grad(lambda x: rl.kl_estimate(x, ref, "k3").sum())(logp)
@@ -175,7 +180,8 @@ def test_k3_is_capped_at_10_by_default():
     lp = jnp.full((1, 2), -30.0)
     for cap, want in ((10.0, 10.0), (None, np.exp(20.0) - 21.0)):
         cfg = rl.get_preset("grpo", kl_coef=1.0, k3_clamp=cap)
-        s, d_, _ = policy_loss(cfg, lp, lp, jnp.zeros(1), jnp.ones((1, 2)), ref_logp_BT=jnp.zeros((1, 2)))
+        s, d_, _ = policy_loss(cfg, lp, lp, jnp.zeros(1), jnp.ones((1, 2)),
+                               ref_logp_BT=jnp.zeros((1, 2)))
         assert float(rl.finalize_loss(s, d_)) == pytest.approx(want, rel=1e-4)
 
 
@@ -184,7 +190,8 @@ def test_kl_ref_metric_has_one_name_with_or_without_a_kl_term(kl_in, kl_coef):
     cfg = rl.get_preset("raft_pp", kl_in=kl_in, kl_coef=kl_coef, log_kl_ref=True)
     lp = jnp.full((2, 3), -1.0)
     _, _, m = policy_loss(cfg, lp, lp, jnp.ones(2), jnp.ones((2, 3)), ref_logp_BT=lp - 0.3)
-    assert float(rl.finalize_metrics(m)["policy/kl_ref"]) == pytest.approx(np.exp(-0.3) + 0.3 - 1, rel=1e-5)
+    assert float(rl.finalize_metrics(m)["policy/kl_ref"]) == pytest.approx(np.exp(-0.3) + 0.3 - 1,
+                                                                           rel=1e-5)
 
 
 # ---- rows without a reward leave every statistic -----------------------------------------

@@ -9,7 +9,6 @@ import pytest
 from jaxrl4llm import rl
 from jaxrl4llm.rl import losses
 
-
 surrogate = jax.jit(rl.clipped_surrogate, static_argnames=("clip_low", "clip_high", "dual_clip"))
 agg = jax.jit(rl.aggregate, static_argnums=(3, 4))
 kl = jax.jit(rl.kl_estimate, static_argnums=2)
@@ -27,7 +26,8 @@ def _surrogate(ratio, adv, **kw):
 
 
 def test_clipped_surrogate_symmetric_clip():
-    loss, aux = _surrogate([[1.5, 1.1, 0.5, 0.9]], [[1.0, 1.0, -1.0, -1.0]], clip_low=0.2, clip_high=0.2)
+    loss, aux = _surrogate([[1.5, 1.1, 0.5, 0.9]], [[1.0, 1.0, -1.0, -1.0]], clip_low=0.2,
+                           clip_high=0.2)
     # A>0, rho=1.5: max(-1.5, -1.2) = -1.2 (clipped high); rho=1.1: -1.1;
     # A<0, rho=0.5: max(0.5, 0.8) = 0.8 (clipped low); rho=0.9: max(0.9, 0.9) = 0.9.
     np.testing.assert_allclose(_np(loss), [[-1.2, -1.1, 0.8, 0.9]], rtol=1e-6)
@@ -116,7 +116,8 @@ def test_aggregation_modes(mode, num, den):
 
 @pytest.mark.parametrize(
     "mode,value",
-    [("token-mean", 1.5), ("seq-mean-token-mean", 1.5), ("seq-mean-token-sum", 3.0), ("seq-mean-token-sum-norm", 1.0)],
+    [("token-mean", 1.5), ("seq-mean-token-mean", 1.5), ("seq-mean-token-sum", 3.0),
+     ("seq-mean-token-sum-norm", 1.0)],
 )
 def test_aggregation_rejected_row_leaves_numerator_and_denominator(mode, value):
     big = L.at[1].set(1e6)  # garbage on the rejected row
@@ -138,14 +139,17 @@ def test_all_rejected_gives_zero_not_nan():
 
 def test_metrics_combine_and_finalize():
     Metric = rl.Metric
-    a = {"x": Metric.mean(2.0, 4.0), "lo": Metric.min(0.9), "hi": Metric.max(1.1), "n": Metric.sum(3.0),
-         "only_a": Metric.mean(5.0)}
-    b = {"x": Metric.mean(6.0, 4.0), "lo": Metric.min(0.8), "hi": Metric.max(1.05), "n": Metric.sum(4.0)}
+    a = {"x": Metric.mean(2.0, 4.0), "lo": Metric.min(0.9), "hi": Metric.max(1.1),
+         "n": Metric.sum(3.0), "only_a": Metric.mean(5.0)}
+    b = {"x": Metric.mean(6.0, 4.0), "lo": Metric.min(0.8), "hi": Metric.max(1.05),
+         "n": Metric.sum(4.0)}
     m = rl.finalize_metrics(rl.combine_metrics(a, b))
     # mean: (2 + 6) / (4 + 4) tokens
-    assert m["x"] == pytest.approx(1.0) and m["lo"] == pytest.approx(0.8) and m["hi"] == pytest.approx(1.1)
+    assert (m["x"] == pytest.approx(1.0) and m["lo"] == pytest.approx(0.8)
+            and m["hi"] == pytest.approx(1.1))
     assert m["n"] == pytest.approx(7.0) and m["only_a"] == pytest.approx(5.0)
-    uneven = rl.finalize_metrics(rl.combine_metrics({"x": Metric.mean(1.0, 1.0)}, {"x": Metric.mean(6.0, 3.0)}))
+    uneven = rl.finalize_metrics(rl.combine_metrics({"x": Metric.mean(1.0, 1.0)},
+                                                    {"x": Metric.mean(6.0, 3.0)}))
     assert uneven["x"] == pytest.approx(7 / 4)   # token-weighted, not (1 + 2) / 2
     assert rl.finalize_metrics({"e": Metric.mean(0.0, 0.0)})["e"] == 0.0   # nothing counted
     assert bool(Metric.mean(0.0, 0.0).is_empty) and not bool(Metric.mean(0.0, 2.0).is_empty)

@@ -115,7 +115,8 @@ def test_micro_batches_combine_exactly(d, mode, n_micro):
     s_mb = sum(float(p[0]) for p in parts)
     den_mb = sum(float(p[1]) for p in parts)
     assert den_mb == pytest.approx(float(den))
-    assert float(rl.finalize_loss(s_mb, den_mb)) == pytest.approx(float(rl.finalize_loss(s, den)), rel=1e-5, abs=1e-6)
+    assert float(rl.finalize_loss(s_mb, den_mb)) == pytest.approx(float(rl.finalize_loss(s, den)),
+                                                                  rel=1e-5, abs=1e-6)
     # The documented alternative: the mini-batch denominator, computed once from masks.
     D = rl.loss_denominator(cfg, jnp.asarray(d["mask"]), jnp.asarray(d["keep"]))
     assert float(D) == pytest.approx(float(den))
@@ -153,7 +154,8 @@ def test_rejected_rows_contribute_nothing(d, mode):
 def test_rejected_rows_equal_dropping_them():
     rng = np.random.default_rng(0)
     d = dict(mask=np.ones((B, T), np.float32), keep=np.arange(B) % 3 != 0,
-             logp=-rng.uniform(0.1, 3, (B, T)).astype(np.float32), adv=rng.normal(size=B).astype(np.float32))
+             logp=-rng.uniform(0.1, 3, (B, T)).astype(np.float32),
+             adv=rng.normal(size=B).astype(np.float32))
     d["old"], d["ref"] = d["logp"] + 0.2, d["logp"] - 0.1
     for mode in rl.AGG_MODES:
         s, den, _, g = _run(_cfg(mode), d)
@@ -169,8 +171,10 @@ def test_clipped_equals_unclipped_at_ratio_one(d, lo, hi, dual):
     lp = jnp.asarray(d["logp"])
     A = jnp.asarray(d["adv"])
     loss, aux = rl.clipped_surrogate(lp, lp, A, clip_low=lo, clip_high=hi, dual_clip=dual)
-    np.testing.assert_allclose(np.asarray(loss), np.broadcast_to(-np.asarray(A)[:, None], lp.shape), rtol=1e-6)
-    assert not bool(aux["clipped_low"].any() | aux["clipped_high"].any() | aux["dual_clipped"].any())
+    np.testing.assert_allclose(np.asarray(loss), np.broadcast_to(-np.asarray(A)[:, None], lp.shape),
+                               rtol=1e-6)
+    assert not bool(aux["clipped_low"].any() | aux["clipped_high"].any()
+                    | aux["dual_clipped"].any())
 
 
 _rpp = jax.jit(rl.reinforce_pp_advantages, static_argnames=("group_size", "baseline", "ddof"))

@@ -15,7 +15,6 @@ import torch
 
 from jaxrl4llm import rl
 
-
 # ---- the references, transcribed ----------------------------------------------------------
 
 def verl_gae(token_level_rewards, values, response_mask, gamma, lam):
@@ -45,7 +44,8 @@ def verl_value_loss(vpreds, returns, values, response_mask, cliprange_value):
     vf_losses2 = (vpredclipped - returns) ** 2
     clipped_vf_losses = torch.max(vf_losses1, vf_losses2)
     vf_loss = 0.5 * (clipped_vf_losses * response_mask).sum() / response_mask.sum()
-    vf_clipfrac = (torch.gt(vf_losses2, vf_losses1).float() * response_mask).sum() / response_mask.sum()
+    vf_clipfrac = ((torch.gt(vf_losses2, vf_losses1).float() * response_mask).sum()
+                   / response_mask.sum())
     return vf_loss, vf_clipfrac
 
 
@@ -123,7 +123,8 @@ def test_gae_matches_verl_and_openrlhf(seed, gamma, lam):
     t = lambda x: torch.tensor(np.asarray(x, np.float64))  # noqa: E731
     verl_adv, verl_ret = verl_gae(t(r), t(v), t(mask), gamma, lam)
     orl_adv, orl_ret = openrlhf_gae(t(v), t(r), t(mask), gamma, lam)
-    np.testing.assert_allclose(np.asarray(white)[mask], verl_adv.numpy()[mask], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(white)[mask], verl_adv.numpy()[mask], rtol=1e-4,
+                               atol=1e-5)
     np.testing.assert_allclose(np.asarray(ret)[mask], verl_ret.numpy()[mask], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(adv)[mask], orl_adv.numpy()[mask], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ret)[mask], orl_ret.numpy()[mask], rtol=1e-5, atol=1e-5)
@@ -182,7 +183,8 @@ def test_ppo_preset_advantages_are_gae_on_kl_shaped_rewards():
     np.testing.assert_allclose(np.asarray(ret)[mask], verl_ret.numpy()[mask], rtol=1e-5, atol=1e-5)
     assert keep.all()
     # Every other estimator has no critic targets.
-    assert rl.compute_advantages_and_returns(rl.get_preset("grpo"), rewards, rewards > 0, mask, 4)[1] is None
+    assert rl.compute_advantages_and_returns(rl.get_preset("grpo"), rewards, rewards > 0, mask,
+                                             4)[1] is None
 
 
 def test_gae_without_values_is_a_clear_error():

@@ -343,5 +343,6 @@ def test_greedy_last_rows_decode_greedily_in_the_same_call(tiny, mesh_spec, max_
     greedy = sampler.generate(params, config, prompts, GREEDY, N, key, n=1, stop_ids=())
     tokens = np.asarray(mixed.tokens_BT).reshape(4, 3, N)
     np.testing.assert_array_equal(tokens[:, 2], np.asarray(greedy.tokens_BT))
-    np.testing.assert_array_equal(tokens[:, :2], np.asarray(sampled.tokens_BT).reshape(4, 3, N)[:, :2])
+    np.testing.assert_array_equal(tokens[:, :2],
+                                  np.asarray(sampled.tokens_BT).reshape(4, 3, N)[:, :2])
     assert (tokens[:, 0] != tokens[:, 2]).any()   # the sampled rows are not greedy

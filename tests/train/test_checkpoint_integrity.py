@@ -154,13 +154,15 @@ def test_a_full_disk_is_a_clear_error_and_leaves_no_partial_step(tmp_path, monke
 
 
 def test_digests_do_not_depend_on_the_sharding():
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     tree = {"w": jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8)}
     sharded = jax.device_put(tree, NamedSharding(mesh, P("x")))
     assert integrity.fingerprint(tree).arrays == integrity.fingerprint(sharded).arrays
     mixed = dict(sharded, step=jax.device_put(jnp.int32(3), jax.devices()[0]))
-    assert integrity.fingerprint(mixed).arrays["['w']"] == integrity.fingerprint(tree).arrays["['w']"]
+    assert (integrity.fingerprint(mixed).arrays["['w']"]
+            == integrity.fingerprint(tree).arrays["['w']"])
     flipped = {"w": tree["w"].at[17, 3].set(jax.lax.bitcast_convert_type(
         jax.lax.bitcast_convert_type(tree["w"][17, 3], jnp.uint32) ^ 1, jnp.float32))}
     assert (integrity.fingerprint(flipped).arrays["['w']"]["digest"]

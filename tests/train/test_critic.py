@@ -132,7 +132,8 @@ def test_sharded_critic_step_matches_one_device(toy_model_dir):
 
 def test_critic_learning_rate_defaults_to_ten_times_the_policys():
     base = TrainConfig().optimizer
-    assert critic.optimizer_config(base, None).learning_rate == pytest.approx(10 * base.learning_rate)
+    assert (critic.optimizer_config(base, None).learning_rate
+            == pytest.approx(10 * base.learning_rate))
     assert critic.optimizer_config(base, 3e-6).learning_rate == 3e-6
 
 

@@ -41,11 +41,13 @@ def test_dropped_prompts_leave_the_batch_statistics():
     mask[dropped] = 0.0
     lp = jnp.zeros((12, T))
     adv, _, keep, _ = rollout._advantages(   # (PPO's returns: None here)
-        rl.get_preset("lite_ppo"), jnp.asarray(rewards), jnp.asarray(rewards > 0), jnp.asarray(mask),
-        jnp.zeros(12, bool), jnp.asarray(dropped), jnp.ones(12, bool), lp, lp, group_size=G)
+        rl.get_preset("lite_ppo"), jnp.asarray(rewards), jnp.asarray(rewards > 0),
+        jnp.asarray(mask), jnp.zeros(12, bool), jnp.asarray(dropped), jnp.ones(12, bool), lp, lp,
+        group_size=G)
     centered = np.r_[0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]
     # With the dropped rows the std would be that of all 12 rewards (0.452 instead of 0.518).
     std = rewards[:8].std(ddof=1)
     assert std == pytest.approx(0.5175, abs=1e-4)
-    np.testing.assert_allclose(np.asarray(adv), np.r_[centered / (std + 1e-6), np.zeros(4)], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(adv), np.r_[centered / (std + 1e-6), np.zeros(4)],
+                               rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(keep), ~dropped)

@@ -1,5 +1,4 @@
 """Metrics writer, checkpoint round trip, optimizer schedule, preemption flag."""
-import json
 import os
 import signal
 

@@ -17,8 +17,13 @@ from jaxrl4llm.sampling.buckets import bucket_completion_length
 from jaxrl4llm.train import minibatches
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs_jit
-from jaxrl4llm.train.step import (UpdateBatch, accumulate, accumulate_gradients, length_classes,
-                                  micro_batch_order)
+from jaxrl4llm.train.step import (
+    UpdateBatch,
+    accumulate,
+    accumulate_gradients,
+    length_classes,
+    micro_batch_order,
+)
 
 CONFIG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=160,

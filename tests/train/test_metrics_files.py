@@ -7,8 +7,6 @@ import json
 import os
 import struct
 
-import pytest
-
 from jaxrl4llm.train import metrics, plots
 
 TORN = '{"step": 3, "reward/me'

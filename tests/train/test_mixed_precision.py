@@ -43,7 +43,8 @@ def test_cast_for_compute_casts_matrices_only():
     params = transformer.init_params(F32, jax.random.key(0))
     cast = transformer.cast_for_compute(params, BF16)
     assert cast["embed"].dtype == jnp.bfloat16
-    assert cast["layers"]["q"].dtype == jnp.bfloat16 and cast["layers"]["down"].dtype == jnp.bfloat16
+    assert (cast["layers"]["q"].dtype == jnp.bfloat16
+            and cast["layers"]["down"].dtype == jnp.bfloat16)
     # Norm scales and biases keep float32 (the norms compute in float32 anyway).
     assert cast["layers"]["attn_norm"].dtype == jnp.float32
     assert cast["layers"]["q_bias"].dtype == jnp.float32
@@ -86,7 +87,8 @@ def test_bf16_compute_update_keeps_float32_state_and_the_f32_gradient_direction(
     # (Adam's default step, ~lr * sign(g), would compare signs instead: cosine 0.996.)
     d32 = jax.tree.leaves(jax.tree.map(lambda a, b: a - b, new["f32"].params, params))
     d16 = jax.tree.leaves(jax.tree.map(lambda a, b: a - b, new["bf16"].params, params))
-    u32, u16 = np.concatenate([np.ravel(x) for x in d32]), np.concatenate([np.ravel(x) for x in d16])
+    u32, u16 = (np.concatenate([np.ravel(x) for x in d32]),
+                np.concatenate([np.ravel(x) for x in d16]))
     cosine = u32 @ u16 / np.linalg.norm(u32) / np.linalg.norm(u16)
     assert cosine > 0.999, cosine
 

@@ -33,7 +33,8 @@ def _batch(advantages) -> UpdateBatch:
 
 def _step(state, batch):
     return train_step(state, batch, model_config=CONFIG,
-                      algorithm=rl.get_preset("grpo", kl_coef=0.0), optimizer=OPT, num_micro=2, temperature=1.0)
+                      algorithm=rl.get_preset("grpo", kl_coef=0.0), optimizer=OPT, num_micro=2,
+                      temperature=1.0)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])

@@ -35,8 +35,9 @@ class FakeSampler:
         B = tok.shape[0]
         prompt = np.full((B, W), 7, np.int32)
         out = SampleOutput(
-            tokens_BT=jnp.asarray(tok), logprobs_BT=jnp.zeros((B, T)), mask_BT=jnp.ones((B, T), bool),
-            lengths_B=jnp.full((B,), T, jnp.int32), truncated_B=jnp.zeros((B,), bool),
+            tokens_BT=jnp.asarray(tok), logprobs_BT=jnp.zeros((B, T)),
+            mask_BT=jnp.ones((B, T), bool), lengths_B=jnp.full((B,), T, jnp.int32),
+            truncated_B=jnp.zeros((B,), bool),
             prompt_tokens_BP=jnp.asarray(prompt), prompt_mask_BP=jnp.ones((B, W), bool),
             dropped_B=jnp.zeros((B,), bool), num_steps=jnp.int32(T))
         return Samples(out, [f"{m}:{g}" for m in messages for g in range(n)], layout)
@@ -51,7 +52,8 @@ class FakeVerifier:
 
     def score(self, texts, records, lengths=None):
         correct = np.array([self.verdicts[r][int(t.split(":")[1])] for t, r in zip(texts, records)])
-        greedy = np.array([int(t.split(":")[1]) == len(self.verdicts[r]) - 1 for t, r in zip(texts, records)])
+        greedy = np.array([int(t.split(":")[1]) == len(self.verdicts[r]) - 1
+                           for t, r in zip(texts, records)])
         return RewardBatch(rewards=correct + 0.5 * greedy, correct=correct,
                            reasons=["correct" if c else "wrong" for c in correct])
 
@@ -84,7 +86,8 @@ def test_dynamic_sampling_gathers_groups_with_both_verdicts_and_joins_prompt_wid
     assert prompt.shape == (4, 6)
     np.testing.assert_array_equal(prompt[:2, :2], 0)
     np.testing.assert_array_equal(pmask, [[False, False] + [True] * 4] * 2 + [[True] * 6] * 2)
-    got = finalize_metrics({k: v for k, v in metrics.items() if k.startswith(("rollout", "reward"))})
+    got = finalize_metrics({k: v for k, v in metrics.items()
+                            if k.startswith(("rollout", "reward"))})
     assert got == pytest.approx({"rollout/rounds": 2.0, "rollout/frac_groups_filtered": 0.5,
                                  "rollout/groups_short": 0.0, "reward/accuracy_sampled": 4 / 8})
 

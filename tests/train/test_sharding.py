@@ -162,7 +162,8 @@ def test_sharded_update_equals_unsharded(mesh_spec):
         return param_step(before, state.params), jax.device_get(metrics)
 
     (step0, m0), (step1, m1) = _sharded_and_unsharded(mesh_spec, run)
-    np.testing.assert_allclose(m1["policy/loss"].value, m0["policy/loss"].value, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(m1["policy/loss"].value, m0["policy/loss"].value, rtol=1e-5,
+                               atol=1e-7)
     np.testing.assert_allclose(m1["optim/grad_norm"].value, m0["optim/grad_norm"].value, rtol=1e-4)
     assert m0["optim/skipped_updates"].value == 0
     assert_trees_close(step1, step0, rel=1e-4)

@@ -11,8 +11,12 @@ from jaxrl4llm import rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.train.logprobs import (Sequences, completion_logprobs, completion_logprobs_jit,
-                                      logits_chunk_size)
+from jaxrl4llm.train.logprobs import (
+    Sequences,
+    completion_logprobs,
+    completion_logprobs_jit,
+    logits_chunk_size,
+)
 from jaxrl4llm.train.state import OptimizerConfig, TrainState
 from jaxrl4llm.train.step import UpdateBatch, accumulate_gradients, train_step
 
@@ -31,9 +35,11 @@ def _batch(seed=0, with_old=True, with_ref=True):
     prompt_mask = np.arange(P)[None, :] >= (P - prompt_len)[:, None]
     comp_mask = np.arange(T)[None, :] < comp_len[:, None]
     seqs = Sequences(
-        prompt_tokens_BP=jnp.asarray(np.where(prompt_mask, rng.integers(2, 48, (B, P)), 0), jnp.int32),
+        prompt_tokens_BP=jnp.asarray(np.where(prompt_mask, rng.integers(2, 48, (B, P)), 0),
+                                     jnp.int32),
         prompt_mask_BP=jnp.asarray(prompt_mask),
-        completion_tokens_BT=jnp.asarray(np.where(comp_mask, rng.integers(2, 48, (B, T)), 0), jnp.int32),
+        completion_tokens_BT=jnp.asarray(np.where(comp_mask, rng.integers(2, 48, (B, T)), 0),
+                                         jnp.int32),
         completion_mask_BT=jnp.asarray(comp_mask))
     keep = np.ones(B, bool)
     keep[3] = False  # a rejected row
