@@ -16,7 +16,7 @@ tokens on, temperature --temperature) and prints, over --rollouts rollouts:
                         update compute): trimmed (the bucket of the longest row) and
                         untrimmed (max_new_tokens, as before trimming); with --mini_batch,
                         also `update_real_minibatch`: the trainer's own mini-batches
-                        (train/loop.py, rows reshuffled per epoch, each cut to the bucket of
+                        (train/minibatches.py, rows reshuffled per epoch, each cut to the bucket of
                         its longest row) over --ppo_epochs epochs, with --micro_batch and
                         --length_classes (--micro_batch_length_classes) micro-batches sorted
                         by length, each run at its length class
@@ -60,16 +60,16 @@ def minibatch_real_frac(out, group: int, mini_batch: int, ppo_epochs: int,
                         length_classes: int = 1, share_prompts: bool = True) -> float:
     """Real completion tokens / positions the trainer's update computes on this rollout when
     it runs mini-batches of `mini_batch` rows for `ppo_epochs` epochs, in micro-batches of
-    `micro_batch` rows run at up to `length_classes` lengths (train/loop.py). The rows carry
+    `micro_batch` rows run at up to `length_classes` lengths (train/minibatches.py). The rows carry
     the trainer's layout (`share_prompts` is its default); sorting by length moves single
     rows out of their groups either way."""
     import jax.numpy as jnp
 
     from jaxrl4llm.sampling.buckets import bucket_completion_length
     from jaxrl4llm.sampling.layout import RowLayout
-    from jaxrl4llm.train import loop
     from jaxrl4llm.train.config import TrainConfig
     from jaxrl4llm.train.logprobs import Sequences
+    from jaxrl4llm.train.minibatches import minibatches
     from jaxrl4llm.train.step import UpdateBatch
 
     rows = out.tokens_BT.shape[0]
@@ -85,8 +85,7 @@ def minibatch_real_frac(out, group: int, mini_batch: int, ppo_epochs: int,
                                    micro_batch_length_classes=length_classes,
                                    max_new_tokens=max_new_tokens)
     real = columns = 0
-    for _, _, (mb_real, mb_columns) in loop._minibatches(batch, config, jax.random.key(seed),
-                                                          None):
+    for _, _, (mb_real, mb_columns) in minibatches(batch, config, jax.random.key(seed), None):
         real += mb_real
         columns += mb_columns
     return real / columns
