@@ -321,7 +321,31 @@ class TrainConfig:
 
     def validate(self, num_devices: int, data_parallel: int | None = None) -> "TrainConfig":
         """Raises a clear error for any bad value, before anything is loaded or compiled."""
-        r, u, e, run = self.rollout, self.update, self.evaluation, self.run
+        self._validate_values()
+        self._validate_reward()
+        self._validate_data()
+        run, e = self.run, self.evaluation
+        require(not os.path.exists(run.workdir) or os.path.isdir(run.workdir),
+                f"--workdir={run.workdir} is a file, not a folder: name a new or existing "
+                "folder for the run's outputs.")
+        require(e.eval_every >= 0 and e.eval_prompts >= -1 and e.eval_samples >= 1,
+                "--eval_every must be >= 0, --eval_prompts >= -1 (-1 = all) and "
+                "--eval_samples >= 1.")
+        e.sets  # raises on a malformed --eval_sets, naming the item
+        prompts.expand(self.data.system_prompt)
+        prompts.expand(self.data.instruction, "--instruction")
+        self._validate_batches(num_devices, data_parallel)
+        rl.validate(self.algorithm, self.rollout.group_size)
+        self._validate_critic()
+        a = self.algorithm
+        require(not ((a.advantage == "remax" or a.dynamic_sampling) and jax.process_count() > 1),
+                sample_rounds.ONE_HOST_ONLY)
+        self.optimizer.validate()
+        return self
+
+    def _validate_values(self) -> None:
+        """Each value on its own: finite numbers, known dtypes, counts >= 1."""
+        r, u, run = self.rollout, self.update, self.run
         for name, value in options.flatten(self).items():  # nan / inf slip through float()
             numbers = value if isinstance(value, tuple) else (value,)
             require(all(math.isfinite(x) for x in numbers if isinstance(x, float)),
@@ -346,17 +370,10 @@ class TrainConfig:
                 ">= 1: a run resumes from its latest checkpoint; to save less often, raise "
                 "--checkpoint_every.")
         require(r.long_prompts in LONG_PROMPT_MODES, "--long_prompts: choose error or drop.")
-        self._validate_reward()
-        self._validate_data()
-        require(not os.path.exists(run.workdir) or os.path.isdir(run.workdir),
-                f"--workdir={run.workdir} is a file, not a folder: name a new or existing "
-                "folder for the run's outputs.")
-        require(e.eval_every >= 0 and e.eval_prompts >= -1 and e.eval_samples >= 1,
-                "--eval_every must be >= 0, --eval_prompts >= -1 (-1 = all) and "
-                "--eval_samples >= 1.")
-        e.sets  # raises on a malformed --eval_sets, naming the item
-        prompts.expand(self.data.system_prompt)
-        prompts.expand(self.data.instruction, "--instruction")
+
+    def _validate_batches(self, num_devices: int, data_parallel: int | None) -> None:
+        """Mini-, micro- and rollout micro-batches divide the batch and fill the mesh."""
+        r, run = self.rollout, self.run
         B = self.batch_size
         require(B % self.mini_batch == 0,
                 f"--mini_batch_size={self.mini_batch} does not divide the batch of "
@@ -379,7 +396,8 @@ class TrainConfig:
                 f"--rollout_micro_batch={R} must divide the batch of {B} rows and be a multiple "
                 f"of --group_size={r.group_size} and of the {data_parallel} data-parallel "
                 f"devices of --mesh={run.mesh} (or 0: all rows at once).")
-        rl.validate(self.algorithm, r.group_size)
+
+    def _validate_critic(self) -> None:
         c = self.critic
         require(c.warmup_steps >= 0, f"--critic_warmup_steps={c.warmup_steps} must be >= 0.")
         require(c.learning_rate is None or c.learning_rate > 0,
@@ -390,16 +408,6 @@ class TrainConfig:
                 f"--critic_model / --critic_learning_rate / --critic_warmup_steps are set but "
                 f"--algorithm={self.algorithm.name} trains no critic; use --algorithm=ppo (or "
                 "--advantage=gae), or drop the critic flags.")
-        a = self.algorithm
-        require(not ((a.advantage == "remax" or a.dynamic_sampling) and jax.process_count() > 1),
-                sample_rounds.ONE_HOST_ONLY)
-        self.optimizer.validate()
-        o = self.optimizer
-        require(o.weight_decay >= 0, f"--weight_decay={o.weight_decay} must be >= 0.")
-        require(0 <= o.b1 < 1 and 0 <= o.b2 < 1,
-                f"--adam_b1={o.b1} and --adam_b2={o.b2} must be in [0, 1) (defaults 0.9, 0.999).")
-        require(o.eps > 0, f"--adam_eps={o.eps} must be > 0 (default 1e-8).")
-        return self
 
     def _validate_data(self) -> None:
         """Flags that a data source would ignore (the source itself is read, and checked, by

@@ -52,6 +52,13 @@ class OptimizerConfig:
             raise ValueError(f"--lr_schedule={self.schedule!r}: choose constant, cosine or linear.")
         if self.warmup_steps < 0 or self.decay_steps < 0 or self.max_grad_norm < 0:
             raise ValueError("--warmup_steps, --decay_steps and --max_grad_norm must be >= 0.")
+        if self.weight_decay < 0:
+            raise ValueError(f"--weight_decay={self.weight_decay} must be >= 0.")
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+            raise ValueError(f"--adam_b1={self.b1} and --adam_b2={self.b2} must be in [0, 1) "
+                             "(defaults 0.9, 0.999).")
+        if self.eps <= 0:
+            raise ValueError(f"--adam_eps={self.eps} must be > 0 (default 1e-8).")
 
 
 def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
