@@ -224,9 +224,10 @@ def evaluate_run(ctx: RolloutContext, params: Any, records: Sequence[Any],
 
 def eval_key(seed: int, step: int) -> jax.Array:
     """The key of the trainer's evaluation after `step` steps of a run with `seed` (step 0:
-    the one before training): the train loop's step key (the state's key, which is
-    key(seed), folded with the 0-based step index) folded with 2. Evaluating a checkpoint
-    with it samples what the run's own evaluation sampled."""
+    the one before training): the 0-based step's key (the state's key, key(seed), folded
+    with the step index, as the loop's step key) folded with 2. The train loop and the
+    evaluator both take it from here, so a checkpoint's evaluation samples what the run's
+    own evaluation sampled."""
     if step == 0:
         return jax.random.key(seed + 2)
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step - 1), 2)

@@ -37,9 +37,8 @@ def main(argv=None) -> int:
 
     from jaxrl4llm.models import weights
     from jaxrl4llm.train import critic
-    from jaxrl4llm.train.checkpoint import check_workdir, load_trained_models
+    from jaxrl4llm.train.checkpoint import load_trained_models
 
-    check_workdir(args.workdir)   # before the model loads
     _, model_config, params, critic_params, tokenizer = load_trained_models(args.workdir,
                                                                             args.step)
     weights.export_hf(params, model_config, args.output, tokenizer=tokenizer)

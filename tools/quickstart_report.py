@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments.study_estimate import folder_bytes  # noqa: E402
 from jaxrl4llm.train.metrics import read_metrics  # noqa: E402
 
 _END_FILES = ("metrics.jsonl", "eval.json", "curves.png")
@@ -35,12 +36,6 @@ _END_FILES = ("metrics.jsonl", "eval.json", "curves.png")
 def _column(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
     """(step, value) of every record that logged `key`, in file order."""
     return [(r["step"], r[key]) for r in records if r.get(key) is not None]
-
-
-def _disk_bytes(workdir: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, name))
-               for root, _, names in os.walk(workdir) for name in names
-               if not os.path.islink(os.path.join(root, name)))
 
 
 def figures(workdir: str) -> dict[str, Any]:
@@ -75,7 +70,7 @@ def figures(workdir: str) -> dict[str, Any]:
         "length_first": length[0][1] if length else None,
         "length_last": length[-1][1] if length else None,
         "peak_rss_gib": max(rss) if rss else None,
-        "disk_gb": _disk_bytes(workdir) / 1e9,
+        "disk_gb": folder_bytes(workdir) / 1e9,
     }
 
 

@@ -205,21 +205,14 @@ def load_trained_policy(workdir: str, step: int | None = None, mesh: Any = None
     return config, model_config, params, tokenizer
 
 
-def check_workdir(workdir: str) -> None:
-    """Raises RunNotFoundError / CheckpointError, naming the folder and the fix, unless
-    `workdir` is a training workdir (a readable config.json) with at least one saved step:
-    the entry points check this before any model loads."""
-    read_run_config(workdir)
-    if not saved_steps(workdir):
-        raise RunNotFoundError(_no_checkpoint(workdir))
-
-
 def load_trained_models(workdir: str, step: int | None = None, mesh: Any = None
                         ) -> tuple[Any, Any, Any, Any, Any]:
     """(train config, model config, policy params, critic params or None, tokenizer): as
     `load_trained_policy`, with PPO's critic when the run trained one."""
-    check_workdir(workdir)   # before the model loads
+    # Checked before the model loads: a training workdir with that step (or any) saved. With
+    # no step, restore still falls back from a damaged latest to the last usable one.
     config = read_run_config(workdir)
+    checkpoint_step(workdir, step)
     model_config, params, tokenizer = registry.load_model(
         config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype))
     # Restored onto the params' layout, optimizer moments included.
