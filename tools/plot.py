@@ -14,7 +14,6 @@ from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxrl4llm import cli  # noqa: E402
-from jaxrl4llm.errors import UserError  # noqa: E402
 from jaxrl4llm.train.plots import plot_runs  # noqa: E402
 
 
@@ -25,10 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="output PNG (default: <first workdir>/curves.png)")
     args = parser.parse_args(argv)
     out = args.out or os.path.join(args.workdirs[0], "curves.png")
-    try:
-        print(plot_runs(args.workdirs, out))
-    except FileNotFoundError as e:   # a folder without metrics.jsonl
-        raise UserError(f"{e} Pass training workdirs (each holds metrics.jsonl).") from None
+    print(plot_runs(args.workdirs, out))   # a folder without metrics.jsonl: a UserError
     return 0
 
 

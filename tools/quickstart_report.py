@@ -19,7 +19,6 @@ min-max over them, a single value when they agree. The figures:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments.study_estimate import folder_bytes  # noqa: E402
+from jaxrl4llm import cli  # noqa: E402
 from jaxrl4llm.train.metrics import read_metrics  # noqa: E402
 
 _END_FILES = ("metrics.jsonl", "eval.json", "curves.png")
@@ -111,18 +111,14 @@ def report(runs: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workdirs", nargs="+", help="finished training workdirs "
                         "(with metrics.jsonl), e.g. one per --seed")
     args = parser.parse_args(argv)
-    try:
-        runs = [figures(w) for w in args.workdirs]
-    except FileNotFoundError as e:
-        print(f"Error: {e}", file=sys.stderr)
-        return 2
+    runs = [figures(w) for w in args.workdirs]   # a folder without metrics.jsonl: a UserError
     print("\n".join(report(runs)))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, absl_flags=False)

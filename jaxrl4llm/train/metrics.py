@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from absl import logging
 
+from jaxrl4llm.errors import UserError
 from jaxrl4llm.rl.metrics import Metric
 
 # The metrics the console line shows, in order, with their short labels.
@@ -148,11 +149,16 @@ def _parse_records(path: str) -> list[dict[str, Any]]:
     return records
 
 
+class MetricsNotFoundError(UserError, FileNotFoundError):
+    """A folder without metrics.jsonl where a training workdir was expected."""
+
+
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
     """All records of `workdir/metrics.jsonl`, in file order (torn lines skipped, warned)."""
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"No metrics at {path}: is {workdir!r} a training workdir?")
+        raise MetricsNotFoundError(f"No metrics at {path}: is {workdir!r} a training workdir? "
+                                   "Pass training workdirs (each holds metrics.jsonl).")
     return _parse_records(path)
 
 
