@@ -17,9 +17,8 @@ from jaxrl4llm.data.prompts import (
     user_content,
 )
 from jaxrl4llm.data.records import DataError, Record
+from jaxrl4llm.data.rows import FieldNames, ListSource
 from jaxrl4llm.data.sources import (
-    FieldNames,
-    ListSource,
     SyntheticSource,
     TfdsSource,
     make_source,

@@ -14,7 +14,9 @@ from typing import Any, Callable, Mapping
 
 from absl import logging
 
+from jaxrl4llm.data.hub import HubSpec, hub_rows
 from jaxrl4llm.data.records import DataError
+from jaxrl4llm.data.rows import FieldNames, ListSource, rows_to_records
 from jaxrl4llm.rewards import extract
 
 
@@ -137,8 +139,6 @@ def normalized_rows(bench: Benchmark, rows, counts: dict[str, int]):
 
 def load_benchmark(name: str, split: str = "test", revision: str | None = None):
     """The records of a registered dataset's split (a ListSource), answers normalised."""
-    from jaxrl4llm.data.hub import HubSpec, hub_rows
-    from jaxrl4llm.data.sources import FieldNames, ListSource, rows_to_records
 
     bench = get_benchmark(name)
     if split not in bench.splits:

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 from urllib.parse import unquote
 
 from jaxrl4llm.data.records import DataError, Record
+from jaxrl4llm.data.rows import convert_option
 from jaxrl4llm.data.tasks.common import canonical_split, split_of
 from jaxrl4llm.errors import DependencyError
 
@@ -69,16 +70,15 @@ def _field_kind(default: Any, hint: Any) -> Any:
 def _convert(text: str, kind: Any, key: str, where: str) -> Any:
     """A query value as the config field's type; a list field takes comma-separated items,
     an int field a range LO..HI."""
-    from jaxrl4llm.data.sources import _convert as convert_scalar
     if kind is int and ".." in text:
         low, _, high = text.partition("..")
-        low, high = (convert_scalar(v, int, key, f"see {where}") for v in (low, high))
+        low, high = (convert_option(v, int, key, f"see {where}") for v in (low, high))
         if low > high:
             raise DataError(f"{where}: range {key}={text} is empty; write LO..HI with LO <= HI")
         return range(low, high + 1)
     if isinstance(kind, tuple):
         return tuple(_convert(part, kind[1], key, where) for part in text.split(",") if part)
-    return convert_scalar(text, kind, key, f"see {where}'s reasoning-gym config")
+    return convert_option(text, kind, key, f"see {where}'s reasoning-gym config")
 
 
 def _config_kinds(config_cls: type) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 from jaxrl4llm import hub_access
 from jaxrl4llm.data.records import DataError
+from jaxrl4llm.data.rows import jsonl_rows, parquet_rows
 
 DATA_EXTENSIONS = (".parquet", ".jsonl", ".json")
 # Split names as the Hub's file-name conventions spell them.
@@ -231,7 +232,6 @@ def resolve_files(repo: HubRepo, spec: HubSpec, split: str) -> list[str]:
 
 
 def _json_rows(path: str) -> Iterator[tuple[str, Any]]:
-    from jaxrl4llm.data.sources import _jsonl_rows
     with open(path, "rb") as f:
         head = f.read(64).lstrip()
     if path.endswith(".json") and head.startswith(b"["):
@@ -239,7 +239,7 @@ def _json_rows(path: str) -> Iterator[tuple[str, Any]]:
             rows = json.load(f)
         yield from ((f"{path}:row {i}", row) for i, row in enumerate(rows, 1))
     else:
-        yield from _jsonl_rows(path)
+        yield from jsonl_rows(path)
 
 
 def hub_rows(spec: HubSpec, split: str, revision: str | None = None
@@ -251,7 +251,6 @@ def hub_rows(spec: HubSpec, split: str, revision: str | None = None
     local_paths = [(p, repo.download(p)) for p in paths]  # fail early, before any row
 
     def rows():
-        from jaxrl4llm.data.sources import parquet_rows
         for path, local in local_paths:
             where = f"hf:{spec.repo}@{repo.commit or repo.revision}/{path}"
             if path.endswith(".parquet"):

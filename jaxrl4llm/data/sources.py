@@ -17,45 +17,31 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
 import os
 import typing
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 from urllib.parse import unquote
 
+from jaxrl4llm.data.hub import HubSpec, hub_rows
 from jaxrl4llm.data.records import DataError, Record
+from jaxrl4llm.data.rows import (
+    ANSWER_FIELDS,
+    PROMPT_FIELDS,
+    FieldNames,
+    ListSource,
+    convert_option,
+    jsonl_rows,
+    parquet_rows,
+    pick_field,
+    rows_to_records,
+)
 from jaxrl4llm.data.tasks import TASKS, generate_record, get_task
 from jaxrl4llm.data.tasks.common import canonical_split
-from jaxrl4llm.rewards.registry import TASK_VERIFIERS
 
-PROMPT_FIELDS = ("prompt", "question", "problem", "query", "input")
-ANSWER_FIELDS = ("answer", "final_answer", "solution", "target", "output")
 SOURCE_KINDS = ("synthetic", "jsonl", "parquet", "tfds", "hf", "gym")
 SYNTHETIC_OPTIONS = {"n": int, "seed": int, "test_fraction": float}
 DEFAULT_SIZES = {"train": 10_000, "test": 500}
 TFDS_HINT = "pip install -e '.[tfds]'"
-
-
-@dataclasses.dataclass(frozen=True)
-class FieldNames:
-    prompt_field: str | None = None   # None: the first of PROMPT_FIELDS the first row has
-    answer_field: str | None = None   # None: the first of ANSWER_FIELDS the first row has
-    task_field: str = "task"          # a row field naming its task, if present
-    task: str = "math"                # the task of rows without `task_field`
-
-
-class ListSource(Sequence[Record]):
-    def __init__(self, records: list[Record], name: str):
-        self.records, self.name = records, name
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, index):  # grain calls this with ints only
-        return self.records[index]
-
-    def __repr__(self) -> str:
-        return f"ListSource({self.name!r}, {len(self)} records)"
 
 
 class SyntheticSource(Sequence[Record]):
@@ -82,18 +68,6 @@ class SyntheticSource(Sequence[Record]):
         return f"SyntheticSource({self.name!r}, {self.config}, seed={self.seed}, n={len(self)})"
 
 
-def _convert(value: str, kind: Any, name: str, valid: str) -> Any:
-    try:
-        if kind is bool:
-            if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(value)
-            return value.lower() in ("1", "true", "yes")
-        return kind(value)
-    except ValueError:
-        raise DataError(f"option {name}={value!r} is not a valid {kind.__name__}; "
-                        f"valid options: {valid}") from None
-
-
 def parse_synthetic(spec_body: str, split: str) -> SyntheticSource:
     """'arithmetic?digits=2&ops=+-*' -> SyntheticSource. '+' is literal (no form decoding)."""
     name, _, query = spec_body.partition("?")
@@ -108,62 +82,12 @@ def parse_synthetic(spec_body: str, split: str) -> SyntheticSource:
         key, value = unquote(key), unquote(value)
         if not eq or key not in kinds:
             raise DataError(f"synthetic:{name}: unknown option {item!r}; valid: {valid}")
-        options[key] = _convert(value, kinds[key], key, valid)
+        options[key] = convert_option(value, kinds[key], key, valid)
     config = task.config_cls(**{k: v for k, v in options.items() if k in knobs})
     split = canonical_split(split)
     return SyntheticSource(name, config, split, seed=options.get("seed", 0),
                            num_examples=options.get("n", DEFAULT_SIZES[split]),
                            test_fraction=options.get("test_fraction", 0.1))
-
-
-def _pick_field(row: Mapping[str, Any], given: str | None, candidates: Sequence[str],
-                role: str, where: str) -> str:
-    if given is not None:
-        return given
-    for name in candidates:
-        if name in row:
-            return name
-    raise DataError(f"{where}: no {role} field; looked for {', '.join(candidates)} but the row "
-                    f"has {', '.join(sorted(row)) or 'no fields'}; pass {role}_field=...")
-
-
-def rows_to_records(rows: Iterable[tuple[str, Mapping[str, Any]]], fields: FieldNames,
-                    name: str) -> list[Record]:
-    """(location, row) pairs -> Records; errors name the location ('file:line') and the field."""
-    records: list[Record] = []
-    prompt_key = answer_key = None
-    for where, row in rows:
-        if not isinstance(row, Mapping):
-            raise DataError(f"{where}: expected a JSON object per row, got {type(row).__name__}")
-        prompt_key = prompt_key or _pick_field(row, fields.prompt_field, PROMPT_FIELDS,
-                                               "prompt", where)
-        answer_key = answer_key or _pick_field(row, fields.answer_field, ANSWER_FIELDS,
-                                               "answer", where)
-        values = {}
-        for role, key in (("prompt", prompt_key), ("answer", answer_key)):
-            value = row.get(key)
-            if value is None or (isinstance(value, str) and not value.strip()):
-                raise DataError(f"{where}: missing or empty field {key!r} ({role}); the row has "
-                                f"{', '.join(sorted(row))}; fix the row or pass {role}_field=...")
-            if isinstance(value, bytes):
-                value = value.decode("utf-8", errors="replace")
-            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-                raise DataError(f"{where}: field {key!r} ({role}) must be text or a number, got "
-                                f"{type(value).__name__}")
-            values[role] = str(value)
-        metadata = {k: v for k, v in row.items() if k not in (prompt_key, answer_key)}
-        if isinstance(row.get("metadata"), Mapping):  # a Record.to_dict() row: flatten it
-            metadata.update(metadata.pop("metadata"))
-        metadata["task"] = str(row.get(fields.task_field) or metadata.get("task") or fields.task)
-        if metadata["task"] not in TASK_VERIFIERS:
-            raise DataError(f"{where}: unknown task {metadata['task']!r}; valid: "
-                            f"{', '.join(TASK_VERIFIERS)}; fix the row's {fields.task_field!r} "
-                            "field or pass task=...")
-        metadata["origin"] = where
-        records.append(Record(values["prompt"], values["answer"], metadata))
-    if not records:
-        raise DataError(f"{name}: the dataset is empty (no rows); check the file / split")
-    return records
 
 
 def _expand_paths(location: str, split: str, kind: str) -> list[str]:
@@ -175,48 +99,11 @@ def _expand_paths(location: str, split: str, kind: str) -> list[str]:
     return paths
 
 
-def _decode_line(raw: bytes, path: str, line_no: int) -> str:
-    """One JSONL line as text: UTF-8 (a byte-order mark on line 1 accepted)."""
-    try:
-        return raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}:{line_no}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} at "
-                        f"column {exc.start + 1}); re-encode the file as UTF-8, e.g. "
-                        f"iconv -f latin1 -t utf-8") from None
-
-
-def _jsonl_rows(path: str) -> Iterable[tuple[str, Any]]:
-    with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, 1):
-            line = _decode_line(raw, path, line_no)
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{line_no}: malformed JSON ({exc.msg} at column "
-                                f"{exc.colno}); each line must be one JSON object") from None
-            yield f"{path}:{line_no}", row
-
-
 def read_jsonl(location: str, split: str = "train",
                fields: FieldNames = FieldNames()) -> ListSource:
     paths = _expand_paths(location, split, "jsonl")
-    rows = (item for path in paths for item in _jsonl_rows(path))
+    rows = (item for path in paths for item in jsonl_rows(path))
     return ListSource(rows_to_records(rows, fields, ", ".join(paths)), location)
-
-
-def parquet_rows(path: str, where: str | None = None) -> Iterable[tuple[str, Any]]:
-    """(location, row) pairs of one Parquet file; `where` names it in locations and errors."""
-    import pyarrow.parquet as pq
-
-    where = where or path
-    try:
-        table = pq.read_table(path)
-    except Exception as exc:  # noqa: BLE001 - pyarrow raises many types
-        raise DataError(f"{where}: not a readable Parquet file ({exc})") from None
-    for row_no, row in enumerate(table.to_pylist(), 1):
-        yield f"{where}:row {row_no}", row
 
 
 def read_parquet(location: str, split: str = "train",
@@ -229,7 +116,6 @@ def read_parquet(location: str, split: str = "train",
 def read_hub(location: str, split: str = "train", fields: FieldNames = FieldNames(),
              revision: str | None = None) -> ListSource:
     """An `hf:OWNER/NAME[:CONFIG][@SPLIT]` source (the text after 'hf:')."""
-    from jaxrl4llm.data.hub import HubSpec, hub_rows
     spec = HubSpec.parse(location)
     rows, repo = hub_rows(spec, split, revision)
     records = rows_to_records(rows, fields, str(spec))
@@ -267,8 +153,8 @@ class TfdsSource(Sequence[Record]):
             raise DataError(f"{where}: expected a dict of features, got {type(first).__name__}")
         self._fields = dataclasses.replace(
             fields,
-            prompt_field=_pick_field(first, fields.prompt_field, PROMPT_FIELDS, "prompt", where),
-            answer_field=_pick_field(first, fields.answer_field, ANSWER_FIELDS, "answer", where))
+            prompt_field=pick_field(first, fields.prompt_field, PROMPT_FIELDS, "prompt", where),
+            answer_field=pick_field(first, fields.answer_field, ANSWER_FIELDS, "answer", where))
 
     def __len__(self) -> int:
         return len(self._data)

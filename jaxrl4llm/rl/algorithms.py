@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -390,11 +390,3 @@ def policy_loss(
     metrics = jax.tree_util.tree_map(jax.lax.stop_gradient, metrics)
     return loss_sum, denom, metrics
 
-
-def __getattr__(name: str) -> Any:
-    """The presets lived here before presets.py: rl.algorithms.grpo, .PRESETS, .get_preset
-    still resolve (imported lazily: presets.py imports this module)."""
-    from jaxrl4llm.rl import presets
-    if name == "get_preset" or name == "PRESETS" or name in presets.PRESETS:
-        return getattr(presets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,6 @@
 """The update's mini-batches of one rollout batch: PPO epochs, row order and each
 mini-batch's completion length (a pure function of the batch and the config)."""
+
 from __future__ import annotations
 
 from typing import Any, Iterator, NamedTuple
@@ -24,8 +25,9 @@ class MiniBatch(NamedTuple):
     tokens: tuple[int, int] | None
 
 
-def minibatches(batch: UpdateBatch, config: TrainConfig, key: jax.Array,
-                mesh: Any) -> Iterator[MiniBatch]:
+def minibatches(
+    batch: UpdateBatch, config: TrainConfig, key: jax.Array, mesh: Any
+) -> Iterator[MiniBatch]:
     """Yields every PPO epoch's mini-batches (rows reshuffled per epoch when split).
 
     A mini-batch runs on its own longest completion, bucketed: the rollout's batch is already
@@ -39,8 +41,9 @@ def minibatches(batch: UpdateBatch, config: TrainConfig, key: jax.Array,
     num_micro = M // config.micro_batch
     mask_BT = batch.seqs.completion_mask_BT
     # Multi-host: the rows are global and not all here; only the rollout's cut applies.
-    lengths_B = (np.asarray(jax.device_get(mask_BT.sum(axis=1)))
-                 if mask_BT.is_fully_addressable else None)
+    lengths_B = (
+        np.asarray(jax.device_get(mask_BT.sum(axis=1))) if mask_BT.is_fully_addressable else None
+    )
     num_classes = config.update.micro_batch_length_classes
     sort = lengths_B is not None and num_micro > 1 and num_classes > 1
     reshuffle = config.reshuffles_rows
@@ -50,38 +53,52 @@ def minibatches(batch: UpdateBatch, config: TrainConfig, key: jax.Array,
     layout = batch.layout.shuffled() if reshuffle or sort else batch.layout
     epochs = config.update.ppo_epochs if reshuffle else 1
     for epoch in range(epochs):
-        order = (np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), B))
-                 if reshuffle else np.arange(B))
+        order = (
+            np.asarray(jax.random.permutation(jax.random.fold_in(key, epoch), B))
+            if reshuffle
+            else np.arange(B)
+        )
         for start in range(0, B, M):
-            rows = order[start:start + M]
+            rows = order[start : start + M]
             if sort:
                 assert lengths_B is not None  # sort implies it
                 rows = rows[micro_batch_order(lengths_B[rows], num_micro)]
-            mb = batch if not reshuffle and not sort else _take_rows(batch, rows, layout, mesh)
+            mini_batch = (
+                batch if not reshuffle and not sort else _take_rows(batch, rows, layout, mesh)
+            )
             if lengths_B is None:
-                yield MiniBatch(mb, (), None)
+                yield MiniBatch(mini_batch, (), None)
                 continue
-            yield _cut_to_length(mb, lengths_B[rows], config, num_micro, sort)
+            yield _cut_to_length(mini_batch, lengths_B[rows], config, num_micro, sort)
 
 
 def _take_rows(batch: UpdateBatch, rows: np.ndarray, layout: Any, mesh: Any) -> UpdateBatch:
-    mb = jax.tree.map(lambda x: x[rows], batch).replace(layout=layout)
+    mini_batch = jax.tree.map(lambda x: x[rows], batch).replace(layout=layout)
     if mesh is None:
-        return mb
-    return jax.tree.map(lambda x: jax.device_put(x, parallel.batch_sharding(mesh, x.ndim)), mb)
+        return mini_batch
+    return jax.tree.map(
+        lambda x: jax.device_put(x, parallel.batch_sharding(mesh, x.ndim)), mini_batch
+    )
 
 
-def _cut_to_length(mb: UpdateBatch, lengths: np.ndarray, config: TrainConfig, num_micro: int,
-                   sort: bool) -> MiniBatch:
+def _cut_to_length(
+    mini_batch: UpdateBatch, lengths: np.ndarray, config: TrainConfig, num_micro: int, sort: bool
+) -> MiniBatch:
     """The mini-batch cut to its longest completion (bucketed), with its length classes and
     (real tokens, computed positions)."""
-    mb = mb.trimmed(buckets.bucket_completion_length(int(lengths.max()),
-                                                     config.rollout.max_new_tokens))
-    T = mb.seqs.completion_mask_BT.shape[1]
+    mini_batch = mini_batch.trimmed(
+        buckets.bucket_completion_length(int(lengths.max()), config.rollout.max_new_tokens)
+    )
+    T = mini_batch.seqs.completion_mask_BT.shape[1]
     classes = length_classes(T, config.update.micro_batch_length_classes) if sort else ()
     # Micro-batch k holds the rows k, k + num_micro, ... (step.accumulate).
     longest_k = lengths.reshape(-1, num_micro).max(axis=0)
-    runs_at = (np.asarray(classes)[np.searchsorted(classes, longest_k)] if classes
-               else np.full(num_micro, T))
+    runs_at = (
+        np.asarray(classes)[np.searchsorted(classes, longest_k)]
+        if classes
+        else np.full(num_micro, T)
+    )
     rows = len(lengths)
-    return MiniBatch(mb, classes, (int(lengths.sum()), int(runs_at.sum()) * (rows // num_micro)))
+    return MiniBatch(
+        mini_batch, classes, (int(lengths.sum()), int(runs_at.sum()) * (rows // num_micro))
+    )

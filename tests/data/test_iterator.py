@@ -8,7 +8,7 @@ import pytest
 
 from jaxrl4llm.data.iterator import make_iterator
 from jaxrl4llm.data.records import DataError, Record
-from jaxrl4llm.data.sources import ListSource
+from jaxrl4llm.data.rows import ListSource
 
 SOURCE = ListSource([Record(f"q{i}", str(i), {"task": "arithmetic"}) for i in range(23)], "toy")
 

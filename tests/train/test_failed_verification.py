@@ -41,7 +41,7 @@ def _advantages(config, valid=VALID):
 
 
 def test_failed_rows_leave_the_group_mean_and_std():
-    adv, keep, _ = _advantages(rl.algorithms.grpo())
+    adv, keep, _ = _advantages(rl.presets.grpo())
     np.testing.assert_allclose(adv, _np_group_normalized(REWARDS, VALID), atol=1e-5)
     # group 0 over [1, 0, 1]: mean 2/3, std sqrt(1/3); the failed row's 0 would pull both.
     np.testing.assert_allclose(adv[:3], [np.sqrt(1 / 3), -2 / np.sqrt(3), np.sqrt(1 / 3)],
@@ -66,7 +66,7 @@ def test_failed_rows_do_not_decide_group_rejection_or_rloo():
 
 
 def test_a_failed_row_does_not_enter_the_loss():
-    config = rl.algorithms.grpo()
+    config = rl.presets.grpo()
     adv, keep, _ = _advantages(config)
     logp, ref_logp = jnp.full((8, T), -1.0), jnp.full((8, T), -1.1)
 
