@@ -34,9 +34,9 @@ from typing import Any
 from absl import flags
 
 from experiments import train as _train  # defines the training flags (shared flagfiles)
-from jaxrl4llm import cli, options
-from jaxrl4llm.errors import FlagError
-from jaxrl4llm.options import require
+from jaxrl4llm.config import cli, options
+from jaxrl4llm.config.errors import FlagError
+from jaxrl4llm.config.options import require
 from jaxrl4llm.train.config import TrainConfig
 
 

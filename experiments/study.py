@@ -27,8 +27,8 @@ from tqdm.auto import tqdm
 
 from experiments import study_estimate, study_report
 from experiments.study_spec import REPO, Run, load_study, plan, select
-from jaxrl4llm import cli
-from jaxrl4llm.options import require
+from jaxrl4llm.config import cli
+from jaxrl4llm.config.options import require
 from jaxrl4llm.train.errors import EXIT_PREEMPTED
 
 _STUDY = flags.DEFINE_string("study", None, "A shipped study's name (experiments/studies/) "

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from experiments import study_report
 from experiments.study_spec import Run, resolve_config
-from jaxrl4llm.errors import UserError
+from jaxrl4llm.config.errors import UserError
 from jaxrl4llm.models.config import ARCHITECTURES, PRESETS, ModelConfig
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 from jaxrl4llm.train.metrics import read_metrics

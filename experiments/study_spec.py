@@ -39,7 +39,7 @@ import sys
 import tomllib
 from typing import Any, Sequence
 
-from jaxrl4llm.options import require
+from jaxrl4llm.config.options import require
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUDIES_DIR = os.path.join(REPO, "experiments", "studies")
@@ -216,7 +216,7 @@ def resolve_config(train_flags: Sequence[str], where: str) -> Any:
     its TrainConfig."""
     from absl import flags as absl_flags
 
-    from jaxrl4llm import cli
+    from jaxrl4llm.config import cli
     from jaxrl4llm.train.config import TrainConfig
     values = absl_flags.FlagValues()
     cli.define_flags(TrainConfig, values)

@@ -24,8 +24,9 @@ import sys
 
 from absl import flags, logging
 
-from jaxrl4llm import cli, parallel
-from jaxrl4llm.errors import one_line
+from jaxrl4llm import parallel
+from jaxrl4llm.config import cli
+from jaxrl4llm.config.errors import one_line
 from jaxrl4llm.models import registry
 from jaxrl4llm.train import errors
 from jaxrl4llm.train.config import TrainConfig

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jaxrl4llm.options import require
+from jaxrl4llm.config.options import require
 
 KINDS = ("greedy", "avg", "pass", "maj")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")

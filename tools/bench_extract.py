@@ -17,7 +17,7 @@ import time
 from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jaxrl4llm import cli  # noqa: E402
+from jaxrl4llm.config import cli
 from jaxrl4llm.rewards import countdown, extract, knights_knaves, math_verifier  # noqa: E402
 
 KINDS = {

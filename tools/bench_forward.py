@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from jaxrl4llm import cli
+from jaxrl4llm.config import cli
+from jaxrl4llm.config.options import require
 from jaxrl4llm.models import transformer as T
 from jaxrl4llm.models.config import PRESETS
-from jaxrl4llm.options import require
 
 flags.DEFINE_string("model", "smollm2-135m", f"config preset: {sorted(PRESETS)}")
 flags.DEFINE_integer("batch", 8, "rows per step")

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrl4llm import cli  # noqa: E402
+from jaxrl4llm.config import cli
 
 
 def waste(lengths_B: np.ndarray, num_steps: int, slot_steps: int, max_new_tokens: int

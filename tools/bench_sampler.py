@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrl4llm import cli  # noqa: E402
+from jaxrl4llm.config import cli
 from jaxrl4llm.models import registry  # noqa: E402
 from jaxrl4llm.sampling import Sampler  # noqa: E402
 from jaxrl4llm.sampling.strategies import GREEDY, SamplingConfig  # noqa: E402

@@ -33,7 +33,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jaxrl4llm import cli  # noqa: E402
+from jaxrl4llm.config import cli
 
 
 def step_tflop(config, prompts: int, group: int, prompt_len: int, new_tokens: int, *,

@@ -19,7 +19,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxrl4llm import cli, rl  # noqa: E402
+from jaxrl4llm import rl  # noqa: E402
+from jaxrl4llm.config import cli
 from jaxrl4llm.models import transformer  # noqa: E402
 from jaxrl4llm.models.config import ModelConfig  # noqa: E402
 from jaxrl4llm.train.logprobs import Sequences  # noqa: E402

@@ -17,8 +17,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jaxrl4llm import cli  # noqa: E402
-from jaxrl4llm.errors import DependencyError  # noqa: E402
+from jaxrl4llm.config import cli
+from jaxrl4llm.config.errors import DependencyError  # noqa: E402
 
 TORCH_INSTALL = "pip install torch==2.13.0"
 

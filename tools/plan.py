@@ -116,8 +116,8 @@ import jax  # noqa: E402
 from absl import flags  # noqa: E402
 
 from experiments import train  # noqa: E402  (defines the training flags)
-from jaxrl4llm import cli  # noqa: E402
-from jaxrl4llm.options import require  # noqa: E402
+from jaxrl4llm.config import cli  # noqa: E402
+from jaxrl4llm.config.options import require  # noqa: E402
 
 import plan_programs  # noqa: E402
 

@@ -13,7 +13,7 @@ import sys
 from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from jaxrl4llm import cli  # noqa: E402
+from jaxrl4llm.config import cli
 from jaxrl4llm.train.plots import plot_runs  # noqa: E402
 
 

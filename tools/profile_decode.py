@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxrl4llm import cli  # noqa: E402
+from jaxrl4llm.config import cli
 
 
 def main(argv=None) -> int:

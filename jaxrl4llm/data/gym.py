@@ -30,10 +30,10 @@ import typing
 from typing import Any, Sequence
 from urllib.parse import unquote
 
+from jaxrl4llm.config.errors import DependencyError
 from jaxrl4llm.data.records import DataError, Record
 from jaxrl4llm.data.rows import convert_option
 from jaxrl4llm.data.tasks.common import canonical_split, split_of
-from jaxrl4llm.errors import DependencyError
 
 GYM_HINT = "pip install -e '.[gym]' (the reasoning-gym package)"
 OUR_OPTIONS = {"n": int, "seed": int, "test_fraction": float, "terms": str}

@@ -5,7 +5,7 @@ Files come through `huggingface_hub` (installed with transformers): its cache
 commit) and offline mode (`HF_HUB_OFFLINE=1`: only the cache is read, and a file that is not
 cached is an error naming the repository and the file). Without network (the normal case on
 a cluster's compute nodes) the first request fails within seconds, naming the cache and the
-`hf download` command (jaxrl4llm.hub_access). Which files hold a config's split
+`hf download` command (jaxrl4llm.models.hub_access). Which files hold a config's split
 follows the Hub's conventions: the `configs:` block of the repository's README.md when it
 has one, else the split name in the file path (`test.jsonl`, `data/test-0000.parquet`,
 `main/test-*.parquet` for config `main`). Parquet, JSONL and JSON files are read with pyarrow
@@ -21,9 +21,9 @@ import os
 import re
 from typing import Any, Iterator
 
-from jaxrl4llm import hub_access
 from jaxrl4llm.data.records import DataError
 from jaxrl4llm.data.rows import jsonl_rows, parquet_rows
+from jaxrl4llm.models import hub_access
 
 DATA_EXTENSIONS = (".parquet", ".jsonl", ".json")
 # Split names as the Hub's file-name conventions spell them.
@@ -75,7 +75,7 @@ class HubRepo:
 
     def _check_network(self) -> None:
         """Fails fast, with the offline fix, when the hub cannot be reached (see
-        jaxrl4llm.hub_access); a no-op in offline mode."""
+        jaxrl4llm.models.hub_access); a no-op in offline mode."""
         if self.offline:
             return
         problem = hub_access.require_reachable(self.repo, "dataset", self.revision, self.cache)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from jaxrl4llm.errors import UserError
+from jaxrl4llm.config.errors import UserError
 
 
 class DataError(UserError, ValueError):

@@ -6,7 +6,7 @@ OWNER/NAME is a Hugging Face Hub model id, read from the hub cache (HF_HUB_CACHE
 downloaded into it (config, safetensors and tokenizer files). `check` says whether a name can
 load without reading any weights (the trainer calls it while checking the flags); without
 network a hub id fails within seconds, naming the cache and the `hf download` command
-(jaxrl4llm.hub_access).
+(jaxrl4llm.models.hub_access).
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jaxrl4llm import hub_access, parallel
-from jaxrl4llm.errors import ModelNotFoundError
-from jaxrl4llm.models import weights
+from jaxrl4llm import parallel
+from jaxrl4llm.config.errors import ModelNotFoundError
+from jaxrl4llm.models import hub_access, weights
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.tokenizer import Tokenizer
 

@@ -13,7 +13,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxrl4llm.options import require
+from jaxrl4llm.config.options import require
 from jaxrl4llm.rl import advantages as adv_lib
 from jaxrl4llm.rl import filters, losses
 from jaxrl4llm.rl import value as value_lib

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxrl4llm.errors import UserError
+from jaxrl4llm.config.errors import UserError
 
 MIN_PROMPT_BUCKET = 16
 LONG_PROMPT_MODES = ("error", "drop")

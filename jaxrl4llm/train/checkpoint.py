@@ -22,7 +22,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from jaxrl4llm.errors import UserError
+from jaxrl4llm.config.errors import UserError
 from jaxrl4llm.models import registry
 from jaxrl4llm.train import integrity
 from jaxrl4llm.train.config import TrainConfig, param_dtype

@@ -1,7 +1,7 @@
 """TrainConfig: everything a run needs, as a tree of frozen sub-configs, one per concern.
 
-Every leaf field is a command-line flag with a flat name (jaxrl4llm.options is the mechanism,
-jaxrl4llm.cli defines the flags): its type, default and help come from the field and its
+Every leaf field is a command-line flag with a flat name (jaxrl4llm.config.options is the mechanism,
+jaxrl4llm.config.cli defines the flags): its type, default and help come from the field and its
 class docstring's "name: text" line, so a new field is a new flag. Where a field's flag name
 differs from the field name (`--model` for model.name, `--lr_schedule` for
 optimizer.schedule), or its values are a fixed set, the mount below says so.
@@ -16,9 +16,10 @@ from typing import Any
 
 import jax
 
-from jaxrl4llm import options, parallel, rl
+from jaxrl4llm import parallel, rl
+from jaxrl4llm.config import options
+from jaxrl4llm.config.options import group, require
 from jaxrl4llm.data import prompts, record_messages
-from jaxrl4llm.options import group, require
 from jaxrl4llm.rewards.math_verifier import ANSWER_MODES
 from jaxrl4llm.rewards.registry import TASK_VERIFIERS, RewardConfig
 from jaxrl4llm.rewards.shaping import SCALES

@@ -17,7 +17,7 @@ docs/reliability.md lists the tests behind each.
 """
 from __future__ import annotations
 
-from jaxrl4llm.errors import (  # noqa: F401
+from jaxrl4llm.config.errors import (  # noqa: F401
     EXIT_DIVERGED,
     EXIT_FINISHED,
     EXIT_PREEMPTED,

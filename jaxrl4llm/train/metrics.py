@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from jaxrl4llm.errors import UserError
+from jaxrl4llm.config.errors import UserError
 from jaxrl4llm.rl.metrics import Metric
 
 # The metrics the console line shows, in order, with their short labels.

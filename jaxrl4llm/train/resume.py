@@ -26,7 +26,7 @@ import os
 
 from absl import logging
 
-from jaxrl4llm import options
+from jaxrl4llm.config import options
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.errors import ResumeMismatchError
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from absl import logging
 
-from jaxrl4llm.errors import UserError
+from jaxrl4llm.config.errors import UserError
 
 LOCK_NAME = "run.lock"
 

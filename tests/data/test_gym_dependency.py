@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
+from jaxrl4llm.config.errors import DependencyError
 from jaxrl4llm.data import make_source
-from jaxrl4llm.errors import DependencyError
 
 
 def test_a_gym_source_without_its_extra_is_a_dependency_error(monkeypatch):

@@ -12,8 +12,8 @@ import pytest
 from absl import flags
 
 from experiments import evaluate
-from jaxrl4llm import cli
-from jaxrl4llm.errors import FlagError, UserError
+from jaxrl4llm.config import cli
+from jaxrl4llm.config.errors import FlagError, UserError
 from jaxrl4llm.train.checkpoint import CheckpointError, checkpoint_step, read_run_config
 from jaxrl4llm.train.config import TrainConfig
 

@@ -9,8 +9,8 @@ import pytest
 from absl import flags
 
 from experiments import train
-from jaxrl4llm import cli, options
-from jaxrl4llm.errors import EXIT_USER_ERROR
+from jaxrl4llm.config import cli, options
+from jaxrl4llm.config.errors import EXIT_USER_ERROR
 from jaxrl4llm.models import registry
 from jaxrl4llm.train.config import TrainConfig
 

@@ -13,7 +13,8 @@ import pytest
 from absl import flags
 
 from experiments import train
-from jaxrl4llm import cli, options, rl
+from jaxrl4llm import rl
+from jaxrl4llm.config import cli, options
 from jaxrl4llm.train.config import TrainConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

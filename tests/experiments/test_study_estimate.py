@@ -136,7 +136,7 @@ def test_the_study_command_exits_2_before_any_run(spec, tmp_path, monkeypatch, c
     from absl import flags
     flags.FLAGS(["study", f"--study={spec.path}", "--scale=toy", f"--root={tmp_path / 'r'}"])
     try:
-        from jaxrl4llm import cli
+        from jaxrl4llm.config import cli
         assert cli.exit_code(study.main, ["study"]) == 2   # the entry point's error contract
     finally:
         flags.FLAGS.unparse_flags()

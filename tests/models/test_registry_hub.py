@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from jaxrl4llm.errors import ModelNotFoundError, UserError
+from jaxrl4llm.config.errors import ModelNotFoundError, UserError
 from jaxrl4llm.models import registry
 
 CLOSED_ENDPOINT = "http://127.0.0.1:9"

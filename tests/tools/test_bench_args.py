@@ -71,6 +71,6 @@ def test_fastest_of_no_or_failed_rounds_is_none():
 
 
 def test_zero_rounds_is_a_usage_error():
-    from jaxrl4llm.errors import FlagError
+    from jaxrl4llm.config.errors import FlagError
     with pytest.raises(FlagError, match="--rounds=0"):   # exit 2, one line, via cli.run
         bench_train.main(["--rounds=0"])

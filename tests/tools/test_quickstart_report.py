@@ -96,6 +96,6 @@ def test_several_workdirs_give_ranges(tmp_path, capsys):
 
 
 def test_a_folder_without_metrics_is_exit_2(tmp_path, capsys):
-    from jaxrl4llm import cli
+    from jaxrl4llm.config import cli
     assert cli.exit_code(quickstart_report.main, [str(tmp_path)]) == 2   # as cli.run maps it
     assert "metrics.jsonl" in capsys.readouterr().err

@@ -9,7 +9,7 @@ an *option* with
   - help: the line "name: text" of its class docstring (continued on indented lines);
   - choices, where the mount declares them (`choices={"mean": MEANS}`).
 So a new field is a new option with no other edit. `options(TrainConfig)` lists them;
-`jaxrl4llm.cli` turns them into absl flags; `replace(tree, **flat)` sets them by flat name;
+`jaxrl4llm.config.cli` turns them into absl flags; `replace(tree, **flat)` sets them by flat name;
 `to_dict` / `from_dict` round-trip a tree through JSON. This module is pure Python.
 
 A mount may also derive a field from another option (`derived={"max_new_tokens":
@@ -28,9 +28,9 @@ import types
 import typing
 from typing import Any, Callable, Mapping
 
-from jaxrl4llm.errors import FlagError
+from jaxrl4llm.config.errors import FlagError
 
-_MOUNT = "jaxrl4llm.options.mount"
+_MOUNT = "jaxrl4llm.config.options.mount"
 
 
 def require(cond: Any, message: str) -> None:

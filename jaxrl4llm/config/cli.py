@@ -1,14 +1,14 @@
 """Command-line entry points: absl flags generated from a config tree, one error contract,
 and a quiet console.
 
-    define_flags(TrainConfig)            # one flag per option (jaxrl4llm.options)
+    define_flags(TrainConfig)            # one flag per option (jaxrl4llm.config.options)
     config = config_from_flags(TrainConfig)
     if __name__ == "__main__":
         cli.run(main)                    # absl flags; cli.run(main, absl_flags=False) for a
                                          # script whose main parses cli.ArgumentParser
 
 `run` is every entry point's contract (docs/reliability.md, "Exit codes"): a
-`jaxrl4llm.errors.UserError`, a usage error or a malformed command line (an unknown flag, a
+`jaxrl4llm.config.errors.UserError`, a usage error or a malformed command line (an unknown flag, a
 bad value, a missing --flagfile, a stray argument) prints one line, `Error: ...`, and exits 2
 with no traceback; `--debug` or JAXRL4LLM_DEBUG=1 prints the traceback above that line.
 
@@ -29,8 +29,8 @@ from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 from absl import app, flags, logging
 
-from jaxrl4llm import options
-from jaxrl4llm.errors import EXIT_USER_ERROR, FlagError, UserError, one_line
+from jaxrl4llm.config import options
+from jaxrl4llm.config.errors import EXIT_USER_ERROR, FlagError, UserError, one_line
 
 DEBUG_ENV = "JAXRL4LLM_DEBUG"
 if "debug" not in flags.FLAGS:
