@@ -90,13 +90,28 @@ class Sampler:
     def generate(self, params: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                  max_new_tokens: int, key: jax.Array, *, group_size: int = 1,
                  share_prompts: bool = True, row_keys: jax.Array | None = None,
-                 greedy_last: int = 0) -> SampleOutput:
+                 greedy_last: int = 0,
+                 prefixes: Sequence[Sequence[int]] | None = None) -> SampleOutput:
         """`group_size` samples of each prompt (token ids), laid out as
         RowLayout(group_size, share_prompts), the last `greedy_last` of each greedy; see the
-        module function `generate`."""
+        module function `generate`.
+
+        `prefixes` (one token list per prompt, group_size 1) continue completions begun
+        earlier (partial rollouts): prompt r followed by prefixes[r] is prefilled as one
+        prompt, which rebuilds the KV cache, and up to max_new_tokens more tokens follow. The
+        output's prompt block holds prompt + prefix; its completion columns the new tokens
+        only. The prompts were checked against the limit when their completions began, so
+        prompt + prefix is not held to it."""
+        limit = self.max_prompt_len
+        if prefixes is not None:
+            if group_size != 1 or len(prefixes) != len(prompts):
+                raise ValueError(f"prefixes: one per prompt with group_size=1, got "
+                                 f"{len(prefixes)} for {len(prompts)} prompts x {group_size}.")
+            prompts = [list(p) + list(x) for p, x in zip(prompts, prefixes)]
+            limit = max(len(p) for p in prompts)
         return generate(params, self.model_config, prompts, sampling, max_new_tokens, key,
                         stop_ids=self.stop_ids, n=group_size, pad_id=self.pad_id,
-                        mesh=self.mesh, rules=self.rules, max_prompt_len=self.max_prompt_len,
+                        mesh=self.mesh, rules=self.rules, max_prompt_len=limit,
                         long_prompts=self.long_prompts, row_keys=row_keys,
                         min_prompt_bucket=self.min_prompt_bucket, share_prompts=share_prompts,
                         max_rows=self.max_rows, greedy_last=greedy_last, compact=self.compact)

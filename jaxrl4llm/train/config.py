@@ -26,7 +26,7 @@ from jaxrl4llm.rewards.shaping import SCALES
 from jaxrl4llm.sampling.buckets import LONG_PROMPT_MODES
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
-from jaxrl4llm.train import sample_rounds
+from jaxrl4llm.train import partial, sample_rounds
 from jaxrl4llm.train.state import SCHEDULES, OptimizerConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -114,6 +114,11 @@ class RolloutConfig:
         update passes): the same result with less compute and memory.
     rollout_micro_batch: Rows per sampler / reference / old-logprob pass, run one after another
         (0 = all rows at once); bounds the KV cache and activation memory.
+    partial_rollout_tokens: Partial rollouts: sample in rounds of at most this many new tokens
+        per row until P groups have finished; unfinished rows carry over to the next step
+        with their tokens and logprobs (0 = off; see train/partial.py).
+    max_staleness: With --partial_rollout_tokens: steps a group may wait in the carried buffer
+        before it is dropped (and counted).
     """
 
     prompts_per_step: int = 8
@@ -124,6 +129,8 @@ class RolloutConfig:
     long_prompts: str = "error"
     share_prompts: bool = True
     rollout_micro_batch: int = 0
+    partial_rollout_tokens: int = 0
+    max_staleness: int = 2
 
     @property
     def layout(self) -> RowLayout:
@@ -338,6 +345,7 @@ class TrainConfig:
         self._validate_batches(num_devices, data_parallel)
         rl.validate(self.algorithm, self.rollout.group_size)
         self._validate_critic()
+        self._validate_partial()
         a = self.algorithm
         require(not ((a.advantage == "remax" or a.dynamic_sampling) and jax.process_count() > 1),
                 sample_rounds.ONE_HOST_ONLY)
@@ -409,6 +417,30 @@ class TrainConfig:
                 f"--critic_model / --critic_learning_rate / --critic_warmup_steps are set but "
                 f"--algorithm={self.algorithm.name} trains no critic; use --algorithm=ppo (or "
                 "--advantage=gae), or drop the critic flags.")
+
+    def _validate_partial(self) -> None:
+        """Partial rollouts: the budget, the staleness bound and what they do not combine with."""
+        r, a = self.rollout, self.algorithm
+        N, K = r.partial_rollout_tokens, r.max_staleness
+        require(K >= 0, f"--max_staleness={K} must be >= 0 (steps a carried group may wait).")
+        if not N:
+            require(K == RolloutConfig.max_staleness,
+                    f"--max_staleness={K} applies only to partial rollouts: set "
+                    "--partial_rollout_tokens too, or drop --max_staleness.")
+            return
+        require(0 < N < r.max_new_tokens,
+                f"--partial_rollout_tokens={N} must be in [1, --max_new_tokens="
+                f"{r.max_new_tokens}) (0 = off): a budget of --max_new_tokens or more finishes "
+                "every row in one round.")
+        unsupported = [flag for flag, on in (
+            ("--dynamic_sampling", a.dynamic_sampling),
+            ("--advantage=remax", a.advantage == "remax"),
+            ("--norecompute_old_logprobs", not self.update.recompute_old_logprobs)) if on]
+        require(not unsupported,
+                f"--partial_rollout_tokens={N} does not combine with {', '.join(unsupported)}: "
+                "partial rollouts fill the batch with finished groups themselves and take pi_old "
+                "from the recomputed logprobs; drop those, or set --partial_rollout_tokens=0.")
+        require(jax.process_count() == 1, partial.ONE_HOST_ONLY)
 
     def _validate_data(self) -> None:
         """Flags that a data source would ignore (the source itself is read, and checked, by

@@ -117,7 +117,7 @@ def _step(models: Models, services: Services, updater: Updater,
                              records, jax.random.fold_in(step_key, 0),
                              next_records=lambda: next(services.iterator),  # dynamic sampling
                              critic_params=None if models.critic_state is None
-                             else models.critic_state.params)
+                             else models.critic_state.params, in_flight=services.in_flight)
     host_memory.release_free_memory()  # the sampler's freed buffers, before the update
     models, update_metrics = updater(models, batch, step, jax.random.fold_in(step_key, 1))
     metrics.update(update_metrics)
@@ -146,8 +146,10 @@ def _watch_divergence(progress: Progress, config: TrainConfig, done: int,
 
 
 def _save(models: Models, services: Services, step: int) -> None:
-    services.checkpointer.save(step, models.saved(),
-                               {"iterator": services.iterator.get_state()})
+    data_state = {"iterator": services.iterator.get_state()}
+    if services.in_flight is not None:   # partial rollouts' carried rows
+        data_state["in_flight"] = services.in_flight.get_state()
+    services.checkpointer.save(step, models.saved(), data_state)
 
 
 def _diverged_message(step: int, stalled: int, checkpointer: Checkpointer) -> str:

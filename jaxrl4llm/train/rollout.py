@@ -100,15 +100,20 @@ def _group_metrics(correct_B: np.ndarray, group_size: int) -> dict[str, Metric]:
 
 def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: Any,
             records: Sequence[Any], key: jax.Array, next_records: Any = None,
-            critic_params: Any = None) -> tuple[UpdateBatch, dict[str, float]]:
+            critic_params: Any = None, in_flight: Any = None
+            ) -> tuple[UpdateBatch, dict[str, float]]:
     """Builds the update batch of one training step (B = len(records) * group_size rows):
     sample -> score -> filter (`sample_and_score`, in rounds when dynamic sampling
     resamples), then the teacher-forced passes (reference / old logprobs, PPO's values) and
     the advantages. `next_records()` gives more prompts when dynamic sampling resamples
     (default: the same). `critic_params` (PPO): the critic's values of the batch give the
-    advantages and returns."""
-    rows, round_metrics = sample_and_score(ctx, config.algorithm, params, records, key,
-                                           config.rollout.layout, next_records)
+    advantages and returns. `in_flight` (partial rollouts: train.partial.InFlight) samples
+    the step's groups instead, carrying unfinished rows to the next step."""
+    if in_flight is not None:
+        rows, round_metrics = in_flight.sample_and_score(ctx, params, records, key, next_records)
+    else:
+        rows, round_metrics = sample_and_score(ctx, config.algorithm, params, records, key,
+                                               config.rollout.layout, next_records)
     t0 = time.perf_counter()
     # Teacher-forced passes and the update run on the batch's longest completion, bucketed.
     out = rows.samples.out.trimmed(buckets.bucket_completion_length(

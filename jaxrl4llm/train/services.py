@@ -16,7 +16,7 @@ from jaxrl4llm.data import make_iterator, make_source
 from jaxrl4llm.models import registry
 from jaxrl4llm.rewards import RewardFn
 from jaxrl4llm.sampling import buckets
-from jaxrl4llm.train import critic
+from jaxrl4llm.train import critic, partial
 from jaxrl4llm.train import metrics as metrics_lib
 from jaxrl4llm.train.checkpoint import Checkpointer, abstract_like
 from jaxrl4llm.train.config import TrainConfig, param_dtype
@@ -98,6 +98,7 @@ class Services:
     writer: metrics_lib.MetricsWriter
     lr_schedule: Callable[[int], Any]
     start: int                         # the step this run starts at (after a resume)
+    in_flight: partial.InFlight | None = None   # partial rollouts' carried buffer
 
     def close(self) -> None:
         """Whatever happened, what was computed is kept: metrics flushed, pool closed."""
@@ -145,19 +146,24 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint_every,
                                 run.keep_checkpoints)
     writer = metrics_lib.MetricsWriter(workdir, tensorboard=run.tensorboard)
+    in_flight = (partial.InFlight(config.rollout, ctx.sampler.pad_id)
+                 if config.rollout.partial_rollout_tokens else None)
     start = 0
     if checkpointer.latest_step() is not None:
         saved, data_state = checkpointer.restore(abstract_like(models.saved()))
         models = models.restored(saved)
         # The saved iterator state is host 0's; hosts differ only in their shard index.
         iterator.set_state(dict(data_state["iterator"], shard_index=jax.process_index()))
+        if in_flight is not None:
+            in_flight.set_state(data_state.get("in_flight"))
         start = int(models.state.step)
         tqdm.write(f"Resumed from step {start} in {workdir}")
     writer.truncate_after(start)  # also at 0: a run killed before its first checkpoint
     return models, Services(config=config, mesh=mesh, model_config=model_config,
                             workdir=workdir, iterator=iterator, ctx=ctx, reward_fn=reward_fn,
                             evaluation=evals, checkpointer=checkpointer, writer=writer,
-                            lr_schedule=learning_rate_schedule(config.optimizer), start=start)
+                            lr_schedule=learning_rate_schedule(config.optimizer), start=start,
+                            in_flight=in_flight)
 
 
 def _prompts_per_host(config: TrainConfig, mesh: Any) -> int:

@@ -1,0 +1,233 @@
+"""Partial rollouts (train/partial.py): the carried buffer by hand on a scripted sampler, a
+resumed row continuing its prefix exactly (greedy), and the loop with the flag, killed and
+resumed bit for bit."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl4llm import rl
+from jaxrl4llm.models import registry
+from jaxrl4llm.rewards.base import RewardBatch
+from jaxrl4llm.sampling.frontend import Sampler
+from jaxrl4llm.sampling.sampler import SampleOutput
+from jaxrl4llm.sampling.strategies import GREEDY
+from jaxrl4llm.train import loop, partial
+from jaxrl4llm.train.config import RolloutConfig
+from jaxrl4llm.train.metrics import read_metrics
+
+from tests.conftest import build_toy_model
+from tests.train.test_loop import _config, _one_device
+
+# Scripted rows: record -> for each of its G = 2 rows, the completion length at which it emits
+# its stop token (None: never; it runs to max_new_tokens = 6 and is truncated).
+SCRIPT = {"a": (1, 2), "b": (None, 3), "c": (2, 1), "d": (None, None), "e": (1, 1),
+          "f": (1, 1), "g": (1, 1), "h": (1, 1)}
+RECORDS = "abcdefgh"
+
+
+def _token(record: str, position: int) -> int:
+    """The scripted token at 1-based completion position `position` of a record's rows."""
+    return 10 * (RECORDS.index(record) + 1) + position
+
+
+class ScriptedSampler:
+    """A sampler that continues each row from its prefix along SCRIPT, within the budget."""
+
+    pad_id, mesh = 0, None
+    model_config = types.SimpleNamespace(vocab_size=1000)
+
+    def __init__(self):
+        self.calls = []
+
+    def encode(self, messages):
+        return [[900 + RECORDS.index(m)] for m in messages]
+
+    def generate(self, params, prompts, sampling, budget, key, prefixes=None):
+        self.calls.append([len(p) for p in prefixes])
+        B = len(prompts)
+        tokens, logp = np.zeros((B, budget), np.int32), np.zeros((B, budget), np.float32)
+        lengths, truncated = np.zeros(B, np.int32), np.zeros(B, bool)
+        for r, (prompt, prefix) in enumerate(zip(prompts, prefixes)):
+            record, start = RECORDS[prompt[0] - 900], len(prefix)
+            stop = SCRIPT[record][r % 2]
+            n = budget if stop is None or stop - start > budget else stop - start
+            lengths[r], truncated[r] = n, stop is None or stop - start > budget
+            for i in range(n):
+                tokens[r, i] = _token(record, start + i + 1)
+                logp[r, i] = -0.01 * tokens[r, i]
+        return SampleOutput(tokens, logp, np.arange(budget) < lengths[:, None], lengths,
+                            truncated, np.zeros((B, 1), np.int32), np.ones((B, 1), bool),
+                            np.zeros(B, bool), np.int32(lengths.max()), np.int32(0))
+
+    def decode(self, out, num_rows):
+        return [" ".join(map(str, out.tokens_BT[r, :out.lengths_B[r]])) for r in range(num_rows)]
+
+
+class Rewards:
+    def score(self, texts, records, lengths):
+        return RewardBatch(rewards=np.array([float(r == "a") for r in records], np.float32),
+                           correct=np.array([r == "a" for r in records]),
+                           reasons=["correct" if r == "a" else "wrong" for r in records])
+
+
+def _ctx(max_staleness=1):
+    rollout = RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=6,
+                            max_prompt_tokens=8, partial_rollout_tokens=2,
+                            max_staleness=max_staleness)
+    return types.SimpleNamespace(rollout=rollout, sampler=ScriptedSampler(), reward_fn=Rewards(),
+                                 data=types.SimpleNamespace(messages=lambda r: r))
+
+
+def _supply():
+    """The data iterator: two records per call, in order, after the step's own."""
+    rest = iter(RECORDS[2:])
+    return lambda: [next(rest), next(rest)]
+
+
+def _rows(rows):
+    """(record per row, completion tokens per row, behaviour logprobs per row) of a batch."""
+    out = jax.device_get(rows.samples.out)
+    tokens = [out.tokens_BT[r, :n].tolist() for r, n in enumerate(out.lengths_B)]
+    logp = [out.logprobs_BT[r, :n].tolist() for r, n in enumerate(out.lengths_B)]
+    return tokens, logp, out
+
+
+def test_the_buffer_carries_resumes_and_drops_stale_groups():
+    ctx, more = _ctx(max_staleness=1), _supply()
+    key = jax.random.key(0)
+    # Step 1, prompts a, b. Round 1: a finishes (1 and 2 tokens); b's rows reach 2 tokens.
+    # Round 2 takes c (the iterator's next two: c, d; d waits): b's row 1 stops at 3, its row 0
+    # reaches 4; c finishes. Batch: a, c; b carried (age 1); d pending.
+    rows, carried, m = partial.sample_and_score(ctx, None, partial.Carried(), list("ab"), key,
+                                                more)
+    tokens, logp, out = _rows(rows)
+    assert tokens == [[11], [11, 12], [31, 32], [31]]
+    np.testing.assert_allclose(logp[1], [-0.11, -0.12], rtol=1e-6)
+    assert out.truncated_B.tolist() == [False] * 4
+    assert ctx.sampler.calls == [[0, 0, 0, 0], [2, 2, 0, 0]]
+    assert [g.record for g in carried.groups] == ["b"] and carried.groups[0].age == 1
+    assert carried.groups[0].lengths_G.tolist() == [4, 3] and carried.pending == ("d",)
+    assert rows.scored.rewards.tolist() == [1, 1, 0, 0]
+    assert {k: m[k].value for k in m if k.startswith("partial/")} == {
+        "partial/rounds": 1 * 2, "partial/new_groups": 3, "partial/carried_rows": 2,
+        "partial/dropped_rows": 0, "partial/staleness_0": 4, "partial/staleness_1": 0}
+
+    # The buffer through the checkpoint's JSON: exactly the same.
+    state = json.loads(json.dumps(carried.to_state()))
+    restored = partial.Carried.from_state(state, 2, 6, 0)
+    for x, y in zip(carried.groups, restored.groups):
+        for f in ("tokens_GT", "logprobs_GT", "lengths_G", "stopped_G"):
+            np.testing.assert_array_equal(getattr(x, f), getattr(y, f))
+        assert (x.record, x.prompt, x.age, x.dropped) == (y.record, y.prompt, y.age, y.dropped)
+    assert restored.pending == carried.pending
+
+    # Step 2, prompts e, f (pending: d, e, f). Round 1: b resumed from 4 (row 0) runs to 6 and
+    # is truncated; d starts. Round 2 takes e, which finishes; d reaches 4 and is carried.
+    rows, carried2, m = partial.sample_and_score(ctx, None, restored, list("ef"), key, more)
+    tokens, logp, out = _rows(rows)
+    assert tokens == [[21, 22, 23, 24, 25, 26], [21, 22, 23], [51], [51]]
+    # b's behaviour logprobs: its parts of step 1 and step 2, concatenated.
+    np.testing.assert_allclose(logp[0], [-0.21, -0.22, -0.23, -0.24, -0.25, -0.26], rtol=1e-6)
+    assert out.truncated_B.tolist() == [True, False, False, False]
+    assert ctx.sampler.calls[2:] == [[4, 0, 0, 0], [2, 2, 0, 0]]   # d (carried) before e
+    assert [(g.record, g.age) for g in carried2.groups] == [("d", 1)]
+    assert carried2.pending == ("f",)
+    assert (m["partial/staleness_0"].value, m["partial/staleness_1"].value) == (2, 2)
+
+    # With --max_staleness=0 the same step drops d instead of carrying it.
+    rows, carried0, m = partial.sample_and_score(_ctx(max_staleness=0), None, restored,
+                                                 list("ef"), key, _supply())
+    assert carried0.groups == () and m["partial/dropped_rows"].value == 2
+    assert m["partial/carried_rows"].value == 0 and "partial/staleness_1" not in m
+
+
+def test_a_resumed_row_continues_exactly_like_an_uninterrupted_greedy_decode(toy_model_dir):
+    """Parts of 3 tokens, each resumed by prefilling prompt + the tokens so far, give the
+    tokens (and logprobs) of one uninterrupted 9-token greedy decode."""
+    config, params, tokenizer = registry.load_model(toy_model_dir)
+    sampler = Sampler(config, tokenizer, stop_ids=())   # every row runs its whole budget
+    prompts = sampler.encode(["copy 3", "copy 1 answer"])
+    key = jax.random.key(0)
+    whole = jax.device_get(sampler.generate(params, prompts, GREEDY, 9, key))
+    prefixes, logps = [[], []], [[], []]
+    for _ in range(3):
+        part = jax.device_get(sampler.generate(params, prompts, GREEDY, 3, key,
+                                               prefixes=prefixes))
+        for r in range(2):
+            prefixes[r] = prefixes[r] + part.tokens_BT[r].tolist()
+            logps[r] = logps[r] + part.logprobs_BT[r].tolist()
+    assert prefixes == whole.tokens_BT.tolist()
+    np.testing.assert_allclose(logps, whole.logprobs_BT, atol=1e-5)
+    assert len(set(map(tuple, prefixes))) == 2   # the rows differ: the test can fail
+
+
+@pytest.fixture(scope="module")
+def early_stop_model(tmp_path_factory):
+    """The toy policy with most words (not the digits 1-3) as stop tokens: completions end
+    after a few tokens, at lengths that vary, so some groups finish in a round and others
+    carry over."""
+    path = build_toy_model(tmp_path_factory.mktemp("early_stop"))
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["eos_token_id"] = [0, 1, 3, 4, 5, 6, 7, 8, 9, 10, 14, 15, 16, 17, 18, 19, 20]
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def _partial_config(model, data, workdir, **overrides):
+    return _config(model, data, workdir, prompts_per_step=4, group_size=2, max_new_tokens=6,
+                   partial_rollout_tokens=2, max_staleness=2, mini_batch_size=4,
+                   **overrides)
+
+
+def test_a_partial_run_carries_rows_and_counts_them(early_stop_model, copy_task_file, tmp_path):
+    loop.run(_partial_config(early_stop_model, copy_task_file, tmp_path, num_steps=3),
+             devices=_one_device())
+    records = read_metrics(str(tmp_path))
+    for r in records:   # every step trains P = 4 full groups, staleness 0..2
+        assert sum(r[f"partial/staleness_{k}"] for k in range(3)) == 8
+        assert r["reward/accuracy"] == r["reward/accuracy"]   # scored, not NaN
+    assert any(r["partial/carried_rows"] > 0 for r in records)
+    assert any(r["partial/staleness_1"] + r["partial/staleness_2"] > 0 for r in records)
+
+
+def test_a_killed_partial_run_resumes_bit_identically(early_stop_model, copy_task_file,
+                                                      tmp_path):
+    """A run killed (kill -9) after logging step 3 but before saving it restarts from
+    checkpoint 2, carried rows included, and logs the metrics of a run that never stopped."""
+    straight = _partial_config(early_stop_model, copy_task_file, tmp_path / "a", num_steps=4)
+    loop.run(straight, devices=_one_device())
+    killed = _partial_config(early_stop_model, copy_task_file, tmp_path / "b", num_steps=3,
+                             checkpoint_every=2)
+    loop.run(killed, devices=_one_device())
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "3")   # what kill -9 leaves: step 3 logged
+    saved = json.loads((tmp_path / "b" / "checkpoints" / "2" / "data" / "metadata").read_text())
+    assert saved["in_flight"]["groups"], "nothing carried at the checkpoint: the test is weak"
+    loop.run(killed.replace(num_steps=4), devices=_one_device())
+    a, b = read_metrics(str(tmp_path / "a")), read_metrics(str(tmp_path / "b"))
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        same = {k for k in ra if not k.startswith(("time/", "throughput/", "memory/"))}
+        assert {k: ra[k] for k in same} == {k: rb[k] for k in same}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(partial_rollout_tokens=6), r"--partial_rollout_tokens=6 must be in \[1, "),
+    (dict(partial_rollout_tokens=2, algorithm=rl.get_preset("dapo")),
+     "does not combine with --dynamic_sampling"),
+    (dict(partial_rollout_tokens=2, recompute_old_logprobs=False),
+     "does not combine with --norecompute_old_logprobs"),
+    (dict(max_staleness=3), "--max_staleness=3 applies only to partial rollouts"),
+])
+def test_unsupported_partial_settings_are_refused(overrides, message, tmp_path):
+    config = _config("unused", "unused", tmp_path, max_new_tokens=6, **overrides)
+    with pytest.raises(ValueError, match=message):
+        config.validate(1)
