@@ -113,6 +113,9 @@ class RolloutConfig:
         update passes): the same result with less compute and memory.
     rollout_micro_batch: Rows per sampler / reference / old-logprob pass, run one after another
         (0 = all rows at once); bounds the KV cache and activation memory.
+    decode_slots: Continuous batching: rows decoded at once, a finished row's slot taking the
+        next queued row (0 = every row at once, finished rows compacted away); a multiple of
+        the data-parallel devices. The same samples either way.
     """
 
     prompts_per_step: int = 8
@@ -123,6 +126,7 @@ class RolloutConfig:
     long_prompts: str = "error"
     share_prompts: bool = True
     rollout_micro_batch: int = 0
+    decode_slots: int = 0
 
     @property
     def layout(self) -> RowLayout:
@@ -370,6 +374,8 @@ class TrainConfig:
                 ">= 1: a run resumes from its latest checkpoint; to save less often, raise "
                 "--checkpoint_every.")
         require(r.long_prompts in LONG_PROMPT_MODES, "--long_prompts: choose error or drop.")
+        require(r.decode_slots >= 0, f"--decode_slots={r.decode_slots} must be >= 0 (0: every "
+                "row at once, finished rows compacted away).")
 
     def _validate_batches(self, num_devices: int, data_parallel: int | None) -> None:
         """Mini-, micro- and rollout micro-batches divide the batch and fill the mesh."""
@@ -396,6 +402,10 @@ class TrainConfig:
                 f"--rollout_micro_batch={R} must divide the batch of {B} rows and be a multiple "
                 f"of --group_size={r.group_size} and of the {data_parallel} data-parallel "
                 f"devices of --mesh={run.mesh} (or 0: all rows at once).")
+        require(r.decode_slots % data_parallel == 0,
+                f"--decode_slots={r.decode_slots} must be a multiple of the {data_parallel} "
+                f"data-parallel devices of --mesh={run.mesh} (each decodes as many slots), "
+                "or 0.")
 
     def _validate_critic(self) -> None:
         c = self.critic
