@@ -11,7 +11,9 @@ tokens on, temperature --temperature) and prints, over --rollouts rollouts:
                         token of each row comes from the prefill): "full" = every row at
                         every step until the longest row ends (the loop exits when all
                         rows are done), "compacted" = the rows actually computed once
-                        finished rows are compacted away (sampling/decode.py)
+                        finished rows are compacted away (sampling/decode.py),
+                        "continuous" = the rows computed by continuous batching with
+                        --decode_slots slots (sampling/continuous.py; the same samples)
   update real frac      real tokens / (rows x columns the teacher-forced passes and the
                         update compute): trimmed (the bucket of the longest row) and
                         untrimmed (max_new_tokens, as before trimming); with --mini_batch,
@@ -23,6 +25,7 @@ tokens on, temperature --temperature) and prints, over --rollouts rollouts:
   lengths               min / mean / max completion length
   time_ratio            (--time) wall time of the compacted sampler / the uncompacted one,
                         same prompts and keys (the same samples), measured in the same run
+  continuous_ratio      (--time) wall time of continuous batching / the compacted sampler
 """
 from __future__ import annotations
 
@@ -39,8 +42,8 @@ import numpy as np  # noqa: E402
 from jaxrl4llm.config import cli
 
 
-def waste(lengths_B: np.ndarray, num_steps: int, slot_steps: int, max_new_tokens: int
-          ) -> dict[str, float]:
+def waste(lengths_B: np.ndarray, num_steps: int, slot_steps: int, max_new_tokens: int,
+          continuous_slot_steps: int | None = None) -> dict[str, float]:
     """The fractions of one rollout (see the module docstring)."""
     from jaxrl4llm.sampling.buckets import bucket_completion_length
     real, rows = float(lengths_B.sum()), lengths_B.size
@@ -48,6 +51,8 @@ def waste(lengths_B: np.ndarray, num_steps: int, slot_steps: int, max_new_tokens
     # The first token comes from the prefill; each decode step computes `slots` rows.
     return {"sampler_useful_full": (real - rows) / (rows * (num_steps - 1)),
             "sampler_useful_compacted": (real - rows) / slot_steps,
+            **({} if continuous_slot_steps is None else
+               {"sampler_useful_continuous": (real - rows) / continuous_slot_steps}),
             "update_real_trimmed": real / (rows * bucket),
             "update_real_untrimmed": real / (rows * max_new_tokens),
             "bucket": bucket, "steps": num_steps,
@@ -109,9 +114,11 @@ def main(argv=None) -> int:
                         help="rows per micro-batch of the --mini_batch share (0: the mini-batch)")
     parser.add_argument("--length_classes", type=int, default=1,
                         help="--micro_batch_length_classes of the --mini_batch share")
+    parser.add_argument("--decode_slots", type=int, default=64,
+                        help="slots of the continuous-batching sampler")
     parser.add_argument("--time", action="store_true",
-                        help="also time the compacted sampler against the uncompacted one "
-                             "(compiles both first)")
+                        help="also time the compacted sampler against the uncompacted one and "
+                             "continuous batching (compiles each first)")
     args = parser.parse_args(argv)
 
     from jaxrl4llm.data import make_source
@@ -126,7 +133,9 @@ def main(argv=None) -> int:
     # One prompt bucket for every rollout: the warm-up compiles the only programs timed.
     samplers = {"compact": Sampler(model_config, tokenizer, min_prompt_bucket=256),
                 "full": Sampler(model_config, tokenizer, min_prompt_bucket=256,
-                                compact=False)}
+                                compact=False),
+                "continuous": Sampler(model_config, tokenizer, min_prompt_bucket=256,
+                                      decode_slots=args.decode_slots)}
     source = make_source(args.data, split="train")
     data = DataConfig(source=args.data)
     sampling = SamplingConfig(temperature=args.temperature)
@@ -142,16 +151,19 @@ def main(argv=None) -> int:
                                         RowLayout(args.group))
         return samples, time.perf_counter() - t0
 
-    names = tuple(samplers) if args.time else ("compact",)
+    names = tuple(samplers) if args.time else ("compact", "continuous")
     if args.time:
         for name in names:   # compiles
             run(name, 0)
     rows = []
     for r in range(args.rollouts):
         timed = {name: run(name, r) for name in names}
-        out = timed["compact"][0].out
+        out, cont = timed["compact"][0].out, timed["continuous"][0].out
+        if not np.array_equal(*(np.asarray(x.tokens_BT) for x in (out, cont))):
+            raise AssertionError("continuous batching sampled other tokens than the compacted "
+                                 "sampler (same prompts and keys)")
         row = waste(timed["compact"][0].host(out.lengths_B), int(out.num_steps),
-                    int(out.slot_steps), args.new_tokens)
+                    int(out.slot_steps), args.new_tokens, int(cont.slot_steps))
         if args.mini_batch:
             row["update_real_minibatch"] = minibatch_real_frac(
                 out, args.group, args.mini_batch, args.ppo_epochs, args.new_tokens, seed=r,
@@ -159,15 +171,18 @@ def main(argv=None) -> int:
         if args.time:
             row["compact_s"], row["full_s"] = timed["compact"][1], timed["full"][1]
             row["time_ratio"] = row["compact_s"] / row["full_s"]
+            row["continuous_s"] = timed["continuous"][1]
+            row["continuous_ratio"] = row["continuous_s"] / row["compact_s"]
         rows.append(row)
         print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in row.items()), flush=True)
         # The sampled lengths, so other update layouts can be worked out from this rollout.
         print("lengths=" + ",".join(str(int(x)) for x in timed["compact"][0].host(
             out.lengths_B)), flush=True)
-    keys = ("sampler_useful_full", "sampler_useful_compacted", "update_real_trimmed",
+    keys = ("sampler_useful_full", "sampler_useful_compacted", "sampler_useful_continuous",
+            "update_real_trimmed",
             "update_real_untrimmed") + (("update_real_minibatch",) if args.mini_batch else ()) + (
-                ("time_ratio",) if args.time else ())
+                ("time_ratio", "continuous_ratio") if args.time else ())
     print("mean over rollouts: " + ", ".join(
         f"{k} {np.mean([r[k] for r in rows]):.3f}" for k in keys))
     return 0

@@ -1,4 +1,5 @@
-"""The decode loop after prefill: one token per row per step, finished rows compacted away.
+"""The model's two cache passes (prefill of a prompt block, one decode step) and the decode
+loop after prefill: one token per row per step, finished rows compacted away.
 
 RL completions have a long tail of lengths: most rows stop early while a few run to the
 limit. The loop exits when every row is done, and in between it runs in levels of B, B/2,
@@ -31,6 +32,26 @@ from jaxrl4llm.sampling.strategies import SamplingConfig
 # The smallest batch a level compacts to: below it a decode step costs about the weights'
 # read whatever the rows, so halving the batch again saves little.
 MIN_COMPACT_ROWS = 8
+
+
+def cache_dtype_for(params: Any) -> Any:
+    """The params' dtype, except float32 on CPU: there XLA upcasts every bfloat16 cache write to
+    float32 out of place (a copy of the layer's cache per step), and float32 attention over
+    the cache costs about the same as bfloat16."""
+    return jnp.float32 if jax.default_backend() == "cpu" else params["embed"].dtype
+
+
+def prefill(params: Any, model_config: ModelConfig, prompt_BP: jax.Array,
+            prompt_mask_BP: jax.Array, cache: transformer.KVCache,
+            sharding: parallel.ActivationSharding | None = None
+            ) -> tuple[jax.Array, transformer.KVCache]:
+    """Writes the left-padded prompt block into cache slots [0, P); returns the logits of each
+    row's last prompt token [B, V] (only that column is unembedded) and the cache."""
+    positions_BP = transformer.positions_from_mask(prompt_mask_BP)
+    h_BPD, new_cache = transformer.hidden_states(params, model_config, prompt_BP, positions_BP,
+                                                 prompt_mask_BP, cache, 0, sharding=sharding)
+    assert new_cache is not None  # hidden_states returns the cache it is given, updated
+    return transformer.unembed(params, model_config, h_BPD[:, -1:], sharding)[:, 0], new_cache
 
 
 def decode_step(params: Any, model_config: ModelConfig, token_B: jax.Array,

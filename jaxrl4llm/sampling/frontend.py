@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import buckets
+from jaxrl4llm.sampling import buckets, continuous
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.sampler import LONG_PROMPT_MODES, SampleOutput, generate, host_rows
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -52,6 +52,9 @@ class Sampler:
     temperature-1 logprobs (SamplingConfig.effective_temperature). `max_rows` caps the rows
     decoded at once (more run as strided chunks in the same program; the same samples).
     `compact=False` keeps finished rows in the decode batch (decode.py; the same samples).
+    `decode_slots` > 0 decodes that many rows at a time, a finished row's slot taking the next
+    queued row (continuous batching, continuous.py; the same samples); with a mesh, a
+    multiple of its data-parallel size.
     """
 
     def __init__(self, model_config: ModelConfig, tokenizer: Any = None, *,
@@ -60,9 +63,10 @@ class Sampler:
                  pad_id: int | None = None, max_prompt_len: int | None = None,
                  long_prompts: str = "error",
                  min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET,
-                 max_rows: int | None = None, compact: bool = True):
+                 max_rows: int | None = None, compact: bool = True, decode_slots: int = 0):
         if long_prompts not in LONG_PROMPT_MODES:
             raise ValueError(f"long_prompts={long_prompts!r} must be one of {LONG_PROMPT_MODES}.")
+        continuous.check_slots(decode_slots, mesh, rules)
         if stop_ids is None:
             stop_ids = list(model_config.eos_token_ids)
             stop_ids += list(getattr(tokenizer, "stop_token_ids", ()))
@@ -79,6 +83,7 @@ class Sampler:
         self.min_prompt_bucket = min_prompt_bucket
         self.max_rows = max_rows
         self.compact = compact
+        self.decode_slots = decode_slots
 
     def shard_params(self, params: Any) -> Any:
         """Places params on the sampler's mesh (a no-op without one)."""
@@ -114,7 +119,8 @@ class Sampler:
                         mesh=self.mesh, rules=self.rules, max_prompt_len=limit,
                         long_prompts=self.long_prompts, row_keys=row_keys,
                         min_prompt_bucket=self.min_prompt_bucket, share_prompts=share_prompts,
-                        max_rows=self.max_rows, greedy_last=greedy_last, compact=self.compact)
+                        max_rows=self.max_rows, greedy_last=greedy_last, compact=self.compact,
+                        decode_slots=self.decode_slots)
 
     def encode(self, prompts: Sequence[Any], *, chat: bool = True,
                system: str | None = None) -> list[list[int]]:

@@ -35,8 +35,9 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import buckets, decode, strategies
-from jaxrl4llm.sampling.decode import decode_step  # noqa: F401  (re-exported)
+from jaxrl4llm.sampling import buckets, continuous, decode, strategies
+from jaxrl4llm.sampling.decode import cache_dtype_for as _cache_dtype
+from jaxrl4llm.sampling.decode import decode_step, prefill  # noqa: F401  (re-exported)
 from jaxrl4llm.sampling.layout import RowLayout, prompt_completion_rows
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
@@ -100,32 +101,12 @@ def _cache_sharding(sharding: parallel.ActivationSharding, cache: transformer.KV
                          mask_BS=sharding.named(("batch", "length"), cache.mask_BS.shape))
 
 
-def _cache_dtype(params: Any) -> Any:
-    """The params' dtype, except float32 on CPU: there XLA upcasts every bfloat16 cache write to
-    float32 out of place (a copy of the layer's cache per step), and float32 attention over
-    the cache costs about the same as bfloat16."""
-    return jnp.float32 if jax.default_backend() == "cpu" else params["embed"].dtype
-
-
 def stop_id_array(stop_ids: Sequence[int]) -> np.ndarray:
     """Stop ids as an int32 array padded with -1 to a multiple of 8 (few distinct shapes)."""
     ids = sorted({int(s) for s in stop_ids})
     out = np.full(8 * max(1, -(-len(ids) // 8)), -1, np.int32)
     out[:len(ids)] = ids
     return out
-
-
-def prefill(params: Any, model_config: ModelConfig, prompt_BP: jax.Array,
-            prompt_mask_BP: jax.Array, cache: transformer.KVCache,
-            sharding: parallel.ActivationSharding | None = None
-            ) -> tuple[jax.Array, transformer.KVCache]:
-    """Writes the left-padded prompt block into cache slots [0, P); returns the logits of each
-    row's last prompt token [B, V] (only that column is unembedded) and the cache."""
-    positions_BP = transformer.positions_from_mask(prompt_mask_BP)
-    h_BPD, new_cache = transformer.hidden_states(params, model_config, prompt_BP, positions_BP,
-                                                 prompt_mask_BP, cache, 0, sharding=sharding)
-    assert new_cache is not None  # hidden_states returns the cache it is given, updated
-    return transformer.unembed(params, model_config, h_BPD[:, -1:], sharding)[:, 0], new_cache
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -229,7 +210,8 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
              row_keys: jax.Array | None = None,
              min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET,
              share_prompts: bool = True, max_rows: int | None = None,
-             greedy_last: int = 0, compact: bool = True) -> SampleOutput:
+             greedy_last: int = 0, compact: bool = True,
+             decode_slots: int = 0) -> SampleOutput:
     """Samples `n` completions of each prompt (lists of token ids, unpadded).
 
     stop_ids defaults to model_config.eos_token_ids; max_prompt_len defaults to
@@ -244,7 +226,14 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
     `greedy_last` > 0: the last that many samples of each prompt decode greedily, in the same
     program (ReMax's baseline completion).
     `compact=False` keeps finished rows in the decode batch (the same samples; see decode.py).
+    `decode_slots` > 0: continuous batching (continuous.py): that many rows decode at a time
+    and a finished row's slot takes the next queued row (the same samples; `max_rows` and
+    `share_prompts` then do not apply: the slots bound the rows at once, prompts prefill per
+    row). With a mesh it must be a multiple of the data-parallel size.
     """
+    if decode_slots:
+        continuous.check_slots(decode_slots, mesh, rules)
+        max_rows = None
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
     if not isinstance(sampling, SamplingConfig):
@@ -309,10 +298,17 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
                 parallel.batch_sharding(mesh, 1, rules), greedy_B)
         elif mesh is not None:
             greedy_B = jax.device_put(greedy_B, parallel.batch_sharding(mesh, 1, rules))
-    out = generate_tokens(params, *inputs, stop_S, np.int32(pad), model_config=model_config,
-                          sampling=sampling, max_new_tokens=int(max_new_tokens), mesh=mesh,
-                          rules=rules, prompt_group=prompt_group, num_chunks=num_chunks,
-                          greedy_B=greedy_B, compact=compact)
+    if decode_slots:
+        slots = continuous.generate_slots(
+            params, *inputs, stop_S, np.int32(pad), model_config=model_config,
+            sampling=sampling, max_new_tokens=int(max_new_tokens), slots=decode_slots,
+            mesh=mesh, rules=rules, greedy_B=greedy_B)
+        out = _slot_sample_output(slots, *inputs[:3])
+    else:
+        out = generate_tokens(params, *inputs, stop_S, np.int32(pad), model_config=model_config,
+                              sampling=sampling, max_new_tokens=int(max_new_tokens), mesh=mesh,
+                              rules=rules, prompt_group=prompt_group, num_chunks=num_chunks,
+                              greedy_B=greedy_B, compact=compact)
     if multihost:
         assert mesh is not None  # multihost implies a mesh
         # Rows stay global (each host's block keeps its padding rows: see host_rows).
@@ -329,6 +325,19 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
 
 
 _wrap_keys = jax.jit(jax.random.wrap_key_data)
+
+
+@jax.jit
+def _slot_sample_output(out: continuous.SlotOutput, prompt_BP: jax.Array,
+                        prompt_mask_BP: jax.Array, active_B: jax.Array) -> SampleOutput:
+    """The continuous sampler's rows as a SampleOutput (num_steps: the longest row)."""
+    N = out.tokens_RT.shape[1]
+    return SampleOutput(
+        tokens_BT=out.tokens_RT, logprobs_BT=out.logprobs_RT,
+        mask_BT=jnp.arange(N)[None, :] < out.length_R[:, None], lengths_B=out.length_R,
+        truncated_B=active_B & ~out.done_R, prompt_tokens_BP=prompt_BP,
+        prompt_mask_BP=prompt_mask_BP.astype(bool), dropped_B=jnp.zeros(active_B.shape, bool),
+        num_steps=jnp.maximum(jnp.max(out.length_R), 1), slot_steps=out.slot_steps)
 
 
 @jax.jit

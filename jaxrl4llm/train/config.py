@@ -119,6 +119,9 @@ class RolloutConfig:
         with their tokens and logprobs (0 = off; see train/partial.py).
     max_staleness: With --partial_rollout_tokens: steps a group may wait in the carried buffer
         before it is dropped (and counted).
+    decode_slots: Continuous batching: rows decoded at once, a finished row's slot taking the
+        next queued row (0 = every row at once, finished rows compacted away); a multiple of
+        the data-parallel devices. The same samples either way.
     """
 
     prompts_per_step: int = 8
@@ -131,6 +134,7 @@ class RolloutConfig:
     rollout_micro_batch: int = 0
     partial_rollout_tokens: int = 0
     max_staleness: int = 2
+    decode_slots: int = 0
 
     @property
     def layout(self) -> RowLayout:
@@ -379,6 +383,8 @@ class TrainConfig:
                 ">= 1: a run resumes from its latest checkpoint; to save less often, raise "
                 "--checkpoint_every.")
         require(r.long_prompts in LONG_PROMPT_MODES, "--long_prompts: choose error or drop.")
+        require(r.decode_slots >= 0, f"--decode_slots={r.decode_slots} must be >= 0 (0: every "
+                "row at once, finished rows compacted away).")
 
     def _validate_batches(self, num_devices: int, data_parallel: int | None) -> None:
         """Mini-, micro- and rollout micro-batches divide the batch and fill the mesh."""
@@ -405,6 +411,10 @@ class TrainConfig:
                 f"--rollout_micro_batch={R} must divide the batch of {B} rows and be a multiple "
                 f"of --group_size={r.group_size} and of the {data_parallel} data-parallel "
                 f"devices of --mesh={run.mesh} (or 0: all rows at once).")
+        require(r.decode_slots % data_parallel == 0,
+                f"--decode_slots={r.decode_slots} must be a multiple of the {data_parallel} "
+                f"data-parallel devices of --mesh={run.mesh} (each decodes as many slots), "
+                "or 0.")
 
     def _validate_critic(self) -> None:
         c = self.critic

@@ -48,7 +48,8 @@ class RolloutContext:
         sampler = Sampler(model_config, tokenizer, mesh=mesh,
                           max_prompt_len=rollout.max_prompt_tokens,
                           long_prompts=rollout.long_prompts,
-                          max_rows=rollout.rollout_micro_batch or None, **sampler_options)
+                          max_rows=rollout.rollout_micro_batch or None,
+                          decode_slots=rollout.decode_slots, **sampler_options)
         return cls(sampler, reward_fn, data, rollout)
 
     @property

@@ -42,3 +42,6 @@ def test_minibatch_share_counts_each_minibatch_at_its_own_bucket():
     assert abs(whole - 47 / 192) < 1e-12
     assert abs(bench_rollout.waste(np.array([3, 5, 19, 2, 4, 6, 7, 1]), 19, 100, 64)[
         "update_real_trimmed"] - 47 / 192) < 1e-12
+    # 39 decoded tokens past the prefill's first ones, over 50 slot-steps of continuous batching.
+    assert bench_rollout.waste(np.array([3, 5, 19, 2, 4, 6, 7, 1]), 19, 100, 64, 50)[
+        "sampler_useful_continuous"] == 39 / 50

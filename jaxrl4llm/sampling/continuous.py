@@ -1,0 +1,293 @@
+"""Continuous batching: a fixed number of decode slots, each handed the next queued row as
+soon as its own row ends.
+
+The compacted sampler (decode.py) starts every row at once and halves its batch as rows
+finish, so a long-tailed length mix still runs at half-empty levels. Here the B rows of a
+bucket (prompt, sample index) wait in a queue and only `slots` rows decode at a time: when a
+row emits a stop token or reaches max_new_tokens, its slot prefills the next queued row into
+its own cache row and decodes it from the next step on. Decode steps then compute about one
+useful token per slot until the queue is empty; the last rows drain with decode.py's halving
+levels (not on a mesh, where compaction would move cache rows between devices).
+
+The whole rollout is one compiled program, one lax.while_loop whose body decodes one token
+for every slot and then, when enough slots are free, prefills queued rows into them (an
+inner while loop, `refill_rows` rows per prefill). The alternative, decoding K steps per
+host round trip and refilling from the host, pays a dispatch and a device-to-host sync
+every K steps and leaves freed slots idle for up to K - 1 steps; refilling inside the loop
+costs neither. A refill waits until `refill_rows` slots are free (or fewer rows are left),
+so a prefill of R rows is not run for one freed slot: about R / 2 slots sit idle on
+average, R / (2 * slots) of the decode work; refill_rows(slots) keeps that near 3%.
+
+Each slot keeps its own completion step: its row writes cache slot P + step - 1 of its own
+cache row (P prompt slots, then the completion), so a decode step scatters one key and value
+per slot and masks attention per slot (slot_decode_step). A row draws its tokens with
+fold_in(row_key, step), step counting its own completion tokens, so its samples do not depend
+on its slot, on when it ran or on the other rows: the output equals the compacted sampler's.
+Prompts are prefilled per row (the compacted sampler prefills a group's shared prompt once).
+Rows that hold no prompt (dropped prompts, batch padding) are never queued.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxrl4llm import parallel
+from jaxrl4llm.config.errors import FlagError
+from jaxrl4llm.models import transformer
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.sampling import decode, strategies
+from jaxrl4llm.sampling.strategies import SamplingConfig
+
+# Rows per refill prefill: 1/REFILL_FRACTION of the slots, so slots waiting for a refill cost
+# about 1 / (2 * REFILL_FRACTION) of the decode work.
+REFILL_FRACTION = 16
+
+
+def check_slots(slots: int, mesh: Mesh | None,
+                rules: parallel.LogicalRules = parallel.DEFAULT_RULES) -> None:
+    """Refuses a slot count that is negative or does not split over the mesh's data shards."""
+    if not isinstance(slots, int) or slots < 0:
+        raise FlagError(f"--decode_slots={slots!r} must be an int >= 0 (0: decode every row "
+                        "at once, compacting finished rows away).")
+    dp = 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
+    if slots % dp:
+        raise FlagError(f"--decode_slots={slots} must be a multiple of the data-parallel size "
+                        f"{dp} (each device decodes the same number of slots); use "
+                        f"--decode_slots={dp * max(1, round(slots / dp))}.")
+
+
+def refill_rows(slots: int, multiple: int = 1) -> int:
+    """Rows per refill prefill: about slots / REFILL_FRACTION, a multiple of `multiple`."""
+    return multiple * max(1, slots // (multiple * REFILL_FRACTION))
+
+
+class SlotState(flax.struct.PyTreeNode):
+    """Per slot (_S) and per row of the bucket (_R, in the caller's order)."""
+
+    cache: transformer.KVCache   # [S, ...]: a slot's prompt at [0, P), its completion from P
+    row_S: jax.Array         # the row a slot decodes (stale once the slot is free)
+    step_S: jax.Array        # that row's index of the completion token produced next
+    last_S: jax.Array        # the token produced at step - 1 (fed in this step)
+    position_S: jax.Array    # its RoPE position
+    live_S: jax.Array        # the slot's row still decodes (else the slot is free)
+    keys_S: jax.Array        # the row's key
+    next_row: jax.Array      # int32: queue index of the next row to start
+    length_R: jax.Array
+    done_R: jax.Array        # emitted a stop token
+    tokens_RT: jax.Array
+    logprobs_RT: jax.Array
+    slot_steps: jax.Array    # int32: sum over decode steps of the slots computed
+    greedy_S: jax.Array | None = None
+
+
+class SlotOutput(flax.struct.PyTreeNode):
+    """The rows' completions (caller's order) and the decode work."""
+
+    tokens_RT: jax.Array
+    logprobs_RT: jax.Array
+    length_R: jax.Array
+    done_R: jax.Array
+    slot_steps: jax.Array
+
+
+class Queue(flax.struct.PyTreeNode):
+    """The rows waiting for a slot: order_Q[i] is the i-th row to start (num_queued of them)."""
+
+    order_Q: jax.Array
+    num_queued: jax.Array
+    prompt_BP: jax.Array
+    prompt_mask_BP: jax.Array
+    row_keys_B: jax.Array
+    greedy_B: jax.Array | None = None
+
+
+def slot_decode_step(params: Any, model_config: ModelConfig, token_S: jax.Array,
+                     position_S: jax.Array, write_S: jax.Array, cache: transformer.KVCache,
+                     sharding: parallel.ActivationSharding | None = None
+                     ) -> tuple[jax.Array, transformer.KVCache]:
+    """decode.decode_step with a cache slot per row: row i's token goes to slot write_S[i]
+    and attends to its row's filled slots up to it (and, with a sliding window W, only the
+    last W). Returns (next-token logits [S, V], cache). params["layers"]: per-layer dicts."""
+    n, L = token_S.shape[0], cache.max_len
+    slot_n = jnp.arange(n)
+    key_L = jnp.arange(L)
+    mask_SL = cache.mask_BS.at[slot_n, write_S].set(True)
+    valid_SL = mask_SL & (key_L[None, :] <= write_S[:, None])
+    window = model_config.sliding_window
+    if window is not None:
+        valid_SL &= key_L[None, :] > write_S[:, None] - window
+    # The per-row causal and window rules are in valid_SL: the query sits past every slot.
+    layer_config = dataclasses.replace(model_config, sliding_window=None)
+    cos, sin = transformer._rope_tables(model_config, position_S[:, None])
+    h = transformer._embed(params, token_S[:, None], sharding)
+    ks, vs = [], []
+    for lp, k_cache, v_cache in zip(params["layers"], cache.k_BKHS, cache.v_BKSH):
+        def kv_fn(k_SKH1, v_SK1H, k_cache=k_cache, v_cache=v_cache):
+            k_new = k_cache.at[slot_n, :, :, write_S].set(k_SKH1[..., 0].astype(k_cache.dtype))
+            v_new = v_cache.at[slot_n, :, write_S, :].set(v_SK1H[:, :, 0].astype(v_cache.dtype))
+            return k_new, v_new, valid_SL, L - 1, (k_new, v_new)
+
+        h, (k_new, v_new) = transformer._layer(layer_config, h, lp, cos, sin, kv_fn, sharding)
+        ks.append(k_new)
+        vs.append(v_new)
+    h = transformer.rms_norm(h, params["final_norm"], model_config.rms_norm_eps)
+    logits_SV = transformer.unembed(params, model_config, h.astype(params["embed"].dtype),
+                                    sharding)[:, 0]
+    return logits_SV, transformer.KVCache(k_BKHS=tuple(ks), v_BKSH=tuple(vs), mask_BS=mask_SL)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "model_config", "sampling", "max_new_tokens", "slots", "mesh", "rules"))
+def generate_slots(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
+                   active_B: jax.Array, row_keys_B: jax.Array, stop_ids_S: jax.Array,
+                   pad_id: jax.Array, *, model_config: ModelConfig, sampling: SamplingConfig,
+                   max_new_tokens: int, slots: int, mesh: Mesh | None = None,
+                   rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+                   greedy_B: jax.Array | None = None) -> SlotOutput:
+    """The compiled continuous-batching sampler over one bucket (arguments as
+    sampler.generate_tokens): the active rows run through `slots` decode slots (at most B)."""
+    B, P = prompt_BP.shape
+    N = max_new_tokens
+    S = min(slots, B)
+    params = transformer.unstack_layers(transformer.cast_for_compute(params, model_config))
+    cache_dtype = decode.cache_dtype_for(params)
+    sharding = None if mesh is None else parallel.ActivationSharding(mesh, rules)
+    R = min(S, refill_rows(S, 1 if mesh is None else parallel.data_parallel_size(mesh, rules)))
+    # The queue: active rows in the caller's order (rows without a prompt never start).
+    order_Q = jnp.argsort(~active_B, stable=True).astype(jnp.int32)
+    num_queued = jnp.sum(active_B, dtype=jnp.int32)
+    queue = Queue(order_Q=order_Q, num_queued=num_queued, prompt_BP=prompt_BP,
+                  prompt_mask_BP=prompt_mask_BP, row_keys_B=row_keys_B, greedy_B=greedy_B)
+    step = functools.partial(_decode_slots, params, model_config=model_config,
+                             sampling=sampling, stop_ids_S=stop_ids_S, prompt_len=P,
+                             max_new_tokens=N, sharding=sharding)
+    refill = functools.partial(_refill, params, queue, rows=R, model_config=model_config,
+                               sampling=sampling, stop_ids_S=stop_ids_S,
+                               max_new_tokens=N, cache_dtype=cache_dtype, sharding=sharding)
+
+    def refill_due(s: SlotState) -> jax.Array:
+        left = num_queued - s.next_row
+        free = S - jnp.sum(s.live_S, dtype=jnp.int32)
+        return (left > 0) & (free >= jnp.minimum(R, left))
+
+    def fill(s: SlotState) -> SlotState:
+        return jax.lax.while_loop(refill_due, refill, s)
+
+    state = SlotState(
+        cache=transformer.init_kv_cache(model_config, S, P + N - 1, cache_dtype),
+        row_S=jnp.zeros((S,), jnp.int32), step_S=jnp.ones((S,), jnp.int32),
+        last_S=jnp.full((S,), pad_id, jnp.int32), position_S=jnp.zeros((S,), jnp.int32),
+        live_S=jnp.zeros((S,), bool), keys_S=jax.random.split(jax.random.key(0), S),
+        next_row=jnp.array(0, jnp.int32), length_R=jnp.zeros((B,), jnp.int32),
+        done_R=jnp.zeros((B,), bool), tokens_RT=jnp.full((B, N), pad_id, jnp.int32),
+        logprobs_RT=jnp.zeros((B, N), jnp.float32), slot_steps=jnp.array(0, jnp.int32),
+        greedy_S=None if greedy_B is None else jnp.zeros((S,), bool))
+    def queued(s: SlotState) -> jax.Array:
+        return s.next_row < num_queued
+
+    def more_live_than(floor: int, s: SlotState) -> jax.Array:
+        return jnp.sum(s.live_S) > floor
+
+    state = jax.lax.while_loop(queued, lambda s: fill(step(s)), fill(state))
+    # The queue is empty: the last rows drain, compacted into halving levels.
+    sizes = decode.levels(S, sharding is None and N > decode.MIN_COMPACT_ROWS)
+    for level, size in enumerate(sizes):
+        if level:
+            state = _compact(state, size)
+        floor = sizes[level + 1] if level + 1 < len(sizes) else 0
+        state = jax.lax.while_loop(functools.partial(more_live_than, floor), step, state)
+    return SlotOutput(tokens_RT=state.tokens_RT, logprobs_RT=state.logprobs_RT,
+                      length_R=state.length_R, done_R=state.done_R,
+                      slot_steps=state.slot_steps)
+
+
+def _take_slots(s: SlotState, index: jax.Array, values: SlotState) -> SlotState:
+    """s with the slot fields of `values` (one entry per index) written at slots `index`
+    (indices past the last slot are dropped)."""
+    def put(x, v):
+        return x.at[index].set(v, mode="drop")
+
+    return s.replace(cache=jax.tree.map(put, s.cache, values.cache),
+                     row_S=put(s.row_S, values.row_S), step_S=put(s.step_S, values.step_S),
+                     last_S=put(s.last_S, values.last_S),
+                     position_S=put(s.position_S, values.position_S),
+                     live_S=put(s.live_S, values.live_S), keys_S=put(s.keys_S, values.keys_S),
+                     greedy_S=None if s.greedy_S is None else put(s.greedy_S, values.greedy_S))
+
+
+def _refill(params: Any, queue: Queue, s: SlotState, *, rows: int, model_config: ModelConfig,
+            sampling: SamplingConfig, stop_ids_S: jax.Array, max_new_tokens: int,
+            cache_dtype: Any, sharding: parallel.ActivationSharding | None) -> SlotState:
+    """Prefills the next `rows` queued rows into the first free slots (as many as are free
+    and queued) and samples their first tokens."""
+    prompt_BP, prompt_mask_BP = queue.prompt_BP, queue.prompt_mask_BP
+    B = prompt_BP.shape[0]
+    S = s.live_S.shape[0]
+    slot_J = jnp.argsort(s.live_S, stable=True)[:rows]        # free slots first
+    q_J = s.next_row + jnp.arange(rows, dtype=jnp.int32)
+    ok_J = ~s.live_S[slot_J] & (q_J < queue.num_queued)
+    row_J = queue.order_Q[jnp.minimum(q_J, B - 1)]
+    cache = transformer.init_kv_cache(model_config, rows, s.cache.max_len, cache_dtype)
+    logits_JV, cache = decode.prefill(params, model_config, prompt_BP[row_J],
+                                      prompt_mask_BP[row_J], cache, sharding)
+    keys_J = queue.row_keys_B[row_J]
+    greedy_J = None if queue.greedy_B is None else queue.greedy_B[row_J]
+    first_keys_J = jax.vmap(jax.random.fold_in)(keys_J, jnp.zeros((rows,), jnp.uint32))
+    tok_J, lp_J = strategies.sample(logits_JV, first_keys_J, sampling, greedy_J)
+    stop_J = decode.is_stop(tok_J, stop_ids_S)
+    out_J = jnp.where(ok_J, row_J, B)                          # B: not started, dropped
+    new = SlotState(
+        cache=cache, row_S=row_J, step_S=jnp.ones((rows,), jnp.int32), last_S=tok_J,
+        position_S=jnp.sum(prompt_mask_BP[row_J], axis=1, dtype=jnp.int32),
+        live_S=~stop_J & (max_new_tokens > 1), keys_S=keys_J, next_row=s.next_row,
+        length_R=s.length_R, done_R=s.done_R, tokens_RT=s.tokens_RT,
+        logprobs_RT=s.logprobs_RT, slot_steps=s.slot_steps, greedy_S=greedy_J)
+    s = _take_slots(s, jnp.where(ok_J, slot_J, S), new)
+    return s.replace(
+        next_row=s.next_row + jnp.sum(ok_J, dtype=jnp.int32),
+        length_R=s.length_R.at[out_J].set(1, mode="drop"),
+        done_R=s.done_R.at[out_J].set(stop_J, mode="drop"),
+        tokens_RT=s.tokens_RT.at[out_J, 0].set(tok_J, mode="drop"),
+        logprobs_RT=s.logprobs_RT.at[out_J, 0].set(lp_J, mode="drop"))
+
+
+def _decode_slots(params: Any, s: SlotState, *, model_config: ModelConfig,
+                  sampling: SamplingConfig, stop_ids_S: jax.Array, prompt_len: int,
+                  max_new_tokens: int, sharding: parallel.ActivationSharding | None
+                  ) -> SlotState:
+    """One token for every slot; free slots compute too (their results are dropped)."""
+    B = s.length_R.shape[0]
+    live_S = s.live_S
+    write_S = jnp.minimum(prompt_len + s.step_S - 1, s.cache.max_len - 1)
+    logits_SV, cache = slot_decode_step(params, model_config, s.last_S, s.position_S, write_S,
+                                        s.cache, sharding)
+    keys_S = jax.vmap(jax.random.fold_in)(s.keys_S, s.step_S.astype(jnp.uint32))
+    tok_S, lp_S = strategies.sample(logits_SV, keys_S, sampling, s.greedy_S)
+    out_S = jnp.where(live_S, s.row_S, B)                   # B: a free slot, dropped
+    stop_S = decode.is_stop(tok_S, stop_ids_S)
+    step_S = s.step_S + live_S.astype(jnp.int32)
+    return s.replace(
+        cache=cache, step_S=step_S, last_S=tok_S, position_S=s.position_S + 1,
+        live_S=live_S & ~stop_S & (step_S < max_new_tokens),
+        length_R=s.length_R.at[out_S].add(1, mode="drop"),
+        done_R=s.done_R.at[out_S].set(stop_S, mode="drop"),
+        tokens_RT=s.tokens_RT.at[out_S, s.step_S].set(tok_S, mode="drop"),
+        logprobs_RT=s.logprobs_RT.at[out_S, s.step_S].set(lp_S, mode="drop"),
+        slot_steps=s.slot_steps + live_S.shape[0])
+
+
+def _compact(s: SlotState, size: int) -> SlotState:
+    """The `size` slots holding every live row (live first, then free ones as filler)."""
+    order = jnp.argsort(~s.live_S, stable=True)[:size]
+    take = lambda x: jnp.take(x, order, axis=0)  # noqa: E731
+    return s.replace(cache=jax.tree.map(take, s.cache), row_S=take(s.row_S),
+                     step_S=take(s.step_S), last_S=take(s.last_S),
+                     position_S=take(s.position_S), live_S=take(s.live_S),
+                     keys_S=take(s.keys_S),
+                     greedy_S=None if s.greedy_S is None else take(s.greedy_S))

@@ -1,0 +1,136 @@
+"""Continuous batching (sampling/continuous.py): the same samples as the compacted sampler,
+whatever the number of slots, the lengths, dropped prompts or greedy rows; less decode work."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl4llm import parallel
+from jaxrl4llm.config.errors import FlagError, UserError
+from jaxrl4llm.models import transformer
+from jaxrl4llm.sampling import Sampler, continuous, sampler
+from jaxrl4llm.sampling.strategies import GREEDY, SamplingConfig
+
+# A stop token the random model emits often, so completion lengths differ row to row.
+STOP = (5, 9)
+N = 20
+SAMPLED = SamplingConfig(temperature=1.0, top_k=12)
+
+
+@pytest.fixture(scope="module")
+def toy(toy_model_dir):
+    from jaxrl4llm.models import registry
+    config, params, _ = registry.load_model(toy_model_dir)
+    return config, params
+
+
+def _prompts(config, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(7, config.vocab_size, size=n).tolist() for n in lengths]
+
+
+def _both(config, params, prompts, sampling, slots, **kw):
+    """(today's compacted output, the continuous one), same prompts and key."""
+    args = (params, config, prompts, sampling, N, jax.random.key(3))
+    kw = dict(stop_ids=STOP, **kw)
+    return (sampler.generate(*args, **kw), sampler.generate(*args, decode_slots=slots, **kw))
+
+
+def _assert_same_samples(a, b):
+    for field in ("tokens_BT", "mask_BT", "lengths_B", "truncated_B", "dropped_B",
+                  "prompt_tokens_BP", "prompt_mask_BP"):
+        np.testing.assert_array_equal(np.asarray(getattr(a, field)),
+                                      np.asarray(getattr(b, field)), err_msg=field)
+    np.testing.assert_allclose(np.asarray(b.logprobs_BT), np.asarray(a.logprobs_BT),
+                               atol=1e-5, rtol=0)
+    assert int(a.num_steps) == int(b.num_steps)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_same_samples_as_the_compacted_sampler_with_fewer_slots_than_rows(toy, sampling):
+    config, params = toy
+    prompts = _prompts(config, [3, 11, 6, 2, 9, 5])
+    a, b = _both(config, params, prompts, sampling, slots=4, n=4)
+    _assert_same_samples(a, b)
+    lengths = np.asarray(b.lengths_B)
+    # The mix the test needs: rows that stop early, rows that run to the cap, 24 rows > 4 slots.
+    assert lengths.min() < N // 2 and lengths.max() == N and lengths.size == 24
+    assert len(set(lengths.tolist())) >= 3
+    # Decode work: one slot-step per decoded token beyond the first, plus the slots the
+    # refills and the drain leave idle; never more than decoding every row to the end.
+    useful = int(lengths.sum() - lengths.size)
+    assert useful <= int(b.slot_steps) < lengths.size * (N - 1)
+
+
+def test_dropped_prompts_and_long_rows_with_one_slot(toy):
+    """One slot runs every row in turn; a dropped prompt never takes a slot."""
+    config, params = toy
+    prompts = _prompts(config, [4, 40, 7, 2], seed=1)
+    a, b = _both(config, params, prompts, SAMPLED, slots=1, n=2, max_prompt_len=30,
+                 long_prompts="drop")
+    _assert_same_samples(a, b)
+    assert np.asarray(b.dropped_B).tolist() == [False] * 2 + [True] * 2 + [False] * 4
+    assert np.asarray(b.lengths_B)[2:4].tolist() == [0, 0]
+    lengths = np.asarray(b.lengths_B)
+    # With one slot nothing is idle: each decode step produces one token of a live row.
+    assert int(b.slot_steps) == int(lengths.sum() - np.count_nonzero(lengths))
+
+
+def test_greedy_last_rows(toy):
+    """ReMax's greedy row beside sampled ones: the same tokens, and the greedy row's token
+    is the argmax of a teacher-forced forward at every step."""
+    config, params = toy
+    prompts = _prompts(config, [5, 8, 3], seed=2)
+    a, b = _both(config, params, prompts, SAMPLED, slots=2, n=3, greedy_last=1)
+    _assert_same_samples(a, b)
+    tokens, mask, positions = b.sequences()
+    logits, _ = transformer.forward(params, config, tokens, positions, mask)
+    P = b.prompt_tokens_BP.shape[1]
+    argmax = np.asarray(logits[:, P - 1:-1].argmax(-1))
+    for r in (2, 5, 8):
+        n = int(b.lengths_B[r])
+        np.testing.assert_array_equal(np.asarray(b.tokens_BT[r, :n]), argmax[r, :n])
+
+
+def test_decode_slots_more_than_rows_and_cap_of_one_token(toy):
+    config, params = toy
+    prompts = _prompts(config, [4, 6], seed=3)
+    args = (params, config, prompts, SAMPLED, 1, jax.random.key(0))
+    a = sampler.generate(*args, n=2, stop_ids=STOP)
+    b = sampler.generate(*args, n=2, stop_ids=STOP, decode_slots=64)
+    _assert_same_samples(a, b)
+    assert int(b.slot_steps) == 0 and np.asarray(b.lengths_B).tolist() == [1] * 4
+
+
+def test_sliding_window_rows(toy):
+    """Each slot masks its own window: a window shorter than the rows gives the same tokens."""
+    config, params = toy
+    config = dataclasses.replace(config, sliding_window=4)
+    prompts = _prompts(config, [3, 9, 6], seed=4)
+    a, b = _both(config, params, prompts, SAMPLED, slots=3, n=2)
+    _assert_same_samples(a, b)
+
+
+def test_on_a_mesh_and_its_refusal(toy):
+    config, params = toy
+    mesh = parallel.make_mesh("data:2,fsdp:2,tensor:2")
+    with pytest.raises(FlagError, match="--decode_slots=6 must be a multiple of the "
+                                        "data-parallel size 4"):
+        Sampler(config, mesh=mesh, decode_slots=6)
+    assert issubclass(FlagError, UserError)
+    smp = Sampler(config, mesh=mesh, stop_ids=STOP, decode_slots=4)
+    prompts = _prompts(config, [5, 2, 7, 4], seed=5)
+    key = jax.random.key(1)
+    b = smp.generate(smp.shard_params(params), prompts, SAMPLED, N, key, group_size=2)
+    a = sampler.generate(params, config, prompts, SAMPLED, N, key, n=2, stop_ids=STOP)
+    _assert_same_samples(a, b)
+
+
+def test_refill_rows():
+    assert continuous.refill_rows(64) == 4 and continuous.refill_rows(8) == 1
+    assert continuous.refill_rows(64, multiple=8) == 8 and continuous.refill_rows(512, 8) == 32
+    with pytest.raises(FlagError, match="--decode_slots=-1 must be an int >= 0"):
+        continuous.check_slots(-1, None)
