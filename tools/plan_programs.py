@@ -192,7 +192,8 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
         seqs=mb_seqs, advantages=_rows(mesh, adv.shape, jnp.float32),
         keep_B=_rows(mesh, (M,), bool),
         old_logp_BT=logp if c.needs_old_logprobs else None,
-        ref_logp_BT=logp if c.needs_reference else None)
+        ref_logp_BT=logp if c.needs_reference else None,
+        behaviour_logp_BT=logp if c.keeps_behaviour_logprobs else None)
     layout = c.rollout.layout.shuffled() if c.reshuffles_rows else c.rollout.layout
     update_group = layout.prompt_group(M, num_micro, dp)
     compiled = step.train_step.lower(

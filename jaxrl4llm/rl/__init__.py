@@ -31,13 +31,14 @@ Presets (presets.py) and the two entry points (algorithms.py)
         the same, with the critic's targets for advantage="gae" (PPO; values_BT: the critic's
         V(s_t) of the rollout); returns_BT is None for every other estimator.
     policy_loss(config, logp_BT, old_logp_BT, advantages, mask_BT, keep_B=None, *,
-                ref_logp_BT=None, entropy_BT=None)
+                ref_logp_BT=None, entropy_BT=None, behaviour_logp_BT=None)
         -> (loss_sum, denominator, metrics)
         old_logp_BT=None means on-policy (ratio 1); pass entropy_BT (entropy_from_logits)
         whenever the logits are at hand: it is then always logged, and enters the loss when
         entropy_coef != 0. With ref_logp_BT the KL to the reference is logged as
         "policy/kl_ref" whether or not it is in the loss (config.log_kl_ref tells a trainer to
-        pass it with no KL term).
+        pass it with no KL term). With behaviour_logp_BT (the sampler's logprobs) the
+        sampler-trainer gap is logged ("mismatch/...") and config.is_correction applies.
     loss_denominator(config, mask_BT, keep_B=None) -> denominator of the whole mini-batch
 
 Advantages (advantages.py)
@@ -77,6 +78,17 @@ Losses (losses.py)
         (rl.loss_denominator takes a config),
     finalize_loss(sum, denominator)
 
+Sampler-trainer mismatch (correction.py): d = old_logp (trainer) - behaviour_logp (sampler)
+    is_weights(correction, old_logp_BT, behaviour_logp_BT, mask_BT, *, level="token", cap=2.,
+               lower=0.5, upper=2.) -> (w_BT, corrected_BT)
+        the per-token weight of the policy-gradient term (stop-gradient): "tis" min(r, cap),
+        "mis" r 1[lower <= r <= upper] (r per token or sequence), "icepop" (mis per token),
+        "geo_mask" 1[lower <= exp(mean_t d) <= upper]; policy_loss applies it when
+        config.is_correction is set and behaviour_logp_BT is given
+    mismatch_metrics(old_logp_BT, behaviour_logp_BT, mask_BT) -> {"mismatch/...": Metric}
+    correction_metrics(w_BT, corrected_BT, weights_BT) -> {"is/...": Metric}
+    level_log_ratio(old_logp_BT, behaviour_logp_BT, mask_BT, level), CORRECTIONS, IS_LEVELS
+
 Metrics (metrics.py)
     Metric(total, count, reduce): a metric of part of a batch with its reduction (sum, mean,
         min, max); the entry points return {final name: Metric}, e.g. "policy/entropy"
@@ -97,7 +109,16 @@ with verl, OpenRLHF and TRL.
 """
 from __future__ import annotations
 
-from jaxrl4llm.rl import advantages, algorithms, filters, losses, metrics, presets, value
+from jaxrl4llm.rl import (
+    advantages,
+    algorithms,
+    correction,
+    filters,
+    losses,
+    metrics,
+    presets,
+    value,
+)
 from jaxrl4llm.rl.advantages import (
     last_token_onehot,
     normalized_advantages,
@@ -116,6 +137,14 @@ from jaxrl4llm.rl.algorithms import (
     loss_denominator,
     policy_loss,
     validate,
+)
+from jaxrl4llm.rl.correction import (
+    CORRECTIONS,
+    IS_LEVELS,
+    correction_metrics,
+    is_weights,
+    level_log_ratio,
+    mismatch_metrics,
 )
 from jaxrl4llm.rl.filters import (
     all_correct_groups,
@@ -152,5 +181,6 @@ __all__ = [
     "to_groups", "keep_mask", "group_keep_mask", "overlong_keep_mask", "all_correct_groups",
     "all_wrong_groups", "rejected_group_fraction", "raft_positives", "AGG_MODES", "KL_ESTIMATORS",
     "clipped_surrogate", "nll_loss", "kl_estimate", "entropy_from_logits", "log_ratio", "aggregate",
-    "finalize_loss", "combine_metrics", "finalize_metrics",
+    "finalize_loss", "combine_metrics", "finalize_metrics", "correction", "CORRECTIONS",
+    "IS_LEVELS", "is_weights", "mismatch_metrics", "correction_metrics", "level_log_ratio",
 ]

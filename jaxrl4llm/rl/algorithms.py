@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxrl4llm.config.options import require
 from jaxrl4llm.rl import advantages as adv_lib
-from jaxrl4llm.rl import filters, losses
+from jaxrl4llm.rl import correction, filters, losses
 from jaxrl4llm.rl import value as value_lib
 from jaxrl4llm.rl.metrics import Metric
 
@@ -79,6 +79,15 @@ class AlgorithmConfig:
     lam: GAE lambda (advantage="gae"): 1 = Monte-Carlo returns minus V, 0 = one-step TD.
     value_clip: Clip of the critic's new values around its rollout values in the value loss
         (advantage="gae"; none = unclipped).
+    is_correction: Correction of the sampler-trainer gap, a per-token weight on the
+        policy-gradient term from the ratio pi_old / mu of the trainer's and the sampler's
+        logprobs: tis (truncated IS, min(ratio, is_cap)), mis (masked IS: the ratio, 0 outside
+        [is_lower, is_upper]), icepop (mis per token), geo_mask (drop a sequence whose
+        geometric-mean token ratio is outside [is_lower, is_upper]); none = no correction.
+    is_level: Ratio of tis and mis: per token, or per sequence (the product of its token
+        ratios).
+    is_cap: Truncation of the tis ratio (verl's rollout_is_threshold).
+    is_lower, is_upper: Band of the ratio kept by mis, icepop and geo_mask (IcePop: 0.5, 2).
     """
 
     name: str = "custom"
@@ -111,6 +120,11 @@ class AlgorithmConfig:
     gamma: float = 1.0
     lam: float = 0.95
     value_clip: Optional[float] = 0.2
+    is_correction: Optional[str] = None
+    is_level: str = "token"
+    is_cap: float = 2.0
+    is_lower: float = 0.5
+    is_upper: float = 2.0
 
 
 def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
@@ -157,6 +171,7 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
     require(c.kl_coef >= 0 and math.isfinite(c.kl_coef),
            f"kl_coef={c.kl_coef!r} must be finite and >= 0.")
     require(math.isfinite(c.entropy_coef), f"entropy_coef={c.entropy_coef!r} must be finite.")
+    _validate_correction(c)
     if c.binary_reward is not None:
         require(len(c.binary_reward) == 2,
                f"binary_reward={c.binary_reward!r} must be a pair (wrong, right), "
@@ -190,6 +205,21 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
            f"objective='nll' (RAFT) trains on positives only; set advantage='positives' "
            f"(got {c.advantage!r}).")
     return config
+
+
+def _validate_correction(c: AlgorithmConfig) -> None:
+    require(c.is_correction in correction.CORRECTIONS,
+            f"is_correction={c.is_correction!r}: choose one of {correction.CORRECTIONS}.")
+    require(c.is_level in correction.IS_LEVELS,
+            f"is_level={c.is_level!r}: choose one of {correction.IS_LEVELS}.")
+    require(c.is_cap > 0 and math.isfinite(c.is_cap),
+            f"is_cap={c.is_cap!r} must be finite and > 0 (the tis truncation, e.g. 2).")
+    require(0 <= c.is_lower < c.is_upper and math.isfinite(c.is_upper),
+            f"is_lower={c.is_lower!r}, is_upper={c.is_upper!r}: the kept ratio band needs "
+            "0 <= is_lower < is_upper < inf (IcePop: 0.5, 2).")
+    require(c.is_level == "token" or c.is_correction in correction.LEVELLED,
+            f"is_level={c.is_level!r} applies to is_correction tis and mis only "
+            f"(is_correction={c.is_correction!r} has its own level); set is_level=token.")
 
 
 # ---- entry points -------------------------------------------------------------------------
@@ -341,6 +371,7 @@ def policy_loss(
     *,
     ref_logp_BT: jnp.ndarray | None = None,
     entropy_BT: jnp.ndarray | None = None,
+    behaviour_logp_BT: jnp.ndarray | None = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, Metric]]:
     """(loss_sum, denominator, metrics) of one (micro-)batch; keep_B=None keeps every row.
 
@@ -352,10 +383,17 @@ def policy_loss(
     summing loss_sum and denominator (or divide each loss_sum by loss_denominator() of the
     whole mini-batch). `metrics` are rl.metrics.Metric values by final name ("policy/..."):
     merge parts with combine_metrics and read them with finalize_metrics.
+
+    behaviour_logp_BT: the sampler's logprobs of the same tokens. With them the gap
+    old_logp - behaviour_logp is logged ("mismatch/...", old_logp = sg(logp_BT) on-policy),
+    and config.is_correction weights the policy-gradient term per token (correction.py;
+    "is/..." metrics); is_correction needs them.
     """
     c = config
     if old_logp_BT is None:
         old_logp_BT = jax.lax.stop_gradient(logp_BT)
+    # The trainer's pi_old of the sampled tokens, before GSPO turns it into a sequence ratio.
+    trainer_logp_BT = old_logp_BT
     if keep_B is None:
         keep_B = jnp.ones(logp_BT.shape[:1], bool)
     w = losses.row_weights(mask_BT, keep_B)
@@ -368,6 +406,18 @@ def policy_loss(
             old_logp_BT = losses.sequence_old_logp(logp_BT, old_logp_BT, mask_BT)
         pg_BT, aux = losses.clipped_surrogate(logp_BT, old_logp_BT, advantages, clip_low=c.clip_low,
                                               clip_high=c.clip_high, dual_clip=c.dual_clip)
+    is_metrics: dict[str, Metric] = {}
+    if behaviour_logp_BT is not None:
+        is_metrics = correction.mismatch_metrics(trainer_logp_BT, behaviour_logp_BT, mask_BT)
+    if c.is_correction is not None:
+        if behaviour_logp_BT is None:
+            raise ValueError(f"is_correction={c.is_correction!r} needs behaviour_logp_BT (the "
+                             "sampler's logprobs of the sampled tokens).")
+        is_w_BT, corrected_BT = correction.is_weights(
+            c.is_correction, trainer_logp_BT, behaviour_logp_BT, mask_BT, level=c.is_level,
+            cap=c.is_cap, lower=c.is_lower, upper=c.is_upper)
+        pg_BT = pg_BT * is_w_BT
+        is_metrics.update(correction.correction_metrics(is_w_BT, corrected_BT, w))
     total_BT = pg_BT
     kl_BT = None
     if ref_logp_BT is not None:
@@ -387,6 +437,7 @@ def policy_loss(
     metrics = losses.token_metrics(
         w, keep_B, ratio_BT=jnp.exp(d), log_ratio_BT=d, clip_aux=aux, pg_loss_BT=pg_BT,
         kl_ref_BT=kl_BT, entropy_BT=entropy_BT)
+    metrics.update(is_metrics)
     metrics = jax.tree_util.tree_map(jax.lax.stop_gradient, metrics)
     return loss_sum, denom, metrics
 

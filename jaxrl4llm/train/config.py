@@ -263,7 +263,8 @@ class TrainConfig:
                  "kl_in": rl.algorithms.KL_PLACES, "kl_estimator": rl.KL_ESTIMATORS,
                  "importance": rl.algorithms.IMPORTANCE,
                  "positives": rl.filters.POSITIVE_SELECTIONS,
-                 "rejected_rows": rl.algorithms.REJECTED_ROWS})
+                 "rejected_rows": rl.algorithms.REJECTED_ROWS,
+                 "is_correction": rl.CORRECTIONS, "is_level": rl.IS_LEVELS})
     optimizer: OptimizerConfig = group(
         OptimizerConfig, flags={"schedule": "lr_schedule", "b1": "adam_b1", "b2": "adam_b2",
                                 "eps": "adam_eps"},
@@ -331,6 +332,14 @@ class TrainConfig:
         """pi_old differs from pi only when a rollout feeds more than one update."""
         return self.updates_per_step > 1
 
+    @property
+    def keeps_behaviour_logprobs(self) -> bool:
+        """Whether the update gets the sampler's logprobs beside the trainer's pi_old (the gap
+        is logged, --is_correction reweights by it): always, except when pi_old is the
+        sampler's own (several updates per rollout and --norecompute_old_logprobs). It costs
+        no pass: on-policy the update's own logprobs are pi_old."""
+        return not (self.needs_old_logprobs and not self.update.recompute_old_logprobs)
+
     def validate(self, num_devices: int, data_parallel: int | None = None) -> "TrainConfig":
         """Raises a clear error for any bad value, before anything is loaded or compiled."""
         self._validate_values()
@@ -351,6 +360,11 @@ class TrainConfig:
         self._validate_critic()
         self._validate_partial()
         a = self.algorithm
+        require(a.is_correction is None or self.keeps_behaviour_logprobs,
+                f"--is_correction={a.is_correction} reweights by the trainer's pi_old over the "
+                f"sampler's logprobs, but with {self.updates_per_step} updates per rollout and "
+                "--norecompute_old_logprobs pi_old is the sampler's (ratio 1); set "
+                "--recompute_old_logprobs or drop --is_correction.")
         require(not ((a.advantage == "remax" or a.dynamic_sampling) and jax.process_count() > 1),
                 sample_rounds.ONE_HOST_ONLY)
         self.optimizer.validate()

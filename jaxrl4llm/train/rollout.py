@@ -162,6 +162,8 @@ def _update_batch(ctx: RolloutContext, config: TrainConfig, params: Any, ref_par
         behaviour_logp, ref_logp, *baseline, values, group_size=layout.group_size)
     batch = UpdateBatch(seqs=seqs, advantages=advantages, keep_B=keep_B, old_logp_BT=old_logp,
                         ref_logp_BT=ref_logp, old_values_BT=values, returns_BT=returns,
+                        behaviour_logp_BT=(out.logprobs_BT if config.keeps_behaviour_logprobs
+                                           else None),
                         layout=layout)
     return batch, adv_metrics
 

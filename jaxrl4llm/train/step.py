@@ -46,6 +46,9 @@ class UpdateBatch(flax.struct.PyTreeNode):
     ref_logp_BT: jax.Array | None    # None unless a KL to the reference is used
     old_values_BT: jax.Array | None = None  # PPO: the critic's values in the rollout
     returns_BT: jax.Array | None = None     # PPO: the critic's targets (GAE returns)
+    # The sampler's logprobs of the tokens (None when pi_old is them): the gap to the
+    # trainer's is logged, and --is_correction reweights by it.
+    behaviour_logp_BT: jax.Array | None = None
     # the rows' groups
     layout: RowLayout = flax.struct.field(pytree_node=False, default=RowLayout())
 
@@ -63,7 +66,8 @@ class UpdateBatch(flax.struct.PyTreeNode):
                                    completion_mask_BT=cut(self.seqs.completion_mask_BT)),
             advantages=cut(self.advantages) if self.advantages.ndim == 2 else self.advantages,
             old_logp_BT=cut(self.old_logp_BT), ref_logp_BT=cut(self.ref_logp_BT),
-            old_values_BT=cut(self.old_values_BT), returns_BT=cut(self.returns_BT))
+            old_values_BT=cut(self.old_values_BT), returns_BT=cut(self.returns_BT),
+            behaviour_logp_BT=cut(self.behaviour_logp_BT))
 
 
 def length_classes(length: int, num_classes: int) -> tuple[int, ...]:
@@ -95,7 +99,8 @@ def _micro_loss(params: Any, mb: UpdateBatch, denominator: jax.Array, *, model_c
                                               sharding=sharding)
     loss_sum, _, metric_sums = rl.policy_loss(
         algorithm, logp_BT, mb.old_logp_BT, mb.advantages, mb.seqs.completion_mask_BT, mb.keep_B,
-        ref_logp_BT=mb.ref_logp_BT, entropy_BT=entropy_BT)
+        ref_logp_BT=mb.ref_logp_BT, entropy_BT=entropy_BT,
+        behaviour_logp_BT=mb.behaviour_logp_BT)
     return loss_sum / denominator, metric_sums
 
 

@@ -25,7 +25,10 @@ OLD = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "old_configs", "*
 # Knobs added since, with the value that reproduces the old code.
 ADDED = {"k3_clamp": None, "log_kl_ref": False, "rejected_rows": "drop",
          "importance": "token", "dynamic_sampling": False, "max_resample_rounds": 10,  # issue 18
-         "gamma": 1.0, "lam": 0.95, "value_clip": 0.2}  # issue 18: PPO's GAE and value clip
+         "gamma": 1.0, "lam": 0.95, "value_clip": 0.2,  # issue 18: PPO's GAE and value clip
+         # the sampler-trainer gap's correction, off by default
+         "is_correction": None, "is_level": "token", "is_cap": 2.0, "is_lower": 0.5,
+         "is_upper": 2.0}
 # Deliberate changes since, as (old, new) by key of the old config.json ("optimizer.x" for the
 # optimizer's). Everywhere: k3 is capped at 10 (issue 14).
 CHANGED_EVERYWHERE = {"k3_clamp": (None, 10.0)}

@@ -39,6 +39,11 @@ def test_a_varying_kl_gets_its_panel_and_a_constant_one_does_not():
     assert _titles(_records(**{"policy/kl_ref": [0.0, 0.0, 0.0]})) == ALWAYS
 
 
+def test_a_varying_sampler_trainer_gap_gets_its_panel():
+    assert _titles(_records(**{"mismatch/logp_abs_diff_mean": [1e-7, 3e-7, 2e-7]})) == ALWAYS + [
+        "sampler-trainer gap"]
+
+
 def test_missing_and_non_finite_values_do_not_count_as_variation():
     # One logged value (the others absent or NaN read back as None / nan) is constant.
     assert _titles(_records(**{"policy/kl_ref": [0.02, None, float("nan")]})) == ALWAYS
