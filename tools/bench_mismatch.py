@@ -24,7 +24,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrl4llm import rl  # noqa: E402
-
 from jaxrl4llm.config import cli
 from jaxrl4llm.models import registry  # noqa: E402
 from jaxrl4llm.sampling import Sampler  # noqa: E402
