@@ -21,7 +21,7 @@ Symbols (per device; "rows" are those one device holds of the slice that runs at
             layer) + 6 b Lb F/T 4 (the recomputed MLP and its gradients) + 4 b Lb D 4
             + 4 D V/T 4 (unembedding gathered in float32, its gradient, the reduction buffer,
             a conversion) + R
-  rollout   Pb + n Wl c / T (every layer gathered: the gathers leave the decode loop)
+  rollout   Pb + n Wl c / T (every layer gathered once, before the decode loop)
             + 2 D V/T (c + s) (embedding and unembedding gathered, and converted)
             + 2 n b K H (P + N - 1) s / T_kv (keys and values of one chunk) + R
   logprobs  Pb + b Lb F/T (2 x 4 + s) (gate, up in float32, their product) + b Lb D 4
