@@ -190,8 +190,8 @@ def print_weight_gathers(result: plan_programs.Plan) -> None:
           f"of {r.rows // r.slots} chunk(s), {_fmt_gb(r.weight_gathers * r.weight_uses)} GB): "
           f"rollout {per_token:.2f} s (comm {comm_per_token:.2f} s)")
     print("decode loop: no collective on unchanged values" if not r.in_loop else
-          f"DECODE LOOP REPEATS {_fmt_gb(r.in_loop)} GB of collectives on unchanged values "
-          "per step (counted in both times above)")
+          f"LOOPS REPEAT {_fmt_gb(r.in_loop)} GB of collectives on unchanged values per "
+          "iteration (counted in every prefill and decode step above: an upper bound)")
 
 
 def print_slot_use(result: plan_programs.Plan, mean: float, p99: float) -> None:

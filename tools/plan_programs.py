@@ -62,7 +62,8 @@ class Rollout:
     slots: int                # rows decoded at once (a chunk)
     max_new_tokens: int
     weight_gathers: float     # the weights' gathers before the decode loops, per call
-    in_loop: float            # collectives a decode step repeats on unchanged values (0)
+    in_loop: float            # collectives one iteration of each loop repeats on unchanged
+                              # values, summed over the loops (0)
 
     @property
     def weight_uses(self) -> int:
