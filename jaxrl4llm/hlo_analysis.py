@@ -1,5 +1,6 @@
 """What a compiled program does, read from its optimized HLO text: the collectives it runs
-(with loop trip counts) and its matmul FLOPs.
+(with loop trip counts), the ones a loop repeats on values it never changes, and its matmul
+FLOPs.
 
 Only the compiled program shows whether the work is split the way the parameters are
 (parallel.py): tests assert on these numbers, and tools/plan.py prints them.
@@ -7,14 +8,21 @@ Only the compiled program shows whether the work is split the way the parameters
     compiled = jax.jit(f).lower(*args).compile()
     ops = collectives(compiled.as_text())
     sum(op.total_bytes for op in ops if op.kind == "all-gather")
+
+Where a collective sits is decided by the SPMD partitioner; later passes of some backends move
+it (the CPU compiler's while-loop-invariant code motion hoists a weight's gather out of a
+loop; the TPU and GPU pipelines keep such size-inflating ops inside). `partitioned_hlo`
+returns the program right after partitioning, the placement every backend starts from.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import math
+import os
 import re
-from typing import Iterable
+import tempfile
+from typing import Any, Iterable
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
@@ -23,13 +31,15 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2
 
 _SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
 _CALLEES = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|"
                       r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\})")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TUPLE_INDEX = re.compile(r"\bindex=(\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +69,7 @@ class Collective:
     group_size: int
     executions: int
     upcast_from: str | None = None   # the operand is a just-converted bfloat16 / float16 value
+    op_name: str = ""                # the JAX op (and named scopes) it came from, if recorded
 
     @property
     def bytes(self) -> float:
@@ -92,6 +103,11 @@ class _Instruction:
     op: str
     result: str
     rest: str
+    root: bool = False
+
+    @property
+    def operands(self) -> list[str]:
+        return re.findall(r"%([\w.\-]+)", self.rest.split(")")[0])
 
 
 def _parse_shapes(text: str) -> tuple[Shape, ...]:
@@ -116,7 +132,8 @@ def _computations(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
             continue
         m = _INSTRUCTION.match(line)
         if m:
-            comps[current].append(_Instruction(m.group(1), m.group(3), m.group(2), m.group(4)))
+            comps[current].append(_Instruction(m.group(2), m.group(4), m.group(3), m.group(5),
+                                               bool(m.group(1))))
     return comps, entry
 
 
@@ -168,7 +185,7 @@ def _is_sliced(name: str, instructions: list[_Instruction],
                comps: dict[str, list[_Instruction]]) -> bool:
     """Whether every use of value `name` is a dynamic-slice, directly or inside a fusion."""
     users = [i for i in instructions
-             if name in re.findall(r"%([\w.\-]+)", i.rest.split(")")[0])]
+             if name in i.operands]
     for user in users:
         if user.op == "dynamic-slice":
             continue
@@ -201,7 +218,7 @@ def _upcast_source(operand_names: list[str], instructions: list[_Instruction],
         types = set()
         for conv in (i for i in body if i.op == "convert"):
             types.add(_parse_shapes(conv.result)[0].dtype)
-            source = re.findall(r"%([\w.\-]+)", conv.rest.split(")")[0])
+            source = conv.operands
             if source and source[0] in inner:
                 types.add(_parse_shapes(inner[source[0]].result)[0].dtype)
         found = types & {"bf16", "f16"}
@@ -245,18 +262,19 @@ def collectives(hlo: str, *, unknown_trip_count: int = 1,
                 continue
             operands = _parse_shapes(inst.rest.split("),")[0])
             if not operands:   # operands printed by name only: look their shapes up
-                names = re.findall(r"%([\w.\-]+)", inst.rest.split(")")[0])
                 shapes = {i.name: i.result for i in instructions}
-                operands = tuple(s for n in names for s in _parse_shapes(shapes.get(n, "")))
+                operands = tuple(s for n in inst.operands
+                                 for s in _parse_shapes(shapes.get(n, "")))
             result = _parse_shapes(inst.result)
             if inst.op.endswith("-start") and kind == "all-gather":
                 result = result[len(operands):]   # async: (operands, results) tuple
             group = _group_size(inst.rest, num_devices)
-            upcast = _upcast_source(re.findall(r"%([\w.\-]+)", inst.rest.split(")")[0]),
-                                    instructions, comps)
+            upcast = _upcast_source(inst.operands, instructions, comps)
+            m = _OP_NAME.search(inst.rest)
+            op_name = m.group(1) if m else ""
             if kind != "all-reduce" or inst.op.endswith("-start"):
                 out.append(Collective(kind, inst.name, comp, result, operands, group,
-                                      runs[comp], upcast))
+                                      runs[comp], upcast, op_name))
                 continue
             sliced = _sliced_elements(inst, len(operands), instructions, comps)
             for flag, name in ((True, "reduce-scatter"), (False, "all-reduce")):
@@ -265,8 +283,73 @@ def collectives(hlo: str, *, unknown_trip_count: int = 1,
                     out.append(Collective(name, inst.name, comp,
                                           tuple(result[k] for k in picked),
                                           tuple(operands[k] for k in picked), group,
-                                          runs[comp], upcast))
+                                          runs[comp], upcast, op_name))
     return out
+
+
+def partitioned_hlo(lowered: Any) -> tuple[Any, str]:
+    """Compiles a `jax.jit(...).lower(...)` result and returns (the compiled program, its HLO
+    text right after SPMD partitioning): where the partitioner put each collective, before
+    backend passes move any (see the module docstring). Costs one compile, as `.compile()`."""
+    with tempfile.TemporaryDirectory() as folder:
+        compiled = lowered.compile(compiler_options={
+            "xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning",
+            "xla_dump_hlo_as_text": True})
+        dumps = sorted(f for f in os.listdir(folder)
+                       if f.endswith("after_spmd-partitioning.txt")
+                       or ".after_spmd-partitioning." in f)
+        if not dumps:
+            raise ValueError("partitioned_hlo: the compiler dumped no HLO after SPMD "
+                             "partitioning; the program must be compiled for a mesh of "
+                             "several devices.")
+        with open(os.path.join(folder, dumps[-1])) as f:
+            return compiled, f.read()
+
+
+def _loop_invariant(body: list[_Instruction]) -> set[str]:
+    """Values of a while body that are the same in every iteration: carried elements the body
+    returns unchanged, constants, and whatever is computed from those alone."""
+    param = next((i.name for i in body if i.op == "parameter"), None)
+    root = next((i for i in body if i.root), None)
+    by_name = {i.name: i for i in body}
+    passed = set()
+    if root is not None and root.op == "tuple":
+        for k, name in enumerate(root.operands):
+            source = by_name.get(name)
+            m = _TUPLE_INDEX.search(source.rest) if source is not None else None
+            if (source is not None and source.op == "get-tuple-element"
+                    and source.operands == [param] and m and int(m.group(1)) == k):
+                passed.add(k)
+    invariant: set[str] = set()
+    for inst in body:   # HLO text lists every value after its operands
+        if inst.op == "get-tuple-element" and inst.operands == [param]:
+            m = _TUPLE_INDEX.search(inst.rest)
+            if m and int(m.group(1)) in passed:
+                invariant.add(inst.name)
+        elif inst.op not in ("parameter", "rng", "rng-bit-generator",
+                             "rng-get-and-update-state") and (
+                all(name in invariant for name in inst.operands)):
+            invariant.add(inst.name)
+    return invariant
+
+
+def loop_invariant_collectives(hlo: str, *, unknown_trip_count: int = 1) -> list[Collective]:
+    """The collectives inside while-loop bodies whose operands the loop never changes (e.g. a
+    weight's FSDP shards gathered in every decode step): the same transfer each iteration,
+    which belongs before the loop. Pass `partitioned_hlo`'s text: the final HLO of the CPU
+    compiler has them hoisted already. Counted as `collectives` counts them."""
+    comps, _ = _computations(hlo)
+    bodies = {callee.lstrip("%") for instructions in comps.values() for inst in instructions
+              if inst.op == "while"
+              for key, callee in _CALLEES.findall(inst.rest) if key == "body"}
+    flagged = set()
+    for name in bodies & set(comps):
+        invariant = _loop_invariant(comps[name])
+        flagged |= {(name, i.name) for i in comps[name]
+                    if i.op.removesuffix("-start") in KINDS and i.operands
+                    and all(o in invariant for o in i.operands)}
+    return [op for op in collectives(hlo, unknown_trip_count=unknown_trip_count)
+            if (op.computation, op.name) in flagged]
 
 
 def summarize(ops: Iterable[Collective]) -> dict[str, float]:
@@ -295,7 +378,7 @@ def matmul_flops(hlo: str, *, unknown_trip_count: int = 1) -> float:
             result = _parse_shapes(inst.result)
             operand_shapes = _parse_shapes(inst.rest.split(")")[0])
             if not operand_shapes:
-                name = re.findall(r"%([\w.\-]+)", inst.rest.split(")")[0])[0]
+                name = inst.operands[0]
                 operand_shapes = _parse_shapes(shapes.get(name, ""))
             m = _DOT_DIMS.search(inst.rest)
             contracting = [int(x) for x in m.group(1).split(",") if x] if m else []

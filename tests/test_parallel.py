@@ -119,3 +119,13 @@ def test_activation_sharding_constrains_and_counts_shards():
     y = f(jnp.ones((8, 3, 4)))
     assert y.sharding.spec == P(("data", "fsdp"), None, "tensor")
     assert parallel.constrain(y, ("batch",), None) is y
+
+
+def test_without_batch_axes_takes_the_batchs_mesh_axes_out_of_the_weights():
+    rules = dict(parallel.without_batch_axes())
+    assert rules["batch"] == ("data", "fsdp") and rules["embed"] is None
+    assert rules["vocab"] == rules["mlp"] == rules["heads"] == "tensor"
+    # Weights over fsdp and tensor, a batch over data only: fsdp stays, tensor too.
+    custom = (("batch", "data"), ("embed", ("fsdp", "data")), ("mlp", "tensor"), ("norm", None))
+    assert parallel.without_batch_axes(custom) == (
+        ("batch", "data"), ("embed", "fsdp"), ("mlp", "tensor"), ("norm", None))

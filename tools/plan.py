@@ -20,6 +20,14 @@ estimate (tools/plan_estimate.py, formulas written out there), the collective by
 read from the HLO (jaxrl4llm/hlo_analysis.py, loops counted) and a roofline time: matmul
 FLOPs / peak, collective link bytes / interconnect bandwidth, HBM bytes / HBM bandwidth.
 
+For the rollout it also prints the weights' gathers read from the HLO right after SPMD
+partitioning: once per step before the decode loops (what the sampler does), against once per
+prefill and decode step (where the partitioner puts them when the weights enter the loop in
+their storage layout), with the rollout time of each; and any collective a decode step
+repeats on unchanged values (none). With a completion length profile
+(--completion_mean, --completion_p99) it prints the rollout's expected slot utilisation with
+a fixed batch and with continuous batching (tools/plan_slots.py: the model is written there).
+
 The simulated devices are CPUs: the compiler is XLA's CPU backend, whose fusion and buffer
 decisions differ from the TPU / GPU compilers (and which cannot compile the splash / cuDNN
 attention kernels: attention is the chunked online softmax here, a close upper bound).
@@ -120,11 +128,16 @@ from jaxrl4llm.config import cli  # noqa: E402
 from jaxrl4llm.config.options import require  # noqa: E402
 
 import plan_programs  # noqa: E402
+import plan_slots  # noqa: E402
 
 flags.DEFINE_string("topology", None, "v5p-N, v5e-N, Kxh100 or Kxh200 (e.g. v5p-64).")
 flags.DEFINE_string("architecture", None, "Override the model architecture (a key of "
                     "models/config.py ARCHITECTURES); default: from --model's name.")
 flags.DEFINE_bool("markdown", False, "Print the table as Markdown (docs/scaling.md).")
+flags.DEFINE_float("completion_mean", None, "Mean completion length in tokens: with "
+                   "--completion_p99, prints the rollout's slot utilisation.")
+flags.DEFINE_float("completion_p99", None, "99th percentile of the completion length in "
+                   "tokens (see --completion_mean).")
 
 
 _SHORT = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR", "all-to-all": "A2A",
@@ -164,6 +177,32 @@ def print_plan(result: plan_programs.Plan, markdown: bool = False) -> None:
           f"{result.update_vs_textbook:.2f}x textbook FSDP; "
           + ("every program fits" if all(r.total <= budget for r in rows)
              else "SOME PROGRAM DOES NOT FIT"))
+    print_weight_gathers(result)
+
+
+def print_weight_gathers(result: plan_programs.Plan) -> None:
+    r = result.rollout
+    once, comm_once = result.rollout_seconds(per_token=False)
+    per_token, comm_per_token = result.rollout_seconds(per_token=True)
+    print(f"rollout weight gathers (HLO after SPMD partitioning): {_fmt_gb(r.weight_gathers)} GB"
+          f" per device per step, once before the decode loops: rollout {once:.2f} s "
+          f"(comm {comm_once:.2f} s); once per token ({r.weight_uses} prefill + decode steps "
+          f"of {r.rows // r.slots} chunk(s), {_fmt_gb(r.weight_gathers * r.weight_uses)} GB): "
+          f"rollout {per_token:.2f} s (comm {comm_per_token:.2f} s)")
+    print("decode loop: no collective on unchanged values" if not r.in_loop else
+          f"LOOPS REPEAT {_fmt_gb(r.in_loop)} GB of collectives on unchanged values per "
+          "iteration (counted in every prefill and decode step above: an upper bound)")
+
+
+def print_slot_use(result: plan_programs.Plan, mean: float, p99: float) -> None:
+    r = result.rollout
+    use = plan_slots.slot_use(mean, p99, r.max_new_tokens, r.rows, r.slots)
+    print(f"completion lengths lognormal (mean {mean:g}, p99 {p99:g} tokens, cut at "
+          f"{r.max_new_tokens}: mean {use.mean_tokens:.0f}); {r.rows} rows in {r.slots} slots: "
+          f"slot utilisation {use.fixed_utilisation:.2f} with a fixed batch "
+          f"({use.fixed_steps:.0f} decode steps), {use.continuous_utilisation:.2f} with "
+          f"continuous batching ({use.continuous_steps:.0f} decode steps; "
+          f"{r.rows // r.slots * r.max_new_tokens} at the length limit)")
 
 
 def main(argv):
@@ -175,10 +214,18 @@ def main(argv):
     require(jax.device_count() >= topo.num_devices,
             f"--topology={FLAGS.topology}: {topo.num_devices} devices needed, "
             f"{jax.device_count()} available: XLA_FLAGS already fixes another device count.")
+    profile = (FLAGS.completion_mean, FLAGS.completion_p99)
+    require((FLAGS.completion_mean is None) == (FLAGS.completion_p99 is None),
+            "--completion_mean and --completion_p99 go together: pass both or neither.")
+    if None not in profile:
+        with cli.flag_errors():
+            plan_slots.fit_lognormal(*profile)
     config = train.config_from_flags()
     model_config = plan_programs.architecture(FLAGS.architecture or config.model.name)
     result = plan_programs.plan(config, model_config, topo, jax.devices()[:topo.num_devices])
     print_plan(result, markdown=FLAGS.markdown)
+    if None not in profile:
+        print_slot_use(result, *profile)
 
 
 if __name__ == "__main__":

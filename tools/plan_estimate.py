@@ -21,7 +21,8 @@ Symbols (per device; "rows" are those one device holds of the slice that runs at
             layer) + 6 b Lb F/T 4 (the recomputed MLP and its gradients) + 4 b Lb D 4
             + 4 D V/T 4 (unembedding gathered in float32, its gradient, the reduction buffer,
             a conversion) + R
-  rollout   Pb + n Wl c / T (every layer gathered: the gathers leave the decode loop)
+  rollout   Pb + n Wl s / T (every layer gathered once, before the decode loop, in the compute
+            dtype: decode.loop_params gathers before any matmul converts)
             + 2 D V/T (c + s) (embedding and unembedding gathered, and converted)
             + 2 n b K H (P + N - 1) s / T_kv (keys and values of one chunk) + R
   logprobs  Pb + b Lb F/T (2 x 4 + s) (gate, up in float32, their product) + b Lb D 4
@@ -80,7 +81,7 @@ class Estimate:
     def rollout(self, num_chunks: int, resident: float) -> float:
         m, s = self.m, self.s
         b = self.c.batch_size / num_chunks / self.dp
-        weights = m.num_layers * self.Wl * self.g / self.T + 2 * self.DV * (self.g + s)
+        weights = m.num_layers * self.Wl * s / self.T + 2 * self.DV * (self.g + s)
         cache = 2 * m.num_layers * b * m.num_kv_heads * m.head_dim * self.L * s / self.T_kv
         return self.Pb + weights + cache + resident
 

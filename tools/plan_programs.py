@@ -3,6 +3,8 @@
 Every input is a jax.ShapeDtypeStruct with the sharding the trainer gives it, so nothing is
 allocated; each program is lowered and compiled exactly as the trainer's jit boundaries
 compile it, then measured: memory_analysis(), the collectives and matmul FLOPs of its HLO.
+The rollout's HLO right after SPMD partitioning also gives its weight gathers: once per call
+before the decode loops (what the sampler does), against once per token inside them.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 from jaxrl4llm import hlo_analysis, parallel, rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ARCHITECTURES, ModelConfig
-from jaxrl4llm.sampling import buckets, sampler
+from jaxrl4llm.sampling import buckets, decode, sampler
 from jaxrl4llm.train import logprobs, step
 from jaxrl4llm.train import state as state_lib
 from jaxrl4llm.train.config import TrainConfig, param_dtype
@@ -51,6 +53,24 @@ class Row:
         return max(self.t_compute, self.t_comm, self.t_hbm)
 
 
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """The rollout's rows and weight traffic. Bytes are per device, sent over a ring
+    (hlo_analysis.Collective.link_bytes), read from the HLO right after SPMD partitioning."""
+
+    rows: int                 # sampled per training step
+    slots: int                # rows decoded at once (a chunk)
+    max_new_tokens: int
+    weight_gathers: float     # the weights' gathers before the decode loops, per call
+    in_loop: float            # collectives one iteration of each loop repeats on unchanged
+                              # values, summed over the loops (0)
+
+    @property
+    def weight_uses(self) -> int:
+        """Forward passes over the weights per call: prefill + decode steps of every chunk."""
+        return self.rows // self.slots * self.max_new_tokens
+
+
 @dataclasses.dataclass
 class Plan:
     title: str
@@ -58,6 +78,18 @@ class Plan:
     topology: Any
     rows: list[Row]
     update_vs_textbook: float
+    rollout: Rollout
+
+    def rollout_seconds(self, per_token: bool) -> tuple[float, float]:
+        """(rollout roofline time, its communication term) per call, the weights gathered
+        once before the decode loops, or (per_token) in every prefill and decode step."""
+        row = next(r for r in self.rows if r.program == "rollout")
+        r, link_bw = self.rollout, self.topology.chip.link_bw
+        extra = r.in_loop * r.weight_uses
+        if per_token:
+            extra += r.weight_gathers * (r.weight_uses - 1)
+        comm = row.t_comm + extra / link_bw
+        return max(row.t_compute, comm, row.t_hbm), comm
 
 
 def architecture(model: str) -> ModelConfig:
@@ -89,6 +121,10 @@ def abstract_params(model_config: ModelConfig, mesh, dtype) -> Any:
 
 def _rows(mesh, shape, dtype) -> jax.ShapeDtypeStruct:
     return _abstract(shape, dtype, parallel.batch_sharding(mesh, len(shape)))
+
+
+def _link_bytes(ops) -> float:
+    return sum(op.link_bytes for op in ops)
 
 
 def _measure(compiled, calls: int, chip, unknown_trip_count: int = 1) -> dict:
@@ -149,14 +185,18 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
         chunk = unit * max(1, R // unit) if R and R < Bs else unit
         sample_chunks = -(-Bs // chunk) if R and R < Bs else 1
         Bs = -(-Bs // chunk) * chunk
-    compiled = sampler.generate_tokens.lower(
+    compiled, partitioned = hlo_analysis.partitioned_hlo(sampler.generate_tokens.lower(
         params, _rows(mesh, (Bs, P), jnp.int32), _rows(mesh, (Bs, P), bool),
         _rows(mesh, (Bs,), bool), _rows(mesh, (Bs,), key_dtype),
         jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
         model_config=model_config, sampling=c.rollout.sampling,
         max_new_tokens=N, mesh=mesh, prompt_group=Gs, num_chunks=sample_chunks,
-        cache_dtype=dtype, greedy_B=_rows(mesh, (Bs,), bool) if remax else None).compile()
+        cache_dtype=dtype, greedy_B=_rows(mesh, (Bs,), bool) if remax else None))
     m = _measure(compiled, 1, chip, unknown_trip_count=N)
+    scope = f"/{decode.WEIGHTS_SCOPE}/"
+    rollout = Rollout(Bs, Bs // sample_chunks, N, _link_bytes(
+        op for op in hlo_analysis.collectives(partitioned) if scope in op.op_name),
+        _link_bytes(hlo_analysis.loop_invariant_collectives(partitioned)))
     resident = state_bytes - param_bytes + ref_bytes
     rows.append(Row("rollout", resident=resident, estimate=est.rollout(num_chunks, resident),
                     t_hbm=est.rollout_hbm_bytes(num_chunks) / chip.hbm_bw, **m))
@@ -215,4 +255,4 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
              f"micro-batch {c.micro_batch}, rollout chunk {B // num_chunks} rows, "
              f"remat {c.model.remat}")
     return Plan(title, ",".join(f"{k}:{v}" for k, v in shape.items()), topo, rows,
-                update_bytes / textbook)
+                update_bytes / textbook, rollout)

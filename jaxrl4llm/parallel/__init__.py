@@ -16,6 +16,7 @@ from jaxrl4llm.parallel.sharding import (
     num_row_chunks,
     shard_pytree,
     split_strided,
+    without_batch_axes,
 )
 
 __all__ = [
@@ -23,5 +24,5 @@ __all__ = [
     "batch_sharding", "constrain", "constrain_tree", "data_parallel_size",
     "logical_to_partition_spec", "logical_to_sharding", "make_mesh",
     "maybe_initialize_distributed", "merge_strided", "num_row_chunks", "shard_pytree",
-    "split_strided",
+    "split_strided", "without_batch_axes",
 ]

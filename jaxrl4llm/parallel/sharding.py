@@ -180,6 +180,23 @@ def num_row_chunks(rows: int, max_rows: int, group: int = 1) -> int:
     return chunks
 
 
+def without_batch_axes(rules: LogicalRules = DEFAULT_RULES) -> LogicalRules:
+    """`rules` with the batch's mesh axes taken out of every other logical axis: the layout of
+    weights that multiply batch-sharded activations with no collective (FSDP's shards
+    gathered, tensor parallelism kept), e.g. once before a decode loop."""
+    table = _rules_dict(rules)
+    target = table.get("batch")
+    batch = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+    out = []
+    for name, target in rules:
+        if name != "batch" and target is not None:
+            axes = tuple(a for a in ((target,) if isinstance(target, str) else target)
+                         if a not in batch)
+            target = None if not axes else axes[0] if len(axes) == 1 else axes
+        out.append((name, target))
+    return tuple(out)
+
+
 def data_parallel_size(mesh: Mesh | AbstractMesh, rules: LogicalRules = DEFAULT_RULES) -> int:
     """How many shards the batch axis is split into (the product of its mesh axes)."""
     axes = logical_to_partition_spec(("batch",), rules)[0] or ()

@@ -155,9 +155,10 @@ def generate_slots(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
     B, P = prompt_BP.shape
     N = max_new_tokens
     S = min(slots, B)
-    params = transformer.unstack_layers(transformer.cast_for_compute(params, model_config))
-    cache_dtype = decode.cache_dtype_for(params)
     sharding = None if mesh is None else parallel.ActivationSharding(mesh, rules)
+    # Gathered once here, or the partitioner gathers every weight in every decode step.
+    params = decode.loop_params(params, model_config, sharding)
+    cache_dtype = decode.cache_dtype_for(params)
     R = min(S, refill_rows(S, 1 if mesh is None else parallel.data_parallel_size(mesh, rules)))
     # The queue: active rows in the caller's order (rows without a prompt never start).
     order_Q = jnp.argsort(~active_B, stable=True).astype(jnp.int32)

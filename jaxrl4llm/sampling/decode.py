@@ -53,6 +53,33 @@ def prefill(params: Any, model_config: ModelConfig, prompt_BP: jax.Array,
     assert new_cache is not None  # hidden_states returns the cache it is given, updated
     return transformer.unembed(params, model_config, h_BPD[:, -1:], sharding)[:, 0], new_cache
 
+# The named scope of the weights' layout change before the loops: its collectives are the
+# once-per-call weight gathers (tools/plan.py finds them by it in the HLO's metadata).
+WEIGHTS_SCOPE = "decode_weights"
+
+
+def loop_params(params: Any, model_config: ModelConfig,
+                sharding: parallel.ActivationSharding | None) -> Any:
+    """The weights the sampler computes with, made once before prefill and the decode loops:
+    matrices in the compute dtype, one buffer per layer (transformer.unstack_layers) and, on a
+    mesh, laid out for the decode matmuls (parallel.without_batch_axes: the FSDP shards
+    gathered, tensor parallelism kept), which then need no collective on a weight.
+
+    Left in their storage layout, the weights are gathered where they are used: the SPMD
+    partitioner puts each gather inside the decode loop's body, once per generated token
+    (only the CPU compiler hoists them out). The gathered copy costs every device the
+    model's bytes / tensor while the program runs."""
+    with jax.named_scope(WEIGHTS_SCOPE):
+        params = transformer.unstack_layers(transformer.cast_for_compute(params, model_config))
+        if sharding is None:
+            return params
+        stacked = transformer.param_logical_axes(model_config)
+        axes = {**stacked, "layers": tuple({k: v[1:] for k, v in stacked["layers"].items()}
+                                           for _ in params["layers"])}
+        layout = parallel.ActivationSharding(sharding.mesh, parallel.without_batch_axes(
+            sharding.rules))
+        return parallel.constrain_tree(params, axes, layout)
+
 
 def decode_step(params: Any, model_config: ModelConfig, token_B: jax.Array,
                 position_B: jax.Array, cache: transformer.KVCache, cache_index: jax.Array,

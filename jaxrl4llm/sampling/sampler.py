@@ -134,9 +134,9 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
     if B % (num_chunks * prompt_group):
         raise ValueError(f"generate_tokens: {B} rows do not split into {num_chunks} chunks of "
                          f"whole groups of {prompt_group}.")
-    # Per-layer weight buffers, sliced once here rather than by scan in every decode step.
-    params = transformer.unstack_layers(transformer.cast_for_compute(params, model_config))
     sharding = None if mesh is None else parallel.ActivationSharding(mesh, rules)
+    # Per-layer buffers in the decode matmuls' layout, made once here, not in every step.
+    params = decode.loop_params(params, model_config, sharding)
     run = functools.partial(
         _generate_rows, params, stop_ids_S=stop_ids_S, pad_id=pad_id,
         model_config=model_config, sampling=sampling, max_new_tokens=max_new_tokens,

@@ -3,6 +3,7 @@ inputs, its memory is measured and estimated, the update is FSDP-shaped; topolog
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 
@@ -10,6 +11,7 @@ import jax
 import pytest
 
 from jaxrl4llm import rl
+from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ARCHITECTURES, TINY
 from jaxrl4llm.train.config import TrainConfig
 
@@ -59,9 +61,27 @@ def test_plan_of_a_tiny_run_on_eight_devices(capsys):
     assert update["all-gather"] > 0 and update["reduce-scatter"] > 0
     assert 0.5 < result.update_vs_textbook < 2
     assert rows["update"].flops > 0 and rows["update"].t_compute > 0
+    # The sampler gathers the weights once per step (bfloat16, each device receiving 7/8 of
+    # every fsdp-sharded weight), none in its decode loops; per token it would be once per
+    # prefill and decode step of each of the 2 chunks.
+    shapes = jax.tree.leaves(transformer.param_shapes(MODEL), is_leaf=lambda x: type(x) is tuple)
+    axes = jax.tree.leaves(transformer.param_logical_axes(MODEL),
+                           is_leaf=lambda x: type(x) is tuple)
+    sharded = sum(math.prod(s) for s, a in zip(shapes, axes) if "embed" in a)
+    rollout = result.rollout
+    assert rollout.weight_gathers == pytest.approx(sharded * 2 * 7 / 8)
+    assert rollout.in_loop == 0 and rollout.weight_uses == 2 * 16
+    once, comm_once = result.rollout_seconds(per_token=False)
+    per_token, comm_per_token = result.rollout_seconds(per_token=True)
+    assert comm_once == rows["rollout"].t_comm and once == rows["rollout"].seconds
+    assert comm_per_token == pytest.approx(
+        comm_once + 31 * rollout.weight_gathers / topo.chip.link_bw)
     plan.print_plan(result, markdown=True)
+    plan.print_slot_use(result, 6, 14)
     out = capsys.readouterr().out
     assert "| update | 2 |" in out and "every program fits" in out
+    assert "decode loop: no collective on unchanged values" in out
+    assert "32 rows in 16 slots: slot utilisation" in out
 
 
 def test_plan_of_a_remax_run_samples_the_greedy_rows_too():
