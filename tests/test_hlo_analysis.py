@@ -5,7 +5,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrl4llm import hlo_analysis, parallel
+from jaxrl4llm import parallel
+from jaxrl4llm.planner import hlo_analysis
 
 MESH = parallel.make_mesh("data:1,fsdp:8,tensor:1")
 

@@ -9,12 +9,13 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 # Bottom to top. A module may import from its own layer and the layers below.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("jaxrl4llm", "jaxrl4llm.config", "jaxrl4llm.parallel", "jaxrl4llm.hlo_analysis"),
+    ("jaxrl4llm", "jaxrl4llm.config", "jaxrl4llm.parallel"),
     ("jaxrl4llm.rl", "jaxrl4llm.models"),
     ("jaxrl4llm.sampling",),
     ("jaxrl4llm.rewards", "jaxrl4llm.data"),
     ("jaxrl4llm.evaluation", "jaxrl4llm.evalsets"),
     ("jaxrl4llm.train",),
+    ("jaxrl4llm.planner",),   # compiles the step's programs ahead of time
     ("jaxrl4llm.config.cli",),   # the flags and the entry points' error contract
     ("experiments", "tools"),
 )

@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxrl4llm import hlo_analysis, parallel
+from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import TINY
+from jaxrl4llm.planner import hlo_analysis
 from jaxrl4llm.sampling import continuous, decode, sampler
 from jaxrl4llm.sampling.strategies import SamplingConfig
 

@@ -18,8 +18,9 @@ from jaxrl4llm.train.config import TrainConfig
 TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "tools")
 sys.path.insert(0, TOOLS)
+from jaxrl4llm.planner import programs as plan_programs  # noqa: E402
+
 import plan  # noqa: E402
-import plan_programs  # noqa: E402
 
 MODEL = dataclasses.replace(TINY, vocab_size=512, num_layers=3)
 

@@ -1,5 +1,6 @@
-"""tools/plan_slots.py: the lognormal fitted to a completion length profile, and the rollout's
-slot utilisation with a fixed batch and with continuous batching."""
+"""The planner's slot model (jaxrl4llm/planner/slots.py): the lognormal fitted to a
+completion length profile, and the rollout's slot utilisation with a fixed batch and with
+continuous batching."""
 from __future__ import annotations
 
 import math
@@ -12,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "tools"))
-import plan_slots  # noqa: E402
+from jaxrl4llm.planner import slots as plan_slots  # noqa: E402
 
 
 def test_the_fitted_lognormal_has_the_profiles_mean_and_p99():

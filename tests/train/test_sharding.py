@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl4llm import hlo_analysis, parallel, rl
+from jaxrl4llm import parallel, rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.planner import hlo_analysis
 from jaxrl4llm.train import checkpoint
 from jaxrl4llm.train.logprobs import Sequences
 from jaxrl4llm.train.state import OptimizerConfig, abstract_state, create_state

@@ -17,15 +17,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxrl4llm import hlo_analysis, parallel, rl
+from jaxrl4llm import parallel, rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ARCHITECTURES, ModelConfig
+from jaxrl4llm.planner import estimate as plan_estimate
+from jaxrl4llm.planner import hlo_analysis
 from jaxrl4llm.sampling import buckets, decode, sampler
 from jaxrl4llm.train import logprobs, step
 from jaxrl4llm.train import state as state_lib
 from jaxrl4llm.train.config import TrainConfig, param_dtype
-
-import plan_estimate
 
 
 @dataclasses.dataclass
