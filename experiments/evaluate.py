@@ -13,7 +13,7 @@ It takes every training flag (so a training flagfile works as is). With --checkp
 setting comes from the run's WORKDIR/config.json, except the flags given (on the command line
 or in a --flagfile), which win; without, from the flags and the trainer's defaults. A header
 says where each setting that shapes the score came from. It runs the trainer's own evaluation
-(jaxrl4llm.evaluation.evaluate_run, with the key of the run's evaluation at that step): the
+(jaxrl4llm.eval.evaluator.evaluate_run, with the key of the run's evaluation at that step): the
 --eval_data set (--eval_prompts N prompts, -1 the whole split, 0 none) and each --eval_sets set
 with its own protocol, so a run's final checkpoint scores what the run logged at its end.
 
@@ -248,17 +248,18 @@ def evaluate_command(opts: EvaluateOptions, given: dict[str, Any]) -> int:
 def run_evaluation(p: Plan, opts: EvaluateOptions) -> tuple[dict[str, float], int]:
     """The scores (the trainer's evaluation, unprefixed, plus "seconds") and the number of
     --eval_data prompts scored."""
-    from jaxrl4llm import evaluation, parallel
+    from jaxrl4llm import parallel
+    from jaxrl4llm.eval import evaluator
     from jaxrl4llm.models import registry
     from jaxrl4llm.rewards import RewardFn
+    from jaxrl4llm.sampling.context import RolloutContext
     from jaxrl4llm.train.checkpoint import load_trained_policy
     from jaxrl4llm.train.config import param_dtype
-    from jaxrl4llm.train.rollout import RolloutContext
 
     config = p.config
     sets = config.evaluation.sets
-    records = evaluation.held_out_records(config.data, config.evaluation, opts.split)
-    set_records = evaluation.eval_set_records(sets, config.data, split=opts.split)
+    records = evaluator.held_out_records(config.data, config.evaluation, opts.split)
+    set_records = evaluator.eval_set_records(sets, config.data, split=opts.split)
     mesh = parallel.make_mesh(config.run.mesh)
     if p.checkpoint:
         _, model_config, params, tokenizer = load_trained_policy(p.checkpoint, p.step, mesh=mesh)
@@ -270,9 +271,9 @@ def run_evaluation(p: Plan, opts: EvaluateOptions) -> tuple[dict[str, float], in
         ctx = RolloutContext.create(model_config, tokenizer, reward_fn, mesh, config.data,
                                     config.rollout)
         start = time.perf_counter()
-        results = evaluation.evaluate_run(
+        results = evaluator.evaluate_run(
             ctx, params, records, sets, set_records, samples=config.evaluation.eval_samples,
-            key=evaluation.eval_key(config.run.seed, p.step),
+            key=evaluator.eval_key(config.run.seed, p.step),
             prompts_per_batch=opts.batch_prompts, prefix="", progress=True)
     results["seconds"] = time.perf_counter() - start
     return results, len(records)
@@ -280,7 +281,7 @@ def run_evaluation(p: Plan, opts: EvaluateOptions) -> tuple[dict[str, float], in
 
 def table(results: dict[str, float], names: list[str]) -> str:
     """One row per set (and the mean), one column per metric: the paper's table."""
-    from jaxrl4llm.evalsets import MEAN
+    from jaxrl4llm.eval.sets import MEAN
     metrics = sorted({key.split("/", 1)[1] for key in results if "/" in key} - {"num_prompts"},
                      key=lambda m: (m != "greedy", m.split("@")[0], int(m.split("@")[-1])
                                     if "@" in m else 0))

@@ -122,11 +122,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from jaxrl4llm.data import make_source
+    from jaxrl4llm.data.config import DataConfig
     from jaxrl4llm.models import registry
     from jaxrl4llm.sampling.frontend import Sampler
     from jaxrl4llm.sampling.layout import RowLayout
     from jaxrl4llm.sampling.strategies import SamplingConfig
-    from jaxrl4llm.train.config import DataConfig, param_dtype
+    from jaxrl4llm.train.config import param_dtype
 
     model_config, params, tokenizer = registry.load_model(args.model,
                                                           dtype=param_dtype(args.dtype))

@@ -65,9 +65,10 @@ def _child(args) -> dict:
     from jaxrl4llm.data import make_source
     from jaxrl4llm.models import registry
     from jaxrl4llm.rewards import make_reward_fn
+    from jaxrl4llm.sampling.context import RolloutContext
     from jaxrl4llm.train import host_memory
     from jaxrl4llm.train.config import TrainConfig, param_dtype
-    from jaxrl4llm.train.rollout import RolloutContext, rollout
+    from jaxrl4llm.train.rollout import rollout
     from jaxrl4llm.train.state import TrainState
     from jaxrl4llm.train.step import compile_train_step, train_step
     from tools import bench_sampler

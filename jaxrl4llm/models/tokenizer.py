@@ -90,15 +90,6 @@ class Tokenizer:
         """Token ids of the chat prompt (special tokens come from the template itself)."""
         return self.encode(self.apply_chat_template(messages, system))
 
-    def truncate_at_stop(self, ids: Sequence[int]) -> list[int]:
-        """The ids up to (excluding) the first stop token."""
-        out = []
-        for i in ids:
-            if int(i) in self.stop_token_ids:
-                break
-            out.append(int(i))
-        return out
-
 
 # Metadata string arrays read in full (as transformers' GGUF reader does); other string
 # arrays are passed on as their length.

@@ -108,6 +108,18 @@ class RewardBatch:
     def __len__(self) -> int:
         return len(self.reasons)
 
+    def take(self, rows: Sequence[int] | np.ndarray) -> RewardBatch:
+        """The rows `rows`, in that order."""
+        return RewardBatch(rewards=self.rewards[rows], correct=self.correct[rows],
+                           reasons=[self.reasons[i] for i in rows])
+
+    def join(self, *others: RewardBatch) -> RewardBatch:
+        """This batch's rows followed by each of `others`'."""
+        batches = (self, *others)
+        return RewardBatch(rewards=np.concatenate([b.rewards for b in batches]),
+                           correct=np.concatenate([b.correct for b in batches]),
+                           reasons=[r for b in batches for r in b.reasons])
+
     @property
     def failed(self) -> np.ndarray:
         """bool [B]: rows whose verification did not finish (timeout, crash, error). They are

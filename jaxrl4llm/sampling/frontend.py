@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import buckets, continuous
+from jaxrl4llm.sampling import buckets, continuous, trim
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.sampler import LONG_PROMPT_MODES, SampleOutput, generate, host_rows
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -136,10 +136,9 @@ class Sampler:
         """This host's first `num_rows` completion texts (default: all rows), stop token
         excluded (rows of dropped prompts decode to "")."""
         num_rows = out.tokens_BT.shape[0] if num_rows is None else num_rows
-        tokens, lengths, truncated = (host_rows(x, num_rows) for x in
-                                      (out.tokens_BT, out.lengths_B, out.truncated_B))
-        return [self.tokenizer.decode(tokens[r, :lengths[r] - (0 if truncated[r] else 1)])
-                if lengths[r] else "" for r in range(num_rows)]
+        rows = trim.text_token_ids(*(host_rows(x, num_rows) for x in
+                                     (out.tokens_BT, out.lengths_B, out.truncated_B)))
+        return ["" if ids is None else self.tokenizer.decode(ids) for ids in rows]
 
     def sample(self, params: Any, prompts: Sequence[Any], sampling: SamplingConfig,
                max_new_tokens: int, key: jax.Array, layout: RowLayout = RowLayout(), *,

@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import buckets, continuous, decode, strategies
+from jaxrl4llm.sampling import buckets, continuous, decode, strategies, trim
 from jaxrl4llm.sampling.decode import cache_dtype_for as _cache_dtype
 from jaxrl4llm.sampling.decode import decode_step, prefill  # noqa: F401  (re-exported)
 from jaxrl4llm.sampling.layout import RowLayout, prompt_completion_rows
@@ -80,9 +80,9 @@ class SampleOutput(flax.struct.PyTreeNode):
         """The first `length` completion columns (>= every row's length: nothing real is cut),
         so teacher-forced passes run on the batch's own longest completion, not
         max_new_tokens (see buckets.bucket_completion_length)."""
-        return self.replace(tokens_BT=self.tokens_BT[:, :length],
-                            logprobs_BT=self.logprobs_BT[:, :length],
-                            mask_BT=self.mask_BT[:, :length])
+        return self.replace(tokens_BT=trim.cut_columns(self.tokens_BT, length),
+                            logprobs_BT=trim.cut_columns(self.logprobs_BT, length),
+                            mask_BT=trim.cut_columns(self.mask_BT, length))
 
     def sequences(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(tokens, mask, positions) of prompt + completion, [B, P + T], for a teacher-forced

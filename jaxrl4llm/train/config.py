@@ -4,7 +4,9 @@ Every leaf field is a command-line flag with a flat name (jaxrl4llm.config.optio
 jaxrl4llm.config.cli defines the flags): its type, default and help come from the field and its
 class docstring's "name: text" line, so a new field is a new flag. Where a field's flag name
 differs from the field name (`--model` for model.name, `--lr_schedule` for
-optimizer.schedule), or its values are a fixed set, the mount below says so.
+optimizer.schedule), or its values are a fixed set, the mount below says so. The groups that
+layers below the trainer read too live with them: DataConfig (data/config.py), RolloutConfig
+(sampling/config.py), EvalConfig (eval/config.py).
 """
 from __future__ import annotations
 
@@ -19,14 +21,16 @@ import jax
 from jaxrl4llm import parallel, rl
 from jaxrl4llm.config import options
 from jaxrl4llm.config.options import group, require
-from jaxrl4llm.data import prompts, record_messages
+from jaxrl4llm.data import prompts
+from jaxrl4llm.data.config import DataConfig
+from jaxrl4llm.eval.config import EvalConfig
 from jaxrl4llm.rewards.math_verifier import ANSWER_MODES
 from jaxrl4llm.rewards.registry import TASK_VERIFIERS, RewardConfig
 from jaxrl4llm.rewards.shaping import SCALES
+from jaxrl4llm.sampling import rounds
 from jaxrl4llm.sampling.buckets import LONG_PROMPT_MODES
-from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.sampling.strategies import SamplingConfig
-from jaxrl4llm.train import partial, sample_rounds
+from jaxrl4llm.sampling.config import RolloutConfig
+from jaxrl4llm.train import partial
 from jaxrl4llm.train.state import SCHEDULES, OptimizerConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -60,86 +64,6 @@ class ModelOptions:
         return dataclasses.replace(model_config, compute_dtype=self.compute_dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class DataConfig:
-    """Where prompts come from and how a record becomes chat messages.
-
-    source: Prompt source: a registered name (gsm8k, math500, numina_math, ...; see
-        docs/data.md), hf:OWNER/NAME[:CONFIG][@SPLIT], gym:TASK?opts (reasoning-gym),
-        synthetic:TASK?opts, jsonl:PATH, parquet:PATH or tfds:NAME ({split} in a path is
-        replaced by the split).
-    revision: Hub revision (branch, tag or commit) of an hf: source or registered name
-        (default: main).
-    prompt_field: Column holding the question (default: auto-detect problem, question, prompt;
-        registered names and gym tasks bring their own).
-    answer_field: Column holding the reference answer (default: auto-detect answer, solution).
-    instruction: Instruction appended to each question (default: the record's own, e.g. a
-        task's answer format, else the boxed-answer instruction of the Minimalist paper;
-        empty: none; @NAME: a named prompt).
-    system_prompt: Optional system turn (@minimalist, @logic_rl: the papers' prompts).
-    """
-
-    source: str = "synthetic:arithmetic"
-    revision: str | None = None
-    prompt_field: str | None = None
-    answer_field: str | None = None
-    instruction: str | None = None
-    system_prompt: str | None = None
-
-    @property
-    def field_names(self) -> dict[str, str]:
-        """make_source keyword arguments for the prompt / answer columns the user named."""
-        names = {"prompt_field": self.prompt_field, "answer_field": self.answer_field}
-        return {k: v for k, v in names.items() if v}
-
-    def messages(self, record: Any) -> list[dict[str, str]]:
-        """The chat messages of one record (instruction and system turn applied)."""
-        instruction = (prompts.RECORD if self.instruction is None
-                       else prompts.expand(self.instruction, "--instruction"))
-        return record_messages(record, instruction=instruction,
-                               system=prompts.expand(self.system_prompt))
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-    """How a step samples: P prompts, G samples of each.
-
-    prompts_per_step: Prompts per step P, global (all hosts).
-    group_size: Samples per prompt G; a step's batch is B = P * G rows, a group G contiguous
-        rows.
-    max_prompt_tokens: Longest prompt in tokens.
-    max_new_tokens: Longest completion in tokens.
-    long_prompts: Prompts over --max_prompt_tokens: stop with an error, or drop and count them.
-    share_prompts: Run each group's prompt once (sampler prefill; reference, old-policy and
-        update passes): the same result with less compute and memory.
-    rollout_micro_batch: Rows per sampler / reference / old-logprob pass, run one after another
-        (0 = all rows at once); bounds the KV cache and activation memory.
-    partial_rollout_tokens: Partial rollouts: sample in rounds of at most this many new tokens
-        per row until P groups have finished; unfinished rows carry over to the next step
-        with their tokens and logprobs (0 = off; see train/partial.py).
-    max_staleness: With --partial_rollout_tokens: steps a group may wait in the carried buffer
-        before it is dropped (and counted).
-    decode_slots: Continuous batching: rows decoded at once, a finished row's slot taking the
-        next queued row (0 = every row at once, finished rows compacted away); a multiple of
-        the data-parallel devices. The same samples either way.
-    """
-
-    prompts_per_step: int = 8
-    group_size: int = 4
-    max_prompt_tokens: int = 256
-    max_new_tokens: int = 128
-    sampling: SamplingConfig = group(SamplingConfig)
-    long_prompts: str = "error"
-    share_prompts: bool = True
-    rollout_micro_batch: int = 0
-    partial_rollout_tokens: int = 0
-    max_staleness: int = 2
-    decode_slots: int = 0
-
-    @property
-    def layout(self) -> RowLayout:
-        """How a rollout batch's rows are laid out (see sampling.layout)."""
-        return RowLayout(self.group_size, self.share_prompts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,38 +108,6 @@ class CriticOptions:
     learning_rate: float | None = None
     warmup_steps: int = 0
 
-
-@dataclasses.dataclass(frozen=True)
-class EvalConfig:
-    """Held-out evaluation, the same in the trainer and in experiments/evaluate.py.
-
-    eval_data: Held-out prompt source (default: --data, split test).
-    eval_every: Steps between evaluations (0 = only at the end).
-    eval_prompts: Held-out prompts per evaluation: the first N of the split; -1 = the whole
-        split; 0 = no evaluation.
-    eval_samples: Samples per prompt: the k of avg@k / pass@k / maj@k (1 = greedy accuracy
-        only).
-    eval_sets: Named evaluation sets, each with its own protocol, logged as eval/NAME/METRIC
-        and eval/mean/METRIC: ITEM[,ITEM...], ITEM = NAME[=SOURCE][;OPT...], OPT one of
-        greedy, avg@K, pass@K, maj@K, t=FLOAT, max_new_tokens=INT, prompts=N, revision=REV;
-        e.g. math500;avg@16;t=1.0,aime24;pass@8 (see jaxrl4llm/evalsets.py).
-    """
-
-    eval_data: str | None = None
-    eval_every: int = 0
-    eval_prompts: int = 64
-    eval_samples: int = 1
-    eval_sets: str | None = None
-
-    @property
-    def sets(self) -> tuple:
-        """The parsed --eval_sets (jaxrl4llm.evalsets.EvalSet)."""
-        from jaxrl4llm import evalsets
-        return evalsets.parse_eval_sets(self.eval_sets, self.eval_samples)
-
-    def count(self, available: int) -> int:
-        """How many of `available` held-out prompts an evaluation uses."""
-        return available if self.eval_prompts < 0 else min(self.eval_prompts, available)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,7 +258,7 @@ class TrainConfig:
                 "--norecompute_old_logprobs pi_old is the sampler's (ratio 1); set "
                 "--recompute_old_logprobs or drop --is_correction.")
         require(not ((a.advantage == "remax" or a.dynamic_sampling) and jax.process_count() > 1),
-                sample_rounds.ONE_HOST_ONLY)
+                rounds.ONE_HOST_ONLY)
         self.optimizer.validate()
         return self
 

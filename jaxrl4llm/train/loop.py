@@ -23,7 +23,7 @@ import jax
 from absl import logging
 from tqdm.auto import tqdm
 
-from jaxrl4llm import evaluation
+from jaxrl4llm.eval.evaluator import eval_key
 from jaxrl4llm.train import host_memory, plots
 from jaxrl4llm.train import metrics as metrics_lib
 from jaxrl4llm.train.checkpoint import Checkpointer, PreemptionFlag
@@ -79,7 +79,7 @@ def _train(models: Models, services: Services,
         if start == 0 and config.evaluation.eval_every and evals.enabled:
             # The starting level, so curves show where training began.
             progress.eval_results = evals.run(services.ctx, models.state.params,
-                                              evaluation.eval_key(seed, 0))
+                                              eval_key(seed, 0))
             services.writer.write(0, progress.eval_results)
             tqdm.write(metrics_lib.console_line(0, num_steps, progress.eval_results))
         for step in range(start, num_steps):
@@ -126,7 +126,7 @@ def _step(models: Models, services: Services, updater: Updater,
     if services.evaluation.due(step + 1, config.run.num_steps):
         # The key the evaluator also derives for this step's checkpoint.
         results = services.evaluation.run(services.ctx, models.state.params,
-                                          evaluation.eval_key(config.run.seed, step + 1))
+                                          eval_key(config.run.seed, step + 1))
         metrics.update(results)
     metrics["time/step_s"] = time.perf_counter() - t_step
     metrics["data/epoch"] = services.iterator.epoch

@@ -42,9 +42,10 @@ import numpy as np
 from jaxrl4llm.data.records import Record
 from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.sampling import buckets
+from jaxrl4llm.sampling.context import RolloutContext
 from jaxrl4llm.sampling.frontend import Samples
+from jaxrl4llm.sampling.rounds import ScoredRows, on_device
 from jaxrl4llm.sampling.sampler import SampleOutput
-from jaxrl4llm.train.sample_rounds import Scored, _on_device
 
 ONE_HOST_ONLY = ("--partial_rollout_tokens picks rows on the host and runs on one host only; "
                  "use one host, or --partial_rollout_tokens=0.")
@@ -144,7 +145,7 @@ def _record(state: dict[str, Any]) -> Any:
     return Record.from_dict(state["record"]) if "record" in state else state["value"]
 
 
-def _start_groups(ctx: Any, records: Sequence[Any]) -> list[Group]:
+def _start_groups(ctx: RolloutContext, records: Sequence[Any]) -> list[Group]:
     """New groups of `records`: prompts encoded and checked against --max_prompt_tokens
     (PromptTooLongError, or dropped groups with --long_prompts=drop)."""
     r, sampler = ctx.rollout, ctx.sampler
@@ -176,7 +177,7 @@ def sample_round(sampler: Any, params: Any, groups: Sequence[Group], sampling: A
     return extended, int(out.slot_steps) if out.slot_steps is not None else 0
 
 
-def batch_output(ctx: Any, groups: Sequence[Group], slot_steps: int) -> SampleOutput:
+def batch_output(ctx: RolloutContext, groups: Sequence[Group], slot_steps: int) -> SampleOutput:
     """The trained groups as the sampler's output would hold them (host numpy): left-padded
     prompt block, full completions and their behaviour logprobs."""
     r, sampler = ctx.rollout, ctx.sampler
@@ -205,9 +206,9 @@ def _next_record(pending: list, next_records: Callable[[], Sequence[Any]]) -> An
     return pending.pop(0)
 
 
-def sample_and_score(ctx: Any, params: Any, carried: Carried, records: Sequence[Any],
+def sample_and_score(ctx: RolloutContext, params: Any, carried: Carried, records: Sequence[Any],
                      key: jax.Array, next_records: Callable[[], Sequence[Any]] | None = None
-                     ) -> tuple[Scored, Carried, dict[str, Any]]:
+                     ) -> tuple[ScoredRows, Carried, dict[str, Any]]:
     """One step's P finished groups, scored; the buffer for the next step; the timings and the
     partial/* metrics. `records` (this step's prompts) join the pending ones; more come from
     `next_records()` when a round needs them (default: `records` again)."""
@@ -235,7 +236,7 @@ def sample_and_score(ctx: Any, params: Any, carried: Carried, records: Sequence[
     t0 = time.perf_counter()
     texts = ctx.sampler.decode(out, P * G)
     scored = ctx.reward_fn.score(texts, [g.record for g in trained for _ in range(G)],
-                                 lengths=out.lengths_B)
+                                 lengths=np.asarray(out.lengths_B))
     t_reward = time.perf_counter() - t0
     aged = [dataclasses.replace(g, age=g.age + 1) for g in waiting]
     kept = tuple(g for g in aged if g.age <= K)
@@ -249,8 +250,8 @@ def sample_and_score(ctx: Any, params: Any, carried: Carried, records: Sequence[
         **{f"partial/staleness_{k}": Metric.sum(float(G * np.sum(ages == k)))
            for k in range(K + 1)},
     }
-    rows = Scored(Samples(out, texts, r.layout), scored)
-    return _on_device(rows, ctx.sampler.mesh), Carried(kept, tuple(pending)), metrics
+    rows = ScoredRows(Samples(out, texts, r.layout), scored)
+    return on_device(rows, ctx.sampler.mesh), Carried(kept, tuple(pending)), metrics
 
 
 class InFlight:
@@ -261,9 +262,10 @@ class InFlight:
         self._rollout, self._pad_id = rollout, pad_id
         self.carried = Carried()
 
-    def sample_and_score(self, ctx: Any, params: Any, records: Sequence[Any], key: jax.Array,
+    def sample_and_score(self, ctx: RolloutContext, params: Any, records: Sequence[Any],
+                         key: jax.Array,
                          next_records: Callable[[], Sequence[Any]] | None = None
-                         ) -> tuple[Scored, dict[str, Any]]:
+                         ) -> tuple[ScoredRows, dict[str, Any]]:
         rows, self.carried, metrics = sample_and_score(ctx, params, self.carried, records, key,
                                                        next_records)
         return rows, metrics

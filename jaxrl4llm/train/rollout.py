@@ -6,7 +6,6 @@ carries its row layout (sampling.layout.RowLayout) for every later consumer.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from typing import Any, Sequence
@@ -18,54 +17,14 @@ import numpy as np
 from jaxrl4llm import parallel, rl
 from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.sampling import buckets
-from jaxrl4llm.sampling.frontend import Sampler, Samples
+from jaxrl4llm.sampling.context import RolloutContext
 from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.sampling.strategies import SamplingConfig
+from jaxrl4llm.sampling.rounds import Rounds, sample_and_score
 from jaxrl4llm.train import critic
 from jaxrl4llm.train import metrics as metrics_lib
-from jaxrl4llm.train.config import DataConfig, RolloutConfig, TrainConfig
+from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs_jit
-from jaxrl4llm.train.sample_rounds import sample_and_score
 from jaxrl4llm.train.step import UpdateBatch
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutContext:
-    """What stays fixed across rollouts and evaluations: the sampling front-end, the reward
-    function, how records become prompts and how they are sampled."""
-
-    sampler: Sampler
-    reward_fn: Any
-    data: DataConfig
-    rollout: RolloutConfig
-
-    @classmethod
-    def create(cls, model_config: Any, tokenizer: Any, reward_fn: Any, mesh: Any,
-               data: DataConfig, rollout: RolloutConfig, **sampler_options: Any
-               ) -> "RolloutContext":
-        """`sampler_options` go to Sampler (e.g. stop_ids=() to sample exactly
-        max_new_tokens tokens)."""
-        sampler = Sampler(model_config, tokenizer, mesh=mesh,
-                          max_prompt_len=rollout.max_prompt_tokens,
-                          long_prompts=rollout.long_prompts,
-                          max_rows=rollout.rollout_micro_batch or None,
-                          decode_slots=rollout.decode_slots, **sampler_options)
-        return cls(sampler, reward_fn, data, rollout)
-
-    @property
-    def sharding(self) -> parallel.ActivationSharding | None:
-        """Activation layout of the teacher-forced passes and the update (None: no mesh)."""
-        mesh = self.sampler.mesh
-        return None if mesh is None else parallel.ActivationSharding(mesh)
-
-
-def sample(ctx: RolloutContext, params: Any, records: Sequence[Any], key: jax.Array, *,
-           group_size: int, sampling: SamplingConfig | None = None) -> Samples:
-    """`group_size` completions of each record, in the rollout's row layout."""
-    layout = RowLayout(group_size, ctx.rollout.share_prompts)
-    return ctx.sampler.sample(params, [ctx.data.messages(r) for r in records],
-                              sampling or ctx.rollout.sampling, ctx.rollout.max_new_tokens, key,
-                              layout)
 
 
 def _global_rows(ctx: RolloutContext, local: np.ndarray) -> jax.Array:
@@ -113,8 +72,9 @@ def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: A
     if in_flight is not None:
         rows, round_metrics = in_flight.sample_and_score(ctx, params, records, key, next_records)
     else:
-        rows, round_metrics = sample_and_score(ctx, config.algorithm, params, records, key,
-                                               config.rollout.layout, next_records)
+        rows, round_metrics = sample_and_score(ctx, params, records, key, config.rollout.layout,
+                                               Rounds.for_algorithm(config.algorithm),
+                                               next_records)
     t0 = time.perf_counter()
     # Teacher-forced passes and the update run on the batch's longest completion, bucketed.
     out = rows.samples.out.trimmed(buckets.bucket_completion_length(
@@ -132,7 +92,7 @@ def _update_batch(ctx: RolloutContext, config: TrainConfig, params: Any, ref_par
                   critic_params: Any, rows: Any, out: Any) -> tuple[UpdateBatch, dict]:
     """The reference / old-policy logprobs and PPO's values of the trimmed samples `out`,
     then the advantages: the update's batch and the advantage metrics."""
-    layout, scored = config.rollout.layout, rows.scored
+    layout, verdicts = config.rollout.layout, rows.verdicts
     seqs = Sequences(prompt_tokens_BP=out.prompt_tokens_BP, prompt_mask_BP=out.prompt_mask_BP,
                      completion_tokens_BT=out.tokens_BT, completion_mask_BT=out.mask_BT)
     B = seqs.completion_tokens_BT.shape[0]
@@ -152,12 +112,12 @@ def _update_batch(ctx: RolloutContext, config: TrainConfig, params: Any, ref_par
         old_logp = logprobs(params) if config.update.recompute_old_logprobs else out.logprobs_BT
     behaviour_logp = old_logp if old_logp is not None else out.logprobs_BT
     values = None if critic_params is None else critic.values_jit(critic_params, **passes)
-    valid = ~scored.failed if rows.baseline_failed_B is None else ~(
-        scored.failed | rows.baseline_failed_B)   # ReMax: no baseline, no advantage
+    valid = ~verdicts.failed if rows.baseline_failed_B is None else ~(
+        verdicts.failed | rows.baseline_failed_B)   # ReMax: no baseline, no advantage
     baseline = [None if b is None else _global_rows(ctx, b)
                 for b in (rows.baseline_B, rows.baseline_correct_B)]
     advantages, returns, keep_B, adv_metrics = _advantages(
-        config.algorithm, _global_rows(ctx, scored.rewards), _global_rows(ctx, scored.correct),
+        config.algorithm, _global_rows(ctx, verdicts.rewards), _global_rows(ctx, verdicts.correct),
         out.mask_BT, out.truncated_B, out.dropped_B, _global_rows(ctx, valid),
         behaviour_logp, ref_logp, *baseline, values, group_size=layout.group_size)
     batch = UpdateBatch(seqs=seqs, advantages=advantages, keep_B=keep_B, old_logp_BT=old_logp,
@@ -173,14 +133,14 @@ def _rollout_metrics(rows: Any, out: Any, layout: RowLayout, round_metrics: dict
     """reward/*, response/*, reward_reason/* and the rounds' metrics, combined over hosts,
     and the sampling / scoring / teacher-forced pass times. `out`: the samples trimmed for
     the passes."""
-    samples, scored = rows.samples, rows.scored
-    correct = np.asarray(scored.correct, bool)
+    samples, verdicts = rows.samples, rows.verdicts
+    correct = np.asarray(verdicts.correct, bool)
     lengths = samples.host(samples.out.lengths_B).astype(np.float32)
     host = {
-        "reward/mean": Metric.mean(float(np.mean(scored.rewards))),
+        "reward/mean": Metric.mean(float(np.mean(verdicts.rewards))),
         "reward/accuracy": Metric.mean(float(correct.mean())),
         # Unverified rows (timed out / crashed), masked out of the loss and the statistics.
-        "reward/failed_frac": Metric.mean(float(scored.failed.mean())),
+        "reward/failed_frac": Metric.mean(float(verdicts.failed.mean())),
         **_group_metrics(correct, layout.group_size),
         "response/length_mean": Metric.mean(float(lengths.mean())),
         "response/length_max": Metric.max(float(lengths.max())),
@@ -191,7 +151,7 @@ def _rollout_metrics(rows: Any, out: Any, layout: RowLayout, round_metrics: dict
         "response/truncated_frac": Metric.mean(float(np.mean(samples.host(out.truncated_B)))),
         "response/dropped_prompts": Metric.sum(
             float(np.sum(samples.host(out.dropped_B)) / layout.group_size)),
-        **{f"reward_reason/{k}": Metric.sum(float(v)) for k, v in scored.metrics().items()},
+        **{f"reward_reason/{k}": Metric.sum(float(v)) for k, v in verdicts.metrics().items()},
         **{k: v for k, v in round_metrics.items() if isinstance(v, Metric)},
     }
     metrics = metrics_lib.to_host_scalars(metrics_lib.combine_over_hosts(host))

@@ -11,17 +11,19 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from jaxrl4llm import evaluation, parallel
+from jaxrl4llm import parallel
 from jaxrl4llm.data import make_iterator, make_source
+from jaxrl4llm.eval import evaluator
+from jaxrl4llm.eval.config import EvalConfig
 from jaxrl4llm.models import registry
 from jaxrl4llm.rewards import RewardFn
 from jaxrl4llm.sampling import buckets
+from jaxrl4llm.sampling.context import RolloutContext
 from jaxrl4llm.train import critic, partial
 from jaxrl4llm.train import metrics as metrics_lib
 from jaxrl4llm.train.checkpoint import Checkpointer, abstract_like
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 from jaxrl4llm.train.resume import check_resume
-from jaxrl4llm.train.rollout import RolloutContext
 from jaxrl4llm.train.state import TrainState, create_state, learning_rate_schedule
 
 _increment = jax.jit(lambda step: step + 1)  # keeps the step a global (replicated) array
@@ -62,7 +64,7 @@ class Evaluation:
     """The held-out evaluation: the --eval_data prompts and the --eval_sets (each with its
     own protocol), scored with the trainer's own sampler."""
 
-    config: Any              # EvaluationConfig
+    config: EvalConfig
     records: list            # --eval_data / held-out split prompts (may be empty)
     set_records: Any         # --eval_sets' prompts by set
 
@@ -77,9 +79,9 @@ class Evaluation:
         return self.enabled and (done == num_steps or bool(every and done % every == 0))
 
     def run(self, ctx: RolloutContext, params: Any, key: jax.Array) -> dict[str, float]:
-        return evaluation.evaluate_run(ctx, params, self.records, self.config.sets,
-                                       self.set_records, samples=self.config.eval_samples,
-                                       key=key)
+        return evaluator.evaluate_run(ctx, params, self.records, self.config.sets,
+                                      self.set_records, samples=self.config.eval_samples,
+                                      key=key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +125,8 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
     iterator = make_iterator(source, _prompts_per_host(config, mesh), seed=run.seed,
                              shard_index=jax.process_index(), shard_count=jax.process_count())
     evals = Evaluation(config.evaluation,
-                       evaluation.held_out_records(config.data, config.evaluation),
-                       evaluation.eval_set_records(config.evaluation.sets, config.data))
+                       evaluator.held_out_records(config.data, config.evaluation),
+                       evaluator.eval_set_records(config.evaluation.sets, config.data))
 
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() == 0:

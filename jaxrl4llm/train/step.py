@@ -30,6 +30,7 @@ import optax
 from jaxrl4llm import parallel, rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.rl.metrics import Metric, identity_metrics
+from jaxrl4llm.sampling import trim
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.train import host_memory
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs
@@ -60,7 +61,7 @@ class UpdateBatch(flax.struct.PyTreeNode):
         T = self.seqs.completion_tokens_BT.shape[1]
         if length >= T:
             return self
-        cut = lambda x: None if x is None else x[:, :length]  # noqa: E731
+        cut = lambda x: trim.cut_columns(x, length)  # noqa: E731
         return self.replace(
             seqs=self.seqs.replace(completion_tokens_BT=cut(self.seqs.completion_tokens_BT),
                                    completion_mask_BT=cut(self.seqs.completion_mask_BT)),

@@ -21,8 +21,8 @@ def test_custom_instruction_and_system_turn():
 def test_one_instruction_the_runs_else_the_records_else_the_default():
     import pytest
 
+    from jaxrl4llm.data.config import DataConfig
     from jaxrl4llm.data.records import DataError
-    from jaxrl4llm.train.config import DataConfig
 
     own = Record("Q", "1", {"instruction": "Answer in <answer> tags."})
     plain = Record("Q", "1")

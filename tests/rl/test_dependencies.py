@@ -11,7 +11,7 @@ BLOCKED = ("transformers", "flax", "optax", "orbax", "grain", "math_verify", "to
            "tensorboardX", "pyarrow", "sympy", "gguf", "tqdm", "matplotlib", "tokenizers",
            "huggingface_hub", "safetensors", "jinja2", "psutil", "jaxrl4llm.models",
            "jaxrl4llm.sampling", "jaxrl4llm.train", "jaxrl4llm.data", "jaxrl4llm.rewards",
-           "jaxrl4llm.evaluation", "jaxrl4llm.config.cli", "jaxrl4llm.parallel")
+           "jaxrl4llm.eval", "jaxrl4llm.config.cli", "jaxrl4llm.parallel")
 
 SCRIPT = textwrap.dedent("""
     import importlib.abc, sys

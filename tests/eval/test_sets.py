@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxrl4llm import evaluation
-from jaxrl4llm.evalsets import EvalSet, add_means, parse_eval_sets
+from jaxrl4llm.eval.protocols import set_metrics
+from jaxrl4llm.eval.sets import EvalSet, add_means, parse_eval_sets
 
 MINIMALIST = "math500;avg@16;t=1.0,minerva_math;avg@16;t=1.0,olympiadbench;avg@16;t=1.0"
 REINFORCE_PP = "aime24;pass@8,amc23;pass@8,math500;pass@1"
@@ -59,8 +59,8 @@ def test_errors_name_the_item(text, match):
 def test_set_metrics_by_hand():
     correct = np.array([[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 0]], dtype=bool)
     answers = [["5", "6", "6", "5"], ["1", None, "2", "2"], ["3", "3", "4", "4"]]
-    out = evaluation.set_metrics(["greedy", "avg@2", "avg@4", "pass@1", "pass@2", "maj@4",
-                                  "maj@3"], np.array([True, False, False]), correct, answers)
+    out = set_metrics(["greedy", "avg@2", "avg@4", "pass@1", "pass@2", "maj@4", "maj@3"],
+                      np.array([True, False, False]), correct, answers)
     assert out["greedy"] == pytest.approx(1 / 3)
     assert out["avg@2"] == pytest.approx(3 / 6)     # first two samples of each prompt
     assert out["avg@4"] == pytest.approx(5 / 12)
@@ -123,7 +123,7 @@ def test_paper_flagfiles_name_their_data_and_tables():
     from experiments import train
     from jaxrl4llm.data.benchmarks import BENCHMARKS
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     def parse(name):
         flags.FLAGS.unparse_flags()

@@ -1,15 +1,15 @@
-"""Evaluation: greedy accuracy, avg@k, unbiased pass@k, maj@k over held-out prompts.
+"""The evaluator: greedy accuracy, avg@k, unbiased pass@k, maj@k over held-out prompts.
 
-The statistics are pure numpy over a [num_prompts, K] table of per-sample results; the
-trainer's periodic eval and the evaluation CLI share `held_out_records`, `evaluate_run` (both
-of: `evaluate`, the one --eval_data set, and `evaluate_sets`, the named --eval_sets of
-jaxrl4llm.evalsets) and `eval_key` (the key of the eval after a given step). maj@k votes
-on each task's own final answer (RewardFn.answer_keys: the math answer, the countdown
-expression, the knights-and-knaves claims, the reasoning-gym answer).
+The trainer's periodic eval and the evaluation CLI share `held_out_records`, `evaluate_run`
+(both of: `evaluate`, the one --eval_data set, and `evaluate_sets`, the named --eval_sets of
+eval/sets.py) and `eval_key` (the key of the eval after a given step). Completions are drawn
+and scored by the trainer's own entry point (sampling.rounds.sample_and_score); the
+statistics over them are eval/protocols.py's. maj@k votes on each task's own final answer
+(the reward function's answer_keys: the math answer, the countdown expression, the
+knights-and-knaves claims, the reasoning-gym answer).
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Any, NamedTuple, Sequence
 
@@ -17,85 +17,15 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxrl4llm import evalsets
 from jaxrl4llm.data import make_source
-from jaxrl4llm.sampling.strategies import GREEDY
-from jaxrl4llm.train.config import DataConfig, EvalConfig
-from jaxrl4llm.train.rollout import RolloutContext, sample
-
-
-def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al., 2021): 1 - C(n-c, k) / C(n, k), computed stably."""
-    if not 0 < k <= num_samples:
-        raise ValueError(f"pass@k needs 0 < k <= n; got k={k}, n={num_samples}.")
-    if num_samples - num_correct < k:
-        return 1.0
-    # prod_{i=n-c+1}^{n} (1 - k/i), the product form that avoids huge binomials.
-    i = np.arange(num_samples - num_correct + 1, num_samples + 1)
-    return float(1.0 - np.prod(1.0 - k / i))
-
-
-def majority_answer(answers: Sequence[str | None]) -> str | None:
-    """The most frequent non-empty answer (ties: the one seen first)."""
-    counts = collections.Counter(a for a in answers if a)
-    if not counts:
-        return None
-    best = max(counts.values())
-    return next(a for a in answers if a and counts[a] == best)
-
-
-def majority_correct(answers_PK: Sequence[Sequence[str | None]], correct_PK: np.ndarray,
-                     k: int) -> np.ndarray:
-    """bool [P]: whether the majority answer of each prompt's first k samples is correct."""
-    out = []
-    for answers, correct in zip(answers_PK, correct_PK):
-        best = majority_answer(list(answers[:k]))
-        out.append(best is not None and bool(correct[list(answers[:k]).index(best)]))
-    return np.array(out, dtype=bool)
-
-
-def summarize(correct_PK: np.ndarray, ks: Sequence[int] = (1,),
-              maj_correct_P: np.ndarray | None = None, prefix: str = "") -> dict[str, float]:
-    """avg@k (mean correctness of all samples) and pass@k for each k over a [P, K] table.
-
-    `maj_correct_P` (optional) marks prompts whose majority answer is correct -> maj@K.
-    """
-    correct_PK = np.asarray(correct_PK, dtype=bool)
-    if correct_PK.ndim != 2 or correct_PK.shape[0] == 0:
-        raise ValueError(f"Expected a non-empty [prompts, samples] table, got {correct_PK.shape}.")
-    num_prompts, k_max = correct_PK.shape
-    out = {f"{prefix}avg@{k_max}": float(correct_PK.mean())}
-    num_correct_P = correct_PK.sum(axis=1)
-    for k in ks:
-        if k > k_max:
-            raise ValueError(f"pass@{k} needs at least {k} samples per prompt, got {k_max}.")
-        out[f"{prefix}pass@{k}"] = float(np.mean([pass_at_k(k_max, int(c), k)
-                                                  for c in num_correct_P]))
-    if maj_correct_P is not None:
-        out[f"{prefix}maj@{k_max}"] = float(np.mean(np.asarray(maj_correct_P, dtype=bool)))
-    out[f"{prefix}num_prompts"] = float(num_prompts)
-    return out
-
-
-def set_metrics(metrics: Sequence[str], greedy_P: np.ndarray | None, correct_PK: np.ndarray,
-                answers_PK: Sequence[Sequence[str | None]]) -> dict[str, float]:
-    """Each of `metrics` (greedy, avg@k, pass@k, maj@k) from the greedy results [P] and the
-    K-sample table [P, K] (the first k samples of each prompt for avg@k / maj@k; unbiased
-    pass@k from all K)."""
-    out = {}
-    for metric in metrics:
-        if metric == "greedy":
-            out[metric] = float(np.mean(greedy_P))
-            continue
-        kind, k = metric.split("@")[0], evalsets.metric_k(metric)
-        if kind == "avg":
-            out[metric] = float(np.mean(correct_PK[:, :k]))
-        elif kind == "pass":
-            K = correct_PK.shape[1]
-            out[metric] = float(np.mean([pass_at_k(K, int(c), k) for c in correct_PK.sum(1)]))
-        else:
-            out[metric] = float(np.mean(majority_correct(answers_PK, correct_PK, k)))
-    return out
+from jaxrl4llm.data.config import DataConfig
+from jaxrl4llm.eval import sets as eval_sets
+from jaxrl4llm.eval.config import EvalConfig
+from jaxrl4llm.eval.protocols import majority_correct, set_metrics, summarize
+from jaxrl4llm.sampling.context import RolloutContext
+from jaxrl4llm.sampling.layout import RowLayout
+from jaxrl4llm.sampling.rounds import ScoredRows, sample_and_score
+from jaxrl4llm.sampling.strategies import GREEDY, SamplingConfig
 
 
 def held_out_records(data: DataConfig, config: EvalConfig, split: str = "test") -> list[Any]:
@@ -114,10 +44,13 @@ class Drawn(NamedTuple):
     answers_PK: list[list[str | None]]      # each sample's answer key (maj@k)
 
 
-def _score(ctx: RolloutContext, drawn: Any, records: Sequence[Any]) -> np.ndarray:
-    """Whether each sampled row is correct (bool, one per row)."""
-    return ctx.reward_fn.score(drawn.texts, drawn.layout.repeat(records),
-                               lengths=drawn.host(drawn.out.lengths_B)).correct
+def _scored_groups(ctx: RolloutContext, params: Any, records: Sequence[Any], key: jax.Array,
+                   group_size: int, sampling: SamplingConfig | None = None) -> ScoredRows:
+    """`group_size` completions of each record, in the rollout's row layout, scored."""
+    rows, _ = sample_and_score(ctx, params, records, key,
+                               RowLayout(group_size, ctx.rollout.share_prompts),
+                               sampling=sampling)
+    return rows
 
 
 def draw(ctx: RolloutContext, params: Any, records: Sequence[Any], *, greedy: bool,
@@ -130,13 +63,13 @@ def draw(ctx: RolloutContext, params: Any, records: Sequence[Any], *, greedy: bo
     for start in tqdm(chunks, desc=desc, disable=not progress, leave=False):
         batch = list(records[start:start + prompts_per_batch])
         if greedy:
-            drawn = sample(ctx, params, batch, key, group_size=1, sampling=GREEDY)
-            greedy_P.extend(_score(ctx, drawn, batch).tolist())
+            rows = _scored_groups(ctx, params, batch, key, 1, GREEDY)
+            greedy_P.extend(rows.verdicts.correct.tolist())
         if samples:
-            drawn = sample(ctx, params, batch, jax.random.fold_in(key, start),
-                           group_size=samples)
-            table.extend(_score(ctx, drawn, batch).reshape(len(batch), samples))
-            keys = ctx.reward_fn.answer_keys(drawn.texts, drawn.layout.repeat(batch))
+            rows = _scored_groups(ctx, params, batch, jax.random.fold_in(key, start), samples)
+            table.extend(rows.verdicts.correct.reshape(len(batch), samples))
+            keys = ctx.reward_fn.answer_keys(rows.samples.texts,
+                                             rows.samples.layout.repeat(batch))
             answers.extend(keys[i * samples:(i + 1) * samples] for i in range(len(batch)))
     correct = np.array(table, dtype=bool).reshape(len(records), samples)
     return Drawn(np.array(greedy_P, dtype=bool) if greedy else None, correct, answers)
@@ -164,7 +97,7 @@ def evaluate(ctx: RolloutContext, params: Any, records: Sequence[Any], *, sample
     return out
 
 
-def set_context(ctx: RolloutContext, eval_set: evalsets.EvalSet) -> RolloutContext:
+def set_context(ctx: RolloutContext, eval_set: eval_sets.EvalSet) -> RolloutContext:
     """The rollout context with the set's temperature and max_new_tokens."""
     rollout = ctx.rollout
     if eval_set.temperature is not None:
@@ -175,7 +108,7 @@ def set_context(ctx: RolloutContext, eval_set: evalsets.EvalSet) -> RolloutConte
     return dataclasses.replace(ctx, rollout=rollout)
 
 
-def eval_set_records(sets: Sequence[evalsets.EvalSet], data: DataConfig,
+def eval_set_records(sets: Sequence[eval_sets.EvalSet], data: DataConfig,
                      split: str = "test") -> list[list[Any]]:
     """Each set's prompts: the first `prompts` records of its source's split."""
     out = []
@@ -186,7 +119,7 @@ def eval_set_records(sets: Sequence[evalsets.EvalSet], data: DataConfig,
     return out
 
 
-def evaluate_sets(ctx: RolloutContext, params: Any, sets: Sequence[evalsets.EvalSet],
+def evaluate_sets(ctx: RolloutContext, params: Any, sets: Sequence[eval_sets.EvalSet],
                   records: Sequence[Sequence[Any]], *, key: jax.Array,
                   prompts_per_batch: int = 16, prefix: str = "eval/",
                   progress: bool = False) -> dict[str, float]:
@@ -204,11 +137,11 @@ def evaluate_sets(ctx: RolloutContext, params: Any, sets: Sequence[evalsets.Eval
                               drawn.answers_PK)
         out.update({f"{prefix}{eval_set.name}/{m}": v for m, v in metrics.items()})
         out[f"{prefix}{eval_set.name}/num_prompts"] = float(len(set_records))
-    return evalsets.add_means(out, tuple(sets), prefix)
+    return eval_sets.add_means(out, tuple(sets), prefix)
 
 
 def evaluate_run(ctx: RolloutContext, params: Any, records: Sequence[Any],
-                 sets: Sequence[evalsets.EvalSet], set_records: Sequence[Sequence[Any]], *,
+                 sets: Sequence[eval_sets.EvalSet], set_records: Sequence[Sequence[Any]], *,
                  samples: int, key: jax.Array, prompts_per_batch: int = 16,
                  prefix: str = "eval/", progress: bool = False) -> dict[str, float]:
     """A run's evaluation: `evaluate` over the held-out `records` (none: skipped) and

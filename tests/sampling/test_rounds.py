@@ -13,8 +13,8 @@ from jaxrl4llm.rewards.base import RewardBatch
 from jaxrl4llm.rl.metrics import finalize_metrics
 from jaxrl4llm.sampling.frontend import Samples
 from jaxrl4llm.sampling.layout import RowLayout
+from jaxrl4llm.sampling.rounds import Rounds, sample_and_score
 from jaxrl4llm.sampling.sampler import SampleOutput
-from jaxrl4llm.train.sample_rounds import sample_and_score
 
 T = 3
 
@@ -65,6 +65,10 @@ def _ctx(verdicts, widths=(4,)):
         rollout=types.SimpleNamespace(sampling=None, max_new_tokens=T))
 
 
+def _rounds(preset, **overrides):
+    return Rounds.for_algorithm(rl.get_preset(preset, **overrides))
+
+
 def _feed(batches):
     it = iter(batches)
     return lambda: next(it)
@@ -74,12 +78,12 @@ def test_dynamic_sampling_gathers_groups_with_both_verdicts_and_joins_prompt_wid
     # G = 2; records 0 and 3 have a correct and a wrong sample, 1 and 2 do not.
     verdicts = {0: [True, False], 1: [False, False], 2: [True, True], 3: [False, True]}
     ctx = _ctx(verdicts, widths=(4, 6))
-    rows, metrics = sample_and_score(ctx, rl.get_preset("dapo"), None, [0, 1], jax.random.key(0),
-                                     RowLayout(2), _feed([[2, 3]]))
+    rows, metrics = sample_and_score(ctx, None, [0, 1], jax.random.key(0), RowLayout(2),
+                                     _rounds("dapo"), _feed([[2, 3]]))
     assert [c[0] for c in ctx.sampler.calls] == [[0, 1], [2, 3]]      # a second round, new prompts
     assert rows.samples.texts == ["0:0", "0:1", "3:0", "3:1"]
     np.testing.assert_array_equal(np.asarray(rows.samples.out.tokens_BT)[:, 0], [0, 1, 30, 31])
-    np.testing.assert_array_equal(rows.scored.correct, [True, False, False, True])
+    np.testing.assert_array_equal(rows.verdicts.correct, [True, False, False, True])
     # Round 1's prompts (width 4) left-padded to round 2's 6: pad id, mask False.
     prompt, pmask = (np.asarray(x) for x in (rows.samples.out.prompt_tokens_BP,
                                              rows.samples.out.prompt_mask_BP))
@@ -96,8 +100,8 @@ def test_dynamic_sampling_stops_after_the_cap_and_fills_the_batch():
     verdicts = {r: [False, False] for r in range(8)}
     verdicts[5] = [True, False]
     ctx = _ctx(verdicts)
-    config = rl.get_preset("dapo", max_resample_rounds=2)
-    rows, metrics = sample_and_score(ctx, config, None, [0, 1], jax.random.key(0), RowLayout(2),
+    rows, metrics = sample_and_score(ctx, None, [0, 1], jax.random.key(0), RowLayout(2),
+                                     _rounds("dapo", max_resample_rounds=2),
                                      _feed([[2, 3], [4, 5], [6, 7]]))
     assert len(ctx.sampler.calls) == 3                                # 1 + 2 extra rounds, no more
     # The one group with spread first, then the first group set aside; same P x G shape.
@@ -110,8 +114,8 @@ def test_dynamic_sampling_stops_after_the_cap_and_fills_the_batch():
 
 def test_dynamic_sampling_without_an_iterator_resamples_the_same_prompts():
     ctx = _ctx({0: [True, True], 1: [False, True]})
-    config = rl.get_preset("dapo", max_resample_rounds=1)
-    sample_and_score(ctx, config, None, [0, 1], jax.random.key(0), RowLayout(2))
+    sample_and_score(ctx, None, [0, 1], jax.random.key(0), RowLayout(2),
+                     _rounds("dapo", max_resample_rounds=1))
     assert [c[0] for c in ctx.sampler.calls] == [[0, 1], [0, 1]]
 
 
@@ -119,14 +123,14 @@ def test_remax_samples_one_greedy_row_per_prompt_and_uses_its_reward_as_baseline
     # G = 2 sampled rows + the greedy row (index 2) per prompt.
     verdicts = {0: [True, False, True], 1: [False, True, False]}
     ctx = _ctx(verdicts)
-    rows, _ = sample_and_score(ctx, rl.get_preset("remax"), None, [0, 1], jax.random.key(0),
-                               RowLayout(2))
+    rows, _ = sample_and_score(ctx, None, [0, 1], jax.random.key(0), RowLayout(2),
+                               _rounds("remax"))
     assert ctx.sampler.calls == [([0, 1], 3, 1)]                      # one call, G + 1 rows
     assert rows.samples.texts == ["0:0", "0:1", "1:0", "1:1"]         # greedy rows left out
     np.testing.assert_array_equal(np.asarray(rows.samples.out.tokens_BT)[:, 0], [0, 1, 10, 11])
     np.testing.assert_allclose(rows.baseline_B, [1.5, 1.5, 0.5, 0.5])
     np.testing.assert_array_equal(rows.baseline_correct_B, [True, True, False, False])
-    np.testing.assert_array_equal(rows.scored.rewards, [1.0, 0.0, 0.0, 1.0])
+    np.testing.assert_array_equal(rows.verdicts.rewards, [1.0, 0.0, 0.0, 1.0])
 
 
 @pytest.mark.parametrize("algorithm", ["dapo", "remax"])

@@ -1,0 +1,52 @@
+"""RolloutConfig: how prompts are sampled (P prompts, G samples of each, lengths, the sampling
+strategy, the row layout); the `rollout` group of the training config, read by the sampling
+context of the trainer and the evaluator."""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxrl4llm.config.options import group
+from jaxrl4llm.sampling.layout import RowLayout
+from jaxrl4llm.sampling.strategies import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """How a step samples: P prompts, G samples of each.
+
+    prompts_per_step: Prompts per step P, global (all hosts).
+    group_size: Samples per prompt G; a step's batch is B = P * G rows, a group G contiguous
+        rows.
+    max_prompt_tokens: Longest prompt in tokens.
+    max_new_tokens: Longest completion in tokens.
+    long_prompts: Prompts over --max_prompt_tokens: stop with an error, or drop and count them.
+    share_prompts: Run each group's prompt once (sampler prefill; reference, old-policy and
+        update passes): the same result with less compute and memory.
+    rollout_micro_batch: Rows per sampler / reference / old-logprob pass, run one after another
+        (0 = all rows at once); bounds the KV cache and activation memory.
+    partial_rollout_tokens: Partial rollouts: sample in rounds of at most this many new tokens
+        per row until P groups have finished; unfinished rows carry over to the next step
+        with their tokens and logprobs (0 = off; see train/partial.py).
+    max_staleness: With --partial_rollout_tokens: steps a group may wait in the carried buffer
+        before it is dropped (and counted).
+    decode_slots: Continuous batching: rows decoded at once, a finished row's slot taking the
+        next queued row (0 = every row at once, finished rows compacted away); a multiple of
+        the data-parallel devices. The same samples either way.
+    """
+
+    prompts_per_step: int = 8
+    group_size: int = 4
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = group(SamplingConfig)
+    long_prompts: str = "error"
+    share_prompts: bool = True
+    rollout_micro_batch: int = 0
+    partial_rollout_tokens: int = 0
+    max_staleness: int = 2
+    decode_slots: int = 0
+
+    @property
+    def layout(self) -> RowLayout:
+        """How a rollout batch's rows are laid out (see sampling.layout)."""
+        return RowLayout(self.group_size, self.share_prompts)
