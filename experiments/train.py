@@ -43,15 +43,12 @@ def config_from_flags(flag_values: flags.FlagValues = FLAGS) -> TrainConfig:
 
 def checked_config(flag_values: flags.FlagValues = FLAGS, check_model: bool = True
                    ) -> TrainConfig:
-    """The TrainConfig of the parsed flags with every value checked (a FlagError names the
-    flag and the fix) and, with `check_model`, --model (and --critic_model) found, before
-    any data or model is read. Joins a multi-host run first (--distributed): the checks
-    need the global device count."""
+    """The TrainConfig of the parsed flags and, with `check_model`, --model (and
+    --critic_model) found, before any data or model is read. Joins a multi-host run first
+    (--distributed). Its values are checked once, by TrainConfig.validate, first thing in
+    train.loop.run (a FlagError names the flag and the fix)."""
     config = config_from_flags(flag_values)  # each sub-config checks its own values
     parallel.maybe_initialize_distributed(auto_detect=config.run.distributed)
-    import jax
-    with cli.flag_errors():
-        config.validate(jax.device_count())
     if check_model:
         registry.check(config.model.name)
         if config.critic.model is not None:

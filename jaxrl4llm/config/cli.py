@@ -20,17 +20,16 @@ the preset only when they are given (their default is the preset's value).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import sys
 import traceback
-from typing import Any, Callable, Iterator, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from absl import app, flags, logging
 
 from jaxrl4llm.config import options
-from jaxrl4llm.config.errors import EXIT_USER_ERROR, FlagError, UserError, one_line
+from jaxrl4llm.config.errors import EXIT_USER_ERROR, FlagError, UserError, flag_errors, one_line
 
 DEBUG_ENV = "JAXRL4LLM_DEBUG"
 if "debug" not in flags.FLAGS:
@@ -106,17 +105,6 @@ def config_from_flags(root: type, flag_values: flags.FlagValues = flags.FLAGS) -
               if o.role != "override" or _given(flag_values[o.name])}
     with flag_errors():
         return options.replace(root(), **values)
-
-
-@contextlib.contextmanager
-def flag_errors() -> Iterator[None]:
-    """A ValueError raised by a config check (its message names the flag) as a FlagError."""
-    try:
-        yield
-    except UserError:
-        raise
-    except ValueError as exc:
-        raise FlagError(str(exc)) from exc
 
 
 # ---- the error contract -------------------------------------------------------------------

@@ -8,6 +8,9 @@ no traceback. This module sits at the bottom of the layers: every package may im
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 EXIT_FINISHED = 0
 EXIT_USER_ERROR = 2
 EXIT_DIVERGED = 3
@@ -39,3 +42,14 @@ class DependencyError(UserError, ImportError):
 def one_line(exc: BaseException) -> str:
     """The message an entry point prints for a user error: `Error: ...` on one line."""
     return "Error: " + " ".join(str(exc).split())
+
+
+@contextlib.contextmanager
+def flag_errors() -> Iterator[None]:
+    """A ValueError raised by a config check (its message names the flag) as a FlagError."""
+    try:
+        yield
+    except UserError:
+        raise
+    except ValueError as exc:
+        raise FlagError(str(exc)) from exc

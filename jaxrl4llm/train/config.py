@@ -20,6 +20,7 @@ import jax
 
 from jaxrl4llm import parallel, rl
 from jaxrl4llm.config import options
+from jaxrl4llm.config.errors import flag_errors
 from jaxrl4llm.config.options import group, require
 from jaxrl4llm.data import prompts
 from jaxrl4llm.data.config import DataConfig
@@ -233,7 +234,14 @@ class TrainConfig:
         return not (self.needs_old_logprobs and not self.update.recompute_old_logprobs)
 
     def validate(self, num_devices: int, data_parallel: int | None = None) -> "TrainConfig":
-        """Raises a clear error for any bad value, before anything is loaded or compiled."""
+        """Raises a FlagError naming the flag and the fix for any bad value, before anything
+        is loaded or compiled: the run's one check of its whole config (train.services.setup
+        calls it first)."""
+        with flag_errors():   # a sub-config's ValueError names its flag too
+            self._validate_all(num_devices, data_parallel)
+        return self
+
+    def _validate_all(self, num_devices: int, data_parallel: int | None) -> None:
         self._validate_values()
         self._validate_reward()
         self._validate_data()
@@ -260,7 +268,6 @@ class TrainConfig:
         require(not ((a.advantage == "remax" or a.dynamic_sampling) and jax.process_count() > 1),
                 rounds.ONE_HOST_ONLY)
         self.optimizer.validate()
-        return self
 
     def _validate_values(self) -> None:
         """Each value on its own: finite numbers, known dtypes, counts >= 1."""

@@ -76,7 +76,8 @@ def learning_rate_schedule(config: OptimizerConfig) -> optax.Schedule:
 
 
 def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
-    config.validate()
+    """AdamW with the config's schedule and clipping (values checked by
+    OptimizerConfig.validate, which TrainConfig.validate runs)."""
     parts = []
     if config.max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(config.max_grad_norm))

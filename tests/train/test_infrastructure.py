@@ -72,7 +72,7 @@ def test_learning_rate_schedule_warmup_then_cosine():
     assert float(sched(4)) == pytest.approx(1e-3)
     assert float(sched(14)) == pytest.approx(0.0, abs=1e-9)
     with pytest.raises(ValueError, match="lr_schedule"):
-        state.make_optimizer(state.OptimizerConfig(schedule="exp"))
+        state.OptimizerConfig(schedule="exp").validate()
 
 
 def test_grad_clipping_rescales_to_max_norm():

@@ -114,7 +114,7 @@ def test_the_buffer_carries_resumes_and_drops_stale_groups():
     assert ctx.sampler.calls == [[0, 0, 0, 0], [2, 2, 0, 0]]
     assert [g.record for g in carried.groups] == ["b"] and carried.groups[0].age == 1
     assert carried.groups[0].lengths_G.tolist() == [4, 3] and carried.pending == ("d",)
-    assert rows.scored.rewards.tolist() == [1, 1, 0, 0]
+    assert rows.verdicts.rewards.tolist() == [1, 1, 0, 0]
     assert {k: m[k].value for k in m if k.startswith("partial/")} == {
         "partial/rounds": 1 * 2, "partial/new_groups": 3, "partial/carried_rows": 2,
         "partial/dropped_rows": 0, "partial/staleness_0": 4, "partial/staleness_1": 0}
