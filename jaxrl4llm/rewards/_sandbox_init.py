@@ -2,7 +2,10 @@
 
 Run as `unshare --user --map-root-user --net --mount --ipc --uts --pid --kill-child \
 python -I -S _sandbox_init.py SPEC_JSON`: it is pid 1 of new user, mount, network, IPC, UTS and
-pid namespaces, root inside them with every capability there and none outside. It builds a new
+pid namespaces, root inside them with every capability there and none outside. Started by real
+root, it gets no user namespace (the kernel exempts uid 0 from the process limit): it builds the
+root as root, then becomes the spec's unused uid, which has no capabilities and whose
+processes the limit counts. It builds a new
 root from an empty tmpfs (read-only binds of the system and interpreter folders, four device
 files, a size-limited tmpfs as the private working directory /work, the program copied in),
 chroots into it, sets the rlimits, drops every capability (bounding set, ambient set,
@@ -83,11 +86,15 @@ def build_root(spec: dict) -> None:
     os.chdir("/work")
 
 
-def drop_privileges(last_cap: int) -> None:
+def drop_privileges(last_cap: int, uid: int | None) -> None:
     for cap in range(last_cap + 1):
         _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
     _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient caps")
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    if uid is not None:  # started by real root: become an unused uid (no capabilities left)
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
 
 
 def main() -> int:
@@ -100,7 +107,7 @@ def main() -> int:
             resource.setrlimit(LIMITS[name], (value, value + (1 if name == "cpu_s" else 0)))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         # The bounding set is empty, so the exec below gives uid 0 no capabilities at all.
-        drop_privileges(last_cap)
+        drop_privileges(last_cap, spec.get("uid"))
     except (OSError, ValueError, KeyError) as exc:
         sys.stderr.write(f"sandbox set-up failed: {exc}\n")
         return SETUP_FAILED

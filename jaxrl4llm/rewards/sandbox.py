@@ -11,7 +11,7 @@ Isolation layers, best first (`isolation="auto"` takes the first that works here
   every capability dropped; dies with its parent.
 - "unshare" (util-linux `unshare` + rewards/_sandbox_init.py): the same namespaces but cgroup,
   the same new root (built by our set-up process, then chroot), every capability dropped and
-  no_new_privs. Lost against bwrap: the cgroup namespace and bwrap's audited set-up code.
+  no_new_privs; under real root, no user namespace but an unused uid of its own. Lost against bwrap: the cgroup namespace and bwrap's audited set-up code.
 - "none" (only with `unsafe=True`, the `--unsafe_code_execution` flag): the program runs as
   the user, in a fresh temporary directory, with the rlimits and a process-group kill only. It
   can read every file the user can, reach the network, and a child that leaves the process
@@ -31,6 +31,7 @@ import functools
 import json
 import os
 import resource
+import secrets
 import shutil
 import signal
 import subprocess
@@ -49,6 +50,7 @@ _INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_init.
 SYSTEM_FOLDERS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8",
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
+SANDBOX_UIDS = (1_500_000_000, 100_000_000)  # first, count: unused uids for a root host
 INTERPRETER_ARGS = ("-I", "-S", "-B")  # isolated: no user site, no PYTHON* variables, no .pyc
 
 
@@ -185,9 +187,13 @@ def _unshare_argv(config: SandboxConfig, program: str, root: str) -> list[str]:
             "work_bytes": config.work_mb << 20, "limits": config.limits,
             "interpreter": interpreter(), "interpreter_args": INTERPRETER_ARGS,
             "environment": ENVIRONMENT}
-    return ["unshare", "--user", "--map-root-user", "--net", "--mount", "--ipc", "--uts",
-            "--pid", "--fork", "--kill-child", interpreter(), "-I", "-S", _INIT,
-            json.dumps(spec)]
+    user = ["--user", "--map-root-user"]
+    if os.geteuid() == 0:
+        # uid 0 is exempt from RLIMIT_NPROC, in a user namespace too: the set-up process
+        # becomes an unused uid of its own, so the limit counts this sandbox's processes only.
+        spec["uid"], user = SANDBOX_UIDS[0] + secrets.randbelow(SANDBOX_UIDS[1]), []
+    return ["unshare", *user, "--net", "--mount", "--ipc", "--uts", "--pid", "--fork",
+            "--kill-child", interpreter(), "-I", "-S", _INIT, json.dumps(spec)]
 
 
 def _set_limits(limits: dict[str, int], extra_processes: int) -> None:
