@@ -41,7 +41,8 @@ def _check(result: int, what: str) -> None:
 
 
 def _mount(source, target, fstype, flags, data=None) -> None:
-    enc = (lambda s: s.encode() if s is not None else None)
+    def enc(text):
+        return text.encode() if text is not None else None
     _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
            f"mount {source} on {target}")
 

@@ -11,7 +11,8 @@ Isolation layers, best first (`isolation="auto"` takes the first that works here
   every capability dropped; dies with its parent.
 - "unshare" (util-linux `unshare` + rewards/_sandbox_init.py): the same namespaces but cgroup,
   the same new root (built by our set-up process, then chroot), every capability dropped and
-  no_new_privs; under real root, no user namespace but an unused uid of its own. Lost against bwrap: the cgroup namespace and bwrap's audited set-up code.
+  no_new_privs; under real root, no user namespace but an unused uid of its own. Lost
+  against bwrap: the cgroup namespace and bwrap's audited set-up code.
 - "none" (only with `unsafe=True`, the `--unsafe_code_execution` flag): the program runs as
   the user, in a fresh temporary directory, with the rlimits and a process-group kill only. It
   can read every file the user can, reach the network, and a child that leaves the process

@@ -81,13 +81,14 @@ HOSTILE = {
     "kill_parent": "import os, signal\nos.kill(os.getppid() or 1, signal.SIGKILL)\n"
                    "import time\ntime.sleep(100)",
     "kill_host_pid": f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)",
-    "kill_everything": "import os, signal\nos.kill(-1, signal.SIGKILL)\nos.killpg(0, signal.SIGKILL)"
-                       "\nimport time\ntime.sleep(100)",
+    "kill_everything": "import os, signal\nos.kill(-1, signal.SIGKILL)\n"
+                       "os.killpg(0, signal.SIGKILL)\nimport time\ntime.sleep(100)",
     "ctypes_segfault": "import ctypes\nctypes.string_at(0)",
     "deep_recursion": "import sys\nsys.setrecursionlimit(10 ** 8)\ndef f(n):\n    return f(n + 1)\n"
                       "f(0)",
-    "zombie_children": "import os, time\nfor _ in range(8):\n    try:\n        if os.fork() == 0:\n"
-                       "            os._exit(0)\n    except OSError:\n        pass\ntime.sleep(100)",
+    "zombie_children": "import os, time\nfor _ in range(8):\n    try:\n"
+                       "        if os.fork() == 0:\n            os._exit(0)\n"
+                       "    except OSError:\n        pass\ntime.sleep(100)",
     "thread_bomb": "import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, "
                    "args=(100,)).start()",
     "open_files_bomb": "files = []\nwhile True:\n    files.append(open('/dev/null'))",
