@@ -14,8 +14,13 @@ import json
 import pytest
 
 from jaxrl4llm.rewards import sandbox
-from jaxrl4llm.rewards.code import CodeVerifier, CodeConfig, extract_code, outputs_match, \
-    run_code_tests
+from jaxrl4llm.rewards.code import (
+    CodeConfig,
+    CodeVerifier,
+    extract_code,
+    outputs_match,
+    run_code_tests,
+)
 
 LAYER = sandbox.available_layer()
 CONFIG = sandbox.SandboxConfig(wall_s=1.0, cpu_s=1)
