@@ -29,10 +29,13 @@ FAILED_REASONS = ("timeout", "crash", "error")
 class Verdict(NamedTuple):
     correct: bool
     reason: str
+    score: float | None = None  # partial credit in [0, 1] (code: tests passed); None: 0 or 1
+    detail: str = ""            # what decided it (code: the first failing test)
 
 
 class Job(NamedTuple):
-    """Verification work for a pool worker: `fn(*args)` returns a REASONS name.
+    """Verification work for a pool worker: `fn(*args)` returns a REASONS name, or a
+    (reason, score, detail) triple (the fields of a Verdict after `correct`).
 
     `fn` is a module-level function (pickled by reference); `args` are plain, hashable values,
     so identical jobs in a batch (a group's repeated answers) run once.
@@ -53,10 +56,23 @@ class Verifier(Protocol):
         ...
 
 
+def verdict_of(value: Any) -> Verdict | None:
+    """The Verdict a job returned (a REASONS name or a (reason, score, detail) triple), else
+    None (not a verdict: an error of the verifier)."""
+    if isinstance(value, tuple) and len(value) == 3 and value[0] in REASONS:
+        return Verdict(value[0] == "correct", *value)
+    if isinstance(value, str) and value in REASONS:
+        return Verdict(value == "correct", value)
+    return None
+
+
 def run_in_process(job: Job) -> Verdict:
     """A job's verdict computed here, without deadlines (tests, tools; training uses the pool)."""
-    reason = job.fn(*job.args)
-    return Verdict(reason == "correct", reason)
+    value = job.fn(*job.args)
+    verdict = verdict_of(value)
+    if verdict is None:
+        raise ValueError(f"{job.fn.__name__} returned {value!r}, not a verdict")
+    return verdict
 
 
 def run_plan(pool: Any, plan: Sequence[Verdict | Job]) -> list[Verdict]:
@@ -74,8 +90,9 @@ def run_plan(pool: Any, plan: Sequence[Verdict | Job]) -> list[Verdict]:
     failures: Counter = Counter()
     first_failure = None
     for indices, result in zip(rows.values(), results):
-        if result.status == "ok" and result.value in REASONS:
-            verdict = Verdict(result.value == "correct", result.value)
+        found = verdict_of(result.value) if result.status == "ok" else None
+        if found is not None:
+            verdict = found
         else:
             reason = result.status if result.status in FAILED_REASONS else "error"
             verdict = Verdict(False, reason)
@@ -99,11 +116,15 @@ class RewardBatch:
     rewards: np.ndarray   # float32 [B], after shaping
     correct: np.ndarray   # bool [B]
     reasons: list[str]    # [B], one of REASONS
+    details: list[str] = dataclasses.field(default_factory=list)  # [B] or [] (none given)
 
     def __post_init__(self):
         if not (len(self.rewards) == len(self.correct) == len(self.reasons)):
             raise ValueError("RewardBatch fields must have the same length, got "
                              f"{len(self.rewards)}, {len(self.correct)}, {len(self.reasons)}")
+        if self.details and len(self.details) != len(self.reasons):
+            raise ValueError(f"RewardBatch has {len(self.details)} details for "
+                             f"{len(self.reasons)} rows")
 
     def __len__(self) -> int:
         return len(self.reasons)
@@ -111,14 +132,17 @@ class RewardBatch:
     def take(self, rows: Sequence[int] | np.ndarray) -> RewardBatch:
         """The rows `rows`, in that order."""
         return RewardBatch(rewards=self.rewards[rows], correct=self.correct[rows],
-                           reasons=[self.reasons[i] for i in rows])
+                           reasons=[self.reasons[i] for i in rows],
+                           details=[self.details[i] for i in rows] if self.details else [])
 
     def join(self, *others: RewardBatch) -> RewardBatch:
         """This batch's rows followed by each of `others`'."""
         batches = (self, *others)
         return RewardBatch(rewards=np.concatenate([b.rewards for b in batches]),
                            correct=np.concatenate([b.correct for b in batches]),
-                           reasons=[r for b in batches for r in b.reasons])
+                           reasons=[r for b in batches for r in b.reasons],
+                           details=([d for b in batches for d in (b.details or [""] * len(b))]
+                                    if any(b.details for b in batches) else []))
 
     @property
     def failed(self) -> np.ndarray:

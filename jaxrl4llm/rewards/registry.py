@@ -12,12 +12,14 @@ from typing import Any, Sequence
 import numpy as np
 
 from jaxrl4llm.rewards.base import Job, RewardBatch, Verdict, record_metadata, run_plan
+from jaxrl4llm.rewards.code import CodeConfig, CodeVerifier
 from jaxrl4llm.rewards.countdown import CountdownConfig, CountdownVerifier
 from jaxrl4llm.rewards.formats import think_answer_format
 from jaxrl4llm.rewards.gym import GymVerifier
 from jaxrl4llm.rewards.knights_knaves import KnightsKnavesVerifier
-from jaxrl4llm.rewards.math_verifier import MathConfig, MathVerifier
+from jaxrl4llm.rewards.math_verifier import BUDGET_FRACTION, MathConfig, MathVerifier
 from jaxrl4llm.rewards.pool import PoolConfig, VerifierPool
+from jaxrl4llm.rewards.sandbox import SandboxConfig
 from jaxrl4llm.rewards.shaping import ShapingConfig, shape
 
 # task name (record metadata or make_reward_fn's argument) -> verifier name
@@ -27,6 +29,7 @@ TASK_VERIFIERS = {
     "countdown": "countdown",
     "knights_knaves": "knights_knaves",
     "gym": "gym",           # a reasoning-gym task (data/gym.py): its own scorer in the pool
+    "code": "code",         # a Python program run against tests in the sandbox (code.py)
 }
 # Worker modules a verifier needs, imported when a worker starts (not on its first job,
 # whose item deadline an import of reasoning-gym, ~1.5 s, would eat into).
@@ -52,6 +55,12 @@ class RewardConfig:
     batch_timeout_s: Seconds a whole batch of verifications may take.
     memory_limit_mb: Memory limit of each verifier worker process, in MB.
     default_task: Verifier of records that name no task (metadata["task"]).
+    code_reward: Code: "all_pass" (1 when every test passes) or "fraction" (the share passed).
+    code_isolation: Code sandbox layer: "auto" (bwrap, else unshare), "bwrap", "unshare".
+    unsafe_code_execution: Run code rewards without any isolation layer when none works
+        here (as your user, with only rlimits: the programs can read your files).
+    code_wall_s: Wall-clock seconds of one test run of a model-written program.
+    code_memory_mb: Address-space limit of a model-written program, in MB.
     """
     scale: str = "01"
     format_penalty: float = 0.0
@@ -65,6 +74,11 @@ class RewardConfig:
     batch_timeout_s: float = 60.0  # wall clock for all verifications of one batch
     memory_limit_mb: int = 4096
     default_task: str = "math"  # for records without metadata["task"] under kind="auto"
+    code_reward: str = "all_pass"
+    code_isolation: str = "auto"
+    unsafe_code_execution: bool = False
+    code_wall_s: float = 2.0
+    code_memory_mb: int = 512
 
     def __post_init__(self):
         if self.default_task not in TASK_VERIFIERS:
@@ -77,6 +91,7 @@ class RewardConfig:
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ValueError(f"--{name}={value} must be a positive number of seconds.")
+        self.code  # noqa: B018 - checks the code options (sandbox limits, mode) now
 
     @property
     def shaping(self) -> ShapingConfig:
@@ -90,6 +105,14 @@ class RewardConfig:
         return PoolConfig(num_workers=self.num_workers, item_timeout_s=self.item_timeout_s,
                           batch_timeout_s=self.batch_timeout_s,
                           memory_limit_mb=self.memory_limit_mb)
+
+    @property
+    def code(self) -> CodeConfig:
+        sandbox = SandboxConfig(isolation=self.code_isolation, unsafe=self.unsafe_code_execution,
+                                wall_s=self.code_wall_s, cpu_s=max(1, round(self.code_wall_s)),
+                                memory_mb=self.code_memory_mb)
+        return CodeConfig(mode=self.code_reward, sandbox=sandbox,
+                          budget_s=BUDGET_FRACTION * self.item_timeout_s)
 
     @property
     def math(self) -> MathConfig:
@@ -111,6 +134,7 @@ class RewardFn:
             "countdown": CountdownVerifier(CountdownConfig(use_all=config.countdown_use_all)),
             "knights_knaves": KnightsKnavesVerifier(),
             "gym": GymVerifier(),
+            "code": CodeVerifier(config.code),  # its sandbox is checked at the first code row
         }
 
     def __enter__(self) -> RewardFn:
@@ -170,13 +194,15 @@ class RewardFn:
         formatted = ([think_answer_format(c) for c in completions]
                      if self.shaping.scale == "logic_rl" else None)
         rewards, correct = shape(verdicts, self.shaping, lengths, formatted)
-        return RewardBatch(rewards=rewards, correct=correct, reasons=[v.reason for v in verdicts])
+        return RewardBatch(rewards=rewards, correct=correct, reasons=[v.reason for v in verdicts],
+                           details=[v.detail for v in verdicts])
 
     __call__ = score
 
 
 def make_reward_fn(task_or_kind: str = "auto", **options: Any) -> RewardFn:
-    """A RewardFn for one task ("math", "arithmetic", "countdown", "knights_knaves", "gym") or
+    """A RewardFn for one task ("math", "arithmetic", "countdown", "knights_knaves", "gym",
+    "code") or
     "auto" (route by each record's metadata["task"]). Options: the fields of RewardConfig."""
     valid = {f.name for f in dataclasses.fields(RewardConfig)}
     unknown = sorted(set(options) - valid)

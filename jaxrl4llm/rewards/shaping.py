@@ -81,7 +81,11 @@ def shape(verdicts: Sequence[Verdict], config: ShapingConfig,
         correct = correct & np.asarray(formatted, dtype=bool)
     else:
         low = 0.0 if config.scale == "01" else -1.0
-        rewards = np.where(correct, 1.0, low).astype(np.float32)
+        # Partial credit (a verdict's score, e.g. the fraction of code tests passed) maps
+        # linearly onto [low, 1]; a verdict without one scores 1 when correct, else 0.
+        score = np.array([float(v.correct) if v.score is None else v.score for v in verdicts],
+                         dtype=np.float64)
+        rewards = (low + (1.0 - low) * score).astype(np.float32)
     if config.format_penalty:
         no_answer = np.array([v.reason == "no_answer" for v in verdicts], dtype=bool)
         rewards = rewards - np.float32(config.format_penalty) * no_answer

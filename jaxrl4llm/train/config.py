@@ -25,8 +25,10 @@ from jaxrl4llm.config.options import group, require
 from jaxrl4llm.data import prompts
 from jaxrl4llm.data.config import DataConfig
 from jaxrl4llm.eval.config import EvalConfig
+from jaxrl4llm.rewards.code import MODES as CODE_MODES
 from jaxrl4llm.rewards.math_verifier import ANSWER_MODES
 from jaxrl4llm.rewards.registry import TASK_VERIFIERS, RewardConfig
+from jaxrl4llm.rewards.sandbox import ISOLATION as CODE_ISOLATION
 from jaxrl4llm.rewards.shaping import SCALES
 from jaxrl4llm.sampling import rounds
 from jaxrl4llm.sampling.buckets import LONG_PROMPT_MODES
@@ -146,7 +148,8 @@ class TrainConfig:
     reward: RewardConfig = group(
         RewardConfig, flags={"scale": "reward_scale", "num_workers": "reward_workers"},
         choices={"scale": SCALES, "answer_mode": ANSWER_MODES,
-                 "default_task": tuple(TASK_VERIFIERS)},
+                 "default_task": tuple(TASK_VERIFIERS), "code_reward": CODE_MODES,
+                 "code_isolation": CODE_ISOLATION},
         derived={"max_new_tokens": "max_new_tokens"})
     algorithm: rl.AlgorithmConfig = group(
         rl.presets.grpo, flags={"name": "algorithm"}, preset=rl.get_preset,
