@@ -359,7 +359,7 @@ _EVAL_OPT = r"(greedy|(avg|pass|maj)@\d+|t=[0-9.]+|max_new_tokens=\d+|prompts=\d
 _EVAL_ITEM = rf"\w+(=[^,;]+)?(;{_EVAL_OPT})*"
 
 
-# What each paper evaluates (its table), by the flagfile's family; Tricks-or-Traps records none.
+# What each paper evaluates (its table), by the flagfile's family.
 PAPER_EVAL_SETS = {
     # Qwen2.5-Math-7B's 4,096-token context leaves 3,072 tokens to generate after a prompt of
     # 1,024; LLaMA's evaluation generates the paper's 4,096.
@@ -367,6 +367,9 @@ PAPER_EVAL_SETS = {
     "minimalist_llama32": ",".join(f"{n};avg@16;t=1.0;max_new_tokens=4096"
                                    for n in ("math500", "minerva_math", "olympiadbench")),
     "reinforce_pp_math": "aime24;pass@8,amc23;pass@8,math500;pass@1",
+    # Six maths benchmarks (the summaries do not name them: the project's six), 8 samples.
+    "tricks_or_traps": ",".join(f"{n};avg@8;t=1.0" for n in (
+        "math500", "olympiadbench", "minerva_math", "aime24", "aime25", "amc23")),
     "reinforce_pp_aime24": "aime25;pass@1;pass@16;t=1.0,aime24;pass@1;t=1.0",
     # Per number of people (the paper's Figure 4), sampled at T = 1 as Logic-RL evaluates.
     "reinforce_pp_knights_knaves": ",".join(
@@ -381,9 +384,6 @@ def test_paper_flagfile_names_its_data_and_evaluates_the_papers_sets(name, parse
     config = parsed(f"--flagfile={REPO}/experiments/configs/{name}")
     assert not config.data.source.startswith(("parquet:", "jsonl:", "/")), config.data.source
     family = [k for k in PAPER_EVAL_SETS if name.startswith(k)]
-    if name.startswith("tricks_or_traps"):
-        assert not family and config.evaluation.eval_sets is None
-        return
     assert len(family) == 1, name
     assert config.evaluation.eval_sets == PAPER_EVAL_SETS[family[0]]
     sets = config.evaluation.sets
@@ -421,6 +421,18 @@ def test_grpo_counterparts_differ_only_in_the_advantage_estimator(reinforce_pp, 
     b = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/{reinforce_pp}_grpo.flags"))
     assert {k for k in a if a[k] != b[k]} == {"algorithm", "advantage", "workdir"}
     assert b["advantage"] == "normalized" and (b["mean"], b["std"]) == ("group", "group")
+
+
+def test_grpo_comparator_differs_from_lite_ppo_only_in_normalisation_and_aggregation(parsed):
+    """Tricks-or-Traps' GRPO run: the Lite PPO flagfile with GRPO's group std and per-output
+    token mean (the two techniques Lite PPO changes), nothing else."""
+    a = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/"
+                               "tricks_or_traps_qwen3_8b_lite_ppo.flags"))
+    b = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/"
+                               "tricks_or_traps_qwen3_8b_grpo.flags"))
+    assert {k for k in a if a[k] != b[k]} == {"algorithm", "std", "agg", "workdir"}
+    assert (b["mean"], b["std"], b["agg"], b["kl_in"], b["kl_coef"]) == (
+        "group", "group", "seq-mean-token-mean", None, 0.0)
 
 
 def test_dapo_comparator_differs_from_lite_ppo_only_in_the_algorithm(parsed):
