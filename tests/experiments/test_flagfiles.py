@@ -51,9 +51,11 @@ FIXED = {
     "minimalist_qwen25_math_7b_grpo": dict(
         _MINIMALIST, **_MASTER, agg=("seq-mean-token-mean", "token-mean"), kl_coef=(0.04, 0.001)),
     "minimalist_qwen25_math_7b_raft_pp": dict(
-        _MINIMALIST, **_MASTER, kl_in=(None, "loss"), kl_coef=(0.0, 0.001), rejected_rows=("drop", "zero")),
+        _MINIMALIST, **_MASTER, kl_in=(None, "loss"), kl_coef=(0.0, 0.001),
+        rejected_rows=("drop", "zero")),
     "minimalist_qwen25_math_7b_reinforce_rej": dict(
-        _MINIMALIST, **_MASTER, kl_in=(None, "loss"), kl_coef=(0.0, 0.001), rejected_rows=("drop", "zero")),
+        _MINIMALIST, **_MASTER, kl_in=(None, "loss"), kl_coef=(0.0, 0.001),
+        rejected_rows=("drop", "zero")),
 }
 # The paper flagfiles name their data by registry names and gym tasks (issue 16) instead of
 # /data/... paths: flag -> (the old value, today's).
@@ -359,13 +361,14 @@ _EVAL_OPT = r"(greedy|(avg|pass|maj)@\d+|t=[0-9.]+|max_new_tokens=\d+|prompts=\d
 _EVAL_ITEM = rf"\w+(=[^,;]+)?(;{_EVAL_OPT})*"
 
 
+_MINIMALIST_SETS = ("math500", "minerva_math", "olympiadbench")
 # What each paper evaluates (its table), by the flagfile's family.
 PAPER_EVAL_SETS = {
     # Qwen2.5-Math-7B's 4,096-token context leaves 3,072 tokens to generate after a prompt of
     # 1,024; LLaMA's evaluation generates the paper's 4,096.
-    "minimalist_qwen25": "math500;avg@16;t=1.0,minerva_math;avg@16;t=1.0,olympiadbench;avg@16;t=1.0",
+    "minimalist_qwen25": ",".join(f"{n};avg@16;t=1.0" for n in _MINIMALIST_SETS),
     "minimalist_llama32": ",".join(f"{n};avg@16;t=1.0;max_new_tokens=4096"
-                                   for n in ("math500", "minerva_math", "olympiadbench")),
+                                   for n in _MINIMALIST_SETS),
     "reinforce_pp_math": "aime24;pass@8,amc23;pass@8,math500;pass@1",
     # Six maths benchmarks (the summaries do not name them: the project's six), 8 samples.
     "tricks_or_traps": ",".join(f"{n};avg@8;t=1.0" for n in (
