@@ -15,7 +15,7 @@
     [[arms]]
     name = "reinforce"
     flags = ["--algorithm=reinforce"]    # every scale
-    paper = ["--flagfile=experiments/configs/minimalist_qwen25_math_7b_reinforce.flags"]
+    paper = ["--flagfile=experiments/configs/minimalist_llama32_3b_instruct_reinforce.flags"]
 
     [[claims]]                           # fixed before the runs; judged from the report
     text = "Removing all-wrong groups helps more than removing all-correct ones."

@@ -98,6 +98,9 @@ def main(argv):
             slots.fit_lognormal(*profile)
     config = train.config_from_flags()
     model_config = programs.architecture(FLAGS.architecture or config.model.name)
+    # As the run does at start: prompt + completion must fit the model's context.
+    config.validate_context(model_config.max_position_embeddings,
+                            FLAGS.architecture or config.model.name)
     result = programs.plan(config, model_config, topo, jax.devices()[:topo.num_devices])
     print_plan(result, markdown=FLAGS.markdown)
     if None not in profile:

@@ -70,6 +70,11 @@ class Benchmark:
     size: str                    # rows per Hub split
     drop_unanswerable: bool = False  # drop (and count) rows whose answer does not normalise
     task: str = "math"
+    # A selection of the rows, applied in this order: only rows whose column holds one of the
+    # values (column -> values), then the `shortest` rows by prompt length in characters, ties
+    # in the published row order (so the selection is the same on every machine and tokenizer).
+    where: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    shortest: int | None = None
 
 
 # Sources: the repositories verl / Minimal-RL / lighteval / Qwen2.5-Math evaluation read.
@@ -105,6 +110,14 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
     Benchmark("dapo_math_17k", "hf:open-r1/DAPO-Math-17k-Processed:all", {"train": "train"},
               "prompt", "solution", "text", "greedy",
               "DAPO's training prompts, de-duplicated (open-r1)", "train 17,398"),
+    # REINFORCE++ 4.2.3 (002_192a85f0c4b00df2.txt lines 210-212): MATH's training problems of
+    # levels 3-5, about 8,000 of the shortest prompts. The 12k training split (MATH train + the
+    # test problems outside MATH-500, as PRM800K splits it) holds about 8,800 such rows; 8,000
+    # and the character length are this project's reading of "about 8,000 short prompts".
+    Benchmark("math_lvl3to5_8k", "hf:nlile/hendrycks-MATH-benchmark", {"train": "train"},
+              "problem", "answer", "text", "greedy",
+              "REINFORCE++ zero-RL training prompts (MATH levels 3-5, the 8,000 shortest)",
+              "train 8,000 of 12,000", where={"level": (3, 4, 5)}, shortest=8000),
 )}
 
 
@@ -137,6 +150,19 @@ def normalized_rows(bench: Benchmark, rows, counts: dict[str, int]):
         yield where, {**row, "reference_answer": answer, "benchmark": bench.name}
 
 
+def selected_rows(bench: Benchmark, rows):
+    """The entry's selection (`where`, then `shortest`) of (location, row) pairs."""
+    rows = (item for item in rows
+            if all(item[1].get(column) in values for column, values in bench.where.items()))
+    if bench.shortest is None:
+        return rows
+    kept = list(rows)
+    length = [len(str(row.get(bench.prompt_field, ""))) for _, row in kept]
+    order = sorted(range(len(kept)), key=lambda i: (length[i], i))
+    chosen = set(order[:bench.shortest])
+    return [item for i, item in enumerate(kept) if i in chosen]
+
+
 def load_benchmark(name: str, split: str = "test", revision: str | None = None):
     """The records of a registered dataset's split (a ListSource), answers normalised."""
 
@@ -150,7 +176,7 @@ def load_benchmark(name: str, split: str = "test", revision: str | None = None):
     counts = {"rows": 0, "dropped": 0}
     fields = FieldNames(prompt_field=bench.prompt_field, answer_field="reference_answer",
                         task=bench.task)
-    records = rows_to_records(normalized_rows(bench, rows, counts), fields,
+    records = rows_to_records(normalized_rows(bench, selected_rows(bench, rows), counts), fields,
                               f"{name} ({spec})")
     if counts["dropped"]:
         logging.warning("%s: dropped %d of %d rows without an extractable answer in %r.",

@@ -37,6 +37,9 @@ from jaxrl4llm.train import partial
 from jaxrl4llm.train.state import SCHEDULES, OptimizerConfig
 
 DTYPES = ("float32", "bfloat16")
+# Below this learning rate, bfloat16 parameters lose most Adam steps to rounding (a step of
+# about lr moves a weight of size ~0.01-0.1 by less than half its bf16 spacing).
+BF16_MIN_LEARNING_RATE = 1e-5
 
 
 def param_dtype(name: str) -> Any:
@@ -243,6 +246,35 @@ class TrainConfig:
         with flag_errors():   # a sub-config's ValueError names its flag too
             self._validate_all(num_devices, data_parallel)
         return self
+
+    def validate_context(self, context: int, model: str | None = None) -> "TrainConfig":
+        """Raises a FlagError when a prompt of --max_prompt_tokens plus its completion (the
+        run's --max_new_tokens, or an --eval_sets item's max_new_tokens) does not fit the
+        model's context of `context` positions (its max_position_embeddings)."""
+        r = self.rollout
+        lengths = [("--max_new_tokens", r.max_new_tokens)] + [
+            (f"--eval_sets item {s.name}'s max_new_tokens", s.max_new_tokens)
+            for s in self.evaluation.sets if s.max_new_tokens is not None]
+        with flag_errors():
+            for what, new_tokens in lengths:
+                require(r.max_prompt_tokens + new_tokens <= context,
+                        f"--max_prompt_tokens={r.max_prompt_tokens} + {what}={new_tokens} = "
+                        f"{r.max_prompt_tokens + new_tokens} tokens exceed the context of "
+                        f"--model={model or self.model.name} ({context} positions): lower "
+                        "them so that their sum is at most the context.")
+        return self
+
+    def precision_warnings(self) -> list[str]:
+        """What the run should be told at start about its dtypes: bfloat16 parameters at a
+        small learning rate lose most updates to rounding (bf16 keeps 8 bits of mantissa, so
+        a step smaller than ~1/256 of a weight rounds away)."""
+        lr = self.optimizer.learning_rate
+        if self.model.param_dtype == "bfloat16" and lr < BF16_MIN_LEARNING_RATE:
+            return [f"--param_dtype=bfloat16 with --learning_rate={lr:g} (< "
+                    f"{BF16_MIN_LEARNING_RATE:g}): most updates round away in bfloat16 "
+                    "weights. Set --param_dtype=float32 --compute_dtype=bfloat16 (float32 "
+                    "master weights, bfloat16 matmuls)."]
+        return []
 
     def _validate_all(self, num_devices: int, data_parallel: int | None) -> None:
         self._validate_values()

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from absl import logging
 from tqdm.auto import tqdm
 
 from jaxrl4llm import parallel
@@ -114,6 +115,8 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
     data (before the model loads or the workdir is written), then the model, the states, the
     sampler and the writers, and restores the latest checkpoint if the workdir has one."""
     config.validate(len(devices))
+    for warning in config.precision_warnings():
+        logging.warning("%s", warning)
     run = config.run
     mesh = parallel.make_mesh(run.mesh, devices)
     workdir = os.path.abspath(run.workdir)
@@ -135,6 +138,8 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
 
     model_config, params, tokenizer = registry.load_model(
         config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype))
+    # Before anything compiles: a prompt + completion longer than the model's context.
+    config.validate_context(model_config.max_position_embeddings)
     model_config = config.model.compute_config(model_config)   # --compute_dtype
     # A separate copy: the policy's buffers are donated to each update.
     ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None

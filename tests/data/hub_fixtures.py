@@ -164,6 +164,26 @@ REPOS = {  # repository -> (README configs, files)
         {"all/train-00000-of-00001.parquet": DAPO, "en/train-00000-of-00001.parquet": DAPO}),
 }
 
+# nlile/hendrycks-MATH-benchmark (MATH's 12k / 500 split): `level` is an int, `answer` the
+# final answer. Levels 1 and 2 are left out of math_lvl3to5_8k; the rest are kept in order.
+MATH12K = [
+    {"problem": "What is $1+1$?", "solution": "$\\boxed{2}$", "answer": "2",
+     "subject": "Prealgebra", "level": 1, "unique_id": "train/prealgebra/1.json"},
+    {"problem": "Solve $x^2 = 49$ for the positive root $x$.", "solution": "$\\boxed{7}$",
+     "answer": "7", "subject": "Algebra", "level": 3, "unique_id": "train/algebra/2.json"},
+    {"problem": "Compute $3 \\cdot 4$.", "solution": "$\\boxed{12}$", "answer": "12",
+     "subject": "Prealgebra", "level": 2, "unique_id": "train/prealgebra/3.json"},
+    {"problem": "How many positive divisors does $36$ have?", "solution": "$\\boxed{9}$",
+     "answer": "9", "subject": "Number Theory", "level": 5,
+     "unique_id": "train/number_theory/4.json"},
+    {"problem": "Find $\\frac{1}{2} + \\frac{1}{3}$.", "solution": "$\\boxed{\\frac{5}{6}}$",
+     "answer": "\\frac{5}{6}", "subject": "Algebra", "level": 4,
+     "unique_id": "train/algebra/5.json"},
+]
+REPOS["nlile/hendrycks-MATH-benchmark"] = (
+    None, {"data/train-00000-of-00001.parquet": MATH12K,
+           "data/test-00000-of-00001.parquet": MATH12K[:1]})
+
 
 def write_registry_repos(cache: str) -> None:
     for repo, (configs, files) in REPOS.items():

@@ -2,8 +2,11 @@
 schema), normalises its answers, and a correct completion scores 1 and a wrong one 0."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from jaxrl4llm.data import benchmarks
 from jaxrl4llm.data.benchmarks import ANSWER_FORMS, BENCHMARKS
 from jaxrl4llm.data.records import DataError
 from jaxrl4llm.data.sources import make_source
@@ -22,6 +25,8 @@ EXPECTED = {
     "gsm8k": ("test", ["18", "1250"], "17"),
     "numina_math": ("train", ["4", "\\frac{5}{6}"], "5"),
     "dapo_math_17k": ("train", ["34"], "35"),
+    # Levels 3-5 only (the fixture's levels 1 and 2 are left out), in the published order.
+    "math_lvl3to5_8k": ("train", ["7", "9", "\\frac{5}{6}"], "8"),
 }
 # What a model writes for the same answers (other spellings where the math allows).
 WRITTEN = {"minerva_math": ["0.490", "1216"], "amc23": ["27", "36"], "aime24": ["204", "25"],
@@ -94,3 +99,16 @@ def test_answer_forms_by_hand():
 def test_unknown_name_lists_the_registry():
     with pytest.raises(DataError, match="unknown dataset name 'math5000'; registered: aime24"):
         make_source("math5000")
+
+
+def test_math_levels_3_to_5_keeps_the_shortest_prompts_deterministically(offline, monkeypatch):
+    """REINFORCE++'s zero-RL data: levels 3-5, then the N shortest prompts (characters), in
+    the published order. The fixture's level 3-5 prompts have 44, 42 and 33 characters."""
+    entry = BENCHMARKS["math_lvl3to5_8k"]
+    assert entry.where == {"level": (3, 4, 5)} and entry.shortest == 8000
+    monkeypatch.setitem(benchmarks.BENCHMARKS, "math_lvl3to5_8k",
+                        dataclasses.replace(entry, shortest=2))
+    first = make_source("math_lvl3to5_8k", split="train")
+    assert [r.answer for r in first] == ["9", "\\frac{5}{6}"]
+    assert [r.prompt for r in first] == [r.prompt for r in make_source("math_lvl3to5_8k",
+                                                                       split="train")]

@@ -40,17 +40,22 @@ _MINIMALIST = {
                             "\\boxed{}."),
     "instruction": (None, "Let's think step by step and output the final answer within \\boxed{}."),
 }
+# Issue 38: every paper flagfile keeps float32 master weights (with bfloat16 matmuls,
+# --compute_dtype, a flag the old code did not have).
+_MASTER = {"param_dtype": ("bfloat16", "float32")}
 FIXED = {
     # The old parser dropped a knob set to none (`--kl_in=none` kept the preset's "loss"; with
     # --kl_coef=0 nothing used it, so training was the same). The quickstart keeps one
     # checkpoint (each is about 1.4 GB: a laptop's disk).
     "quickstart": {"kl_in": ("loss", None), "keep_checkpoints": (3, 1)},
     "minimalist_qwen25_math_7b_grpo": dict(
-        _MINIMALIST, agg=("seq-mean-token-mean", "token-mean"), kl_coef=(0.04, 0.001)),
+        _MINIMALIST, **_MASTER, agg=("seq-mean-token-mean", "token-mean"), kl_coef=(0.04, 0.001)),
     "minimalist_qwen25_math_7b_raft_pp": dict(
-        _MINIMALIST, kl_in=(None, "loss"), kl_coef=(0.0, 0.001), rejected_rows=("drop", "zero")),
+        _MINIMALIST, **_MASTER, kl_in=(None, "loss"), kl_coef=(0.0, 0.001),
+        rejected_rows=("drop", "zero")),
     "minimalist_qwen25_math_7b_reinforce_rej": dict(
-        _MINIMALIST, kl_in=(None, "loss"), kl_coef=(0.0, 0.001), rejected_rows=("drop", "zero")),
+        _MINIMALIST, **_MASTER, kl_in=(None, "loss"), kl_coef=(0.0, 0.001),
+        rejected_rows=("drop", "zero")),
 }
 # The paper flagfiles name their data by registry names and gym tasks (issue 16) instead of
 # /data/... paths: flag -> (the old value, today's).
@@ -65,10 +70,12 @@ DATA_BY_NAME = {
         "eval_data": ("synthetic:knights_knaves?min_people=8&max_people=8&n=200",
                       "gym:knights_knaves?n_people=8&n=100"),
         # Logic-RL's prompt and format reward (issue 14).
-        "system_prompt": (None, "@logic_rl"), "reward_scale": ("01", "logic_rl")},
+        "system_prompt": (None, "@logic_rl"), "reward_scale": ("01", "logic_rl"),
+        # One sample per puzzle at temperature 1, as Logic-RL evaluates (issue 38).
+        "eval_samples": (4, 1), **_MASTER},
     "tricks_or_traps_qwen3_8b_lite_ppo": {
         "data": ("parquet:/data/math/{split}.parquet", "dapo_math_17k"),
-        "eval_data": (None, "math500")},
+        "eval_data": (None, "math500"), **_MASTER},
 }
 DATA_BY_NAME["overrides"] = DATA_BY_NAME["tricks_or_traps_qwen3_8b_lite_ppo"]  # its flagfile
 # Micro-batches re-planned for the pod (issue 12, docs/scaling.md): flag -> (old, today's).
@@ -354,13 +361,22 @@ _EVAL_OPT = r"(greedy|(avg|pass|maj)@\d+|t=[0-9.]+|max_new_tokens=\d+|prompts=\d
 _EVAL_ITEM = rf"\w+(=[^,;]+)?(;{_EVAL_OPT})*"
 
 
-# What each paper evaluates (its table), by the flagfile's family; Tricks-or-Traps records none.
+_MINIMALIST_SETS = ("math500", "minerva_math", "olympiadbench")
+# What each paper evaluates (its table), by the flagfile's family.
 PAPER_EVAL_SETS = {
-    "minimalist_": "math500;avg@16;t=1.0,minerva_math;avg@16;t=1.0,olympiadbench;avg@16;t=1.0",
-    "reinforce_pp_baseline_math": "aime24;pass@8,amc23;pass@8,math500;pass@1",
-    "reinforce_pp_baseline_aime24": "aime25",
+    # Qwen2.5-Math-7B's 4,096-token context leaves 3,072 tokens to generate after a prompt of
+    # 1,024; LLaMA's evaluation generates the paper's 4,096.
+    "minimalist_qwen25": ",".join(f"{n};avg@16;t=1.0" for n in _MINIMALIST_SETS),
+    "minimalist_llama32": ",".join(f"{n};avg@16;t=1.0;max_new_tokens=4096"
+                                   for n in _MINIMALIST_SETS),
+    "reinforce_pp_math": "aime24;pass@8,amc23;pass@8,math500;pass@1",
+    # Six maths benchmarks (the summaries do not name them: the project's six), 8 samples.
+    "tricks_or_traps": ",".join(f"{n};avg@8;t=1.0" for n in (
+        "math500", "olympiadbench", "minerva_math", "aime24", "aime25", "amc23")),
+    "reinforce_pp_aime24": "aime25;pass@1;pass@16;t=1.0,aime24;pass@1;t=1.0",
+    # Per number of people (the paper's Figure 4), sampled at T = 1 as Logic-RL evaluates.
     "reinforce_pp_knights_knaves": ",".join(
-        f"kk{n}=gym:knights_knaves?n_people={n}&n=100;greedy" for n in range(2, 9)),
+        f"kk{n}=gym:knights_knaves?n_people={n}&n=100;pass@1;t=1.0" for n in range(2, 9)),
 }
 
 
@@ -371,27 +387,55 @@ def test_paper_flagfile_names_its_data_and_evaluates_the_papers_sets(name, parse
     config = parsed(f"--flagfile={REPO}/experiments/configs/{name}")
     assert not config.data.source.startswith(("parquet:", "jsonl:", "/")), config.data.source
     family = [k for k in PAPER_EVAL_SETS if name.startswith(k)]
-    if name.startswith("tricks_or_traps"):
-        assert not family and config.evaluation.eval_sets is None
-        return
     assert len(family) == 1, name
     assert config.evaluation.eval_sets == PAPER_EVAL_SETS[family[0]]
     sets = config.evaluation.sets
     assert [s.name for s in sets] == [
         item.split(";")[0].split("=")[0] for item in PAPER_EVAL_SETS[family[0]].split(",")]
-    if family[0] == "minimalist_":
+    if family[0].startswith("minimalist_"):
         assert all((s.temperature, s.samples) == (1.0, 16) for s in sets)
+    if family[0] == "reinforce_pp_knights_knaves":
+        assert all((s.temperature, s.samples, s.greedy) == (1.0, 1, False) for s in sets)
+
+
+# The REINFORCE++ math runs start from Qwen2.5-Math-7B, whose context is 4,096 positions.
+@pytest.mark.parametrize("name", ["reinforce_pp_math", "reinforce_pp_aime24"])
+def test_reinforce_pp_math_runs_fit_the_base_models_context(name, parsed):
+    from jaxrl4llm.config.errors import FlagError
+    from jaxrl4llm.models.config import ARCHITECTURES
+    config = parsed(f"--flagfile={REPO}/experiments/configs/{name}.flags")
+    context = ARCHITECTURES["qwen2.5-math-7b"].max_position_embeddings
+    assert context == 4096 and config.model.name.lower().endswith("qwen2.5-math-7b")
+    config.validate_context(context)   # 1024 + 3072 = 4096
+    # The lengths these files had (1024 + 4096) are refused, naming both flags.
+    with pytest.raises(FlagError, match=r"--max_prompt_tokens=1024 \+ --max_new_tokens=4096 "
+                                        r"= 5120 tokens exceed the context"):
+        config.replace(max_new_tokens=4096).validate_context(context)
+    with pytest.raises(FlagError, match="item aime25's max_new_tokens=3500"):
+        config.replace(eval_sets="aime25;max_new_tokens=3500").validate_context(context)
 
 
 @pytest.mark.parametrize("reinforce_pp", ["reinforce_pp_knights_knaves",
-                                          "reinforce_pp_baseline_math",
-                                          "reinforce_pp_baseline_aime24"])
+                                          "reinforce_pp_math",
+                                          "reinforce_pp_aime24"])
 def test_grpo_counterparts_differ_only_in_the_advantage_estimator(reinforce_pp, parsed):
     """The REINFORCE++ paper's comparisons change the estimator and nothing else."""
     a = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/{reinforce_pp}.flags"))
     b = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/{reinforce_pp}_grpo.flags"))
     assert {k for k in a if a[k] != b[k]} == {"algorithm", "advantage", "workdir"}
     assert b["advantage"] == "normalized" and (b["mean"], b["std"]) == ("group", "group")
+
+
+def test_grpo_comparator_differs_from_lite_ppo_only_in_normalisation_and_aggregation(parsed):
+    """Tricks-or-Traps' GRPO run: the Lite PPO flagfile with GRPO's group std and per-output
+    token mean (the two techniques Lite PPO changes), nothing else."""
+    a = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/"
+                               "tricks_or_traps_qwen3_8b_lite_ppo.flags"))
+    b = options.flatten(parsed(f"--flagfile={REPO}/experiments/configs/"
+                               "tricks_or_traps_qwen3_8b_grpo.flags"))
+    assert {k for k in a if a[k] != b[k]} == {"algorithm", "std", "agg", "workdir"}
+    assert (b["mean"], b["std"], b["agg"], b["kl_in"], b["kl_coef"]) == (
+        "group", "group", "seq-mean-token-mean", None, 0.0)
 
 
 def test_dapo_comparator_differs_from_lite_ppo_only_in_the_algorithm(parsed):
@@ -406,3 +450,13 @@ def test_dapo_comparator_differs_from_lite_ppo_only_in_the_algorithm(parsed):
         "dynamic_sampling", "overlong_buffer", "workdir"}
     assert (b["std"], b["clip_high"], b["overlong_buffer"], b["max_new_tokens"]) == (
         "group", 0.28, 4096, 8192)
+
+
+@pytest.mark.parametrize("name", PAPER_FLAGFILES)
+def test_paper_flagfile_keeps_float32_master_weights(name, parsed):
+    """At the papers' learning rates (5e-7 to 1e-6) bfloat16 weights lose most updates
+    (tests/train/test_mixed_precision.py): every paper run keeps float32 weights and bfloat16
+    matmuls, and starts without the precision warning."""
+    config = parsed(f"--flagfile={REPO}/experiments/configs/{name}")
+    assert (config.model.param_dtype, config.model.compute_dtype) == ("float32", "bfloat16")
+    assert config.optimizer.learning_rate < 1e-5 and not config.precision_warnings()

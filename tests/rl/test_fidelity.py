@@ -221,3 +221,51 @@ def test_kl_in_reward_for_group_normalized_advantages():
     want = np.array([[a - 0.5 * 0.3, a - 0.5 * 0.2, 0.0],
                      [-a - 0.5 * 0.9, -a - 0.5 * 0.6, -a - 0.5 * 0.3]])
     np.testing.assert_allclose(np.asarray(adv), want, rtol=1e-5)
+
+
+# ---- RAFT++ / Reinforce / Reinforce-Rej: the paper's per-sequence formula vs the code's ------
+
+def _minimal_rl_loss(A_B, logp, old_logp, mask, eps=0.2, per_sequence=False):
+    """Minimal-RL's verl `compute_policy_loss` (policy_loss=plusplus), numpy: per token
+    max(-A rho, -A clip(rho, 1 - eps, 1 + eps)); `agg_loss` with loss_agg_mode="token-mean"
+    over the response mask (every row, rejected ones at A = 0). per_sequence: the paper's
+    eqs. 5 and 8 instead (001 lines 89, 107): 1/|D| sum_(x,a) 1/|a| sum_t."""
+    rho = np.exp(logp - old_logp)
+    A = A_B[:, None]
+    per_token = np.maximum(-A * rho, -A * np.clip(rho, 1 - eps, 1 + eps))
+    if per_sequence:
+        return float(np.mean((per_token * mask).sum(1) / mask.sum(1)))
+    return float((per_token * mask).sum() / mask.sum())
+
+
+@pytest.mark.parametrize("preset", ["reinforce", "reinforce_rej", "raft_pp"])
+def test_minimalist_presets_follow_the_codes_token_mean_not_the_papers_per_sequence_mean(preset):
+    """The Minimalist paper writes Reinforce and RAFT++ per sequence (1/|a| inside the sum over
+    samples); the authors' code takes one token mean over the batch. The presets follow the
+    code; --agg=seq-mean-token-mean gives the paper's formula. Advantages by hand: Reinforce
+    A = +1 / -1; Reinforce-Rej the same with all-correct and all-wrong groups at 0; RAFT++
+    A = 1 on correct samples, 0 on the others."""
+    G = 4
+    correct = np.array([1, 0, 1, 0,  1, 1, 1, 1,  0, 0, 0, 0,  0, 1, 1, 1], bool)
+    B, T = correct.size, 6
+    rng = np.random.default_rng(7)
+    mask = (np.arange(T)[None] < rng.integers(1, T + 1, B)[:, None]).astype(np.float32)
+    logp = rng.normal(-1.0, 0.3, (B, T)).astype(np.float32)
+    old_logp = (logp + rng.normal(0, 0.3, (B, T))).astype(np.float32)  # ratios off 1, clipped
+    sign = np.where(correct, 1.0, -1.0)
+    flat = np.repeat(correct.reshape(-1, G).all(1) | ~correct.reshape(-1, G).any(1), G)
+    want_A = {"reinforce": sign, "reinforce_rej": np.where(flat, 0.0, sign),
+              "raft_pp": correct.astype(np.float64)}[preset]
+    for agg, per_sequence in (("token-mean", False), ("seq-mean-token-mean", True)):
+        cfg = rl.get_preset(preset)
+        assert cfg.agg == "token-mean" and cfg.rejected_rows == "zero"
+        cfg = rl.get_preset(preset, agg=agg)
+        adv, keep, _ = compute_advantages(cfg, jnp.asarray(correct, jnp.float32),
+                                          jnp.asarray(correct), jnp.asarray(mask), G)
+        np.testing.assert_array_equal(np.asarray(adv), want_A)
+        s, d, _ = policy_loss(cfg, jnp.asarray(logp), jnp.asarray(old_logp), adv,
+                              jnp.asarray(mask), keep)
+        want = _minimal_rl_loss(want_A, logp, old_logp, mask, per_sequence=per_sequence)
+        assert float(rl.finalize_loss(s, d)) == pytest.approx(want, rel=1e-5, abs=1e-7)
+    assert _minimal_rl_loss(want_A, logp, old_logp, mask) != pytest.approx(
+        _minimal_rl_loss(want_A, logp, old_logp, mask, per_sequence=True), rel=1e-3)

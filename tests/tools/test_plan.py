@@ -95,3 +95,22 @@ def test_plan_of_a_remax_run_samples_the_greedy_rows_too():
     rows = {r.program: r for r in result.rows}
     assert list(rows) == ["create", "rollout", "logprobs", "update"]
     assert rows["rollout"].args > 0 and rows["update"].total > 0
+
+
+def test_plan_refuses_a_prompt_and_completion_longer_than_the_context():
+    """Qwen2.5-Math-7B has 4,096 positions: the REINFORCE++ math flagfile's 1024 + 3072 plan
+    past this check, 1024 + 4096 are refused before anything compiles."""
+    from absl import flags
+
+    from jaxrl4llm.config.errors import FlagError
+    repo = os.path.dirname(TOOLS)
+    flagfile = f"--flagfile={repo}/experiments/configs/reinforce_pp_math.flags"
+    try:
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["plan", flagfile, "--max_new_tokens=4096", "--topology=cpu-8"])
+        with pytest.raises(FlagError, match=r"1024 \+ --max_new_tokens=4096 = 5120 tokens "
+                                            r"exceed the context of --model=/models/"
+                                            r"Qwen2.5-Math-7B \(4096 positions\)"):
+            plan.main([])
+    finally:
+        flags.FLAGS.unparse_flags()
