@@ -124,9 +124,13 @@ def test_on_a_mesh_and_its_refusal(toy):
     smp = Sampler(config, mesh=mesh, stop_ids=STOP, decode_slots=4)
     prompts = _prompts(config, [5, 2, 7, 4], seed=5)
     key = jax.random.key(1)
-    b = smp.generate(smp.shard_params(params), prompts, SAMPLED, N, key, group_size=2)
-    a = sampler.generate(params, config, prompts, SAMPLED, N, key, n=2, stop_ids=STOP)
+    caps = [N, 3, N, 7, 1, N, 12, N]   # per-row caps, placed on the mesh like the rows
+    b = smp.generate(smp.shard_params(params), prompts, SAMPLED, N, key, group_size=2,
+                     row_caps=caps)
+    a = sampler.generate(params, config, prompts, SAMPLED, N, key, n=2, stop_ids=STOP,
+                         row_caps=caps)
     _assert_same_samples(a, b)
+    assert np.all(np.asarray(b.lengths_B) <= caps)
 
 
 def test_refill_rows():
