@@ -137,7 +137,7 @@ def minibatch_real_frac(out, group: int, mini_batch: int, ppo_epochs: int,
     return real / columns
 
 
-def same_rows(a, b) -> float:
+def same_rows(a: Any, b: Any) -> float:
     """The share of rows two samplers gave the same tokens (and length). Both draw each row
     from the same key, but float32 sums over other batch shapes can tip a near-tie draw of
     a real model; the toy-model tests (tests/sampling/test_continuous.py) check equality."""
@@ -156,7 +156,7 @@ def _times(seconds: dict[str, float]) -> dict[str, float]:
     return row
 
 
-def _parse(argv) -> Any:
+def _parse(argv: Any) -> Any:
     parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--layers", type=int, default=0,
@@ -190,7 +190,7 @@ def _parse(argv) -> Any:
     return parser.parse_args(argv)
 
 
-def _load_model(args) -> tuple[Any, Any, Any]:
+def _load_model(args: Any) -> tuple[Any, Any, Any]:
     """(config, params, tokenizer) of --model, cut to its first --layers layers if given."""
     from jaxrl4llm.models import registry
     from jaxrl4llm.train.config import param_dtype
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     rows = args.prompts * args.group
     new_tokens = args.new_tokens or (mix_caps(args.length_mix, 1, 0)[1] if forced else 256)
     # One prompt bucket for every rollout: the warm-up compiles the only programs timed.
-    options = dict(min_prompt_bucket=256, **({"stop_ids": ()} if forced else {}))
+    options: dict[str, Any] = {"min_prompt_bucket": 256, **({"stop_ids": ()} if forced else {})}
     samplers = {"compact": Sampler(model_config, tokenizer, **options)}
     if args.decode_slots:
         samplers["continuous"] = Sampler(model_config, tokenizer,

@@ -10,6 +10,9 @@ whole longest row. Each slot knows its row (`row_S`), and every output is writte
 so the result equals decoding all B rows to the end (each row's tokens depend only on its
 own prompt, cache and key).
 
+Per-row caps (LoopState.cap_S) end a row at its own token limit: it stops decoding like a
+row that emitted a stop token, but is not done (its output reads as truncated).
+
 Compaction gathers rows across the batch, which on a mesh would move cache rows between
 devices; with a mesh (or fewer than 2 * MIN_COMPACT_ROWS rows, or at most MIN_COMPACT_ROWS new
 tokens) the loop keeps all B slots.

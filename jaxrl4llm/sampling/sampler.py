@@ -51,7 +51,7 @@ class SampleOutput(flax.struct.PyTreeNode):
     logprobs_BT    float32 log_softmax(logits / temperature)[token] (0 where mask is False).
     mask_BT        bool: tokens up to and including the first stop token.
     lengths_B      int32 number of completion tokens (sum of mask_BT).
-    truncated_B    bool: hit max_new_tokens without emitting a stop token.
+    truncated_B    bool: hit max_new_tokens (or its row cap) without emitting a stop token.
     prompt_tokens_BP / prompt_mask_BP   the left-padded prompt block the completions follow;
                    concatenated with tokens_BT / mask_BT they give the teacher-forced input.
     dropped_B      bool: the prompt was longer than the limit and skipped (long_prompts="drop");
