@@ -13,7 +13,8 @@ tokens on, temperature --temperature) and prints, over --rollouts rollouts:
                         rows are done), "compacted" = the rows actually computed once
                         finished rows are compacted away (sampling/decode.py),
                         "continuous" = the rows computed by continuous batching with
-                        --decode_slots slots (sampling/continuous.py; the same samples)
+                        --decode_slots slots (sampling/continuous.py; same prompts and keys)
+  rows_identical        the share of rows both samplers gave the same tokens (see same_rows)
   update real frac      real tokens / (rows x columns the teacher-forced passes and the
                         update compute): trimmed (the bucket of the longest row) and
                         untrimmed (max_new_tokens, as before trimming); with --mini_batch,
@@ -26,12 +27,25 @@ tokens on, temperature --temperature) and prints, over --rollouts rollouts:
   time_ratio            (--time) wall time of the compacted sampler / the uncompacted one,
                         same prompts and keys (the same samples), measured in the same run
   continuous_ratio      (--time) wall time of continuous batching / the compacted sampler
+                        (compact_s, continuous_s: the times, same run)
+
+--length_mix forces the completion lengths instead of sampling them: no stop tokens, and each
+row stops at its own cap (generate's row_caps), drawn with a seed per rollout from
+  step0     the quickstart's own step-0 completion lengths (quickstart_step0_lengths.txt
+            beside this file says how they were measured), max_new_tokens 64
+  tail10    a lognormal with the step-0 median and a 99th percentile 10x the step-0 one,
+            rounded, max_new_tokens 1024 (the draws past it are cut there)
+The lengths, hence the useful shares, then do not depend on the model's weights: --layers=1
+measures them on a one-layer SmolLM2. With --time the warm-up run caps every row at one token
+(the same compiled programs, a prefill each), so only the timed run decodes.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,6 +54,33 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrl4llm.config import cli
+
+MIXES = ("natural", "step0", "tail10")
+STEP0_LENGTHS = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                             "quickstart_step0_lengths.txt")
+STEP0_MAX_NEW_TOKENS = 64     # experiments/configs/quickstart.flags
+TAIL10_MAX_NEW_TOKENS = 1024  # the lognormal's draws past it (about 0.3%) are cut there
+Z99 = 2.3263478740408408      # the standard normal's 99th percentile
+
+
+def step0_lengths(path: str = STEP0_LENGTHS) -> np.ndarray:
+    """The stored step-0 completion lengths (whitespace- or comma-separated ints, # comments)."""
+    with open(path) as f:
+        text = " ".join(line.split("#")[0] for line in f).replace(",", " ")
+    return np.array([int(x) for x in text.split()], np.int64)
+
+
+def mix_caps(mix: str, rows: int, seed: int, lengths: np.ndarray | None = None
+             ) -> tuple[np.ndarray, int]:
+    """(per-row caps, the mix's max_new_tokens) of a forced --length_mix (module docstring)."""
+    lengths = step0_lengths() if lengths is None else lengths
+    rng = np.random.default_rng(seed)
+    if mix == "step0":
+        return rng.choice(lengths, size=rows), STEP0_MAX_NEW_TOKENS
+    median, p99 = np.median(lengths), np.percentile(lengths, 99)
+    sigma = np.log(10 * p99 / median) / Z99
+    draws = np.round(median * np.exp(sigma * rng.standard_normal(rows))).astype(np.int64)
+    return np.clip(draws, 1, TAIL10_MAX_NEW_TOKENS), TAIL10_MAX_NEW_TOKENS
 
 
 def waste(lengths_B: np.ndarray, num_steps: int, slot_steps: int, max_new_tokens: int,
@@ -96,13 +137,39 @@ def minibatch_real_frac(out, group: int, mini_batch: int, ppo_epochs: int,
     return real / columns
 
 
-def main(argv=None) -> int:
+def same_rows(a: Any, b: Any) -> float:
+    """The share of rows two samplers gave the same tokens (and length). Both draw each row
+    from the same key, but float32 sums over other batch shapes can tip a near-tie draw of
+    a real model; the toy-model tests (tests/sampling/test_continuous.py) check equality."""
+    return float(np.mean(np.all(np.asarray(a.tokens_BT) == np.asarray(b.tokens_BT), axis=1)))
+
+
+def _times(seconds: dict[str, float]) -> dict[str, float]:
+    """Wall times of one rollout and their ratios (module docstring)."""
+    row = {"compact_s": seconds["compact"]}
+    if "full" in seconds:
+        row["full_s"] = seconds["full"]
+        row["time_ratio"] = row["compact_s"] / row["full_s"]
+    if "continuous" in seconds:
+        row["continuous_s"] = seconds["continuous"]
+        row["continuous_ratio"] = row["continuous_s"] / row["compact_s"]
+    return row
+
+
+def _parse(argv: Any) -> Any:
     parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--layers", type=int, default=0,
+                        help="keep the model's first LAYERS layers (0: all); with a forced "
+                             "--length_mix the useful shares do not depend on the weights")
     parser.add_argument("--data", default="synthetic:arithmetic")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--new_tokens", type=int, default=256)
+    parser.add_argument("--new_tokens", type=int, default=0,
+                        help="max_new_tokens (0: 256, or the --length_mix's own bound)")
+    parser.add_argument("--length_mix", default="natural", choices=MIXES,
+                        help="natural: sample with stop tokens; step0 / tail10: no stop tokens, "
+                             "per-row caps drawn from that mix (module docstring)")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--rollouts", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -115,77 +182,96 @@ def main(argv=None) -> int:
     parser.add_argument("--length_classes", type=int, default=1,
                         help="--micro_batch_length_classes of the --mini_batch share")
     parser.add_argument("--decode_slots", type=int, default=64,
-                        help="slots of the continuous-batching sampler")
+                        help="slots of the continuous-batching sampler (0: run none)")
     parser.add_argument("--time", action="store_true",
-                        help="also time the compacted sampler against the uncompacted one and "
-                             "continuous batching (compiles each first)")
-    args = parser.parse_args(argv)
+                        help="also time the compacted sampler against continuous batching "
+                             "(and, with the natural mix, the uncompacted one); compiles "
+                             "each first")
+    return parser.parse_args(argv)
 
-    from jaxrl4llm.data import make_source
-    from jaxrl4llm.data.config import DataConfig
+
+def _load_model(args: Any) -> tuple[Any, Any, Any]:
+    """(config, params, tokenizer) of --model, cut to its first --layers layers if given."""
     from jaxrl4llm.models import registry
-    from jaxrl4llm.sampling.frontend import Sampler
-    from jaxrl4llm.sampling.layout import RowLayout
-    from jaxrl4llm.sampling.strategies import SamplingConfig
     from jaxrl4llm.train.config import param_dtype
 
     model_config, params, tokenizer = registry.load_model(args.model,
                                                           dtype=param_dtype(args.dtype))
+    if args.layers:
+        model_config = dataclasses.replace(model_config, num_layers=args.layers)
+        params = {**params, "layers": jax.tree.map(lambda w: w[:args.layers], params["layers"])}
+    return model_config, params, tokenizer
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    from jaxrl4llm.data import make_source
+    from jaxrl4llm.data.config import DataConfig
+    from jaxrl4llm.sampling.frontend import Sampler
+    from jaxrl4llm.sampling.strategies import SamplingConfig
+
+    model_config, params, tokenizer = _load_model(args)
+    forced = args.length_mix != "natural"
+    rows = args.prompts * args.group
+    new_tokens = args.new_tokens or (mix_caps(args.length_mix, 1, 0)[1] if forced else 256)
     # One prompt bucket for every rollout: the warm-up compiles the only programs timed.
-    samplers = {"compact": Sampler(model_config, tokenizer, min_prompt_bucket=256),
-                "full": Sampler(model_config, tokenizer, min_prompt_bucket=256,
-                                compact=False),
-                "continuous": Sampler(model_config, tokenizer, min_prompt_bucket=256,
-                                      decode_slots=args.decode_slots)}
+    options: dict[str, Any] = {"min_prompt_bucket": 256, **({"stop_ids": ()} if forced else {})}
+    samplers = {"compact": Sampler(model_config, tokenizer, **options)}
+    if args.decode_slots:
+        samplers["continuous"] = Sampler(model_config, tokenizer,
+                                         decode_slots=args.decode_slots, **options)
+    if args.time and not forced:
+        samplers["full"] = Sampler(model_config, tokenizer, compact=False, **options)
     source = make_source(args.data, split="train")
     data = DataConfig(source=args.data)
     sampling = SamplingConfig(temperature=args.temperature)
-    print(f"{args.model} {args.dtype}, {args.data}, {args.prompts} prompts x {args.group}, "
-          f"T={args.temperature}, max_new_tokens={args.new_tokens}, device "
-          f"{jax.devices()[0].platform}")
+    print(f"{args.model}{f' ({args.layers} layers)' if args.layers else ''} {args.dtype}, "
+          f"{args.data}, {args.prompts} prompts x {args.group}, T={args.temperature}, "
+          f"max_new_tokens={new_tokens}, length mix {args.length_mix}, "
+          f"{args.decode_slots} slots, device {jax.devices()[0].platform}")
 
-    def run(name, r):
+    def run(name, r, caps):
         records = [source[(r * args.prompts + i) % len(source)] for i in range(args.prompts)]
+        smp = samplers[name]
+        prompts = smp.encode([data.messages(x) for x in records])
         t0 = time.perf_counter()
-        samples = samplers[name].sample(params, [data.messages(x) for x in records], sampling,
-                                        args.new_tokens, jax.random.key(r),
-                                        RowLayout(args.group))
-        return samples, time.perf_counter() - t0
+        out = smp.generate(params, prompts, sampling, new_tokens, jax.random.key(r),
+                           group_size=args.group, row_caps=caps)
+        jax.block_until_ready(out)
+        return out, time.perf_counter() - t0
 
-    names = tuple(samplers) if args.time else ("compact", "continuous")
     if args.time:
-        for name in names:   # compiles
-            run(name, 0)
-    rows = []
+        for name in samplers:   # compiles (a forced mix: one token per row, the same programs)
+            run(name, 0, np.ones(rows, np.int64) if forced else None)
+    results = []
     for r in range(args.rollouts):
-        timed = {name: run(name, r) for name in names}
-        out, cont = timed["compact"][0].out, timed["continuous"][0].out
-        if not np.array_equal(*(np.asarray(x.tokens_BT) for x in (out, cont))):
-            raise AssertionError("continuous batching sampled other tokens than the compacted "
-                                 "sampler (same prompts and keys)")
-        row = waste(timed["compact"][0].host(out.lengths_B), int(out.num_steps),
-                    int(out.slot_steps), args.new_tokens, int(cont.slot_steps))
+        caps = (np.minimum(mix_caps(args.length_mix, rows, r)[0], new_tokens) if forced
+                else None)
+        timed = {name: run(name, r, caps) for name in samplers}
+        out = timed["compact"][0]
+        cont = timed["continuous"][0] if "continuous" in timed else None
+        lengths = np.asarray(out.lengths_B)
+        row = waste(lengths, int(out.num_steps), int(out.slot_steps), new_tokens,
+                    None if cont is None else int(cont.slot_steps))
+        if cont is not None:
+            row["rows_identical"] = same_rows(out, cont)
         if args.mini_batch:
             row["update_real_minibatch"] = minibatch_real_frac(
-                out, args.group, args.mini_batch, args.ppo_epochs, args.new_tokens, seed=r,
+                out, args.group, args.mini_batch, args.ppo_epochs, new_tokens, seed=r,
                 micro_batch=args.micro_batch, length_classes=args.length_classes)
         if args.time:
-            row["compact_s"], row["full_s"] = timed["compact"][1], timed["full"][1]
-            row["time_ratio"] = row["compact_s"] / row["full_s"]
-            row["continuous_s"] = timed["continuous"][1]
-            row["continuous_ratio"] = row["continuous_s"] / row["compact_s"]
-        rows.append(row)
+            row.update(_times({name: t for name, (_, t) in timed.items()}))
+        results.append(row)
         print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in row.items()), flush=True)
         # The sampled lengths, so other update layouts can be worked out from this rollout.
-        print("lengths=" + ",".join(str(int(x)) for x in timed["compact"][0].host(
-            out.lengths_B)), flush=True)
-    keys = ("sampler_useful_full", "sampler_useful_compacted", "sampler_useful_continuous",
-            "update_real_trimmed",
-            "update_real_untrimmed") + (("update_real_minibatch",) if args.mini_batch else ()) + (
-                ("time_ratio", "continuous_ratio") if args.time else ())
+        print("lengths=" + ",".join(str(int(x)) for x in lengths), flush=True)
+    keys = [k for k in ("sampler_useful_full", "sampler_useful_compacted",
+                        "sampler_useful_continuous", "rows_identical", "update_real_trimmed",
+                        "update_real_untrimmed", "update_real_minibatch", "compact_s",
+                        "continuous_s", "time_ratio", "continuous_ratio") if k in results[0]]
     print("mean over rollouts: " + ", ".join(
-        f"{k} {np.mean([r[k] for r in rows]):.3f}" for k in keys))
+        f"{k} {np.mean([r[k] for r in results]):.3f}" for k in keys))
     return 0
 
 

@@ -10,6 +10,9 @@ whole longest row. Each slot knows its row (`row_S`), and every output is writte
 so the result equals decoding all B rows to the end (each row's tokens depend only on its
 own prompt, cache and key).
 
+Per-row caps (LoopState.cap_S) end a row at its own token limit: it stops decoding like a
+row that emitted a stop token, but is not done (its output reads as truncated).
+
 Compaction gathers rows across the batch, which on a mesh would move cache rows between
 devices; with a mesh (or fewer than 2 * MIN_COMPACT_ROWS rows, or at most MIN_COMPACT_ROWS new
 tokens) the loop keeps all B slots.
@@ -114,24 +117,31 @@ class LoopState(flax.struct.PyTreeNode):
     logprobs_RT: jax.Array
     slot_steps: jax.Array    # int32: sum over decode steps of the slots computed
     greedy_S: jax.Array | None = None   # rows that decode greedily (ReMax's baseline row)
+    cap_S: jax.Array | None = None      # the row's own token limit (<= max_new_tokens)
 
 
-def levels(rows: int, compact: bool) -> tuple[int, ...]:
-    """Slot counts of the successive levels: rows, rows/2, ... down to MIN_COMPACT_ROWS."""
+def live(s: LoopState) -> jax.Array:
+    """Slots whose row still decodes: no stop token yet and (with caps) under its own cap."""
+    return ~s.done_S if s.cap_S is None else ~s.done_S & (s.step < s.cap_S)
+
+
+def levels(rows: int, compact: bool, floor: int = MIN_COMPACT_ROWS) -> tuple[int, ...]:
+    """Slot counts of the successive levels: rows, rows/2, ... down to `floor`."""
     sizes = [rows]
-    while compact and sizes[-1] % 2 == 0 and sizes[-1] // 2 >= MIN_COMPACT_ROWS:
+    while compact and sizes[-1] % 2 == 0 and sizes[-1] // 2 >= floor:
         sizes.append(sizes[-1] // 2)
     return tuple(sizes)
 
 
 def _compact(s: LoopState, size: int) -> LoopState:
     """The `size` slots holding every live row (live first, then finished ones as filler)."""
-    order = jnp.argsort(s.done_S, stable=True)[:size]
+    order = jnp.argsort(~live(s), stable=True)[:size]
     take = lambda x: jnp.take(x, order, axis=0)  # noqa: E731
     return s.replace(cache=jax.tree.map(take, s.cache), last_S=take(s.last_S),
                      position_S=take(s.position_S), done_S=take(s.done_S),
                      row_S=take(s.row_S), keys_S=take(s.keys_S),
-                     greedy_S=None if s.greedy_S is None else take(s.greedy_S))
+                     greedy_S=None if s.greedy_S is None else take(s.greedy_S),
+                     cap_S=None if s.cap_S is None else take(s.cap_S))
 
 
 def decode(params: Any, state: LoopState, *, model_config: ModelConfig,
@@ -160,10 +170,11 @@ def decode(params: Any, state: LoopState, *, model_config: ModelConfig,
         keys_S = jax.vmap(jax.random.fold_in)(s.keys_S, jnp.full(s.row_S.shape, s.step,
                                                                   jnp.uint32))
         tok_S, lp_S = strategies.sample(logits_SV, keys_S, sampling, s.greedy_S)
-        live_S = ~s.done_S
+        live_S = live(s)
         tok_S = jnp.where(live_S, tok_S, pad_id)
         lp_S = jnp.where(live_S, lp_S, 0.0)
-        done_S = s.done_S | is_stop(tok_S, stop_ids_S)
+        # A row stopped by its cap stays not done (truncated), even if pad is a stop id.
+        done_S = s.done_S | (live_S & is_stop(tok_S, stop_ids_S))
         return s.replace(
             step=s.step + 1, cache=cache, last_S=tok_S, position_S=s.position_S + 1,
             done_S=done_S,
@@ -175,7 +186,7 @@ def decode(params: Any, state: LoopState, *, model_config: ModelConfig,
             slot_steps=s.slot_steps + s.row_S.shape[0])
 
     def more_live_than(floor: int, s: LoopState) -> jax.Array:
-        return (s.step < N) & (jnp.sum(~s.done_S) > floor)
+        return (s.step < N) & (jnp.sum(live(s)) > floor)
 
     for level, size in enumerate(sizes):
         if level:

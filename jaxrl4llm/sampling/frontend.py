@@ -96,10 +96,11 @@ class Sampler:
                  max_new_tokens: int, key: jax.Array, *, group_size: int = 1,
                  share_prompts: bool = True, row_keys: jax.Array | None = None,
                  greedy_last: int = 0,
-                 prefixes: Sequence[Sequence[int]] | None = None) -> SampleOutput:
+                 prefixes: Sequence[Sequence[int]] | None = None,
+                 row_caps: Sequence[int] | None = None) -> SampleOutput:
         """`group_size` samples of each prompt (token ids), laid out as
-        RowLayout(group_size, share_prompts), the last `greedy_last` of each greedy; see the
-        module function `generate`.
+        RowLayout(group_size, share_prompts), the last `greedy_last` of each greedy, row r
+        stopping at row_caps[r] tokens if given; see the module function `generate`.
 
         `prefixes` (one token list per prompt, group_size 1) continue completions begun
         earlier (partial rollouts): prompt r followed by prefixes[r] is prefilled as one
@@ -120,7 +121,7 @@ class Sampler:
                         long_prompts=self.long_prompts, row_keys=row_keys,
                         min_prompt_bucket=self.min_prompt_bucket, share_prompts=share_prompts,
                         max_rows=self.max_rows, greedy_last=greedy_last, compact=self.compact,
-                        decode_slots=self.decode_slots)
+                        decode_slots=self.decode_slots, row_caps=row_caps)
 
     def encode(self, prompts: Sequence[Any], *, chat: bool = True,
                system: str | None = None) -> list[list[int]]:

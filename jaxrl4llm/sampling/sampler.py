@@ -51,7 +51,7 @@ class SampleOutput(flax.struct.PyTreeNode):
     logprobs_BT    float32 log_softmax(logits / temperature)[token] (0 where mask is False).
     mask_BT        bool: tokens up to and including the first stop token.
     lengths_B      int32 number of completion tokens (sum of mask_BT).
-    truncated_B    bool: hit max_new_tokens without emitting a stop token.
+    truncated_B    bool: hit max_new_tokens (or its row cap) without emitting a stop token.
     prompt_tokens_BP / prompt_mask_BP   the left-padded prompt block the completions follow;
                    concatenated with tokens_BT / mask_BT they give the teacher-forced input.
     dropped_B      bool: the prompt was longer than the limit and skipped (long_prompts="drop");
@@ -119,7 +119,8 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
                     rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
                     prompt_group: int = 1, num_chunks: int = 1,
                     cache_dtype: Any = None, greedy_B: jax.Array | None = None,
-                    compact: bool = True) -> SampleOutput:
+                    compact: bool = True, row_caps_B: jax.Array | None = None
+                    ) -> SampleOutput:
     """The compiled sampler over one bucket. Rows must hold at least one prompt token
     (left-padded); inactive rows (batch padding, dropped prompts) produce nothing.
     stop_ids_S (int32, -1 = unused slot) and pad_id are traced, so they cost no recompiles.
@@ -129,7 +130,8 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
     samples do not depend on the other rows, so the output is the same). `cache_dtype`
     (default: see _cache_dtype) is the KV cache's dtype. `greedy_B` (bool, optional): rows
     that decode greedily (see strategies.sample). `compact`: decode finished rows away in
-    levels of halving batches (decode.py; not on a mesh)."""
+    levels of halving batches (decode.py; not on a mesh). `row_caps_B` (int32, optional,
+    1..max_new_tokens): each row's own token limit; a row stopped by it is truncated."""
     B = prompt_BP.shape[0]
     if B % (num_chunks * prompt_group):
         raise ValueError(f"generate_tokens: {B} rows do not split into {num_chunks} chunks of "
@@ -142,13 +144,16 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
         model_config=model_config, sampling=sampling, max_new_tokens=max_new_tokens,
         sharding=sharding, prompt_group=prompt_group,
         cache_dtype=cache_dtype or _cache_dtype(params), compact=compact)
-    rows = (prompt_BP, prompt_mask_BP, active_B, row_keys_B) + (
-        () if greedy_B is None else (greedy_B,))
+    rows = (prompt_BP, prompt_mask_BP, active_B, row_keys_B)
+    options: dict[str, Any] = {
+        name: x for name, x in (("greedy_B", greedy_B), ("row_caps_B", row_caps_B))
+        if x is not None}
     if num_chunks == 1:
-        return run(*rows)
-    chunks = tuple(parallel.constrain(parallel.split_strided(x, num_chunks, prompt_group),
-                                      (None, "batch"), sharding) for x in rows)
-    out = jax.lax.map(lambda xs: run(*xs), chunks)
+        return run(*rows, **options)
+    chunks = jax.tree.map(lambda x: parallel.constrain(
+        parallel.split_strided(x, num_chunks, prompt_group), (None, "batch"), sharding),
+        (rows, options))
+    out = jax.lax.map(lambda xs: run(*xs[0], **xs[1]), chunks)
     merged = jax.tree.map(lambda x: parallel.merge_strided(x, prompt_group),
                           out.replace(num_steps=None, slot_steps=None))
     return merged.replace(num_steps=jnp.max(out.num_steps), slot_steps=jnp.sum(out.slot_steps))
@@ -156,7 +161,8 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
 
 def _generate_rows(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
                    active_B: jax.Array, row_keys_B: jax.Array,
-                   greedy_B: jax.Array | None = None, *, stop_ids_S: jax.Array,
+                   greedy_B: jax.Array | None = None,
+                   row_caps_B: jax.Array | None = None, *, stop_ids_S: jax.Array,
                    pad_id: jax.Array, model_config: ModelConfig, sampling: SamplingConfig,
                    max_new_tokens: int, sharding: parallel.ActivationSharding | None,
                    prompt_group: int, cache_dtype: Any, compact: bool) -> SampleOutput:
@@ -183,7 +189,7 @@ def _generate_rows(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
         length_R=active_B.astype(jnp.int32), done_R=done_B,
         tokens_RT=jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(tok_B),
         logprobs_RT=jnp.zeros((B, N), jnp.float32).at[:, 0].set(jnp.where(active_B, lp_B, 0.0)),
-        slot_steps=jnp.array(0, jnp.int32), greedy_S=greedy_B)
+        slot_steps=jnp.array(0, jnp.int32), greedy_S=greedy_B, cap_S=row_caps_B)
     state = decode.decode(params, state, model_config=model_config, sampling=sampling,
                           stop_ids_S=stop_ids_S, pad_id=pad_id, prompt_len=P,
                           max_new_tokens=N, sharding=sharding, compact=compact)
@@ -211,7 +217,7 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
              min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET,
              share_prompts: bool = True, max_rows: int | None = None,
              greedy_last: int = 0, compact: bool = True,
-             decode_slots: int = 0) -> SampleOutput:
+             decode_slots: int = 0, row_caps: Sequence[int] | None = None) -> SampleOutput:
     """Samples `n` completions of each prompt (lists of token ids, unpadded).
 
     stop_ids defaults to model_config.eos_token_ids; max_prompt_len defaults to
@@ -227,13 +233,23 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
     program (ReMax's baseline completion).
     `compact=False` keeps finished rows in the decode batch (the same samples; see decode.py).
     `decode_slots` > 0: continuous batching (continuous.py): that many rows decode at a time
-    and a finished row's slot takes the next queued row (the same samples; `max_rows` and
-    `share_prompts` then do not apply: the slots bound the rows at once, prompts prefill per
-    row). With a mesh it must be a multiple of the data-parallel size.
+    and a finished row's slot takes the next queued row (the same samples; `max_rows` does
+    not apply: the slots bound the rows at once). With a mesh it must be a multiple of the
+    data-parallel size.
+    `row_caps` (len(prompts) * n ints in 1..max_new_tokens): each row's own token limit; a row
+    stops there as at max_new_tokens (truncated_B unless that token is a stop token), e.g. to
+    budget rows or to force a length mix (tools/bench_rollout.py --length_mix).
     """
     if decode_slots:
         continuous.check_slots(decode_slots, mesh, rules)
         max_rows = None
+    if row_caps is not None:
+        caps = np.asarray(row_caps)
+        if (caps.shape != (len(prompts) * n,) or not np.issubdtype(caps.dtype, np.integer)
+                or caps.min(initial=1) < 1 or caps.max(initial=1) > max_new_tokens):
+            raise ValueError(f"row_caps must hold len(prompts) * n = {len(prompts) * n} ints "
+                             f"in 1..max_new_tokens={max_new_tokens}; got shape {caps.shape}, "
+                             f"dtype {caps.dtype}.")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
     if not isinstance(sampling, SamplingConfig):
@@ -289,26 +305,37 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
     # prepare_batch lays each prompt's n samples out as consecutive rows (batch padding rows
     # are all alike): with whole groups the prompt is prefilled once per group.
     prompt_group = RowLayout(n, share_prompts).prompt_group(B)
-    greedy_B = None
-    if greedy_last:
-        greedy_B = np.asarray(batch.sample_index_B) >= n - greedy_last
+
+    def place(x_B: np.ndarray) -> Any:
+        """A per-row host array as the sampler's batch-sharded input."""
         if multihost:
             assert mesh is not None  # multihost implies a mesh
-            greedy_B = jax.make_array_from_process_local_data(
-                parallel.batch_sharding(mesh, 1, rules), greedy_B)
-        elif mesh is not None:
-            greedy_B = jax.device_put(greedy_B, parallel.batch_sharding(mesh, 1, rules))
+            return jax.make_array_from_process_local_data(
+                parallel.batch_sharding(mesh, 1, rules), x_B)
+        if mesh is not None:
+            return jax.device_put(x_B, parallel.batch_sharding(mesh, 1, rules))
+        return x_B
+
+    greedy_B = None
+    if greedy_last:
+        greedy_B = place(np.asarray(batch.sample_index_B) >= n - greedy_last)
+    caps_B = None
+    if row_caps is not None:   # batch padding rows (inactive) take the full limit
+        caps_B = np.full(B, max_new_tokens, np.int32)
+        caps_B[:batch.num_rows] = row_caps
+        caps_B = place(caps_B)
     if decode_slots:
         slots = continuous.generate_slots(
             params, *inputs, stop_S, np.int32(pad), model_config=model_config,
             sampling=sampling, max_new_tokens=int(max_new_tokens), slots=decode_slots,
-            mesh=mesh, rules=rules, greedy_B=greedy_B)
+            mesh=mesh, rules=rules, greedy_B=greedy_B, row_caps_B=caps_B,
+            prompt_group=prompt_group)
         out = _slot_sample_output(slots, *inputs[:3])
     else:
         out = generate_tokens(params, *inputs, stop_S, np.int32(pad), model_config=model_config,
                               sampling=sampling, max_new_tokens=int(max_new_tokens), mesh=mesh,
                               rules=rules, prompt_group=prompt_group, num_chunks=num_chunks,
-                              greedy_B=greedy_B, compact=compact)
+                              greedy_B=greedy_B, compact=compact, row_caps_B=caps_B)
     if multihost:
         assert mesh is not None  # multihost implies a mesh
         # Rows stay global (each host's block keeps its padding rows: see host_rows).

@@ -124,9 +124,13 @@ def test_on_a_mesh_and_its_refusal(toy):
     smp = Sampler(config, mesh=mesh, stop_ids=STOP, decode_slots=4)
     prompts = _prompts(config, [5, 2, 7, 4], seed=5)
     key = jax.random.key(1)
-    b = smp.generate(smp.shard_params(params), prompts, SAMPLED, N, key, group_size=2)
-    a = sampler.generate(params, config, prompts, SAMPLED, N, key, n=2, stop_ids=STOP)
+    caps = [N, 3, N, 7, 1, N, 12, N]   # per-row caps, placed on the mesh like the rows
+    b = smp.generate(smp.shard_params(params), prompts, SAMPLED, N, key, group_size=2,
+                     row_caps=caps)
+    a = sampler.generate(params, config, prompts, SAMPLED, N, key, n=2, stop_ids=STOP,
+                         row_caps=caps)
     _assert_same_samples(a, b)
+    assert np.all(np.asarray(b.lengths_B) <= caps)
 
 
 def test_refill_rows():
@@ -134,3 +138,56 @@ def test_refill_rows():
     assert continuous.refill_rows(64, multiple=8) == 8 and continuous.refill_rows(512, 8) == 32
     with pytest.raises(FlagError, match="--decode_slots=-1 must be an int >= 0"):
         continuous.check_slots(-1, None)
+
+
+@pytest.mark.parametrize("slots", [0, 8], ids=["compacted", "continuous"])
+def test_row_caps_end_rows_early_as_truncated(toy, slots):
+    """A capped row is the uncapped row cut at its cap: the same first tokens, its length
+    min(cap, uncapped length), truncated unless it stopped within the cap (pad is a stop id
+    here, so a cut row must not read as stopped). The compacted decoder runs in two chunks."""
+    config, params = toy
+    prompts = _prompts(config, [3, 11, 6, 2, 9, 5], seed=6)
+    args = (params, config, prompts, SAMPLED, N, jax.random.key(4))
+    kw = dict(stop_ids=STOP, n=4, pad_id=STOP[0])
+    free = sampler.generate(*args, **kw)
+    caps = np.random.default_rng(0).integers(1, N + 1, size=24)
+    capped = sampler.generate(*args, row_caps=caps, decode_slots=slots,
+                              max_rows=None if slots else 12, **kw)
+    free_len = np.asarray(free.lengths_B)
+    stopped = ~np.asarray(free.truncated_B)
+    want_len = np.minimum(free_len, caps)
+    np.testing.assert_array_equal(np.asarray(capped.lengths_B), want_len)
+    np.testing.assert_array_equal(np.asarray(capped.truncated_B),
+                                  ~(stopped & (free_len <= caps)))
+    for r in range(24):
+        n = want_len[r]
+        np.testing.assert_array_equal(np.asarray(capped.tokens_BT[r, :n]),
+                                      np.asarray(free.tokens_BT[r, :n]))
+        np.testing.assert_allclose(np.asarray(capped.logprobs_BT[r, :n]),
+                                   np.asarray(free.logprobs_BT[r, :n]), atol=1e-5, rtol=0)
+    # The caps cut rows short of where they would have stopped, and spare others.
+    assert np.any(caps < free_len) and np.any(caps > free_len)
+    assert int(capped.slot_steps) >= int(want_len.sum() - want_len.size)
+
+
+def test_row_caps_same_samples_in_both_decoders(toy):
+    """No stop ids (a forced length mix): every row runs to exactly its cap in both."""
+    config, params = toy
+    prompts = _prompts(config, [4, 7, 2, 5], seed=7)
+    caps = np.random.default_rng(1).integers(1, N + 1, size=16)
+    args = (params, config, prompts, SAMPLED, N, jax.random.key(5))
+    a = sampler.generate(*args, n=4, stop_ids=(), row_caps=caps)
+    b = sampler.generate(*args, n=4, stop_ids=(), row_caps=caps, decode_slots=8)
+    _assert_same_samples(a, b)
+    np.testing.assert_array_equal(np.asarray(b.lengths_B), caps)
+    assert np.asarray(b.truncated_B).all()
+    # Every decode step past each row's first token is counted in the work.
+    assert int(caps.sum() - caps.size) <= int(b.slot_steps)
+
+
+def test_row_caps_refused(toy):
+    config, params = toy
+    with pytest.raises(ValueError, match=r"row_caps must hold len\(prompts\) \* n = 4 ints in "
+                                         r"1..max_new_tokens=8"):
+        sampler.generate(params, config, [[1], [2]], SAMPLED, 8, jax.random.key(0), n=2,
+                         row_caps=[1, 2, 9, 3])

@@ -45,3 +45,18 @@ def test_minibatch_share_counts_each_minibatch_at_its_own_bucket():
     # 39 decoded tokens past the prefill's first ones, over 50 slot-steps of continuous batching.
     assert bench_rollout.waste(np.array([3, 5, 19, 2, 4, 6, 7, 1]), 19, 100, 64, 50)[
         "sampler_useful_continuous"] == 39 / 50
+
+
+def test_length_mixes_draw_from_the_stored_lengths_and_stretch_the_tail():
+    lengths = np.array([2, 4, 6, 10, 64])   # median 6, 99th percentile 61.84
+    caps, bound = bench_rollout.mix_caps("step0", 1000, seed=0, lengths=lengths)
+    assert bound == 64 and set(caps.tolist()) == {2, 4, 6, 10, 64}
+    np.testing.assert_array_equal(caps, bench_rollout.mix_caps("step0", 1000, seed=0,
+                                                               lengths=lengths)[0])
+    tail, bound = bench_rollout.mix_caps("tail10", 200_000, seed=1, lengths=lengths)
+    # The same median, a 99th percentile ten times the stored one's, cut at the bound.
+    assert bound == 1024 and tail.min() >= 1 and tail.max() == 1024
+    assert abs(np.median(tail) - 6) <= 0.5
+    assert abs(np.percentile(tail, 99) / 618.4 - 1) < 0.03
+    stored = bench_rollout.step0_lengths()
+    assert stored.min() >= 1 and stored.max() <= bench_rollout.STEP0_MAX_NEW_TOKENS
