@@ -87,7 +87,7 @@ class RewardConfig:
         if self.num_workers < 1:
             raise ValueError(f"--reward_workers={self.num_workers}: the verifier worker "
                              "processes must be >= 1.")
-        for name in ("item_timeout_s", "batch_timeout_s"):
+        for name in ("item_timeout_s", "batch_timeout_s", "code_wall_s"):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ValueError(f"--{name}={value} must be a positive number of seconds.")

@@ -241,8 +241,8 @@ class TrainConfig:
 
     def validate(self, num_devices: int, data_parallel: int | None = None) -> "TrainConfig":
         """Raises a FlagError naming the flag and the fix for any bad value, before anything
-        is loaded or compiled: the run's one check of its whole config (train.services.setup
-        calls it first)."""
+        is loaded or compiled: the run's one check of its whole config (train.loop.run calls
+        it first, before the workdir lock)."""
         with flag_errors():   # a sub-config's ValueError names its flag too
             self._validate_all(num_devices, data_parallel)
         return self

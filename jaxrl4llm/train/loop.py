@@ -42,8 +42,10 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
     step, last metrics, eval results, the final state and the workdir. The workdir is locked
     for the run: a second run on it fails, naming this one.
     """
+    devices = jax.devices() if devices is None else list(devices)
+    config.validate(len(devices))   # the run's one check, before the workdir is touched
     with WorkdirLock(config.run.workdir, enabled=jax.process_index() == 0):
-        models, services = setup(config, jax.devices() if devices is None else list(devices))
+        models, services = setup(config, devices)
         preempted = PreemptionFlag()
         try:
             models, progress = _train(models, services, preempted)

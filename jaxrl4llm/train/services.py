@@ -113,8 +113,8 @@ class Services:
 def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
     """Builds the run in the order that fails early: flags, resume compatibility and the
     data (before the model loads or the workdir is written), then the model, the states, the
-    sampler and the writers, and restores the latest checkpoint if the workdir has one."""
-    config.validate(len(devices))
+    sampler and the writers, and restores the latest checkpoint if the workdir has one.
+    `config` is validated already (train.loop.run runs TrainConfig.validate first)."""
     for warning in config.precision_warnings():
         logging.warning("%s", warning)
     run = config.run
