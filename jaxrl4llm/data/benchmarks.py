@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping
 
 from absl import logging
 
+from jaxrl4llm.data.code_sets import ROW_FORMS
 from jaxrl4llm.data.hub import HubSpec, hub_rows
 from jaxrl4llm.data.records import DataError
 from jaxrl4llm.data.rows import FieldNames, ListSource, rows_to_records
@@ -76,6 +77,9 @@ class Benchmark:
     where: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     shortest: int | None = None
 
+    row_form: str | None = None  # a code_sets.ROW_FORMS name: the row -> question, tests
+    licence: str = ""
+
 
 # Sources: the repositories verl / Minimal-RL / lighteval / Qwen2.5-Math evaluation read.
 # A benchmark has one split; --data=aime24 trains on it (REINFORCE++ 4.2.1 does).
@@ -120,6 +124,25 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
               "train 8,000 of 12,000", where={"level": (3, 4, 5)}, shortest=8000),
 )}
 
+# Code sets (task "code": the verifier runs the record's tests in the sandbox; data/code_sets.py
+# turns each set's test columns into them). Offline, they load from the hub cache like the rest.
+BENCHMARKS.update({b.name: b for b in (
+    Benchmark("humaneval", "hf:openai/openai_humaneval", {"train": "test", "test": "test"},
+              "question", "code_answer", "text", "greedy",
+              "Codex paper: pass@1 (greedy here) and pass@k", "test 164", task="code",
+              row_form="humaneval", licence="MIT"),
+    Benchmark("mbpp", "hf:google-research-datasets/mbpp:full",
+              {"train": "train", "test": "test"}, "question", "code_answer", "text",
+              "greedy", "MBPP paper: tasks solved (3 assert tests each)",
+              "train 374 / test 500", drop_unanswerable=True, task="code", row_form="mbpp",
+              licence="CC-BY-4.0"),
+    Benchmark("apps", "hf:codeparrot/apps", {"train": "train", "test": "test"},
+              "question", "code_answer", "text", "greedy",
+              "APPS paper: strict accuracy (all tests pass), stdin/stdout problems only",
+              "train 5,000 / test 5,000 (call-based problems dropped)",
+              drop_unanswerable=True, task="code", row_form="apps", licence="MIT"),
+)})
+
 
 def get_benchmark(name: str) -> Benchmark:
     if name not in BENCHMARKS:
@@ -135,6 +158,13 @@ def normalized_rows(bench: Benchmark, rows, counts: dict[str, int]):
     form = ANSWER_FORMS[bench.answer]
     for where, row in rows:
         counts["rows"] += 1
+        if bench.row_form is not None and isinstance(row, Mapping):
+            row = ROW_FORMS[bench.row_form](row)
+            if row is None:  # no test the verifier can run
+                if bench.drop_unanswerable:
+                    counts["dropped"] += 1
+                    continue
+                raise DataError(f"{where}: {bench.name}: the row has no usable tests")
         if not isinstance(row, Mapping) or bench.prompt_field not in row:
             found = ", ".join(sorted(row)) if isinstance(row, Mapping) else type(row).__name__
             raise DataError(f"{where}: {bench.name} expects a {bench.prompt_field!r} column; "

@@ -1,31 +1,42 @@
-"""The sandbox's first process under `unshare` (the fallback isolation layer; rewards/sandbox.py).
+"""The sandbox server under `unshare` (the fallback isolation layer; rewards/sandbox.py).
 
-Run as `unshare --user --map-root-user --net --mount --ipc --uts --pid --kill-child \
-python -I -S _sandbox_init.py SPEC_JSON`: it is pid 1 of new user, mount, network, IPC, UTS and
-pid namespaces, root inside them with every capability there and none outside. Started by real
-root, it gets no user namespace (the kernel exempts uid 0 from the process limit): it builds the
-root as root, then becomes the spec's unused uid, which has no capabilities and whose
-processes the limit counts. It builds a new
-root from an empty tmpfs (read-only binds of the system and interpreter folders, four device
-files, a size-limited tmpfs as the private working directory /work, the program copied in),
-chroots into it, sets the rlimits, drops every capability (bounding set, ambient set,
-no_new_privs) and execs the interpreter on the program, which so stays pid 1: when it exits,
-the kernel kills every process it left behind.
+Started once per host thread as `unshare [--user --map-root-user] --mount python -I -S
+_sandbox_init.py SPEC`: it runs in a private mount namespace (root there, with every
+capability there and none outside), builds a read-only root once (an empty tmpfs with
+read-only binds of the system and interpreter folders, four device files, an empty /work
+mount point), then serves one run per request line on stdin, answering one line on stdout.
 
-Standard library only (it runs with -I -S): imported by nothing, run by path. A failure of the
-set-up exits with SETUP_FAILED and one line on stderr, so the host can tell a broken sandbox
-from a failing program.
+Each run costs two forks, not an `unshare` binary, an interpreter start-up and a root's mounts:
+the server forks a keeper, which unshares new mount, network, IPC, UTS and pid namespaces (and,
+when the host is not real root, a new user namespace, so the process limit counts this run
+only) and forks the program's process, pid 1 of the new pid namespace. That process mounts a
+fresh size-limited tmpfs on /work, copies the program in, takes the run's stdin, stdout and
+stderr files, chroots into the root, sets the rlimits, drops every capability (bounding set,
+ambient set, no_new_privs), under real root becomes the run's unused uid, and execs the
+interpreter on the program. The keeper kills it at the wall-clock limit; it being pid 1, the
+kernel then kills every process it left behind. Nothing of one run (files, processes, sockets,
+IPC objects, mounts) is visible to the next. Parent-death signals chain program -> keeper ->
+server -> the host thread that started it, so no part outlives the host.
+
+Standard library only, and no json or re (their imports cost more than the run): requests are
+marshal-encoded, in hex. A failure of a run's set-up exits with SETUP_FAILED and one line on
+the run's stderr, so the host can tell a broken sandbox from a failing program.
 """
 import ctypes
-import json
+import marshal
 import os
 import resource
+import select
+import signal
 import sys
 
 SETUP_FAILED = 125
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 38, 47, 4
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x20000, 0x4000000, 0x8000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 DEVICES = ("null", "zero", "random", "urandom")
 LIMITS = {"cpu_s": resource.RLIMIT_CPU, "memory_bytes": resource.RLIMIT_AS,
           "processes": resource.RLIMIT_NPROC, "file_bytes": resource.RLIMIT_FSIZE,
@@ -47,6 +58,10 @@ def _mount(source, target, fstype, flags, data=None) -> None:
            f"mount {source} on {target}")
 
 
+def _die_with_parent() -> None:
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "parent-death signal")
+
+
 def _bind_read_only(path: str, root: str) -> None:
     target = root + path
     if os.path.islink(path):  # merged /usr: /bin -> usr/bin is a link in the new root too
@@ -64,11 +79,11 @@ def _bind_read_only(path: str, root: str) -> None:
     _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def build_root(spec: dict) -> None:
-    root = spec["root"]
+def build_root(root: str, read_only) -> None:
+    """Once per server: the read-only root every run chroots into."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates to the host
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-    for path in spec["read_only"]:
+    for path in read_only:
         if os.path.lexists(path):
             _bind_read_only(path, root)
     os.makedirs(root + "/dev")
@@ -76,18 +91,19 @@ def build_root(spec: dict) -> None:
         open(f"{root}/dev/{name}", "a").close()
         _mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
     os.makedirs(root + "/work")
-    _mount("tmpfs", root + "/work", "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={spec['work_bytes']},mode=0777")
     os.symlink("work", root + "/tmp")
-    with open(spec["program"], "rb") as src, open(root + "/work/main.py", "wb") as dst:
-        dst.write(src.read())
     _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    os.chdir(root)
-    _check(_libc.chroot(b"."), "chroot")
-    os.chdir("/work")
 
 
-def drop_privileges(last_cap: int, uid: int | None) -> None:
+def _own_user_namespace() -> None:
+    """In the keeper, after unshare(CLONE_NEWUSER): root of the new namespace, mapped to the
+    server's root (which is the host user)."""
+    for name, text in (("setgroups", "deny"), ("uid_map", "0 0 1"), ("gid_map", "0 0 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
+def drop_privileges(last_cap: int, uid) -> None:
     for cap in range(last_cap + 1):
         _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
     _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient caps")
@@ -98,25 +114,108 @@ def drop_privileges(last_cap: int, uid: int | None) -> None:
         os.setresuid(uid, uid, uid)
 
 
-def main() -> int:
-    spec = json.loads(sys.argv[1])
+def program_process(server: dict, run: dict, last_cap: int) -> None:
+    """Pid 1 of the run's namespaces: set up, then exec the program (never returns)."""
+    root = server["root"]
     try:
-        with open("/proc/sys/kernel/cap_last_cap") as f:
-            last_cap = int(f.read())
-        build_root(spec)
-        for name, value in spec["limits"].items():
+        for fd, (path, mode) in enumerate(((run["stdin"], os.O_RDONLY),
+                                           (run["stdout"], os.O_WRONLY | os.O_TRUNC),
+                                           (run["stderr"], os.O_WRONLY | os.O_TRUNC))):
+            opened = os.open(path, mode)
+            os.dup2(opened, fd)
+            os.close(opened)
+        os.closerange(3, 1 << 16)
+        _mount("tmpfs", root + "/work", "tmpfs", MS_NOSUID | MS_NODEV,
+               f"size={run['work_bytes']},mode=0777")
+        with open(run["program"], "rb") as src, open(root + "/work/main.py", "wb") as dst:
+            dst.write(src.read())
+        os.chdir(root)
+        _check(_libc.chroot(b"."), "chroot")
+        os.chdir("/work")
+        for name, value in run["limits"].items():
             resource.setrlimit(LIMITS[name], (value, value + (1 if name == "cpu_s" else 0)))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         # The bounding set is empty, so the exec below gives uid 0 no capabilities at all.
-        drop_privileges(last_cap, spec.get("uid"))
-    except (OSError, ValueError, KeyError) as exc:
-        sys.stderr.write(f"sandbox set-up failed: {exc}\n")
-        return SETUP_FAILED
-    interpreter = spec["interpreter"]
-    os.execve(interpreter, [interpreter, *spec["interpreter_args"], "/work/main.py"],
-              spec["environment"])
-    return SETUP_FAILED
+        drop_privileges(last_cap, run.get("uid"))
+        _die_with_parent()  # after the uid change, which clears it
+        for number in range(1, signal.NSIG):  # the server ignores some; the program must not
+            if number not in (signal.SIGKILL, signal.SIGSTOP):
+                try:
+                    signal.signal(number, signal.SIG_DFL)
+                except (OSError, ValueError):
+                    pass
+        interpreter = server["interpreter"]
+        os.execve(interpreter, [interpreter, *server["interpreter_args"], "/work/main.py"],
+                  server["environment"])
+    except BaseException as exc:  # noqa: BLE001 - any failure here is the sandbox's, not the program's
+        try:
+            os.write(2, f"sandbox set-up failed: {exc}\n".encode())
+        finally:
+            os._exit(SETUP_FAILED)
+
+
+def keeper(server: dict, run: dict, last_cap: int) -> str:
+    """Forked per run: new namespaces, the program's process, its wall-clock limit. Returns the
+    answer line: "exit CODE", "signal NUMBER" or "timeout"."""
+    _die_with_parent()
+    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID
+    _check(_libc.unshare(flags | (CLONE_NEWUSER if server["user_namespace"] else 0)),
+           "unshare")
+    if server["user_namespace"]:
+        _own_user_namespace()
+    pid = os.fork()
+    if pid == 0:
+        program_process(server, run, last_cap)
+    pidfd = os.pidfd_open(pid)
+    finished = select.select([pidfd], [], [], run["wall_s"])[0]
+    if not finished:
+        os.kill(pid, signal.SIGKILL)  # pid 1: the kernel kills the rest of the namespace
+    _, status = os.waitpid(pid, 0)
+    if not finished:
+        return "timeout"
+    if os.WIFSIGNALED(status):
+        return f"signal {os.WTERMSIG(status)}"
+    return f"exit {os.WEXITSTATUS(status)}"
+
+
+def serve(server: dict) -> int:
+    _die_with_parent()
+    if os.getppid() != server["host_pid"]:  # the host died before the signal was set
+        return 0
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last_cap = int(f.read())
+    try:
+        build_root(server["root"], server["read_only"])
+        broken = None
+    except OSError as exc:
+        broken = f"sandbox set-up failed: {exc}\n"
+    for line in sys.stdin:
+        run = marshal.loads(bytes.fromhex(line))
+        if broken is not None:
+            with open(run["stderr"], "w") as f:
+                f.write(broken)
+            answer = f"exit {SETUP_FAILED}"
+        else:
+            read_end, write_end = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.close(read_end)
+                try:
+                    answer = keeper(server, run, last_cap)
+                except BaseException as exc:  # noqa: BLE001 - reported to the host as a set-up failure
+                    with open(run["stderr"], "a") as f:
+                        f.write(f"sandbox set-up failed: {exc}\n")
+                    answer = f"exit {SETUP_FAILED}"
+                os.write(write_end, answer.encode())
+                os._exit(0)
+            os.close(write_end)
+            with os.fdopen(read_end, "rb") as f:
+                answer = f.read().decode() or f"exit {SETUP_FAILED}"
+            os.waitpid(pid, 0)
+        sys.stdout.write(answer + "\n")
+        sys.stdout.flush()
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve(marshal.loads(bytes.fromhex(sys.argv[1]))))

@@ -9,37 +9,43 @@ Isolation layers, best first (`isolation="auto"` takes the first that works here
 - "bwrap" (bubblewrap): new user, mount, network, IPC, UTS, pid and cgroup namespaces; a root
   of read-only binds of the system and interpreter folders, a private tmpfs /work, no /proc;
   every capability dropped; dies with its parent.
-- "unshare" (util-linux `unshare` + rewards/_sandbox_init.py): the same namespaces but cgroup,
-  the same new root (built by our set-up process, then chroot), every capability dropped and
-  no_new_privs; under real root, no user namespace but an unused uid of its own. Lost
-  against bwrap: the cgroup namespace and bwrap's audited set-up code.
+- "unshare" (util-linux `unshare` + rewards/_sandbox_init.py): a server per host thread,
+  started once in a private mount namespace, holds the new root (built once); each run is two
+  forks of it into new mount, network, IPC, UTS and pid namespaces (and a new user namespace,
+  or under real root an unused uid of its own), a fresh /work, chroot, every capability
+  dropped and no_new_privs. Lost against bwrap: the cgroup namespace and bwrap's audited
+  set-up code.
 - "none" (only with `unsafe=True`, the `--unsafe_code_execution` flag): the program runs as
   the user, in a fresh temporary directory, with the rlimits and a process-group kill only. It
   can read every file the user can, reach the network, and a child that leaves the process
   group (setsid) outlives the timeout.
 
 Every layer sets the rlimits (CPU seconds, address space, processes, file size, open files, no
-core files), cleans the environment, and kills the whole process group at the wall-clock
-limit. In the namespaced layers the program (or bwrap) is pid 1 of its pid namespace: when it
-exits or is killed, the kernel kills every process it started, however it detached. Processes
-are counted per user namespace, so the limit bounds this program, not the user's others.
+core files), cleans the environment, and kills the program at the wall-clock limit (its process
+group; under unshare the server's keeper kills pid 1 of the run's pid namespace). In the
+namespaced layers the program (or bwrap) is pid 1 of its pid namespace: when it exits or is
+killed, the kernel kills every process it started, however it detached. Processes are counted
+per user namespace (or per unused uid), so the limit bounds this program, not the user's others.
 Output goes to files whose size the file-size limit caps (a huge print ends the program).
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
-import json
+import marshal
 import os
 import resource
 import secrets
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from jaxrl4llm.config.errors import DependencyError
 
@@ -53,6 +59,7 @@ ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": 
                "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
 SANDBOX_UIDS = (1_500_000_000, 100_000_000)  # first, count: unused uids for a root host
 INTERPRETER_ARGS = ("-I", "-S", "-B")  # isolated: no user site, no PYTHON* variables, no .pyc
+SERVER_SLACK_S = 5.0  # past the wall limit, an unshare server that has not answered is stuck
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,18 +190,110 @@ def _bwrap_argv(config: SandboxConfig, program: str) -> list[str]:
     return argv
 
 
-def _unshare_argv(config: SandboxConfig, program: str, root: str) -> list[str]:
-    spec = {"root": root, "program": program, "read_only": read_only_folders(),
-            "work_bytes": config.work_mb << 20, "limits": config.limits,
-            "interpreter": interpreter(), "interpreter_args": INTERPRETER_ARGS,
-            "environment": ENVIRONMENT}
-    user = ["--user", "--map-root-user"]
+class _Server:
+    """One `_sandbox_init.py` server (the unshare layer): started once, one run per request."""
+
+    def __init__(self):
+        self.root = tempfile.mkdtemp(prefix="jaxrl4llm-sandboxroot-")
+        spec = {"root": self.root, "read_only": read_only_folders(), "host_pid": os.getpid(),
+                "user_namespace": os.geteuid() != 0, "interpreter": interpreter(),
+                "interpreter_args": INTERPRETER_ARGS, "environment": ENVIRONMENT}
+        user = ["--user", "--map-root-user"] if spec["user_namespace"] else []
+        self.proc = subprocess.Popen(
+            ["unshare", *user, "--mount", interpreter(), "-I", "-S", "-B", _INIT,
+             marshal.dumps(spec).hex()],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            cwd="/", env=dict(ENVIRONMENT), start_new_session=True, close_fds=True)
+        self.owner = os.getpid()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.requests, self.answers = self.proc.stdin, self.proc.stdout
+
+    def run(self, run: dict, wall_s: float) -> str | None:
+        """The server's answer for one run: "" when it has died (it could not start), None
+        when it overran the wall limit."""
+        try:
+            self.requests.write(marshal.dumps(run).hex().encode() + b"\n")
+            self.requests.flush()
+        except OSError:
+            return ""
+        ready = select.select([self.answers], [], [], wall_s + SERVER_SLACK_S)[0]
+        return self.answers.readline().decode().strip() if ready else None
+
+    def close(self) -> None:
+        _kill_group(self.proc.pid)
+        self.proc.wait()
+        for pipe in (self.requests, self.answers):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+_servers = threading.local()
+_all_servers: list[_Server] = []
+_servers_lock = threading.Lock()
+
+
+def _server() -> _Server:
+    """This thread's server, started at its first run (and again after a failure or a fork)."""
+    server = getattr(_servers, "server", None)
+    if server is None or server.owner != os.getpid() or server.proc.poll() is not None:
+        if server is not None and server.owner == os.getpid():
+            _drop_server(server)
+        server = _servers.server = _Server()
+        with _servers_lock:
+            _all_servers.append(server)
+    return server
+
+
+def _drop_server(server: _Server) -> None:
+    server.close()
+    with _servers_lock:
+        if server in _all_servers:
+            _all_servers.remove(server)
+    if getattr(_servers, "server", None) is server:
+        _servers.server = None
+
+
+@atexit.register
+def close_servers() -> None:
+    """Stops every server this process started (their read-only roots go with them)."""
+    with _servers_lock:
+        servers = [s for s in _all_servers if s.owner == os.getpid()]
+    for server in servers:
+        _drop_server(server)
+
+
+def _run_unshare(config: SandboxConfig, run_dir: str) -> tuple[str, int | None]:
+    """(status, returncode) of the program in run_dir under the unshare layer's server."""
+    run: dict[str, Any] = {
+        "program": os.path.join(run_dir, "main.py"),
+        **{name: os.path.join(run_dir, name) for name in ("stdin", "stdout", "stderr")},
+        "work_bytes": config.work_mb << 20, "limits": config.limits,
+        "wall_s": float(config.wall_s)}
+    for name in ("stdout", "stderr"):  # the server opens them, creating nothing on the host
+        open(run[name], "wb").close()
     if os.geteuid() == 0:
-        # uid 0 is exempt from RLIMIT_NPROC, in a user namespace too: the set-up process
-        # becomes an unused uid of its own, so the limit counts this sandbox's processes only.
-        spec["uid"], user = SANDBOX_UIDS[0] + secrets.randbelow(SANDBOX_UIDS[1]), []
-    return ["unshare", *user, "--net", "--mount", "--ipc", "--uts", "--pid", "--fork",
-            "--kill-child", interpreter(), "-I", "-S", _INIT, json.dumps(spec)]
+        # uid 0 is exempt from RLIMIT_NPROC, in a user namespace too: the program becomes an
+        # unused uid of its own, so the limit counts this sandbox's processes only.
+        run["uid"] = SANDBOX_UIDS[0] + secrets.randbelow(SANDBOX_UIDS[1])
+    server = _server()
+    answer = server.run(run, config.wall_s)
+    if not answer:  # a dead or stuck server: its group goes, the next run starts another
+        _drop_server(server)
+        if answer == "":
+            with open(run["stderr"], "a", encoding="utf-8") as f:
+                f.write("sandbox set-up failed: the unshare server exited (unshare --mount "
+                        "refused?)\n")
+        return ("timeout", None) if answer is None else ("setup_failed", SETUP_FAILED)
+    if answer == "timeout":
+        return "timeout", None
+    kind, number = answer.split()
+    if kind == "signal":
+        return "signal", -int(number)
+    code = int(number)
+    return ("ok" if code == 0 else "setup_failed" if code == SETUP_FAILED else "exit"), code
 
 
 def _set_limits(limits: dict[str, int], extra_processes: int) -> None:
@@ -220,6 +319,51 @@ def _kill_group(pid: int) -> None:
         pass
 
 
+def _run_child(config: SandboxConfig, run_dir: str, layer: str) -> tuple[str, int | None]:
+    """(status, returncode) of the program in run_dir as a child of this process (bwrap, none)."""
+    program, work = os.path.join(run_dir, "main.py"), os.path.join(run_dir, "work")
+    os.mkdir(work)
+    if layer == "bwrap":
+        argv = _bwrap_argv(config, program)
+        preexec = functools.partial(_set_limits, config.limits, 4)  # bwrap's own processes
+    else:
+        argv = [interpreter(), *INTERPRETER_ARGS, program]
+        preexec = functools.partial(_set_limits, config.limits, 0)
+    env = dict(ENVIRONMENT, HOME=work) if layer == "none" else dict(ENVIRONMENT)
+    with open(os.path.join(run_dir, "stdin"), "rb") as stdin_file, \
+            open(os.path.join(run_dir, "stdout"), "wb") as out, \
+            open(os.path.join(run_dir, "stderr"), "wb") as err:
+        proc = subprocess.Popen(argv, stdin=stdin_file, stdout=out, stderr=err, cwd=work,
+                                env=env, start_new_session=True, preexec_fn=preexec,
+                                close_fds=True)
+        try:
+            returncode = _wait(proc, config.wall_s)
+        finally:
+            _kill_group(proc.pid)  # whatever is left of the group, on every path
+            proc.wait()
+    if returncode is None:
+        return "timeout", None
+    return ("ok" if returncode == 0 else "signal" if returncode < 0 else "exit"), returncode
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float) -> int | None:
+    """The exit code, None past timeout_s. A pidfd wakes at the exit; Popen.wait(timeout)
+    polls with sleeps of up to 50 ms, which costs short runs more than their run time."""
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+    try:
+        if not select.select([pidfd], [], [], timeout_s)[0]:
+            return None
+        return proc.wait()
+    finally:
+        os.close(pidfd)
+
+
 def run_program(source: str, stdin: str, config: SandboxConfig,
                 layer: str | None = None) -> Execution:
     """Runs `source` (Python) with `stdin` under `config`'s isolation and limits; returns its
@@ -234,35 +378,11 @@ def run_program(source: str, stdin: str, config: SandboxConfig,
             f.write(source)
         with open(os.path.join(run_dir, "stdin"), "w", encoding="utf-8") as f:
             f.write(stdin)
-        work = os.path.join(run_dir, "work")
-        os.mkdir(work)
-        preexec = None
-        if layer == "bwrap":
-            argv, cwd = _bwrap_argv(config, program), work
-            preexec = functools.partial(_set_limits, config.limits, 4)  # bwrap's own processes
-        elif layer == "unshare":
-            argv, cwd = _unshare_argv(config, program, work), work
-        else:
-            argv, cwd = [interpreter(), *INTERPRETER_ARGS, program], work
-            preexec = functools.partial(_set_limits, config.limits, 0)
-        env = dict(ENVIRONMENT, HOME=work) if layer == "none" else dict(ENVIRONMENT)
         start = time.monotonic()
-        with open(os.path.join(run_dir, "stdin"), "rb") as stdin_file, \
-                open(os.path.join(run_dir, "stdout"), "wb") as out, \
-                open(os.path.join(run_dir, "stderr"), "wb") as err:
-            proc = subprocess.Popen(argv, stdin=stdin_file, stdout=out, stderr=err, cwd=cwd,
-                                    env=env, start_new_session=True, preexec_fn=preexec,
-                                    close_fds=True)
-            try:
-                returncode: int | None = proc.wait(timeout=config.wall_s)
-                status = ("ok" if returncode == 0 else "signal" if returncode < 0
-                          else "setup_failed" if returncode == SETUP_FAILED and layer == "unshare"
-                          else "exit")
-            except subprocess.TimeoutExpired:
-                returncode, status = None, "timeout"
-            finally:
-                _kill_group(proc.pid)  # whatever is left of the group, on every path
-                proc.wait()
+        if layer == "unshare":
+            status, returncode = _run_unshare(config, run_dir)
+        else:
+            status, returncode = _run_child(config, run_dir, layer)
         seconds = time.monotonic() - start
         limit = config.file_mb << 20
         return Execution(status, returncode, _read(os.path.join(run_dir, "stdout"), limit),

@@ -53,8 +53,8 @@ def reward_fn():
 
 
 def test_every_entry_has_a_test():
-    assert set(EXPECTED) == set(BENCHMARKS)
-    for bench in BENCHMARKS.values():
+    assert set(EXPECTED) == {n for n, b in BENCHMARKS.items() if b.task == "math"}
+    for bench in BENCHMARKS.values():  # the code sets: tests/data/test_code_sets.py
         assert bench.answer in ANSWER_FORMS and bench.source.startswith("hf:")
 
 

@@ -1,17 +1,18 @@
 """Procedural reasoning tasks: name -> (config dataclass, generator). Deterministic per seed.
 
 Only what reasoning-gym (the `gym:` source) does not: arithmetic, the embedded quickstart's
-task (core install, integer answers decided without the verifier pool), and countdown in
+task (core install, integer answers decided without the verifier pool), countdown in
 TinyZero's form (each number at most once, a target reachable from a random expression,
-boxed answers). Knights and knaves come from reasoning-gym (Xie et al.'s generator, nested
-and compound statements): gym:knights_knaves.
+boxed answers) and easy stdin/stdout code problems (the offline code task, tasks/code.py).
+Knights and knaves come from reasoning-gym (Xie et al.'s generator, nested and compound
+statements): gym:knights_knaves.
 """
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
 from jaxrl4llm.data.records import DataError, Record
-from jaxrl4llm.data.tasks import arithmetic, countdown
+from jaxrl4llm.data.tasks import arithmetic, code, countdown
 from jaxrl4llm.data.tasks.common import SPLITS, canonical_split, make_record, split_of
 
 
@@ -23,6 +24,7 @@ class Task(NamedTuple):
 TASKS: dict[str, Task] = {
     "arithmetic": Task(arithmetic.ArithmeticConfig, arithmetic.generate),
     "countdown": Task(countdown.CountdownTaskConfig, countdown.generate),
+    "code": Task(code.CodeTaskConfig, code.generate),
 }
 # Tasks that moved to reasoning-gym: name -> the source to write instead.
 MOVED = {"knights_knaves": "gym:knights_knaves?n_people=3 (pip install -e '.[gym]')"}
