@@ -4,7 +4,10 @@ for long ones.
 Every implementation computes the same thing. Query t of a row sits at key slot t + offset;
 it sees key s iff key_valid_BS[b, s] and s <= t + offset (causal over slots), and with a
 sliding window of W (Mistral) also s > t + offset - W: the query and the W - 1 slots before
-it, as transformers' sliding-window mask keeps them. One rule covers the three uses:
+it, as transformers' sliding-window mask keeps them. Packed rows (several sequences in one
+row) pass int32 segment ids as key_valid_BS (0: no token; segments are contiguous): a query
+then also needs the key's segment to be its own, the segment at its own slot t + offset, so
+attention is block-diagonal causal. One rule covers the three uses:
 self-attention (offset 0), a KV cache (offset = the first new slot) and a shared prefix
 (keys = prefix ++ row, offset = prefix length). Rows are a left-padded prompt followed by
 contiguous real tokens, so a distance in slots is a distance in real tokens (RoPE positions)
@@ -83,13 +86,35 @@ def _causal(key_slots: jax.Array, query_slots: jax.Array, window: int | None) ->
     return visible
 
 
+def is_segmented(key_valid_BS: jax.Array) -> bool:
+    """Whether key_valid_BS holds segment ids (packed rows) rather than a bool mask."""
+    return key_valid_BS.dtype != jnp.bool_
+
+
+def query_segments(key_valid_BS: jax.Array, num_queries: int, offset: Any) -> jax.Array:
+    """int32 [B, T]: each query's segment, the segment id at its own slot t + offset (all 1
+    for a bool mask: one segment per row)."""
+    if not is_segmented(key_valid_BS):
+        return jnp.ones((key_valid_BS.shape[0], num_queries), jnp.int32)
+    return lax.dynamic_slice_in_dim(key_valid_BS.astype(jnp.int32), offset, num_queries, 1)
+
+
+def _same_segment(key_segments, query_segments):
+    """bool [..., T, S]: key s is real (segment >= 1) and in query t's segment."""
+    k, q = key_segments[..., None, :], query_segments[..., :, None]
+    return (k > 0) & (k == q)
+
+
 def visible_mask(key_valid_BS: jax.Array, num_queries: int, offset: Any,
                  window: int | None = None) -> jax.Array:
-    """bool [B, T, S]: query t sees key s iff key_valid[b, s], s <= t + offset and (with a
-    sliding window W) s > t + offset - W."""
+    """bool [B, T, S]: query t sees key s iff key_valid[b, s] (segment ids: the key is in the
+    query's segment), s <= t + offset and (with a sliding window W) s > t + offset - W."""
     S = key_valid_BS.shape[1]
     causal_TS = _causal(jnp.arange(S), jnp.arange(num_queries) + offset, window)
-    return causal_TS[None] & key_valid_BS[:, None, :]
+    if not is_segmented(key_valid_BS):
+        return causal_TS[None] & key_valid_BS[:, None, :]
+    return causal_TS[None] & _same_segment(
+        key_valid_BS, query_segments(key_valid_BS, num_queries, offset))
 
 
 def attention(q_BTNH: jax.Array, k_BKHS: jax.Array, v_BKSH: jax.Array,
@@ -155,41 +180,45 @@ def _merge_blocks(x: jax.Array, axis: int) -> jax.Array:
     return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
 
 
-def _block_scores(q_blk, k_blk, valid_blk, t0, s0, offset, window):
+def _block_scores(q_blk, k_blk, valid_blk, qseg_blk, t0, s0, offset, window):
     """Masked scores of one (query block, key block) pair: [B, K, G, bq, bk] float32."""
     # Under jax.checkpoint a mask computed from integer inputs alone is "known" and gets
     # saved as a residual, stacked over every block pair (GBs at long context); tied to the
     # queries it is recomputed with the scores instead.
-    q_blk, valid_blk = lax.optimization_barrier((q_blk, valid_blk))
+    q_blk, valid_blk, qseg_blk = lax.optimization_barrier((q_blk, valid_blk, qseg_blk))
     bq, bk = q_blk.shape[3], k_blk.shape[3]
     s = jnp.einsum("bkgth,bkhs->bkgts", q_blk, k_blk, preferred_element_type=_F32)
     causal = _causal(s0 + jnp.arange(bk), t0 + jnp.arange(bq) + offset, window)
-    # valid_blk: 1 real key, 0 masked key, -1 block padding (past the last key).
-    visible = causal[None, :, :] & (valid_blk == 1)[:, None, :]
+    # valid_blk: the key's segment (1 for a bool mask's real key), 0 masked key, -1 block
+    # padding (past the last key); qseg_blk: the queries' segments.
+    visible = causal[None, :, :] & _same_segment(valid_blk, qseg_blk)
     s = jnp.where(visible[:, None, None], s, MASKED)
     return jnp.where((valid_blk >= 0)[:, None, None, None, :], s, _PADDED)
 
 
-def _blocked_inputs(q, k, v, key_valid_BS, bq, bk):
+def _blocked_inputs(q, k, v, key_valid_BS, offset, bq, bk):
+    T = q.shape[3]
     valid = _pad_to(key_valid_BS.astype(jnp.int32), 1, bk, value=-1)
+    qseg = _pad_to(query_segments(key_valid_BS, T, offset), 1, bq)
     return (_split_blocks(_pad_to(q, 3, bq), 3, bq), _split_blocks(_pad_to(k, 3, bk), 3, bk),
-            _split_blocks(_pad_to(v, 2, bk), 2, bk), _split_blocks(valid, 1, bk))
+            _split_blocks(_pad_to(v, 2, bk), 2, bk), _split_blocks(valid, 1, bk),
+            _split_blocks(qseg, 1, bq))
 
 
 def _flash_forward(q, k, v, key_valid_BS, offset, bq, bk, window):
     """(out [B, K, G, T, H] f32, logsumexp [B, K, G, T] f32)."""
     T = q.shape[3]
-    q_n, k_n, v_n, valid_n = _blocked_inputs(q, k, v, key_valid_BS, bq, bk)
+    q_n, k_n, v_n, valid_n, qseg_n = _blocked_inputs(q, k, v, key_valid_BS, offset, bq, bk)
     starts_k = jnp.arange(k_n.shape[0]) * bk
 
     def query_block(args):
-        q_blk, t0 = args
+        q_blk, qseg_blk, t0 = args
         B, K, G, _, H = q_blk.shape
 
         def key_block(carry, xs):
             m, row_sum, acc = carry
             k_blk, v_blk, valid_blk, s0 = xs
-            s = _block_scores(q_blk, k_blk, valid_blk, t0, s0, offset, window)
+            s = _block_scores(q_blk, k_blk, valid_blk, qseg_blk, t0, s0, offset, window)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.exp(s - m_new[..., None])
             scale = jnp.exp(m - m_new)
@@ -202,7 +231,7 @@ def _flash_forward(q, k, v, key_valid_BS, offset, bq, bk, window):
         (m, row_sum, acc), _ = lax.scan(key_block, init, (k_n, v_n, valid_n, starts_k))
         return acc / row_sum[..., None], m + jnp.log(row_sum)
 
-    out_n, lse_n = lax.map(query_block, (q_n, jnp.arange(q_n.shape[0]) * bq))
+    out_n, lse_n = lax.map(query_block, (q_n, qseg_n, jnp.arange(q_n.shape[0]) * bq))
     return _merge_blocks(out_n, 3)[:, :, :, :T], _merge_blocks(lse_n, 3)[..., :T]
 
 
@@ -223,7 +252,7 @@ def _chunked_bwd(bq, bk, window, residuals, dout):
     q, k, v, key_valid_BS, offset, out, lse = residuals
     T, S = q.shape[3], k.shape[3]
     delta = jnp.sum(dout * out, axis=-1)                       # [B, K, G, T]
-    q_n, k_n, v_n, valid_n = _blocked_inputs(q, k, v, key_valid_BS, bq, bk)
+    q_n, k_n, v_n, valid_n, qseg_n = _blocked_inputs(q, k, v, key_valid_BS, offset, bq, bk)
     do_n = _split_blocks(_pad_to(dout, 3, bq), 3, bq).astype(v.dtype)
     lse_n = _split_blocks(_pad_to(lse, 3, bq), 3, bq)
     delta_n = _split_blocks(_pad_to(delta, 3, bq), 3, bq)
@@ -234,8 +263,8 @@ def _chunked_bwd(bq, bk, window, residuals, dout):
 
         def query_block(carry, ys):
             dk, dv = carry
-            q_blk, do_blk, lse_blk, delta_blk, t0 = ys
-            s = _block_scores(q_blk, k_blk, valid_blk, t0, s0, offset, window)
+            q_blk, qseg_blk, do_blk, lse_blk, delta_blk, t0 = ys
+            s = _block_scores(q_blk, k_blk, valid_blk, qseg_blk, t0, s0, offset, window)
             p = jnp.exp(s - lse_blk[..., None])
             dv = dv + jnp.einsum("bkgts,bkgth->bksh", p.astype(v.dtype), do_blk,
                                  preferred_element_type=_F32)
@@ -249,7 +278,7 @@ def _chunked_bwd(bq, bk, window, residuals, dout):
 
         zeros = (jnp.zeros(k_blk.shape, _F32), jnp.zeros(v_blk.shape, _F32))
         (dk, dv), dq_contrib = lax.scan(query_block, zeros,
-                                        (q_n, do_n, lse_n, delta_n, starts_q))
+                                        (q_n, qseg_n, do_n, lse_n, delta_n, starts_q))
         return dq_n + dq_contrib, (dk, dv)
 
     dq_n, (dk_n, dv_n) = lax.scan(key_block, jnp.zeros(q_n.shape, _F32),

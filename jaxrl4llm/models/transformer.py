@@ -245,7 +245,8 @@ def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
                   positions_BT: jax.Array, mask_BT: jax.Array, kv_cache: KVCache | None = None,
                   cache_index: jax.Array | int | None = None, *,
                   remat: bool = False, sharding: Sharding = None,
-                  attention: AttentionConfig = AttentionConfig()
+                  attention: AttentionConfig = AttentionConfig(),
+                  segment_ids_BT: jax.Array | None = None
                   ) -> tuple[jax.Array, KVCache | None]:
     """Runs the decoder stack; returns (h_BTD after the final norm, in the params' dtype;
     the updated cache or None).
@@ -260,9 +261,18 @@ def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
     dicts (`unstack_layers`; run as a Python loop). With a cache the layers always run as a
     Python loop, one cache buffer per layer. `sharding` (a mesh) constrains the activations
     (see parallel.ActivationSharding); `attention` picks the attention implementation.
+
+    `segment_ids_BT` (no cache): packed rows, several sequences per row; int32 ids, 0 where
+    there is no token, each sequence's tokens contiguous with one id. Query i then also needs
+    key j in its own segment (block-diagonal causal attention); positions_BT restart per
+    segment (the caller's).
     """
     B, T = tokens_BT.shape
     mask_BT = mask_BT.astype(bool)
+    if segment_ids_BT is not None and kv_cache is not None:
+        raise ValueError("hidden_states: segment_ids_BT (packed rows) is for teacher-forced "
+                         "passes; it cannot be combined with a kv_cache.")
+    key_valid_BT = mask_BT if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
     cos_BTF, sin_BTF = _rope_tables(config, positions_BT)
     h_BTD = _embed(params, tokens_BT, sharding)
     layers = params["layers"]
@@ -272,7 +282,8 @@ def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
 
     if kv_cache is None:
         def body(h, lp):
-            return layer(h, lp, kv_fn=lambda k, v: (k.astype(v.dtype), v, mask_BT, 0, None))[0]
+            return layer(h, lp, kv_fn=lambda k, v: (k.astype(v.dtype), v, key_valid_BT, 0,
+                                                    None))[0]
 
         if remat:
             body = jax.checkpoint(body, prevent_cse=False)

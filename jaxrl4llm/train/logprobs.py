@@ -86,13 +86,22 @@ def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: 
     params = transformer.cast_for_compute(params, config)   # mixed precision (compute_dtype)
     h_BTD = completion_hidden_states(params, config, seqs, remat=remat,
                                      prompt_group=prompt_group, sharding=sharding)
+    return logprobs_from_hidden(params, config, h_BTD, seqs.completion_tokens_BT, temperature,
+                                chunk_size, sharding)
+
+
+def logprobs_from_hidden(params: Any, config: Any, h_BTD: jax.Array, targets_BT: jax.Array,
+                         temperature: float, chunk_size: int | None = None,
+                         sharding: Sharding = None) -> tuple[jax.Array, jax.Array]:
+    """(logp_BT, entropy_BT) float32 of `targets_BT` under the final hidden states h_BTD
+    (`params` already cast for compute), unembedded in chunks (see `completion_logprobs`)."""
     spec, w = transformer.unembedding_matrix(params, config, sharding)
     V = config.vocab_size
     chunked = functools.partial(
         _chunked_logprobs, spec, temperature=temperature, chunk_size=chunk_size,
         vocab_per_device=V if sharding is None else V // sharding.shards("vocab", V))
     if sharding is None or sharding.shards("batch", h_BTD.shape[0]) == 1:
-        return chunked(w, h_BTD, seqs.completion_tokens_BT)
+        return chunked(w, h_BTD, targets_BT)
     rows = sharding.spec(("batch",), h_BTD.shape[:1])[0]
     # Per device over its own rows: each chunk's unembedding gradient then accumulates
     # locally and is reduced once after the chunk loop (traced on the whole mesh, it would
@@ -109,7 +118,7 @@ def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: 
         jax.lax.pcast(w, rows, to="varying").astype(dtype), h, t)
     return jax.shard_map(per_device, mesh=sharding.mesh, in_specs=(P(), P(rows), P(rows)),
                          out_specs=(P(rows), P(rows)), axis_names=set(rows))(
-        w.astype(boundary), h_BTD, seqs.completion_tokens_BT)
+        w.astype(boundary), h_BTD, targets_BT)
 
 
 def completion_hidden_states(params: Any, config: Any, seqs: Sequences, *, remat: bool = False,

@@ -34,6 +34,7 @@ from jaxrl4llm.sampling import trim
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.train import host_memory
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs
+from jaxrl4llm.train.packing import PackedBatch, packed_logprobs, unpack
 from jaxrl4llm.train.state import OptimizerConfig, TrainState, make_optimizer, state_logical_axes
 
 
@@ -145,33 +146,87 @@ def accumulate(params: Any, batch: UpdateBatch, grad_fn: Any, denominator: jax.A
         lambda x: parallel.constrain(parallel.split_strided(x, num_micro, prompt_group),
                                      (None, "batch"), sharding), batch)
     first = jax.tree.map(lambda x: x[0], micro)
-    _, metric_shapes = jax.eval_shape(lambda: grad_fn(params, first, denominator)[0])
-    zero_metrics = identity_metrics(metric_shapes)
-    zero_grads = parallel.constrain_tree(
-        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), param_axes, sharding)
 
     def run_at(length, mb):
         return grad_fn(params, mb.trimmed(length), denominator)
 
     def body(carry, mb):
-        grads, loss, metrics = carry
         if length_classes:
             longest = jnp.max(jnp.sum(mb.seqs.completion_mask_BT, axis=1, dtype=jnp.int32))
             index = jnp.minimum(jnp.searchsorted(jnp.asarray(length_classes, jnp.int32),
                                                  longest), len(length_classes) - 1)
             branches = [functools.partial(run_at, length) for length in length_classes]
-            (mb_loss, mb_metrics), mb_grads = jax.lax.switch(index, branches, mb)
+            out = jax.lax.switch(index, branches, mb)
         else:
-            (mb_loss, mb_metrics), mb_grads = grad_fn(params, mb, denominator)
-        # Laid out like the params: each micro-batch's gradient is reduce-scattered.
-        mb_grads = parallel.constrain_tree(mb_grads, param_axes, sharding)
-        grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, mb_grads)
-        return (grads, loss + mb_loss, rl.combine_metrics(metrics, mb_metrics)), None
+            out = grad_fn(params, mb, denominator)
+        return _add_micro_batch(carry, out, param_axes, sharding), None
 
-    (grads, loss, metric_sums), _ = jax.lax.scan(
-        body, (zero_grads, jnp.zeros((), jnp.float32), zero_metrics), micro)
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    return loss, grads, metric_sums
+    carry, _ = jax.lax.scan(body, _zero_sums(params, lambda: grad_fn(params, first, denominator),
+                                             param_axes, sharding), micro)
+    return _finish(carry, params)
+
+
+def _zero_sums(params: Any, micro_grad: Any, param_axes: Any,
+               sharding: parallel.ActivationSharding | None) -> tuple[Any, jax.Array, dict]:
+    """(gradients, loss, metrics) before the first micro-batch; `micro_grad()` is one
+    micro-batch's value_and_grad (only its metrics' shapes are read)."""
+    _, metric_shapes = jax.eval_shape(lambda: micro_grad()[0])
+    zero_grads = parallel.constrain_tree(
+        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), param_axes, sharding)
+    return zero_grads, jnp.zeros((), jnp.float32), identity_metrics(metric_shapes)
+
+
+def _add_micro_batch(carry: tuple, out: Any, param_axes: Any,
+                     sharding: parallel.ActivationSharding | None) -> tuple:
+    grads, loss, metrics = carry
+    (mb_loss, mb_metrics), mb_grads = out
+    # Laid out like the params: each micro-batch's gradient is reduce-scattered.
+    mb_grads = parallel.constrain_tree(mb_grads, param_axes, sharding)
+    grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, mb_grads)
+    return grads, loss + mb_loss, rl.combine_metrics(metrics, mb_metrics)
+
+
+def _finish(carry: tuple, params: Any) -> tuple[jax.Array, Any, dict]:
+    grads, loss, metric_sums = carry
+    return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), metric_sums
+
+
+def accumulate_packed(params: Any, batch: UpdateBatch, packed: PackedBatch, *,
+                      model_config: Any, algorithm: rl.AlgorithmConfig, temperature: float,
+                      remat: bool = False, sharding: parallel.ActivationSharding | None = None
+                      ) -> tuple[jax.Array, Any, dict]:
+    """(loss, grads, metrics) of a mini-batch whose sequences are packed (`packing.pack`):
+    micro-batch k runs its packed rows, reads each of its sequences' completion logprobs back
+    into the mini-batch's [M, T] layout and takes the padded update's loss over its own rows
+    (the others off the mask), divided by the whole mini-batch's denominator: the padded
+    update's loss, gradient and metrics, summed in another order. Only the `num_micro`
+    micro-batches that hold rows run."""
+    mask_MT, keep_M = batch.seqs.completion_mask_BT, batch.keep_B
+    T = mask_MT.shape[1]
+    denominator = jnp.maximum(rl.loss_denominator(algorithm, mask_MT, keep_M), 1e-8)
+    param_axes = transformer.param_logical_axes(model_config)
+
+    def micro_loss(params, k):
+        logp_RL, entropy_RL = packed_logprobs(params, model_config, packed, k, temperature,
+                                              remat=remat, sharding=sharding)
+        mine_M = packed.micro_M == k
+        logp_MT = unpack(logp_RL, packed.start_M, T)
+        loss_sum, _, metrics = rl.policy_loss(
+            algorithm, logp_MT, batch.old_logp_BT, batch.advantages,
+            mask_MT & mine_M[:, None], keep_M, ref_logp_BT=batch.ref_logp_BT,
+            entropy_BT=unpack(entropy_RL, packed.start_M, T),
+            behaviour_logp_BT=batch.behaviour_logp_BT)
+        # The one metric that counts rows: only this micro-batch's.
+        metrics["policy/frac_rejected"] = Metric.mean(
+            jnp.sum(mine_M & ~keep_M, dtype=jnp.float32), jnp.sum(mine_M, dtype=jnp.float32))
+        return loss_sum / denominator, metrics
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    carry = jax.lax.fori_loop(
+        0, packed.num_micro,
+        lambda k, carry: _add_micro_batch(carry, grad_fn(params, k), param_axes, sharding),
+        _zero_sums(params, lambda: grad_fn(params, jnp.int32(0)), param_axes, sharding))
+    return _finish(carry, params)
 
 
 @functools.partial(jax.jit, donate_argnames=("state",), static_argnames=(
@@ -181,7 +236,7 @@ def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
                algorithm: rl.AlgorithmConfig, optimizer: OptimizerConfig,
                num_micro: int, temperature: float, remat: bool = False,
                prompt_group: int = 1, sharding: parallel.ActivationSharding | None = None,
-               length_classes: tuple[int, ...] = ()
+               length_classes: tuple[int, ...] = (), packed: PackedBatch | None = None
                ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update on a mini-batch; the old state is donated (updated in place).
 
@@ -190,11 +245,18 @@ def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
     the params' logical axes (the layout `state.create_state` gives it). An update whose
     loss or gradient is not finite is skipped: the state comes back unchanged
     and `optim/skipped_updates` counts it (the loop stops a run that keeps skipping).
+    `packed` (--micro_batch_tokens): the mini-batch's sequences packed into token-budget
+    micro-batches (`accumulate_packed`; num_micro, prompt_group and length_classes unused).
     """
-    loss, grads, metrics = accumulate_gradients(
-        state.params, batch, model_config=model_config, algorithm=algorithm,
-        num_micro=num_micro, temperature=temperature, remat=remat, prompt_group=prompt_group,
-        sharding=sharding, length_classes=length_classes)
+    if packed is not None:
+        loss, grads, metrics = accumulate_packed(
+            state.params, batch, packed, model_config=model_config, algorithm=algorithm,
+            temperature=temperature, remat=remat, sharding=sharding)
+    else:
+        loss, grads, metrics = accumulate_gradients(
+            state.params, batch, model_config=model_config, algorithm=algorithm,
+            num_micro=num_micro, temperature=temperature, remat=remat,
+            prompt_group=prompt_group, sharding=sharding, length_classes=length_classes)
     new_state, update_metrics = apply_update(
         state, loss, grads, optimizer=optimizer,
         param_axes=transformer.param_logical_axes(model_config), sharding=sharding,
