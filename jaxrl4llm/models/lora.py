@@ -10,8 +10,9 @@ A starts random (PEFT's default: uniform(+-1 / sqrt(in))) and B at zero, so a fr
 leaves the model exactly as it was. `combine(base, adapters, config)` is the params tree the
 forward reads (the base leaves plus the adapter leaves, B pre-scaled): the transformer adds
 x A B wherever a layer has "NAME_lora_a"; gradients taken with respect to the adapters only
-never compute one for the base. `merge` folds the adapters into the weights
-(W + scale * A B), for export to a full HF folder.
+never compute one for the base. `fold` / `merge` fold the adapters into the weights
+(W + scale * A B): the sampler does so inside its program (decode.loop_params, which copies
+the weights anyway), and an export to a full HF folder does too.
 
 With dropout (training only), `combine` is given a key and the adapters' input x is dropped
 per element with probability `dropout` (as in PEFT: dropout(x) A B; the base path is not).
@@ -136,19 +137,31 @@ def combine(base: Params, adapters: Params, lora: LoraConfig,
     return {**base, "layers": layers}
 
 
-def delta(adapters: Params, lora: LoraConfig, target: str, shape: tuple[int, ...]) -> jax.Array:
-    """scale * A B of one target, stacked [L, ...] and reshaped to the base weight's `shape`
-    (float32)."""
-    a = adapters["layers"][f"{target}_lora_a"].astype(jnp.float32)
-    b = adapters["layers"][f"{target}_lora_b"].astype(jnp.float32)
-    return (lora.scale * jnp.einsum("lir,lro->lio", a, b)).reshape(shape)
+def has_adapters(params: Params) -> bool:
+    layers = params.get("layers", {})
+    return isinstance(layers, dict) and any(name.endswith("_lora_a") for name in layers)
+
+
+def fold(params: Params) -> Params:
+    """Params read by the forward (`combine`'s output) with every adapter folded into its
+    weight: W + A B (B carries the scale), in W's dtype; no adapter or dropout leaves left.
+    Params without adapters come back as they are."""
+    if not has_adapters(params):
+        return params
+    layers = {k: v for k, v in params["layers"].items()
+              if "_lora_" not in k and k not in (DROPOUT_KEY, DROPOUT_KEEP)}
+    for name, a in params["layers"].items():
+        if not name.endswith("_lora_a"):
+            continue
+        target = name[:-len("_lora_a")]
+        b = params["layers"][f"{target}_lora_b"]
+        w = layers[target]
+        ab = jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32))
+        layers[target] = (w.astype(jnp.float32) + ab.reshape(w.shape)).astype(w.dtype)
+    return {**params, "layers": layers}
 
 
 def merge(base: Params, adapters: Params, lora: LoraConfig) -> Params:
     """`base` with the adapters folded in (W + scale * A B, in W's dtype): plain params
     without adapter leaves, for an HF export or a forward without the adapter matmuls."""
-    layers = dict(base["layers"])
-    for t in lora.targets:
-        w = layers[t]
-        layers[t] = (w.astype(jnp.float32) + delta(adapters, lora, t, w.shape)).astype(w.dtype)
-    return {**base, "layers": layers}
+    return fold(combine(base, adapters, lora))
