@@ -67,8 +67,6 @@ class LoraConfig:
     def validate(self) -> None:
         if self.rank < 0:
             raise ValueError(f"--lora_rank={self.rank} must be >= 0 (0 = full fine-tuning).")
-        if not self.enabled:
-            return
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
             raise ValueError(f"--lora_targets={','.join(self.targets)}: name each of "
