@@ -37,6 +37,10 @@ EXTRAS_REQUIRE = {
         # against. Exactly 2.13.0: its CPU wheel is on the build machines; any other
         # version pulls gigabytes of CUDA packages.
         "torch==2.13.0",
+        # PEFT: LoRA adapters exported by tools/export_hf.py are checked by loading them
+        # with PEFT onto the transformers model (tests/models/test_peft.py). Pure Python;
+        # brings accelerate (no CUDA packages with torch pinned as above).
+        "peft==0.21.2",
         # gym: sources and their scorers are tested, so CI has the optional 'gym' extra.
         "reasoning-gym>=0.1.25",
     ],

@@ -2,7 +2,10 @@
 
     python tools/export_hf.py workdirs/quickstart exported/quickstart [--step N]
 
-Writes config.json, model.safetensors and the tokenizer files. A PPO run's critic goes to a
+Writes config.json, model.safetensors and the tokenizer files. A LoRA run (--lora_rank > 0)
+is written as a PEFT adapter folder (adapter_model.safetensors + adapter_config.json, which
+peft.PeftModel.from_pretrained loads onto the base model), or with --merge as a full folder
+with the adapters folded into the weights. A PPO run's critic goes to a
 folder beside it (OUTPUT-critic, or --critic_output): the backbone and its value head as
 transformers' *ForTokenClassification (num_labels 1), which --critic_model reads back.
 
@@ -28,6 +31,9 @@ def main(argv=None) -> int:
     parser.add_argument("workdir", help="training workdir (with config.json and checkpoints/)")
     parser.add_argument("output", help="folder to write the HF checkpoint into")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    parser.add_argument("--merge", action="store_true",
+                        help="LoRA runs: write the base with the adapters merged in (a full "
+                             "HF folder) instead of a PEFT adapter folder")
     parser.add_argument("--critic_output", default=None,
                         help="folder for a PPO run's critic (default: OUTPUT-critic)")
     args = parser.parse_args(argv)
@@ -35,14 +41,20 @@ def main(argv=None) -> int:
         raise DependencyError("tools/export_hf.py needs PyTorch (transformers reads and writes "
                               f"the tokenizer with it), which is not installed: {TORCH_INSTALL}")
 
-    from jaxrl4llm.models import weights
+    from jaxrl4llm.models import peft_format, weights
     from jaxrl4llm.train import critic
-    from jaxrl4llm.train.checkpoint import load_trained_models
+    from jaxrl4llm.train.checkpoint import load_trained_models, read_run_config
 
-    _, model_config, params, critic_params, tokenizer = load_trained_models(args.workdir,
-                                                                            args.step)
-    weights.export_hf(params, model_config, args.output, tokenizer=tokenizer)
-    print(f"wrote {args.output}")
+    peft = read_run_config(args.workdir).lora.enabled and not args.merge
+    config, model_config, params, critic_params, tokenizer = load_trained_models(
+        args.workdir, args.step, merge_lora=not peft)
+    if peft:
+        peft_format.export_peft(params, model_config, config.lora, args.output,
+                                base_model=config.model.name)
+        print(f"wrote {args.output} (a PEFT LoRA adapter of {config.model.name})")
+    else:
+        weights.export_hf(params, model_config, args.output, tokenizer=tokenizer)
+        print(f"wrote {args.output}")
     if critic_params is not None:
         folder = args.critic_output or args.output.rstrip("/\\") + "-critic"
         critic.export(critic_params, model_config, folder, tokenizer)

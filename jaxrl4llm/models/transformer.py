@@ -23,7 +23,7 @@ from jax import lax
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models import attention as attn_lib
-from jaxrl4llm.models import schema
+from jaxrl4llm.models import lora, schema
 from jaxrl4llm.models.attention import AttentionConfig
 from jaxrl4llm.models.config import ModelConfig
 
@@ -132,7 +132,8 @@ def cast_for_compute(params: Params, config: ModelConfig) -> Params:
 
     def cast(path, w):
         small = str(getattr(path[-1], "key", "")).endswith(("norm", "bias"))
-        return w if small or w.dtype == dtype else w.astype(dtype)
+        floating = jnp.issubdtype(w.dtype, jnp.floating)   # not a LoRA dropout key
+        return w if small or not floating or w.dtype == dtype else w.astype(dtype)
 
     return jax.tree_util.tree_map_with_path(cast, params)
 
@@ -142,6 +143,22 @@ def cast_for_compute(params: Params, config: ModelConfig) -> Params:
 def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """einsum in the weights' dtype, accumulated and returned in float32."""
     return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=_F32)
+
+
+def _project(spec: str, x: jax.Array, lp: Params, name: str) -> jax.Array:
+    """x times the layer's projection `name` (`_dot(spec, ...)`), plus its LoRA adapter
+    x A B when the layer has one (models/lora.py; B carries the alpha / rank scale). The
+    adapter's input is dropped out when the layer carries a dropout key (training only)."""
+    y = _dot(spec, x, lp[name])
+    if f"{name}_lora_a" not in lp:
+        return y
+    if lora.DROPOUT_KEY in lp:
+        key = jax.random.fold_in(jax.random.wrap_key_data(lp[lora.DROPOUT_KEY]),
+                                 lora.TARGETS.index(name))
+        keep = lp[lora.DROPOUT_KEEP]
+        x = jnp.where(jax.random.uniform(key, x.shape) < keep, x.astype(_F32) / keep, 0.0)
+    xa = _dot("...i,ir->...r", x, lp[f"{name}_lora_a"])
+    return y + _dot("...r,ro->...o", xa, lp[f"{name}_lora_b"]).reshape(y.shape)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -191,9 +208,9 @@ def _layer(config: ModelConfig, h_BTD: jax.Array, lp: Params, cos_BTF: jax.Array
     act = functools.partial(parallel.constrain, sharding=sharding)
     h_BTD = act(h_BTD, H_AXES)
     x_BTD = rms_norm(h_BTD, lp["attn_norm"], c.rms_norm_eps)
-    q = act(_dot("btd,dnh->btnh", x_BTD, lp["q"]), _Q_AXES)
-    k = act(_dot("btd,dkh->btkh", x_BTD, lp["k"]), _KV_AXES)
-    v = act(_dot("btd,dkh->btkh", x_BTD, lp["v"]), _KV_AXES)
+    q = act(_project("btd,dnh->btnh", x_BTD, lp, "q"), _Q_AXES)
+    k = act(_project("btd,dkh->btkh", x_BTD, lp, "k"), _KV_AXES)
+    v = act(_project("btd,dkh->btkh", x_BTD, lp, "v"), _KV_AXES)
     if c.attention_bias:
         q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
     if c.qk_norm:
@@ -208,12 +225,12 @@ def _layer(config: ModelConfig, h_BTD: jax.Array, lp: Params, cos_BTF: jax.Array
                                   attention, sharding, window=c.sliding_window)
     attn_BTM = act(attn_BTM, ("batch", "length", "heads"))
     # One [N*H, D] matrix (a free reshape): as "btnh,nhd" XLA transposed o every call.
-    o_MD = lp["o"].reshape(-1, lp["o"].shape[-1])
-    h_BTD = act(h_BTD + _dot("btm,md->btd", attn_BTM, o_MD), H_AXES)
+    lp_o = {**lp, "o": lp["o"].reshape(-1, lp["o"].shape[-1])}
+    h_BTD = act(h_BTD + _project("btm,md->btd", attn_BTM, lp_o, "o"), H_AXES)
     x_BTD = rms_norm(h_BTD, lp["mlp_norm"], c.rms_norm_eps)
-    gate = act(_dot("btd,df->btf", x_BTD, lp["gate"]), _MLP_AXES)
-    up = act(_dot("btd,df->btf", x_BTD, lp["up"]), _MLP_AXES)
-    h_BTD = act(h_BTD + _dot("btf,fd->btd", jax.nn.silu(gate) * up, lp["down"]), H_AXES)
+    gate = act(_project("btd,df->btf", x_BTD, lp, "gate"), _MLP_AXES)
+    up = act(_project("btd,df->btf", x_BTD, lp, "up"), _MLP_AXES)
+    h_BTD = act(h_BTD + _project("btf,fd->btd", jax.nn.silu(gate) * up, lp, "down"), H_AXES)
     return h_BTD, aux
 
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl4llm import parallel
-from jaxrl4llm.models import transformer
+from jaxrl4llm.models import lora, transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import strategies
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -73,7 +73,10 @@ def loop_params(params: Any, model_config: ModelConfig,
     (only the CPU compiler hoists them out). The gathered copy costs every device the
     model's bytes / tensor while the program runs."""
     with jax.named_scope(WEIGHTS_SCOPE):
-        params = transformer.unstack_layers(transformer.cast_for_compute(params, model_config))
+        # LoRA adapters folded into the weights: decoding then runs no adapter matmuls, and
+        # the folded weights are the per-layer copy made here anyway (docs/performance.md).
+        params = transformer.unstack_layers(transformer.cast_for_compute(
+            lora.fold(params), model_config))
         if sharding is None:
             return params
         stacked = transformer.param_logical_axes(model_config)

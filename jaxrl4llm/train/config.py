@@ -25,6 +25,7 @@ from jaxrl4llm.config.options import group, require
 from jaxrl4llm.data import prompts
 from jaxrl4llm.data.config import DataConfig
 from jaxrl4llm.eval.config import EvalConfig
+from jaxrl4llm.models.lora import LoraConfig
 from jaxrl4llm.rewards.code import MODES as CODE_MODES
 from jaxrl4llm.rewards.math_verifier import ANSWER_MODES
 from jaxrl4llm.rewards.registry import TASK_VERIFIERS, RewardConfig
@@ -169,6 +170,9 @@ class TrainConfig:
                                 "eps": "adam_eps"},
         choices={"schedule": SCHEDULES})
     update: UpdateConfig = group(UpdateConfig)
+    lora: LoraConfig = group(LoraConfig, flags={
+        "rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
+        "targets": "lora_targets"})
     critic: CriticOptions = group(CriticOptions, flags={
         "model": "critic_model", "learning_rate": "critic_learning_rate",
         "warmup_steps": "critic_warmup_steps"})
@@ -303,6 +307,7 @@ class TrainConfig:
         require(not ((a.advantage == "remax" or a.dynamic_sampling) and jax.process_count() > 1),
                 rounds.ONE_HOST_ONLY)
         self.optimizer.validate()
+        self.lora.validate()
 
     def _validate_values(self) -> None:
         """Each value on its own: finite numbers, known dtypes, counts >= 1."""

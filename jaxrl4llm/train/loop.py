@@ -80,7 +80,7 @@ def _train(models: Models, services: Services,
     try:
         if start == 0 and config.evaluation.eval_every and evals.enabled:
             # The starting level, so curves show where training began.
-            progress.eval_results = evals.run(services.ctx, models.state.params,
+            progress.eval_results = evals.run(services.ctx, models.policy_params(),
                                               eval_key(seed, 0))
             services.writer.write(0, progress.eval_results)
             tqdm.write(metrics_lib.console_line(0, num_steps, progress.eval_results))
@@ -101,7 +101,7 @@ def _train(models: Models, services: Services,
         else:
             _save(models, services, int(models.state.step))
             if evals.enabled and start >= num_steps:   # resumed after the last step: eval.json only
-                progress.eval_results = evals.run(services.ctx, models.state.params,
+                progress.eval_results = evals.run(services.ctx, models.policy_params(),
                                                   jax.random.key(seed + 1))
     finally:
         bar.close()
@@ -115,7 +115,7 @@ def _step(models: Models, services: Services, updater: Updater,
     t_step = time.perf_counter()
     records = next(services.iterator)
     step_key = jax.random.fold_in(models.state.key(), step)
-    batch, metrics = rollout(services.ctx, config, models.state.params, models.ref_params,
+    batch, metrics = rollout(services.ctx, config, models.policy_params(), models.ref_params,
                              records, jax.random.fold_in(step_key, 0),
                              next_records=lambda: next(services.iterator),  # dynamic sampling
                              critic_params=None if models.critic_state is None
@@ -127,7 +127,7 @@ def _step(models: Models, services: Services, updater: Updater,
     results = None
     if services.evaluation.due(step + 1, config.run.num_steps):
         # The key the evaluator also derives for this step's checkpoint.
-        results = services.evaluation.run(services.ctx, models.state.params,
+        results = services.evaluation.run(services.ctx, models.policy_params(),
                                           eval_key(config.run.seed, step + 1))
         metrics.update(results)
     metrics["time/step_s"] = time.perf_counter() - t_step

@@ -17,10 +17,11 @@ from jaxrl4llm.data import make_iterator, make_source
 from jaxrl4llm.eval import evaluator
 from jaxrl4llm.eval.config import EvalConfig
 from jaxrl4llm.models import registry
+from jaxrl4llm.models.lora import LoraConfig
 from jaxrl4llm.rewards import RewardFn
 from jaxrl4llm.sampling import buckets
 from jaxrl4llm.sampling.context import RolloutContext
-from jaxrl4llm.train import critic, partial
+from jaxrl4llm.train import adapters, critic, partial
 from jaxrl4llm.train import metrics as metrics_lib
 from jaxrl4llm.train.checkpoint import Checkpointer, abstract_like
 from jaxrl4llm.train.config import TrainConfig, param_dtype
@@ -34,11 +35,19 @@ _increment = jax.jit(lambda step: step + 1)  # keeps the step a global (replicat
 class Models:
     """What the run trains, and the frozen reference: the policy's state (params, optimizer
     state, step, key), PPO's critic state (else None), the reference params (a separate
-    copy, when the algorithm needs one; else None)."""
+    copy, when the algorithm needs one; else None). With LoRA (`lora`), the state's params
+    are the adapters, `base_params` the frozen base, and the reference is the base itself
+    (the adapters off: no copy)."""
 
     state: TrainState
     critic_state: TrainState | None
     ref_params: Any
+    base_params: Any = None
+    lora: LoraConfig | None = None
+
+    def policy_params(self) -> Any:
+        """The params the policy samples and scores with (the base + adapters under LoRA)."""
+        return adapters.policy(self.lora, self.base_params, self.state.params)
 
     def saved(self) -> Any:
         """What a checkpoint holds: the policy's state, with PPO's critic beside it."""
@@ -141,12 +150,19 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
     # Before anything compiles: a prompt + completion longer than the model's context.
     config.validate_context(model_config.max_position_embeddings)
     model_config = config.model.compute_config(model_config)   # --compute_dtype
-    # A separate copy: the policy's buffers are donated to each update.
-    ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
-    models = Models(state=create_state(params, config.optimizer, run.seed),
+    lora = config.lora if config.lora.enabled else None
+    if lora is not None:
+        # The base is frozen outside the state (never donated): it is the reference too.
+        ref_params = params if config.needs_reference else None
+        trained = adapters.trainable(lora, model_config, params, run.seed)
+    else:
+        # A separate copy: the policy's buffers are donated to each update.
+        ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
+        trained = params
+    models = Models(state=create_state(trained, config.optimizer, run.seed),
                     critic_state=_create_critic(config, params, model_config, mesh),
-                    ref_params=ref_params)
-    del params
+                    ref_params=ref_params, base_params=params if lora else None, lora=lora)
+    del params, trained
     reward_fn = RewardFn("auto", config.reward)
     ctx = RolloutContext.create(model_config, tokenizer, reward_fn, mesh, config.data,
                                 config.rollout)

@@ -28,11 +28,11 @@ import numpy as np
 import optax
 
 from jaxrl4llm import parallel, rl
-from jaxrl4llm.models import transformer
+from jaxrl4llm.models.lora import LoraConfig
 from jaxrl4llm.rl.metrics import Metric, identity_metrics
 from jaxrl4llm.sampling import trim
 from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.train import host_memory
+from jaxrl4llm.train import adapters, host_memory
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs
 from jaxrl4llm.train.packing import PackedBatch, packed_logprobs, unpack
 from jaxrl4llm.train.state import OptimizerConfig, TrainState, make_optimizer, state_logical_axes
@@ -94,9 +94,13 @@ def micro_batch_order(lengths_R: np.ndarray, num_micro: int) -> np.ndarray:
 
 def _micro_loss(params: Any, mb: UpdateBatch, denominator: jax.Array, *, model_config: Any,
                 algorithm: rl.AlgorithmConfig, temperature: float, remat: bool,
-                prompt_group: int, sharding: parallel.ActivationSharding | None
-                ) -> tuple[jax.Array, dict[str, Metric]]:
-    logp_BT, entropy_BT = completion_logprobs(params, model_config, mb.seqs, temperature,
+                prompt_group: int, sharding: parallel.ActivationSharding | None,
+                frozen: Any = None, lora: LoraConfig | None = None,
+                dropout_key: jax.Array | None = None) -> tuple[jax.Array, dict[str, Metric]]:
+    # With LoRA, `params` are the adapters and the base is a constant here: its weights get
+    # no gradient (none is computed; tests/train/test_lora_training.py checks the HLO).
+    policy = adapters.policy(lora, frozen, params, dropout_key)
+    logp_BT, entropy_BT = completion_logprobs(policy, model_config, mb.seqs, temperature,
                                               remat=remat, prompt_group=prompt_group,
                                               sharding=sharding)
     loss_sum, _, metric_sums = rl.policy_loss(
@@ -110,22 +114,25 @@ def accumulate_gradients(params: Any, batch: UpdateBatch, *, model_config: Any,
                          algorithm: rl.AlgorithmConfig, num_micro: int, temperature: float,
                          remat: bool = False, prompt_group: int = 1,
                          sharding: parallel.ActivationSharding | None = None,
-                         length_classes: tuple[int, ...] = ()
+                         length_classes: tuple[int, ...] = (), frozen: Any = None,
+                         lora: LoraConfig | None = None, dropout_key: jax.Array | None = None
                          ) -> tuple[jax.Array, Any, dict]:
     """(loss, grads, metrics) of a mini-batch, scanning over `num_micro` strided micro-batches;
     metrics are rl.metrics.Metric values by final name, merged over the micro-batches.
 
     `prompt_group` > 1: consecutive blocks of that many rows share a prompt (see
-    `completion_logprobs`); each micro-batch holds whole blocks.
+    `completion_logprobs`); each micro-batch holds whole blocks. With `lora` (enabled),
+    `params` are the adapters on the `frozen` base params, and the grads are theirs.
     """
     denominator = jnp.maximum(rl.loss_denominator(
         algorithm, batch.seqs.completion_mask_BT, batch.keep_B), 1e-8)
     grad_fn = jax.value_and_grad(functools.partial(
         _micro_loss, model_config=model_config, algorithm=algorithm, temperature=temperature,
-        remat=remat, prompt_group=prompt_group, sharding=sharding), has_aux=True)
+        remat=remat, prompt_group=prompt_group, sharding=sharding, frozen=frozen, lora=lora,
+        dropout_key=dropout_key), has_aux=True)
     return accumulate(params, batch, grad_fn, denominator, num_micro=num_micro,
                       prompt_group=prompt_group,
-                      param_axes=transformer.param_logical_axes(model_config), sharding=sharding,
+                      param_axes=adapters.param_axes(lora, model_config), sharding=sharding,
                       length_classes=length_classes)
 
 
@@ -204,7 +211,7 @@ def accumulate_packed(params: Any, batch: UpdateBatch, packed: PackedBatch, *,
     mask_MT, keep_M = batch.seqs.completion_mask_BT, batch.keep_B
     T = mask_MT.shape[1]
     denominator = jnp.maximum(rl.loss_denominator(algorithm, mask_MT, keep_M), 1e-8)
-    param_axes = transformer.param_logical_axes(model_config)
+    param_axes = adapters.param_axes(None, model_config)   # full fine-tuning only
 
     def micro_loss(params, k):
         logp_RL, entropy_RL = packed_logprobs(params, model_config, packed, k, temperature,
@@ -231,12 +238,14 @@ def accumulate_packed(params: Any, batch: UpdateBatch, packed: PackedBatch, *,
 
 @functools.partial(jax.jit, donate_argnames=("state",), static_argnames=(
     "model_config", "algorithm", "optimizer", "num_micro", "temperature", "remat",
-    "prompt_group", "sharding", "length_classes"))
+    "prompt_group", "sharding", "length_classes", "lora"))
 def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
                algorithm: rl.AlgorithmConfig, optimizer: OptimizerConfig,
                num_micro: int, temperature: float, remat: bool = False,
                prompt_group: int = 1, sharding: parallel.ActivationSharding | None = None,
-               length_classes: tuple[int, ...] = (), packed: PackedBatch | None = None
+               length_classes: tuple[int, ...] = (), packed: PackedBatch | None = None,
+               lora: LoraConfig | None = None, frozen: Any = None,
+               dropout_key: jax.Array | None = None
                ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update on a mini-batch; the old state is donated (updated in place).
 
@@ -246,9 +255,17 @@ def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
     loss or gradient is not finite is skipped: the state comes back unchanged
     and `optim/skipped_updates` counts it (the loop stops a run that keeps skipping).
     `packed` (--micro_batch_tokens): the mini-batch's sequences packed into token-budget
-    micro-batches (`accumulate_packed`; num_micro, prompt_group and length_classes unused).
+    micro-batches (`accumulate_packed`; num_micro, prompt_group and length_classes unused;
+    full fine-tuning only).
+
+    LoRA (`lora` enabled): state.params are the adapters, `frozen` the base params (not
+    donated, not updated: no gradient and no optimizer state of theirs), `dropout_key` the
+    key of --lora_dropout (None when it is 0).
     """
     if packed is not None:
+        if frozen is not None:
+            raise ValueError("Packed micro-batches train the full parameters; LoRA adapters "
+                             "run on padded micro-batches.")
         loss, grads, metrics = accumulate_packed(
             state.params, batch, packed, model_config=model_config, algorithm=algorithm,
             temperature=temperature, remat=remat, sharding=sharding)
@@ -256,10 +273,11 @@ def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
         loss, grads, metrics = accumulate_gradients(
             state.params, batch, model_config=model_config, algorithm=algorithm,
             num_micro=num_micro, temperature=temperature, remat=remat,
-            prompt_group=prompt_group, sharding=sharding, length_classes=length_classes)
+            prompt_group=prompt_group, sharding=sharding, length_classes=length_classes,
+            frozen=frozen, lora=lora, dropout_key=dropout_key)
     new_state, update_metrics = apply_update(
         state, loss, grads, optimizer=optimizer,
-        param_axes=transformer.param_logical_axes(model_config), sharding=sharding,
+        param_axes=adapters.param_axes(lora, model_config), sharding=sharding,
         loss_name="policy/loss", prefix="optim")
     return new_state, dict(metrics, **update_metrics)
 

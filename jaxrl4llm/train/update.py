@@ -33,7 +33,8 @@ class Updater:
             model_config=model_config, algorithm=config.update_algorithm,
             optimizer=config.optimizer, num_micro=self.num_micro,
             temperature=config.rollout.sampling.effective_temperature,
-            remat=config.model.remat, sharding=ctx.sharding)
+            remat=config.model.remat, sharding=ctx.sharding,
+            lora=config.lora if config.lora.enabled else None)
         self.critic_static = dict(
             model_config=model_config, algorithm=config.update_algorithm,
             optimizer=critic.optimizer_config(config.optimizer, config.critic.learning_rate),
@@ -47,7 +48,9 @@ class Updater:
         t0 = time.perf_counter()
         metrics: dict[str, Metric] = {}
         real_tokens, update_columns = 0, 0  # completion tokens / positions the update runs
-        for mb, classes, tokens in minibatches(batch, config, key, self.services.mesh):
+        dropout_key = jax.random.fold_in(key, 1 << 20)   # apart from the shuffling's
+        for index, (mb, classes, tokens) in enumerate(minibatches(batch, config, key,
+                                                                  self.services.mesh)):
             if tokens is not None:
                 real_tokens += tokens[0]
                 update_columns += tokens[1]
@@ -56,7 +59,8 @@ class Updater:
                                                   self.data_parallel)
             # PPO: the first steps train the critic only.
             if step >= config.critic.warmup_steps:
-                models, m = self._policy_update(models, mb, prompt_group, classes)
+                models, m = self._policy_update(models, mb, prompt_group, classes,
+                                                jax.random.fold_in(dropout_key, index))
                 metrics = combine_metrics(metrics, m)
             if models.critic_state is not None:
                 critic_state, m = critic.critic_step(models.critic_state, mb,
@@ -73,12 +77,17 @@ class Updater:
         return models, host
 
     def _policy_update(self, models: Models, mb: UpdateBatch, prompt_group: int,
-                       classes: tuple[int, ...]) -> tuple[Models, dict[str, Metric]]:
+                       classes: tuple[int, ...], key: jax.Array
+                       ) -> tuple[Models, dict[str, Metric]]:
         signature = (prompt_group, classes, tuple(x.shape for x in jax.tree.leaves(mb)))
+        lora = self.services.config.lora
+        # LoRA: the frozen base beside the state; --lora_dropout's key (fresh each update).
+        inputs = dict(frozen=models.base_params,
+                      dropout_key=key if lora.enabled and lora.dropout > 0 else None)
         if signature not in self.compiled:
             compile_train_step(models.state, mb, prompt_group=prompt_group,
-                               length_classes=classes, **self.policy_static)
+                               length_classes=classes, **inputs, **self.policy_static)
             self.compiled.add(signature)
         state, metrics = train_step(models.state, mb, prompt_group=prompt_group,
-                                    length_classes=classes, **self.policy_static)
+                                    length_classes=classes, **inputs, **self.policy_static)
         return dataclasses.replace(models, state=state), metrics

@@ -71,15 +71,21 @@ def test_sharded_run_matches_unsharded(toy_model_dir, copy_task_file, tmp_path):
         np.testing.assert_allclose(rb["policy/entropy"], ra["policy/entropy"], atol=1e-4)
 
 
-def test_resume_equals_an_uninterrupted_run(toy_model_dir, copy_task_file, tmp_path):
+@pytest.mark.parametrize("lora", [{}, dict(lora_rank=4, lora_dropout=0.1)],
+                         ids=["full", "lora"])
+def test_resume_equals_an_uninterrupted_run(lora, toy_model_dir, copy_task_file, tmp_path):
+    """LoRA: the checkpoint holds the adapters and their optimizer state (not the base)."""
     kwargs = dict(num_steps=4, checkpoint_every=2, algorithm=rl.get_preset("lite_ppo"),
-                  mini_batch_size=16, ppo_epochs=2)
+                  mini_batch_size=16, ppo_epochs=2, **lora)
     straight = loop.run(_config(toy_model_dir, copy_task_file, tmp_path / "a", **kwargs),
                         devices=_one_device())
     half = _config(toy_model_dir, copy_task_file, tmp_path / "b", **dict(kwargs, num_steps=2))
     loop.run(half, devices=_one_device())
     resumed = loop.run(half.replace(num_steps=4), devices=_one_device())
     assert resumed["step"] == straight["step"] == 4
+    if lora:
+        assert set(resumed["state"].params) == {"layers"}
+        assert all("_lora_" in name for name in resumed["state"].params["layers"])
     for x, y in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(resumed["state"])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     ma, mb = read_metrics(str(tmp_path / "a")), read_metrics(str(tmp_path / "b"))
