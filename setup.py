@@ -24,6 +24,7 @@ INSTALL_REQUIRES = [
     "tensorboardX>=2.6.5",       # TensorBoard event files without TensorFlow
     "tqdm>=4.70.1",              # progress bars for rollouts, evaluation, studies
     "matplotlib>=3.11.2",        # training curves and study plots to PNG
+    "pyyaml>=6.0",               # experiments.launch's Kubernetes manifests (transformers has it)
 ]
 
 EXTRAS_REQUIRE = {
