@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import sys
 from typing import Sequence
 
 from jaxrl4llm.config.errors import EXIT_PREEMPTED
@@ -49,7 +50,7 @@ class LaunchOptions:
     launch_dir: Where the generated files and the local logs go (default: WORKDIR/launch,
         or launch/NAME when the workdir is a gs:// path).
     env: Extra environment of every host, KEY=VALUE,KEY=VALUE.
-    python: The Python interpreter on the hosts.
+    python: The Python interpreter on the hosts (default: python3; local: this one).
     repo_dir: The repository's folder on the hosts (tpu-vm, slurm; gke: the image's workdir).
     zone: tpu-vm: the TPU's zone.
     project: tpu-vm: the Google Cloud project (default: gcloud's configured one).
@@ -72,7 +73,7 @@ class LaunchOptions:
     dry_run: bool = False
     launch_dir: str | None = None
     env: str = ""
-    python: str = "python3"
+    python: str = ""
     repo_dir: str = "~/jaxrl4llm"
     zone: str = ""
     project: str = ""
@@ -180,7 +181,7 @@ def launch_dir(opts: LaunchOptions, workdir: str) -> str:
 
 
 def _train_argv(opts: LaunchOptions, train_args: Sequence[str]) -> tuple[str, ...]:
-    return (opts.python, "-m", TRAIN_MODULE, "--distributed", *train_args)
+    return (opts.python or "python3", "-m", TRAIN_MODULE, "--distributed", *train_args)
 
 
 def _base_env(platform: str, opts: LaunchOptions) -> tuple[tuple[str, str], ...]:
@@ -217,7 +218,7 @@ def _local(opts: LaunchOptions, train_args: list[str], workdir: str, module: str
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     logs = os.path.join(launch_dir(opts, workdir), "logs")
-    argv = (opts.python, "-m", module, "--distributed", *train_args)
+    argv = (opts.python or sys.executable, "-m", module, "--distributed", *train_args)
     env = (("JAX_PLATFORMS", "cpu"), ("PYTHONUNBUFFERED", "1"),
            ("XLA_FLAGS", f"--xla_force_host_platform_device_count={opts.devices_per_process}"),
            ("JAX_COORDINATOR_ADDRESS", f"127.0.0.1:{port}"),
