@@ -24,6 +24,7 @@ INSTALL_REQUIRES = [
     "tensorboardX>=2.6.5",       # TensorBoard event files without TensorFlow
     "tqdm>=4.70.1",              # progress bars for rollouts, evaluation, studies
     "matplotlib>=3.11.2",        # training curves and study plots to PNG
+    "pyyaml>=6.0",               # experiments.launch's Kubernetes manifests (transformers has it)
 ]
 
 EXTRAS_REQUIRE = {
@@ -43,6 +44,9 @@ EXTRAS_REQUIRE = {
         "peft==0.21.2",
         # gym: sources and their scorers are tested, so CI has the optional 'gym' extra.
         "reasoning-gym>=0.1.25",
+        # --trackers=wandb,mlflow are tested offline, so CI has both extras.
+        "wandb>=0.31.0",
+        "mlflow-skinny>=3.17.2", "sqlalchemy>=2.1", "alembic>=1.20",
     ],
     # reasoning-gym: 100+ procedural reasoning tasks with verifiers (gym:TASK sources), among
     # them Xie et al.'s knights-and-knaves generator. Light: 11 small pure-Python packages
@@ -54,6 +58,12 @@ EXTRAS_REQUIRE = {
     # accelerate, datasets and pandas (~110 MB in all, no CUDA packages). Pinned exactly so
     # the comparison is against a known version; torch pinned as in 'test' (its CPU wheel).
     "bench": ["trl==1.16.0", "torch==2.13.0"],
+    # --trackers=wandb: Weights & Biases (its Go core ships in the wheel; WANDB_MODE=offline
+    # writes WORKDIR/wandb for `wandb sync`). Imported only when named.
+    "wandb": ["wandb>=0.31.0"],
+    # --trackers=mlflow: the tracking client without the server's packages, and the SQL
+    # store (WORKDIR/mlflow.db: MLflow 3 refuses new file stores). Imported only when named.
+    "mlflow": ["mlflow-skinny>=3.17.2", "sqlalchemy>=2.1", "alembic>=1.20"],
     "tpu": ["jax[tpu]>=0.10.2"],
     "gpu": ["jax[cuda13]>=0.10.2"],
     # tensorflow-datasets is only needed to read TFDS-prepared datasets.

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -306,6 +307,18 @@ class PreemptionFlag:
     @property
     def requested(self) -> bool:
         return self._event.is_set()
+
+    def poll(self) -> bool:
+        """Whether to save and stop after this step: SIGTERM on any host. Every host calls it
+        once per step and gets the same answer (one tiny all-gather), since the save and the
+        next step's collectives need every host: a host that stopped alone would leave the
+        others waiting. A host that did not get the signal then counts as preempted too."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            flags = multihost_utils.process_allgather(np.array(self.requested))
+            if bool(np.asarray(flags).any()):
+                self._event.set()
+        return self.requested
 
     def restore_handler(self) -> None:
         if self._previous is not None:

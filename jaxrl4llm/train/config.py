@@ -34,7 +34,7 @@ from jaxrl4llm.rewards.shaping import SCALES
 from jaxrl4llm.sampling import rounds
 from jaxrl4llm.sampling.buckets import LONG_PROMPT_MODES
 from jaxrl4llm.sampling.config import RolloutConfig
-from jaxrl4llm.train import partial
+from jaxrl4llm.train import partial, trackers
 from jaxrl4llm.train.state import SCHEDULES, OptimizerConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -127,7 +127,9 @@ class RunConfig:
     keep_checkpoints: Checkpoints to keep.
     workdir: Output folder; a run resumes from its checkpoints.
     seed: Random seed.
-    tensorboard: Also write TensorBoard event files.
+    trackers: Where metrics go beside metrics.jsonl, comma-separated: tensorboard, wandb,
+        mlflow (empty: none). wandb and mlflow are optional extras; both work offline.
+    tensorboard: Keep tensorboard in --trackers (--notensorboard drops it).
     distributed: Call jax.distributed.initialize (multi-host; cluster auto-detection).
     """
 
@@ -137,8 +139,16 @@ class RunConfig:
     keep_checkpoints: int = 3
     workdir: str = "workdirs/run"
     seed: int = 0
+    trackers: str = "tensorboard"
     tensorboard: bool = True
     distributed: bool = False
+
+    @property
+    def tracker_names(self) -> tuple[str, ...]:
+        """The trackers this run writes to (--trackers, less tensorboard with
+        --notensorboard)."""
+        return tuple(n for n in trackers.parse(self.trackers)
+                     if n != "tensorboard" or self.tensorboard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,6 +346,7 @@ class TrainConfig:
                 ">= 1: a run resumes from its latest checkpoint; to save less often, raise "
                 "--checkpoint_every.")
         require(r.long_prompts in LONG_PROMPT_MODES, "--long_prompts: choose error or drop.")
+        trackers.check_installed(run.tracker_names)   # a bad name: ValueError naming the flag
         require(r.decode_slots >= 0, f"--decode_slots={r.decode_slots} must be >= 0 (0: every "
                 "row at once, finished rows compacted away).")
 

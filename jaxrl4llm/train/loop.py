@@ -93,9 +93,10 @@ def _train(models: Models, services: Services,
             bar.update(1)
             tqdm.write(metrics_lib.console_line(done, num_steps, progress.last))
             _watch_divergence(progress, config, done, services.checkpointer)
-            if services.checkpointer.should_save(done) or preempted.requested:
+            stop = preempted.poll()   # the same answer on every host
+            if services.checkpointer.should_save(done) or stop:
                 _save(models, services, done)
-            if preempted.requested:
+            if stop:
                 logging.warning("Preempted: checkpoint %d saved; exiting.", done)
                 break
         else:

@@ -1,4 +1,5 @@
-"""Metric sinks: an append-only JSONL file, TensorBoard event files, and a console line.
+"""Metric sinks: an append-only JSONL file, the trackers (TensorBoard, W&B, MLflow: see
+trackers.py), and a console line.
 
 Metrics arrive named as they are logged, each with its reduction (rl.metrics.Metric);
 `to_host_scalars` turns them into the plain `{name: float}` dicts every writer takes. Only
@@ -6,11 +7,11 @@ process 0 writes, so a multi-host run produces one log.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
-import time
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -18,6 +19,7 @@ from absl import logging
 
 from jaxrl4llm.config.errors import UserError
 from jaxrl4llm.rl.metrics import Metric
+from jaxrl4llm.train import trackers as trackers_lib
 
 # The metrics the console line shows, in order, with their short labels.
 CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
@@ -64,19 +66,23 @@ def combine_over_hosts(metrics: Mapping[str, Metric]) -> dict[str, Metric]:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to `workdir/metrics.jsonl` and mirrors it to TensorBoard."""
+    """Appends one JSON object per step to `workdir/metrics.jsonl` and mirrors it to the
+    trackers (train/trackers.py: TensorBoard by default, W&B, MLflow), with `hparams` (the
+    run's flags) as their hyper-parameters."""
 
-    def __init__(self, workdir: str, tensorboard: bool = True):
+    def __init__(self, workdir: str, trackers: Sequence[str] = ("tensorboard",),
+                 hparams: Mapping[str, Any] | None = None):
         self.path = os.path.join(workdir, "metrics.jsonl")
         self._is_writer = jax.process_index() == 0
-        self._tb = None
+        self._trackers: list[trackers_lib.Tracker] = []
         if self._is_writer:
             os.makedirs(workdir, exist_ok=True)
-            if tensorboard:
-                try:
-                    self._tb = _TensorBoard(os.path.join(workdir, "tensorboard"))
-                except ImportError:  # optional at run time; JSONL is the source of truth
-                    logging.warning("tensorboardX is not installed: writing metrics.jsonl only.")
+            names = tuple(trackers)
+            if "tensorboard" in names and importlib.util.find_spec("tensorboardX") is None:
+                # optional at run time; JSONL is the source of truth
+                logging.warning("tensorboardX is not installed: writing metrics.jsonl only.")
+                names = tuple(n for n in names if n != "tensorboard")
+            self._trackers = trackers_lib.open_trackers(workdir, names, hparams or {})
 
     def truncate_after(self, step: int) -> None:
         """Drops the records a restarted run writes again: those with step > `step` (the
@@ -96,38 +102,15 @@ class MetricsWriter:
                        for k, v in sorted(metrics.items())})
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        if self._tb is not None:
-            self._tb.write(step, {k: v for k, v in metrics.items()
-                                  if isinstance(v, (int, float)) and math.isfinite(v)})
+        finite = {k: v for k, v in metrics.items()
+                  if isinstance(v, (int, float)) and math.isfinite(v)}
+        for tracker in self._trackers:
+            tracker.write(step, finite)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-
-
-class _TensorBoard:
-    """Scalars to a TensorBoard event file, written and flushed with each JSONL record.
-
-    tensorboardX's SummaryWriter hands events to a background thread whose queue flush() does
-    not drain, so a killed run lost its last steps; its synchronous EventsWriter does not.
-    """
-
-    def __init__(self, logdir: str):
-        from tensorboardX.event_file_writer import EventsWriter
-        os.makedirs(logdir, exist_ok=True)
-        self._writer = EventsWriter(os.path.join(logdir, "events"))
-
-    def write(self, step: int, scalars: Mapping[str, float]) -> None:
-        from tensorboardX.proto import event_pb2, summary_pb2
-        values = [summary_pb2.Summary.Value(tag=k, simple_value=float(v))
-                  for k, v in scalars.items()]
-        self._writer.write_event(event_pb2.Event(wall_time=time.time(), step=int(step),
-                                                 summary=summary_pb2.Summary(value=values)))
-        self._writer.flush()
-
-    def close(self) -> None:
-        self._writer.close()
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
 
 
 def _parse_records(path: str) -> list[dict[str, Any]]:

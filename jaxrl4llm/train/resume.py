@@ -8,8 +8,8 @@ old weights; another shape fails inside orbax), so it is refused, naming each fl
 saved and new value. The changes below do not change what the saved state means; they are
 allowed and logged:
 
-- length and cadence: --num_steps, --checkpoint_every, --keep_checkpoints, --tensorboard,
-  --max_nonfinite_steps;
+- length and cadence: --num_steps, --checkpoint_every, --keep_checkpoints, --trackers,
+  --tensorboard, --max_nonfinite_steps;
 - where it runs: --workdir, --mesh, --distributed (a checkpoint restores onto any mesh);
 - evaluation: --eval_data, --eval_every, --eval_prompts, --eval_samples, --eval_sets;
 - the verifier pool's resources: --reward_workers, --item_timeout_s, --batch_timeout_s,
@@ -32,7 +32,8 @@ from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.errors import ResumeMismatchError
 
 RESUMABLE = frozenset({
-    "num_steps", "checkpoint_every", "keep_checkpoints", "tensorboard", "max_nonfinite_steps",
+    "num_steps", "checkpoint_every", "keep_checkpoints", "trackers", "tensorboard",
+    "max_nonfinite_steps",
     "workdir", "mesh", "distributed",
     "eval_data", "eval_every", "eval_prompts", "eval_samples", "eval_sets",
     "reward_workers", "item_timeout_s", "batch_timeout_s", "memory_limit_mb",

@@ -13,6 +13,7 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from jaxrl4llm import parallel
+from jaxrl4llm.config import options
 from jaxrl4llm.data import make_iterator, make_source
 from jaxrl4llm.eval import evaluator
 from jaxrl4llm.eval.config import EvalConfig
@@ -168,7 +169,8 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
                                 config.rollout)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint_every,
                                 run.keep_checkpoints)
-    writer = metrics_lib.MetricsWriter(workdir, tensorboard=run.tensorboard)
+    writer = metrics_lib.MetricsWriter(workdir, trackers=run.tracker_names,
+                                       hparams=options.flatten(config))
     in_flight = (partial.InFlight(config.rollout, ctx.sampler.pad_id)
                  if config.rollout.partial_rollout_tokens else None)
     start = 0

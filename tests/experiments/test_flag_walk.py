@@ -53,6 +53,7 @@ FREE_TEXT = {
     "eval_sets": lambda f: ["math500;bogus@3"],
     "mesh": lambda f: ["data:x"],
     "workdir": lambda f: [str(f)],
+    "trackers": lambda f: ["comet", "tensorboard,no_such_tracker"],
 }
 
 

@@ -21,7 +21,7 @@ def test_metrics_jsonl_tensorboard_and_resume_truncation(tmp_path):
     assert records[2]["reward/mean"] == pytest.approx(0.3)
     assert records[0]["bad"] is None  # NaN is not valid JSON
     assert os.listdir(tmp_path / "tensorboard")
-    writer = metrics.MetricsWriter(str(tmp_path), tensorboard=False)
+    writer = metrics.MetricsWriter(str(tmp_path), trackers=())
     writer.truncate_after(2)
     assert [r["step"] for r in metrics.read_metrics(str(tmp_path))] == [1, 2]
 

@@ -32,7 +32,7 @@ def test_a_torn_last_line_is_skipped_with_a_warning(tmp_path, caplog):
 
 def test_truncate_after_drops_torn_lines_and_later_steps(tmp_path, caplog):
     _write_records(tmp_path, [1, 2, 3, 4])
-    writer = metrics.MetricsWriter(str(tmp_path), tensorboard=False)
+    writer = metrics.MetricsWriter(str(tmp_path), trackers=())
     writer.truncate_after(2)
     writer.write(3, {"reward/mean": 0.5})  # appended on a clean line, not glued to the torn one
     writer.close()
@@ -46,7 +46,7 @@ def test_truncate_to_step_0_starts_over(tmp_path):
     # A run killed before its first checkpoint restarts at 0: its old steps (and its step-0
     # eval, written again) must go, or the log reads 0, 1, 2, 0, 1, 2, 3.
     _write_records(tmp_path, [0, 1, 2], torn=False)
-    writer = metrics.MetricsWriter(str(tmp_path), tensorboard=False)
+    writer = metrics.MetricsWriter(str(tmp_path), trackers=())
     writer.truncate_after(0)
     for step in (0, 1, 2, 3):
         writer.write(step, {"reward/mean": 0.0})

@@ -1,8 +1,13 @@
-"""Two local processes (jax.distributed, 2 CPU devices each) train like one 4-device process."""
+"""Local processes joined by jax.distributed train like one process: two of 2 CPU devices
+each like one 4-device process; four (through experiments.launch, preempted and resubmitted
+after step 1) like one 8-device process."""
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -14,6 +19,8 @@ from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.metrics import read_metrics
 
 from tests.train.float_checks import LINEAR_OPT
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 WORKER = r"""
 import json, os, sys
@@ -83,3 +90,81 @@ def test_two_processes_match_one(toy_model_dir, copy_task_file, tmp_path):
         np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(rb["optim/grad_norm"], ra["optim/grad_norm"], rtol=1e-4)
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints"))[:2] == ["1", "2"]
+
+
+# The 4-host run's flags; the 1-process run gets the same values through TrainConfig.replace.
+FOUR_HOSTS = dict(instruction="", prompts_per_step=8, group_size=4, max_prompt_tokens=16,
+                  max_new_tokens=1, temperature=0.0, algorithm="reinforce",
+                  learning_rate=LINEAR_OPT.learning_rate, adam_eps=LINEAR_OPT.eps,
+                  num_steps=3, mesh="data:2,fsdp:4,tensor:1", eval_prompts=0,
+                  checkpoint_every=1, answer_mode="lenient", tensorboard=False)
+
+
+def _children(pid):
+    """The ids of the processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _wait_for_step(path, step, proc, timeout_s=900):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if path.exists() and any(json.loads(line)["step"] >= step
+                                 for line in path.read_text().splitlines() if line.strip()):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no step {step} in {path} (launcher exit {proc.poll()})")
+
+
+@pytest.mark.slow
+def test_four_processes_preempted_and_resubmitted_match_one(toy_model_dir, copy_task_file,
+                                                            tmp_path):
+    """experiments.launch's local backend: 4 processes of 2 CPU devices each; SIGTERM to
+    every worker after step 1, the launcher resubmits (exit 75), the run resumes from its
+    checkpoint, and the metrics of steps 1-3 equal a 1-process run on 8 devices."""
+    workdir = tmp_path / "four"
+    train_flags = [f"--model={toy_model_dir}", f"--data={copy_task_file}",
+                   f"--workdir={workdir}"] + [
+        f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in FOUR_HOSTS.items()]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    env.pop("XLA_FLAGS", None)
+    log = tmp_path / "launcher.out"
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "experiments.launch", "--backend=local", "--num_hosts=4",
+             "--devices_per_process=2", "--max_restarts=1", "--", *train_flags],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_for_step(workdir / "metrics.jsonl", 1, launcher)
+        workers = _children(launcher.pid)
+        assert len(workers) == 4
+        for pid in workers:   # preempt every host, as a reclaimed slice does
+            os.kill(pid, signal.SIGTERM)
+        assert launcher.wait(timeout=900) == 0, log.read_text()[-4000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    text = log.read_text()
+    assert "was preempted (exit 75); resubmitting" in text and "the job finished" in text
+    worker_logs = workdir / "launch" / "logs"
+    assert "Resumed from step" in (worker_logs / "worker0.log").read_text()
+
+    one = loop.run(TrainConfig().replace(model=toy_model_dir, data=copy_task_file,
+                                         workdir=str(tmp_path / "one"), **FOUR_HOSTS))
+    assert one["step"] == 3
+    a, b = read_metrics(str(tmp_path / "one")), read_metrics(str(workdir))
+    assert [r["step"] for r in b] == [1, 2, 3]   # each step logged once, by host 0
+    for ra, rb in zip(a, b):
+        assert rb["reward/accuracy"] == pytest.approx(ra["reward/accuracy"])
+        np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(rb["optim/grad_norm"], ra["optim/grad_norm"], rtol=1e-4)
+    assert sorted(os.listdir(workdir / "checkpoints"))[:3] == ["1", "2", "3"]

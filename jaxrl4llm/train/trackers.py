@@ -1,0 +1,168 @@
+"""Experiment trackers beside metrics.jsonl (--trackers=tensorboard,wandb,mlflow).
+
+Each tracker gets every record metrics.jsonl gets, under the same names (MLflow refuses some
+characters: `eval/math500/avg@16` is `eval/math500/avg_16` there), and the run's config as
+hyper-parameters (every flag by name). A resumed run continues the same tracker run: the ids
+are kept in WORKDIR/trackers.json. TensorBoard needs no account; Weights & Biases and MLflow
+are optional extras (`pip install 'jaxrl4llm[wandb]'`, `'jaxrl4llm[mlflow]'`), imported only
+when named, and both work offline: W&B with WANDB_MODE=offline (files under WORKDIR/wandb,
+`wandb sync` uploads them later), MLflow into WORKDIR/mlflow.db unless MLFLOW_TRACKING_URI
+names a server.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import time
+import uuid
+from typing import Any, Mapping, Protocol
+
+from jaxrl4llm.config.errors import DependencyError
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+# The import each tracker needs and the extra that installs it.
+PACKAGES = {"tensorboard": ("tensorboardX", "tensorboardX"), "wandb": ("wandb", "jaxrl4llm[wandb]"),
+            "mlflow": ("mlflow", "jaxrl4llm[mlflow]")}
+IDS_FILE = "trackers.json"
+# The W&B project and MLflow experiment (unless WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME say).
+PROJECT = "jaxrl4llm"
+_MLFLOW_BAD_CHARS = re.compile(r"[^/\w.\- :]")
+_MLFLOW_BATCH = 100   # MLflow's limit of params (and of metrics, 1000) per log_batch
+
+
+def parse(text: str) -> tuple[str, ...]:
+    """"tensorboard,wandb" -> ("tensorboard", "wandb"); an unknown name raises ValueError."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ValueError(f"--trackers={text}: unknown tracker(s) {', '.join(unknown)}; choose "
+                         f"from {', '.join(TRACKERS)} (comma-separated, empty for none).")
+    return names
+
+
+def check_installed(names: tuple[str, ...]) -> None:
+    """Raises DependencyError naming the install command of a tracker's missing package."""
+    for name in names:
+        module, extra = PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            raise DependencyError(f"--trackers={name} needs the {module} package, which is not "
+                                  f"installed: pip install '{extra}' (or drop {name} from "
+                                  "--trackers).")
+
+
+class Tracker(Protocol):
+    def write(self, step: int, scalars: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def open_trackers(workdir: str, names: tuple[str, ...],
+                  hparams: Mapping[str, Any]) -> list[Tracker]:
+    """The trackers `names`, each continuing the run whose id WORKDIR/trackers.json holds (a
+    new one otherwise, its id saved there)."""
+    path = os.path.join(workdir, IDS_FILE)
+    ids: dict[str, str] = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            ids = json.load(f)
+    trackers: list[Tracker] = []
+    for name in names:
+        if name == "tensorboard":
+            trackers.append(TensorBoard(os.path.join(workdir, "tensorboard")))
+        elif name == "wandb":
+            trackers.append(WandB(workdir, ids.setdefault("wandb", uuid.uuid4().hex[:12]),
+                                  hparams))
+        else:
+            mlflow = MLflow(workdir, ids.get("mlflow"), hparams)
+            ids["mlflow"] = mlflow.run_id
+            trackers.append(mlflow)
+    if set(names) - {"tensorboard"}:
+        with open(path, "w") as f:
+            json.dump(ids, f, indent=2, sort_keys=True)
+    return trackers
+
+
+class TensorBoard:
+    """Scalars to a TensorBoard event file, written and flushed with each JSONL record.
+
+    tensorboardX's SummaryWriter hands events to a background thread whose queue flush() does
+    not drain, so a killed run lost its last steps; its synchronous EventsWriter does not.
+    """
+
+    def __init__(self, logdir: str):
+        from tensorboardX.event_file_writer import EventsWriter
+        os.makedirs(logdir, exist_ok=True)
+        self._writer = EventsWriter(os.path.join(logdir, "events"))
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        from tensorboardX.proto import event_pb2, summary_pb2
+        values = [summary_pb2.Summary.Value(tag=k, simple_value=float(v))
+                  for k, v in scalars.items()]
+        self._writer.write_event(event_pb2.Event(wall_time=time.time(), step=int(step),
+                                                 summary=summary_pb2.Summary(value=values)))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandB:
+    """A Weights & Biases run (id kept in the workdir; resumed with resume="allow")."""
+
+    def __init__(self, workdir: str, run_id: str, hparams: Mapping[str, Any]):
+        import wandb
+        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), id=run_id,
+                               resume="allow", dir=workdir, name=_run_name(workdir),
+                               config=dict(hparams))
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        self._run.log(dict(scalars), step=int(step))
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MLflow:
+    """An MLflow run through the tracking client (no global active run): the config as
+    params at creation, metrics in batches; a resumed run logs into the same run id."""
+
+    def __init__(self, workdir: str, run_id: str | None, hparams: Mapping[str, Any]):
+        from mlflow.entities import Param
+        from mlflow.tracking import MlflowClient
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (
+            "sqlite:///" + os.path.join(os.path.abspath(workdir), "mlflow.db"))
+        self._client = MlflowClient(tracking_uri=uri)
+        if run_id is None:
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
+            experiment = self._client.get_experiment_by_name(name)
+            experiment_id = (experiment.experiment_id if experiment else
+                             self._client.create_experiment(name, artifact_location=os.path.join(
+                                 os.path.abspath(workdir), "mlartifacts")))
+            run_id = self._client.create_run(experiment_id,
+                                             run_name=_run_name(workdir)).info.run_id
+            params = [Param(_mlflow_name(k), str(v)[:6000]) for k, v in sorted(hparams.items())]
+            for i in range(0, len(params), _MLFLOW_BATCH):
+                self._client.log_batch(run_id, params=params[i:i + _MLFLOW_BATCH])
+        else:
+            self._client.update_run(run_id, status="RUNNING")
+        self.run_id: str = run_id
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        from mlflow.entities import Metric
+        now = int(time.time() * 1000)
+        metrics = [Metric(_mlflow_name(k), float(v), now, int(step)) for k, v in scalars.items()]
+        for i in range(0, len(metrics), 10 * _MLFLOW_BATCH):
+            self._client.log_batch(self.run_id, metrics=metrics[i:i + 10 * _MLFLOW_BATCH])
+
+    def close(self) -> None:
+        self._client.set_terminated(self.run_id)
+
+
+def _mlflow_name(name: str) -> str:
+    return _MLFLOW_BAD_CHARS.sub("_", name)
+
+
+def _run_name(workdir: str) -> str:
+    return os.path.basename(os.path.normpath(os.path.abspath(workdir)))
