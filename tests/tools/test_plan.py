@@ -114,3 +114,33 @@ def test_plan_refuses_a_prompt_and_completion_longer_than_the_context():
             plan.main([])
     finally:
         flags.FLAGS.unparse_flags()
+
+
+def test_plan_of_a_ppo_run_plans_the_critic():
+    """PPO's critic: its values pass (once per step) and its update (once per mini-batch) are
+    planned, and its state (params and two Adam moments of the policy's backbone and a [D]
+    head) stays resident beside the sampler, with the policy's moments (and reference)."""
+    model = dataclasses.replace(MODEL, num_layers=1, tie_word_embeddings=False)
+    config = TrainConfig().replace(
+        prompts_per_step=4, group_size=4, max_prompt_tokens=16, max_new_tokens=16,
+        mini_batch_size=8, micro_batch_size=4, param_dtype="float32", remat=True,
+        algorithm=rl.get_preset("ppo"), mesh="data:1,fsdp:2,tensor:1")
+    result = plan_programs.plan(config, model, plan.topology("cpu-2"), jax.devices()[:2])
+    rows = {r.program: r for r in result.rows}
+    assert list(rows) == ["create", "rollout", "logprobs", "critic values", "update",
+                          "critic update"]
+    assert (rows["critic values"].calls, rows["critic update"].calls) == (1, 2)
+    critic_update = rows["critic update"].collectives
+    assert critic_update["all-gather"] > 0 and critic_update["reduce-scatter"] > 0
+    assert rows["critic update"].flops > 0
+    # Per-device float32 elements: weights with a model-width ("embed") axis are split over
+    # fsdp:2, the norms are whole; the critic drops the unembedding, adds a [D] head (whole).
+    is_tuple = lambda x: type(x) is tuple  # noqa: E731
+    shapes = jax.tree.leaves(transformer.param_shapes(model), is_leaf=is_tuple)
+    axes = jax.tree.leaves(transformer.param_logical_axes(model), is_leaf=is_tuple)
+    policy = sum(math.prod(s) / (2 if "embed" in a else 1) for s, a in zip(shapes, axes))
+    D, V = model.hidden_size, model.vocab_size
+    critic = policy - V * D / 2 + D
+    reference = policy if config.needs_reference else 0
+    resident = 4 * (2 * policy + reference + 3 * critic)
+    assert rows["rollout"].resident == pytest.approx(resident, abs=64)   # + step counters
