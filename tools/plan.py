@@ -99,8 +99,14 @@ def main(argv):
     if None not in profile:
         with cli.flag_errors():
             slots.fit_lognormal(*profile)
-    # The run's own checks of its config, at the topology's device count.
-    config = train.config_from_flags().validate(topo.num_devices)
+    config = train.config_from_flags()
+    one_host = config.one_host_only
+    require(topo.num_hosts == 1 or not one_host,
+            f"--topology={FLAGS.topology} spans {topo.num_hosts} hosts, but "
+            f"{', '.join(one_host)} pick rows on the host and run on one host only: plan for "
+            "one host (e.g. --topology=8xh200) or drop them.")
+    # The run's own checks of its config, at the topology's devices and hosts.
+    config.validate(topo.num_devices, num_hosts=topo.num_hosts)
     model_config = programs.architecture(FLAGS.architecture or config.model.name)
     # As the run does at start: prompt + completion must fit the model's context.
     config.validate_context(model_config.max_position_embeddings,

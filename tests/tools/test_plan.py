@@ -144,3 +144,29 @@ def test_plan_of_a_ppo_run_plans_the_critic():
     reference = policy if config.needs_reference else 0
     resident = 4 * (2 * policy + reference + 3 * critic)
     assert rows["rollout"].resident == pytest.approx(resident, abs=64)   # + step counters
+
+
+def test_plan_refuses_one_host_flags_on_a_multi_host_topology():
+    """A v5p host holds 4 chips (v5p-16: 8 chips, 2 hosts); DAPO's dynamic sampling runs on
+    one host only, so its flagfile plans on one GPU node and is refused on a pod."""
+    from absl import flags
+
+    from jaxrl4llm.config.errors import FlagError
+    hosts = {name: plan.topology(name).num_hosts
+             for name in ("v5p-8", "v5p-16", "v5p-64", "v5e-8", "v5e-256", "8xh200", "cpu-8")}
+    assert hosts == {"v5p-8": 1, "v5p-16": 2, "v5p-64": 8, "v5e-8": 1, "v5e-256": 64,
+                     "8xh200": 1, "cpu-8": 1}
+    dapo = TrainConfig().replace(algorithm=rl.get_preset("dapo"), mesh="data:1,fsdp:-1,tensor:1")
+    dapo.validate(8, num_hosts=1)
+    with pytest.raises(FlagError, match="run on one host only"):   # the run's own check
+        dapo.validate(8, num_hosts=2)
+    repo = os.path.dirname(TOOLS)
+    flagfile = f"--flagfile={repo}/experiments/configs/tricks_or_traps_qwen3_8b_dapo.flags"
+    try:
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["plan", flagfile, "--topology=v5p-16"])
+        with pytest.raises(FlagError, match=r"--topology=v5p-16 spans 2 hosts, but "
+                                            r"--dynamic_sampling pick rows on the host"):
+            plan.main([])
+    finally:
+        flags.FLAGS.unparse_flags()
