@@ -13,6 +13,9 @@ with abstract (jax.ShapeDtypeStruct) inputs carrying the run's shardings:
   rollout   the sampler over all rows (prefill + decode, in --rollout_micro_batch row chunks)
   logprobs  the reference / old-policy teacher-forced pass (same program for both)
   update    one optimizer update on a mini-batch (micro-batch accumulation)
+  critic values, critic update
+            PPO's value model (--algorithm=ppo): its pass over the rollout, its update on
+            each mini-batch; its state stays resident beside every other program
 
 Per program and device it prints the compiled memory (arguments, temporaries, outputs, the
 state that stays resident beside it), whether that fits the chip with 10% headroom, the hand
@@ -97,6 +100,13 @@ def main(argv):
         with cli.flag_errors():
             slots.fit_lognormal(*profile)
     config = train.config_from_flags()
+    one_host = config.one_host_only
+    require(topo.num_hosts == 1 or not one_host,
+            f"--topology={FLAGS.topology} spans {topo.num_hosts} hosts, but "
+            f"{', '.join(one_host)} pick rows on the host and run on one host only: plan for "
+            "one host (e.g. --topology=8xh200) or drop them.")
+    # The run's own checks of its config, at the topology's devices and hosts.
+    config.validate(topo.num_devices, num_hosts=topo.num_hosts)
     model_config = programs.architecture(FLAGS.architecture or config.model.name)
     # As the run does at start: prompt + completion must fit the model's context.
     config.validate_context(model_config.max_position_embeddings,

@@ -282,4 +282,15 @@ ARCHITECTURES: dict[str, ModelConfig] = {
     "qwen3-4b-base": ModelConfig(**dict(_QWEN3_8B, hidden_size=2560, intermediate_size=9728,
                                         tie_word_embeddings=True)),
     "smollm2-135m-instruct": SMOLLM2_135M,
+    # meta-llama/Llama-3.2-3B-Instruct's config.json: 28 layers of width 3072, MLP 8192, 24
+    # heads / 8 KV heads of 128, vocabulary 128256 tied, RMSNorm eps 1e-5, RoPE theta 5e5 with
+    # llama3 scaling (factor 32, low / high frequency factors 1 / 4, original 8192 positions),
+    # 131072 positions, bos 128000, eos 128001 / 128008 / 128009.
+    "llama-3.2-3b-instruct": ModelConfig(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28,
+        num_heads=24, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=8192),
+        tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009)),
 }

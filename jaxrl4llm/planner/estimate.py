@@ -71,12 +71,14 @@ class Estimate:
             return self.L, self.L
         return self.N - 1 + self.P / group, self.N - 1
 
-    def update(self, group: int, resident: float) -> float:
+    def update(self, group: int, resident: float, unembed: bool = True) -> float:
+        """unembed=False: PPO's critic, the same model without the unembedding (its scalar
+        head reads the hidden states: no logits)."""
         m, b, D = self.m, self.c.micro_batch / self.dp, self.m.hidden_size
         L, Lb = self._tokens(group)
         state = 3 * self.Pb + 2 * _F32 * m.num_params / self.S
         activations = (m.num_layers * b * L * D + 6 * b * Lb * self.F + 4 * b * Lb * D) * _F32
-        return state + activations + 4 * self.DV * _F32 + resident
+        return state + activations + 4 * self.DV * _F32 * unembed + resident
 
     def rollout(self, num_chunks: int, resident: float) -> float:
         m, s = self.m, self.s
@@ -85,11 +87,13 @@ class Estimate:
         cache = 2 * m.num_layers * b * m.num_kv_heads * m.head_dim * self.L * s / self.T_kv
         return self.Pb + weights + cache + resident
 
-    def logprobs(self, num_chunks: int, group: int, resident: float) -> float:
+    def logprobs(self, num_chunks: int, group: int, resident: float,
+                 unembed: bool = True) -> float:
+        """unembed=False: PPO's critic values pass (no unembedding gathered)."""
         b, D = self.c.batch_size / num_chunks / self.dp, self.m.hidden_size
         _, Lb = self._tokens(group)
         layer = b * Lb * self.F * (2 * _F32 + self.s) + b * Lb * D * _F32
-        return self.Pb + layer + self.DV * self.g + resident
+        return self.Pb + layer + self.DV * self.g * unembed + resident
 
     def rollout_hbm_bytes(self, num_chunks: int) -> float:
         """HBM reads of the decode loops: every gathered weight and the mean KV context per

@@ -23,7 +23,7 @@ from jaxrl4llm.models.config import ARCHITECTURES, ModelConfig
 from jaxrl4llm.planner import estimate as plan_estimate
 from jaxrl4llm.planner import hlo_analysis
 from jaxrl4llm.sampling import buckets, decode, sampler
-from jaxrl4llm.train import logprobs, step
+from jaxrl4llm.train import critic, logprobs, step
 from jaxrl4llm.train import state as state_lib
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 
@@ -148,6 +148,13 @@ def _bytes(tree) -> float:
     return total
 
 
+def abstract_critic_params(params: Any) -> dict[str, Any]:
+    """PPO's critic params as critic.from_policy lays them out: the policy's without the
+    unembedding, and a head shaped, typed and placed like the final norm."""
+    return {"backbone": {k: v for k, v in params.items() if k != "unembed"},
+            critic.HEAD: params["final_norm"]}
+
+
 def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
     c, chip = config, topo.chip
     mesh = parallel.make_mesh(c.run.mesh, devices)
@@ -162,13 +169,18 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
     rows: list[Row] = []
     state_bytes, param_bytes = _bytes(abstract_state), _bytes(params)
     ref_bytes = param_bytes if c.needs_reference else 0.0
+    # PPO: the critic's state (params and Adam moments) lives beside every program.
+    critic_state = state_lib.abstract_state(
+        abstract_critic_params(params), critic.optimizer_config(optimizer, c.critic.learning_rate),
+        c.run.seed) if c.needs_critic else None
+    critic_bytes = _bytes(critic_state) if critic_state is not None else 0.0
 
     # create: params in, state out.
     create = jax.jit(state_lib.TrainState.create, static_argnums=(1, 2),
                      out_shardings=state_shardings)
     m = _measure(create.lower(params, optimizer, c.run.seed).compile(), 0, chip)
-    rows.append(Row("create", resident=ref_bytes, estimate=est.create(ref_bytes), t_hbm=0.0,
-                    **m))
+    rows.append(Row("create", resident=ref_bytes + critic_bytes,
+                    estimate=est.create(ref_bytes + critic_bytes), t_hbm=0.0, **m))
 
     # rollout: all rows of a step, in row chunks.
     G, B = c.rollout.group_size, c.batch_size
@@ -197,7 +209,7 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
     rollout = Rollout(Bs, Bs // sample_chunks, N, _link_bytes(
         op for op in hlo_analysis.collectives(partitioned) if scope in op.op_name),
         _link_bytes(hlo_analysis.loop_invariant_collectives(partitioned)))
-    resident = state_bytes - param_bytes + ref_bytes
+    resident = state_bytes - param_bytes + ref_bytes + critic_bytes
     rows.append(Row("rollout", resident=resident, estimate=est.rollout(num_chunks, resident),
                     t_hbm=est.rollout_hbm_bytes(num_chunks) / chip.hbm_bw, **m))
 
@@ -215,6 +227,14 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
     m = _measure(compiled, calls, chip)
     rows.append(Row("logprobs", resident=resident,
                     estimate=est.logprobs(num_chunks, tf_group, resident), t_hbm=0.0, **m))
+    if critic_state is not None:   # PPO: the critic's values of the rollout, once per step
+        compiled = critic.values_jit.lower(
+            critic_state.params, model_config, seqs, prompt_group=tf_group,
+            num_chunks=num_chunks, sharding=sharding).compile()
+        resident = state_bytes + ref_bytes + critic_bytes - _bytes(critic_state.params)
+        rows.append(Row("critic values", resident=resident, t_hbm=0.0,
+                        estimate=est.logprobs(num_chunks, tf_group, resident, unembed=False),
+                        **_measure(compiled, 1, chip)))
 
     # update: one optimizer step on a mini-batch.
     M, num_micro = c.mini_batch, c.mini_batch // c.micro_batch
@@ -226,14 +246,17 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
                          logp_BT=jax.ShapeDtypeStruct((M, N), jnp.float32),
                          ref_logp_BT=jax.ShapeDtypeStruct((M, N), jnp.float32),
                          baseline_B=jax.ShapeDtypeStruct((M,), jnp.float32),    # ReMax
-                         baseline_correct_B=jax.ShapeDtypeStruct((M,), bool))[0]
+                         baseline_correct_B=jax.ShapeDtypeStruct((M,), bool),
+                         values_BT=jax.ShapeDtypeStruct((M, N), jnp.float32)  # PPO
+                         if c.needs_critic else None)[0]
     logp = _rows(mesh, (M, N), jnp.float32)
     batch = step.UpdateBatch(
         seqs=mb_seqs, advantages=_rows(mesh, adv.shape, jnp.float32),
         keep_B=_rows(mesh, (M,), bool),
         old_logp_BT=logp if c.needs_old_logprobs else None,
         ref_logp_BT=logp if c.needs_reference else None,
-        behaviour_logp_BT=logp if c.keeps_behaviour_logprobs else None)
+        behaviour_logp_BT=logp if c.keeps_behaviour_logprobs else None,
+        old_values_BT=logp if c.needs_critic else None, returns_BT=logp if c.needs_critic else None)
     layout = c.rollout.layout.shuffled() if c.reshuffles_rows else c.rollout.layout
     update_group = layout.prompt_group(M, num_micro, dp)
     compiled = step.train_step.lower(
@@ -242,10 +265,21 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
         prompt_group=update_group, sharding=sharding).compile()
     m = _measure(compiled, c.updates_per_step, chip)
     rollout_batch = B / dp * (P * 5 + N * (4 + 1 + 4 * (1 + c.needs_reference
-                                                        + c.needs_old_logprobs)))
-    resident = ref_bytes + rollout_batch
+                                                        + c.needs_old_logprobs
+                                                        + 2 * c.needs_critic)))
+    resident = ref_bytes + rollout_batch + critic_bytes
     rows.append(Row("update", resident=resident, estimate=est.update(update_group, resident),
                     t_hbm=0.0, **m))
+    if critic_state is not None:   # PPO: the critic's update on every mini-batch
+        compiled = critic.critic_step.lower(
+            critic_state, batch, model_config=model_config, algorithm=c.update_algorithm,
+            optimizer=critic.optimizer_config(optimizer, c.critic.learning_rate),
+            num_micro=num_micro, remat=c.model.remat, prompt_group=update_group,
+            sharding=sharding).compile()
+        resident = state_bytes + ref_bytes + rollout_batch
+        rows.append(Row("critic update", resident=resident, t_hbm=0.0,
+                        estimate=est.update(update_group, resident, unembed=False),
+                        **_measure(compiled, c.updates_per_step, chip)))
     textbook = est.textbook_update_collectives(num_micro)
     update_bytes = sum(v for k, v in m["collectives"].items() if k != "link")
     shape = dict(zip(mesh.axis_names, mesh.devices.shape))

@@ -42,11 +42,12 @@ class Topology:
     name: str
     chip: Chip
     num_devices: int
+    num_hosts: int = 1    # processes of a run: flags that run on one host only need 1
 
 
 def topology(name: str) -> Topology:
     """v5p-N (N TensorCores = N/2 chips), v5e-N (N chips), Kxh100 / Kxh200 (K <= 8 GPUs of
-    one NVLink node), cpu-N (N fake devices with v5p chips' numbers: tests)."""
+    one NVLink node), cpu-N (N fake devices with v5p chips' numbers: tests, one host)."""
     m = re.fullmatch(r"(v5p|v5e|cpu)-(\d+)|(\d+)x(h100|h200)", name.lower())
     if not m:
         raise ValueError(f"--topology={name!r}: use v5p-N, v5e-N, Kxh100 or Kxh200 "
@@ -61,4 +62,9 @@ def topology(name: str) -> Topology:
         count, chip = int(m.group(2)), CHIPS["v5p" if m.group(1) == "cpu" else "v5e"]
     if count < 1:
         raise ValueError(f"--topology={name} has no devices.")
-    return Topology(name, chip, count)
+    # cloud.google.com/tpu/docs/v5p and /v5e: a v5p host holds 4 chips; a v5e host 8 chips
+    # up to v5e-8, 4 in larger slices. A GPU node and the CPU test devices are one host.
+    hosts = 1
+    if m.group(1) == "v5p" or (m.group(1) == "v5e" and count > 8):
+        hosts = -(-count // 4)
+    return Topology(name, chip, count, hosts)

@@ -253,13 +253,26 @@ class TrainConfig:
         no pass: on-policy the update's own logprobs are pi_old."""
         return not (self.needs_old_logprobs and not self.update.recompute_old_logprobs)
 
-    def validate(self, num_devices: int, data_parallel: int | None = None) -> "TrainConfig":
+    def validate(self, num_devices: int, data_parallel: int | None = None,
+                 num_hosts: int | None = None) -> "TrainConfig":
         """Raises a FlagError naming the flag and the fix for any bad value, before anything
         is loaded or compiled: the run's one check of its whole config (train.loop.run calls
-        it first, before the workdir lock)."""
+        it first, before the workdir lock). num_hosts: the run's processes (default: this
+        run's; tools/plan.py passes its topology's)."""
         with flag_errors():   # a sub-config's ValueError names its flag too
-            self._validate_all(num_devices, data_parallel)
+            self._validate_all(num_devices, data_parallel,
+                               jax.process_count() if num_hosts is None else num_hosts)
         return self
+
+    @property
+    def one_host_only(self) -> list[str]:
+        """The set flags whose rows are picked on the host, so run on one host only."""
+        a, r = self.algorithm, self.rollout
+        return [flag for flag, on in (
+            ("--advantage=remax", a.advantage == "remax"),
+            ("--dynamic_sampling", a.dynamic_sampling),
+            (f"--partial_rollout_tokens={r.partial_rollout_tokens}",
+             r.partial_rollout_tokens > 0)) if on]
 
     def validate_context(self, context: int, model: str | None = None) -> "TrainConfig":
         """Raises a FlagError when a prompt of --max_prompt_tokens plus its completion (the
@@ -290,7 +303,8 @@ class TrainConfig:
                     "master weights, bfloat16 matmuls)."]
         return []
 
-    def _validate_all(self, num_devices: int, data_parallel: int | None) -> None:
+    def _validate_all(self, num_devices: int, data_parallel: int | None,
+                      num_hosts: int) -> None:
         self._validate_values()
         self._validate_reward()
         self._validate_data()
@@ -307,14 +321,14 @@ class TrainConfig:
         self._validate_batches(num_devices, data_parallel)
         rl.validate(self.algorithm, self.rollout.group_size)
         self._validate_critic()
-        self._validate_partial()
+        self._validate_partial(num_hosts)
         a = self.algorithm
         require(a.is_correction is None or self.keeps_behaviour_logprobs,
                 f"--is_correction={a.is_correction} reweights by the trainer's pi_old over the "
                 f"sampler's logprobs, but with {self.updates_per_step} updates per rollout and "
                 "--norecompute_old_logprobs pi_old is the sampler's (ratio 1); set "
                 "--recompute_old_logprobs or drop --is_correction.")
-        require(not ((a.advantage == "remax" or a.dynamic_sampling) and jax.process_count() > 1),
+        require(not ((a.advantage == "remax" or a.dynamic_sampling) and num_hosts > 1),
                 rounds.ONE_HOST_ONLY)
         self.optimizer.validate()
         self.lora.validate()
@@ -392,7 +406,7 @@ class TrainConfig:
                 f"--algorithm={self.algorithm.name} trains no critic; use --algorithm=ppo (or "
                 "--advantage=gae), or drop the critic flags.")
 
-    def _validate_partial(self) -> None:
+    def _validate_partial(self, num_hosts: int) -> None:
         """Partial rollouts: the budget, the staleness bound and what they do not combine with."""
         r, a = self.rollout, self.algorithm
         N, K = r.partial_rollout_tokens, r.max_staleness
@@ -414,7 +428,7 @@ class TrainConfig:
                 f"--partial_rollout_tokens={N} does not combine with {', '.join(unsupported)}: "
                 "partial rollouts fill the batch with finished groups themselves and take pi_old "
                 "from the recomputed logprobs; drop those, or set --partial_rollout_tokens=0.")
-        require(jax.process_count() == 1, partial.ONE_HOST_ONLY)
+        require(num_hosts == 1, partial.ONE_HOST_ONLY)
 
     def _validate_data(self) -> None:
         """Flags that a data source would ignore (the source itself is read, and checked, by

@@ -114,3 +114,59 @@ def test_plan_refuses_a_prompt_and_completion_longer_than_the_context():
             plan.main([])
     finally:
         flags.FLAGS.unparse_flags()
+
+
+def test_plan_of_a_ppo_run_plans_the_critic():
+    """PPO's critic: its values pass (once per step) and its update (once per mini-batch) are
+    planned, and its state (params and two Adam moments of the policy's backbone and a [D]
+    head) stays resident beside the sampler, with the policy's moments (and reference)."""
+    model = dataclasses.replace(MODEL, num_layers=1, tie_word_embeddings=False)
+    config = TrainConfig().replace(
+        prompts_per_step=4, group_size=4, max_prompt_tokens=16, max_new_tokens=16,
+        mini_batch_size=8, micro_batch_size=4, param_dtype="float32", remat=True,
+        algorithm=rl.get_preset("ppo"), mesh="data:1,fsdp:2,tensor:1")
+    result = plan_programs.plan(config, model, plan.topology("cpu-2"), jax.devices()[:2])
+    rows = {r.program: r for r in result.rows}
+    assert list(rows) == ["create", "rollout", "logprobs", "critic values", "update",
+                          "critic update"]
+    assert (rows["critic values"].calls, rows["critic update"].calls) == (1, 2)
+    critic_update = rows["critic update"].collectives
+    assert critic_update["all-gather"] > 0 and critic_update["reduce-scatter"] > 0
+    assert rows["critic update"].flops > 0
+    # Per-device float32 elements: weights with a model-width ("embed") axis are split over
+    # fsdp:2, the norms are whole; the critic drops the unembedding, adds a [D] head (whole).
+    is_tuple = lambda x: type(x) is tuple  # noqa: E731
+    shapes = jax.tree.leaves(transformer.param_shapes(model), is_leaf=is_tuple)
+    axes = jax.tree.leaves(transformer.param_logical_axes(model), is_leaf=is_tuple)
+    policy = sum(math.prod(s) / (2 if "embed" in a else 1) for s, a in zip(shapes, axes))
+    D, V = model.hidden_size, model.vocab_size
+    critic = policy - V * D / 2 + D
+    reference = policy if config.needs_reference else 0
+    resident = 4 * (2 * policy + reference + 3 * critic)
+    assert rows["rollout"].resident == pytest.approx(resident, abs=64)   # + step counters
+
+
+def test_plan_refuses_one_host_flags_on_a_multi_host_topology():
+    """A v5p host holds 4 chips (v5p-16: 8 chips, 2 hosts); DAPO's dynamic sampling runs on
+    one host only, so its flagfile plans on one GPU node and is refused on a pod."""
+    from absl import flags
+
+    from jaxrl4llm.config.errors import FlagError
+    hosts = {name: plan.topology(name).num_hosts
+             for name in ("v5p-8", "v5p-16", "v5p-64", "v5e-8", "v5e-256", "8xh200", "cpu-8")}
+    assert hosts == {"v5p-8": 1, "v5p-16": 2, "v5p-64": 8, "v5e-8": 1, "v5e-256": 64,
+                     "8xh200": 1, "cpu-8": 1}
+    dapo = TrainConfig().replace(algorithm=rl.get_preset("dapo"), mesh="data:1,fsdp:-1,tensor:1")
+    dapo.validate(8, num_hosts=1)
+    with pytest.raises(FlagError, match="run on one host only"):   # the run's own check
+        dapo.validate(8, num_hosts=2)
+    repo = os.path.dirname(TOOLS)
+    flagfile = f"--flagfile={repo}/experiments/configs/tricks_or_traps_qwen3_8b_dapo.flags"
+    try:
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["plan", flagfile, "--topology=v5p-16"])
+        with pytest.raises(FlagError, match=r"--topology=v5p-16 spans 2 hosts, but "
+                                            r"--dynamic_sampling pick rows on the host"):
+            plan.main([])
+    finally:
+        flags.FLAGS.unparse_flags()
