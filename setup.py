@@ -3,37 +3,39 @@
 Lower bounds are the versions this project was developed and tested with
 (Python 3.11, CPU, 2026-11).
 """
+
 from setuptools import find_packages, setup
 
 INSTALL_REQUIRES = [
-    "jax>=0.10.2",               # arrays, jit, sharding: the whole program
-    "flax>=0.12.8",              # flax.struct dataclasses as pytrees, traverse_util
-    "optax>=0.2.8",              # AdamW, schedules, grad clipping
+    "jax>=0.10.2",  # arrays, jit, sharding: the whole program
+    "flax>=0.12.8",  # flax.struct dataclasses as pytrees, traverse_util
+    "optax>=0.2.8",  # AdamW, schedules, grad clipping
     "orbax-checkpoint>=0.12.8",  # sharded checkpoints with exact resume
-    "transformers>=5.23.0",      # tokenizers + chat templates; HF config.json parsing
-    "tokenizers>=0.23.3",        # fast tokenizer backend used by transformers
-    "jinja2>=3.1.6",             # chat templates: transformers needs it, but does not require it
-    "safetensors>=0.8.0",        # HF weights in and out, tensor by tensor
-    "gguf>=0.19.0",              # reads (and dequantizes) the embedded GGUF default model
-    "sympy>=1.14.0",             # symbolic equivalence under math-verify
-    "math-verify>=0.9.0",        # the math answer verifier
-    "absl-py>=2.5.1",            # flags and the app entry points
+    "transformers>=5.23.0",  # tokenizers + chat templates; HF config.json parsing
+    "tokenizers>=0.23.3",  # fast tokenizer backend used by transformers
+    "jinja2>=3.1.6",  # chat templates: transformers needs it, but does not require it
+    "safetensors>=0.8.0",  # HF weights in and out, tensor by tensor
+    "gguf>=0.19.0",  # reads (and dequantizes) the embedded GGUF default model
+    "sympy>=1.14.0",  # symbolic equivalence under math-verify
+    "math-verify>=0.9.0",  # the math answer verifier
+    "absl-py>=2.5.1",  # flags and the app entry points
     "numpy>=2.4",
-    "grain>=0.2.18",             # deterministic, checkpointable data iteration
-    "pyarrow>=26.0.1",           # Parquet prompt sources
-    "tensorboardX>=2.6.5",       # TensorBoard event files without TensorFlow
-    "tqdm>=4.70.1",              # progress bars for rollouts, evaluation, studies
-    "matplotlib>=3.11.2",        # training curves and study plots to PNG
-    "pyyaml>=6.0",               # experiments.launch's Kubernetes manifests (transformers has it)
+    "grain>=0.2.18",  # deterministic, checkpointable data iteration
+    "pyarrow>=26.0.1",  # Parquet prompt sources
+    "tensorboardX>=2.6.5",  # TensorBoard event files without TensorFlow
+    "tqdm>=4.70.1",  # progress bars for rollouts, evaluation, studies
+    "matplotlib>=3.11.2",  # training curves and study plots to PNG
+    "pyyaml>=6.0",  # experiments.launch's Kubernetes manifests (transformers has it)
 ]
 
 EXTRAS_REQUIRE = {
     "test": [
         "pytest>=9.2.0",
-        "pytest-xdist>=3.8.0",   # parallel test processes on the 2-core CI machine
-        "hypothesis>=6.170",     # property tests of the RL math
-        "mypy>=2.4",             # type checking in CI (.ci/run; configured in pyproject.toml)
-        "ruff>=0.17",            # lint in CI (.ci/run; configured in pyproject.toml)
+        "pytest-xdist>=3.8.0",  # parallel test processes on the 2-core CI machine
+        "hypothesis>=6.170",  # property tests of the RL math
+        "mypy>=2.4",  # type checking in CI (.ci/run; configured in pyproject.toml)
+        "ruff==0.17.6",  # lint and format check in CI (.ci/run; pyproject.toml); pinned:
+        # another version may format differently
         # The reference implementation that logits and greedy decoding are checked
         # against. Exactly 2.13.0: its CPU wheel is on the build machines; any other
         # version pulls gigabytes of CUDA packages.
@@ -46,7 +48,9 @@ EXTRAS_REQUIRE = {
         "reasoning-gym>=0.1.25",
         # --trackers=wandb,mlflow are tested offline, so CI has both extras.
         "wandb>=0.31.0",
-        "mlflow-skinny>=3.17.2", "sqlalchemy>=2.1", "alembic>=1.20",
+        "mlflow-skinny>=3.17.2",
+        "sqlalchemy>=2.1",
+        "alembic>=1.20",
     ],
     # reasoning-gym: 100+ procedural reasoning tasks with verifiers (gym:TASK sources), among
     # them Xie et al.'s knights-and-knaves generator. Light: 11 small pure-Python packages

@@ -22,6 +22,7 @@ weights or compiling anything:
 A failed check prints FAIL with the reason and the fix; the exit code is 2 when any check
 failed, else 0. A "warn" does not fail the run.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,15 +41,15 @@ from jaxrl4llm.train.config import TrainConfig
 for _name in _train.FLAG_NAMES:
     flags.declare_key_flag(_name)
 
-GIB = 2 ** 30
-HEADROOM = 0.9   # a program may use 90% of a device's memory (as tools/plan.py)
+GIB = 2**30
+HEADROOM = 0.9  # a program may use 90% of a device's memory (as tools/plan.py)
 OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "-"
 
 
 @dataclasses.dataclass(frozen=True)
 class Check:
     name: str
-    status: str    # OK, WARN, FAIL or SKIP (not checked: what it needs failed)
+    status: str  # OK, WARN, FAIL or SKIP (not checked: what it needs failed)
     detail: str
 
 
@@ -61,8 +62,9 @@ class _Facts:
     model_config: Any = None
 
 
-def run_checks(config: TrainConfig, devices: list,
-               disk_usage: Callable[[str], Any] = shutil.disk_usage) -> list[Check]:
+def run_checks(
+    config: TrainConfig, devices: list, disk_usage: Callable[[str], Any] = shutil.disk_usage
+) -> list[Check]:
     """Every check of the module docstring, in order; each one's failure is its row, never an
     exception."""
     facts = _Facts(devices=list(devices))
@@ -89,13 +91,17 @@ def run_checks(config: TrainConfig, devices: list,
 
 def _devices(facts: _Facts) -> tuple[str, str]:
     import jax
+
     d = facts.devices[0]
-    return OK, (f"{len(facts.devices)} x {d.platform} ({d.device_kind}), "
-                f"{jax.local_device_count()} on this host, {jax.process_count()} host(s)")
+    return OK, (
+        f"{len(facts.devices)} x {d.platform} ({d.device_kind}), "
+        f"{jax.local_device_count()} on this host, {jax.process_count()} host(s)"
+    )
 
 
 def _mesh(config: TrainConfig, facts: _Facts) -> tuple[str, str]:
     from jaxrl4llm import parallel
+
     facts.mesh = parallel.make_mesh(config.run.mesh, facts.devices)
     shape = dict(zip(facts.mesh.axis_names, facts.mesh.devices.shape))
     return OK, f"--mesh={config.run.mesh} -> " + ", ".join(f"{k}:{v}" for k, v in shape.items())
@@ -103,23 +109,28 @@ def _mesh(config: TrainConfig, facts: _Facts) -> tuple[str, str]:
 
 def _flags(config: TrainConfig, facts: _Facts) -> tuple[str, str]:
     config.validate(len(facts.devices))
-    return OK, (f"batch {config.batch_size} rows ({config.rollout.prompts_per_step} prompts x "
-                f"{config.rollout.group_size}), {config.updates_per_step} update(s) per step")
+    return OK, (
+        f"batch {config.batch_size} rows ({config.rollout.prompts_per_step} prompts x "
+        f"{config.rollout.group_size}), {config.updates_per_step} update(s) per step"
+    )
 
 
 def _model(config: TrainConfig, facts: _Facts) -> tuple[str, str]:
     from jaxrl4llm.models import registry
     from jaxrl4llm.models.config import ModelConfig
     from jaxrl4llm.models.gguf_file import GGUFSource
+
     path = registry.resolve(config.model.name)
-    facts.model_config = (GGUFSource(path).config() if path.endswith(".gguf")
-                          else ModelConfig.from_hf_config(path))
+    facts.model_config = (
+        GGUFSource(path).config() if path.endswith(".gguf") else ModelConfig.from_hf_config(path)
+    )
     millions = facts.model_config.num_params / 1e6
     return OK, f"{config.model.name}: {millions:.1f}M parameters at {path}"
 
 
 def _param_bytes(config: TrainConfig, facts: _Facts) -> int:
     from jaxrl4llm.train.config import param_dtype
+
     size = param_dtype(config.model.param_dtype)(0).dtype.itemsize
     return facts.model_config.num_params * size
 
@@ -130,8 +141,10 @@ def _host_memory(facts: _Facts) -> tuple[str, str]:
         return SKIP, f"{available / GIB:.1f} GiB available; the model's size is unknown"
     need = facts.model_config.num_params * 4
     status = OK if available >= need else WARN
-    return status, (f"{available / GIB:.1f} GiB available, loading the weights needs "
-                    f"~{need / GIB:.2f} GiB (a float32 copy)")
+    return status, (
+        f"{available / GIB:.1f} GiB available, loading the weights needs "
+        f"~{need / GIB:.2f} GiB (a float32 copy)"
+    )
 
 
 def _available_host_bytes() -> int:
@@ -149,8 +162,7 @@ def checkpoint_bytes(config: TrainConfig, param_bytes: int) -> int:
     return 3 * param_bytes * (2 if config.needs_critic else 1)
 
 
-def _disk(config: TrainConfig, facts: _Facts,
-          disk_usage: Callable[[str], Any]) -> tuple[str, str]:
+def _disk(config: TrainConfig, facts: _Facts, disk_usage: Callable[[str], Any]) -> tuple[str, str]:
     workdir = config.run.workdir
     if is_remote(workdir):
         return SKIP, f"{workdir}: object storage, free space not checked"
@@ -162,17 +174,21 @@ def _disk(config: TrainConfig, facts: _Facts,
     free = disk_usage(existing).free
     kept = config.run.keep_checkpoints + 1
     need = kept * checkpoint_bytes(config, _param_bytes(config, facts))
-    detail = (f"{free / GIB:.2f} GiB free in {existing}; {kept} checkpoints "
-              f"(--keep_checkpoints={config.run.keep_checkpoints} + one being saved) need "
-              f"{need / GIB:.2f} GiB")
+    detail = (
+        f"{free / GIB:.2f} GiB free in {existing}; {kept} checkpoints "
+        f"(--keep_checkpoints={config.run.keep_checkpoints} + one being saved) need "
+        f"{need / GIB:.2f} GiB"
+    )
     if free < need:
-        return FAIL, (detail + ": free space, or lower --keep_checkpoints, or use another "
-                      "--workdir")
+        return FAIL, (
+            detail + ": free space, or lower --keep_checkpoints, or use another --workdir"
+        )
     return OK, detail
 
 
 def _data(config: TrainConfig) -> tuple[str, str]:
     from jaxrl4llm.data import make_source
+
     d = config.data
     source = make_source(d.source, split="train", revision=d.revision, **d.field_names)
     if not len(source):
@@ -182,14 +198,19 @@ def _data(config: TrainConfig) -> tuple[str, str]:
 
 def _reward_workers(config: TrainConfig) -> tuple[str, str]:
     from jaxrl4llm.rewards import RewardFn
+
     with RewardFn("auto", config.reward) as reward_fn:
         results = reward_fn.pool.run([(os.getpid, ())] * config.reward.num_workers)
     bad = [r for r in results if r.status != "ok"]
     if bad:
-        return FAIL, (f"{len(bad)} of {len(results)} verifier jobs ended {bad[0].status}: "
-                      f"{bad[0].value}; check --memory_limit_mb and --reward_workers")
-    return OK, (f"--reward_workers={config.reward.num_workers}: the pool started and ran "
-                f"{len(results)} job(s) in worker processes")
+        return FAIL, (
+            f"{len(bad)} of {len(results)} verifier jobs ended {bad[0].status}: "
+            f"{bad[0].value}; check --memory_limit_mb and --reward_workers"
+        )
+    return OK, (
+        f"--reward_workers={config.reward.num_workers}: the pool started and ran "
+        f"{len(results)} job(s) in worker processes"
+    )
 
 
 def _device_memory(config: TrainConfig, facts: _Facts) -> tuple[str, str]:
@@ -197,34 +218,47 @@ def _device_memory(config: TrainConfig, facts: _Facts) -> tuple[str, str]:
         return SKIP, "needs a valid --mesh and --model"
     stats = facts.devices[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
-    peak, program = peak_estimate(config, facts.model_config, facts.mesh,
-                                  facts.devices[0].platform)
+    peak, program = peak_estimate(config, facts.model_config, facts.mesh, facts.devices[0].platform)
     if not limit:
-        return SKIP, (f"{facts.devices[0].platform} reports no device memory; the largest "
-                      f"program ({program}) needs ~{peak / GIB:.2f} GiB per device")
-    detail = (f"the largest program ({program}) needs ~{peak / GIB:.2f} GiB of "
-              f"{limit / GIB:.1f} GiB per device")
+        return SKIP, (
+            f"{facts.devices[0].platform} reports no device memory; the largest "
+            f"program ({program}) needs ~{peak / GIB:.2f} GiB per device"
+        )
+    detail = (
+        f"the largest program ({program}) needs ~{peak / GIB:.2f} GiB of "
+        f"{limit / GIB:.1f} GiB per device"
+    )
     if peak > HEADROOM * limit:
-        return FAIL, (detail + f" (over {HEADROOM:.0%}): shard more (--mesh fsdp / tensor), "
-                      "lower --micro_batch_size or --rollout_micro_batch, or see tools/plan.py")
+        return FAIL, (
+            detail + f" (over {HEADROOM:.0%}): shard more (--mesh fsdp / tensor), "
+            "lower --micro_batch_size or --rollout_micro_batch, or see tools/plan.py"
+        )
     return OK, detail
 
 
-def peak_estimate(config: TrainConfig, model_config: Any, mesh: Any,
-                  platform: str) -> tuple[float, str]:
+def peak_estimate(
+    config: TrainConfig, model_config: Any, mesh: Any, platform: str
+) -> tuple[float, str]:
     """(bytes, program) of the planner's per-device estimate of the step's largest program:
     the update beside the reference params, the rollout and the logprobs pass beside the
     optimizer state."""
     from jaxrl4llm.planner.estimate import CPU_GATHER_BYTES, Estimate
-    est = Estimate(config, model_config, mesh,
-                   gather_bytes=CPU_GATHER_BYTES if platform == "cpu" else 0)
+
+    est = Estimate(
+        config, model_config, mesh, gather_bytes=CPU_GATHER_BYTES if platform == "cpu" else 0
+    )
     ref = est.Pb if config.needs_reference else 0.0
-    chunks = (config.batch_size // config.rollout.rollout_micro_batch
-              if config.rollout.rollout_micro_batch else 1)
+    chunks = (
+        config.batch_size // config.rollout.rollout_micro_batch
+        if config.rollout.rollout_micro_batch
+        else 1
+    )
     group = config.rollout.group_size
-    programs = {"update": est.update(group, ref),
-                "rollout": est.rollout(chunks, 2 * est.Pb + ref),
-                "logprobs": est.logprobs(chunks, group, 2 * est.Pb + ref)}
+    programs = {
+        "update": est.update(group, ref),
+        "rollout": est.rollout(chunks, 2 * est.Pb + ref),
+        "logprobs": est.logprobs(chunks, group, 2 * est.Pb + ref),
+    }
     name = max(programs, key=programs.__getitem__)
     return programs[name], name
 
@@ -237,12 +271,14 @@ def format_table(checks: list[Check]) -> str:
 
 
 def main(argv):
-    del argv   # cli.run refuses positional arguments
+    del argv  # cli.run refuses positional arguments
     cli.quiet_logs()
     config = _train.config_from_flags()
     from jaxrl4llm import parallel
+
     parallel.maybe_initialize_distributed(auto_detect=config.run.distributed)
     import jax
+
     checks = run_checks(config, jax.devices())
     print(format_table(checks))
     failed = [c.name for c in checks if c.status == FAIL]

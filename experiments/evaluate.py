@@ -22,6 +22,7 @@ to a JSON, never over a run's own files: --output, else WORKDIR/eval/STEP-WHAT.j
 checkpoint, else workdirs/eval/MODEL-WHAT.json, WHAT naming the data (the split alone for the
 run's own held-out data) and the sets.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,21 +62,38 @@ class EvaluateOptions:
 
 
 for _name in cli.define_flags(EvaluateOptions) + _train.FLAG_NAMES:
-    flags.declare_key_flag(_name)   # --help lists them; --helpfull groups them by sub-config
+    flags.declare_key_flag(_name)  # --help lists them; --helpfull groups them by sub-config
 FLAGS = flags.FLAGS
 
 COMMAND_LINE, RUN_CONFIG, DEFAULT = "command line", "run config", "default"
 # The settings that shape a score, shown with where each came from.
-SHOWN = ("model", "param_dtype", "compute_dtype", "data", "eval_data", "eval_sets",
-         "instruction", "system_prompt", "answer_mode", "max_prompt_tokens", "max_new_tokens",
-         "temperature", "top_k", "top_p", "eval_prompts", "eval_samples", "seed", "mesh")
+SHOWN = (
+    "model",
+    "param_dtype",
+    "compute_dtype",
+    "data",
+    "eval_data",
+    "eval_sets",
+    "instruction",
+    "system_prompt",
+    "answer_mode",
+    "max_prompt_tokens",
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "eval_prompts",
+    "eval_samples",
+    "seed",
+    "mesh",
+)
 # What a checkpoint's weights are: a run's own, never another value.
 CHECKPOINT_FIXED = ("model", "param_dtype")
-EVAL_FOLDER = os.path.join("workdirs", "eval")   # a base model's results (no workdir)
+EVAL_FOLDER = os.path.join("workdirs", "eval")  # a base model's results (no workdir)
 
 
 def main(argv):
-    del argv   # cli.run refuses positional arguments
+    del argv  # cli.run refuses positional arguments
     cli.quiet_logs()
     opts = cli.config_from_flags(EvaluateOptions)
     require(opts.batch_prompts >= 1, f"--batch_prompts={opts.batch_prompts} must be >= 1.")
@@ -107,10 +125,13 @@ def plan(opts: EvaluateOptions, given: dict[str, Any]) -> Plan:
     """The settings of an evaluation: a checkpoint's run config (else the trainer's defaults)
     with the `given` flags ({flag name: value}) over them."""
     from jaxrl4llm.train.checkpoint import checkpoint_step, read_run_config
+
     if opts.checkpoint is None:
         if opts.checkpoint_step is not None:
-            raise FlagError(f"--checkpoint_step={opts.checkpoint_step} needs "
-                            "--checkpoint=WORKDIR (the training run whose checkpoint to load).")
+            raise FlagError(
+                f"--checkpoint_step={opts.checkpoint_step} needs "
+                "--checkpoint=WORKDIR (the training run whose checkpoint to load)."
+            )
         base, origin, step = TrainConfig(), DEFAULT, 0
     else:
         base, origin = read_run_config(opts.checkpoint), RUN_CONFIG
@@ -122,23 +143,27 @@ def plan(opts: EvaluateOptions, given: dict[str, Any]) -> Plan:
                     f"--{name}={options.format_value(given[name])} with "
                     f"--checkpoint={opts.checkpoint}: that run trained --{name}="
                     f"{options.format_value(saved[name])}, which its checkpoint holds. Drop "
-                    f"--{name} (or evaluate that model without --checkpoint).")
+                    f"--{name} (or evaluate that model without --checkpoint)."
+                )
         if "data" in given and "eval_data" not in given:
-            given = {**given, "eval_data": None}   # the --data given is the held-out source
+            given = {**given, "eval_data": None}  # the --data given is the held-out source
     try:
         config = options.replace(base, **given)
-    except ValueError as exc:   # a flag the saved config's groups reject
+    except ValueError as exc:  # a flag the saved config's groups reject
         raise FlagError(str(exc)) from exc
-    origins = {name: COMMAND_LINE if name in given else origin
-               for name in options.flatten(config)}
+    origins = {name: COMMAND_LINE if name in given else origin for name in options.flatten(config)}
     result = Plan(config, origins, opts.checkpoint, step)
     e = config.evaluation
     if e.eval_prompts == 0 and not e.sets:
-        where = (f"the run config of {opts.checkpoint}" if origins["eval_prompts"] == RUN_CONFIG
-                 else f"the {origins['eval_prompts']}")
+        where = (
+            f"the run config of {opts.checkpoint}"
+            if origins["eval_prompts"] == RUN_CONFIG
+            else f"the {origins['eval_prompts']}"
+        )
         raise FlagError(
             f"--eval_prompts=0 evaluates nothing (from {where}); pass --eval_prompts=N prompts "
-            "or -1 for the whole split, or name sets with --eval_sets.")
+            "or -1 for the whole split, or name sets with --eval_sets."
+        )
     if e.eval_samples < 1:
         raise FlagError(f"--eval_samples={e.eval_samples} must be >= 1 (1 = greedy only).")
     return result
@@ -149,8 +174,10 @@ def check(p: Plan) -> None:
     base model found when no checkpoint names it, before any data or model is read."""
     from jaxrl4llm import parallel
     from jaxrl4llm.models import registry
+
     parallel.maybe_initialize_distributed(auto_detect=p.config.run.distributed)
     import jax
+
     with cli.flag_errors():
         p.config.validate(jax.device_count())
     if not p.checkpoint:
@@ -182,15 +209,18 @@ def output_path(opts: EvaluateOptions, p: Plan) -> str:
     return os.path.join(EVAL_FOLDER, f"{model}-{what}.json")
 
 
-_NONE_MEANS = {"eval_data": "--data", "compute_dtype": "the parameter dtype",
-               "instruction": "the record's own, else the boxed-answer instruction"}
+_NONE_MEANS = {
+    "eval_data": "--data",
+    "compute_dtype": "the parameter dtype",
+    "instruction": "the record's own, else the boxed-answer instruction",
+}
 
 
 def _shown_value(name: str, value: Any, split: str) -> str:
     if value is None and name in _NONE_MEANS:
         return f"none ({_NONE_MEANS[name]}{', split ' + split if name == 'eval_data' else ''})"
     if isinstance(value, str) and name in ("instruction", "system_prompt"):
-        return repr(value)   # shows '' (no instruction)
+        return repr(value)  # shows '' (no instruction)
     return options.format_value(value)
 
 
@@ -202,10 +232,14 @@ def settings(p: Plan) -> dict[str, dict[str, Any]]:
 
 def settings_header(p: Plan, split: str) -> str:
     """The settings table printed before the scores: value and origin of each SHOWN one."""
-    source = (f"{RUN_CONFIG} = {os.path.join(p.checkpoint, 'config.json')}" if p.checkpoint
-              else f"{DEFAULT} = the trainer's default")
-    rows = [(name, _shown_value(name, s["value"], split), s["from"])
-            for name, s in settings(p).items()]
+    source = (
+        f"{RUN_CONFIG} = {os.path.join(p.checkpoint, 'config.json')}"
+        if p.checkpoint
+        else f"{DEFAULT} = the trainer's default"
+    )
+    rows = [
+        (name, _shown_value(name, s["value"], split), s["from"]) for name, s in settings(p).items()
+    ]
     width = max(len(value) for _, value, _ in rows)
     lines = [f"settings ({COMMAND_LINE} = flags given, a --flagfile's included; {source})"]
     lines += [f"  {name:18s} {value:{width}s}  {origin}" for name, value, origin in rows]
@@ -221,10 +255,15 @@ def evaluate_command(opts: EvaluateOptions, given: dict[str, Any]) -> int:
     print(f"Evaluating {p.name}{checkpoint}\n{settings_header(p, opts.split)}", flush=True)
     results, num_records = run_evaluation(p, opts)
     config, sets = p.config, p.config.evaluation.sets
-    report = {"model": p.name, "base_model": config.model.name, "split": opts.split,
-              "checkpoint_step": p.step if p.checkpoint else None, "results": results,
-              "settings": settings(p),
-              "config": options.to_dict(config)}
+    report = {
+        "model": p.name,
+        "base_model": config.model.name,
+        "split": opts.split,
+        "checkpoint_step": p.step if p.checkpoint else None,
+        "results": results,
+        "settings": settings(p),
+        "config": options.to_dict(config),
+    }
     if num_records:
         report["data"] = config.evaluation.eval_data or config.data.source
     if sets:
@@ -265,16 +304,26 @@ def run_evaluation(p: Plan, opts: EvaluateOptions) -> tuple[dict[str, float], in
         _, model_config, params, tokenizer = load_trained_policy(p.checkpoint, p.step, mesh=mesh)
     else:
         model_config, params, tokenizer = registry.load_model(
-            config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype))
-    model_config = config.model.compute_config(model_config)   # --compute_dtype
+            config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype)
+        )
+    model_config = config.model.compute_config(model_config)  # --compute_dtype
     with RewardFn("auto", config.reward) as reward_fn:
-        ctx = RolloutContext.create(model_config, tokenizer, reward_fn, mesh, config.data,
-                                    config.rollout)
+        ctx = RolloutContext.create(
+            model_config, tokenizer, reward_fn, mesh, config.data, config.rollout
+        )
         start = time.perf_counter()
         results = evaluator.evaluate_run(
-            ctx, params, records, sets, set_records, samples=config.evaluation.eval_samples,
+            ctx,
+            params,
+            records,
+            sets,
+            set_records,
+            samples=config.evaluation.eval_samples,
             key=evaluator.eval_key(config.run.seed, p.step),
-            prompts_per_batch=opts.batch_prompts, prefix="", progress=True)
+            prompts_per_batch=opts.batch_prompts,
+            prefix="",
+            progress=True,
+        )
     results["seconds"] = time.perf_counter() - start
     return results, len(records)
 
@@ -282,19 +331,27 @@ def run_evaluation(p: Plan, opts: EvaluateOptions) -> tuple[dict[str, float], in
 def table(results: dict[str, float], names: list[str]) -> str:
     """One row per set (and the mean), one column per metric: the paper's table."""
     from jaxrl4llm.eval.sets import MEAN
-    metrics = sorted({key.split("/", 1)[1] for key in results if "/" in key} - {"num_prompts"},
-                     key=lambda m: (m != "greedy", m.split("@")[0], int(m.split("@")[-1])
-                                    if "@" in m else 0))
+
+    metrics = sorted(
+        {key.split("/", 1)[1] for key in results if "/" in key} - {"num_prompts"},
+        key=lambda m: (m != "greedy", m.split("@")[0], int(m.split("@")[-1]) if "@" in m else 0),
+    )
     rows = [["set", *metrics, "prompts"]]
     for name in [*names, MEAN]:
-        cells = [f"{100 * results[f'{name}/{m}']:.1f}" if f"{name}/{m}" in results else "-"
-                 for m in metrics]
+        cells = [
+            f"{100 * results[f'{name}/{m}']:.1f}" if f"{name}/{m}" in results else "-"
+            for m in metrics
+        ]
         prompts = results.get(f"{name}/num_prompts")
         rows.append([name, *cells, f"{prompts:.0f}" if prompts is not None else ""])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  " + "  ".join(cell.rjust(w) if i else cell.ljust(w)
-                                       for i, (cell, w) in enumerate(zip(row, widths)))
-                     for row in rows)
+    return "\n".join(
+        "  "
+        + "  ".join(
+            cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))
+        )
+        for row in rows
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ with exit code 75 (preempted: the checkpoint is saved) is resubmitted with the s
 at most --max_restarts times; it resumes from the workdir's latest checkpoint. Any other
 non-zero code stops the launcher with that code. docs/clusters.md walks through each backend.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,9 +42,15 @@ def run_step(step: Sequence[Process], grace_s: float = PEER_GRACE_S) -> int:
     their combined exit code; when one fails, the others get `grace_s` seconds to end on
     their own (a preempted peer saves its checkpoint), then SIGTERM, then SIGKILL."""
     logs = [_open_log(p.log) for p in step]
-    procs = [subprocess.Popen(list(p.argv), env={**os.environ, **dict(p.env)}, stdout=log,
-                              stderr=subprocess.STDOUT if log else None)
-             for p, log in zip(step, logs)]
+    procs = [
+        subprocess.Popen(
+            list(p.argv),
+            env={**os.environ, **dict(p.env)},
+            stdout=log,
+            stderr=subprocess.STDOUT if log else None,
+        )
+        for p, log in zip(step, logs)
+    ]
     failed_at = None
     while any(proc.poll() is None for proc in procs):
         if failed_at is None and any(proc.returncode for proc in procs):
@@ -90,9 +97,12 @@ def run_attempt(plan: Plan, runner: Callable[[Sequence[Process]], int] = run_ste
     return 0
 
 
-def launch(plan: Plan, max_restarts: int,
-           runner: Callable[[Sequence[Process]], int] = run_step,
-           log: Callable[[str], None] = print) -> int:
+def launch(
+    plan: Plan,
+    max_restarts: int,
+    runner: Callable[[Sequence[Process]], int] = run_step,
+    log: Callable[[str], None] = print,
+) -> int:
     """Runs the plan, again after each preemption (exit 75) up to `max_restarts` times;
     returns the last attempt's exit code."""
     for attempt in range(max_restarts + 1):
@@ -100,14 +110,20 @@ def launch(plan: Plan, max_restarts: int,
         if code != EXIT_PREEMPTED:
             break
         if attempt < max_restarts:
-            log(f"launch: attempt {attempt + 1} was preempted (exit {EXIT_PREEMPTED}); "
-                f"resubmitting ({attempt + 1} of --max_restarts={max_restarts}).")
+            log(
+                f"launch: attempt {attempt + 1} was preempted (exit {EXIT_PREEMPTED}); "
+                f"resubmitting ({attempt + 1} of --max_restarts={max_restarts})."
+            )
     if code == EXIT_PREEMPTED:
-        log(f"launch: preempted {max_restarts + 1} times, --max_restarts={max_restarts} "
-            "used up; run the same command again to resume from the last checkpoint.")
+        log(
+            f"launch: preempted {max_restarts + 1} times, --max_restarts={max_restarts} "
+            "used up; run the same command again to resume from the last checkpoint."
+        )
     elif code:
-        log(f"launch: the job failed with exit code {code}; not resubmitted (only 75, "
-            f"preempted, is). The hosts' logs: {plan.log_dir}")
+        log(
+            f"launch: the job failed with exit code {code}; not resubmitted (only 75, "
+            f"preempted, is). The hosts' logs: {plan.log_dir}"
+        )
     else:
         log("launch: the job finished.")
     return code
@@ -119,14 +135,14 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     if "--" not in argv:
         return argv, []
     at = argv.index("--")
-    return argv[:at], argv[at + 1:]
+    return argv[:at], argv[at + 1 :]
 
 
 TRAIN_ARGS: list[str] = []
 
 
 def main(argv: Sequence[str]) -> int:
-    del argv   # cli.run refuses positional arguments; the trainer's come after `--`
+    del argv  # cli.run refuses positional arguments; the trainer's come after `--`
     opts = cli.config_from_flags(LaunchOptions)
     with flag_errors():
         plan = make_plan(opts, TRAIN_ARGS)

@@ -11,6 +11,7 @@ Every backend runs `python -m experiments.train --distributed ARGS` once per hos
 same ARGS, and reduces the hosts' exit codes by `combined_exit_code`: 75 (preempted,
 checkpoint saved) when any host was preempted, else the first failure, else 0.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,8 @@ from jaxrl4llm.config.errors import EXIT_PREEMPTED
 
 BACKENDS = ("local", "tpu-vm", "gke", "slurm")
 TRAIN_MODULE = "experiments.train"
-COORDINATOR_PORT = 8476   # jax.distributed's coordinator, on the first host
-REMOTE_PREFIXES = ("gs://", "s3://")   # workdirs that orbax writes but a shell cannot append to
+COORDINATOR_PORT = 8476  # jax.distributed's coordinator, on the first host
+REMOTE_PREFIXES = ("gs://", "s3://")  # workdirs that orbax writes but a shell cannot append to
 
 # `combined_exit_code` in bash: CODES holds one exit code per host, RC gets the job's.
 COMBINE_CODES_BASH = f"""\
@@ -113,7 +114,7 @@ class Plan:
 
     files: dict[str, str]
     steps: tuple[tuple[Process, ...], ...]
-    log_dir: str   # where the hosts' logs go
+    log_dir: str  # where the hosts' logs go
 
     def describe(self) -> str:
         parts = []
@@ -142,6 +143,7 @@ def workdir_of(train_args: Sequence[str]) -> str:
     """The --workdir the training arguments give (in a --flagfile or on the command line, the
     last one winning as absl reads them), else the trainer's default."""
     from jaxrl4llm.train.config import RunConfig
+
     workdir = RunConfig.workdir
     for arg in train_args:
         if arg.startswith("--flagfile="):
@@ -168,16 +170,19 @@ def parse_env(text: str) -> tuple[tuple[str, str], ...]:
         elif pairs:
             pairs[-1][1] += "," + item
         else:
-            raise ValueError(f"--env={text!r} must start with KEY=VALUE (e.g. "
-                             "--env=TF_CPP_MIN_LOG_LEVEL=1,XLA_FLAGS=--xla_dump_to=/tmp/hlo).")
+            raise ValueError(
+                f"--env={text!r} must start with KEY=VALUE (e.g. "
+                "--env=TF_CPP_MIN_LOG_LEVEL=1,XLA_FLAGS=--xla_dump_to=/tmp/hlo)."
+            )
     return tuple((k, v) for k, v in pairs)
 
 
 def launch_dir(opts: LaunchOptions, workdir: str) -> str:
     if opts.launch_dir:
         return opts.launch_dir
-    return os.path.join("launch", opts.name) if is_remote(workdir) else os.path.join(
-        workdir, "launch")
+    return (
+        os.path.join("launch", opts.name) if is_remote(workdir) else os.path.join(workdir, "launch")
+    )
 
 
 def _train_argv(opts: LaunchOptions, train_args: Sequence[str]) -> tuple[str, ...]:
@@ -189,15 +194,16 @@ def _base_env(platform: str, opts: LaunchOptions) -> tuple[tuple[str, str], ...]
     return (("JAX_PLATFORMS", platform), ("PYTHONUNBUFFERED", "1")) + parse_env(opts.env)
 
 
-def make_plan(opts: LaunchOptions, train_args: Sequence[str],
-              module: str = TRAIN_MODULE) -> Plan:
+def make_plan(opts: LaunchOptions, train_args: Sequence[str], module: str = TRAIN_MODULE) -> Plan:
     """The plan of `opts.backend` for the training arguments `train_args`. `module` replaces
     experiments.train on the local backend (tests run a stand-in that exits 75)."""
     if opts.backend not in BACKENDS:
         raise ValueError(f"--backend={opts.backend}: choose one of {', '.join(BACKENDS)}.")
     if opts.num_hosts < 1 or opts.max_restarts < 0:
-        raise ValueError(f"--num_hosts={opts.num_hosts} must be >= 1 and --max_restarts="
-                         f"{opts.max_restarts} >= 0.")
+        raise ValueError(
+            f"--num_hosts={opts.num_hosts} must be >= 1 and --max_restarts="
+            f"{opts.max_restarts} >= 0."
+        )
     workdir = workdir_of(train_args)
     builders = {"local": _local, "tpu-vm": _tpu_vm, "gke": _gke, "slurm": _slurm}
     return builders[opts.backend](opts, list(train_args), workdir, module)
@@ -206,26 +212,33 @@ def make_plan(opts: LaunchOptions, train_args: Sequence[str],
 def _require(opts: LaunchOptions, *names: str) -> None:
     missing = [f"--{n}" for n in names if not getattr(opts, n)]
     if missing:
-        raise ValueError(f"--backend={opts.backend} needs {', '.join(missing)} (python -m "
-                         "experiments.launch --help describes each).")
+        raise ValueError(
+            f"--backend={opts.backend} needs {', '.join(missing)} (python -m "
+            "experiments.launch --help describes each)."
+        )
 
 
 def _local(opts: LaunchOptions, train_args: list[str], workdir: str, module: str) -> Plan:
     """N processes on this machine joined by jax.distributed on localhost, each with
     --devices_per_process fake CPU devices: the multi-host path without a cluster."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     logs = os.path.join(launch_dir(opts, workdir), "logs")
     argv = (opts.python or sys.executable, "-m", module, "--distributed", *train_args)
-    env = (("JAX_PLATFORMS", "cpu"), ("PYTHONUNBUFFERED", "1"),
-           ("XLA_FLAGS", f"--xla_force_host_platform_device_count={opts.devices_per_process}"),
-           ("JAX_COORDINATOR_ADDRESS", f"127.0.0.1:{port}"),
-           ("JAX_NUM_PROCESSES", str(opts.num_hosts))) + parse_env(opts.env)
-    processes = tuple(Process(argv, env + (("JAX_PROCESS_ID", str(i)),),
-                              os.path.join(logs, f"worker{i}.log"))
-                      for i in range(opts.num_hosts))
+    env = (
+        ("JAX_PLATFORMS", "cpu"),
+        ("PYTHONUNBUFFERED", "1"),
+        ("XLA_FLAGS", f"--xla_force_host_platform_device_count={opts.devices_per_process}"),
+        ("JAX_COORDINATOR_ADDRESS", f"127.0.0.1:{port}"),
+        ("JAX_NUM_PROCESSES", str(opts.num_hosts)),
+    ) + parse_env(opts.env)
+    processes = tuple(
+        Process(argv, env + (("JAX_PROCESS_ID", str(i)),), os.path.join(logs, f"worker{i}.log"))
+        for i in range(opts.num_hosts)
+    )
     return Plan(files={}, steps=(processes,), log_dir=logs)
 
 
@@ -239,8 +252,10 @@ def _tpu_vm(opts: LaunchOptions, train_args: list[str], workdir: str, module: st
     remote_logs = os.path.join(workdir, "logs")
     logs = "/tmp/jaxrl4llm-logs" if is_remote(workdir) else remote_logs
     log = f"{logs}/worker-$(hostname).log"
-    command = (f"cd {opts.repo_dir} && mkdir -p {shlex.quote(logs)} && "
-               f"{env} {train} 2>&1 | tee {log}; rc=${{PIPESTATUS[0]}}; ")
+    command = (
+        f"cd {opts.repo_dir} && mkdir -p {shlex.quote(logs)} && "
+        f"{env} {train} 2>&1 | tee {log}; rc=${{PIPESTATUS[0]}}; "
+    )
     if is_remote(workdir):
         command += f"gcloud storage cp {log} {shlex.quote(remote_logs)}/; "
     command += "exit $rc"
@@ -262,18 +277,25 @@ def _gke(opts: LaunchOptions, train_args: list[str], workdir: str, module: str) 
     files = {manifest: gke_manifest(opts, train_args, tpu)}
     kubectl = ("kubectl", f"--namespace={opts.namespace}")
     job = f"job/{opts.name}"
-    wait = (f"kubectl --namespace={opts.namespace} wait --for=condition=Complete {job} "
-            f"--timeout=-1s & kubectl --namespace={opts.namespace} wait "
-            f"--for=condition=Failed {job} --timeout=-1s & wait -n; kill %1 %2 2>/dev/null\n"
-            f"CODES=$(kubectl --namespace={opts.namespace} get pods "
-            f"--selector=batch.kubernetes.io/job-name={opts.name} -o jsonpath="
-            "'{range .items[*]}{.status.containerStatuses[0].state.terminated.exitCode} {end}')\n"
-            f"{COMBINE_CODES_BASH}\nexit $rc")
-    steps = ((Process((*kubectl, "delete", "--ignore-not-found", "-f", manifest)),),
-             (Process((*kubectl, "apply", "-f", manifest)),),
-             (Process(("bash", "-c", wait)),))
-    return Plan(files=files, steps=steps, log_dir=f"kubectl logs --selector="
-                f"batch.kubernetes.io/job-name={opts.name}")
+    wait = (
+        f"kubectl --namespace={opts.namespace} wait --for=condition=Complete {job} "
+        f"--timeout=-1s & kubectl --namespace={opts.namespace} wait "
+        f"--for=condition=Failed {job} --timeout=-1s & wait -n; kill %1 %2 2>/dev/null\n"
+        f"CODES=$(kubectl --namespace={opts.namespace} get pods "
+        f"--selector=batch.kubernetes.io/job-name={opts.name} -o jsonpath="
+        "'{range .items[*]}{.status.containerStatuses[0].state.terminated.exitCode} {end}')\n"
+        f"{COMBINE_CODES_BASH}\nexit $rc"
+    )
+    steps = (
+        (Process((*kubectl, "delete", "--ignore-not-found", "-f", manifest)),),
+        (Process((*kubectl, "apply", "-f", manifest)),),
+        (Process(("bash", "-c", wait)),),
+    )
+    return Plan(
+        files=files,
+        steps=steps,
+        log_dir=f"kubectl logs --selector=batch.kubernetes.io/job-name={opts.name}",
+    )
 
 
 def gke_manifest(opts: LaunchOptions, train_args: Sequence[str], tpu: bool) -> str:
@@ -281,33 +303,59 @@ def gke_manifest(opts: LaunchOptions, train_args: Sequence[str], tpu: bool) -> s
     worker ids and hostnames and jax.distributed reads them; GPU pods: the coordinator is
     pod 0 through the headless Service, the process id the pod's completion index."""
     import yaml
+
     env = [{"name": k, "value": v} for k, v in _base_env("tpu" if tpu else "cuda", opts)]
     train = shlex.join(_train_argv(opts, train_args))
     if not tpu:
-        env += [{"name": "JAX_COORDINATOR_ADDRESS",
-                 "value": f"{opts.name}-0.{opts.name}:{COORDINATOR_PORT}"},
-                {"name": "JAX_NUM_PROCESSES", "value": str(opts.num_hosts)}]
+        env += [
+            {
+                "name": "JAX_COORDINATOR_ADDRESS",
+                "value": f"{opts.name}-0.{opts.name}:{COORDINATOR_PORT}",
+            },
+            {"name": "JAX_NUM_PROCESSES", "value": str(opts.num_hosts)},
+        ]
         train = f"JAX_PROCESS_ID=$JOB_COMPLETION_INDEX exec {train}"
     resource = "google.com/tpu" if tpu else "nvidia.com/gpu"
-    selector = {"cloud.google.com/gke-tpu-accelerator" if tpu
-                else "cloud.google.com/gke-accelerator": opts.accelerator}
+    selector = {
+        "cloud.google.com/gke-tpu-accelerator"
+        if tpu
+        else "cloud.google.com/gke-accelerator": opts.accelerator
+    }
     if tpu and opts.topology:
         selector["cloud.google.com/gke-tpu-topology"] = opts.topology
-    service = {"apiVersion": "v1", "kind": "Service",
-               "metadata": {"name": opts.name, "namespace": opts.namespace},
-               "spec": {"clusterIP": "None",
-                        "selector": {"batch.kubernetes.io/job-name": opts.name}}}
-    container = {"name": "train", "image": opts.image, "command": ["bash", "-c", train],
-                 "env": env, "ports": [{"containerPort": COORDINATOR_PORT}],
-                 "resources": {"limits": {resource: opts.chips_per_host}}}
-    job = {"apiVersion": "batch/v1", "kind": "Job",
-           "metadata": {"name": opts.name, "namespace": opts.namespace},
-           "spec": {"completionMode": "Indexed", "completions": opts.num_hosts,
-                    "parallelism": opts.num_hosts,
-                    "backoffLimit": 0,   # a failed host fails the job; the launcher resubmits
-                    "template": {"spec": {"subdomain": opts.name, "restartPolicy": "Never",
-                                          "nodeSelector": selector,
-                                          "containers": [container]}}}}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": opts.name, "namespace": opts.namespace},
+        "spec": {"clusterIP": "None", "selector": {"batch.kubernetes.io/job-name": opts.name}},
+    }
+    container = {
+        "name": "train",
+        "image": opts.image,
+        "command": ["bash", "-c", train],
+        "env": env,
+        "ports": [{"containerPort": COORDINATOR_PORT}],
+        "resources": {"limits": {resource: opts.chips_per_host}},
+    }
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": opts.name, "namespace": opts.namespace},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": opts.num_hosts,
+            "parallelism": opts.num_hosts,
+            "backoffLimit": 0,  # a failed host fails the job; the launcher resubmits
+            "template": {
+                "spec": {
+                    "subdomain": opts.name,
+                    "restartPolicy": "Never",
+                    "nodeSelector": selector,
+                    "containers": [container],
+                }
+            },
+        },
+    }
     return yaml.safe_dump_all([service, job], sort_keys=False)
 
 
@@ -316,36 +364,52 @@ def _slurm(opts: LaunchOptions, train_args: list[str], workdir: str, module: str
     the first node is the coordinator; each task's log and exit code go to the launch folder
     (shared storage on a SLURM cluster)."""
     _require(opts, "partition")
-    folder = os.path.abspath(launch_dir(opts, workdir))   # the script cds to --repo_dir
+    folder = os.path.abspath(launch_dir(opts, workdir))  # the script cds to --repo_dir
     script = os.path.join(folder, f"{opts.name}.sbatch")
     files = {script: sbatch_script(opts, train_args, os.path.join(folder, "logs"))}
-    return Plan(files=files, steps=((Process(("sbatch", "--wait", script)),),),
-                log_dir=os.path.join(folder, "logs"))
+    return Plan(
+        files=files,
+        steps=((Process(("sbatch", "--wait", script)),),),
+        log_dir=os.path.join(folder, "logs"),
+    )
 
 
 def sbatch_script(opts: LaunchOptions, train_args: Sequence[str], logs: str) -> str:
     """The sbatch script: one task per node, every node with --chips_per_host GPUs."""
-    directives = [f"--job-name={opts.name}", f"--partition={opts.partition}",
-                  f"--nodes={opts.num_hosts}", "--ntasks-per-node=1",
-                  f"--time={opts.time_limit}", f"--output={logs}/sbatch-%j.out"]
+    directives = [
+        f"--job-name={opts.name}",
+        f"--partition={opts.partition}",
+        f"--nodes={opts.num_hosts}",
+        "--ntasks-per-node=1",
+        f"--time={opts.time_limit}",
+        f"--output={logs}/sbatch-%j.out",
+    ]
     if opts.chips_per_host:
         directives.append(f"--gpus-per-node={opts.chips_per_host}")
     if opts.account:
         directives.append(f"--account={opts.account}")
     exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in _base_env("cuda", opts))
     train = shlex.join(_train_argv(opts, train_args))
-    task = (f"JAX_PROCESS_ID=$SLURM_PROCID {train} > {shlex.quote(logs)}/worker-$SLURM_PROCID.log"
-            f" 2>&1; echo $? > {shlex.quote(logs)}/exit-$SLURM_PROCID")
-    return "\n".join(["#!/bin/bash"] + [f"#SBATCH {d}" for d in directives] + [
-        "set -u",
-        f"mkdir -p {shlex.quote(logs)} && rm -f {shlex.quote(logs)}/exit-*",
-        f"cd {opts.repo_dir}",
-        exports,
-        "# The first node of the allocation coordinates jax.distributed.",
-        'COORDINATOR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"export JAX_COORDINATOR_ADDRESS=$COORDINATOR:{COORDINATOR_PORT}",
-        "export JAX_NUM_PROCESSES=$SLURM_NNODES",
-        f"srun --ntasks={opts.num_hosts} --ntasks-per-node=1 bash -c {shlex.quote(task)}",
-        f"CODES=$(cat {shlex.quote(logs)}/exit-* 2>/dev/null || echo 1)",
-        COMBINE_CODES_BASH,
-        "exit $rc", ""])
+    task = (
+        f"JAX_PROCESS_ID=$SLURM_PROCID {train} > {shlex.quote(logs)}/worker-$SLURM_PROCID.log"
+        f" 2>&1; echo $? > {shlex.quote(logs)}/exit-$SLURM_PROCID"
+    )
+    return "\n".join(
+        ["#!/bin/bash"]
+        + [f"#SBATCH {d}" for d in directives]
+        + [
+            "set -u",
+            f"mkdir -p {shlex.quote(logs)} && rm -f {shlex.quote(logs)}/exit-*",
+            f"cd {opts.repo_dir}",
+            exports,
+            "# The first node of the allocation coordinates jax.distributed.",
+            'COORDINATOR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            f"export JAX_COORDINATOR_ADDRESS=$COORDINATOR:{COORDINATOR_PORT}",
+            "export JAX_NUM_PROCESSES=$SLURM_NNODES",
+            f"srun --ntasks={opts.num_hosts} --ntasks-per-node=1 bash -c {shlex.quote(task)}",
+            f"CODES=$(cat {shlex.quote(logs)}/exit-* 2>/dev/null || echo 1)",
+            COMBINE_CODES_BASH,
+            "exit $rc",
+            "",
+        ]
+    )

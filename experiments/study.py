@@ -13,6 +13,7 @@ from whatever runs exist) it writes ROOT/report.md, report.json and curves.png
 (experiments/study_report.py says what they hold). --print_commands prints one command per
 run, for a cluster scheduler, and runs nothing.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,31 +32,53 @@ from jaxrl4llm.config import cli
 from jaxrl4llm.config.options import require
 from jaxrl4llm.train.errors import EXIT_PREEMPTED
 
-_STUDY = flags.DEFINE_string("study", None, "A shipped study's name (experiments/studies/) "
-                             "or the path of a study spec (.toml).")
-_SCALE = flags.DEFINE_string("scale", "cpu", "Which of the spec's scales to run (its "
-                             "[scales.NAME] table): e.g. cpu or paper.")
-_ROOT = flags.DEFINE_string("root", None, "Folder of the runs' workdirs and the report "
-                            "(default: workdirs/studies/STUDY/SCALE).")
+_STUDY = flags.DEFINE_string(
+    "study",
+    None,
+    "A shipped study's name (experiments/studies/) or the path of a study spec (.toml).",
+)
+_SCALE = flags.DEFINE_string(
+    "scale",
+    "cpu",
+    "Which of the spec's scales to run (its [scales.NAME] table): e.g. cpu or paper.",
+)
+_ROOT = flags.DEFINE_string(
+    "root",
+    None,
+    "Folder of the runs' workdirs and the report (default: workdirs/studies/STUDY/SCALE).",
+)
 _ARMS = flags.DEFINE_string("arms", "", "Comma-separated subset of the arms (default: all).")
 _SEEDS = flags.DEFINE_string("seeds", "", "Comma-separated seeds, instead of the scale's.")
-_PRINT = flags.DEFINE_boolean("print_commands", False,
-                              "Print one training command per run and run nothing.")
-_COLLECT = flags.DEFINE_boolean("collect", False,
-                                "Only build the report from the existing workdirs.")
-_CACHE = flags.DEFINE_string("compilation_cache", None, "JAX's persistent compilation cache "
-                             "for the runs (default ROOT/jax_cache; '' for none): the runs of a "
-                             "study compile the same programs, so all but the first skip most "
-                             "of their compile time (a toy run: 97 s -> 25 s).")
-_KEEP_GOING = flags.DEFINE_boolean("keep_going", True, "After a failed run, go on with the "
-                                   "next ones (the study then exits with status 1).")
-_PRUNE = flags.DEFINE_boolean("prune_checkpoints", False, "Delete a run's checkpoints once it "
-                              "has finished (the report reads only metrics.jsonl; unfinished "
-                              "runs keep theirs to resume). A cpu-scale run of SmolLM2-135M "
-                              "keeps 2.8 GB of checkpoints: 59 GB for minimalist_fig4's 21 runs.")
+_PRINT = flags.DEFINE_boolean(
+    "print_commands", False, "Print one training command per run and run nothing."
+)
+_COLLECT = flags.DEFINE_boolean(
+    "collect", False, "Only build the report from the existing workdirs."
+)
+_CACHE = flags.DEFINE_string(
+    "compilation_cache",
+    None,
+    "JAX's persistent compilation cache "
+    "for the runs (default ROOT/jax_cache; '' for none): the runs of a "
+    "study compile the same programs, so all but the first skip most "
+    "of their compile time (a toy run: 97 s -> 25 s).",
+)
+_KEEP_GOING = flags.DEFINE_boolean(
+    "keep_going",
+    True,
+    "After a failed run, go on with the next ones (the study then exits with status 1).",
+)
+_PRUNE = flags.DEFINE_boolean(
+    "prune_checkpoints",
+    False,
+    "Delete a run's checkpoints once it "
+    "has finished (the report reads only metrics.jsonl; unfinished "
+    "runs keep theirs to resume). A cpu-scale run of SmolLM2-135M "
+    "keeps 2.8 GB of checkpoints: 59 GB for minimalist_fig4's 21 runs.",
+)
 
 
-_STOPPED: list[int] = []   # the SIGTERMs received while a run trained
+_STOPPED: list[int] = []  # the SIGTERMs received while a run trained
 
 
 def train(run: Run, cache_dir: str) -> tuple[int, str]:
@@ -64,8 +87,8 @@ def train(run: Run, cache_dir: str) -> tuple[int, str]:
     log_path = os.path.join(run.workdir, "train.log")
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"   # train.log follows the run live
-    if cache_dir:   # the user's own JAX_* settings win
+    env["PYTHONUNBUFFERED"] = "1"  # train.log follows the run live
+    if cache_dir:  # the user's own JAX_* settings win
         env.setdefault("JAX_COMPILATION_CACHE_DIR", cache_dir)
         env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     started: list[subprocess.Popen] = []
@@ -82,9 +105,10 @@ def train(run: Run, cache_dir: str) -> tuple[int, str]:
         with open(log_path, "a") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {run.shell()}\n")
             log.flush()
-            started.append(subprocess.Popen(run.argv, cwd=REPO, env=env, stdout=log,
-                                            stderr=subprocess.STDOUT))
-            if _STOPPED:   # a SIGTERM before the run existed
+            started.append(
+                subprocess.Popen(run.argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            )
+            if _STOPPED:  # a SIGTERM before the run existed
                 started[0].send_signal(signal.SIGTERM)
             code = started[0].wait()
     finally:
@@ -99,8 +123,7 @@ def _tail(path: str, lines: int = 15) -> str:
     return "\n".join([line for line in text.splitlines() if line.strip()][-lines:])
 
 
-def run_all(runs: list[Run], keep_going: bool, cache_dir: str, prune: bool = False
-            ) -> list[str]:
+def run_all(runs: list[Run], keep_going: bool, cache_dir: str, prune: bool = False) -> list[str]:
     """Trains every run not yet finished, in order, with a progress bar over runs; returns
     the labels of the runs that failed. `prune`: a run's checkpoints are deleted once it
     has finished."""
@@ -119,9 +142,11 @@ def run_all(runs: list[Run], keep_going: bool, cache_dir: str, prune: bool = Fal
         code, log_path = train(run, cache_dir)
         status, last = study_report.run_status(run.workdir, run.num_steps)
         minutes = (time.time() - t0) / 60
-        if _STOPPED or code == EXIT_PREEMPTED:   # the runner's SIGTERM, or the run's own
-            bar.write(f"{run.label}: stopped (SIGTERM) at step {last}/{run.num_steps} after "
-                      f"{minutes:.1f} min; the next runs did not start. Rerun to resume.")
+        if _STOPPED or code == EXIT_PREEMPTED:  # the runner's SIGTERM, or the run's own
+            bar.write(
+                f"{run.label}: stopped (SIGTERM) at step {last}/{run.num_steps} after "
+                f"{minutes:.1f} min; the next runs did not start. Rerun to resume."
+            )
             break
         if code == 0 and status == "finished":
             bar.write(f"{run.label}: finished (step {last}) in {minutes:.1f} min")
@@ -129,8 +154,10 @@ def run_all(runs: list[Run], keep_going: bool, cache_dir: str, prune: bool = Fal
                 shutil.rmtree(os.path.join(run.workdir, "checkpoints"), ignore_errors=True)
         else:
             failed.append(run.label)
-            bar.write(f"{run.label}: FAILED (exit {code}, step {last}/{run.num_steps}) after "
-                      f"{minutes:.1f} min; the end of {log_path}:\n{_tail(log_path)}")
+            bar.write(
+                f"{run.label}: FAILED (exit {code}, step {last}/{run.num_steps}) after "
+                f"{minutes:.1f} min; the end of {log_path}:\n{_tail(log_path)}"
+            )
             if not keep_going:
                 break
         bar.update(1)
@@ -146,13 +173,14 @@ def announce(name: str, scale: str, runs: list[Run], root: str, prune: bool) -> 
 
 
 def main(argv):
-    del argv   # cli.run refuses positional arguments
+    del argv  # cli.run refuses positional arguments
     require(_STUDY.value, "Give --study=NAME (experiments/studies/NAME.toml) or a path.")
-    with cli.flag_errors():   # a bad spec, arm, seed or scale: one line naming it
+    with cli.flag_errors():  # a bad spec, arm, seed or scale: one line naming it
         study = load_study(_STUDY.value)
         arms, seeds = select(study, _ARMS.value, _SEEDS.value, _SCALE.value)
-        root = os.path.abspath(_ROOT.value or os.path.join("workdirs", "studies", study.name,
-                                                           _SCALE.value))
+        root = os.path.abspath(
+            _ROOT.value or os.path.join("workdirs", "studies", study.name, _SCALE.value)
+        )
         runs = plan(study, _SCALE.value, root, arms, seeds)
     if _PRINT.value:
         print(f"# {study.name} ({_SCALE.value}): {len(runs)} runs; run each from {REPO}")
@@ -163,16 +191,26 @@ def main(argv):
         announce(study.name, _SCALE.value, runs, root, _PRUNE.value)
     cache = os.path.join(root, "jax_cache") if _CACHE.value is None else _CACHE.value
     failed = [] if _COLLECT.value else run_all(runs, _KEEP_GOING.value, cache, _PRUNE.value)
-    collect = ["python", "-m", "experiments.study", f"--study={_STUDY.value}",
-               f"--scale={_SCALE.value}", f"--root={root}", "--collect"]
+    collect = [
+        "python",
+        "-m",
+        "experiments.study",
+        f"--study={_STUDY.value}",
+        f"--scale={_SCALE.value}",
+        f"--root={root}",
+        "--collect",
+    ]
     collect += [f"--arms={_ARMS.value}"] * bool(_ARMS.value)
     collect += [f"--seeds={_SEEDS.value}"] * bool(_SEEDS.value)
-    report = study_report.build_report(study, _SCALE.value, runs,
-                                       " ".join(shlex.quote(c) for c in collect))
+    report = study_report.build_report(
+        study, _SCALE.value, runs, " ".join(shlex.quote(c) for c in collect)
+    )
     paths = study_report.write_report(report, root)
     finished = sum(r["status"] == "finished" for r in report["runs"])
-    print(f"\n{finished}/{len(runs)} runs finished. Report: {paths['report.md']} "
-          f"(also report.json, curves.png)")
+    print(
+        f"\n{finished}/{len(runs)} runs finished. Report: {paths['report.md']} "
+        f"(also report.json, curves.png)"
+    )
     if failed:
         print(f"Failed runs: {', '.join(failed)} (their train.log says why; rerun to resume)")
         return 1

@@ -17,6 +17,7 @@ study root (the same arm's when it has some, else any arm's), else CPU_SECONDS_P
 x parameters x rows per step x tokens per row, a 2-core CPU's rate measured on the
 quickstart (an accelerator is far faster: the estimate then only bounds it).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,11 +49,11 @@ class RunEstimate:
     label: str
     arm: str
     steps_left: int
-    num_params: int | None        # None: the model's architecture is not known here
+    num_params: int | None  # None: the model's architecture is not known here
     checkpoint_bytes: int | None  # one checkpoint (policy state, and PPO's critic state)
-    kept: int                     # checkpoints on disk once the run has finished
-    peak: int                     # ... while it saves one
-    existing_bytes: int           # its checkpoints already on disk (an unfinished run)
+    kept: int  # checkpoints on disk once the run has finished
+    peak: int  # ... while it saves one
+    existing_bytes: int  # its checkpoints already on disk (an unfinished run)
 
 
 def model_num_params(model: str) -> int | None:
@@ -71,7 +72,7 @@ def checkpoint_bytes(config: TrainConfig, num_params: int) -> int:
     per_param = 3 * param_dtype(config.model.param_dtype)(0).dtype.itemsize
     total = num_params * per_param
     if config.needs_critic:
-        total *= 2   # an upper bound: the critic has no unembedding
+        total *= 2  # an upper bound: the critic has no unembedding
     return total
 
 
@@ -82,9 +83,12 @@ def _saves(num_steps: int, every: int) -> int:
 
 def folder_bytes(folder: str) -> int:
     """Bytes of the files under `folder` (links not followed; 0 when it does not exist)."""
-    return sum(os.path.getsize(os.path.join(root, name))
-               for root, _, names in os.walk(folder) for name in names
-               if not os.path.islink(os.path.join(root, name)))
+    return sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(folder)
+        for name in names
+        if not os.path.islink(os.path.join(root, name))
+    )
 
 
 def estimate_run(run: Run, config: TrainConfig) -> RunEstimate:
@@ -94,12 +98,15 @@ def estimate_run(run: Run, config: TrainConfig) -> RunEstimate:
     saves = _saves(run.num_steps, config.run.checkpoint_every)
     keep = config.run.keep_checkpoints
     return RunEstimate(
-        label=run.label, arm=run.arm,
+        label=run.label,
+        arm=run.arm,
         steps_left=0 if status == "finished" else run.num_steps - last,
         num_params=num_params,
         checkpoint_bytes=None if num_params is None else checkpoint_bytes(config, num_params),
-        kept=min(keep, saves), peak=min(keep + 1, saves),
-        existing_bytes=folder_bytes(os.path.join(run.workdir, "checkpoints")))
+        kept=min(keep, saves),
+        peak=min(keep + 1, saves),
+        existing_bytes=folder_bytes(os.path.join(run.workdir, "checkpoints")),
+    )
 
 
 def disk_needed(runs: Sequence[RunEstimate], prune: bool) -> int:
@@ -108,28 +115,35 @@ def disk_needed(runs: Sequence[RunEstimate], prune: bool) -> int:
     if not pending:
         return 0
     peaks = [r.peak * r.checkpoint_bytes - r.existing_bytes for r in pending]
-    if prune:   # each finished run's checkpoints are deleted before the next run starts
+    if prune:  # each finished run's checkpoints are deleted before the next run starts
         return max(0, *peaks)
     kept = [r.kept * r.checkpoint_bytes - r.existing_bytes for r in pending]
     extra = max((r.peak - r.kept) * r.checkpoint_bytes for r in pending)
     return max(0, sum(kept) + extra)
 
 
-def seconds_per_step(run: Run, config: TrainConfig, num_params: int | None,
-                     runs: Sequence[Run]) -> tuple[float | None, str]:
+def seconds_per_step(
+    run: Run, config: TrainConfig, num_params: int | None, runs: Sequence[Run]
+) -> tuple[float | None, str]:
     """(seconds per step, where the number comes from) for `run`: see the module docstring."""
     for source in ([r for r in runs if r.arm == run.arm], runs):
-        times = [rec["time/step_s"] for r in source
-                 if os.path.exists(os.path.join(r.workdir, "metrics.jsonl"))
-                 for rec in read_metrics(r.workdir) if rec.get("time/step_s") is not None]
+        times = [
+            rec["time/step_s"]
+            for r in source
+            if os.path.exists(os.path.join(r.workdir, "metrics.jsonl"))
+            for rec in read_metrics(r.workdir)
+            if rec.get("time/step_s") is not None
+        ]
         if times:
             return sum(times) / len(times), f"mean time/step_s of {len(times)} logged steps"
     if num_params is None:
         return None, "unknown model size"
     rows = config.rollout.prompts_per_step * config.rollout.group_size
     tokens = config.rollout.max_prompt_tokens + config.rollout.max_new_tokens
-    return (CPU_SECONDS_PER_PARAM_TOKEN * num_params * rows * tokens,
-            "2-core CPU rate per parameter-token, no run logged yet")
+    return (
+        CPU_SECONDS_PER_PARAM_TOKEN * num_params * rows * tokens,
+        "2-core CPU rate per parameter-token, no run logged yet",
+    )
 
 
 def free_bytes(root: str) -> int:
@@ -163,30 +177,52 @@ def summary(name: str, scale: str, runs: Sequence[Run], root: str, prune: bool) 
         time_text = "time unknown (the model's size is not known here)"
     else:
         time_text = f"about {_duration(sum(seconds))} ({'; '.join(sorted(sources))})"
-    lines = [(f"{name} ({scale}): {len(runs)} runs, {len(pending)} to train "
-              f"({len(runs) - len(pending)} finished), {sum(e.steps_left for e in pending)} "
-              f"steps; {time_text}.")]
+    lines = [
+        (
+            f"{name} ({scale}): {len(runs)} runs, {len(pending)} to train "
+            f"({len(runs) - len(pending)} finished), {sum(e.steps_left for e in pending)} "
+            f"steps; {time_text}."
+        )
+    ]
     sized = [e for e in pending if e.checkpoint_bytes is not None]
     if not sized:
-        lines.append("Disk: not estimated (the model's parameter count is not known here)."
-                     if pending else "Disk: nothing more to write.")
+        lines.append(
+            "Disk: not estimated (the model's parameter count is not known here)."
+            if pending
+            else "Disk: nothing more to write."
+        )
         return "\n".join(lines)
     need, free = disk_needed(estimates, prune), free_bytes(root)
     each = max(sized, key=lambda e: e.kept * e.checkpoint_bytes)
-    per_run = (f"each run keeps up to {each.kept} checkpoint(s) of "
-               f"{each.checkpoint_bytes / GB:.2f} GB ({each.num_params / 1e6:.1f}M params: "
-               "params + 2 Adam moments)")
+    per_run = (
+        f"each run keeps up to {each.kept} checkpoint(s) of "
+        f"{each.checkpoint_bytes / GB:.2f} GB ({each.num_params / 1e6:.1f}M params: "
+        "params + 2 Adam moments)"
+    )
     if need > free:
         pruned = disk_needed(estimates, prune=True)
-        fixes = [] if prune else [(f"--prune_checkpoints (deletes each finished run's "
-                                   f"checkpoints: {pruned / GB:.1f} GB needed)")]
-        fixes += ["fewer checkpoints per run (--keep_checkpoints=1 in the study's flags)",
-                  "another --root on a larger disk"]
+        fixes = (
+            []
+            if prune
+            else [
+                (
+                    f"--prune_checkpoints (deletes each finished run's "
+                    f"checkpoints: {pruned / GB:.1f} GB needed)"
+                )
+            ]
+        )
+        fixes += [
+            "fewer checkpoints per run (--keep_checkpoints=1 in the study's flags)",
+            "another --root on a larger disk",
+        ]
         raise InsufficientDiskError(
             f"Not enough disk for study {name} in {root}: {free / GB:.1f} GB free, "
             f"{need / GB:.1f} GB needed ({len(sized)} runs to train; {per_run}). Use "
-            f"{', or '.join(fixes)}.")
-    lines.append(f"Disk: {per_run}; {need / GB:.1f} GB needed"
-                 f"{' (with --prune_checkpoints)' if prune else ''}, {free / GB:.1f} GB free "
-                 f"in {root}.")
+            f"{', or '.join(fixes)}."
+        )
+    lines.append(
+        f"Disk: {per_run}; {need / GB:.1f} GB needed"
+        f"{' (with --prune_checkpoints)' if prune else ''}, {free / GB:.1f} GB free "
+        f"in {root}."
+    )
     return "\n".join(lines)

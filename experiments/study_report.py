@@ -14,6 +14,7 @@ Two arms differ on a quantity when |mean_a - mean_b| > 2 sqrt(se_a^2 + se_b^2); 
 the difference is unresolved. Only finished runs (last step = the run's --num_steps) count;
 missing and unfinished runs are listed.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -28,10 +29,20 @@ from experiments.study_spec import REPO, SHORT_QUANTITIES, Run, Study
 from jaxrl4llm.train import plots
 from jaxrl4llm.train.metrics import read_metrics
 
-TRAIN_KEYS = ("reward/mean", "reward/accuracy", "policy/entropy", "policy/kl_ref",
-              "response/length_mean")
-PLOT_PANELS = (("reward", "reward/mean"), ("eval score", None), ("entropy", "policy/entropy"),
-               ("KL to reference", "policy/kl_ref"), ("response length", "response/length_mean"))
+TRAIN_KEYS = (
+    "reward/mean",
+    "reward/accuracy",
+    "policy/entropy",
+    "policy/kl_ref",
+    "response/length_mean",
+)
+PLOT_PANELS = (
+    ("reward", "reward/mean"),
+    ("eval score", None),
+    ("entropy", "policy/entropy"),
+    ("KL to reference", "policy/kl_ref"),
+    ("response length", "response/length_mean"),
+)
 
 
 def curve(records: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -50,13 +61,19 @@ def run_status(workdir: str, num_steps: int) -> tuple[str, int]:
     return ("finished" if last >= num_steps else "unfinished"), last
 
 
-def run_summary(records: Sequence[dict], primary: str, threshold: float | None,
-                final_window: int) -> dict[str, float | None]:
+def run_summary(
+    records: Sequence[dict], primary: str, threshold: float | None, final_window: int
+) -> dict[str, float | None]:
     """The per-run quantities named in the module docstring."""
     out: dict[str, float | None] = {}
-    eval_keys = sorted({k for r in records for k, v in r.items()
-                        if k.startswith("eval/") and not k.endswith("/num_prompts")
-                        and v is not None})
+    eval_keys = sorted(
+        {
+            k
+            for r in records
+            for k, v in r.items()
+            if k.startswith("eval/") and not k.endswith("/num_prompts") and v is not None
+        }
+    )
     for key in eval_keys:
         _, values = curve(records, key)
         out[f"final {key}"] = float(values[-1])
@@ -110,8 +127,14 @@ def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "
     run_rows, per_arm = [], {}
     for run in runs:
         status, last = run_status(run.workdir, run.num_steps)
-        row = {"arm": run.arm, "seed": run.seed, "workdir": run.workdir, "status": status,
-               "last_step": last, "num_steps": run.num_steps}
+        row = {
+            "arm": run.arm,
+            "seed": run.seed,
+            "workdir": run.workdir,
+            "status": status,
+            "last_step": last,
+            "num_steps": run.num_steps,
+        }
         if status == "finished":
             records = [r for r in read_metrics(run.workdir) if r["step"] <= run.num_steps]
             row["summary"] = run_summary(records, primary, threshold, study.final_window)
@@ -122,8 +145,9 @@ def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "
     for name in arm_names:
         summaries = per_arm.get(name, [])
         quantities = sorted({q for sm in summaries for q in sm})
-        arms[name] = {q: mean_se([sm[q] for sm in summaries if sm.get(q) is not None])
-                      for q in quantities}
+        arms[name] = {
+            q: mean_se([sm[q] for sm in summaries if sm.get(q) is not None]) for q in quantities
+        }
         for q in quantities:
             if q.startswith("steps "):
                 arms[name][q]["reached"] = f"{arms[name][q]['n']}/{len(summaries)}"
@@ -135,26 +159,54 @@ def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "
             verdict, diff, two_se = compare(arms[a].get(q), arms[b].get(q))
             if verdict in ("a>b", "a<b"):
                 hi, lo = (a, b) if verdict == "a>b" else (b, a)
-                differences.append({"quantity": q, "higher": hi, "lower": lo,
-                                    "difference": abs(diff), "two_se": two_se})
+                differences.append(
+                    {
+                        "quantity": q,
+                        "higher": hi,
+                        "lower": lo,
+                        "difference": abs(diff),
+                        "two_se": two_se,
+                    }
+                )
     claims = []
     for c in study.claims:
         q = resolve_quantity(c.quantity, primary, threshold)
         verdict, diff, two_se = compare(arms.get(c.a, {}).get(q), arms.get(c.b, {}).get(q))
         expected = "a>b" if c.expect == ">" else "a<b"
-        label = {"n/a": "not measured (needs >= 2 finished seeds per arm)",
-                 "unresolved": "unresolved (difference within 2 s.e.)"}.get(
-            verdict, "supported" if verdict == expected else "contradicted")
-        claims.append({"text": c.text, "a": c.a, "b": c.b, "quantity": q, "expect": c.expect,
-                       "verdict": label, "difference": diff, "two_se": two_se})
+        label = {
+            "n/a": "not measured (needs >= 2 finished seeds per arm)",
+            "unresolved": "unresolved (difference within 2 s.e.)",
+        }.get(verdict, "supported" if verdict == expected else "contradicted")
+        claims.append(
+            {
+                "text": c.text,
+                "a": c.a,
+                "b": c.b,
+                "quantity": q,
+                "expect": c.expect,
+                "verdict": label,
+                "difference": diff,
+                "two_se": two_se,
+            }
+        )
     spec = os.path.abspath(study.path)
     if spec.startswith(REPO + os.sep):
         spec = os.path.relpath(spec, REPO)
-    return {"study": study.name, "spec": spec, "scale": scale,
-            "description": study.description, "note": s.note, "command": command,
-            "primary_metric": primary, "threshold": threshold,
-            "final_window": study.final_window, "runs": run_rows, "arms": arms,
-            "differences": differences, "claims": claims}
+    return {
+        "study": study.name,
+        "spec": spec,
+        "scale": scale,
+        "description": study.description,
+        "note": s.note,
+        "command": command,
+        "primary_metric": primary,
+        "threshold": threshold,
+        "final_window": study.final_window,
+        "runs": run_rows,
+        "arms": arms,
+        "differences": differences,
+        "claims": claims,
+    }
 
 
 def _fmt(stat: dict | None, digits: int = 3) -> str:
@@ -181,49 +233,78 @@ def render_markdown(report: dict) -> str:
     lines += [f"Spec: `{report['spec']}`." + (f" {report['note']}" if report["note"] else "")]
     if report["command"]:
         lines += ["", f"Collected with `{report['command']}`."]
-    lines += ["", "Mean ± standard error over finished seeds. Training metrics: mean of the "
-              f"last {report['final_window']} steps. AUC: mean eval score over training. ",
-              ""]
+    lines += [
+        "",
+        "Mean ± standard error over finished seeds. Training metrics: mean of the "
+        f"last {report['final_window']} steps. AUC: mean eval score over training. ",
+        "",
+    ]
     head = [resolve_quantity(q, primary, threshold) for q in ("final", "best", "auc")]
     if threshold is not None:
         head.append(resolve_quantity("steps", primary, threshold))
     head += [f"final {k}" for k in TRAIN_KEYS]
-    lines += ["| arm | seeds | " + " | ".join(head) + " |",
-              "|---|---|" + "---|" * len(head)]
+    lines += ["| arm | seeds | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
     for name, stats in arms.items():
-        lines.append(f"| {name} | {stats['_finished']} | "
-                     + " | ".join(_fmt(stats.get(q)) for q in head) + " |")
-    others = sorted({q.split(" ", 1)[1] for st in arms.values() for q in st
-                     if q.startswith("final eval/")} - {primary})
+        lines.append(
+            f"| {name} | {stats['_finished']} | "
+            + " | ".join(_fmt(stats.get(q)) for q in head)
+            + " |"
+        )
+    others = sorted(
+        {q.split(" ", 1)[1] for st in arms.values() for q in st if q.startswith("final eval/")}
+        - {primary}
+    )
     if others:
-        lines += ["", "Other eval metrics (final / best):", "",
-                  "| arm | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
+        lines += [
+            "",
+            "Other eval metrics (final / best):",
+            "",
+            "| arm | " + " | ".join(others) + " |",
+            "|---|" + "---|" * len(others),
+        ]
         for name, stats in arms.items():
-            lines.append(f"| {name} | " + " | ".join(
-                f"{_fmt(stats.get('final ' + k))} / {_fmt(stats.get('best ' + k))}"
-                for k in others) + " |")
+            lines.append(
+                f"| {name} | "
+                + " | ".join(
+                    f"{_fmt(stats.get('final ' + k))} / {_fmt(stats.get('best ' + k))}"
+                    for k in others
+                )
+                + " |"
+            )
     lines += ["", "## Differences beyond 2 s.e.", ""]
     if report["differences"]:
-        lines += [f"- {d['quantity']}: **{d['higher']}** > {d['lower']} by "
-                  f"{d['difference']:.3g} (2 s.e. = {d['two_se']:.3g})"
-                  for d in report["differences"]]
+        lines += [
+            f"- {d['quantity']}: **{d['higher']}** > {d['lower']} by "
+            f"{d['difference']:.3g} (2 s.e. = {d['two_se']:.3g})"
+            for d in report["differences"]
+        ]
     else:
-        lines.append("None: every pairwise difference of the primary metric's final, best and "
-                     "AUC is within 2 standard errors (or an arm has < 2 finished seeds).")
+        lines.append(
+            "None: every pairwise difference of the primary metric's final, best and "
+            "AUC is within 2 standard errors (or an arm has < 2 finished seeds)."
+        )
     if report["claims"]:
         lines += ["", "## Claims (fixed in the spec before the runs)", ""]
         for c in report["claims"]:
-            diff = "" if c["difference"] is None else (
-                f"; {c['a']} - {c['b']} = {c['difference']:.3g}, 2 s.e. = {c['two_se']:.3g}")
-            lines.append(f"- {c['text']} ({c['a']} {c['expect']} {c['b']} on {c['quantity']}): "
-                         f"**{c['verdict']}**{diff}")
+            diff = (
+                ""
+                if c["difference"] is None
+                else (f"; {c['a']} - {c['b']} = {c['difference']:.3g}, 2 s.e. = {c['two_se']:.3g}")
+            )
+            lines.append(
+                f"- {c['text']} ({c['a']} {c['expect']} {c['b']} on {c['quantity']}): "
+                f"**{c['verdict']}**{diff}"
+            )
     pending = [r for r in report["runs"] if r["status"] != "finished"]
     lines += ["", "## Runs", ""]
     done = len(report["runs"]) - len(pending)
     lines.append(f"{done} of {len(report['runs'])} runs finished.")
     for r in pending:
-        where = (f"logged up to step {r['last_step']} of {r['num_steps']}: running, stopped "
-                 "or failed" if r["status"] == "unfinished" else "not started")
+        where = (
+            f"logged up to step {r['last_step']} of {r['num_steps']}: running, stopped or failed"
+            if r["status"] == "unfinished"
+            else "not started"
+        )
         lines.append(f"- {r['arm']} seed {r['seed']}: {r['status']} ({where})")
     lines += ["", "![curves](curves.png)", ""]
     return "\n".join(lines)
@@ -233,6 +314,7 @@ def plot_curves(report: dict, out: str) -> str:
     """One panel per PLOT_PANELS entry; per arm the mean over finished seeds at the steps
     every seed logs, shaded +- 1 s.e."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -254,8 +336,14 @@ def plot_curves(report: dict, out: str) -> str:
             table = np.array([[dict(zip(*c))[s] for s in steps] for c in curves])
             mean = table.mean(0)
             color = colors[i % len(colors)]
-            ax.plot(steps, mean, color=color, label=f"{arm} (n={len(curves)})",
-                    marker="o" if len(steps) < 30 else None, markersize=3)
+            ax.plot(
+                steps,
+                mean,
+                color=color,
+                label=f"{arm} (n={len(curves)})",
+                marker="o" if len(steps) < 30 else None,
+                markersize=3,
+            )
             if len(curves) >= 2:
                 se = table.std(0, ddof=1) / math.sqrt(len(curves))
                 ax.fill_between(steps, mean - se, mean + se, color=color, alpha=0.2)
@@ -270,8 +358,7 @@ def plot_curves(report: dict, out: str) -> str:
 def write_report(report: dict, root: str) -> dict[str, str]:
     """report.json, report.md and curves.png under `root`; returns their paths."""
     os.makedirs(root, exist_ok=True)
-    paths = {name: os.path.join(root, name)
-             for name in ("report.json", "report.md", "curves.png")}
+    paths = {name: os.path.join(root, name) for name in ("report.json", "report.md", "curves.png")}
     with open(paths["report.json"], "w") as f:
         json.dump(report, f, indent=2)
     with open(paths["report.md"], "w") as f:

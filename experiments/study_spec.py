@@ -29,6 +29,7 @@ the scale (a key named after it), then --seed and --workdir: later flags win (ab
 --flagfile's lines where it stands). Relative paths in flags are relative to the repository
 root, where every run starts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,8 +73,8 @@ class Claim:
     text: str
     a: str
     b: str
-    quantity: str   # a report quantity, or one of SHORT_QUANTITIES (of the primary metric)
-    expect: str     # ">" or "<": a's mean vs b's mean
+    quantity: str  # a report quantity, or one of SHORT_QUANTITIES (of the primary metric)
+    expect: str  # ">" or "<": a's mean vs b's mean
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +85,13 @@ class Study:
     scales: dict[str, Scale]
     claims: tuple[Claim, ...]
     path: str
-    final_window: int = 5   # training metrics' "final": the mean of the last this many steps
+    final_window: int = 5  # training metrics' "final": the mean of the last this many steps
 
     def scale(self, name: str) -> Scale:
-        require(name in self.scales, f"--scale={name}: study {self.name} ({self.path}) has "
-                                     f"scales {', '.join(self.scales)}")
+        require(
+            name in self.scales,
+            f"--scale={name}: study {self.name} ({self.path}) has scales {', '.join(self.scales)}",
+        )
         return self.scales[name]
 
 
@@ -97,8 +100,8 @@ class Run:
     arm: str
     seed: int
     workdir: str
-    argv: tuple[str, ...]   # the training command, run from the repository root
-    num_steps: int          # its resolved --num_steps: the run is finished at this step
+    argv: tuple[str, ...]  # the training command, run from the repository root
+    num_steps: int  # its resolved --num_steps: the run is finished at this step
 
     @property
     def label(self) -> str:
@@ -116,23 +119,31 @@ def find_spec(name_or_path: str) -> str:
     if os.path.exists(path):
         return path
     known = sorted(f[:-5] for f in os.listdir(STUDIES_DIR) if f.endswith(".toml"))
-    raise ValueError(f"--study={name_or_path}: no such file, and not a shipped study "
-                     f"(experiments/studies/: {', '.join(known)})")
+    raise ValueError(
+        f"--study={name_or_path}: no such file, and not a shipped study "
+        f"(experiments/studies/: {', '.join(known)})"
+    )
 
 
 def _strings(value: Any, where: str) -> tuple[str, ...]:
-    require(isinstance(value, list) and all(isinstance(v, str) for v in value),
-            f"{where} must be a list of strings (flags such as \"--num_steps=8\")")
+    require(
+        isinstance(value, list) and all(isinstance(v, str) for v in value),
+        f'{where} must be a list of strings (flags such as "--num_steps=8")',
+    )
     for v in value:
         require(v.startswith("--"), f"{where}: {v!r} is not a --flag")
-        require(not v.startswith(("--seed=", "--workdir=")),
-                f"{where}: {v!r}: the study sets --seed and --workdir of each run itself")
+        require(
+            not v.startswith(("--seed=", "--workdir=")),
+            f"{where}: {v!r}: the study sets --seed and --workdir of each run itself",
+        )
     return tuple(value)
 
 
 def _name(value: Any, where: str) -> str:
-    require(isinstance(value, str) and _NAME_RE.match(value),
-            f"{where}: {value!r} must be a name of letters, digits, '_', '-', '.', '+'")
+    require(
+        isinstance(value, str) and _NAME_RE.match(value),
+        f"{where}: {value!r} must be a name of letters, digits, '_', '-', '.', '+'",
+    )
     return value
 
 
@@ -143,8 +154,16 @@ def load_study(name_or_path: str) -> Study:
             raw = tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML: {e}") from None
-    unknown = set(raw) - {"name", "description", "primary_metric", "threshold", "scales",
-                          "arms", "claims", "final_window"}
+    unknown = set(raw) - {
+        "name",
+        "description",
+        "primary_metric",
+        "threshold",
+        "scales",
+        "arms",
+        "claims",
+        "final_window",
+    }
     require(not unknown, f"{path}: unknown keys {sorted(unknown)}")
     name = _name(raw.get("name", os.path.splitext(os.path.basename(path))[0]), f"{path}: name")
     require(raw.get("scales"), f"{path}: needs at least one [scales.NAME] table")
@@ -152,49 +171,82 @@ def load_study(name_or_path: str) -> Study:
     for s_name, s in raw["scales"].items():
         where = f"{path}: [scales.{s_name}]"
         seeds = s.get("seeds", [0, 1, 2])
-        require(seeds and all(isinstance(x, int) for x in seeds) and len(set(seeds)) == len(seeds),
-                f"{where}: seeds must be distinct integers")
+        require(
+            seeds and all(isinstance(x, int) for x in seeds) and len(set(seeds)) == len(seeds),
+            f"{where}: seeds must be distinct integers",
+        )
         primary = s.get("primary_metric", raw.get("primary_metric"))
-        require(isinstance(primary, str) and primary.startswith("eval/"),
-                f"{where}: primary_metric (here or at the top) must name an eval metric, "
-                f"e.g. \"eval/accuracy\" or \"eval/mean/avg@16\"")
+        require(
+            isinstance(primary, str) and primary.startswith("eval/"),
+            f"{where}: primary_metric (here or at the top) must name an eval metric, "
+            f'e.g. "eval/accuracy" or "eval/mean/avg@16"',
+        )
         threshold = s.get("threshold", raw.get("threshold"))
-        scales[s_name] = Scale(_name(s_name, where), _strings(s.get("flags", []), f"{where} flags"),
-                               tuple(seeds), primary,
-                               None if threshold is None else float(threshold), s.get("note", ""))
+        scales[s_name] = Scale(
+            _name(s_name, where),
+            _strings(s.get("flags", []), f"{where} flags"),
+            tuple(seeds),
+            primary,
+            None if threshold is None else float(threshold),
+            s.get("note", ""),
+        )
     arms = []
     for i, a in enumerate(raw.get("arms", [])):
         where = f"{path}: arm {i + 1}"
         arm_name = _name(a.get("name"), f"{where} name")
         extra = set(a) - {"name", "flags"} - set(scales)
-        require(not extra, f"{where} ({arm_name}): unknown keys {sorted(extra)} (a scale's flags "
-                           f"go under its name: {', '.join(scales)})")
-        arms.append(Arm(arm_name, _strings(a.get("flags", []), f"{where} flags"),
-                        {s: _strings(a[s], f"{where} {s}") for s in scales if s in a}))
+        require(
+            not extra,
+            f"{where} ({arm_name}): unknown keys {sorted(extra)} (a scale's flags "
+            f"go under its name: {', '.join(scales)})",
+        )
+        arms.append(
+            Arm(
+                arm_name,
+                _strings(a.get("flags", []), f"{where} flags"),
+                {s: _strings(a[s], f"{where} {s}") for s in scales if s in a},
+            )
+        )
     names = [a.name for a in arms]
-    require(len(arms) >= 1 and len(set(names)) == len(names),
-            f"{path}: needs [[arms]] with distinct names (got {names})")
+    require(
+        len(arms) >= 1 and len(set(names)) == len(names),
+        f"{path}: needs [[arms]] with distinct names (got {names})",
+    )
     claims = []
     for i, c in enumerate(raw.get("claims", [])):
         where = f"{path}: claim {i + 1}"
-        require(c.get("a") in names and c.get("b") in names,
-                f"{where}: a and b must name arms ({', '.join(names)})")
-        require(c.get("expect") in (">", "<"), f"{where}: expect must be \">\" or \"<\"")
-        claims.append(Claim(c.get("text", ""), c["a"], c["b"], c.get("quantity", "final"),
-                            c["expect"]))
-    return Study(name, raw.get("description", "").strip(), tuple(arms), scales, tuple(claims),
-                 path, int(raw.get("final_window", 5)))
+        require(
+            c.get("a") in names and c.get("b") in names,
+            f"{where}: a and b must name arms ({', '.join(names)})",
+        )
+        require(c.get("expect") in (">", "<"), f'{where}: expect must be ">" or "<"')
+        claims.append(
+            Claim(c.get("text", ""), c["a"], c["b"], c.get("quantity", "final"), c["expect"])
+        )
+    return Study(
+        name,
+        raw.get("description", "").strip(),
+        tuple(arms),
+        scales,
+        tuple(claims),
+        path,
+        int(raw.get("final_window", 5)),
+    )
 
 
-def select(study: Study, arms: str = "", seeds: str = "", scale: str = "cpu"
-           ) -> tuple[list[Arm], tuple[int, ...]]:
+def select(
+    study: Study, arms: str = "", seeds: str = "", scale: str = "cpu"
+) -> tuple[list[Arm], tuple[int, ...]]:
     """The arms (--arms=a,b; default all, in spec order) and seeds (--seeds=0,1) to run."""
     chosen = list(study.arms)
     if arms:
         wanted = [a.strip() for a in arms.split(",") if a.strip()]
         missing = [a for a in wanted if a not in {x.name for x in study.arms}]
-        require(not missing, f"--arms: {missing} not in study {study.name} "
-                             f"({', '.join(a.name for a in study.arms)})")
+        require(
+            not missing,
+            f"--arms: {missing} not in study {study.name} "
+            f"({', '.join(a.name for a in study.arms)})",
+        )
         chosen = [a for a in study.arms if a.name in wanted]
     seed_list = study.scale(scale).seeds
     if seeds:
@@ -218,6 +270,7 @@ def resolve_config(train_flags: Sequence[str], where: str) -> Any:
 
     from jaxrl4llm.config import cli
     from jaxrl4llm.train.config import TrainConfig
+
     values = absl_flags.FlagValues()
     cli.define_flags(TrainConfig, values)
     cwd = os.getcwd()
@@ -232,8 +285,14 @@ def resolve_config(train_flags: Sequence[str], where: str) -> Any:
     return config
 
 
-def plan(study: Study, scale: str, root: str, arms: list[Arm] | None = None,
-         seeds: tuple[int, ...] | None = None, python: str = sys.executable) -> list[Run]:
+def plan(
+    study: Study,
+    scale: str,
+    root: str,
+    arms: list[Arm] | None = None,
+    seeds: tuple[int, ...] | None = None,
+    python: str = sys.executable,
+) -> list[Run]:
     """One Run per arm x seed, arm by arm (an arm's seeds finish together), in spec order."""
     s = study.scale(scale)
     arms = list(study.arms) if arms is None else arms
@@ -242,12 +301,23 @@ def plan(study: Study, scale: str, root: str, arms: list[Arm] | None = None,
     for arm in arms:
         for seed in seeds:
             workdir = os.path.join(os.path.abspath(root), arm.name, f"seed_{seed}")
-            train_flags = (*s.flags, *arm.command_flags(scale), f"--seed={seed}",
-                           f"--workdir={workdir}")
+            train_flags = (
+                *s.flags,
+                *arm.command_flags(scale),
+                f"--seed={seed}",
+                f"--workdir={workdir}",
+            )
             if arm.name not in num_steps:
                 num_steps[arm.name] = resolve_num_steps(
-                    train_flags, f"{study.path}: arm {arm.name} at scale {scale}")
-            runs.append(Run(arm.name, seed, workdir,
-                            (python, "-m", "experiments.train", *train_flags),
-                            num_steps[arm.name]))
+                    train_flags, f"{study.path}: arm {arm.name} at scale {scale}"
+                )
+            runs.append(
+                Run(
+                    arm.name,
+                    seed,
+                    workdir,
+                    (python, "-m", "experiments.train", *train_flags),
+                    num_steps[arm.name],
+                )
+            )
     return runs

@@ -17,6 +17,7 @@ naming it and the fix; `--debug` adds the traceback); 3 stopped on non-finite va
 preempted (SIGTERM: checkpoint saved, rerun the same command to resume); 1 a bug (with its
 traceback).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,7 @@ from jaxrl4llm.train.config import TrainConfig
 
 FLAG_NAMES = cli.define_flags(TrainConfig)
 for _name in FLAG_NAMES:
-    flags.declare_key_flag(_name)   # --help lists them; --helpfull groups them by sub-config
+    flags.declare_key_flag(_name)  # --help lists them; --helpfull groups them by sub-config
 FLAGS = flags.FLAGS
 
 
@@ -41,8 +42,7 @@ def config_from_flags(flag_values: flags.FlagValues = FLAGS) -> TrainConfig:
     return cli.config_from_flags(TrainConfig, flag_values)
 
 
-def checked_config(flag_values: flags.FlagValues = FLAGS, check_model: bool = True
-                   ) -> TrainConfig:
+def checked_config(flag_values: flags.FlagValues = FLAGS, check_model: bool = True) -> TrainConfig:
     """The TrainConfig of the parsed flags and, with `check_model`, --model (and
     --critic_model) found, before any data or model is read. Joins a multi-host run first
     (--distributed). Its values are checked once, by TrainConfig.validate, first thing in
@@ -57,20 +57,23 @@ def checked_config(flag_values: flags.FlagValues = FLAGS, check_model: bool = Tr
 
 
 def main(argv):
-    del argv   # cli.run refuses positional arguments
+    del argv  # cli.run refuses positional arguments
     cli.quiet_logs()
     config = checked_config()
     from jaxrl4llm.train import loop  # heavy imports after flag parsing: fast --help
     from jaxrl4llm.train.checkpoint import NonFiniteStateError
+
     try:
-        summary = loop.run(config)   # a UserError (data, workdir, resume, ...) -> exit 2
+        summary = loop.run(config)  # a UserError (data, workdir, resume, ...) -> exit 2
     except (errors.TrainingDivergedError, NonFiniteStateError) as exc:
         print(one_line(exc), file=sys.stderr)
         return errors.EXIT_DIVERGED
     if summary["preempted"]:
-        print(f"\nPreempted at step {summary['step']}; checkpoint saved in "
-              f"{os.path.join(summary['workdir'], 'checkpoints')}; rerun the same command to "
-              "resume.")
+        print(
+            f"\nPreempted at step {summary['step']}; checkpoint saved in "
+            f"{os.path.join(summary['workdir'], 'checkpoints')}; rerun the same command to "
+            "resume."
+        )
         return errors.EXIT_PREEMPTED
     logging.info("Done: step %d, outputs in %s", summary["step"], summary["workdir"])
     print(f"\nFinished at step {summary['step']}. Outputs in {summary['workdir']}:")

@@ -3,6 +3,7 @@
 XLA_FLAGS must be set before jax is imported anywhere, which is why this happens at
 import time of the conftest (pytest imports it before any test module).
 """
+
 import os
 import random
 
@@ -45,15 +46,31 @@ def build_toy_model(path, seed: int = 0):
     vocab = {t: i for i, t in enumerate(specials + ["user", "assistant", "system"] + TOY_WORDS)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                 eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
-    hf.chat_template = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} "
-                        "<|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|> "
-                        "assistant {% endif %}")
-    config = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=False,
-                         max_position_embeddings=64, eos_token_ids=(vocab["<|im_end|>"],),
-                         pad_token_id=vocab["<pad>"])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    hf.chat_template = (
+        "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} "
+        "<|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|> "
+        "assistant {% endif %}"
+    )
+    config = ModelConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+        eos_token_ids=(vocab["<|im_end|>"],),
+        pad_token_id=vocab["<pad>"],
+    )
     params = transformer.init_params(config, jax.random.key(seed))
     weights.export_hf(params, config, str(path), tokenizer=hf)
     return str(path)
@@ -66,11 +83,20 @@ def write_copy_task(path, digits=(1, 2, 3), repeats: int = 20):
     scores 1/3; only copying the prompt's digit scores 1.
     """
     import json
+
     with open(path, "w") as f:
         for _ in range(repeats):
             for d in digits:
-                f.write(json.dumps({"prompt": f"copy {d}", "answer": str(d),
-                                    "metadata": {"task": "arithmetic"}}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "prompt": f"copy {d}",
+                            "answer": str(d),
+                            "metadata": {"task": "arithmetic"},
+                        }
+                    )
+                    + "\n"
+                )
     return str(path)
 
 
@@ -95,4 +121,5 @@ def _fresh_jax_caches_per_module():
     """
     yield
     import jax
+
     jax.clear_caches()

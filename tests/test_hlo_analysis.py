@@ -1,5 +1,6 @@
 """Reading compiled programs: collectives with their loop trip counts, reduce-scatters made of
 all-reduce + slice, bfloat16 values counted at their width, matmul FLOPs."""
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
@@ -17,12 +18,17 @@ def _put(shape, spec, dtype=jnp.float32):
 
 def test_collectives_inside_a_loop_count_each_iteration():
     def f(w_LDF, x_BD):
-        def body(x, w):   # w sharded over its rows: gathered once per iteration
+        def body(x, w):  # w sharded over its rows: gathered once per iteration
             return jnp.tanh(x @ w), None
+
         return jax.lax.scan(body, x_BD, w_LDF)[0]
 
-    hlo = jax.jit(f).lower(_put((5, 64, 64), P(None, "fsdp")),
-                           _put((16, 64), P("fsdp"))).compile().as_text()
+    hlo = (
+        jax.jit(f)
+        .lower(_put((5, 64, 64), P(None, "fsdp")), _put((16, 64), P("fsdp")))
+        .compile()
+        .as_text()
+    )
     gathers = [op for op in hlo_analysis.collectives(hlo) if op.kind == "all-gather"]
     weight = [op for op in gathers if op.result[0].dims == (64, 64)]
     assert weight and all(op.executions == 5 and op.group_size == 8 for op in weight)
@@ -32,58 +38,74 @@ def test_collectives_inside_a_loop_count_each_iteration():
 
 
 def test_sliced_all_reduce_is_a_reduce_scatter_and_bf16_counts_at_its_width():
-    def grad_like(x_BD, y_BF):   # batch-sharded operands, result sharded over its rows
+    def grad_like(x_BD, y_BF):  # batch-sharded operands, result sharded over its rows
         out = jnp.einsum("bd,bf->df", x_BD, y_BF, preferred_element_type=jnp.float32)
         return jax.lax.with_sharding_constraint(out, NamedSharding(MESH, P("fsdp")))
 
-    hlo = jax.jit(grad_like).lower(_put((16, 32), P("fsdp")),
-                                   _put((16, 48), P("fsdp"))).compile().as_text()
+    hlo = (
+        jax.jit(grad_like)
+        .lower(_put((16, 32), P("fsdp")), _put((16, 48), P("fsdp")))
+        .compile()
+        .as_text()
+    )
     ops = hlo_analysis.collectives(hlo)
     assert [op.kind for op in ops] == ["reduce-scatter"]
     assert ops[0].bytes == 32 * 48 * 4 and ops[0].link_bytes == 32 * 48 * 4 * 7 / 8
 
-    def gather_bf16(w, x):   # the weight gathered whole, then a float32-accumulated matmul
+    def gather_bf16(w, x):  # the weight gathered whole, then a float32-accumulated matmul
         w = jax.lax.with_sharding_constraint(w, NamedSharding(MESH, P()))
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
-    hlo = jax.jit(gather_bf16).lower(_put((64, 32), P("fsdp"), jnp.bfloat16),
-                                     _put((16, 64), P(), jnp.bfloat16)).compile().as_text()
+    hlo = (
+        jax.jit(gather_bf16)
+        .lower(_put((64, 32), P("fsdp"), jnp.bfloat16), _put((16, 64), P(), jnp.bfloat16))
+        .compile()
+        .as_text()
+    )
     gathers = [op for op in hlo_analysis.collectives(hlo) if op.kind == "all-gather"]
-    assert gathers and all(op.bytes == 64 * 32 * 2 for op in gathers)   # bf16, not f32
+    assert gathers and all(op.bytes == 64 * 32 * 2 for op in gathers)  # bf16, not f32
 
 
 def _loop(w_DD, x_BD, gather_first: bool):
     """x <- tanh(x @ w) until its sum is small: a loop of unknown length over one weight."""
-    if gather_first:   # the weight whole before the loop: its matmuls need no collective
+    if gather_first:  # the weight whole before the loop: its matmuls need no collective
         w_DD = jax.lax.with_sharding_constraint(w_DD, NamedSharding(MESH, P()))
     x_BD = jax.lax.with_sharding_constraint(x_BD, NamedSharding(MESH, P("fsdp")))
-    return jax.lax.while_loop(lambda x: jnp.sum(x) > 1.0,
-                              lambda x: jax.lax.with_sharding_constraint(
-                                  jnp.tanh(x @ w_DD), NamedSharding(MESH, P("fsdp"))), x_BD)
+    return jax.lax.while_loop(
+        lambda x: jnp.sum(x) > 1.0,
+        lambda x: jax.lax.with_sharding_constraint(
+            jnp.tanh(x @ w_DD), NamedSharding(MESH, P("fsdp"))
+        ),
+        x_BD,
+    )
 
 
 def test_loop_invariant_collectives_are_read_where_the_partitioner_put_them():
     args = (_put((64, 64), P("fsdp")), _put((16, 64), P("fsdp")))
     compiled, hlo = hlo_analysis.partitioned_hlo(
-        jax.jit(lambda w, x: _loop(w, x, False)).lower(*args))
+        jax.jit(lambda w, x: _loop(w, x, False)).lower(*args)
+    )
     repeated = hlo_analysis.loop_invariant_collectives(hlo, unknown_trip_count=7)
     # The weight's shards gathered in every iteration: [8, 64] -> [64, 64] float32.
     assert [(op.kind, op.result[0].dims, op.executions) for op in repeated] == [
-        ("all-gather", (64, 64), 7)]
+        ("all-gather", (64, 64), 7)
+    ]
     assert repeated[0].bytes == 64 * 64 * 4
     # The CPU compiler hoists it out of the loop: its final HLO does not show the problem.
     assert not hlo_analysis.loop_invariant_collectives(compiled.as_text())
     _, hlo = hlo_analysis.partitioned_hlo(jax.jit(lambda w, x: _loop(w, x, True)).lower(*args))
     assert not hlo_analysis.loop_invariant_collectives(hlo)
-    assert [op.kind for op in hlo_analysis.collectives(hlo) if op.result[0].dims == (64, 64)
-            ] == ["all-gather"]
+    assert [op.kind for op in hlo_analysis.collectives(hlo) if op.result[0].dims == (64, 64)] == [
+        "all-gather"
+    ]
 
 
 def test_a_weight_sliced_per_iteration_is_not_loop_invariant():
-    def f(w_LDF, x_BD):   # the scan's slice of the stacked weight changes every iteration
+    def f(w_LDF, x_BD):  # the scan's slice of the stacked weight changes every iteration
         return jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x_BD, w_LDF)[0]
 
-    _, hlo = hlo_analysis.partitioned_hlo(jax.jit(f).lower(
-        _put((5, 64, 64), P(None, "fsdp")), _put((16, 64), P("fsdp"))))
+    _, hlo = hlo_analysis.partitioned_hlo(
+        jax.jit(f).lower(_put((5, 64, 64), P(None, "fsdp")), _put((16, 64), P("fsdp")))
+    )
     assert any(op.kind == "all-gather" for op in hlo_analysis.collectives(hlo))
     assert not hlo_analysis.loop_invariant_collectives(hlo)

@@ -1,5 +1,6 @@
 """The package's layers, read from the source: no module imports from a layer above its own,
 and no module import cycle beyond the known ones (docs/architecture.md, "Layers")."""
+
 from __future__ import annotations
 
 import ast
@@ -15,8 +16,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxrl4llm.rewards", "jaxrl4llm.data"),
     ("jaxrl4llm.eval",),
     ("jaxrl4llm.train",),
-    ("jaxrl4llm.planner",),   # compiles the step's programs ahead of time
-    ("jaxrl4llm.config.cli",),   # the flags and the entry points' error contract
+    ("jaxrl4llm.planner",),  # compiles the step's programs ahead of time
+    ("jaxrl4llm.config.cli",),  # the flags and the entry points' error contract
     ("experiments", "tools"),
 )
 # Upward imports allowed by name; none is left.
@@ -63,8 +64,12 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_no_module_imports_from_a_higher_layer():
-    upward = sorted((m, t) for m, targets in _graph().items() for t in targets
-                    if _layer(t) > _layer(m) and (m, t) not in KNOWN_UPWARD)
+    upward = sorted(
+        (m, t)
+        for m, targets in _graph().items()
+        for t in targets
+        if _layer(t) > _layer(m) and (m, t) not in KNOWN_UPWARD
+    )
     assert not upward, upward
 
 
@@ -94,8 +99,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_modules_import_each_other_without_new_cycles():
     # A package's __init__ re-exporting its own modules is not a cycle between modules.
-    graph = {m: {t for t in targets if not m.startswith(t + ".") and (m, t) not in KNOWN_UPWARD}
-             for m, targets in _graph().items()}
+    graph = {
+        m: {t for t in targets if not m.startswith(t + ".") and (m, t) not in KNOWN_UPWARD}
+        for m, targets in _graph().items()
+    }
     assert sorted(_cycles(graph)) == KNOWN_CYCLES
 
 

@@ -1,4 +1,5 @@
 """Mesh construction and logical sharding rules on the 8 fake CPU devices."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,12 +13,15 @@ def test_eight_fake_devices_are_available():
     assert jax.device_count() == 8
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("data=1,fsdp=4,tensor=2", (1, 4, 2)),
-    ("data:2,fsdp:-1,tensor:1", (2, 4, 1)),
-    ("fsdp:-1", (1, 8, 1)),
-    ("data:1,fsdp:1,tensor:-1", (1, 1, 8)),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("data=1,fsdp=4,tensor=2", (1, 4, 2)),
+        ("data:2,fsdp:-1,tensor:1", (2, 4, 1)),
+        ("fsdp:-1", (1, 8, 1)),
+        ("data:1,fsdp:1,tensor:-1", (1, 1, 8)),
+    ],
+)
 def test_mesh_from_spec(text, expected):
     mesh = parallel.make_mesh(text)
     assert mesh.axis_names == ("data", "fsdp", "tensor")
@@ -25,14 +29,17 @@ def test_mesh_from_spec(text, expected):
     assert mesh.devices.size == 8
 
 
-@pytest.mark.parametrize("text,message", [
-    ("data=1,fsdp=3,tensor=2", "needs 6 devices but 8 are available"),
-    ("data=3,fsdp=-1", "does not divide the 8 available devices"),
-    ("data=-1,fsdp=-1", "more than one axis of size -1"),
-    ("pipeline=2", "AXIS one of data, fsdp, tensor"),
-    ("data=two", "is not an integer"),
-    ("data=0", "0 or below -1"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("data=1,fsdp=3,tensor=2", "needs 6 devices but 8 are available"),
+        ("data=3,fsdp=-1", "does not divide the 8 available devices"),
+        ("data=-1,fsdp=-1", "more than one axis of size -1"),
+        ("pipeline=2", "AXIS one of data, fsdp, tensor"),
+        ("data=two", "is not an integer"),
+        ("data=0", "0 or below -1"),
+    ],
+)
 def test_bad_mesh_spec_is_a_clear_error(text, message):
     with pytest.raises(ValueError, match=message):
         parallel.make_mesh(text)
@@ -47,7 +54,8 @@ def test_logical_rules_map_to_partition_specs():
     assert parallel.logical_to_partition_spec(("batch", "length")) == P(("data", "fsdp"), None)
     assert parallel.logical_to_partition_spec(("embed", "mlp")) == P("fsdp", "tensor")
     assert parallel.logical_to_partition_spec(("layers", "embed", "heads", "head_dim")) == P(
-        None, "fsdp", "tensor", None)
+        None, "fsdp", "tensor", None
+    )
     # A mesh axis is used once per array: the second "tensor" request is dropped.
     assert parallel.logical_to_partition_spec(("heads", "mlp")) == P("tensor", None)
     with pytest.raises(KeyError, match="no sharding rule"):
@@ -97,8 +105,11 @@ def test_strided_slices_span_every_device_and_merge_back():
     # On 8 devices holding 2 rows each, every slice of 4 strided rows lands on 4 devices.
     mesh = parallel.make_mesh("data:1,fsdp:8,tensor:1")
     rows = jax.device_put(jnp.arange(16), parallel.batch_sharding(mesh, 1))
-    owner = {int(i): d for s in rows.addressable_shards for i, d in
-             zip(np.asarray(s.data), [s.device] * 2)}
+    owner = {
+        int(i): d
+        for s in rows.addressable_shards
+        for i, d in zip(np.asarray(s.data), [s.device] * 2)
+    }
     for k in range(4):
         assert len({owner[int(r)] for r in parallel.split_strided(jnp.arange(16), 4)[k]}) == 4
 
@@ -106,7 +117,7 @@ def test_strided_slices_span_every_device_and_merge_back():
 def test_row_chunks_keep_whole_groups():
     assert parallel.num_row_chunks(64, 0) == 1 and parallel.num_row_chunks(64, 64) == 1
     assert parallel.num_row_chunks(64, 16) == 4
-    assert parallel.num_row_chunks(48, 20, group=4) == 3     # 16 rows: whole groups
+    assert parallel.num_row_chunks(48, 20, group=4) == 3  # 16 rows: whole groups
     assert parallel.num_row_chunks(24, 10, group=4) == 3
 
 
@@ -128,4 +139,8 @@ def test_without_batch_axes_takes_the_batchs_mesh_axes_out_of_the_weights():
     # Weights over fsdp and tensor, a batch over data only: fsdp stays, tensor too.
     custom = (("batch", "data"), ("embed", ("fsdp", "data")), ("mlp", "tensor"), ("norm", None))
     assert parallel.without_batch_axes(custom) == (
-        ("batch", "data"), ("embed", "fsdp"), ("mlp", "tensor"), ("norm", None))
+        ("batch", "data"),
+        ("embed", "fsdp"),
+        ("mlp", "tensor"),
+        ("norm", None),
+    )

@@ -10,6 +10,7 @@ remat. FLOPs are counted analytically (transformer.forward_flops: 2 * matmul MAC
 attention counted in full since it is computed in full; backward = 2 x forward, remat adds
 one forward). Params are random (speed does not depend on values).
 """
+
 from __future__ import annotations
 
 import time
@@ -46,7 +47,7 @@ def peak_matmul_flops(dtype, n: int, repeats: int) -> float:
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
     dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
-    return 2 * n ** 3 / _best_time(dot, a, b, repeats=repeats)
+    return 2 * n**3 / _best_time(dot, a, b, repeats=repeats)
 
 
 def _loss(params, config, tokens_BT, remat):
@@ -59,20 +60,25 @@ def _loss(params, config, tokens_BT, remat):
 
 
 def main(argv):
-    del argv   # cli.run refuses positional arguments
+    del argv  # cli.run refuses positional arguments
     require(FLAGS.model in PRESETS, f"--model={FLAGS.model}: choose one of {sorted(PRESETS)}.")
-    require(min(FLAGS.batch, FLAGS.seq_len, FLAGS.matmul_size, FLAGS.repeats) >= 1,
-            "--batch, --seq_len, --matmul_size and --repeats must be >= 1.")
+    require(
+        min(FLAGS.batch, FLAGS.seq_len, FLAGS.matmul_size, FLAGS.repeats) >= 1,
+        "--batch, --seq_len, --matmul_size and --repeats must be >= 1.",
+    )
     config = PRESETS[FLAGS.model]
     B, S = FLAGS.batch, FLAGS.seq_len
-    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()} "
-          f"({jax.default_backend()}); model {FLAGS.model} "
-          f"({config.num_params / 1e6:.1f}M params); batch {B} x {S} tokens")
+    print(
+        f"device: {jax.devices()[0].device_kind} x{jax.device_count()} "
+        f"({jax.default_backend()}); model {FLAGS.model} "
+        f"({config.num_params / 1e6:.1f}M params); batch {B} x {S} tokens"
+    )
     dtypes = (("bfloat16", jnp.bfloat16), ("float32", jnp.float32))
 
     def measure_peaks():
-        return {name: peak_matmul_flops(dt, FLAGS.matmul_size, FLAGS.repeats)
-                for name, dt in dtypes}
+        return {
+            name: peak_matmul_flops(dt, FLAGS.matmul_size, FLAGS.repeats) for name, dt in dtypes
+        }
 
     peaks = measure_peaks()
 
@@ -83,8 +89,11 @@ def main(argv):
     rows = []
     for dtype_name in ("float32", "bfloat16"):
         params = T.init_params(config, jax.random.key(0), jnp.dtype(dtype_name))
-        runs = [("forward", forward, False, 1.0), ("fwd+bwd", grad, False, 3.0),
-                ("fwd+bwd remat", grad, True, 4.0)]
+        runs = [
+            ("forward", forward, False, 1.0),
+            ("fwd+bwd", grad, False, 3.0),
+            ("fwd+bwd remat", grad, True, 4.0),
+        ]
         for label, fn, remat, mult in runs:
             seconds = _best_time(fn, params, config, tokens, remat, repeats=FLAGS.repeats)
             flops = mult * fwd_flops / seconds
@@ -95,17 +104,23 @@ def main(argv):
     # otherwise depress the peak and flatter the ratios.
     peaks = {k: max(peaks[k], v) for k, v in measure_peaks().items()}
     for name, peak in peaks.items():
-        print(f"peak matmul ({FLAGS.matmul_size}^3, {name} in, float32 acc, best of start/end): "
-              f"{peak / 1e9:.1f} GFLOP/s")
+        print(
+            f"peak matmul ({FLAGS.matmul_size}^3, {name} in, float32 acc, best of start/end): "
+            f"{peak / 1e9:.1f} GFLOP/s"
+        )
     header = ("pass", "params", "tokens/s", "GFLOP/s", "/ bf16 peak", "/ same-dtype peak", "step s")
     print("\n| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for label, dt, tps, flops, sec in rows:
-        print(f"| {label} | {dt} | {tps:,.0f} | {flops / 1e9:.1f} | "
-              f"{100 * flops / peaks['bfloat16']:.0f}% | {100 * flops / peaks[dt]:.0f}% | "
-              f"{sec:.3f} |")
-    print(f"\nanalytic forward FLOPs per step: {fwd_flops / 1e9:.1f} GFLOP "
-          f"({fwd_flops / (B * S) / 1e6:.0f} MFLOP/token)")
+        print(
+            f"| {label} | {dt} | {tps:,.0f} | {flops / 1e9:.1f} | "
+            f"{100 * flops / peaks['bfloat16']:.0f}% | {100 * flops / peaks[dt]:.0f}% | "
+            f"{sec:.3f} |"
+        )
+    print(
+        f"\nanalytic forward FLOPs per step: {fwd_flops / 1e9:.1f} GFLOP "
+        f"({fwd_flops / (B * S) / 1e6:.0f} MFLOP/token)"
+    )
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ The lengths, hence the useful shares, then do not depend on the model's weights:
 measures them on a one-layer SmolLM2. With --time the warm-up run caps every row at one token
 (the same compiled programs, a prefill each), so only the timed run decodes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,11 +57,12 @@ import numpy as np  # noqa: E402
 from jaxrl4llm.config import cli
 
 MIXES = ("natural", "step0", "tail10")
-STEP0_LENGTHS = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                             "quickstart_step0_lengths.txt")
-STEP0_MAX_NEW_TOKENS = 64     # experiments/configs/quickstart.flags
+STEP0_LENGTHS = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "quickstart_step0_lengths.txt"
+)
+STEP0_MAX_NEW_TOKENS = 64  # experiments/configs/quickstart.flags
 TAIL10_MAX_NEW_TOKENS = 1024  # the lognormal's draws past it (about 0.3%) are cut there
-Z99 = 2.3263478740408408      # the standard normal's 99th percentile
+Z99 = 2.3263478740408408  # the standard normal's 99th percentile
 
 
 def step0_lengths(path: str = STEP0_LENGTHS) -> np.ndarray:
@@ -70,8 +72,9 @@ def step0_lengths(path: str = STEP0_LENGTHS) -> np.ndarray:
     return np.array([int(x) for x in text.split()], np.int64)
 
 
-def mix_caps(mix: str, rows: int, seed: int, lengths: np.ndarray | None = None
-             ) -> tuple[np.ndarray, int]:
+def mix_caps(
+    mix: str, rows: int, seed: int, lengths: np.ndarray | None = None
+) -> tuple[np.ndarray, int]:
     """(per-row caps, the mix's max_new_tokens) of a forced --length_mix (module docstring)."""
     lengths = step0_lengths() if lengths is None else lengths
     rng = np.random.default_rng(seed)
@@ -83,27 +86,48 @@ def mix_caps(mix: str, rows: int, seed: int, lengths: np.ndarray | None = None
     return np.clip(draws, 1, TAIL10_MAX_NEW_TOKENS), TAIL10_MAX_NEW_TOKENS
 
 
-def waste(lengths_B: np.ndarray, num_steps: int, slot_steps: int, max_new_tokens: int,
-          continuous_slot_steps: int | None = None) -> dict[str, float]:
+def waste(
+    lengths_B: np.ndarray,
+    num_steps: int,
+    slot_steps: int,
+    max_new_tokens: int,
+    continuous_slot_steps: int | None = None,
+) -> dict[str, float]:
     """The fractions of one rollout (see the module docstring)."""
     from jaxrl4llm.sampling.buckets import bucket_completion_length
+
     real, rows = float(lengths_B.sum()), lengths_B.size
     bucket = bucket_completion_length(num_steps, max_new_tokens)
     # The first token comes from the prefill; each decode step computes `slots` rows.
-    return {"sampler_useful_full": (real - rows) / (rows * (num_steps - 1)),
-            "sampler_useful_compacted": (real - rows) / slot_steps,
-            **({} if continuous_slot_steps is None else
-               {"sampler_useful_continuous": (real - rows) / continuous_slot_steps}),
-            "update_real_trimmed": real / (rows * bucket),
-            "update_real_untrimmed": real / (rows * max_new_tokens),
-            "bucket": bucket, "steps": num_steps,
-            "len_min": float(lengths_B.min()), "len_mean": float(lengths_B.mean()),
-            "len_max": float(lengths_B.max())}
+    return {
+        "sampler_useful_full": (real - rows) / (rows * (num_steps - 1)),
+        "sampler_useful_compacted": (real - rows) / slot_steps,
+        **(
+            {}
+            if continuous_slot_steps is None
+            else {"sampler_useful_continuous": (real - rows) / continuous_slot_steps}
+        ),
+        "update_real_trimmed": real / (rows * bucket),
+        "update_real_untrimmed": real / (rows * max_new_tokens),
+        "bucket": bucket,
+        "steps": num_steps,
+        "len_min": float(lengths_B.min()),
+        "len_mean": float(lengths_B.mean()),
+        "len_max": float(lengths_B.max()),
+    }
 
 
-def minibatch_real_frac(out, group: int, mini_batch: int, ppo_epochs: int,
-                        max_new_tokens: int, seed: int = 0, micro_batch: int = 0,
-                        length_classes: int = 1, share_prompts: bool = True) -> float:
+def minibatch_real_frac(
+    out,
+    group: int,
+    mini_batch: int,
+    ppo_epochs: int,
+    max_new_tokens: int,
+    seed: int = 0,
+    micro_batch: int = 0,
+    length_classes: int = 1,
+    share_prompts: bool = True,
+) -> float:
     """Real completion tokens / positions the trainer's update computes on this rollout when
     it runs mini-batches of `mini_batch` rows for `ppo_epochs` epochs, in micro-batches of
     `micro_batch` rows run at up to `length_classes` lengths (train/minibatches.py). The rows carry
@@ -120,16 +144,23 @@ def minibatch_real_frac(out, group: int, mini_batch: int, ppo_epochs: int,
 
     rows = out.tokens_BT.shape[0]
     out = out.trimmed(bucket_completion_length(int(out.num_steps), max_new_tokens))
-    batch = UpdateBatch(seqs=Sequences(out.prompt_tokens_BP, out.prompt_mask_BP, out.tokens_BT,
-                                       out.mask_BT),
-                        advantages=jnp.zeros(rows), keep_B=jnp.ones(rows, bool),
-                        old_logp_BT=None, ref_logp_BT=None,
-                        layout=RowLayout(group, share_prompts))
-    config = TrainConfig().replace(prompts_per_step=rows // group, group_size=group,
-                                   mini_batch_size=mini_batch, ppo_epochs=ppo_epochs,
-                                   micro_batch_size=micro_batch,
-                                   micro_batch_length_classes=length_classes,
-                                   max_new_tokens=max_new_tokens)
+    batch = UpdateBatch(
+        seqs=Sequences(out.prompt_tokens_BP, out.prompt_mask_BP, out.tokens_BT, out.mask_BT),
+        advantages=jnp.zeros(rows),
+        keep_B=jnp.ones(rows, bool),
+        old_logp_BT=None,
+        ref_logp_BT=None,
+        layout=RowLayout(group, share_prompts),
+    )
+    config = TrainConfig().replace(
+        prompts_per_step=rows // group,
+        group_size=group,
+        mini_batch_size=mini_batch,
+        ppo_epochs=ppo_epochs,
+        micro_batch_size=micro_batch,
+        micro_batch_length_classes=length_classes,
+        max_new_tokens=max_new_tokens,
+    )
     real = columns = 0
     for _, _, (mb_real, mb_columns) in minibatches(batch, config, jax.random.key(seed), None):
         real += mb_real
@@ -159,34 +190,65 @@ def _times(seconds: dict[str, float]) -> dict[str, float]:
 def _parse(argv: Any) -> Any:
     parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--layers", type=int, default=0,
-                        help="keep the model's first LAYERS layers (0: all); with a forced "
-                             "--length_mix the useful shares do not depend on the weights")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="keep the model's first LAYERS layers (0: all); with a forced "
+        "--length_mix the useful shares do not depend on the weights",
+    )
     parser.add_argument("--data", default="synthetic:arithmetic")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--new_tokens", type=int, default=0,
-                        help="max_new_tokens (0: 256, or the --length_mix's own bound)")
-    parser.add_argument("--length_mix", default="natural", choices=MIXES,
-                        help="natural: sample with stop tokens; step0 / tail10: no stop tokens, "
-                             "per-row caps drawn from that mix (module docstring)")
+    parser.add_argument(
+        "--new_tokens",
+        type=int,
+        default=0,
+        help="max_new_tokens (0: 256, or the --length_mix's own bound)",
+    )
+    parser.add_argument(
+        "--length_mix",
+        default="natural",
+        choices=MIXES,
+        help="natural: sample with stop tokens; step0 / tail10: no stop tokens, "
+        "per-row caps drawn from that mix (module docstring)",
+    )
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--rollouts", type=int, default=2)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--mini_batch", type=int, default=0,
-                        help="rows per update (0: none): also report the real-token share of "
-                             "the trainer's mini-batches, each cut to its own longest row")
+    parser.add_argument(
+        "--mini_batch",
+        type=int,
+        default=0,
+        help="rows per update (0: none): also report the real-token share of "
+        "the trainer's mini-batches, each cut to its own longest row",
+    )
     parser.add_argument("--ppo_epochs", type=int, default=1)
-    parser.add_argument("--micro_batch", type=int, default=0,
-                        help="rows per micro-batch of the --mini_batch share (0: the mini-batch)")
-    parser.add_argument("--length_classes", type=int, default=1,
-                        help="--micro_batch_length_classes of the --mini_batch share")
-    parser.add_argument("--decode_slots", type=int, default=64,
-                        help="slots of the continuous-batching sampler (0: run none)")
-    parser.add_argument("--time", action="store_true",
-                        help="also time the compacted sampler against continuous batching "
-                             "(and, with the natural mix, the uncompacted one); compiles "
-                             "each first")
+    parser.add_argument(
+        "--micro_batch",
+        type=int,
+        default=0,
+        help="rows per micro-batch of the --mini_batch share (0: the mini-batch)",
+    )
+    parser.add_argument(
+        "--length_classes",
+        type=int,
+        default=1,
+        help="--micro_batch_length_classes of the --mini_batch share",
+    )
+    parser.add_argument(
+        "--decode_slots",
+        type=int,
+        default=64,
+        help="slots of the continuous-batching sampler (0: run none)",
+    )
+    parser.add_argument(
+        "--time",
+        action="store_true",
+        help="also time the compacted sampler against continuous batching "
+        "(and, with the natural mix, the uncompacted one); compiles "
+        "each first",
+    )
     return parser.parse_args(argv)
 
 
@@ -195,11 +257,10 @@ def _load_model(args: Any) -> tuple[Any, Any, Any]:
     from jaxrl4llm.models import registry
     from jaxrl4llm.train.config import param_dtype
 
-    model_config, params, tokenizer = registry.load_model(args.model,
-                                                          dtype=param_dtype(args.dtype))
+    model_config, params, tokenizer = registry.load_model(args.model, dtype=param_dtype(args.dtype))
     if args.layers:
         model_config = dataclasses.replace(model_config, num_layers=args.layers)
-        params = {**params, "layers": jax.tree.map(lambda w: w[:args.layers], params["layers"])}
+        params = {**params, "layers": jax.tree.map(lambda w: w[: args.layers], params["layers"])}
     return model_config, params, tokenizer
 
 
@@ -218,60 +279,100 @@ def main(argv=None) -> int:
     options: dict[str, Any] = {"min_prompt_bucket": 256, **({"stop_ids": ()} if forced else {})}
     samplers = {"compact": Sampler(model_config, tokenizer, **options)}
     if args.decode_slots:
-        samplers["continuous"] = Sampler(model_config, tokenizer,
-                                         decode_slots=args.decode_slots, **options)
+        samplers["continuous"] = Sampler(
+            model_config, tokenizer, decode_slots=args.decode_slots, **options
+        )
     if args.time and not forced:
         samplers["full"] = Sampler(model_config, tokenizer, compact=False, **options)
     source = make_source(args.data, split="train")
     data = DataConfig(source=args.data)
     sampling = SamplingConfig(temperature=args.temperature)
-    print(f"{args.model}{f' ({args.layers} layers)' if args.layers else ''} {args.dtype}, "
-          f"{args.data}, {args.prompts} prompts x {args.group}, T={args.temperature}, "
-          f"max_new_tokens={new_tokens}, length mix {args.length_mix}, "
-          f"{args.decode_slots} slots, device {jax.devices()[0].platform}")
+    print(
+        f"{args.model}{f' ({args.layers} layers)' if args.layers else ''} {args.dtype}, "
+        f"{args.data}, {args.prompts} prompts x {args.group}, T={args.temperature}, "
+        f"max_new_tokens={new_tokens}, length mix {args.length_mix}, "
+        f"{args.decode_slots} slots, device {jax.devices()[0].platform}"
+    )
 
     def run(name, r, caps):
         records = [source[(r * args.prompts + i) % len(source)] for i in range(args.prompts)]
         smp = samplers[name]
         prompts = smp.encode([data.messages(x) for x in records])
         t0 = time.perf_counter()
-        out = smp.generate(params, prompts, sampling, new_tokens, jax.random.key(r),
-                           group_size=args.group, row_caps=caps)
+        out = smp.generate(
+            params,
+            prompts,
+            sampling,
+            new_tokens,
+            jax.random.key(r),
+            group_size=args.group,
+            row_caps=caps,
+        )
         jax.block_until_ready(out)
         return out, time.perf_counter() - t0
 
     if args.time:
-        for name in samplers:   # compiles (a forced mix: one token per row, the same programs)
+        for name in samplers:  # compiles (a forced mix: one token per row, the same programs)
             run(name, 0, np.ones(rows, np.int64) if forced else None)
     results = []
     for r in range(args.rollouts):
-        caps = (np.minimum(mix_caps(args.length_mix, rows, r)[0], new_tokens) if forced
-                else None)
+        caps = np.minimum(mix_caps(args.length_mix, rows, r)[0], new_tokens) if forced else None
         timed = {name: run(name, r, caps) for name in samplers}
         out = timed["compact"][0]
         cont = timed["continuous"][0] if "continuous" in timed else None
         lengths = np.asarray(out.lengths_B)
-        row = waste(lengths, int(out.num_steps), int(out.slot_steps), new_tokens,
-                    None if cont is None else int(cont.slot_steps))
+        row = waste(
+            lengths,
+            int(out.num_steps),
+            int(out.slot_steps),
+            new_tokens,
+            None if cont is None else int(cont.slot_steps),
+        )
         if cont is not None:
             row["rows_identical"] = same_rows(out, cont)
         if args.mini_batch:
             row["update_real_minibatch"] = minibatch_real_frac(
-                out, args.group, args.mini_batch, args.ppo_epochs, new_tokens, seed=r,
-                micro_batch=args.micro_batch, length_classes=args.length_classes)
+                out,
+                args.group,
+                args.mini_batch,
+                args.ppo_epochs,
+                new_tokens,
+                seed=r,
+                micro_batch=args.micro_batch,
+                length_classes=args.length_classes,
+            )
         if args.time:
             row.update(_times({name: t for name, (_, t) in timed.items()}))
         results.append(row)
-        print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
-                       for k, v in row.items()), flush=True)
+        print(
+            " ".join(
+                f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+            ),
+            flush=True,
+        )
         # The sampled lengths, so other update layouts can be worked out from this rollout.
         print("lengths=" + ",".join(str(int(x)) for x in lengths), flush=True)
-    keys = [k for k in ("sampler_useful_full", "sampler_useful_compacted",
-                        "sampler_useful_continuous", "rows_identical", "update_real_trimmed",
-                        "update_real_untrimmed", "update_real_minibatch", "compact_s",
-                        "continuous_s", "time_ratio", "continuous_ratio") if k in results[0]]
-    print("mean over rollouts: " + ", ".join(
-        f"{k} {np.mean([r[k] for r in results]):.3f}" for k in keys))
+    keys = [
+        k
+        for k in (
+            "sampler_useful_full",
+            "sampler_useful_compacted",
+            "sampler_useful_continuous",
+            "rows_identical",
+            "update_real_trimmed",
+            "update_real_untrimmed",
+            "update_real_minibatch",
+            "compact_s",
+            "continuous_s",
+            "time_ratio",
+            "continuous_ratio",
+        )
+        if k in results[0]
+    ]
+    print(
+        "mean over rollouts: "
+        + ", ".join(f"{k} {np.mean([r[k] for r in results]):.3f}" for k in keys)
+    )
     return 0
 
 

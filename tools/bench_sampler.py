@@ -25,6 +25,7 @@ Bandwidth and FLOP rate are measured in the same run: the best of several jitted
 whose speed drifts by tens of percent over minutes, a slow spell then slows every side alike
 instead of the one that happened to run in it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -45,24 +46,44 @@ from jaxrl4llm.sampling.strategies import GREEDY, SamplingConfig  # noqa: E402
 # Decoding modes: ours, and transformers' generate arguments for the same distribution.
 MODES = {
     "greedy": (GREEDY, dict(do_sample=False, temperature=None, top_p=None, top_k=None)),
-    "t1": (SamplingConfig(temperature=1.0), dict(do_sample=True, temperature=1.0, top_p=1.0,
-                                                 top_k=0)),
+    "t1": (
+        SamplingConfig(temperature=1.0),
+        dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0),
+    ),
 }
 
 QUESTIONS = [
-    "What is 17 plus 25?", "Name three primary colors.", "Explain gravity in one sentence.",
-    "What is the capital of Japan?", "Write a haiku about autumn.",
-    "How many legs does a spider have?", "What is 9 times 7?", "Give a synonym for happy.",
-    "Why is the sky blue?", "What does a thermometer measure?",
-    "Translate 'hello' into French.", "What is 144 divided by 12?",
-    "Describe a cat in five words.", "What is the boiling point of water in Celsius?",
-    "Name a planet with rings.", "What is the square root of 81?", "Who wrote Romeo and Juliet?",
-    "What is photosynthesis?", "List two mammals that live in the sea.", "What is 3 cubed?",
-    "What color do you get by mixing blue and yellow?", "How many days are in a leap year?",
-    "What is the largest ocean?", "Write a short greeting for a birthday card.",
-    "What is 1000 minus 387?", "What gas do humans breathe out?", "Name a famous bridge.",
-    "What is the opposite of cold?", "How many minutes are in two hours?",
-    "What is the chemical symbol for gold?", "Suggest a name for a pet fish.",
+    "What is 17 plus 25?",
+    "Name three primary colors.",
+    "Explain gravity in one sentence.",
+    "What is the capital of Japan?",
+    "Write a haiku about autumn.",
+    "How many legs does a spider have?",
+    "What is 9 times 7?",
+    "Give a synonym for happy.",
+    "Why is the sky blue?",
+    "What does a thermometer measure?",
+    "Translate 'hello' into French.",
+    "What is 144 divided by 12?",
+    "Describe a cat in five words.",
+    "What is the boiling point of water in Celsius?",
+    "Name a planet with rings.",
+    "What is the square root of 81?",
+    "Who wrote Romeo and Juliet?",
+    "What is photosynthesis?",
+    "List two mammals that live in the sea.",
+    "What is 3 cubed?",
+    "What color do you get by mixing blue and yellow?",
+    "How many days are in a leap year?",
+    "What is the largest ocean?",
+    "Write a short greeting for a birthday card.",
+    "What is 1000 minus 387?",
+    "What gas do humans breathe out?",
+    "Name a famous bridge.",
+    "What is the opposite of cold?",
+    "How many minutes are in two hours?",
+    "What is the chemical symbol for gold?",
+    "Suggest a name for a pet fish.",
     "What is 15 percent of 200?",
 ]
 
@@ -90,7 +111,7 @@ def measure_matmul_gflops(dtype, size: int = 1024, repeats: int = 5) -> float:
         t0 = time.perf_counter()
         mm(x, x).block_until_ready()
         best = min(best, time.perf_counter() - t0)
-    return 2 * size ** 3 / best / 1e9
+    return 2 * size**3 / best / 1e9
 
 
 def xla_threads() -> int:
@@ -105,6 +126,7 @@ def param_bytes(params) -> int:
 
 def ours_runner(smp, params, prompts, strategy=GREEDY):
     """run(n) -> (seconds, tokens [B, n]) of one `generate` of n new tokens (compile first)."""
+
     def run(n):
         t0 = time.perf_counter()
         out = smp.generate(params, prompts, strategy, n, jax.random.key(0))
@@ -125,13 +147,18 @@ def torch_runner(model, tokenizer, prompts, mode_kwargs=MODES["greedy"][1]):
     ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
 
     def run(n):
-        torch.set_num_threads(xla_threads())   # the same cores as XLA's CPU thread pool
-        kwargs = dict(attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                      pad_token_id=tokenizer.pad_token_id, **mode_kwargs)
+        torch.set_num_threads(xla_threads())  # the same cores as XLA's CPU thread pool
+        kwargs = dict(
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=tokenizer.pad_token_id,
+            **mode_kwargs,
+        )
         with torch.inference_mode():
             t0 = time.perf_counter()
             out = model.generate(ids, **kwargs)
@@ -159,8 +186,9 @@ def main(argv=None):
     parser.add_argument("--dtypes", default=None, help="default: float32,bfloat16")
     parser.add_argument("--new_tokens", type=int, default=None, help="default: 128 (32 quick)")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--modes", default="greedy",
-                        help="comma-separated decoding modes: " + ", ".join(MODES))
+    parser.add_argument(
+        "--modes", default="greedy", help="comma-separated decoding modes: " + ", ".join(MODES)
+    )
     parser.add_argument("--no_torch", action="store_true")
     args = parser.parse_args(argv)
     dtypes = (args.dtypes or ("bfloat16" if args.quick else "float32,bfloat16")).split(",")
@@ -175,11 +203,13 @@ def main(argv=None):
     path = registry.resolve("smollm2-135m-instruct")
     bandwidth = measure_bandwidth_gbs()
     gflops = {d: measure_matmul_gflops(getattr(jnp, d)) for d in dtypes}
-    print(f"devices: {jax.devices()}  cpu cores: {os.cpu_count()}  "
-          f"measured read bandwidth: {bandwidth:.1f} GB/s  matmul GFLOP/s: "
-          + ", ".join(f"{d} {g:.0f}" for d, g in gflops.items()))
+    print(
+        f"devices: {jax.devices()}  cpu cores: {os.cpu_count()}  "
+        f"measured read bandwidth: {bandwidth:.1f} GB/s  matmul GFLOP/s: "
+        + ", ".join(f"{d} {g:.0f}" for d, g in gflops.items())
+    )
     config, params32, tokenizer = registry.load_model(path)
-    smp = Sampler(config, tokenizer, stop_ids=())   # no stops: exactly N tokens per row
+    smp = Sampler(config, tokenizer, stop_ids=())  # no stops: exactly N tokens per row
     chats = smp.encode(QUESTIONS)
     torch_model = None
     if not args.no_torch:
@@ -190,11 +220,14 @@ def main(argv=None):
             import transformers
 
             from jaxrl4llm.models import weights
+
             folder = tempfile.mkdtemp(prefix="bench_sampler_")
             weights.export_hf(params32, config, folder)
             torch_model = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
-            print(f"torch {torch.__version__}; threads: XLA {xla_threads()}, torch "
-                  f"{xla_threads()} (set before each generate)")
+            print(
+                f"torch {torch.__version__}; threads: XLA {xla_threads()}, torch "
+                f"{xla_threads()} (set before each generate)"
+            )
         except ImportError:
             print("torch/transformers not installed: skipping the reference")
 
@@ -204,8 +237,9 @@ def main(argv=None):
         params = jax.tree.map(lambda x: x.astype(dtype), params32)
         itemsize = jnp.dtype(dtype).itemsize
         # Every weight is read once per step, except an untied input embedding (gathered).
-        wbytes = param_bytes(params) - (0 if config.tie_word_embeddings else
-                                        config.vocab_size * config.hidden_size * itemsize)
+        wbytes = param_bytes(params) - (
+            0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size * itemsize
+        )
         for batch, mode in itertools.product(batches, modes):
             strategy, torch_kwargs = MODES[mode]
             prompts = [chats[i % len(chats)] for i in range(batch)]
@@ -213,51 +247,81 @@ def main(argv=None):
             runs = {"ours": (ours_run, new_tokens), "ours_prefill": (ours_run, 1)}
             if torch_model is not None:
                 import torch
+
                 tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-                runs["torch"] = (torch_runner(torch_model.to(tdtype), tokenizer, prompts,
-                                              torch_kwargs), new_tokens)
-            for run, n in runs.values():    # compile / warm up every side first
+                runs["torch"] = (
+                    torch_runner(torch_model.to(tdtype), tokenizer, prompts, torch_kwargs),
+                    new_tokens,
+                )
+            for run, n in runs.values():  # compile / warm up every side first
                 run(n if run is ours_run else 2)
             best = best_interleaved(runs, repeats)
             (t_full, ours), (t_prefill, _) = best["ours"], best["ours_prefill"]
             ours_tps = batch * new_tokens / t_full
             decode_tps = batch * (new_tokens - 1) / max(t_full - t_prefill, 1e-9)
             ctx = np.mean([len(p) for p in prompts]) + new_tokens / 2
-            kv_bytes = (2 * config.num_layers * batch * ctx * config.num_kv_heads
-                        * config.head_dim * itemsize)
+            kv_bytes = (
+                2
+                * config.num_layers
+                * batch
+                * ctx
+                * config.num_kv_heads
+                * config.head_dim
+                * itemsize
+            )
             roofline_tps = batch / ((wbytes + kv_bytes) / (bandwidth * 1e9))
             # Matmul FLOPs per step: 2 per weight (the input embedding is a gather) + attention.
-            dense = config.num_params - (config.vocab_size * config.hidden_size
-                                         if not config.tie_word_embeddings else 0)
+            dense = config.num_params - (
+                config.vocab_size * config.hidden_size if not config.tie_word_embeddings else 0
+            )
             flops = 2 * batch * dense + 4 * batch * ctx * config.num_layers * (
-                config.num_heads * config.head_dim)
+                config.num_heads * config.head_dim
+            )
             flop_roof_tps = batch / (flops / (gflops[dtype_name] * 1e9))
             torch_tps = match = None
             if torch_model is not None:
                 import torch
+
                 t_torch, ref = best["torch"]
                 torch_tps = batch * new_tokens / t_torch
-                print(f"  (threads: XLA {xla_threads()}, torch {torch.get_num_threads()}; "
-                      f"{repeats} turns of ours / ours prefill / torch)")
+                print(
+                    f"  (threads: XLA {xla_threads()}, torch {torch.get_num_threads()}; "
+                    f"{repeats} turns of ours / ours prefill / torch)"
+                )
                 # Mean length of the prefix on which both greedy decodes agree (float rounding
                 # differences flip near-ties, after which the continuations differ).
                 if mode == "greedy":
                     same = np.cumprod(ref == ours, axis=1).sum(axis=1)
                     match = float(np.mean(same))
-            rows.append((dtype_name, mode, batch, ours_tps, torch_tps, decode_tps, roofline_tps,
-                         flop_roof_tps, match))
+            rows.append(
+                (
+                    dtype_name,
+                    mode,
+                    batch,
+                    ours_tps,
+                    torch_tps,
+                    decode_tps,
+                    roofline_tps,
+                    flop_roof_tps,
+                    match,
+                )
+            )
             print_row(*rows[-1], flush=True)
-    print("\nfinal table (new tokens = %d; threads: XLA %d, torch %d)"
-          % (new_tokens, xla_threads(), xla_threads()))
+    print(
+        "\nfinal table (new tokens = %d; threads: XLA %d, torch %d)"
+        % (new_tokens, xla_threads(), xla_threads())
+    )
     print_header()
     for row in rows:
         print_row(*row)
 
 
 def print_header():
-    print(f"{'dtype':>9} {'mode':>6} {'batch':>5} {'ours tok/s':>10} {'torch tok/s':>11} "
-          f"{'ratio':>6} {'decode tok/s':>12} {'bw roof':>8} {'decode %':>8} {'flop roof':>9} "
-          f"{'decode %':>8} {'same pref':>9}")
+    print(
+        f"{'dtype':>9} {'mode':>6} {'batch':>5} {'ours tok/s':>10} {'torch tok/s':>11} "
+        f"{'ratio':>6} {'decode tok/s':>12} {'bw roof':>8} {'decode %':>8} {'flop roof':>9} "
+        f"{'decode %':>8} {'same pref':>9}"
+    )
 
 
 _header_printed = False
@@ -271,9 +335,12 @@ def print_row(dtype, mode, batch, ours, torch_tps, decode, roofline, flop_roof, 
     t = f"{torch_tps:11.1f}" if torch_tps else f"{'-':>11}"
     r = f"{ours / torch_tps:6.2f}" if torch_tps else f"{'-':>6}"
     m = f"{match:9.1f}" if match is not None else f"{'-':>9}"
-    print(f"{dtype:>9} {mode:>6} {batch:5d} {ours:10.1f} {t} {r} {decode:12.1f} {roofline:8.1f} "
-          f"{100 * decode / roofline:7.1f}% {flop_roof:9.1f} {100 * decode / flop_roof:7.1f}% "
-          f"{m}", flush=True)
+    print(
+        f"{dtype:>9} {mode:>6} {batch:5d} {ours:10.1f} {t} {r} {decode:12.1f} {roofline:8.1f} "
+        f"{100 * decode / roofline:7.1f}% {flop_roof:9.1f} {100 * decode / flop_roof:7.1f}% "
+        f"{m}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

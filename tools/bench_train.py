@@ -22,6 +22,7 @@ i.e. the fastest this step could run on this machine (`floor_s`; `floor_share` =
 step_s). The reference and update passes run each prompt once per group (--no_share_prompts
 runs it once per row, as before).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxrl4llm.config import cli
 
 
-def step_tflop(config, prompts: int, group: int, prompt_len: int, new_tokens: int, *,
-               remat: bool, share_prompts: bool, reference: bool) -> dict[str, float]:
+def step_tflop(
+    config,
+    prompts: int,
+    group: int,
+    prompt_len: int,
+    new_tokens: int,
+    *,
+    remat: bool,
+    share_prompts: bool,
+    reference: bool,
+) -> dict[str, float]:
     """Matmul TFLOPs of one step's stages (2 per multiply-add; the embedding lookup is free).
 
     The rollout prefills each prompt once and decodes B = prompts x group rows; teacher-forced
@@ -45,17 +55,23 @@ def step_tflop(config, prompts: int, group: int, prompt_len: int, new_tokens: in
     + one more forward with remat.
     """
     from jaxrl4llm.models.transformer import flops_per_token
+
     B, P, T = prompts * group, prompt_len, new_tokens
     layer, unembed, attn = flops_per_token(config)
 
     prefill = prompts * P * layer + prompts * unembed + prompts * P * P / 2 * attn
     decode = B * T * (layer + unembed) + B * T * (P + T / 2) * attn
     prompt_rows = prompts if share_prompts else B
-    forward = (prompt_rows * P * layer + B * T * (layer + unembed)
-               + (prompt_rows * P * P / 2 + B * T * (P + T / 2)) * attn)
-    return {"rollout": (prefill + decode) / 1e12,
-            "reference": forward / 1e12 if reference else 0.0,
-            "update": forward * (4 if remat else 3) / 1e12}
+    forward = (
+        prompt_rows * P * layer
+        + B * T * (layer + unembed)
+        + (prompt_rows * P * P / 2 + B * T * (P + T / 2)) * attn
+    )
+    return {
+        "rollout": (prefill + decode) / 1e12,
+        "reference": forward / 1e12 if reference else 0.0,
+        "update": forward * (4 if remat else 3) / 1e12,
+    }
 
 
 def _child(args) -> dict:
@@ -86,21 +102,30 @@ def _child(args) -> dict:
     model_config, params, tokenizer = registry.load_model(args.model, dtype=dtype)
     load_s = time.perf_counter() - t0
     config = TrainConfig().replace(
-        model=args.model, param_dtype=param_name, compute_dtype=compute_name or None,
+        model=args.model,
+        param_dtype=param_name,
+        compute_dtype=compute_name or None,
         prompts_per_step=args.prompts,
-        group_size=args.group, max_new_tokens=args.new_tokens, algorithm="grpo",
-        learning_rate=1e-6, answer_mode="lenient", remat=args.remat,
-        share_prompts=args.share_prompts, kl_coef=args.kl_coef,
-        kl_in="loss" if args.kl_coef > 0 else None)
-    model_config = config.model.compute_config(model_config)   # as the trainer does
+        group_size=args.group,
+        max_new_tokens=args.new_tokens,
+        algorithm="grpo",
+        learning_rate=1e-6,
+        answer_mode="lenient",
+        remat=args.remat,
+        share_prompts=args.share_prompts,
+        kl_coef=args.kl_coef,
+        kl_in="loss" if args.kl_coef > 0 else None,
+    )
+    model_config = config.model.compute_config(model_config)  # as the trainer does
     # The reference weights are a second copy only when the KL term needs them.
     ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
     state = TrainState.create(params, config.optimizer, seed=0)
     source = make_source("synthetic:arithmetic", split="train")
     reward_fn = make_reward_fn("auto", answer_mode="lenient")
     # No stop tokens: every completion is exactly --new_tokens long.
-    ctx = RolloutContext.create(model_config, tokenizer, reward_fn, None, config.data,
-                                config.rollout, stop_ids=())
+    ctx = RolloutContext.create(
+        model_config, tokenizer, reward_fn, None, config.data, config.rollout, stop_ids=()
+    )
     rows = []
     for step in range(1 + args.repeats):  # step 0 compiles
         records = step_records(source, step, args.prompts)
@@ -109,10 +134,15 @@ def _child(args) -> dict:
         prompt_group = batch.layout.prompt_group(batch.keep_B.shape[0])
         host_memory.release_free_memory()  # as the trainer does between rollout and update
         t0 = time.perf_counter()
-        static = dict(model_config=model_config, algorithm=config.update_algorithm,
-                      optimizer=config.optimizer, num_micro=1,
-                      temperature=config.rollout.sampling.effective_temperature,
-                      remat=config.model.remat, prompt_group=prompt_group)
+        static = dict(
+            model_config=model_config,
+            algorithm=config.update_algorithm,
+            optimizer=config.optimizer,
+            num_micro=1,
+            temperature=config.rollout.sampling.effective_temperature,
+            remat=config.model.remat,
+            prompt_group=prompt_group,
+        )
         if step == 0:
             compile_train_step(state, batch, **static)  # as the trainer does
         state, um = train_step(state, batch, **static)
@@ -121,26 +151,46 @@ def _child(args) -> dict:
         step_s = time.perf_counter() - t_step
         new_tokens = args.prompts * args.group * args.new_tokens
         trained = int(batch.seqs.prompt_mask_BP.sum() + batch.seqs.completion_mask_BT.sum())
-        rows.append({"rollout_s": m["time/rollout_s"], "reward_s": m["time/reward_s"],
-                     "reference_s": m["time/logprobs_s"], "update_s": update_s,
-                     "step_s": step_s, "sample_tok_s": new_tokens / m["time/rollout_s"],
-                     "update_tok_s": trained / update_s})
+        rows.append(
+            {
+                "rollout_s": m["time/rollout_s"],
+                "reward_s": m["time/reward_s"],
+                "reference_s": m["time/logprobs_s"],
+                "update_s": update_s,
+                "step_s": step_s,
+                "sample_tok_s": new_tokens / m["time/rollout_s"],
+                "update_tok_s": trained / update_s,
+            }
+        )
     reward_fn.close()
     peak_rss = host_memory.peak_rss_gib()  # before the matmul probe below allocates anything
     timed = rows[1:]
     mean = {k: sum(r[k] for r in timed) / len(timed) for k in timed[0]}
     # The compute floor: this step's matmul FLOPs at the best matmul rate measured here.
     peak_gflops = max(probe_before, bench_sampler.measure_matmul_gflops(probe_dtype))
-    tflop = step_tflop(model_config, args.prompts, args.group,
-                       int(batch.seqs.prompt_tokens_BP.shape[1]), args.new_tokens,
-                       remat=config.model.remat, share_prompts=config.rollout.share_prompts,
-                       reference=config.needs_reference)
+    tflop = step_tflop(
+        model_config,
+        args.prompts,
+        args.group,
+        int(batch.seqs.prompt_tokens_BP.shape[1]),
+        args.new_tokens,
+        remat=config.model.remat,
+        share_prompts=config.rollout.share_prompts,
+        reference=config.needs_reference,
+    )
     floor_s = sum(tflop.values()) * 1e3 / peak_gflops
-    mean.update(dtype=args.child, compile_step_s=rows[0]["step_s"], load_s=load_s,
-                peak_rss_gib=peak_rss, step_tflop=sum(tflop.values()), matmul_gflops=peak_gflops,
-                floor_s=floor_s, floor_share=floor_s / mean["step_s"],
-                xla_threads=xla_threads(),
-                device=str(jax.devices()[0].platform))
+    mean.update(
+        dtype=args.child,
+        compile_step_s=rows[0]["step_s"],
+        load_s=load_s,
+        peak_rss_gib=peak_rss,
+        step_tflop=sum(tflop.values()),
+        matmul_gflops=peak_gflops,
+        floor_s=floor_s,
+        floor_share=floor_s / mean["step_s"],
+        xla_threads=xla_threads(),
+        device=str(jax.devices()[0].platform),
+    )
     return mean
 
 
@@ -151,41 +201,75 @@ def dtype_list(values: list[str]) -> list[str]:
 
 def child_flags(args: argparse.Namespace) -> list[str]:
     """Every option but --dtypes / --child, spelled out for a child process."""
-    flags = [f"--{k}={v}" for k, v in vars(args).items()
-             if k not in ("dtypes", "child", "remat", "share_prompts", "trl", "rounds", "debug")
-             and v is not None]
-    return flags + ([] if args.remat else ["--no_remat"]) + (
-        [] if args.share_prompts else ["--no_share_prompts"]) + ["--debug"] * args.debug
+    flags = [
+        f"--{k}={v}"
+        for k, v in vars(args).items()
+        if k not in ("dtypes", "child", "remat", "share_prompts", "trl", "rounds", "debug")
+        and v is not None
+    ]
+    return (
+        flags
+        + ([] if args.remat else ["--no_remat"])
+        + ([] if args.share_prompts else ["--no_share_prompts"])
+        + ["--debug"] * args.debug
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
-                        help="space- or comma-separated PARAM[:COMPUTE] dtypes, e.g. float32 "
-                             "float32:bfloat16 (float32 master weights, bfloat16 compute)")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        help="space- or comma-separated PARAM[:COMPUTE] dtypes, e.g. float32 "
+        "float32:bfloat16 (float32 master weights, bfloat16 compute)",
+    )
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run ours and TRL in turns this many times per dtype (each a fresh "
-                             "process pair) and keep each side's fastest step: the machine's "
-                             "slow minutes then hit both sides alike")
-    parser.add_argument("--kl_coef", type=float, default=0.0,
-                        help="GRPO's KL coefficient (0.04 in the paper): > 0 adds the reference "
-                             "pass; 0 (default) matches TRL's default beta = 0")
-    parser.add_argument("--no_remat", dest="remat", action="store_false",
-                        help="keep every layer's activations (much more memory)")
-    parser.add_argument("--no_share_prompts", dest="share_prompts", action="store_false",
-                        help="run every row's prompt (not once per group) in the "
-                             "reference and update passes")
-    parser.add_argument("--no_trl", dest="trl", action="store_false",
-                        help="do not time TRL's GRPOTrainer even if trl is installed")
-    parser.add_argument("--omp_wait_policy", choices=("PASSIVE", "ACTIVE"), default=None,
-                        help="OMP_WAIT_POLICY for the child processes (default: torch's own). "
-                             "On a loaded machine torch's spinning OpenMP workers slow it "
-                             "several-fold; PASSIVE keeps its thread count but lets them sleep")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run ours and TRL in turns this many times per dtype (each a fresh "
+        "process pair) and keep each side's fastest step: the machine's "
+        "slow minutes then hit both sides alike",
+    )
+    parser.add_argument(
+        "--kl_coef",
+        type=float,
+        default=0.0,
+        help="GRPO's KL coefficient (0.04 in the paper): > 0 adds the reference "
+        "pass; 0 (default) matches TRL's default beta = 0",
+    )
+    parser.add_argument(
+        "--no_remat",
+        dest="remat",
+        action="store_false",
+        help="keep every layer's activations (much more memory)",
+    )
+    parser.add_argument(
+        "--no_share_prompts",
+        dest="share_prompts",
+        action="store_false",
+        help="run every row's prompt (not once per group) in the reference and update passes",
+    )
+    parser.add_argument(
+        "--no_trl",
+        dest="trl",
+        action="store_false",
+        help="do not time TRL's GRPOTrainer even if trl is installed",
+    )
+    parser.add_argument(
+        "--omp_wait_policy",
+        choices=("PASSIVE", "ACTIVE"),
+        default=None,
+        help="OMP_WAIT_POLICY for the child processes (default: torch's own). "
+        "On a loaded machine torch's spinning OpenMP workers slow it "
+        "several-fold; PASSIVE keeps its thread count but lets them sleep",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--hf_dir", default=None, help=argparse.SUPPRESS)
     return parser
@@ -200,10 +284,12 @@ def run_child(args: argparse.Namespace, child: str) -> dict | None:
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
-        print(f"--child={child} failed (exit {out.returncode}):\n{out.stderr[-4000:]}",
-              file=sys.stderr)
+        print(
+            f"--child={child} failed (exit {out.returncode}):\n{out.stderr[-4000:]}",
+            file=sys.stderr,
+        )
         return None
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def fastest(results: list[dict | None]) -> dict | None:
@@ -220,31 +306,48 @@ def load_average() -> str:
 
 
 def print_table(cols: tuple[str, ...], rows: list[dict]) -> None:
-    width = {c: max([13, len(c)] + [len(r[c]) for r in rows if isinstance(r[c], str)])
-             for c in cols}
+    width = {
+        c: max([13, len(c)] + [len(r[c]) for r in rows if isinstance(r[c], str)]) for c in cols
+    }
     print(" | ".join(f"{c:>{width[c]}s}" for c in cols))
     for r in rows:
-        print(" | ".join(f"{r[c]:>{width[c]}s}" if isinstance(r[c], str)
-                         else f"{r[c]:>{width[c]}.2f}" for c in cols))
+        print(
+            " | ".join(
+                f"{r[c]:>{width[c]}s}" if isinstance(r[c], str) else f"{r[c]:>{width[c]}.2f}"
+                for c in cols
+            )
+        )
 
 
 def print_comparison(ours: list[dict], theirs: list[dict]) -> None:
     """Ours against TRL per dtype, and our step against its same-run compute floor."""
-    print(f"ours vs TRL {theirs[0]['trl']} GRPOTrainer (torch {theirs[0]['torch']}, threads: "
-          f"XLA {ours[0]['xla_threads']}, torch {theirs[0]['torch_threads']}, OMP_WAIT_POLICY "
-          f"{theirs[0]['omp_wait_policy']}); TRL's completions: "
-          f"{theirs[0]['mean_new_tokens']:.1f} tokens on average")
-    rows = [{"dtype": o["dtype"], "ours_step_s": o["step_s"], "trl_step_s": t["step_s"],
-             "ratio": o["step_s"] / t["step_s"],
-             # The reward's cost depends on the sampled texts (which differ between the sides).
-             "ratio_no_reward": (o["step_s"] - o["reward_s"]) / (t["step_s"] - t["reward_s"]),
-             "ours_rss_gib": o["peak_rss_gib"],
-             "trl_rss_gib": t["peak_rss_gib"], "rss_ratio": o["peak_rss_gib"] / t["peak_rss_gib"],
-             "floor_share": o["floor_share"]} for o, t in zip(ours, theirs)]
+    print(
+        f"ours vs TRL {theirs[0]['trl']} GRPOTrainer (torch {theirs[0]['torch']}, threads: "
+        f"XLA {ours[0]['xla_threads']}, torch {theirs[0]['torch_threads']}, OMP_WAIT_POLICY "
+        f"{theirs[0]['omp_wait_policy']}); TRL's completions: "
+        f"{theirs[0]['mean_new_tokens']:.1f} tokens on average"
+    )
+    rows = [
+        {
+            "dtype": o["dtype"],
+            "ours_step_s": o["step_s"],
+            "trl_step_s": t["step_s"],
+            "ratio": o["step_s"] / t["step_s"],
+            # The reward's cost depends on the sampled texts (which differ between the sides).
+            "ratio_no_reward": (o["step_s"] - o["reward_s"]) / (t["step_s"] - t["reward_s"]),
+            "ours_rss_gib": o["peak_rss_gib"],
+            "trl_rss_gib": t["peak_rss_gib"],
+            "rss_ratio": o["peak_rss_gib"] / t["peak_rss_gib"],
+            "floor_share": o["floor_share"],
+        }
+        for o, t in zip(ours, theirs)
+    ]
     print_table(tuple(rows[0]), rows)
-    print("ratio = ours / TRL step time (target <= 0.75), ratio_no_reward the same without the "
-          "reward's time; rss_ratio = ours / TRL peak RSS (target <= 0.5); floor_share = our "
-          "compute floor / our step (target >= 0.70)")
+    print(
+        "ratio = ours / TRL step time (target <= 0.75), ratio_no_reward the same without the "
+        "reward's time; rss_ratio = ours / TRL peak RSS (target <= 0.5); floor_share = our "
+        "compute floor / our step (target >= 0.70)"
+    )
 
 
 def main(argv=None) -> int:
@@ -254,16 +357,18 @@ def main(argv=None) -> int:
         parser.error(f"--rounds={args.rounds} --repeats={args.repeats}: both must be >= 1.")
     if args.child:
         from tools import bench_trl
+
         if args.child == "export":
             bench_trl.export_model(args.model, args.hf_dir)
             result = {"hf_dir": args.hf_dir}
         elif args.child.startswith("trl/"):
-            result = bench_trl.run_trl(args, args.child[len("trl/"):], args.hf_dir)
+            result = bench_trl.run_trl(args, args.child[len("trl/") :], args.hf_dir)
         else:
             result = _child(args)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     from tools import bench_trl
+
     with_trl = args.trl and bench_trl.trl_available()
     if args.trl and not with_trl:
         print(bench_trl.TRL_MISSING)
@@ -275,10 +380,9 @@ def main(argv=None) -> int:
             return 1
         for dtype in dtype_list(args.dtypes):
             rounds = {"ours": [], "trl": []}
-            for i in range(args.rounds):   # in turns: the two sides see about the same load
+            for i in range(args.rounds):  # in turns: the two sides see about the same load
                 if args.rounds > 1:
-                    print(f"{dtype}: round {i + 1} of {args.rounds} ({load_average()})",
-                          flush=True)
+                    print(f"{dtype}: round {i + 1} of {args.rounds} ({load_average()})", flush=True)
                 rounds["ours"].append(run_child(args, dtype))
                 if with_trl:
                     rounds["trl"].append(run_child(args, f"trl/{dtype}"))
@@ -288,27 +392,62 @@ def main(argv=None) -> int:
             if with_trl:
                 theirs.append(fastest(rounds["trl"]))
     print(f"after: {load_average()}")
-    print(f"GRPO step: {args.prompts} prompts x {args.group} samples x {args.new_tokens} new "
-          f"tokens (forced), KL coef {args.kl_coef}, {args.model}, device {ours[0]['device']}")
-    print_table(("dtype", "rollout_s", "reward_s", "reference_s", "update_s", "step_s",
-                 "sample_tok_s", "update_tok_s", "peak_rss_gib", "compile_step_s", "step_tflop",
-                 "matmul_gflops", "floor_s", "floor_share"), ours)
+    print(
+        f"GRPO step: {args.prompts} prompts x {args.group} samples x {args.new_tokens} new "
+        f"tokens (forced), KL coef {args.kl_coef}, {args.model}, device {ours[0]['device']}"
+    )
+    print_table(
+        (
+            "dtype",
+            "rollout_s",
+            "reward_s",
+            "reference_s",
+            "update_s",
+            "step_s",
+            "sample_tok_s",
+            "update_tok_s",
+            "peak_rss_gib",
+            "compile_step_s",
+            "step_tflop",
+            "matmul_gflops",
+            "floor_s",
+            "floor_share",
+        ),
+        ours,
+    )
     if args.rounds > 1:
         for side, results in (("ours", ours), ("TRL", theirs)):
             for r in results:
-                print(f"{side} {r['dtype']}: steps of the {r['rounds']} rounds "
-                      + ", ".join(f"{x:.2f}" for x in r["step_s_rounds"])
-                      + " s (the fastest is kept)")
-    for r in ours[1:]:   # same run, same machine load
-        print(f"{r['dtype']} / {ours[0]['dtype']}: step "
-              f"{r['step_s'] / ours[0]['step_s']:.2f}x, update "
-              f"{r['update_s'] / ours[0]['update_s']:.2f}x, rollout "
-              f"{r['rollout_s'] / ours[0]['rollout_s']:.2f}x the time")
+                print(
+                    f"{side} {r['dtype']}: steps of the {r['rounds']} rounds "
+                    + ", ".join(f"{x:.2f}" for x in r["step_s_rounds"])
+                    + " s (the fastest is kept)"
+                )
+    for r in ours[1:]:  # same run, same machine load
+        print(
+            f"{r['dtype']} / {ours[0]['dtype']}: step "
+            f"{r['step_s'] / ours[0]['step_s']:.2f}x, update "
+            f"{r['update_s'] / ours[0]['update_s']:.2f}x, rollout "
+            f"{r['rollout_s'] / ours[0]['rollout_s']:.2f}x the time"
+        )
     if with_trl:
-        print("TRL GRPOTrainer (rollout_s: its _generate; reward_s: its _calculate_rewards, of "
-              "which verify_s in our reward function; update_s: step - rollout - reward)")
-        print_table(("dtype", "rollout_s", "reward_s", "verify_s", "update_s", "step_s",
-                     "peak_rss_gib", "compile_step_s"), theirs)
+        print(
+            "TRL GRPOTrainer (rollout_s: its _generate; reward_s: its _calculate_rewards, of "
+            "which verify_s in our reward function; update_s: step - rollout - reward)"
+        )
+        print_table(
+            (
+                "dtype",
+                "rollout_s",
+                "reward_s",
+                "verify_s",
+                "update_s",
+                "step_s",
+                "peak_rss_gib",
+                "compile_step_s",
+            ),
+            theirs,
+        )
         print_comparison(ours, theirs)
     return 0
 

@@ -9,6 +9,7 @@ recomputation (gradient checkpointing) when ours remats, AdamW at our defaults. 
 same number of threads as XLA's CPU pool. This module imports only the standard library at its
 top, so bench_train can tell whether trl is installed without importing torch.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,8 +17,10 @@ import os
 import time
 from typing import Any, Sequence
 
-TRL_MISSING = ("trl is not installed: timing our side only (pip install -e '.[bench]' "
-               "for the GRPOTrainer comparison)")
+TRL_MISSING = (
+    "trl is not installed: timing our side only (pip install -e '.[bench]' "
+    "for the GRPOTrainer comparison)"
+)
 
 
 def trl_available() -> bool:
@@ -40,9 +43,18 @@ def compute_dtype_name(dtype: str) -> str:
     return compute_name or param_name
 
 
-def trl_config_kwargs(*, prompts: int, group: int, new_tokens: int, dtype: str, remat: bool,
-                      kl_coef: float, steps: int, output_dir: str, use_cpu: bool
-                      ) -> dict[str, Any]:
+def trl_config_kwargs(
+    *,
+    prompts: int,
+    group: int,
+    new_tokens: int,
+    dtype: str,
+    remat: bool,
+    kl_coef: float,
+    steps: int,
+    output_dir: str,
+    use_cpu: bool,
+) -> dict[str, Any]:
     """GRPOConfig arguments for `steps` optimizer steps of our bench step's work.
 
     TRL counts its batch in rows (completions), not prompts: one step generates
@@ -52,25 +64,41 @@ def trl_config_kwargs(*, prompts: int, group: int, new_tokens: int, dtype: str, 
     """
     return dict(
         output_dir=output_dir,
-        per_device_train_batch_size=prompts * group,   # every row in one micro-batch
-        gradient_accumulation_steps=1,                  # ours: num_micro = 1
-        steps_per_generation=1,                         # one rollout per optimizer step
-        num_iterations=1,                               # no old-policy pass (nor ours)
+        per_device_train_batch_size=prompts * group,  # every row in one micro-batch
+        gradient_accumulation_steps=1,  # ours: num_micro = 1
+        steps_per_generation=1,  # one rollout per optimizer step
+        num_iterations=1,  # no old-policy pass (nor ours)
         num_generations=group,
         max_steps=steps,
         max_completion_length=new_tokens,
-        generation_kwargs={"min_new_tokens": new_tokens},   # EOS suppressed: forced length
-        temperature=1.0, top_p=1.0, top_k=0,
-        beta=kl_coef,        # 0 (TRL's default): no KL term, no reference model; > 0: k3 in
-                             # the loss, as our GRPO
-        loss_type="grpo", scale_rewards="group",        # our GRPO: seq-mean-token-mean, /std
-        learning_rate=1e-6, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-        gradient_checkpointing=remat,                   # TRL's default True; ours --remat
+        generation_kwargs={"min_new_tokens": new_tokens},  # EOS suppressed: forced length
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=kl_coef,  # 0 (TRL's default): no KL term, no reference model; > 0: k3 in
+        # the loss, as our GRPO
+        loss_type="grpo",
+        scale_rewards="group",  # our GRPO: seq-mean-token-mean, /std
+        learning_rate=1e-6,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        adam_epsilon=1e-8,
+        gradient_checkpointing=remat,  # TRL's default True; ours --remat
         # bf16 compute on CPU is torch autocast, which transformers allows only with use_cpu.
-        bf16=compute_dtype_name(dtype) == "bfloat16", fp16=False, use_cpu=use_cpu,
-        shuffle_dataset=False, seed=0, report_to="none", save_strategy="no",
-        logging_steps=10**6, disable_tqdm=True, log_completions=False,
+        bf16=compute_dtype_name(dtype) == "bfloat16",
+        fp16=False,
+        use_cpu=use_cpu,
+        shuffle_dataset=False,
+        seed=0,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10**6,
+        disable_tqdm=True,
+        log_completions=False,
         dataloader_num_workers=0,
     )
 
@@ -79,6 +107,7 @@ def export_model(model: str, folder: str) -> None:
     """Our float32 weights and tokenizer -> a transformers folder (run in its own process, so
     neither side's peak RSS includes the other's framework)."""
     from jaxrl4llm.models import registry, weights
+
     config, params, tokenizer = registry.load_model(model)
     weights.export_hf(params, config, folder, tokenizer=tokenizer)
 
@@ -123,7 +152,8 @@ def run_trl(args: Any, dtype: str, hf_dir: str) -> dict[str, Any]:
     records = [r for step in range(steps) for r in step_records(source, step, args.prompts)]
     data = DataConfig()
     dataset = datasets.Dataset.from_list(
-        [{"prompt": data.messages(r), "index": i} for i, r in enumerate(records)])
+        [{"prompt": data.messages(r), "index": i} for i, r in enumerate(records)]
+    )
     reward_fn = make_reward_fn("auto", answer_mode="lenient")
     lengths: list[int] = []
 
@@ -150,13 +180,27 @@ def run_trl(args: Any, dtype: str, hf_dir: str) -> dict[str, Any]:
             stage_times.append((generate.seconds, score.seconds))
 
     with tempfile.TemporaryDirectory(prefix="bench_trl_") as out_dir:
-        config = trl.GRPOConfig(**trl_config_kwargs(
-            prompts=args.prompts, group=args.group, new_tokens=args.new_tokens, dtype=dtype,
-            remat=args.remat, kl_coef=args.kl_coef, steps=steps, output_dir=out_dir,
-            use_cpu=not torch.cuda.is_available()))
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=config,
-                                  train_dataset=dataset, processing_class=tokenizer,
-                                  callbacks=[StepTimer()])
+        config = trl.GRPOConfig(
+            **trl_config_kwargs(
+                prompts=args.prompts,
+                group=args.group,
+                new_tokens=args.new_tokens,
+                dtype=dtype,
+                remat=args.remat,
+                kl_coef=args.kl_coef,
+                steps=steps,
+                output_dir=out_dir,
+                use_cpu=not torch.cuda.is_available(),
+            )
+        )
+        trainer = trl.GRPOTrainer(
+            model=model,
+            reward_funcs=reward,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[StepTimer()],
+        )
         generate = trainer._generate = _Timer(trainer._generate)
         score = trainer._calculate_rewards = _Timer(trainer._calculate_rewards)
         trainer.train()
@@ -167,11 +211,19 @@ def run_trl(args: Any, dtype: str, hf_dir: str) -> dict[str, Any]:
     step_s = sum(timed) / len(timed)
     rollout_s = sum(g for g, _ in stages) / len(stages)
     reward_s = sum(r for _, r in stages) / len(stages)
-    return {"dtype": dtype, "step_s": step_s, "rollout_s": rollout_s, "reward_s": reward_s,
-            "update_s": step_s - rollout_s - reward_s, "compile_step_s": step_times[0],
-            "load_s": load_s, "verify_s": sum(verify_s[1:]) / len(timed),
-            "peak_rss_gib": host_memory.peak_rss_gib(),
-            "mean_new_tokens": sum(lengths) / max(len(lengths), 1),
-            "torch_threads": torch.get_num_threads(), "trl": trl.__version__,
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
-            "torch": torch.__version__}
+    return {
+        "dtype": dtype,
+        "step_s": step_s,
+        "rollout_s": rollout_s,
+        "reward_s": reward_s,
+        "update_s": step_s - rollout_s - reward_s,
+        "compile_step_s": step_times[0],
+        "load_s": load_s,
+        "verify_s": sum(verify_s[1:]) / len(timed),
+        "peak_rss_gib": host_memory.peak_rss_gib(),
+        "mean_new_tokens": sum(lengths) / max(len(lengths), 1),
+        "torch_threads": torch.get_num_threads(),
+        "trl": trl.__version__,
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+        "torch": torch.__version__,
+    }

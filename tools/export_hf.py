@@ -13,6 +13,7 @@ Needs PyTorch, which training does not: transformers reads the tokenizer out of 
 (the embedded SmolLM2) only with torch installed (`pip install torch==2.13.0`; without it
 the tool stops with exit code 2 and that command).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -31,15 +32,23 @@ def main(argv=None) -> int:
     parser.add_argument("workdir", help="training workdir (with config.json and checkpoints/)")
     parser.add_argument("output", help="folder to write the HF checkpoint into")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    parser.add_argument("--merge", action="store_true",
-                        help="LoRA runs: write the base with the adapters merged in (a full "
-                             "HF folder) instead of a PEFT adapter folder")
-    parser.add_argument("--critic_output", default=None,
-                        help="folder for a PPO run's critic (default: OUTPUT-critic)")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA runs: write the base with the adapters merged in (a full "
+        "HF folder) instead of a PEFT adapter folder",
+    )
+    parser.add_argument(
+        "--critic_output",
+        default=None,
+        help="folder for a PPO run's critic (default: OUTPUT-critic)",
+    )
     args = parser.parse_args(argv)
     if importlib.util.find_spec("torch") is None:
-        raise DependencyError("tools/export_hf.py needs PyTorch (transformers reads and writes "
-                              f"the tokenizer with it), which is not installed: {TORCH_INSTALL}")
+        raise DependencyError(
+            "tools/export_hf.py needs PyTorch (transformers reads and writes "
+            f"the tokenizer with it), which is not installed: {TORCH_INSTALL}"
+        )
 
     from jaxrl4llm.models import peft_format, weights
     from jaxrl4llm.train import critic
@@ -47,10 +56,12 @@ def main(argv=None) -> int:
 
     peft = read_run_config(args.workdir).lora.enabled and not args.merge
     config, model_config, params, critic_params, tokenizer = load_trained_models(
-        args.workdir, args.step, merge_lora=not peft)
+        args.workdir, args.step, merge_lora=not peft
+    )
     if peft:
-        peft_format.export_peft(params, model_config, config.lora, args.output,
-                                base_model=config.model.name)
+        peft_format.export_peft(
+            params, model_config, config.lora, args.output, base_model=config.model.name
+        )
         print(f"wrote {args.output} (a PEFT LoRA adapter of {config.model.name})")
     else:
         weights.export_hf(params, model_config, args.output, tokenizer=tokenizer)

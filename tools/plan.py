@@ -35,6 +35,7 @@ The simulated devices are CPUs: the compiler is XLA's CPU backend, whose fusion 
 decisions differ from the TPU / GPU compilers (and which cannot compile the splash / cuDNN
 attention kernels: attention is the chunked online softmax here, a close upper bound).
 """
+
 from __future__ import annotations
 
 import os
@@ -54,15 +55,16 @@ def _argv_value(argv: list[str], name: str) -> str | None:
     return None
 
 
-if __name__ == "__main__":   # fake the devices before jax starts
+if __name__ == "__main__":  # fake the devices before jax starts
     _topo = _argv_value(sys.argv, "topology")
     try:
         _devices = topology(_topo).num_devices if _topo else 0
     except ValueError:
-        _devices = 0   # main() reports the bad --topology
+        _devices = 0  # main() reports the bad --topology
     if _devices and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_"
-                                   f"platform_device_count={_devices}").strip()
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_devices}"
+        ).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
@@ -75,43 +77,61 @@ from jaxrl4llm.planner import programs, slots  # noqa: E402
 from jaxrl4llm.planner.report import print_plan, print_slot_use  # noqa: E402
 
 flags.DEFINE_string("topology", None, "v5p-N, v5e-N, Kxh100 or Kxh200 (e.g. v5p-64).")
-flags.DEFINE_string("architecture", None, "Override the model architecture (a key of "
-                    "models/config.py ARCHITECTURES); default: from --model's name.")
+flags.DEFINE_string(
+    "architecture",
+    None,
+    "Override the model architecture (a key of "
+    "models/config.py ARCHITECTURES); default: from --model's name.",
+)
 flags.DEFINE_bool("markdown", False, "Print the table as Markdown (docs/scaling.md).")
-flags.DEFINE_float("completion_mean", None, "Mean completion length in tokens: with "
-                   "--completion_p99, prints the rollout's slot utilisation.")
-flags.DEFINE_float("completion_p99", None, "99th percentile of the completion length in "
-                   "tokens (see --completion_mean).")
+flags.DEFINE_float(
+    "completion_mean",
+    None,
+    "Mean completion length in tokens: with "
+    "--completion_p99, prints the rollout's slot utilisation.",
+)
+flags.DEFINE_float(
+    "completion_p99",
+    None,
+    "99th percentile of the completion length in tokens (see --completion_mean).",
+)
 
 
 def main(argv):
-    del argv   # cli.run refuses positional arguments
+    del argv  # cli.run refuses positional arguments
     FLAGS = flags.FLAGS
     require(FLAGS.topology, "--topology is required (e.g. --topology=v5p-64).")
     with cli.flag_errors():
         topo = topology(FLAGS.topology)
-    require(jax.device_count() >= topo.num_devices,
-            f"--topology={FLAGS.topology}: {topo.num_devices} devices needed, "
-            f"{jax.device_count()} available: XLA_FLAGS already fixes another device count.")
+    require(
+        jax.device_count() >= topo.num_devices,
+        f"--topology={FLAGS.topology}: {topo.num_devices} devices needed, "
+        f"{jax.device_count()} available: XLA_FLAGS already fixes another device count.",
+    )
     profile = (FLAGS.completion_mean, FLAGS.completion_p99)
-    require((FLAGS.completion_mean is None) == (FLAGS.completion_p99 is None),
-            "--completion_mean and --completion_p99 go together: pass both or neither.")
+    require(
+        (FLAGS.completion_mean is None) == (FLAGS.completion_p99 is None),
+        "--completion_mean and --completion_p99 go together: pass both or neither.",
+    )
     if None not in profile:
         with cli.flag_errors():
             slots.fit_lognormal(*profile)
     config = train.config_from_flags()
     one_host = config.one_host_only
-    require(topo.num_hosts == 1 or not one_host,
-            f"--topology={FLAGS.topology} spans {topo.num_hosts} hosts, but "
-            f"{', '.join(one_host)} pick rows on the host and run on one host only: plan for "
-            "one host (e.g. --topology=8xh200) or drop them.")
+    require(
+        topo.num_hosts == 1 or not one_host,
+        f"--topology={FLAGS.topology} spans {topo.num_hosts} hosts, but "
+        f"{', '.join(one_host)} pick rows on the host and run on one host only: plan for "
+        "one host (e.g. --topology=8xh200) or drop them.",
+    )
     # The run's own checks of its config, at the topology's devices and hosts.
     config.validate(topo.num_devices, num_hosts=topo.num_hosts)
     model_config = programs.architecture(FLAGS.architecture or config.model.name)
     # As the run does at start: prompt + completion must fit the model's context.
-    config.validate_context(model_config.max_position_embeddings,
-                            FLAGS.architecture or config.model.name)
-    result = programs.plan(config, model_config, topo, jax.devices()[:topo.num_devices])
+    config.validate_context(
+        model_config.max_position_embeddings, FLAGS.architecture or config.model.name
+    )
+    result = programs.plan(config, model_config, topo, jax.devices()[: topo.num_devices])
     print_plan(result, markdown=FLAGS.markdown)
     if None not in profile:
         print_slot_use(result, *profile)

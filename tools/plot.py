@@ -6,6 +6,7 @@ Panels, against the step: reward, accuracy (train and held-out), completion leng
 entropy; the KL to the reference and the clip fraction only when a run logged them and they
 vary (jaxrl4llm/train/plots.py, choose_panels). Each run is one colour, named by its folder.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,11 +21,12 @@ from jaxrl4llm.train.plots import plot_runs  # noqa: E402
 def main(argv: Sequence[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workdirs", nargs="+", help="training workdirs (with metrics.jsonl)")
-    parser.add_argument("--out", default=None,
-                        help="output PNG (default: <first workdir>/curves.png)")
+    parser.add_argument(
+        "--out", default=None, help="output PNG (default: <first workdir>/curves.png)"
+    )
     args = parser.parse_args(argv)
     out = args.out or os.path.join(args.workdirs[0], "curves.png")
-    print(plot_runs(args.workdirs, out))   # a folder without metrics.jsonl: a UserError
+    print(plot_runs(args.workdirs, out))  # a folder without metrics.jsonl: a UserError
     return 0
 
 

@@ -25,6 +25,7 @@ the rate it reached: GFLOP/s for matmuls, GB/s of KV cache read for attention. B
 same matmul shapes timed alone (XLA, and torch's `F.linear` with the same threads when torch is
 installed), which says whether an op in the loop runs slower than the library can run it.
 """
+
 from __future__ import annotations
 
 import glob
@@ -52,8 +53,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--trace", action="store_true",
-                        help="profile the sampler's decode loop op by op (see the docstring)")
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="profile the sampler's decode loop op by op (see the docstring)",
+    )
     parser.add_argument("--steps", type=int, default=32, help="decode steps traced (--trace)")
     args = parser.parse_args(argv)
     if args.trace:
@@ -84,8 +88,15 @@ def main(argv=None) -> int:
         return strategies.sample(logits_BV, keys_B, sampling), cache
 
     def layers(params, token_B, position_B, cache, index):
-        return transformer.hidden_states(params, config, token_B[:, None], position_B[:, None],
-                                         jnp.ones((B, 1), bool), cache, index)
+        return transformer.hidden_states(
+            params,
+            config,
+            token_B[:, None],
+            position_B[:, None],
+            jnp.ones((B, 1), bool),
+            cache,
+            index,
+        )
 
     parts = {
         "step": (step, (params, token_B, position_B, cache, index, keys_B)),
@@ -95,10 +106,14 @@ def main(argv=None) -> int:
     }
     gflops = measure_matmul_gflops(dtype)
     gbs = measure_bandwidth_gbs()
-    print(f"{args.model} {args.dtype}, batch {B}, context {S}, T={args.temperature}; "
-          f"measured: matmul {gflops:.0f} GFLOP/s, read bandwidth {gbs:.1f} GB/s")
-    print(f"{'part':>8} {'ms':>8} {'GFLOP':>8} {'MB read':>8} {'flop ms':>8} {'bw ms':>8} "
-          f"{'floor %':>8} {'of step':>8}")
+    print(
+        f"{args.model} {args.dtype}, batch {B}, context {S}, T={args.temperature}; "
+        f"measured: matmul {gflops:.0f} GFLOP/s, read bandwidth {gbs:.1f} GB/s"
+    )
+    print(
+        f"{'part':>8} {'ms':>8} {'GFLOP':>8} {'MB read':>8} {'flop ms':>8} {'bw ms':>8} "
+        f"{'floor %':>8} {'of step':>8}"
+    )
     step_ms = None
     for name, (fn, fn_args) in parts.items():
         compiled = jax.jit(fn).lower(*fn_args).compile()
@@ -108,16 +123,23 @@ def main(argv=None) -> int:
         ms = 1e3 * _best_time(compiled, *fn_args, repeats=args.repeats)
         step_ms = step_ms or ms
         flop_ms, bw_ms = flops / gflops / 1e6, nbytes / gbs / 1e6
-        print(f"{name:>8} {ms:8.2f} {flops / 1e9:8.2f} {nbytes / 1e6:8.1f} {flop_ms:8.2f} "
-              f"{bw_ms:8.2f} {100 * max(flop_ms, bw_ms) / ms:7.1f}% {100 * ms / step_ms:7.1f}%",
-              flush=True)
+        print(
+            f"{name:>8} {ms:8.2f} {flops / 1e9:8.2f} {nbytes / 1e6:8.1f} {flop_ms:8.2f} "
+            f"{bw_ms:8.2f} {100 * max(flop_ms, bw_ms) / ms:7.1f}% {100 * ms / step_ms:7.1f}%",
+            flush=True,
+        )
     return 0
 
 
 # ----------------------------------------------------------------------------- --trace
 
-CATEGORIES = ("dense layers (matmuls)", "attention (KV cache)", "unembedding (matmul)",
-              "vocabulary ops (sampling)", "other")
+CATEGORIES = (
+    "dense layers (matmuls)",
+    "attention (KV cache)",
+    "unembedding (matmul)",
+    "vocabulary ops (sampling)",
+    "other",
+)
 # Ops that move no data at run time (and carry no op_name metadata).
 _FREE_OPS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+|\(.*?\)) (\S+?)\((.*)")
@@ -137,8 +159,7 @@ def _rank(shape: str) -> int:
     return max((len(d) for d in _dims(shape)), default=0)
 
 
-def categorize_ops(hlo_text: str, batch: int, vocab: int, loop_only: bool = True
-                   ) -> dict[str, str]:
+def categorize_ops(hlo_text: str, batch: int, vocab: int, loop_only: bool = True) -> dict[str, str]:
     """{instruction name: category} for the ops of `hlo_text` (a compiled module's as_text())
     that run op by op (not inside a fusion): with `loop_only`, those of the decode loop, the
     while loop whose body holds the most matmuls, and of the loops nested in it (e.g. a
@@ -170,8 +191,12 @@ def categorize_ops(hlo_text: str, batch: int, vocab: int, loop_only: bool = True
 
     def dots(computation: str) -> int:
         """Matmuls of a computation, those inside its fusions included."""
-        return sum(1 for _, op, rest, c in lines.values() if c == computation and (
-            op == "dot" or any("dot" in bodies.get(f, []) for f in called(rest, "calls"))))
+        return sum(
+            1
+            for _, op, rest, c in lines.values()
+            if c == computation
+            and (op == "dot" or any("dot" in bodies.get(f, []) for f in called(rest, "calls")))
+        )
 
     # Ops inside a fusion or a reducer run as part of their caller: only the instructions of
     # the computations that execute op by op (the entry, while bodies, branches) are counted.
@@ -182,7 +207,7 @@ def categorize_ops(hlo_text: str, batch: int, vocab: int, loop_only: bool = True
         if not loops:
             raise ValueError("categorize_ops: the module has no while loop to profile.")
         scope, todo = set(), [max(loops, key=dots)]
-        while todo:                      # the decode loop's body and the loops inside it
+        while todo:  # the decode loop's body and the loops inside it
             computation = todo.pop()
             if computation in scope:
                 continue
@@ -221,11 +246,12 @@ def categorize_ops(hlo_text: str, batch: int, vocab: int, loop_only: bool = True
 
 def op_intervals(trace_dir: str) -> dict[str, list[tuple[float, float]]]:
     """{op name: [(start, end) in ms]} of the XLA ops in the newest trace under trace_dir."""
-    paths = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*",
-                                          "*.trace.json.gz")))
+    paths = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz")))
     if not paths:
-        raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}: jax.profiler wrote "
-                                "no trace (is the profiler plugin available?)")
+        raise FileNotFoundError(
+            f"no *.trace.json.gz under {trace_dir}: jax.profiler wrote "
+            "no trace (is the profiler plugin available?)"
+        )
     with gzip.open(paths[-1]) as f:
         events = json.load(f)["traceEvents"]
     out: dict[str, list[tuple[float, float]]] = {}
@@ -251,8 +277,10 @@ def _standalone_gflops(shapes, dtype, repeats: int) -> dict[tuple[int, int, int]
     """{(M, K, N): (XLA GFLOP/s, torch F.linear GFLOP/s or None)} of [M, K] @ [K, N] alone."""
     from tools.bench_forward import _best_time
     from tools.bench_sampler import xla_threads
+
     try:
         import torch
+
         torch.set_num_threads(xla_threads())
     except ImportError:
         torch = None
@@ -290,17 +318,33 @@ def trace_main(args) -> int:
     dtype = param_dtype(args.dtype)
     config, params, _ = registry.load_model(args.model, dtype=dtype, with_tokenizer=False)
     B, N, V, D = args.batch, args.steps + 1, config.vocab_size, config.hidden_size
-    P = max(1, args.context - N)            # so the cache holds about --context slots
+    P = max(1, args.context - N)  # so the cache holds about --context slots
     prompt_BP = jnp.full((B, P), 100, jnp.int32)
-    inputs = (params, prompt_BP, jnp.ones((B, P), bool), jnp.ones((B,), bool),
-              jax.random.split(jax.random.key(0), B), jnp.full((1,), -1, jnp.int32),
-              jnp.int32(0))
-    static = dict(model_config=config, max_new_tokens=N, compact=False,
-                  sampling=strategies.SamplingConfig(temperature=args.temperature))
+    inputs = (
+        params,
+        prompt_BP,
+        jnp.ones((B, P), bool),
+        jnp.ones((B,), bool),
+        jax.random.split(jax.random.key(0), B),
+        jnp.full((1,), -1, jnp.int32),
+        jnp.int32(0),
+    )
+    static = dict(
+        model_config=config,
+        max_new_tokens=N,
+        compact=False,
+        sampling=strategies.SamplingConfig(temperature=args.temperature),
+    )
     compiled = sampler.generate_tokens.lower(*inputs, **static).compile()
     one = sampler.generate_tokens.lower(*inputs, **{**static, "max_new_tokens": 1}).compile()
-    step_ms = 1e3 * (_best_time(compiled, *inputs, repeats=args.repeats)
-                     - _best_time(one, *inputs, repeats=args.repeats)) / (N - 1)
+    step_ms = (
+        1e3
+        * (
+            _best_time(compiled, *inputs, repeats=args.repeats)
+            - _best_time(one, *inputs, repeats=args.repeats)
+        )
+        / (N - 1)
+    )
     with tempfile.TemporaryDirectory(prefix="profile_decode_") as trace_dir:
         jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
         jax.block_until_ready(compiled(*inputs))
@@ -321,20 +365,31 @@ def trace_main(args) -> int:
     L, S = config.num_layers, P + N - 1
     F, Nq, Nk = config.intermediate_size, config.num_heads, config.num_kv_heads
     Hd = config.head_dim
-    layer_shapes = [(B, D, Nq * Hd), (B, D, Nk * Hd), (B, D, Nk * Hd), (B, Nq * Hd, D),
-                    (B, D, F), (B, D, F), (B, F, D)]
+    layer_shapes = [
+        (B, D, Nq * Hd),
+        (B, D, Nk * Hd),
+        (B, D, Nk * Hd),
+        (B, Nq * Hd, D),
+        (B, D, F),
+        (B, D, F),
+        (B, F, D),
+    ]
     dense_flop = 2 * L * sum(m * k * n for m, k, n in layer_shapes)
     unembed_flop = 2 * B * D * V
     # Each step reads every slot of the cache (masked slots too), in the cache's dtype.
     cache_bytes = 2 * L * B * Nk * S * Hd * jnp.dtype(sampler._cache_dtype(params)).itemsize
-    print(f"{args.model} {args.dtype}, batch {B}, {N - 1} decode steps at contexts {P}..{S} "
-          f"(cache {S} slots), T={args.temperature}; measured here: matmul {gflops:.0f} GFLOP/s, "
-          f"read bandwidth {gbs:.1f} GB/s; decode step {step_ms:.1f} ms (wall, prefill "
-          f"excluded); the categories' ops kept the machine busy {sum(per_step.values()):.1f} "
-          "ms/step (each category's ops counted once where two ran side by side)")
-    rates = {CATEGORIES[0]: (dense_flop / 1e9, "GFLOP/s"),
-             CATEGORIES[1]: (cache_bytes / 1e9, "GB/s (K/V read; every slot is attended)"),
-             CATEGORIES[2]: (unembed_flop / 1e9, "GFLOP/s")}
+    print(
+        f"{args.model} {args.dtype}, batch {B}, {N - 1} decode steps at contexts {P}..{S} "
+        f"(cache {S} slots), T={args.temperature}; measured here: matmul {gflops:.0f} GFLOP/s, "
+        f"read bandwidth {gbs:.1f} GB/s; decode step {step_ms:.1f} ms (wall, prefill "
+        f"excluded); the categories' ops kept the machine busy {sum(per_step.values()):.1f} "
+        "ms/step (each category's ops counted once where two ran side by side)"
+    )
+    rates = {
+        CATEGORIES[0]: (dense_flop / 1e9, "GFLOP/s"),
+        CATEGORIES[1]: (cache_bytes / 1e9, "GB/s (K/V read; every slot is attended)"),
+        CATEGORIES[2]: (unembed_flop / 1e9, "GFLOP/s"),
+    }
     print(f"{'category':>28} {'ms/step':>8} {'share':>6}  rate reached")
     total = sum(per_step.values()) or 1.0
     for cat in CATEGORIES:
@@ -344,13 +399,19 @@ def trace_main(args) -> int:
             amount, unit = rates[cat]
             rate = f"{amount / (ms / 1e3):7.1f} {unit}"
         print(f"{cat:>28} {ms:8.2f} {100 * ms / total:5.1f}%  {rate}")
-    print(f"{'no op of the loop running':>28} {idle_ms:8.2f}         "
-          f"(the traced loop took {loop_ms:.1f} ms/step; this is its condition, dispatch and "
-          "waits between ops)")
+    print(
+        f"{'no op of the loop running':>28} {idle_ms:8.2f}         "
+        f"(the traced loop took {loop_ms:.1f} ms/step; this is its condition, dispatch and "
+        "waits between ops)"
+    )
     alone = _standalone_gflops(sorted(set(layer_shapes) | {(B, D, V)}), dtype, args.repeats)
-    print("the same matmuls alone ([M, K] @ [K, N], GFLOP/s): "
-          + "; ".join(f"{m}x{k}x{n} XLA {x:.0f}" + (f" torch {t:.0f}" if t else "")
-                      for (m, k, n), (x, t) in alone.items()))
+    print(
+        "the same matmuls alone ([M, K] @ [K, N], GFLOP/s): "
+        + "; ".join(
+            f"{m}x{k}x{n} XLA {x:.0f}" + (f" torch {t:.0f}" if t else "")
+            for (m, k, n), (x, t) in alone.items()
+        )
+    )
     return 0
 
 

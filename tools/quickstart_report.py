@@ -17,6 +17,7 @@ min-max over them, a single value when they agree. The figures:
 - the peak resident memory (memory/peak_rss_gib) when logged;
 - the disk the workdir uses (all its files: checkpoints, metrics, TensorBoard events).
 """
+
 from __future__ import annotations
 
 import json
@@ -45,20 +46,24 @@ def figures(workdir: str) -> dict[str, Any]:
     length = _column(records, "response/length_mean")
     step_s = [v for _, v in _column(records, "time/step_s")]
     rss = [v for _, v in _column(records, "memory/peak_rss_gib")]
-    accuracy = dict(_column(records, "eval/accuracy"))   # a step's last value wins
+    accuracy = dict(_column(records, "eval/accuracy"))  # a step's last value wins
     eval_path = os.path.join(workdir, "eval.json")
-    if os.path.exists(eval_path):   # the end-of-run eval (also the last step's record)
+    if os.path.exists(eval_path):  # the end-of-run eval (also the last step's record)
         with open(eval_path) as f:
             final = json.load(f).get("eval/accuracy")
         if final is not None and records:
             accuracy.setdefault(max(r["step"] for r in records), final)
     best = max(accuracy.values()) if accuracy else None
-    ends = [os.path.getmtime(os.path.join(workdir, n)) for n in _END_FILES
-            if os.path.exists(os.path.join(workdir, n))]
+    ends = [
+        os.path.getmtime(os.path.join(workdir, n))
+        for n in _END_FILES
+        if os.path.exists(os.path.join(workdir, n))
+    ]
     start = os.path.join(workdir, "config.json")
     return {
         "wall_min": (max(ends) - os.path.getmtime(start)) / 60
-        if ends and os.path.exists(start) else None,
+        if ends and os.path.exists(start)
+        else None,
         "steps": max((r["step"] for r in records), default=0),
         "step_s": sum(step_s) / len(step_s) if step_s else None,
         "reward_first": reward[0][1] if reward else None,
@@ -66,7 +71,8 @@ def figures(workdir: str) -> dict[str, Any]:
         "accuracy": dict(sorted(accuracy.items())),
         "best_accuracy": best,
         "first_step_at_best": min(s for s, v in accuracy.items() if v == best)
-        if accuracy else None,
+        if accuracy
+        else None,
         "length_first": length[0][1] if length else None,
         "length_last": length[-1][1] if length else None,
         "peak_rss_gib": max(rss) if rss else None,
@@ -87,24 +93,35 @@ def span(values: Sequence[float | None], fmt: str, unit: str = "") -> str:
 
 def report(runs: Sequence[dict[str, Any]]) -> list[str]:
     """The figures of one or more workdirs as lines of text (ranges over several)."""
+
     def each(key: str) -> list[Any]:
         return [run[key] for run in runs]
 
     eval_steps = sorted({s for run in runs for s in run["accuracy"]})
-    accuracy = "; ".join(f"step {s}: {span([r['accuracy'].get(s) for r in runs], '.1%')}"
-                         for s in eval_steps) or "not logged"
+    accuracy = (
+        "; ".join(
+            f"step {s}: {span([r['accuracy'].get(s) for r in runs], '.1%')}" for s in eval_steps
+        )
+        or "not logged"
+    )
     return [
         f"runs: {len(runs)}",
         f"wall time: {span(each('wall_min'), '.1f', ' min')}",
         f"steps: {span(each('steps'), 'd')}",
         f"time per step: {span(each('step_s'), '.1f', ' s')} (mean of time/step_s)",
-        (f"train reward (reward/mean): {span(each('reward_first'), '.2f')} at the first step "
-         f"-> {span(each('reward_last'), '.2f')} at the last"),
+        (
+            f"train reward (reward/mean): {span(each('reward_first'), '.2f')} at the first step "
+            f"-> {span(each('reward_last'), '.2f')} at the last"
+        ),
         f"greedy eval accuracy (eval/accuracy): {accuracy}",
-        (f"max eval accuracy: {span(each('best_accuracy'), '.1%')}, first reached at step "
-         f"{span(each('first_step_at_best'), 'd')}"),
-        (f"completion length (tokens): {span(each('length_first'), '.0f')} at the first step "
-         f"-> {span(each('length_last'), '.0f')} at the last"),
+        (
+            f"max eval accuracy: {span(each('best_accuracy'), '.1%')}, first reached at step "
+            f"{span(each('first_step_at_best'), 'd')}"
+        ),
+        (
+            f"completion length (tokens): {span(each('length_first'), '.0f')} at the first step "
+            f"-> {span(each('length_last'), '.0f')} at the last"
+        ),
         f"peak RSS: {span(each('peak_rss_gib'), '.2f', ' GiB')}",
         f"workdir disk: {span(each('disk_gb'), '.2f', ' GB')}",
     ]
@@ -112,10 +129,13 @@ def report(runs: Sequence[dict[str, Any]]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("workdirs", nargs="+", help="finished training workdirs "
-                        "(with metrics.jsonl), e.g. one per --seed")
+    parser.add_argument(
+        "workdirs",
+        nargs="+",
+        help="finished training workdirs (with metrics.jsonl), e.g. one per --seed",
+    )
     args = parser.parse_args(argv)
-    runs = [figures(w) for w in args.workdirs]   # a folder without metrics.jsonl: a UserError
+    runs = [figures(w) for w in args.workdirs]  # a folder without metrics.jsonl: a UserError
     print("\n".join(report(runs)))
     return 0
 

@@ -14,6 +14,7 @@ devices takes minutes of CPU.
 Exit status 1 when some planned program does not fit its chip or a plan fails (the tables are
 still written, a failed plan's section saying so).
 """
+
 from __future__ import annotations
 
 import glob
@@ -33,13 +34,17 @@ from jaxrl4llm.config.options import require  # noqa: E402
 
 CONFIGS = os.path.join(REPO, "experiments", "configs")
 DOC = os.path.join(REPO, "docs", "scaling.md")
-PLANS, SUMMARY = "plans", "summary"   # the two generated blocks
+PLANS, SUMMARY = "plans", "summary"  # the two generated blocks
 _TOPOLOGY = re.compile(r"^#.*tools/plan\.py .*--topology=(\S+)", re.MULTILINE)
 _SECTION = re.compile(r"^### `(\S+)\.flags` on ", re.MULTILINE)
 NOT_FITTING, PLAN_FAILED = "SOME PROGRAM DOES NOT FIT", "NOT PLANNED"
 
-flags.DEFINE_list("only", None, "Flagfile names (without .flags) to replan; default: every "
-                  "flagfile whose header names a topology.")
+flags.DEFINE_list(
+    "only",
+    None,
+    "Flagfile names (without .flags) to replan; default: every "
+    "flagfile whose header names a topology.",
+)
 
 
 def named_topologies() -> dict[str, str]:
@@ -49,21 +54,28 @@ def named_topologies() -> dict[str, str]:
         with open(path, encoding="utf-8") as f:
             m = _TOPOLOGY.search(f.read())
         if m:
-            out[os.path.basename(path)[:-len(".flags")]] = m.group(1)
+            out[os.path.basename(path)[: -len(".flags")]] = m.group(1)
     return out
 
 
 def plan_section(name: str, topology: str) -> str:
     """The flagfile's plan as plan.py prints it (--markdown), under a heading."""
     flagfile = f"experiments/configs/{name}.flags"
-    command = [sys.executable, os.path.join(REPO, "tools", "plan.py"), f"--flagfile={flagfile}",
-               f"--topology={topology}", "--markdown"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}   # plan.py sets its own
+    command = [
+        sys.executable,
+        os.path.join(REPO, "tools", "plan.py"),
+        f"--flagfile={flagfile}",
+        f"--topology={topology}",
+        "--markdown",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # plan.py sets its own
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    if done.returncode:   # the section says so; the other flagfiles are still planned
+    if done.returncode:  # the section says so; the other flagfiles are still planned
         print(done.stderr.strip()[-3000:], file=sys.stderr)
-        return (f"### `{name}.flags` on {topology}\n\n{PLAN_FAILED}: `tools/plan.py "
-                f"--flagfile={flagfile} --topology={topology}` exits {done.returncode}.\n")
+        return (
+            f"### `{name}.flags` on {topology}\n\n{PLAN_FAILED}: `tools/plan.py "
+            f"--flagfile={flagfile} --topology={topology}` exits {done.returncode}.\n"
+        )
     return f"### `{name}.flags` on {topology}\n\n{done.stdout.strip()}\n"
 
 
@@ -76,11 +88,13 @@ def sections(block: str) -> dict[str, str]:
 
 def summary_table(topologies: dict[str, str]) -> str:
     """One row per paper flagfile (quickstart aside), from the flagfile's own values."""
-    lines = ["| flagfile | model | algorithm | prompts x samples | mini-batch (rows) | "
-             "prompt + completion tokens | learning rate | parameters / compute | planned for |",
-             "|" + " --- |" * 9]
+    lines = [
+        "| flagfile | model | algorithm | prompts x samples | mini-batch (rows) | "
+        "prompt + completion tokens | learning rate | parameters / compute | planned for |",
+        "|" + " --- |" * 9,
+    ]
     for path in sorted(glob.glob(os.path.join(CONFIGS, "*.flags"))):
-        name = os.path.basename(path)[:-len(".flags")]
+        name = os.path.basename(path)[: -len(".flags")]
         if name == "quickstart":
             continue
         flags.FLAGS.unparse_flags()
@@ -92,7 +106,8 @@ def summary_table(topologies: dict[str, str]) -> str:
             f"{r.prompts_per_step} x {r.group_size} | {c.mini_batch} | "
             f"{r.max_prompt_tokens} + {r.max_new_tokens} | {c.optimizer.learning_rate:g} | "
             f"{c.model.param_dtype} / {c.model.compute_dtype or c.model.param_dtype} | "
-            f"{topologies.get(name, '-')} |")
+            f"{topologies.get(name, '-')} |"
+        )
     flags.FLAGS.unparse_flags()
     return "\n".join(lines) + "\n"
 
@@ -104,9 +119,11 @@ def markers(which: str) -> tuple[str, str]:
 
 def replace_block(text: str, which: str, body: str) -> str:
     begin, end = markers(which)
-    require(text.count(begin) == 1 and text.count(end) == 1,
-            f"{DOC} lacks the markers {begin!r} ... {end!r} (one pair) around its {which} "
-            "block: put them back where the generated tables go.")
+    require(
+        text.count(begin) == 1 and text.count(end) == 1,
+        f"{DOC} lacks the markers {begin!r} ... {end!r} (one pair) around its {which} "
+        "block: put them back where the generated tables go.",
+    )
     head, rest = text.split(begin)
     _, tail = rest.split(end)
     return f"{head}{begin}\n{body}{end}{tail}"
@@ -122,13 +139,16 @@ def main(argv):
     topologies = named_topologies()
     wanted = flags.FLAGS.only or list(topologies)
     unknown = sorted(set(wanted) - set(topologies))
-    require(not unknown, f"--only: {', '.join(unknown)} name no flagfile whose header names a "
-            f"topology; choose from {', '.join(topologies)}.")
+    require(
+        not unknown,
+        f"--only: {', '.join(unknown)} name no flagfile whose header names a "
+        f"topology; choose from {', '.join(topologies)}.",
+    )
     with open(DOC, encoding="utf-8") as f:
         kept = sections(block(f.read(), PLANS))
     summary = summary_table(topologies)
-    for name in wanted:   # the document is written after each plan (minutes each), reread
-        print(f"planning {name} on {topologies[name]} ...", flush=True)   # to keep its edits
+    for name in wanted:  # the document is written after each plan (minutes each), reread
+        print(f"planning {name} on {topologies[name]} ...", flush=True)  # to keep its edits
         kept[name] = plan_section(name, topologies[name])
         with open(DOC, encoding="utf-8") as f:
             text = replace_block(f.read(), SUMMARY, summary)

@@ -17,6 +17,7 @@ Each flag has its option's flat name, type, default and help; options with choic
 option (`--algorithm`) picks its sub-config, and the other flags of that sub-config override
 the preset only when they are given (their default is the preset's value).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,12 @@ from jaxrl4llm.config.errors import EXIT_USER_ERROR, FlagError, UserError, flag_
 
 DEBUG_ENV = "JAXRL4LLM_DEBUG"
 if "debug" not in flags.FLAGS:
-    flags.DEFINE_boolean("debug", False, "Print the traceback of a user error (a bad flag, "
-                         f"data source, model, ...) above its one-line message; or {DEBUG_ENV}=1.")
+    flags.DEFINE_boolean(
+        "debug",
+        False,
+        "Print the traceback of a user error (a bad flag, "
+        f"data source, model, ...) above its one-line message; or {DEBUG_ENV}=1.",
+    )
 
 
 class _OptionParser(flags.ArgumentParser):
@@ -44,7 +49,8 @@ class _OptionParser(flags.ArgumentParser):
         self.option = option
         if option.choices:
             self.syntactic_help = "one of " + "|".join(
-                options.format_value(c) for c in option.choices)
+                options.format_value(c) for c in option.choices
+            )
         else:
             self.syntactic_help = "a " + options.type_name(option.type)
 
@@ -79,11 +85,19 @@ def define_flags(root: type, flag_values: flags.FlagValues = flags.FLAGS) -> lis
         base, _ = options.base_type(o.type)
         module = _module_name(o)
         if base is bool and not o.choices:
-            flags.DEFINE_boolean(o.name, default, help_text, flag_values=flag_values,
-                                 module_name=module)
+            flags.DEFINE_boolean(
+                o.name, default, help_text, flag_values=flag_values, module_name=module
+            )
         else:
-            flags.DEFINE(_OptionParser(o), o.name, default, help_text, flag_values=flag_values,
-                         serializer=_OptionSerializer(), module_name=module)
+            flags.DEFINE(
+                _OptionParser(o),
+                o.name,
+                default,
+                help_text,
+                flag_values=flag_values,
+                serializer=_OptionSerializer(),
+                module_name=module,
+            )
     return [o.name for o in options.options(root)]
 
 
@@ -94,20 +108,27 @@ def _given(flag: Any) -> bool:
 def given_values(root: type, flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, Any]:
     """{flag name: value} of the options of `root` the user gave (on the command line or in a
     --flagfile); the others are at their defaults."""
-    return {o.name: flag_values[o.name].value for o in options.options(root)
-            if _given(flag_values[o.name])}
+    return {
+        o.name: flag_values[o.name].value
+        for o in options.options(root)
+        if _given(flag_values[o.name])
+    }
 
 
 def config_from_flags(root: type, flag_values: flags.FlagValues = flags.FLAGS) -> Any:
     """The config tree the parsed flags describe (a preset's overrides only where given);
     a value a sub-config refuses raises FlagError."""
-    values = {o.name: flag_values[o.name].value for o in options.options(root)
-              if o.role != "override" or _given(flag_values[o.name])}
+    values = {
+        o.name: flag_values[o.name].value
+        for o in options.options(root)
+        if o.role != "override" or _given(flag_values[o.name])
+    }
     with flag_errors():
         return options.replace(root(), **values)
 
 
 # ---- the error contract -------------------------------------------------------------------
+
 
 def debug_requested() -> bool:
     """--debug (on the command line or in a flagfile) or JAXRL4LLM_DEBUG=1."""
@@ -145,8 +166,10 @@ def parse_flags(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
     except flags.Error as exc:
         raise FlagError(_flag_error_text(exc, flag_values)) from exc
     if len(args) > 1:
-        raise FlagError(f"Unexpected argument(s) {' '.join(args[1:])!r}: every option is a "
-                        "--flag=VALUE (--helpfull lists them).")
+        raise FlagError(
+            f"Unexpected argument(s) {' '.join(args[1:])!r}: every option is a "
+            "--flag=VALUE (--helpfull lists them)."
+        )
     return args
 
 
@@ -154,13 +177,15 @@ def _flag_error_text(exc: flags.Error, flag_values: flags.FlagValues) -> str:
     """absl's message, naming the flag and the fix."""
     text = str(exc)
     if isinstance(exc, flags.CantOpenFlagFileError):
-        return (f"--flagfile: {text.removeprefix('ERROR:: ').strip()}; check the path (relative "
-                "paths are from the current folder).")
+        return (
+            f"--flagfile: {text.removeprefix('ERROR:: ').strip()}; check the path (relative "
+            "paths are from the current folder)."
+        )
     match = re.match(r"flag --(\w+)=(.*?): (.*)$", text, re.S)
     if match:
         name, value, why = match.groups()
         if why.startswith("--"):
-            text = why   # our parser's message already names the flag and value
+            text = why  # our parser's message already names the flag and value
         elif name in flag_values and flag_values[name].boolean:
             text = f"--{name}={value} is not a boolean: use --{name}=true or --{name}=false"
     return f"{text.rstrip('. ')}; --helpfull lists the flags."
@@ -173,8 +198,9 @@ def _parse_or_exit(argv: Sequence[str]) -> list[str]:
         sys.exit(report(exc))
 
 
-def run(main: Callable[..., int | None], *, absl_flags: bool = True,
-        argv: Sequence[str] | None = None) -> NoReturn:
+def run(
+    main: Callable[..., int | None], *, absl_flags: bool = True, argv: Sequence[str] | None = None
+) -> NoReturn:
     """Runs an entry point under the error contract and exits with its code.
 
     absl_flags: main(argv) of an absl program (flags parsed first, by `parse_flags`); else
@@ -192,8 +218,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.add_argument("--debug", action="store_true",
-                          help=f"print the traceback of a user error (or {DEBUG_ENV}=1)")
+        self.add_argument(
+            "--debug",
+            action="store_true",
+            help=f"print the traceback of a user error (or {DEBUG_ENV}=1)",
+        )
 
     def error(self, message: str) -> NoReturn:
         raise FlagError(f"{self.prog}: {message.rstrip('. ')} (--help lists the arguments).")

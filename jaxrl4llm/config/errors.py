@@ -6,6 +6,7 @@ names the input and the fix. The entry points (`experiments.train`, `experiments
 `experiments.study`, the scripts in tools/) turn it into exit code 2 and that one line, with
 no traceback. This module sits at the bottom of the layers: every package may import it.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -18,6 +18,7 @@ give the group presets (`preset=rl.get_preset` with the preset name as the optio
 from `name`): the preset option picks a whole sub-config, and the group's other options
 override it only where they are set.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,14 +41,14 @@ def require(cond: Any, message: str) -> None:
         raise FlagError(message)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)   # compared and hashed by identity
+@dataclasses.dataclass(frozen=True, eq=False)  # compared and hashed by identity
 class Mount:
     """How a sub-config class sits in its tree (see the module docstring)."""
 
     flags: Mapping[str, str] = dataclasses.field(default_factory=dict)
     choices: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
     derived: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    preset: Callable[[str], Any] | None = None   # name -> sub-config (e.g. rl.get_preset)
+    preset: Callable[[str], Any] | None = None  # name -> sub-config (e.g. rl.get_preset)
     preset_field: str = "name"
 
 
@@ -60,15 +61,15 @@ def group(default: Callable[[], Any], **mount: Any) -> Any:
 class Option:
     """One leaf of a config tree, as the command line sees it."""
 
-    name: str                  # the flat name (the flag)
-    path: tuple[str, ...]      # field names from the root
-    type: Any                  # the resolved annotation
-    default: Any               # its value in the root's default tree
+    name: str  # the flat name (the flag)
+    path: tuple[str, ...]  # field names from the root
+    type: Any  # the resolved annotation
+    default: Any  # its value in the root's default tree
     help: str
     choices: tuple | None
-    group: str                 # dotted path of its sub-config ("" at the root)
-    group_class: str           # the sub-config's class name
-    role: str                  # "value"; "preset" (picks its group); "override" (of a preset)
+    group: str  # dotted path of its sub-config ("" at the root)
+    group_class: str  # the sub-config's class name
+    role: str  # "value"; "preset" (picks its group); "override" (of a preset)
 
 
 def _mount(f: dataclasses.Field) -> Mount | None:
@@ -112,11 +113,19 @@ def _walk(cls: type, path: tuple[str, ...], mount: Mount, out: list[Option]) -> 
         role = "value"
         if mount.preset is not None:
             role = "preset" if f.name == mount.preset_field else "override"
-        out.append(Option(name=mount.flags.get(f.name, f.name), path=path + (f.name,),
-                          type=_hints(cls)[f.name], default=None,
-                          help=docs.get(f.name) or f"{cls.__name__}.{f.name}",
-                          choices=mount.choices.get(f.name), group=".".join(path),
-                          group_class=cls.__name__, role=role))
+        out.append(
+            Option(
+                name=mount.flags.get(f.name, f.name),
+                path=path + (f.name,),
+                type=_hints(cls)[f.name],
+                default=None,
+                help=docs.get(f.name) or f"{cls.__name__}.{f.name}",
+                choices=mount.choices.get(f.name),
+                group=".".join(path),
+                group_class=cls.__name__,
+                role=role,
+            )
+        )
 
 
 @functools.cache
@@ -127,8 +136,10 @@ def _option_specs(root: type) -> tuple[Option, ...]:
     seen: dict[str, Option] = {}
     for o in out:
         if o.name in seen:
-            raise TypeError(f"Option name {o.name!r} is used by both {'.'.join(seen[o.name].path)} "
-                            f"and {'.'.join(o.path)}; rename one at its mount (flags={{...}}).")
+            raise TypeError(
+                f"Option name {o.name!r} is used by both {'.'.join(seen[o.name].path)} "
+                f"and {'.'.join(o.path)}; rename one at its mount (flags={{...}})."
+            )
         seen[o.name] = o
     return tuple(out)
 
@@ -143,8 +154,7 @@ def _get(tree: Any, path: tuple[str, ...]) -> Any:
 def options(root: type) -> tuple[Option, ...]:
     """Every option of the config tree class `root`, in field order; flat names are unique."""
     default = root()
-    return tuple(dataclasses.replace(o, default=_get(default, o.path))
-                 for o in _option_specs(root))
+    return tuple(dataclasses.replace(o, default=_get(default, o.path)) for o in _option_specs(root))
 
 
 def option_map(root: type) -> dict[str, Option]:
@@ -152,6 +162,7 @@ def option_map(root: type) -> dict[str, Option]:
 
 
 # ---- values -------------------------------------------------------------------------------
+
 
 def base_type(tp: Any) -> tuple[Any, bool]:
     """(the type without Optional, whether None is allowed)."""
@@ -165,8 +176,11 @@ def base_type(tp: Any) -> tuple[Any, bool]:
 def type_name(tp: Any) -> str:
     base, optional = base_type(tp)
     origin = typing.get_origin(base)
-    name = (f"comma-separated {typing.get_args(base)[0].__name__}s" if origin is tuple
-            else getattr(base, "__name__", str(base)))
+    name = (
+        f"comma-separated {typing.get_args(base)[0].__name__}s"
+        if origin is tuple
+        else getattr(base, "__name__", str(base))
+    )
     return f"{name} or none" if optional and base is not str else name
 
 
@@ -177,8 +191,9 @@ def parse_text(option: Option, text: str) -> Any:
 
     def bad() -> FlagError:
         allowed = f"; choose one of {_choices_text(option.choices)}" if option.choices else ""
-        return FlagError(f"--{option.name}={text!r} is not a valid {type_name(option.type)}"
-                          f"{allowed}.")
+        return FlagError(
+            f"--{option.name}={text!r} is not a valid {type_name(option.type)}{allowed}."
+        )
 
     is_free_text = base is str and not option.choices
     if optional and not is_free_text and low in ("none", "null", ""):
@@ -222,13 +237,19 @@ def format_value(value: Any) -> str:
 
 # ---- trees --------------------------------------------------------------------------------
 
+
 def flatten(tree: Any) -> dict[str, Any]:
     """{flat name: value} of every option of a tree."""
     return {o.name: _get(tree, o.path) for o in _option_specs(type(tree))}
 
 
-def _build(cls: type, values: Mapping[str, Any], path: tuple[str, ...], mount: Mount,
-           names: Mapping[tuple[str, ...], str]) -> Any:
+def _build(
+    cls: type,
+    values: Mapping[str, Any],
+    path: tuple[str, ...],
+    mount: Mount,
+    names: Mapping[tuple[str, ...], str],
+) -> Any:
     kwargs = {}
     for f in dataclasses.fields(cls):
         sub = _mount(f)
@@ -278,8 +299,10 @@ def fill_derived(tree: Any) -> None:
 @functools.cache
 def _has_derived(cls: type, mount: Mount) -> bool:
     return bool(mount.derived) or any(
-        _has_derived(_hints(cls)[f.name], _mount(f)) for f in dataclasses.fields(cls)
-        if _mount(f) is not None)
+        _has_derived(_hints(cls)[f.name], _mount(f))
+        for f in dataclasses.fields(cls)
+        if _mount(f) is not None
+    )
 
 
 def replace(tree: Any, **values: Any) -> Any:
@@ -298,21 +321,32 @@ def replace(tree: Any, **values: Any) -> Any:
     for name, value in values.items():
         if name in groups and dataclasses.is_dataclass(value) and not isinstance(value, type):
             path = groups[name][0]
-            flat.update({o.name: _get(value, o.path[len(path):]) for o in specs
-                         if o.path[:len(path)] == path})
+            flat.update(
+                {
+                    o.name: _get(value, o.path[len(path) :])
+                    for o in specs
+                    if o.path[: len(path)] == path
+                }
+            )
         elif name in by_name and by_name[name].role == "preset":
             path = by_name[name].path[:-1]
             preset = next(m for p, _, m in groups.values() if p == path).preset(value)
-            flat.update({o.name: _get(preset, o.path[len(path):]) for o in specs
-                         if o.path[:-1] == path})
+            flat.update(
+                {o.name: _get(preset, o.path[len(path) :]) for o in specs if o.path[:-1] == path}
+            )
         elif name in by_name:
             plain[name] = value
         else:
-            raise FlagError(f"Unknown option {name!r}; valid options: "
-                             f"{', '.join(sorted(by_name))}.")
+            raise FlagError(
+                f"Unknown option {name!r}; valid options: {', '.join(sorted(by_name))}."
+            )
     flat.update(plain)
-    return root(**{f.name: (_rebuild(root, flat, f.name) if _mount(f) is not None
-                            else flat[f.name]) for f in dataclasses.fields(root)})
+    return root(
+        **{
+            f.name: (_rebuild(root, flat, f.name) if _mount(f) is not None else flat[f.name])
+            for f in dataclasses.fields(root)
+        }
+    )
 
 
 def to_dict(tree: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@
     messages = build_messages(batch[0].prompt)
     state = it.get_state()                # JSON-able; make_iterator(..., state=state) resumes
 """
+
 from jaxrl4llm.data.benchmarks import BENCHMARKS, Benchmark, load_benchmark
 from jaxrl4llm.data.iterator import BatchIterator, IteratorConfig, make_iterator
 from jaxrl4llm.data.prompts import (
@@ -29,9 +30,27 @@ from jaxrl4llm.data.sources import (
 from jaxrl4llm.data.tasks import TASKS, generate_record, split_of
 
 __all__ = [
-    "BENCHMARKS", "Benchmark", "load_benchmark", "BatchIterator", "IteratorConfig",
-    "make_iterator", "DEFAULT_INSTRUCTION", "build_messages",
-    "record_messages", "user_content", "DataError", "Record", "FieldNames", "ListSource",
-    "SyntheticSource", "TfdsSource", "make_source", "parse_synthetic", "read_jsonl",
-    "read_parquet", "TASKS", "generate_record", "split_of",
+    "BENCHMARKS",
+    "Benchmark",
+    "load_benchmark",
+    "BatchIterator",
+    "IteratorConfig",
+    "make_iterator",
+    "DEFAULT_INSTRUCTION",
+    "build_messages",
+    "record_messages",
+    "user_content",
+    "DataError",
+    "Record",
+    "FieldNames",
+    "ListSource",
+    "SyntheticSource",
+    "TfdsSource",
+    "make_source",
+    "parse_synthetic",
+    "read_jsonl",
+    "read_parquet",
+    "TASKS",
+    "generate_record",
+    "split_of",
 ]

@@ -16,16 +16,21 @@ tests), or None for a row the verifier cannot run (counted and dropped):
 At most MAX_CASES cases per problem: the verifier runs a completion's cases within one pool
 job's budget, and cases it cannot reach count as failed.
 """
+
 from __future__ import annotations
 
 import json
 from typing import Any, Callable, Mapping
 
 MAX_CASES = 10
-CODE_INSTRUCTION = ("Write a complete Python 3 program in one ```python fenced block: it reads "
-                    "the input from standard input and prints the answer to standard output.")
-FUNCTION_INSTRUCTION = ("Write the complete Python 3 function in one ```python fenced block "
-                        "(imports included); do not print or read anything.")
+CODE_INSTRUCTION = (
+    "Write a complete Python 3 program in one ```python fenced block: it reads "
+    "the input from standard input and prints the answer to standard output."
+)
+FUNCTION_INSTRUCTION = (
+    "Write the complete Python 3 function in one ```python fenced block "
+    "(imports included); do not print or read anything."
+)
 
 
 def _as_text(value: Any) -> str:
@@ -54,16 +59,26 @@ def apps_row(row: Mapping[str, Any]) -> dict[str, Any] | None:
     if not isinstance(io, dict) or io.get("fn_name"):
         return None
     inputs, outputs = io.get("inputs"), io.get("outputs")
-    if not isinstance(inputs, list) or not isinstance(outputs, list) or not inputs \
-            or len(inputs) != len(outputs):
+    if (
+        not isinstance(inputs, list)
+        or not isinstance(outputs, list)
+        or not inputs
+        or len(inputs) != len(outputs)
+    ):
         return None
-    cases = [{"input": _as_text(i), "output": _as_text(o)}
-             for i, o in zip(inputs[:MAX_CASES], outputs[:MAX_CASES])]
+    cases = [
+        {"input": _as_text(i), "output": _as_text(o)}
+        for i, o in zip(inputs[:MAX_CASES], outputs[:MAX_CASES])
+    ]
     tests = json.dumps({"style": "stdio", "cases": cases})
-    return {"question": str(row.get("question") or "").strip(), "tests": tests,
-            "code_answer": _first_solution(row.get("solutions")) or tests,
-            "instruction": CODE_INSTRUCTION, "problem_id": row.get("problem_id"),
-            "difficulty": row.get("difficulty")}
+    return {
+        "question": str(row.get("question") or "").strip(),
+        "tests": tests,
+        "code_answer": _first_solution(row.get("solutions")) or tests,
+        "instruction": CODE_INSTRUCTION,
+        "problem_id": row.get("problem_id"),
+        "difficulty": row.get("difficulty"),
+    }
 
 
 def mbpp_row(row: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -75,10 +90,14 @@ def mbpp_row(row: Mapping[str, Any]) -> dict[str, Any] | None:
         setup = "\n".join(str(line) for line in row.get("test_imports") or [])
     text = str(row.get("text") or row.get("prompt") or "").strip()
     question = text + "\nYour code should pass these tests:\n" + "\n".join(asserts)
-    tests = json.dumps({"style": "assert", "setup": str(setup or ""),
-                        "cases": asserts[:MAX_CASES]})
-    return {"question": question, "tests": tests, "code_answer": str(row.get("code") or tests),
-            "instruction": FUNCTION_INSTRUCTION, "task_id": row.get("task_id")}
+    tests = json.dumps({"style": "assert", "setup": str(setup or ""), "cases": asserts[:MAX_CASES]})
+    return {
+        "question": question,
+        "tests": tests,
+        "code_answer": str(row.get("code") or tests),
+        "instruction": FUNCTION_INSTRUCTION,
+        "task_id": row.get("task_id"),
+    }
 
 
 def humaneval_row(row: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -86,13 +105,19 @@ def humaneval_row(row: Mapping[str, Any]) -> dict[str, Any] | None:
     if not signature or not test or not entry:
         return None
     tests = json.dumps({"style": "assert", "setup": str(test), "cases": [f"check({entry})"]})
-    question = ("Complete this Python function:\n```python\n" + str(signature).rstrip()
-                + "\n```")
+    question = "Complete this Python function:\n```python\n" + str(signature).rstrip() + "\n```"
     solution = str(signature) + str(row.get("canonical_solution") or "")
-    return {"question": question, "tests": tests, "code_answer": solution,
-            "instruction": FUNCTION_INSTRUCTION, "task_id": row.get("task_id")}
+    return {
+        "question": question,
+        "tests": tests,
+        "code_answer": solution,
+        "instruction": FUNCTION_INSTRUCTION,
+        "task_id": row.get("task_id"),
+    }
 
 
 ROW_FORMS: dict[str, Callable[[Mapping[str, Any]], dict[str, Any] | None]] = {
-    "apps": apps_row, "mbpp": mbpp_row, "humaneval": humaneval_row,
+    "apps": apps_row,
+    "mbpp": mbpp_row,
+    "humaneval": humaneval_row,
 }

@@ -1,5 +1,6 @@
 """DataConfig: where a run's prompts come from and how a record becomes chat messages (the
 `data` group of the training config; the evaluator and the sampling context read it too)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +44,11 @@ class DataConfig:
 
     def messages(self, record: Any) -> list[dict[str, str]]:
         """The chat messages of one record (instruction and system turn applied)."""
-        instruction = (prompts.RECORD if self.instruction is None
-                       else prompts.expand(self.instruction, "--instruction"))
-        return record_messages(record, instruction=instruction,
-                               system=prompts.expand(self.system_prompt))
+        instruction = (
+            prompts.RECORD
+            if self.instruction is None
+            else prompts.expand(self.instruction, "--instruction")
+        )
+        return record_messages(
+            record, instruction=instruction, system=prompts.expand(self.system_prompt)
+        )

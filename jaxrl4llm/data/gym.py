@@ -20,6 +20,7 @@ perturbation; the clean data of Xie et al. (arXiv:2410.23123) that Logic-RL and 
 train on says knight/knave. `terms=knight` (the default) rewrites a puzzle's pair to
 knight/knave in the question and the reference; `terms=random` keeps reasoning-gym's.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,7 +40,7 @@ GYM_HINT = "pip install -e '.[gym]' (the reasoning-gym package)"
 OUR_OPTIONS = {"n": int, "seed": int, "test_fraction": float, "terms": str}
 DEFAULT_SIZES = {"train": 10_000, "test": 500}
 TERMS = ("knight", "random")
-ATTEMPTS = 256   # draws per record until its question hashes into the split (0.9**256 ~ 2e-12)
+ATTEMPTS = 256  # draws per record until its question hashes into the split (0.9**256 ~ 2e-12)
 # reasoning-gym's questions carry their own answer format; the answer goes in tags.
 INSTRUCTION = "Put your final answer within <answer> </answer> tags."
 
@@ -48,8 +49,9 @@ def import_gym():
     try:
         import reasoning_gym
     except ImportError:
-        raise DependencyError(f"gym: sources need reasoning-gym, which is not installed; "
-                              f"install it with: {GYM_HINT}") from None
+        raise DependencyError(
+            f"gym: sources need reasoning-gym, which is not installed; install it with: {GYM_HINT}"
+        ) from None
     return reasoning_gym
 
 
@@ -98,58 +100,94 @@ def _plain_terms(entry: dict[str, Any]) -> dict[str, Any]:
     knight, knave = str(terms.get("knight", "knight")), str(terms.get("knave", "knave"))
     if (knight, knave) == ("knight", "knave"):
         return entry
-    swaps = [(str(terms["a_knight"]), "a knight"), (str(terms["a_knave"]), "a knave"),
-             (knight.capitalize(), "Knight"), (knave.capitalize(), "Knave"),
-             (knight, "knight"), (knave, "knave")]
+    swaps = [
+        (str(terms["a_knight"]), "a knight"),
+        (str(terms["a_knave"]), "a knave"),
+        (knight.capitalize(), "Knight"),
+        (knave.capitalize(), "Knave"),
+        (knight, "knight"),
+        (knave, "knave"),
+    ]
 
     def rewrite(text: str) -> str:
         for old, new in swaps:  # whole words; a plural "s" may follow
             text = re.sub(rf"\b{re.escape(old)}(?=s?\b)", new, text)
         return text
 
-    metadata = dict(entry["metadata"], knight_knave_terms={
-        "knight": "knight", "knave": "knave", "a_knight": "a knight", "a_knave": "a knave",
-        "Knight": "Knight", "Knave": "Knave"})
-    return dict(entry, question=rewrite(entry["question"]), answer=rewrite(entry["answer"]),
-                metadata=metadata)
+    metadata = dict(
+        entry["metadata"],
+        knight_knave_terms={
+            "knight": "knight",
+            "knave": "knave",
+            "a_knight": "a knight",
+            "a_knave": "a knave",
+            "Knight": "Knight",
+            "Knave": "Knave",
+        },
+    )
+    return dict(
+        entry,
+        question=rewrite(entry["question"]),
+        answer=rewrite(entry["answer"]),
+        metadata=metadata,
+    )
 
 
 class GymSource(Sequence[Record]):
     """`num_examples` records of a reasoning-gym task's split, each generated on access."""
 
-    def __init__(self, task: str, options: dict[str, Any], split: str, *, seed: int = 0,
-                 num_examples: int | None = None, test_fraction: float = 0.1,
-                 terms: str = "knight"):
+    def __init__(
+        self,
+        task: str,
+        options: dict[str, Any],
+        split: str,
+        *,
+        seed: int = 0,
+        num_examples: int | None = None,
+        test_fraction: float = 0.1,
+        terms: str = "knight",
+    ):
         gym = import_gym()
         from reasoning_gym.factory import DATASETS
+
         where = f"gym:{task}"
         if task not in DATASETS:
-            raise DataError(f"{where}: reasoning-gym has no task {task!r}; it has "
-                            f"{', '.join(sorted(DATASETS))}")
+            raise DataError(
+                f"{where}: reasoning-gym has no task {task!r}; it has {', '.join(sorted(DATASETS))}"
+            )
         if terms not in TERMS:
             raise DataError(f"{where}: terms must be one of {', '.join(TERMS)}, got {terms!r}")
         self.split = canonical_split(split)
         self.num_examples = DEFAULT_SIZES[self.split] if num_examples is None else num_examples
         if self.num_examples < 1 or not 0.0 < test_fraction < 1.0:
-            raise DataError(f"{where}: need n >= 1 and 0 < test_fraction < 1, got "
-                            f"n={self.num_examples}, test_fraction={test_fraction}")
+            raise DataError(
+                f"{where}: need n >= 1 and 0 < test_fraction < 1, got "
+                f"n={self.num_examples}, test_fraction={test_fraction}"
+            )
         self.task, self.options, self.seed = task, dict(options), seed
         self.test_fraction, self.terms = test_fraction, terms
         ranged = [k for k, v in self.options.items() if isinstance(v, range)]
         if len(ranged) > 1:
-            raise DataError(f"{where}: only one option may be a range LO..HI, got "
-                            f"{', '.join(ranged)}")
+            raise DataError(
+                f"{where}: only one option may be a range LO..HI, got {', '.join(ranged)}"
+            )
         values = list(self.options[ranged[0]]) if ranged else [None]
         self.config_jsons, self._datasets = [], []
         for value in values:  # one reasoning-gym dataset per value of the ranged option
-            config = {**self.options, **({ranged[0]: value} if ranged else {}), "seed": seed,
-                      "size": self.num_examples * ATTEMPTS}
+            config = {
+                **self.options,
+                **({ranged[0]: value} if ranged else {}),
+                "seed": seed,
+                "size": self.num_examples * ATTEMPTS,
+            }
             self.config_jsons.append(json.dumps(config, sort_keys=True))
             try:
                 self._datasets.append(gym.create_dataset(task, **config))
             except (AssertionError, TypeError, ValueError) as exc:
-                raise DataError(f"{where}: reasoning-gym refused the options {config}: "
-                                f"{exc or type(exc).__name__}") from None
+                raise DataError(
+                    f"{where}: reasoning-gym refused the options {config}: "
+                    f"{exc or type(exc).__name__}"
+                ) from None
         self.name = f"{where}/{self.split}"
 
     def __len__(self) -> int:
@@ -169,19 +207,27 @@ class GymSource(Sequence[Record]):
                 entry = _plain_terms(entry)
             if split_of(f"gym:{self.task}", entry["question"], self.test_fraction) == self.split:
                 return entry
-        raise DataError(f"{self.name}: no {self.split} puzzle in {ATTEMPTS} draws with "
-                        f"{self.options}; the task's problem space is too small for "
-                        f"test_fraction={self.test_fraction}")
+        raise DataError(
+            f"{self.name}: no {self.split} puzzle in {ATTEMPTS} draws with "
+            f"{self.options}; the task's problem space is too small for "
+            f"test_fraction={self.test_fraction}"
+        )
 
     def __getitem__(self, index):
         entry = self.entry(index)
         config_json = self.config_jsons[index % self.num_examples % len(self._datasets)]
-        metadata = {"task": "gym", "gym_task": self.task, "gym_config": config_json,
-                    "gym_entry": pickle.dumps(entry), "instruction": INSTRUCTION,
-                    "split": self.split, "id": f"gym:{self.task}/{self.split}/{self.seed}/"
-                                               f"{index % self.num_examples}",
-                    **{k: v for k, v in entry["metadata"].items()
-                       if isinstance(v, (str, int, float, bool))}}
+        metadata = {
+            "task": "gym",
+            "gym_task": self.task,
+            "gym_config": config_json,
+            "gym_entry": pickle.dumps(entry),
+            "instruction": INSTRUCTION,
+            "split": self.split,
+            "id": f"gym:{self.task}/{self.split}/{self.seed}/{index % self.num_examples}",
+            **{
+                k: v for k, v in entry["metadata"].items() if isinstance(v, (str, int, float, bool))
+            },
+        }
         return Record(prompt=entry["question"], answer=str(entry["answer"]), metadata=metadata)
 
     def __repr__(self) -> str:
@@ -194,19 +240,26 @@ def parse_gym(body: str, split: str) -> GymSource:
     where = f"gym:{task}"
     import_gym()
     from reasoning_gym.factory import DATASETS
+
     if task not in DATASETS:
-        raise DataError(f"{where}: reasoning-gym has no task {task!r}; it has "
-                        f"{', '.join(sorted(DATASETS))}")
+        raise DataError(
+            f"{where}: reasoning-gym has no task {task!r}; it has {', '.join(sorted(DATASETS))}"
+        )
     kinds = {**_config_kinds(DATASETS[task][1]), **OUR_OPTIONS}
     values: dict[str, Any] = {}
     for item in filter(None, query.split("&")):
         key, eq, text = item.partition("=")
         key, text = unquote(key), unquote(text)
         if not eq or key not in kinds:
-            raise DataError(f"{where}: unknown option {item!r}; valid: "
-                            f"{', '.join(sorted(kinds))}")
+            raise DataError(f"{where}: unknown option {item!r}; valid: {', '.join(sorted(kinds))}")
         values[key] = _convert(text, kinds[key], key, where)
     ours = {k: values.pop(k) for k in list(values) if k in OUR_OPTIONS}
-    return GymSource(task, values, split, seed=ours.get("seed", 0), num_examples=ours.get("n"),
-                     test_fraction=ours.get("test_fraction", 0.1),
-                     terms=ours.get("terms", "knight"))
+    return GymSource(
+        task,
+        values,
+        split,
+        seed=ours.get("seed", 0),
+        num_examples=ours.get("n"),
+        test_fraction=ours.get("test_fraction", 0.1),
+        terms=ours.get("terms", "knight"),
+    )

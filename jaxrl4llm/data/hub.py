@@ -12,6 +12,7 @@ has one, else the split name in the file path (`test.jsonl`, `data/test-0000.par
 and the json module into the same (location, row) stream as local files. No `datasets`
 package: see docs/data.md for why.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,17 +28,20 @@ from jaxrl4llm.models import hub_access
 
 DATA_EXTENSIONS = (".parquet", ".jsonl", ".json")
 # Split names as the Hub's file-name conventions spell them.
-SPLIT_WORDS = {"train": ("train", "training"), "test": ("test", "testing", "eval", "evaluation"),
-               "validation": ("validation", "valid", "val", "dev")}
+SPLIT_WORDS = {
+    "train": ("train", "training"),
+    "test": ("test", "testing", "eval", "evaluation"),
+    "validation": ("validation", "valid", "val", "dev"),
+}
 _REPO_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*/[\w.\-]+$")
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
 @dataclasses.dataclass(frozen=True)
 class HubSpec:
-    repo: str                  # OWNER/NAME
+    repo: str  # OWNER/NAME
     config: str | None = None  # a `configs:` name (subset), e.g. "main" for openai/gsm8k
-    split: str | None = None   # the Hub split; None: the run's split ("train" / "test")
+    split: str | None = None  # the Hub split; None: the run's split ("train" / "test")
 
     @classmethod
     def parse(cls, body: str) -> HubSpec:
@@ -45,13 +49,18 @@ class HubSpec:
         rest, _, split = body.partition("@")
         repo, _, config = rest.partition(":")
         if not _REPO_RE.match(repo):
-            raise DataError(f"hf:{body}: expected hf:OWNER/NAME[:CONFIG][@SPLIT], e.g. "
-                            "hf:openai/gsm8k:main@test")
+            raise DataError(
+                f"hf:{body}: expected hf:OWNER/NAME[:CONFIG][@SPLIT], e.g. "
+                "hf:openai/gsm8k:main@test"
+            )
         return cls(repo, config or None, split or None)
 
     def __str__(self) -> str:
-        return (f"hf:{self.repo}" + (f":{self.config}" if self.config else "")
-                + (f"@{self.split}" if self.split else ""))
+        return (
+            f"hf:{self.repo}"
+            + (f":{self.config}" if self.config else "")
+            + (f"@{self.split}" if self.split else "")
+        )
 
 
 hub_settings = hub_access.settings
@@ -67,10 +76,11 @@ class HubRepo:
 
     def _hint(self) -> str:
         if self.offline:
-            command = hub_access.download_command(self.repo, "dataset", self.revision,
-                                                  self.cache)
-            return (f"HF_HUB_OFFLINE is set and the file is not in the hub cache {self.cache}; "
-                    f"download it where there is network (`{command}`) or unset HF_HUB_OFFLINE")
+            command = hub_access.download_command(self.repo, "dataset", self.revision, self.cache)
+            return (
+                f"HF_HUB_OFFLINE is set and the file is not in the hub cache {self.cache}; "
+                f"download it where there is network (`{command}`) or unset HF_HUB_OFFLINE"
+            )
         return "check the repository name, revision and your network / HF_TOKEN"
 
     def _check_network(self) -> None:
@@ -92,21 +102,31 @@ class HubRepo:
             LocalEntryNotFoundError,
             OfflineModeIsEnabled,
         )
+
         self._check_network()
         try:
-            local = hf_hub_download(self.repo, path, repo_type="dataset",
-                                    revision=self.commit or self.revision, cache_dir=self.cache,
-                                    local_files_only=self.offline)
+            local = hf_hub_download(
+                self.repo,
+                path,
+                repo_type="dataset",
+                revision=self.commit or self.revision,
+                cache_dir=self.cache,
+                local_files_only=self.offline,
+            )
         except LocalEntryNotFoundError:
-            raise DataError(f"hf:{self.repo}: file {path!r} (revision {self.revision}) is not "
-                            f"available: {self._hint()}") from None
+            raise DataError(
+                f"hf:{self.repo}: file {path!r} (revision {self.revision}) is not "
+                f"available: {self._hint()}"
+            ) from None
         except EntryNotFoundError:
-            raise DataError(f"hf:{self.repo}: the repository has no file {path!r} at revision "
-                            f"{self.revision}") from None
+            raise DataError(
+                f"hf:{self.repo}: the repository has no file {path!r} at revision {self.revision}"
+            ) from None
         except (HfHubHTTPError, OfflineModeIsEnabled, OSError) as exc:
-            raise DataError(f"hf:{self.repo}: cannot fetch {path!r} at revision "
-                            f"{self.revision} ({type(exc).__name__}: {exc}); {self._hint()}"
-                            ) from None
+            raise DataError(
+                f"hf:{self.repo}: cannot fetch {path!r} at revision "
+                f"{self.revision} ({type(exc).__name__}: {exc}); {self._hint()}"
+            ) from None
         if self.commit is None:
             self.commit = _commit_of(local)
         return local
@@ -114,6 +134,7 @@ class HubRepo:
     def readme_metadata(self) -> dict[str, Any]:
         """The YAML header of README.md ({} when the repository has no README)."""
         from huggingface_hub.repocard import metadata_load
+
         try:
             return metadata_load(self.download("README.md")) or {}
         except DataError as exc:
@@ -126,25 +147,35 @@ class HubRepo:
         """Every file path of the repository at this revision (offline: those cached)."""
         if self.offline:
             folder = self._snapshot_folder()
-            return sorted(os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/")
-                          for root, _, names in os.walk(folder) for name in names)
+            return sorted(
+                os.path.relpath(os.path.join(root, name), folder).replace(os.sep, "/")
+                for root, _, names in os.walk(folder)
+                for name in names
+            )
         from huggingface_hub import HfApi
+
         self._check_network()
         try:
-            return sorted(HfApi().list_repo_files(self.repo, repo_type="dataset",
-                                                  revision=self.commit or self.revision))
+            return sorted(
+                HfApi().list_repo_files(
+                    self.repo, repo_type="dataset", revision=self.commit or self.revision
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - httpx / hub errors of many types
-            raise DataError(f"hf:{self.repo}: cannot list the repository's files at revision "
-                            f"{self.revision} ({type(exc).__name__}: {exc}); {self._hint()}"
-                            ) from None
+            raise DataError(
+                f"hf:{self.repo}: cannot list the repository's files at revision "
+                f"{self.revision} ({type(exc).__name__}: {exc}); {self._hint()}"
+            ) from None
 
     def _snapshot_folder(self) -> str:
         root = os.path.join(self.cache, "datasets--" + self.repo.replace("/", "--"))
         if self.commit is None:
             ref = os.path.join(root, "refs", self.revision)
             if not os.path.exists(ref):
-                raise DataError(f"hf:{self.repo}: revision {self.revision!r} is not in the hub "
-                                f"cache ({ref} is missing): {self._hint()}")
+                raise DataError(
+                    f"hf:{self.repo}: revision {self.revision!r} is not in the hub "
+                    f"cache ({ref} is missing): {self._hint()}"
+                )
             with open(ref) as f:
                 self.commit = f.read().strip()
         return os.path.join(root, "snapshots", self.commit)
@@ -159,19 +190,21 @@ def _commit_of(local_path: str) -> str | None:
     return None
 
 
-def _split_patterns(metadata: dict[str, Any], config: str | None, split: str,
-                    where: str) -> list[str] | None:
+def _split_patterns(
+    metadata: dict[str, Any], config: str | None, split: str, where: str
+) -> list[str] | None:
     """Path patterns of (config, split) from README `configs:`; None when it has none."""
     configs = metadata.get("configs")
     if not isinstance(configs, list) or not configs:
         return None
     names = [c.get("config_name", "default") for c in configs]
     if config is None:
-        chosen = [c for c in configs if c.get("default")] or (configs if len(configs) == 1
-                                                               else [])
+        chosen = [c for c in configs if c.get("default")] or (configs if len(configs) == 1 else [])
         if not chosen:
-            raise DataError(f"{where}: the repository has configs {', '.join(names)}; name one, "
-                            f"e.g. {where}:{names[0]}")
+            raise DataError(
+                f"{where}: the repository has configs {', '.join(names)}; name one, "
+                f"e.g. {where}:{names[0]}"
+            )
         entry = chosen[0]
     elif config in names:
         entry = configs[names.index(config)]
@@ -180,13 +213,16 @@ def _split_patterns(metadata: dict[str, Any], config: str | None, split: str,
     files = entry.get("data_files")
     if isinstance(files, dict):  # {split: path(s)}
         files = [{"split": k, "path": v} for k, v in files.items()]
-    elif isinstance(files, (str, list)) and (isinstance(files, str) or all(
-            isinstance(f, str) for f in files)):
+    elif isinstance(files, (str, list)) and (
+        isinstance(files, str) or all(isinstance(f, str) for f in files)
+    ):
         files = [{"split": "train", "path": files}]  # paths without a split: train
     by_split = {f.get("split", "train"): f.get("path") for f in files or []}
     if split not in by_split:
-        raise DataError(f"{where}: config {entry.get('config_name', 'default')!r} has no split "
-                        f"{split!r}; it has {', '.join(by_split) or 'none'}")
+        raise DataError(
+            f"{where}: config {entry.get('config_name', 'default')!r} has no split "
+            f"{split!r}; it has {', '.join(by_split) or 'none'}"
+        )
     paths = by_split[split]
     return [paths] if isinstance(paths, str) else list(paths)
 
@@ -213,21 +249,28 @@ def resolve_files(repo: HubRepo, spec: HubSpec, split: str) -> list[str]:
             (found.extend(matched) if matched else missing.append(pattern))
         if missing:
             state = "in the hub cache" if repo.offline else "in the repository"
-            raise DataError(f"{where}@{split}: no file {state} matches {', '.join(missing)} "
-                            f"(revision {repo.revision}); {repo._hint()}")
+            raise DataError(
+                f"{where}@{split}: no file {state} matches {', '.join(missing)} "
+                f"(revision {repo.revision}); {repo._hint()}"
+            )
         return found
     data = [p for p in repo.files() if p.endswith(DATA_EXTENSIONS)]
     if spec.config:
         data = [p for p in data if p.split("/")[0] == spec.config]
     matched = [p for p in data if _split_matches(p, split)]
-    if not matched and split == "train" and not any(
-            _split_matches(p, s) for p in data for s in SPLIT_WORDS):
+    if (
+        not matched
+        and split == "train"
+        and not any(_split_matches(p, s) for p in data for s in SPLIT_WORDS)
+    ):
         matched = data  # the Hub's rule: files without a split name are the train split
     if not matched:
         where_files = "cached" if repo.offline else "in the repository"
-        raise DataError(f"{where}: no data file for split {split!r} among the files "
-                        f"{where_files} ({', '.join(data[:8]) or 'none'}); name the split "
-                        f"(hf:{spec.repo}@SPLIT) or the config; {repo._hint()}")
+        raise DataError(
+            f"{where}: no data file for split {split!r} among the files "
+            f"{where_files} ({', '.join(data[:8]) or 'none'}); name the split "
+            f"(hf:{spec.repo}@SPLIT) or the config; {repo._hint()}"
+        )
     return matched
 
 
@@ -242,8 +285,9 @@ def _json_rows(path: str) -> Iterator[tuple[str, Any]]:
         yield from jsonl_rows(path)
 
 
-def hub_rows(spec: HubSpec, split: str, revision: str | None = None
-             ) -> tuple[Iterator[tuple[str, Any]], HubRepo]:
+def hub_rows(
+    spec: HubSpec, split: str, revision: str | None = None
+) -> tuple[Iterator[tuple[str, Any]], HubRepo]:
     """(location, row) pairs of one config / split of a Hub dataset, and its HubRepo (whose
     `commit` says exactly which version was read, once rows are consumed)."""
     repo = HubRepo(spec.repo, revision)
@@ -257,6 +301,6 @@ def hub_rows(spec: HubSpec, split: str, revision: str | None = None
                 yield from parquet_rows(local, where)
             else:
                 for loc, row in _json_rows(local):
-                    yield where + loc[len(local):], row
+                    yield where + loc[len(local) :], row
 
     return rows(), repo

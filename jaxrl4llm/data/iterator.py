@@ -7,6 +7,7 @@ so host h's batch i is computed, not replayed, and the whole state is `next_batc
 settings, checked on restore). Together, the hosts' i-th batches are consecutive elements of
 one global shuffled stream: no record repeats within an epoch across hosts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,20 +20,22 @@ STATE_VERSION = 1
 
 @dataclasses.dataclass(frozen=True)
 class IteratorConfig:
-    batch_size: int                 # records per batch on this host
+    batch_size: int  # records per batch on this host
     seed: int = 0
     shuffle: bool = True
-    num_epochs: int | None = None   # None: repeat forever (training); 1: one pass (evaluation)
-    shard_index: int = 0            # this host (jax.process_index())
-    shard_count: int = 1            # all hosts (jax.process_count())
-    drop_remainder: bool = False    # only matters for a finite num_epochs
+    num_epochs: int | None = None  # None: repeat forever (training); 1: one pass (evaluation)
+    shard_index: int = 0  # this host (jax.process_index())
+    shard_count: int = 1  # all hosts (jax.process_count())
+    drop_remainder: bool = False  # only matters for a finite num_epochs
 
     def __post_init__(self):
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if not 0 <= self.shard_index < self.shard_count:
-            raise ValueError(f"need 0 <= shard_index < shard_count, got shard_index="
-                             f"{self.shard_index}, shard_count={self.shard_count}")
+            raise ValueError(
+                f"need 0 <= shard_index < shard_count, got shard_index="
+                f"{self.shard_index}, shard_count={self.shard_count}"
+            )
         if self.num_epochs is not None and self.num_epochs < 1:
             raise ValueError(f"num_epochs must be >= 1 or None (forever), got {self.num_epochs}")
 
@@ -50,9 +53,10 @@ class BatchIterator:
         if config.shuffle:
             ds = ds.shuffle(seed=config.seed)
         ds = ds.repeat(config.num_epochs)
-        ds = ds[config.shard_index::config.shard_count]
-        self._batches = ds.batch(config.batch_size, drop_remainder=config.drop_remainder,
-                                 batch_fn=list)
+        ds = ds[config.shard_index :: config.shard_count]
+        self._batches = ds.batch(
+            config.batch_size, drop_remainder=config.drop_remainder, batch_fn=list
+        )
         self._next = 0
 
     def __iter__(self) -> BatchIterator:
@@ -77,8 +81,12 @@ class BatchIterator:
         return seen / len(self.source)
 
     def get_state(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "next_batch": self._next,
-                "num_records": len(self.source), **dataclasses.asdict(self.config)}
+        return {
+            "version": STATE_VERSION,
+            "next_batch": self._next,
+            "num_records": len(self.source),
+            **dataclasses.asdict(self.config),
+        }
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Resumes where `state` (from get_state) left off; the settings must match."""
@@ -88,21 +96,39 @@ class BatchIterator:
                 raise ValueError(
                     f"cannot resume the data iterator: the saved state has {key}="
                     f"{state.get(key)!r} but this iterator has {key}={expected[key]!r}; resume "
-                    "with the same data and batch/shard/seed settings, or start a fresh iterator")
+                    "with the same data and batch/shard/seed settings, or start a fresh iterator"
+                )
         next_batch = int(state["next_batch"])
         if next_batch < 0:
             raise ValueError(f"invalid iterator state: next_batch={next_batch}")
         self._next = next_batch
 
 
-def make_iterator(source: Sequence[Record], batch_size: int, *, seed: int = 0,
-                  shuffle: bool = True, num_epochs: int | None = None, shard_index: int = 0,
-                  shard_count: int = 1, drop_remainder: bool = False,
-                  state: dict[str, Any] | None = None) -> BatchIterator:
+def make_iterator(
+    source: Sequence[Record],
+    batch_size: int,
+    *,
+    seed: int = 0,
+    shuffle: bool = True,
+    num_epochs: int | None = None,
+    shard_index: int = 0,
+    shard_count: int = 1,
+    drop_remainder: bool = False,
+    state: dict[str, Any] | None = None,
+) -> BatchIterator:
     """A BatchIterator; pass `state` (from get_state, e.g. out of a checkpoint) to resume."""
-    iterator = BatchIterator(source, IteratorConfig(
-        batch_size=batch_size, seed=seed, shuffle=shuffle, num_epochs=num_epochs,
-        shard_index=shard_index, shard_count=shard_count, drop_remainder=drop_remainder))
+    iterator = BatchIterator(
+        source,
+        IteratorConfig(
+            batch_size=batch_size,
+            seed=seed,
+            shuffle=shuffle,
+            num_epochs=num_epochs,
+            shard_index=shard_index,
+            shard_count=shard_count,
+            drop_remainder=drop_remainder,
+        ),
+    )
     if state is not None:
         iterator.set_state(state)
     return iterator

@@ -5,6 +5,7 @@ The user turn is the question, a newline and one instruction: the one the run na
 e.g. countdown's boxed expression or reasoning-gym's <answer> tags), else
 DEFAULT_INSTRUCTION. Never two. A system prompt or instruction "@NAME" is NAMED_PROMPTS[NAME].
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -28,7 +29,8 @@ NAMED_PROMPTS = {
         "</answer>.  Now the user asks you to solve a logical reasoning problem. After "
         "thinking, when you finally reach a conclusion, clearly state the identity of each "
         "character within <answer> </answer> tags. i.e., <answer> (1) Zoey is a knight\n(2) "
-        "... </answer>."),
+        "... </answer>."
+    ),
 }
 
 
@@ -36,8 +38,10 @@ def expand(text: str | None, flag: str = "--system_prompt") -> str | None:
     """'@NAME' -> NAMED_PROMPTS[NAME]; other text as is."""
     if text and text.startswith("@"):
         if text[1:] not in NAMED_PROMPTS:
-            raise DataError(f"{flag}={text}: no prompt named {text[1:]!r}; named prompts: "
-                            f"{', '.join('@' + n for n in sorted(NAMED_PROMPTS))}")
+            raise DataError(
+                f"{flag}={text}: no prompt named {text[1:]!r}; named prompts: "
+                f"{', '.join('@' + n for n in sorted(NAMED_PROMPTS))}"
+            )
         return NAMED_PROMPTS[text[1:]]
     return text
 
@@ -47,8 +51,9 @@ def user_content(question: str, instruction: str | None = DEFAULT_INSTRUCTION) -
     return f"{question}\n{instruction}" if instruction else question
 
 
-def build_messages(question: str, instruction: str | None = DEFAULT_INSTRUCTION,
-                   system: str | None = None) -> list[dict[str, str]]:
+def build_messages(
+    question: str, instruction: str | None = DEFAULT_INSTRUCTION, system: str | None = None
+) -> list[dict[str, str]]:
     """[{"role": "user", "content": question + "\\n" + instruction}], after an optional system
     turn."""
     messages = [{"role": "system", "content": system}] if system else []
@@ -60,14 +65,16 @@ def record_instruction(record: Any, instruction: str | None = RECORD) -> str | N
     """The instruction of a record's user turn (see the module docstring)."""
     if instruction != RECORD:
         return instruction
-    metadata = (record.get("metadata") if isinstance(record, dict)
-                else getattr(record, "metadata", None)) or {}
+    metadata = (
+        record.get("metadata") if isinstance(record, dict) else getattr(record, "metadata", None)
+    ) or {}
     own = metadata.get("instruction")
     return DEFAULT_INSTRUCTION if own is None else own
 
 
-def record_messages(record: Any, instruction: str | None = RECORD,
-                    system: str | None = None) -> list[dict[str, str]]:
+def record_messages(
+    record: Any, instruction: str | None = RECORD, system: str | None = None
+) -> list[dict[str, str]]:
     """build_messages for a Record (or a {prompt, ...} dict); `instruction` RECORD (default):
     the record's own instruction, else DEFAULT_INSTRUCTION; None or "": none."""
     prompt = record["prompt"] if isinstance(record, dict) else record.prompt

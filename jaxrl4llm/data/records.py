@@ -1,4 +1,5 @@
 """The one record type every source yields: {prompt, answer, metadata}."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +14,8 @@ class DataError(UserError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    prompt: str                 # the question, without any instruction or chat template
-    answer: str                 # the reference answer the verifier compares against
+    prompt: str  # the question, without any instruction or chat template
+    answer: str  # the reference answer the verifier compares against
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # metadata["task"] picks the verifier ("math", "arithmetic", "countdown", "knights_knaves");
     # task-specific fields (countdown numbers/target, knights_knaves names/solution) live here too.
@@ -30,5 +31,6 @@ class Record:
 
     @classmethod
     def from_dict(cls, row: Mapping[str, Any]) -> Record:
-        return cls(prompt=row["prompt"], answer=row["answer"],
-                   metadata=dict(row.get("metadata") or {}))
+        return cls(
+            prompt=row["prompt"], answer=row["answer"], metadata=dict(row.get("metadata") or {})
+        )

@@ -13,6 +13,7 @@ PROMPT_FIELDS / ANSWER_FIELDS that the first row has; every other field goes int
 nested "metadata" object is merged in, so Record.to_dict() rows round-trip), with
 metadata["task"] from the row's `task_field`, else the nested metadata's "task", else `task`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,8 +48,15 @@ TFDS_HINT = "pip install -e '.[tfds]'"
 class SyntheticSource(Sequence[Record]):
     """`num_examples` records of a procedural task, each generated on access from its index."""
 
-    def __init__(self, task: str, config: Any, split: str, seed: int, num_examples: int,
-                 test_fraction: float = 0.1):
+    def __init__(
+        self,
+        task: str,
+        config: Any,
+        split: str,
+        seed: int,
+        num_examples: int,
+        test_fraction: float = 0.1,
+    ):
         if num_examples < 1:
             raise DataError(f"synthetic:{task}: n must be >= 1, got {num_examples}")
         self.task, self.config, self.split = task, config, canonical_split(split)
@@ -61,8 +69,14 @@ class SyntheticSource(Sequence[Record]):
     def __getitem__(self, index):
         if not -self.num_examples <= index < self.num_examples:
             raise IndexError(index)
-        return generate_record(self.task, self.config, seed=self.seed, split=self.split,
-                               index=index % self.num_examples, test_fraction=self.test_fraction)
+        return generate_record(
+            self.task,
+            self.config,
+            seed=self.seed,
+            split=self.split,
+            index=index % self.num_examples,
+            test_fraction=self.test_fraction,
+        )
 
     def __repr__(self) -> str:
         return f"SyntheticSource({self.name!r}, {self.config}, seed={self.seed}, n={len(self)})"
@@ -85,36 +99,50 @@ def parse_synthetic(spec_body: str, split: str) -> SyntheticSource:
         options[key] = convert_option(value, kinds[key], key, valid)
     config = task.config_cls(**{k: v for k, v in options.items() if k in knobs})
     split = canonical_split(split)
-    return SyntheticSource(name, config, split, seed=options.get("seed", 0),
-                           num_examples=options.get("n", DEFAULT_SIZES[split]),
-                           test_fraction=options.get("test_fraction", 0.1))
+    return SyntheticSource(
+        name,
+        config,
+        split,
+        seed=options.get("seed", 0),
+        num_examples=options.get("n", DEFAULT_SIZES[split]),
+        test_fraction=options.get("test_fraction", 0.1),
+    )
 
 
 def _expand_paths(location: str, split: str, kind: str) -> list[str]:
     pattern = location.replace("{split}", split)
     paths = sorted(glob.glob(os.path.expanduser(pattern)))
     if not paths:
-        raise DataError(f"{kind} source {location!r} (split {split!r}): no file matches "
-                        f"{pattern!r}; check the path")
+        raise DataError(
+            f"{kind} source {location!r} (split {split!r}): no file matches "
+            f"{pattern!r}; check the path"
+        )
     return paths
 
 
-def read_jsonl(location: str, split: str = "train",
-               fields: FieldNames = FieldNames()) -> ListSource:
+def read_jsonl(
+    location: str, split: str = "train", fields: FieldNames = FieldNames()
+) -> ListSource:
     paths = _expand_paths(location, split, "jsonl")
     rows = (item for path in paths for item in jsonl_rows(path))
     return ListSource(rows_to_records(rows, fields, ", ".join(paths)), location)
 
 
-def read_parquet(location: str, split: str = "train",
-                 fields: FieldNames = FieldNames()) -> ListSource:
-    rows = (item for path in _expand_paths(location, split, "parquet")
-            for item in parquet_rows(path))
+def read_parquet(
+    location: str, split: str = "train", fields: FieldNames = FieldNames()
+) -> ListSource:
+    rows = (
+        item for path in _expand_paths(location, split, "parquet") for item in parquet_rows(path)
+    )
     return ListSource(rows_to_records(rows, fields, location), location)
 
 
-def read_hub(location: str, split: str = "train", fields: FieldNames = FieldNames(),
-             revision: str | None = None) -> ListSource:
+def read_hub(
+    location: str,
+    split: str = "train",
+    fields: FieldNames = FieldNames(),
+    revision: str | None = None,
+) -> ListSource:
     """An `hf:OWNER/NAME[:CONFIG][@SPLIT]` source (the text after 'hf:')."""
     spec = HubSpec.parse(location)
     rows, repo = hub_rows(spec, split, revision)
@@ -142,8 +170,10 @@ class TfdsSource(Sequence[Record]):
         try:
             import tensorflow_datasets as tfds
         except ImportError:
-            raise ImportError(f"tfds:{name} needs tensorflow-datasets, which is not installed; "
-                            f"install it with: {TFDS_HINT}") from None
+            raise ImportError(
+                f"tfds:{name} needs tensorflow-datasets, which is not installed; "
+                f"install it with: {TFDS_HINT}"
+            ) from None
         self.name = f"tfds:{name}[{split}]"
         self._data = tfds.data_source(name, split=split, data_dir=data_dir)
         if len(self._data) == 0:
@@ -154,7 +184,8 @@ class TfdsSource(Sequence[Record]):
         self._fields = dataclasses.replace(
             fields,
             prompt_field=pick_field(first, fields.prompt_field, PROMPT_FIELDS, "prompt", where),
-            answer_field=pick_field(first, fields.answer_field, ANSWER_FIELDS, "answer", where))
+            answer_field=pick_field(first, fields.answer_field, ANSWER_FIELDS, "answer", where),
+        )
 
     def __len__(self) -> int:
         return len(self._data)
@@ -174,14 +205,17 @@ def _kind_and_location(spec: str) -> tuple[str, str]:
             return kind, spec
     if spec.isidentifier():
         return "name", spec
-    raise DataError(f"cannot tell the kind of data source {spec!r}; write one of "
-                    f"{', '.join(k + ':...' for k in SOURCE_KINDS)}, a path ending in .jsonl "
-                    f"or .parquet, or a registered name (synthetic tasks: "
-                    f"{', '.join(sorted(TASKS))})")
+    raise DataError(
+        f"cannot tell the kind of data source {spec!r}; write one of "
+        f"{', '.join(k + ':...' for k in SOURCE_KINDS)}, a path ending in .jsonl "
+        f"or .parquet, or a registered name (synthetic tasks: "
+        f"{', '.join(sorted(TASKS))})"
+    )
 
 
-def make_source(spec: str, split: str = "train", revision: str | None = None,
-                **field_names: Any) -> Sequence[Record]:
+def make_source(
+    spec: str, split: str = "train", revision: str | None = None, **field_names: Any
+) -> Sequence[Record]:
     """A random-access sequence of Records. `field_names`: the FieldNames fields, plus
     data_dir=... for tfds; `revision`: the Hub revision of an hf: source or registered name.
     A registered name or gym: task brings its own fields (field names are not used). See the
@@ -190,15 +224,19 @@ def make_source(spec: str, split: str = "train", revision: str | None = None,
     valid = [f.name for f in dataclasses.fields(FieldNames)]
     unknown = sorted(set(field_names) - set(valid))
     if unknown:
-        raise DataError(f"unknown source option(s) {', '.join(unknown)}; valid: "
-                        f"{', '.join(valid + ['data_dir'])}")
+        raise DataError(
+            f"unknown source option(s) {', '.join(unknown)}; valid: "
+            f"{', '.join(valid + ['data_dir'])}"
+        )
     fields = FieldNames(**field_names)
     kind, location = _kind_and_location(spec)
     if kind == "name":
         from jaxrl4llm.data.benchmarks import load_benchmark
+
         return load_benchmark(location, split, revision)
     if kind == "gym":
         from jaxrl4llm.data.gym import parse_gym
+
         return parse_gym(location, split)
     if kind == "hf":
         return read_hub(location, split, fields, revision)

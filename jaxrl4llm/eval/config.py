@@ -1,5 +1,6 @@
 """EvalConfig: the held-out evaluation's options (the `evaluation` group of the training
 config), the same in the trainer and in experiments/evaluate.py."""
+
 from __future__ import annotations
 
 import dataclasses

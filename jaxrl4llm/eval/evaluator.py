@@ -8,6 +8,7 @@ statistics over them are eval/protocols.py's. maj@k votes on each task's own fin
 (the reward function's answer_keys: the math answer, the countdown expression, the
 knights-and-knaves claims, the reasoning-gym answer).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,51 +34,79 @@ def held_out_records(data: DataConfig, config: EvalConfig, split: str = "test") 
     (--eval_data, else --data) split; -1 takes the whole split, 0 none."""
     if config.eval_prompts == 0:
         return []
-    source = make_source(config.eval_data or data.source, split=split,
-                         revision=data.revision, **data.field_names)
+    source = make_source(
+        config.eval_data or data.source, split=split, revision=data.revision, **data.field_names
+    )
     return [source[i] for i in range(config.count(len(source)))]
 
 
 class Drawn(NamedTuple):
-    greedy_P: np.ndarray | None             # bool [P]: greedy completion correct
-    correct_PK: np.ndarray                  # bool [P, K] (K may be 0)
-    answers_PK: list[list[str | None]]      # each sample's answer key (maj@k)
+    greedy_P: np.ndarray | None  # bool [P]: greedy completion correct
+    correct_PK: np.ndarray  # bool [P, K] (K may be 0)
+    answers_PK: list[list[str | None]]  # each sample's answer key (maj@k)
 
 
-def _scored_groups(ctx: RolloutContext, params: Any, records: Sequence[Any], key: jax.Array,
-                   group_size: int, sampling: SamplingConfig | None = None) -> ScoredRows:
+def _scored_groups(
+    ctx: RolloutContext,
+    params: Any,
+    records: Sequence[Any],
+    key: jax.Array,
+    group_size: int,
+    sampling: SamplingConfig | None = None,
+) -> ScoredRows:
     """`group_size` completions of each record, in the rollout's row layout, scored."""
-    rows, _ = sample_and_score(ctx, params, records, key,
-                               RowLayout(group_size, ctx.rollout.share_prompts),
-                               sampling=sampling)
+    rows, _ = sample_and_score(
+        ctx,
+        params,
+        records,
+        key,
+        RowLayout(group_size, ctx.rollout.share_prompts),
+        sampling=sampling,
+    )
     return rows
 
 
-def draw(ctx: RolloutContext, params: Any, records: Sequence[Any], *, greedy: bool,
-         samples: int, key: jax.Array, prompts_per_batch: int = 16,
-         progress: bool = False, desc: str = "eval") -> Drawn:
+def draw(
+    ctx: RolloutContext,
+    params: Any,
+    records: Sequence[Any],
+    *,
+    greedy: bool,
+    samples: int,
+    key: jax.Array,
+    prompts_per_batch: int = 16,
+    progress: bool = False,
+    desc: str = "eval",
+) -> Drawn:
     """Greedy completions (if `greedy`) and `samples` sampled completions of every record,
     scored, with each sample's answer key."""
     greedy_P, table, answers = [], [], []
     chunks = range(0, len(records), prompts_per_batch)
     for start in tqdm(chunks, desc=desc, disable=not progress, leave=False):
-        batch = list(records[start:start + prompts_per_batch])
+        batch = list(records[start : start + prompts_per_batch])
         if greedy:
             rows = _scored_groups(ctx, params, batch, key, 1, GREEDY)
             greedy_P.extend(rows.verdicts.correct.tolist())
         if samples:
             rows = _scored_groups(ctx, params, batch, jax.random.fold_in(key, start), samples)
             table.extend(rows.verdicts.correct.reshape(len(batch), samples))
-            keys = ctx.reward_fn.answer_keys(rows.samples.texts,
-                                             rows.samples.layout.repeat(batch))
-            answers.extend(keys[i * samples:(i + 1) * samples] for i in range(len(batch)))
+            keys = ctx.reward_fn.answer_keys(rows.samples.texts, rows.samples.layout.repeat(batch))
+            answers.extend(keys[i * samples : (i + 1) * samples] for i in range(len(batch)))
     correct = np.array(table, dtype=bool).reshape(len(records), samples)
     return Drawn(np.array(greedy_P, dtype=bool) if greedy else None, correct, answers)
 
 
-def evaluate(ctx: RolloutContext, params: Any, records: Sequence[Any], *, samples: int = 1,
-             key: jax.Array | None = None, prompts_per_batch: int = 16, prefix: str = "eval/",
-             progress: bool = False) -> dict[str, float]:
+def evaluate(
+    ctx: RolloutContext,
+    params: Any,
+    records: Sequence[Any],
+    *,
+    samples: int = 1,
+    key: jax.Array | None = None,
+    prompts_per_batch: int = 16,
+    prefix: str = "eval/",
+    progress: bool = False,
+) -> dict[str, float]:
     """Greedy accuracy, and with `samples` = k > 1 also avg@k / pass@k / maj@k, over `records`.
 
     The trainer's periodic eval and experiments/evaluate.py both call this, with the rollout's
@@ -87,13 +116,27 @@ def evaluate(ctx: RolloutContext, params: Any, records: Sequence[Any], *, sample
         raise ValueError("No evaluation records: check --eval_data and --eval_prompts.")
     key = jax.random.key(0) if key is None else key
     k = samples if samples > 1 else 0
-    drawn = draw(ctx, params, records, greedy=True, samples=k, key=key,
-                 prompts_per_batch=prompts_per_batch, progress=progress)
+    drawn = draw(
+        ctx,
+        params,
+        records,
+        greedy=True,
+        samples=k,
+        key=key,
+        prompts_per_batch=prompts_per_batch,
+        progress=progress,
+    )
     out = {f"{prefix}accuracy": float(np.mean(drawn.greedy_P))}
     if k:
         ks = sorted({1, k} | {j for j in (2, 4, 8, 16, 32) if j < k})
-        out.update(summarize(drawn.correct_PK, ks=ks, prefix=prefix, maj_correct_P=(
-            majority_correct(drawn.answers_PK, drawn.correct_PK, k))))
+        out.update(
+            summarize(
+                drawn.correct_PK,
+                ks=ks,
+                prefix=prefix,
+                maj_correct_P=(majority_correct(drawn.answers_PK, drawn.correct_PK, k)),
+            )
+        )
     return out
 
 
@@ -101,15 +144,18 @@ def set_context(ctx: RolloutContext, eval_set: eval_sets.EvalSet) -> RolloutCont
     """The rollout context with the set's temperature and max_new_tokens."""
     rollout = ctx.rollout
     if eval_set.temperature is not None:
-        rollout = dataclasses.replace(rollout, sampling=dataclasses.replace(
-            rollout.sampling, temperature=eval_set.temperature))
+        rollout = dataclasses.replace(
+            rollout,
+            sampling=dataclasses.replace(rollout.sampling, temperature=eval_set.temperature),
+        )
     if eval_set.max_new_tokens is not None:
         rollout = dataclasses.replace(rollout, max_new_tokens=eval_set.max_new_tokens)
     return dataclasses.replace(ctx, rollout=rollout)
 
 
-def eval_set_records(sets: Sequence[eval_sets.EvalSet], data: DataConfig,
-                     split: str = "test") -> list[list[Any]]:
+def eval_set_records(
+    sets: Sequence[eval_sets.EvalSet], data: DataConfig, split: str = "test"
+) -> list[list[Any]]:
     """Each set's prompts: the first `prompts` records of its source's split."""
     out = []
     for s in sets:
@@ -119,39 +165,82 @@ def eval_set_records(sets: Sequence[eval_sets.EvalSet], data: DataConfig,
     return out
 
 
-def evaluate_sets(ctx: RolloutContext, params: Any, sets: Sequence[eval_sets.EvalSet],
-                  records: Sequence[Sequence[Any]], *, key: jax.Array,
-                  prompts_per_batch: int = 16, prefix: str = "eval/",
-                  progress: bool = False) -> dict[str, float]:
+def evaluate_sets(
+    ctx: RolloutContext,
+    params: Any,
+    sets: Sequence[eval_sets.EvalSet],
+    records: Sequence[Sequence[Any]],
+    *,
+    key: jax.Array,
+    prompts_per_batch: int = 16,
+    prefix: str = "eval/",
+    progress: bool = False,
+) -> dict[str, float]:
     """`{prefix}NAME/METRIC` for every set and metric, `{prefix}mean/METRIC` over the sets,
     and `{prefix}NAME/num_prompts`."""
     out: dict[str, float] = {}
     for i, (eval_set, set_records) in enumerate(zip(sets, records)):
         if not set_records:
             raise ValueError(f"--eval_sets {eval_set.name}: no prompts in {eval_set.source}")
-        drawn = draw(set_context(ctx, eval_set), params, set_records, greedy=eval_set.greedy,
-                     samples=eval_set.samples, key=jax.random.fold_in(key, i),
-                     prompts_per_batch=prompts_per_batch, progress=progress,
-                     desc=f"eval {eval_set.name}")
-        metrics = set_metrics(eval_set.metrics, drawn.greedy_P, drawn.correct_PK,
-                              drawn.answers_PK)
+        drawn = draw(
+            set_context(ctx, eval_set),
+            params,
+            set_records,
+            greedy=eval_set.greedy,
+            samples=eval_set.samples,
+            key=jax.random.fold_in(key, i),
+            prompts_per_batch=prompts_per_batch,
+            progress=progress,
+            desc=f"eval {eval_set.name}",
+        )
+        metrics = set_metrics(eval_set.metrics, drawn.greedy_P, drawn.correct_PK, drawn.answers_PK)
         out.update({f"{prefix}{eval_set.name}/{m}": v for m, v in metrics.items()})
         out[f"{prefix}{eval_set.name}/num_prompts"] = float(len(set_records))
     return eval_sets.add_means(out, tuple(sets), prefix)
 
 
-def evaluate_run(ctx: RolloutContext, params: Any, records: Sequence[Any],
-                 sets: Sequence[eval_sets.EvalSet], set_records: Sequence[Sequence[Any]], *,
-                 samples: int, key: jax.Array, prompts_per_batch: int = 16,
-                 prefix: str = "eval/", progress: bool = False) -> dict[str, float]:
+def evaluate_run(
+    ctx: RolloutContext,
+    params: Any,
+    records: Sequence[Any],
+    sets: Sequence[eval_sets.EvalSet],
+    set_records: Sequence[Sequence[Any]],
+    *,
+    samples: int,
+    key: jax.Array,
+    prompts_per_batch: int = 16,
+    prefix: str = "eval/",
+    progress: bool = False,
+) -> dict[str, float]:
     """A run's evaluation: `evaluate` over the held-out `records` (none: skipped) and
     `evaluate_sets` over the named sets (with `key` folded with 1)."""
-    results = evaluate(ctx, params, records, samples=samples, key=key, prefix=prefix,
-                       prompts_per_batch=prompts_per_batch, progress=progress) if records else {}
+    results = (
+        evaluate(
+            ctx,
+            params,
+            records,
+            samples=samples,
+            key=key,
+            prefix=prefix,
+            prompts_per_batch=prompts_per_batch,
+            progress=progress,
+        )
+        if records
+        else {}
+    )
     if sets:
-        results.update(evaluate_sets(ctx, params, sets, set_records, prefix=prefix,
-                                     key=jax.random.fold_in(key, 1), progress=progress,
-                                     prompts_per_batch=prompts_per_batch))
+        results.update(
+            evaluate_sets(
+                ctx,
+                params,
+                sets,
+                set_records,
+                prefix=prefix,
+                key=jax.random.fold_in(key, 1),
+                progress=progress,
+                prompts_per_batch=prompts_per_batch,
+            )
+        )
     return results
 
 

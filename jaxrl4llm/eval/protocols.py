@@ -1,6 +1,7 @@
 """The evaluation protocols over a [prompts, K] table of per-sample results: avg@k, unbiased
 pass@k, maj@k (and greedy accuracy from the greedy results). Pure numpy; the evaluator
 (eval/evaluator.py) fills the tables, eval/sets.py parses which metrics a set asks for."""
+
 from __future__ import annotations
 
 import collections
@@ -31,8 +32,9 @@ def majority_answer(answers: Sequence[str | None]) -> str | None:
     return next(a for a in answers if a and counts[a] == best)
 
 
-def majority_correct(answers_PK: Sequence[Sequence[str | None]], correct_PK: np.ndarray,
-                     k: int) -> np.ndarray:
+def majority_correct(
+    answers_PK: Sequence[Sequence[str | None]], correct_PK: np.ndarray, k: int
+) -> np.ndarray:
     """bool [P]: whether the majority answer of each prompt's first k samples is correct."""
     out = []
     for answers, correct in zip(answers_PK, correct_PK):
@@ -41,8 +43,12 @@ def majority_correct(answers_PK: Sequence[Sequence[str | None]], correct_PK: np.
     return np.array(out, dtype=bool)
 
 
-def summarize(correct_PK: np.ndarray, ks: Sequence[int] = (1,),
-              maj_correct_P: np.ndarray | None = None, prefix: str = "") -> dict[str, float]:
+def summarize(
+    correct_PK: np.ndarray,
+    ks: Sequence[int] = (1,),
+    maj_correct_P: np.ndarray | None = None,
+    prefix: str = "",
+) -> dict[str, float]:
     """avg@k (mean correctness of all samples) and pass@k for each k over a [P, K] table.
 
     `maj_correct_P` (optional) marks prompts whose majority answer is correct -> maj@K.
@@ -56,16 +62,21 @@ def summarize(correct_PK: np.ndarray, ks: Sequence[int] = (1,),
     for k in ks:
         if k > k_max:
             raise ValueError(f"pass@{k} needs at least {k} samples per prompt, got {k_max}.")
-        out[f"{prefix}pass@{k}"] = float(np.mean([pass_at_k(k_max, int(c), k)
-                                                  for c in num_correct_P]))
+        out[f"{prefix}pass@{k}"] = float(
+            np.mean([pass_at_k(k_max, int(c), k) for c in num_correct_P])
+        )
     if maj_correct_P is not None:
         out[f"{prefix}maj@{k_max}"] = float(np.mean(np.asarray(maj_correct_P, dtype=bool)))
     out[f"{prefix}num_prompts"] = float(num_prompts)
     return out
 
 
-def set_metrics(metrics: Sequence[str], greedy_P: np.ndarray | None, correct_PK: np.ndarray,
-                answers_PK: Sequence[Sequence[str | None]]) -> dict[str, float]:
+def set_metrics(
+    metrics: Sequence[str],
+    greedy_P: np.ndarray | None,
+    correct_PK: np.ndarray,
+    answers_PK: Sequence[Sequence[str | None]],
+) -> dict[str, float]:
     """Each of `metrics` (greedy, avg@k, pass@k, maj@k) from the greedy results [P] and the
     K-sample table [P, K] (the first k samples of each prompt for avg@k / maj@k; unbiased
     pass@k from all K)."""

@@ -15,6 +15,7 @@ Each set logs `eval/NAME/METRIC` (METRIC: greedy, avg@K, pass@K, maj@K) and ever
 also `eval/mean/METRIC`, the unweighted mean over the sets that report it (the papers' "avg"
 column).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,10 +33,10 @@ MEAN = "mean"
 class EvalSet:
     name: str
     source: str
-    metrics: tuple[str, ...]            # "greedy", "avg@16", "pass@8", "maj@16", in order
-    temperature: float | None = None    # None: the run's --temperature
-    max_new_tokens: int | None = None   # None: the run's --max_new_tokens
-    prompts: int | None = None          # None: every prompt of the split
+    metrics: tuple[str, ...]  # "greedy", "avg@16", "pass@8", "maj@16", in order
+    temperature: float | None = None  # None: the run's --temperature
+    max_new_tokens: int | None = None  # None: the run's --max_new_tokens
+    prompts: int | None = None  # None: every prompt of the split
     revision: str | None = None
 
     @property
@@ -72,9 +73,11 @@ def _parse_options(text: str, where: str) -> dict:
             elif eq and key == "revision" and value:
                 out["revision"] = value
             else:
-                raise ValueError(f"{where}: unknown option {opt!r}; options: greedy, avg@K, "
-                                 "pass@K, maj@K, t=FLOAT, max_new_tokens=INT, prompts=N, "
-                                 "revision=REV")
+                raise ValueError(
+                    f"{where}: unknown option {opt!r}; options: greedy, avg@K, "
+                    "pass@K, maj@K, t=FLOAT, max_new_tokens=INT, prompts=N, "
+                    "revision=REV"
+                )
         except ValueError as exc:
             if "unknown option" in str(exc) or "must be" in str(exc):
                 raise
@@ -103,13 +106,17 @@ def parse_eval_sets(text: str | None, eval_samples: int = 1) -> tuple[EvalSet, .
         name, eq, source = head.partition("=")
         name, source = name.strip(), source.strip()
         where = f"--eval_sets item {item!r}"
-        require(_NAME_RE.match(name) and name != MEAN,
-                f"{where}: NAME must be letters, digits, '_', '-' or '.' (and not {MEAN!r})")
+        require(
+            _NAME_RE.match(name) and name != MEAN,
+            f"{where}: NAME must be letters, digits, '_', '-' or '.' (and not {MEAN!r})",
+        )
         require(not eq or source, f"{where}: nothing after '='; write NAME=SOURCE")
         source = source or name
-        require(eq or name in BENCHMARKS,
-                f"{where}: {name!r} is not a registered benchmark (registered: "
-                f"{', '.join(sorted(BENCHMARKS))}); give its data: {name}=SOURCE")
+        require(
+            eq or name in BENCHMARKS,
+            f"{where}: {name!r} is not a registered benchmark (registered: "
+            f"{', '.join(sorted(BENCHMARKS))}); give its data: {name}=SOURCE",
+        )
         fields = dict(run_defaults(eval_samples))
         if source in BENCHMARKS:
             fields.update(_parse_options(BENCHMARKS[source].protocol, f"registry {source}"))
@@ -117,13 +124,16 @@ def parse_eval_sets(text: str | None, eval_samples: int = 1) -> tuple[EvalSet, .
         sets.append(EvalSet(name=name, source=source, **fields))
     names = [s.name for s in sets]
     duplicates = sorted({n for n in names if names.count(n) > 1})
-    require(not duplicates, f"--eval_sets names {', '.join(duplicates)} more than once; "
-                            "give each set its own NAME")
+    require(
+        not duplicates,
+        f"--eval_sets names {', '.join(duplicates)} more than once; give each set its own NAME",
+    )
     return tuple(sets)
 
 
-def add_means(results: dict[str, float], sets: tuple[EvalSet, ...],
-              prefix: str = "eval/") -> dict[str, float]:
+def add_means(
+    results: dict[str, float], sets: tuple[EvalSet, ...], prefix: str = "eval/"
+) -> dict[str, float]:
     """`{prefix}mean/METRIC`: the unweighted mean over the sets that report METRIC."""
     by_metric: dict[str, list[float]] = {}
     for s in sets:

@@ -1,4 +1,5 @@
 """Decoder models: config, pure-functional transformer, checkpoints, tokenizer, registry."""
+
 from __future__ import annotations
 
 from jaxrl4llm.models.config import PRESETS, ModelConfig, RopeScaling
@@ -15,8 +16,18 @@ from jaxrl4llm.models.transformer import (
 )
 
 __all__ = [
-    "PRESETS", "ModelConfig", "RopeScaling", "KVCache", "Params", "forward", "hidden_states",
-    "init_kv_cache", "init_params", "param_logical_axes", "positions_from_mask", "unembed",
+    "PRESETS",
+    "ModelConfig",
+    "RopeScaling",
+    "KVCache",
+    "Params",
+    "forward",
+    "hidden_states",
+    "init_kv_cache",
+    "init_params",
+    "param_logical_axes",
+    "positions_from_mask",
+    "unembed",
     "load_model",
 ]
 
@@ -24,4 +35,5 @@ __all__ = [
 def load_model(*args, **kwargs):
     """See registry.load_model (imported lazily: it pulls in transformers)."""
     from jaxrl4llm.models.registry import load_model as _load_model
+
     return _load_model(*args, **kwargs)

@@ -24,6 +24,7 @@ between any two real tokens, and the window counts real tokens.
   cudnn      jax.nn.dot_product_attention's cuDNN flash kernel on GPU (bf16/fp16), per device
              under shard_map. "xla" runs the same call with XLA's implementation (tests).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -105,8 +106,9 @@ def _same_segment(key_segments, query_segments):
     return (k > 0) & (k == q)
 
 
-def visible_mask(key_valid_BS: jax.Array, num_queries: int, offset: Any,
-                 window: int | None = None) -> jax.Array:
+def visible_mask(
+    key_valid_BS: jax.Array, num_queries: int, offset: Any, window: int | None = None
+) -> jax.Array:
     """bool [B, T, S]: query t sees key s iff key_valid[b, s] (segment ids: the key is in the
     query's segment), s <= t + offset and (with a sliding window W) s > t + offset - W."""
     S = key_valid_BS.shape[1]
@@ -114,14 +116,20 @@ def visible_mask(key_valid_BS: jax.Array, num_queries: int, offset: Any,
     if not is_segmented(key_valid_BS):
         return causal_TS[None] & key_valid_BS[:, None, :]
     return causal_TS[None] & _same_segment(
-        key_valid_BS, query_segments(key_valid_BS, num_queries, offset))
+        key_valid_BS, query_segments(key_valid_BS, num_queries, offset)
+    )
 
 
-def attention(q_BTNH: jax.Array, k_BKHS: jax.Array, v_BKSH: jax.Array,
-              key_valid_BS: jax.Array, offset: Any = 0,
-              config: AttentionConfig = AttentionConfig(),
-              sharding: parallel.ActivationSharding | None = None,
-              window: int | None = None) -> jax.Array:
+def attention(
+    q_BTNH: jax.Array,
+    k_BKHS: jax.Array,
+    v_BKSH: jax.Array,
+    key_valid_BS: jax.Array,
+    offset: Any = 0,
+    config: AttentionConfig = AttentionConfig(),
+    sharding: parallel.ActivationSharding | None = None,
+    window: int | None = None,
+) -> jax.Array:
     """Attention of queries [B, T, N, H] over keys [B, K, H, S] / values [B, K, S, H];
     q heads n*G .. n*G+G-1 share kv head n. Returns [B, T, N*H] float32. `window`: the
     sliding window W (None: full causal attention), static.
@@ -130,22 +138,32 @@ def attention(q_BTNH: jax.Array, k_BKHS: jax.Array, v_BKSH: jax.Array,
     """
     B, T, N, H = q_BTNH.shape
     K, S = k_BKHS.shape[1], k_BKHS.shape[3]
-    q_BKGTH = (q_BTNH.reshape(B, T, K, N // K, H) * (H ** -0.5)).transpose(0, 2, 3, 1, 4)
+    q_BKGTH = (q_BTNH.reshape(B, T, K, N // K, H) * (H**-0.5)).transpose(0, 2, 3, 1, 4)
     q_BKGTH = q_BKGTH.astype(k_BKHS.dtype)
     impl = config.resolve(T, S, H, k_BKHS.dtype)
     if impl == "reference":
-        out = _reference(q_BKGTH, k_BKHS, v_BKSH,
-                         visible_mask(key_valid_BS, T, offset, window))
+        out = _reference(q_BKGTH, k_BKHS, v_BKSH, visible_mask(key_valid_BS, T, offset, window))
     elif impl == "chunked":
-        out = _chunked(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, jnp.asarray(offset, jnp.int32),
-                       min(config.block_q, T), min(config.block_k, S), window)
+        out = _chunked(
+            q_BKGTH,
+            k_BKHS,
+            v_BKSH,
+            key_valid_BS,
+            jnp.asarray(offset, jnp.int32),
+            min(config.block_q, T),
+            min(config.block_k, S),
+            window,
+        )
     else:
         if not isinstance(offset, int):
-            raise ValueError(f"attention impl {impl!r} needs a static (int) offset; the decode "
-                             "step's traced cache index runs the reference implementation.")
+            raise ValueError(
+                f"attention impl {impl!r} needs a static (int) offset; the decode "
+                "step's traced cache index runs the reference implementation."
+            )
         kernel = _splash if impl == "splash" else functools.partial(_dot_product, impl=impl)
-        out = _per_device(kernel, q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, offset, window,
-                          config, sharding)
+        out = _per_device(
+            kernel, q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, offset, window, config, sharding
+        )
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
 
 
@@ -153,11 +171,13 @@ def _reference(q_BKGTH, k_BKHS, v_BKSH, visible_BTS):
     scores_BKGTS = jnp.einsum("bkgth,bkhs->bkgts", q_BKGTH, k_BKHS, preferred_element_type=_F32)
     scores_BKGTS = jnp.where(visible_BTS[:, None, None], scores_BKGTS, MASKED)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
-    return jnp.einsum("bkgts,bksh->bkgth", probs_BKGTS.astype(v_BKSH.dtype), v_BKSH,
-                      preferred_element_type=_F32)
+    return jnp.einsum(
+        "bkgts,bksh->bkgth", probs_BKGTS.astype(v_BKSH.dtype), v_BKSH, preferred_element_type=_F32
+    )
 
 
 # ----------------------------------------------------------------------------- chunked
+
 
 def _pad_to(x: jax.Array, axis: int, multiple: int, value: Any = 0) -> jax.Array:
     pad = (-x.shape[axis]) % multiple
@@ -170,14 +190,14 @@ def _pad_to(x: jax.Array, axis: int, multiple: int, value: Any = 0) -> jax.Array
 
 def _split_blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
     """[..., n*block (at axis), ...] -> [n, ..., block, ...] (blocks leading)."""
-    shape = x.shape[:axis] + (x.shape[axis] // block, block) + x.shape[axis + 1:]
+    shape = x.shape[:axis] + (x.shape[axis] // block, block) + x.shape[axis + 1 :]
     return jnp.moveaxis(x.reshape(shape), axis, 0)
 
 
 def _merge_blocks(x: jax.Array, axis: int) -> jax.Array:
     """Inverse of _split_blocks."""
     x = jnp.moveaxis(x, 0, axis)
-    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2:])
+    return x.reshape(x.shape[:axis] + (x.shape[axis] * x.shape[axis + 1],) + x.shape[axis + 2 :])
 
 
 def _block_scores(q_blk, k_blk, valid_blk, qseg_blk, t0, s0, offset, window):
@@ -200,9 +220,13 @@ def _blocked_inputs(q, k, v, key_valid_BS, offset, bq, bk):
     T = q.shape[3]
     valid = _pad_to(key_valid_BS.astype(jnp.int32), 1, bk, value=-1)
     qseg = _pad_to(query_segments(key_valid_BS, T, offset), 1, bq)
-    return (_split_blocks(_pad_to(q, 3, bq), 3, bq), _split_blocks(_pad_to(k, 3, bk), 3, bk),
-            _split_blocks(_pad_to(v, 2, bk), 2, bk), _split_blocks(valid, 1, bk),
-            _split_blocks(qseg, 1, bq))
+    return (
+        _split_blocks(_pad_to(q, 3, bq), 3, bq),
+        _split_blocks(_pad_to(k, 3, bk), 3, bk),
+        _split_blocks(_pad_to(v, 2, bk), 2, bk),
+        _split_blocks(valid, 1, bk),
+        _split_blocks(qseg, 1, bq),
+    )
 
 
 def _flash_forward(q, k, v, key_valid_BS, offset, bq, bk, window):
@@ -222,12 +246,16 @@ def _flash_forward(q, k, v, key_valid_BS, offset, bq, bk, window):
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.exp(s - m_new[..., None])
             scale = jnp.exp(m - m_new)
-            pv = jnp.einsum("bkgts,bksh->bkgth", p.astype(v_blk.dtype), v_blk,
-                            preferred_element_type=_F32)
+            pv = jnp.einsum(
+                "bkgts,bksh->bkgth", p.astype(v_blk.dtype), v_blk, preferred_element_type=_F32
+            )
             return (m_new, row_sum * scale + p.sum(axis=-1), acc * scale[..., None] + pv), None
 
-        init = (jnp.full((B, K, G, bq), _PADDED, _F32), jnp.zeros((B, K, G, bq), _F32),
-                jnp.zeros((B, K, G, bq, H), _F32))
+        init = (
+            jnp.full((B, K, G, bq), _PADDED, _F32),
+            jnp.zeros((B, K, G, bq), _F32),
+            jnp.zeros((B, K, G, bq, H), _F32),
+        )
         (m, row_sum, acc), _ = lax.scan(key_block, init, (k_n, v_n, valid_n, starts_k))
         return acc / row_sum[..., None], m + jnp.log(row_sum)
 
@@ -251,7 +279,7 @@ def _chunked_bwd(bq, bk, window, residuals, dout):
     query blocks."""
     q, k, v, key_valid_BS, offset, out, lse = residuals
     T, S = q.shape[3], k.shape[3]
-    delta = jnp.sum(dout * out, axis=-1)                       # [B, K, G, T]
+    delta = jnp.sum(dout * out, axis=-1)  # [B, K, G, T]
     q_n, k_n, v_n, valid_n, qseg_n = _blocked_inputs(q, k, v, key_valid_BS, offset, bq, bk)
     do_n = _split_blocks(_pad_to(dout, 3, bq), 3, bq).astype(v.dtype)
     lse_n = _split_blocks(_pad_to(lse, 3, bq), 3, bq)
@@ -266,23 +294,28 @@ def _chunked_bwd(bq, bk, window, residuals, dout):
             q_blk, qseg_blk, do_blk, lse_blk, delta_blk, t0 = ys
             s = _block_scores(q_blk, k_blk, valid_blk, qseg_blk, t0, s0, offset, window)
             p = jnp.exp(s - lse_blk[..., None])
-            dv = dv + jnp.einsum("bkgts,bkgth->bksh", p.astype(v.dtype), do_blk,
-                                 preferred_element_type=_F32)
+            dv = dv + jnp.einsum(
+                "bkgts,bkgth->bksh", p.astype(v.dtype), do_blk, preferred_element_type=_F32
+            )
             dp = jnp.einsum("bkgth,bksh->bkgts", do_blk, v_blk, preferred_element_type=_F32)
             ds = p * (dp - delta_blk[..., None])
-            dq_blk = jnp.einsum("bkgts,bkhs->bkgth", ds.astype(k.dtype), k_blk,
-                                preferred_element_type=_F32)
-            dk = dk + jnp.einsum("bkgts,bkgth->bkhs", ds.astype(q.dtype), q_blk,
-                                 preferred_element_type=_F32)
+            dq_blk = jnp.einsum(
+                "bkgts,bkhs->bkgth", ds.astype(k.dtype), k_blk, preferred_element_type=_F32
+            )
+            dk = dk + jnp.einsum(
+                "bkgts,bkgth->bkhs", ds.astype(q.dtype), q_blk, preferred_element_type=_F32
+            )
             return (dk, dv), dq_blk
 
         zeros = (jnp.zeros(k_blk.shape, _F32), jnp.zeros(v_blk.shape, _F32))
-        (dk, dv), dq_contrib = lax.scan(query_block, zeros,
-                                        (q_n, qseg_n, do_n, lse_n, delta_n, starts_q))
+        (dk, dv), dq_contrib = lax.scan(
+            query_block, zeros, (q_n, qseg_n, do_n, lse_n, delta_n, starts_q)
+        )
         return dq_n + dq_contrib, (dk, dv)
 
-    dq_n, (dk_n, dv_n) = lax.scan(key_block, jnp.zeros(q_n.shape, _F32),
-                                  (k_n, v_n, valid_n, jnp.arange(k_n.shape[0]) * bk))
+    dq_n, (dk_n, dv_n) = lax.scan(
+        key_block, jnp.zeros(q_n.shape, _F32), (k_n, v_n, valid_n, jnp.arange(k_n.shape[0]) * bk)
+    )
     dq = _merge_blocks(dq_n, 3)[:, :, :, :T].astype(q.dtype)
     dk = _merge_blocks(dk_n, 3)[..., :S].astype(k.dtype)
     dv = _merge_blocks(dv_n, 2)[:, :, :S].astype(v.dtype)
@@ -294,9 +327,18 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 # ----------------------------------------------------------------------------- kernels
 
-def _per_device(kernel, q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, offset: int,
-                window: int | None, config: AttentionConfig,
-                sharding: parallel.ActivationSharding | None):
+
+def _per_device(
+    kernel,
+    q_BKGTH,
+    k_BKHS,
+    v_BKSH,
+    key_valid_BS,
+    offset: int,
+    window: int | None,
+    config: AttentionConfig,
+    sharding: parallel.ActivationSharding | None,
+):
     """Runs a per-device kernel; on a mesh under shard_map over batch rows and kv heads
     (a Pallas or cuDNN custom call is opaque to the SPMD partitioner, which would otherwise
     gather every operand onto each device)."""
@@ -307,38 +349,55 @@ def _per_device(kernel, q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, offset: int,
     batch = sharding.spec(("batch",), (B,))[0]
     heads = sharding.spec(("kv_heads",), (K,))[0]
     P = jax.sharding.PartitionSpec
-    return jax.shard_map(run, mesh=sharding.mesh,
-                         in_specs=(P(batch, heads), P(batch, heads), P(batch, heads), P(batch)),
-                         out_specs=P(batch, heads), check_vma=False)(
-        q_BKGTH, k_BKHS, v_BKSH, key_valid_BS)
+    return jax.shard_map(
+        run,
+        mesh=sharding.mesh,
+        in_specs=(P(batch, heads), P(batch, heads), P(batch, heads), P(batch)),
+        out_specs=P(batch, heads),
+        check_vma=False,
+    )(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS)
 
 
 def _query_segments(key_valid_BS, T: int, offset: int, Tp: int) -> jax.Array:
     """A query's segment is its own key's validity, so every query sees at least its own key
     (the kernels need no empty rows); block-padding queries count as real (they see every
     real key before them)."""
-    own = key_valid_BS[:, offset:offset + T].astype(jnp.int32)
+    own = key_valid_BS[:, offset : offset + T].astype(jnp.int32)
     return jnp.pad(own, ((0, 0), (0, Tp - T)), constant_values=1)
 
 
-def _splash(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, *, offset: int, window: int | None,
-            config: AttentionConfig):
+def _splash(
+    q_BKGTH,
+    k_BKHS,
+    v_BKSH,
+    key_valid_BS,
+    *,
+    offset: int,
+    window: int | None,
+    config: AttentionConfig,
+):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
     B, K, G, T, H = q_BKGTH.shape
     S = k_BKHS.shape[3]
     bq, bk = min(config.block_q, _round_up(T, 128)), min(config.block_k, _round_up(S, 128))
     Tp, Sp = _round_up(T, bq), _round_up(S, bk)
     # LocalMask keeps t + offset - left <= s <= t + offset + right.
-    causal = (masks.CausalMask((Tp, Sp), offset) if window is None
-              else masks.LocalMask((Tp, Sp), (window - 1, 0), offset))
+    causal = (
+        masks.CausalMask((Tp, Sp), offset)
+        if window is None
+        else masks.LocalMask((Tp, Sp), (window - 1, 0), offset)
+    )
     mask = masks.MultiHeadMask([causal] * G)
-    sizes = splash.BlockSizes(block_q=bq, block_kv=bk, block_q_dkv=bq, block_kv_dkv=bk,
-                              block_q_dq=bq, block_kv_dq=bk)
+    sizes = splash.BlockSizes(
+        block_q=bq, block_kv=bk, block_q_dkv=bq, block_kv_dkv=bk, block_q_dq=bq, block_kv_dq=bk
+    )
     kernel = splash.make_splash_mqa_single_device(
-        mask, block_sizes=sizes, interpret=jax.default_backend() != "tpu")
+        mask, block_sizes=sizes, interpret=jax.default_backend() != "tpu"
+    )
     q = _pad_to(q_BKGTH, 3, bq)
-    k = _pad_to(k_BKHS, 3, bk).swapaxes(2, 3)          # [B, K, Sp, H]
+    k = _pad_to(k_BKHS, 3, bk).swapaxes(2, 3)  # [B, K, Sp, H]
     v = _pad_to(v_BKSH, 2, bk)
     q_seg = _query_segments(key_valid_BS, T, offset, Tp)
     kv_seg = _pad_to(key_valid_BS.astype(jnp.int32), 1, bk)
@@ -351,15 +410,29 @@ def _splash(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, *, offset: int, window: int |
     return out[:, :, :, :T].astype(_F32)
 
 
-def _dot_product(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, *, offset: int, window: int | None,
-                 config: AttentionConfig, impl: str):
+def _dot_product(
+    q_BKGTH,
+    k_BKHS,
+    v_BKSH,
+    key_valid_BS,
+    *,
+    offset: int,
+    window: int | None,
+    config: AttentionConfig,
+    impl: str,
+):
     del config
     B, K, G, T, H = q_BKGTH.shape
     q_BTNH = q_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
     visible_B1TS = visible_mask(key_valid_BS, T, offset, window)[:, None]
     out_BTNH = jax.nn.dot_product_attention(
-        q_BTNH, k_BKHS.transpose(0, 3, 1, 2), v_BKSH.transpose(0, 2, 1, 3),
-        mask=visible_B1TS, scale=1.0, implementation=impl)
+        q_BTNH,
+        k_BKHS.transpose(0, 3, 1, 2),
+        v_BKSH.transpose(0, 2, 1, 3),
+        mask=visible_B1TS,
+        scale=1.0,
+        implementation=impl,
+    )
     return out_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).astype(_F32)
 
 

@@ -3,6 +3,7 @@
 Built from a Hugging Face `config.json` (transformers 4 or 5 layout), written back for export,
 and hashable so it can be a static argument of `jax.jit`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,13 +34,20 @@ class Family:
     hf_extra: tuple[tuple[str, Any], ...] = ()
 
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("llama", "LlamaForCausalLM", gguf_permutes_qk=True,
-           hf_extra=(("attention_bias", False), ("mlp_bias", False))),
-    Family("qwen2", "Qwen2ForCausalLM", attention_bias=True),
-    Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, hf_extra=(("attention_bias", False),)),
-    Family("mistral", "MistralForCausalLM", sliding_window=True, gguf_permutes_qk=True),
-)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family(
+            "llama",
+            "LlamaForCausalLM",
+            gguf_permutes_qk=True,
+            hf_extra=(("attention_bias", False), ("mlp_bias", False)),
+        ),
+        Family("qwen2", "Qwen2ForCausalLM", attention_bias=True),
+        Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, hf_extra=(("attention_bias", False),)),
+        Family("mistral", "MistralForCausalLM", sliding_window=True, gguf_permutes_qk=True),
+    )
+}
 _ARCH_TO_TYPE = {f.architecture: f.model_type for f in FAMILIES.values()}
 _ROPE_TYPES = ("default", "llama3")
 
@@ -70,13 +78,13 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False   # Qwen2: biases on the q/k/v projections
-    qk_norm: bool = False          # Qwen3: per-head RMSNorm on q and k before RoPE
+    attention_bias: bool = False  # Qwen2: biases on the q/k/v projections
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
-    model_type: str = "llama"      # which HF family to export as
+    model_type: str = "llama"  # which HF family to export as
     # Mistral: a token attends to itself and the `sliding_window` - 1 tokens before it (None:
     # every earlier token), in every pass (see models/attention.py).
     sliding_window: int | None = None
@@ -87,22 +95,32 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.model_type not in FAMILIES:
-            raise ValueError(f"ModelConfig.model_type={self.model_type!r} is not supported; "
-                             f"use one of {sorted(FAMILIES)}.")
+            raise ValueError(
+                f"ModelConfig.model_type={self.model_type!r} is not supported; "
+                f"use one of {sorted(FAMILIES)}."
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
-                             f"num_kv_heads={self.num_kv_heads} (grouped-query attention).")
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (grouped-query attention)."
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE.")
         if self.compute_dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"ModelConfig.compute_dtype={self.compute_dtype!r}: use float32, "
-                             "bfloat16 or None (the params' dtype).")
+            raise ValueError(
+                f"ModelConfig.compute_dtype={self.compute_dtype!r}: use float32, "
+                "bfloat16 or None (the params' dtype)."
+            )
         if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"ModelConfig.sliding_window={self.sliding_window} must be at "
-                             "least 1 (a token attends to itself), or None for no window.")
+            raise ValueError(
+                f"ModelConfig.sliding_window={self.sliding_window} must be at "
+                "least 1 (a token attends to itself), or None for no window."
+            )
         if self.rope_scaling is not None and self.rope_scaling.rope_type != "llama3":
-            raise ValueError(f"rope_scaling.rope_type={self.rope_scaling.rope_type!r} is not "
-                             "supported; only 'llama3' (or no scaling) is.")
+            raise ValueError(
+                f"rope_scaling.rope_type={self.rope_scaling.rope_type!r} is not "
+                "supported; only 'llama3' (or no scaling) is."
+            )
 
     @property
     def num_params(self) -> int:
@@ -124,8 +142,10 @@ class ModelConfig:
             if os.path.isdir(path):
                 path = os.path.join(path, "config.json")
             if not os.path.exists(path):
-                raise FileNotFoundError(f"No HF config at {path!r}: expected a config.json "
-                                        "(or the model folder that holds one).")
+                raise FileNotFoundError(
+                    f"No HF config at {path!r}: expected a config.json "
+                    "(or the model folder that holds one)."
+                )
             with open(path, encoding="utf-8") as f:
                 config = json.load(f)
         return _from_hf_dict(dict(config))
@@ -152,8 +172,9 @@ class ModelConfig:
             "rope_parameters": rope,
             # Older transformers read these two keys instead of rope_parameters.
             "rope_theta": float(self.rope_theta),
-            "rope_scaling": (None if self.rope_scaling is None
-                             else dataclasses.asdict(self.rope_scaling)),
+            "rope_scaling": (
+                None if self.rope_scaling is None else dataclasses.asdict(self.rope_scaling)
+            ),
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id,
@@ -173,32 +194,41 @@ def _from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
     if model_type is None and archs:
         model_type = _ARCH_TO_TYPE.get(archs[0])
     if model_type not in FAMILIES:
-        raise ValueError(f"config.json field model_type={model_type!r} (architectures={archs}) is "
-                         f"not supported; supported model types: {sorted(FAMILIES)}.")
+        raise ValueError(
+            f"config.json field model_type={model_type!r} (architectures={archs}) is "
+            f"not supported; supported model types: {sorted(FAMILIES)}."
+        )
     family = FAMILIES[model_type]
     for arch in archs:
         if _ARCH_TO_TYPE.get(arch) != model_type:
-            raise ValueError(f"config.json field architectures={archs} names {arch!r}, which "
-                             f"is not a {model_type} model; a {model_type} config.json names "
-                             f"{family.architecture!r}.")
+            raise ValueError(
+                f"config.json field architectures={archs} names {arch!r}, which "
+                f"is not a {model_type} model; a {model_type} config.json names "
+                f"{family.architecture!r}."
+            )
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json field hidden_act={act!r} is not supported; only 'silu' is.")
     if cfg.get("use_sliding_window"):
-        raise ValueError("config.json field use_sliding_window=true is not supported; "
-                         "set it to false (full attention).")
+        raise ValueError(
+            "config.json field use_sliding_window=true is not supported; "
+            "set it to false (full attention)."
+        )
     if cfg.get("mlp_bias"):
         raise ValueError("config.json field mlp_bias=true is not supported.")
     if cfg.get("attention_bias") and not family.attention_bias:
-        raise ValueError(f"config.json field attention_bias=true is not supported for "
-                         f"{model_type} (it would add an o_proj bias).")
+        raise ValueError(
+            f"config.json field attention_bias=true is not supported for "
+            f"{model_type} (it would add an o_proj bias)."
+        )
     sliding_window = cfg.get("sliding_window") if family.sliding_window else None
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
     theta, scaling = _rope_from_hf(cfg)
     eos = cfg.get("eos_token_id")
-    eos_ids = (() if eos is None
-               else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])))
+    eos_ids = (
+        () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+    )
     pad = cfg.get("pad_token_id")
     return ModelConfig(
         vocab_size=int(cfg["vocab_size"]),
@@ -233,8 +263,10 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = spec.get("rope_type", spec.get("type", "default"))
     if rope_type not in _ROPE_TYPES:
-        raise ValueError(f"config.json field {field}.rope_type={rope_type!r} is not supported; "
-                         f"supported rope types: {list(_ROPE_TYPES)}.")
+        raise ValueError(
+            f"config.json field {field}.rope_type={rope_type!r} is not supported; "
+            f"supported rope types: {list(_ROPE_TYPES)}."
+        )
     if rope_type == "default":
         return theta, None
     try:
@@ -245,52 +277,114 @@ def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
             original_max_position_embeddings=int(spec["original_max_position_embeddings"]),
         )
     except KeyError as e:
-        raise ValueError(f"config.json field {field} of rope_type 'llama3' lacks "
-                         f"{e.args[0]!r}.") from None
+        raise ValueError(
+            f"config.json field {field} of rope_type 'llama3' lacks {e.args[0]!r}."
+        ) from None
 
 
 # A tiny config for tests and smoke runs (2 layers, width 64, GQA 4:2).
-TINY = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                   tie_word_embeddings=True, max_position_embeddings=512,
-                   bos_token_id=1, eos_token_ids=(2,), pad_token_id=2)
+TINY = ModelConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    pad_token_id=2,
+)
 
 # SmolLM2-135M(-Instruct): Llama architecture, 30 layers, 9 heads / 3 KV heads, tied embeddings.
-SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-                           rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
-                           max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,),
-                           pad_token_id=2)
+SMOLLM2_135M = ModelConfig(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    pad_token_id=2,
+)
 
 PRESETS: dict[str, ModelConfig] = {"tiny": TINY, "smollm2-135m": SMOLLM2_135M}
 
 # Architectures of the paper flagfiles' models (from each Hugging Face repo's config.json),
 # keyed by the repo / folder name in lower case: tools/plan.py plans them without weights.
-_QWEN25_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                  num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
-                  attention_bias=True, model_type="qwen2")
-_QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                 num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6, qk_norm=True,
-                 max_position_embeddings=32768, eos_token_ids=(151643,), model_type="qwen3")
+_QWEN25_7B = dict(
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    head_dim=128,
+    attention_bias=True,
+    model_type="qwen2",
+)
+_QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1e6,
+    qk_norm=True,
+    max_position_embeddings=32768,
+    eos_token_ids=(151643,),
+    model_type="qwen3",
+)
 ARCHITECTURES: dict[str, ModelConfig] = {
-    "qwen2.5-math-7b": ModelConfig(**_QWEN25_7B, rope_theta=10000.0,
-                                   max_position_embeddings=4096, eos_token_ids=(151643,)),
-    "qwen2.5-7b-instruct-1m": ModelConfig(**_QWEN25_7B, rope_theta=1e7, rms_norm_eps=1e-5,
-                                          max_position_embeddings=1010000,
-                                          eos_token_ids=(151645,)),
+    "qwen2.5-math-7b": ModelConfig(
+        **_QWEN25_7B, rope_theta=10000.0, max_position_embeddings=4096, eos_token_ids=(151643,)
+    ),
+    "qwen2.5-7b-instruct-1m": ModelConfig(
+        **_QWEN25_7B,
+        rope_theta=1e7,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=1010000,
+        eos_token_ids=(151645,),
+    ),
     "qwen3-8b-base": ModelConfig(**_QWEN3_8B),
-    "qwen3-4b-base": ModelConfig(**dict(_QWEN3_8B, hidden_size=2560, intermediate_size=9728,
-                                        tie_word_embeddings=True)),
+    "qwen3-4b-base": ModelConfig(
+        **dict(_QWEN3_8B, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
+    ),
     "smollm2-135m-instruct": SMOLLM2_135M,
     # meta-llama/Llama-3.2-3B-Instruct's config.json: 28 layers of width 3072, MLP 8192, 24
     # heads / 8 KV heads of 128, vocabulary 128256 tied, RMSNorm eps 1e-5, RoPE theta 5e5 with
     # llama3 scaling (factor 32, low / high frequency factors 1 / 4, original 8192 positions),
     # 131072 positions, bos 128000, eos 128001 / 128008 / 128009.
     "llama-3.2-3b-instruct": ModelConfig(
-        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28,
-        num_heads=24, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                 original_max_position_embeddings=8192),
-        tie_word_embeddings=True, max_position_embeddings=131072, bos_token_id=128000,
-        eos_token_ids=(128001, 128008, 128009)),
+        vocab_size=128256,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_layers=28,
+        num_heads=24,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=RopeScaling(
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_ids=(128001, 128008, 128009),
+    ),
 }

@@ -4,6 +4,7 @@ Tensors are dequantized one at a time (Q4_0/Q4_1/Q8_0/... via `gguf.quants.dequa
 llama.cpp's row permutation of the Llama q/k projections (it stores RoPE pairs interleaved)
 is undone so the rotate-half RoPE of transformer.py applies.
 """
+
 from __future__ import annotations
 
 import re
@@ -16,8 +17,11 @@ from jaxrl4llm.models.config import FAMILIES, ModelConfig
 
 # GGUF tensor name -> HF name, from the parameter schema.
 _GLOBAL_NAMES = {leaf.gguf: leaf.hf for leaf in schema.PARAMS if not leaf.per_layer}
-_LAYER_NAMES = {leaf.gguf.removeprefix(schema.GGUF_LAYER): leaf.hf.removeprefix(schema.HF_LAYER)
-                for leaf in schema.PARAMS if leaf.per_layer}
+_LAYER_NAMES = {
+    leaf.gguf.removeprefix(schema.GGUF_LAYER): leaf.hf.removeprefix(schema.HF_LAYER)
+    for leaf in schema.PARAMS
+    if leaf.per_layer
+}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -34,8 +38,7 @@ def _hf_name(gguf_name: str) -> str:
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's `permute`: rows (head, pair, 2) -> (head, 2, pair)."""
     rows = w.shape[0]
-    return (w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 class GGUFSource:
@@ -53,12 +56,16 @@ class GGUFSource:
         self._tensors = {_hf_name(t.name): t for t in self._reader.tensors}
         self.arch = self._field("general.architecture")
         if self.arch not in FAMILIES:
-            raise ValueError(f"GGUF {path!r}: metadata field general.architecture={self.arch!r} is "
-                             f"not supported; supported: {sorted(FAMILIES)}.")
+            raise ValueError(
+                f"GGUF {path!r}: metadata field general.architecture={self.arch!r} is "
+                f"not supported; supported: {sorted(FAMILIES)}."
+            )
         if "rope_freqs.weight" in self._tensors:
-            raise ValueError(f"GGUF {path!r} has a rope_freqs tensor (Llama 3.1-style rope "
-                             "scaling), which the GGUF loader does not support; load the "
-                             "Hugging Face folder of this model instead.")
+            raise ValueError(
+                f"GGUF {path!r} has a rope_freqs tensor (Llama 3.1-style rope "
+                "scaling), which the GGUF loader does not support; load the "
+                "Hugging Face folder of this model instead."
+            )
 
     def _field(self, key: str, default: Any = KeyError) -> Any:
         field = self._reader.fields.get(key)
@@ -77,8 +84,10 @@ class GGUFSource:
             vocab = len(self._reader.fields["tokenizer.ggml.tokens"].data)
         scaling = self._field(f"{a}.rope.scaling.type", "none")
         if scaling not in ("none", None):
-            raise ValueError(f"GGUF {self.path!r}: metadata field {a}.rope.scaling.type="
-                             f"{scaling!r} is not supported.")
+            raise ValueError(
+                f"GGUF {self.path!r}: metadata field {a}.rope.scaling.type="
+                f"{scaling!r} is not supported."
+            )
         eos = self._field("tokenizer.ggml.eos_token_id", None)
         pad = self._field("tokenizer.ggml.padding_token_id", None)
         return ModelConfig(
@@ -112,8 +121,9 @@ class GGUFSource:
         t = self._tensors[name]
         w = self._gguf.quants.dequantize(t.data, t.tensor_type)
         w = np.asarray(w, np.float32).reshape(self.shape(name))
-        if FAMILIES[self.arch].gguf_permutes_qk and name.endswith(("q_proj.weight",
-                                                                    "k_proj.weight")):
+        if FAMILIES[self.arch].gguf_permutes_qk and name.endswith(
+            ("q_proj.weight", "k_proj.weight")
+        ):
             a = self.arch
             heads = int(self._field(f"{a}.attention.head_count"))
             if name.endswith("k_proj.weight"):

@@ -8,6 +8,7 @@ connection of at most PROBE_TIMEOUT_S. When that fails, the caller raises one er
 the repository, the hub cache and the fix: `hf download ...` where there is network, or
 `HF_HUB_OFFLINE=1` when the cache already holds the revision.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,8 +28,10 @@ def settings() -> tuple[str, bool]:
     from huggingface_hub import constants
 
     cache = os.environ.get("HF_HUB_CACHE") or (
-        os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME")
-        else constants.HF_HUB_CACHE)
+        os.path.join(os.environ["HF_HOME"], "hub")
+        if os.environ.get("HF_HOME")
+        else constants.HF_HUB_CACHE
+    )
     flag = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
     offline = flag.strip().upper() in _TRUE or constants.HF_HUB_OFFLINE
     return os.path.expanduser(cache), offline
@@ -36,6 +39,7 @@ def settings() -> tuple[str, bool]:
 
 def endpoint() -> str:
     from huggingface_hub import constants
+
     return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
 
 
@@ -96,11 +100,15 @@ def download_command(repo: str, repo_type: str, revision: str, cache: str) -> st
 def fix_hint(repo: str, repo_type: str, revision: str, cache: str) -> str:
     """How to get `repo` without network: read the cache, or fill it where there is network."""
     if cached_snapshot(cache, repo, repo_type, revision):
-        return (f"the hub cache {cache} holds {repo}@{revision}: set HF_HUB_OFFLINE=1 to read "
-                "it from there")
-    return (f"{repo}@{revision} is not in the hub cache {cache}: run `"
-            f"{download_command(repo, repo_type, revision, cache)}` where there is network "
-            "(on a cluster: a login node, or copy the folder over), then set HF_HUB_OFFLINE=1")
+        return (
+            f"the hub cache {cache} holds {repo}@{revision}: set HF_HUB_OFFLINE=1 to read "
+            "it from there"
+        )
+    return (
+        f"{repo}@{revision} is not in the hub cache {cache}: run `"
+        f"{download_command(repo, repo_type, revision, cache)}` where there is network "
+        "(on a cluster: a login node, or copy the folder over), then set HF_HUB_OFFLINE=1"
+    )
 
 
 def require_reachable(repo: str, repo_type: str, revision: str, cache: str) -> str | None:
@@ -108,5 +116,7 @@ def require_reachable(repo: str, repo_type: str, revision: str, cache: str) -> s
     url = endpoint()
     if reachable(url):
         return None
-    return (f"cannot reach the Hugging Face Hub ({url}: no network?) to fetch {repo}; "
-            f"{fix_hint(repo, repo_type, revision, cache)}")
+    return (
+        f"cannot reach the Hugging Face Hub ({url}: no network?) to fetch {repo}; "
+        f"{fix_hint(repo, repo_type, revision, cache)}"
+    )

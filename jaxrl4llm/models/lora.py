@@ -17,6 +17,7 @@ the weights anyway), and an export to a full HF folder does too.
 With dropout (training only), `combine` is given a key and the adapters' input x is dropped
 per element with probability `dropout` (as in PEFT: dropout(x) A B; the base path is not).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,9 +34,15 @@ Params = dict[str, Any]
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # HF module names of the targets (PEFT's target_modules).
-HF_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-              "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
-              "down": "mlp.down_proj"}
+HF_MODULES = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
 # Per-layer leaves that carry dropout (present only while training with --lora_dropout > 0).
 DROPOUT_KEY, DROPOUT_KEEP = "lora_dropout_key", "lora_dropout_keep"
 
@@ -69,11 +76,12 @@ class LoraConfig:
             raise ValueError(f"--lora_rank={self.rank} must be >= 0 (0 = full fine-tuning).")
         unknown = [t for t in self.targets if t not in TARGETS]
         if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
-            raise ValueError(f"--lora_targets={','.join(self.targets)}: name each of "
-                             f"{','.join(TARGETS)} at most once (e.g. q,v).")
+            raise ValueError(
+                f"--lora_targets={','.join(self.targets)}: name each of "
+                f"{','.join(TARGETS)} at most once (e.g. q,v)."
+            )
         if self.alpha <= 0:
-            raise ValueError(f"--lora_alpha={self.alpha} must be > 0 (the scale is "
-                             "alpha / rank).")
+            raise ValueError(f"--lora_alpha={self.alpha} must be > 0 (the scale is alpha / rank).")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"--lora_dropout={self.dropout} must be in [0, 1) (0: off).")
 
@@ -101,12 +109,16 @@ def adapter_shapes(config: ModelConfig, lora: LoraConfig) -> Params:
 def adapter_logical_axes(config: ModelConfig, lora: LoraConfig) -> Params:
     """Adapters are replicated: rank x width is small next to the base weights, and a
     replicated adapter needs no collective of its own."""
-    return jax.tree.map(lambda s: ("layers", None, None), adapter_shapes(config, lora),
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(
+        lambda s: ("layers", None, None),
+        adapter_shapes(config, lora),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
 
 
-def init_adapters(config: ModelConfig, lora: LoraConfig, key: jax.Array,
-                  dtype: Any = jnp.float32) -> Params:
+def init_adapters(
+    config: ModelConfig, lora: LoraConfig, key: jax.Array, dtype: Any = jnp.float32
+) -> Params:
     """Fresh adapters: A uniform(+-1 / sqrt(in)) (PEFT's kaiming_uniform(a=sqrt(5))), B zero."""
     shapes = adapter_shapes(config, lora)["layers"]
     keys = jax.random.split(key, len(lora.targets))
@@ -114,14 +126,16 @@ def init_adapters(config: ModelConfig, lora: LoraConfig, key: jax.Array,
     for k, t in zip(keys, lora.targets):
         a_shape = shapes[f"{t}_lora_a"]
         bound = 1.0 / math.sqrt(a_shape[1])
-        layers[f"{t}_lora_a"] = jax.random.uniform(k, a_shape, jnp.float32, -bound,
-                                                   bound).astype(dtype)
+        layers[f"{t}_lora_a"] = jax.random.uniform(k, a_shape, jnp.float32, -bound, bound).astype(
+            dtype
+        )
         layers[f"{t}_lora_b"] = jnp.zeros(shapes[f"{t}_lora_b"], dtype)
     return {"layers": layers}
 
 
-def combine(base: Params, adapters: Params, lora: LoraConfig,
-            dropout_key: jax.Array | None = None) -> Params:
+def combine(
+    base: Params, adapters: Params, lora: LoraConfig, dropout_key: jax.Array | None = None
+) -> Params:
     """The params the forward reads: `base` with the adapter leaves added to its layers, each
     B scaled by alpha / rank. With `dropout_key` and lora.dropout > 0, each layer also gets
     its dropout key and keep probability."""
@@ -146,12 +160,15 @@ def fold(params: Params) -> Params:
     Params without adapters come back as they are."""
     if not has_adapters(params):
         return params
-    layers = {k: v for k, v in params["layers"].items()
-              if "_lora_" not in k and k not in (DROPOUT_KEY, DROPOUT_KEEP)}
+    layers = {
+        k: v
+        for k, v in params["layers"].items()
+        if "_lora_" not in k and k not in (DROPOUT_KEY, DROPOUT_KEEP)
+    }
     for name, a in params["layers"].items():
         if not name.endswith("_lora_a"):
             continue
-        target = name[:-len("_lora_a")]
+        target = name[: -len("_lora_a")]
         b = params["layers"][f"{target}_lora_b"]
         w = layers[target]
         ab = jnp.einsum("lir,lro->lio", a.astype(jnp.float32), b.astype(jnp.float32))

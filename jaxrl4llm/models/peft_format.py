@@ -5,6 +5,7 @@ base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight [r, in] and .lora
 [out, r] (torch Linear layouts: ours transposed, heads flattened the same way as the base
 weights), and scales lora_B(lora_A(x)) by lora_alpha / r as we do.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,25 +29,39 @@ def _name(target: str, layer: int, matrix: str) -> str:
     return f"{_PREFIX}{schema.HF_LAYER.format(i=layer)}{module}.{matrix}.weight"
 
 
-def export_peft(adapters: Any, config: ModelConfig, lora: LoraConfig, path: str | os.PathLike,
-                base_model: str | None = None) -> None:
+def export_peft(
+    adapters: Any,
+    config: ModelConfig,
+    lora: LoraConfig,
+    path: str | os.PathLike,
+    base_model: str | None = None,
+) -> None:
     """Writes `path`/adapter_model.safetensors + adapter_config.json (float32 unless the
     adapters are bfloat16) that peft.PeftModel.from_pretrained loads onto the base model."""
     os.makedirs(path, exist_ok=True)
     tensors = {}
     for t in lora.targets:
-        a = np.asarray(adapters["layers"][f"{t}_lora_a"])   # [L, in, r]
-        b = np.asarray(adapters["layers"][f"{t}_lora_b"])   # [L, r, out]
+        a = np.asarray(adapters["layers"][f"{t}_lora_a"])  # [L, in, r]
+        b = np.asarray(adapters["layers"][f"{t}_lora_b"])  # [L, r, out]
         for i in range(config.num_layers):
             tensors[_name(t, i, "lora_A")] = np.ascontiguousarray(a[i].T)
             tensors[_name(t, i, "lora_B")] = np.ascontiguousarray(b[i].T)
     weights._write_safetensors(os.path.join(path, ADAPTER_WEIGHTS), tensors)
     modules = [lora_lib.HF_MODULES[t].split(".")[-1] for t in lora.targets]
     adapter_config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
-        "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules,
-        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "inference_mode": True, "base_model_name_or_path": base_model}
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+        "base_model_name_or_path": base_model,
+    }
     with open(os.path.join(path, ADAPTER_CONFIG), "w", encoding="utf-8") as f:
         json.dump(adapter_config, f, indent=2)
 
@@ -61,21 +76,32 @@ def load_peft(path: str | os.PathLike, config: ModelConfig) -> tuple[Any, LoraCo
     modules = c.get("target_modules") or []
     modules = [modules] if isinstance(modules, str) else modules
     unsupported = [k for k in ("use_rslora", "use_dora", "fan_in_fan_out") if c.get(k)]
-    if (c.get("peft_type") != "LORA" or unsupported or c.get("bias", "none") != "none"
-            or any(m not in by_module for m in modules)):
-        raise ValueError(f"{path}: a PEFT LoRA adapter on {', '.join(by_module)} without "
-                         f"biases, rsLoRA or DoRA is needed; this one has peft_type="
-                         f"{c.get('peft_type')}, target_modules={modules}, bias="
-                         f"{c.get('bias')}{', ' + ', '.join(unsupported) if unsupported else ''}.")
-    targets = tuple(t for t in lora_lib.TARGETS if lora_lib.HF_MODULES[t].split(".")[-1]
-                    in modules)
-    lora = LoraConfig(rank=int(c["r"]), alpha=float(c["lora_alpha"]),
-                      dropout=float(c.get("lora_dropout", 0.0)), targets=targets)
+    if (
+        c.get("peft_type") != "LORA"
+        or unsupported
+        or c.get("bias", "none") != "none"
+        or any(m not in by_module for m in modules)
+    ):
+        raise ValueError(
+            f"{path}: a PEFT LoRA adapter on {', '.join(by_module)} without "
+            f"biases, rsLoRA or DoRA is needed; this one has peft_type="
+            f"{c.get('peft_type')}, target_modules={modules}, bias="
+            f"{c.get('bias')}{', ' + ', '.join(unsupported) if unsupported else ''}."
+        )
+    targets = tuple(t for t in lora_lib.TARGETS if lora_lib.HF_MODULES[t].split(".")[-1] in modules)
+    lora = LoraConfig(
+        rank=int(c["r"]),
+        alpha=float(c["lora_alpha"]),
+        dropout=float(c.get("lora_dropout", 0.0)),
+        targets=targets,
+    )
     source = weights.SafetensorsSource(str(path))
     layers = {}
     for t in targets:
-        layers[f"{t}_lora_a"] = np.stack([source.read(_name(t, i, "lora_A")).T
-                                          for i in range(config.num_layers)])
-        layers[f"{t}_lora_b"] = np.stack([source.read(_name(t, i, "lora_B")).T
-                                          for i in range(config.num_layers)])
+        layers[f"{t}_lora_a"] = np.stack(
+            [source.read(_name(t, i, "lora_A")).T for i in range(config.num_layers)]
+        )
+        layers[f"{t}_lora_b"] = np.stack(
+            [source.read(_name(t, i, "lora_B")).T for i in range(config.num_layers)]
+        )
     return {"layers": layers}, lora

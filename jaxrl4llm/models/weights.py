@@ -7,6 +7,7 @@ memory is therefore one stacked leaf in the target dtype (the largest is the MLP
 L * hidden * intermediate elements, ~2.9 GB for a 7B model in bfloat16) plus one layer's
 tensor as stored -- never a full model copy, let alone one per device.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,14 +24,21 @@ from jaxrl4llm.models import schema, transformer
 from jaxrl4llm.models.config import ModelConfig
 
 # safetensors dtype codes <-> numpy dtypes (bfloat16 through ml_dtypes).
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
-              "BF16": ml_dtypes.bfloat16, "I64": np.int64, "I32": np.int32}
+_ST_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+}
 _ST_CODES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
 # Tensors some checkpoints carry that the model recomputes or does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 # ----------------------------------------------------------------------------- tensor sources
+
 
 class SafetensorsSource:
     """Memory-mapped tensors of one or many *.safetensors files (with or without an index)."""
@@ -43,8 +51,10 @@ class SafetensorsSource:
         else:
             files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
         if not files:
-            raise FileNotFoundError(f"No *.safetensors files in {folder!r}: expected a Hugging "
-                                    "Face model folder (config.json + model*.safetensors).")
+            raise FileNotFoundError(
+                f"No *.safetensors files in {folder!r}: expected a Hugging "
+                "Face model folder (config.json + model*.safetensors)."
+            )
         self._entries: dict[str, tuple[str, dict[str, Any], int]] = {}
         for name in files:
             path = os.path.join(folder, name)
@@ -69,8 +79,9 @@ class SafetensorsSource:
         dtype = np.dtype(_ST_DTYPES[info["dtype"]])
         if end == begin:
             return np.zeros(info["shape"], dtype)
-        return np.memmap(path, dtype=dtype, mode="r", offset=base + begin,
-                         shape=tuple(info["shape"]))
+        return np.memmap(
+            path, dtype=dtype, mode="r", offset=base + begin, shape=tuple(info["shape"])
+        )
 
 
 def _place(buffer: np.ndarray, sharding: Any) -> jax.Array:
@@ -80,10 +91,15 @@ def _place(buffer: np.ndarray, sharding: Any) -> jax.Array:
     return jax.make_array_from_callback(buffer.shape, sharding, lambda idx: buffer[idx])
 
 
-def load_params(source: Any, config: ModelConfig, mesh: Any = None,
-                rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
-                dtype: Any = jnp.float32, skip: tuple[str, ...] = (),
-                ignore: tuple[str, ...] = ()) -> transformer.Params:
+def load_params(
+    source: Any,
+    config: ModelConfig,
+    mesh: Any = None,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+    dtype: Any = jnp.float32,
+    skip: tuple[str, ...] = (),
+    ignore: tuple[str, ...] = (),
+) -> transformer.Params:
     """Reads every leaf from `source` (HF names and layouts) onto `mesh` (or the default device).
 
     Missing tensors, shape mismatches and tensors the model does not use are errors naming them.
@@ -95,9 +111,15 @@ def load_params(source: Any, config: ModelConfig, mesh: Any = None,
     shardings = None
     if mesh is not None:
         shardings = parallel.logical_to_sharding(
-            schema.param_logical_axes(config), mesh, rules,
-            shapes=jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype),
-                                schema.param_shapes(config), is_leaf=transformer._is_shape))
+            schema.param_logical_axes(config),
+            mesh,
+            rules,
+            shapes=jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(s, dtype),
+                schema.param_shapes(config),
+                is_leaf=transformer._is_shape,
+            ),
+        )
     params: dict[str, Any] = {"layers": {}}
     np_dtype = np.dtype(dtype)
     for leaf in schema.leaves(config):
@@ -111,12 +133,16 @@ def load_params(source: Any, config: ModelConfig, mesh: Any = None,
         for i in layers:
             name = leaf.hf_name(i)
             if name not in available:
-                raise KeyError(f"Checkpoint is missing tensor {name!r} (needed for params "
-                               f"{leaf.name} of a {config.model_type} model).")
+                raise KeyError(
+                    f"Checkpoint is missing tensor {name!r} (needed for params "
+                    f"{leaf.name} of a {config.model_type} model)."
+                )
             if source.shape(name) != hf_shape:
-                raise ValueError(f"Tensor {name!r} has shape {source.shape(name)} but the config "
-                                 f"needs {hf_shape} (params {leaf.name}); check that "
-                                 "config.json matches the weights.")
+                raise ValueError(
+                    f"Tensor {name!r} has shape {source.shape(name)} but the config "
+                    f"needs {hf_shape} (params {leaf.name}); check that "
+                    "config.json matches the weights."
+                )
             value = leaf.to_ours(config, source.read(name))
             if leaf.per_layer:
                 buffer[i] = value
@@ -133,37 +159,50 @@ def load_params(source: Any, config: ModelConfig, mesh: Any = None,
     if config.tie_word_embeddings:
         leftover.discard("lm_head.weight")  # some tied checkpoints store the copy anyway
     if leftover:
-        raise ValueError(f"Checkpoint has tensors the {config.model_type} model does not use: "
-                         f"{sorted(leftover)[:8]}{' ...' if len(leftover) > 8 else ''}; check "
-                         "that config.json matches the weights (e.g. attention_bias, "
-                         "tie_word_embeddings, num_hidden_layers).")
+        raise ValueError(
+            f"Checkpoint has tensors the {config.model_type} model does not use: "
+            f"{sorted(leftover)[:8]}{' ...' if len(leftover) > 8 else ''}; check "
+            "that config.json matches the weights (e.g. attention_bias, "
+            "tie_word_embeddings, num_hidden_layers)."
+        )
     return params
 
 
-def load_hf(path: str | os.PathLike, config: ModelConfig | None = None, mesh: Any = None,
-            rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
-            dtype: Any = jnp.float32) -> tuple[ModelConfig, transformer.Params]:
+def load_hf(
+    path: str | os.PathLike,
+    config: ModelConfig | None = None,
+    mesh: Any = None,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+    dtype: Any = jnp.float32,
+) -> tuple[ModelConfig, transformer.Params]:
     """A Hugging Face folder (config.json + *.safetensors) -> (config, params on `mesh`)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"Model folder {path!r} does not exist; pass a Hugging Face model "
-                                "folder holding config.json and *.safetensors.")
+        raise FileNotFoundError(
+            f"Model folder {path!r} does not exist; pass a Hugging Face model "
+            "folder holding config.json and *.safetensors."
+        )
     config = config or ModelConfig.from_hf_config(path)
     return config, load_params(SafetensorsSource(path), config, mesh, rules, dtype)
 
 
 # ----------------------------------------------------------------------------- export
 
-def _write_safetensors(path: str, tensors: dict[str, np.ndarray],
-                       metadata: dict[str, str] | None = None) -> None:
+
+def _write_safetensors(
+    path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None
+) -> None:
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     offset = 0
     for name, arr in tensors.items():
         code = _ST_CODES.get(arr.dtype)
         if code is None:
             raise ValueError(f"Cannot export tensor {name!r} of dtype {arr.dtype}.")
-        header[name] = {"dtype": code, "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
+        header[name] = {
+            "dtype": code,
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + arr.nbytes],
+        }
         offset += arr.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format wants the data 8-byte aligned
@@ -174,9 +213,15 @@ def _write_safetensors(path: str, tensors: dict[str, np.ndarray],
             f.write(np.ascontiguousarray(arr).tobytes())
 
 
-def export_hf(params: transformer.Params, config: ModelConfig, path: str | os.PathLike,
-              tokenizer: Any = None, *, extra_tensors: dict[str, np.ndarray] | None = None,
-              hf_config: dict[str, Any] | None = None) -> None:
+def export_hf(
+    params: transformer.Params,
+    config: ModelConfig,
+    path: str | os.PathLike,
+    tokenizer: Any = None,
+    *,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    hf_config: dict[str, Any] | None = None,
+) -> None:
     """Writes `path`/config.json + model.safetensors that `transformers` loads.
 
     Tensors keep the params' dtype (float32 or bfloat16). Gathers one leaf at a time to host.
@@ -191,8 +236,9 @@ def export_hf(params: transformer.Params, config: ModelConfig, path: str | os.Pa
     for leaf in schema.leaves(config):
         if not leaf.per_layer and leaf.name not in params:
             continue
-        value = np.asarray(jax.device_get(
-            params["layers"][leaf.name] if leaf.per_layer else params[leaf.name]))
+        value = np.asarray(
+            jax.device_get(params["layers"][leaf.name] if leaf.per_layer else params[leaf.name])
+        )
         dtype = dtype or value.dtype
         if leaf.per_layer:
             for i in range(config.num_layers):
@@ -202,8 +248,11 @@ def export_hf(params: transformer.Params, config: ModelConfig, path: str | os.Pa
     tensors.update(extra_tensors or {})
     _write_safetensors(os.path.join(path, "model.safetensors"), tensors)
     written = config.to_hf_config()
-    written["dtype"] = {np.dtype(np.float32): "float32", np.dtype(ml_dtypes.bfloat16): "bfloat16",
-                        np.dtype(np.float16): "float16"}.get(np.dtype(dtype), "float32")
+    written["dtype"] = {
+        np.dtype(np.float32): "float32",
+        np.dtype(ml_dtypes.bfloat16): "bfloat16",
+        np.dtype(np.float16): "float16",
+    }.get(np.dtype(dtype), "float32")
     written.update(hf_config or {})
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(written, f, indent=2)
@@ -211,11 +260,16 @@ def export_hf(params: transformer.Params, config: ModelConfig, path: str | os.Pa
         getattr(tokenizer, "hf_tokenizer", tokenizer).save_pretrained(path)
 
 
-def load_gguf(path: str | os.PathLike, config: ModelConfig | None = None, mesh: Any = None,
-              rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
-              dtype: Any = jnp.float32) -> tuple[ModelConfig, transformer.Params]:
+def load_gguf(
+    path: str | os.PathLike,
+    config: ModelConfig | None = None,
+    mesh: Any = None,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+    dtype: Any = jnp.float32,
+) -> tuple[ModelConfig, transformer.Params]:
     """A GGUF file -> (config from its metadata, dequantized params on `mesh`)."""
     from jaxrl4llm.models import gguf_file  # the gguf package is only needed here
+
     source = gguf_file.GGUFSource(os.fspath(path))
     config = config or source.config()
     return config, load_params(source, config, mesh, rules, dtype)

@@ -5,6 +5,7 @@ reference model and the sampler (sharding.py maps arrays' logical axes onto it).
 
     mesh = make_mesh("data:1,fsdp:4,tensor:2")
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,35 +38,44 @@ class MeshSpec:
             if not sep or name not in MESH_AXES:
                 raise ValueError(
                     f"Bad mesh spec {text!r}: item {item!r} must be AXIS:SIZE with AXIS one of "
-                    f"{', '.join(MESH_AXES)}, e.g. --mesh=data:1,fsdp:-1,tensor:1")
+                    f"{', '.join(MESH_AXES)}, e.g. --mesh=data:1,fsdp:-1,tensor:1"
+                )
             try:
                 sizes[name] = int(value)
             except ValueError:
-                raise ValueError(f"Bad mesh spec {text!r}: size {value!r} of axis {name!r} is "
-                                 "not an integer (use -1 for 'all remaining devices').") from None
+                raise ValueError(
+                    f"Bad mesh spec {text!r}: size {value!r} of axis {name!r} is "
+                    "not an integer (use -1 for 'all remaining devices')."
+                ) from None
         return cls(**sizes)
 
     def resolve(self, num_devices: int) -> tuple[int, ...]:
         """Returns concrete axis sizes whose product is `num_devices`, or raises a clear error."""
         sizes = [self.data, self.fsdp, self.tensor]
         if any(s == 0 or s < -1 for s in sizes):
-            raise ValueError(f"Mesh {self} has a size that is 0 or below -1; sizes are positive, "
-                             "or -1 for 'all remaining devices'.")
+            raise ValueError(
+                f"Mesh {self} has a size that is 0 or below -1; sizes are positive, "
+                "or -1 for 'all remaining devices'."
+            )
         if sizes.count(-1) > 1:
-            raise ValueError(f"Mesh {self} has more than one axis of size -1; at most one axis "
-                             "may take 'all remaining devices'.")
+            raise ValueError(
+                f"Mesh {self} has more than one axis of size -1; at most one axis "
+                "may take 'all remaining devices'."
+            )
         known = int(np.prod([s for s in sizes if s != -1]))
         if -1 in sizes:
             if num_devices % known:
                 raise ValueError(
                     f"Mesh {self}: the fixed axes multiply to {known}, which does not divide the "
-                    f"{num_devices} available devices. Change the mesh spec (--mesh).")
+                    f"{num_devices} available devices. Change the mesh spec (--mesh)."
+                )
             sizes[sizes.index(-1)] = num_devices // known
         if int(np.prod(sizes)) != num_devices:
             raise ValueError(
                 f"Mesh {self} needs {int(np.prod(sizes))} devices but {num_devices} are available. "
                 f"Make data*fsdp*tensor equal {num_devices}, or set one axis to -1 "
-                "(e.g. --mesh=data:1,fsdp:-1,tensor:1).")
+                "(e.g. --mesh=data:1,fsdp:-1,tensor:1)."
+            )
         return tuple(sizes)
 
 
@@ -79,14 +89,17 @@ def make_mesh(spec: MeshSpec | str = MeshSpec(), devices: Sequence[Any] | None =
         spec = MeshSpec.parse(spec)
     devices = list(jax.devices() if devices is None else devices)
     shape = spec.resolve(len(devices))
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                         devices=devices)
+    return jax.make_mesh(
+        shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
+    )
 
 
-def maybe_initialize_distributed(coordinator_address: str | None = None,
-                                 num_processes: int | None = None,
-                                 process_id: int | None = None,
-                                 auto_detect: bool = False) -> bool:
+def maybe_initialize_distributed(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    auto_detect: bool = False,
+) -> bool:
     """Calls `jax.distributed.initialize` when running on several hosts.
 
     Explicit arguments win; otherwise JAX's own cluster detection (TPU pods, SLURM, ...) or
@@ -101,9 +114,14 @@ def maybe_initialize_distributed(coordinator_address: str | None = None,
         process_id = int(os.environ["JAX_PROCESS_ID"])
     if coordinator_address is None and num_processes in (None, 1) and not auto_detect:
         return False
-    jax.distributed.initialize(coordinator_address=coordinator_address,
-                               num_processes=num_processes, process_id=process_id)
-    logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
-                 jax.process_index(), jax.process_count(), jax.local_device_count(),
-                 jax.device_count())
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+    )
+    logging.info(
+        "jax.distributed: process %d of %d, %d local / %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
     return True

@@ -6,6 +6,7 @@ batch never names a mesh axis itself.
 
     shardings = logical_to_sharding(param_axes, mesh, shapes=param_shapes)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,14 +23,14 @@ LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 DEFAULT_RULES: LogicalRules = (
     ("batch", ("data", "fsdp")),  # examples: split over every data-parallel axis
-    ("length", None),             # sequence positions stay whole
+    ("length", None),  # sequence positions stay whole
     ("vocab", "tensor"),
-    ("embed", "fsdp"),            # FSDP shards parameters along the model width
+    ("embed", "fsdp"),  # FSDP shards parameters along the model width
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
-    ("layers", None),             # the scanned layer axis is never split
+    ("layers", None),  # the scanned layer axis is never split
     ("norm", None),
 )
 
@@ -38,10 +39,12 @@ def _rules_dict(rules: LogicalRules) -> Mapping[str, str | tuple[str, ...] | Non
     return dict(rules)
 
 
-def logical_to_partition_spec(logical_axes: Sequence[str | None],
-                              rules: LogicalRules = DEFAULT_RULES,
-                              shape: Sequence[int] | None = None,
-                              mesh: Mesh | None = None) -> PartitionSpec:
+def logical_to_partition_spec(
+    logical_axes: Sequence[str | None],
+    rules: LogicalRules = DEFAULT_RULES,
+    shape: Sequence[int] | None = None,
+    mesh: Mesh | None = None,
+) -> PartitionSpec:
     """Maps logical axis names to a PartitionSpec.
 
     A mesh axis is used at most once per array (the first dimension that asks for it wins).
@@ -64,8 +67,14 @@ def logical_to_partition_spec(logical_axes: Sequence[str | None],
             size = int(np.prod([mesh.shape[a] for a in axes]))
             if shape[dim] % size:
                 logging.log_first_n(
-                    logging.INFO, "Replicating dim %d (%s, size %d): not divisible by mesh axes %s",
-                    8, dim, name, shape[dim], axes)
+                    logging.INFO,
+                    "Replicating dim %d (%s, size %d): not divisible by mesh axes %s",
+                    8,
+                    dim,
+                    name,
+                    shape[dim],
+                    axes,
+                )
                 axes = ()
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
@@ -77,20 +86,27 @@ def _is_axes_leaf(x: Any) -> bool:
     return type(x) is tuple and all(a is None or isinstance(a, str) for a in x)
 
 
-def logical_to_sharding(logical_axes_tree: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES,
-                        shapes: Any = None) -> Any:
+def logical_to_sharding(
+    logical_axes_tree: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES, shapes: Any = None
+) -> Any:
     """A pytree of logical-axis tuples (and optional matching shapes) -> NamedShardings."""
     if shapes is None:
         return jax.tree.map(
             lambda axes: NamedSharding(mesh, logical_to_partition_spec(axes, rules)),
-            logical_axes_tree, is_leaf=_is_axes_leaf)
+            logical_axes_tree,
+            is_leaf=_is_axes_leaf,
+        )
     return jax.tree.map(
         lambda axes, x: NamedSharding(mesh, logical_to_partition_spec(axes, rules, x.shape, mesh)),
-        logical_axes_tree, shapes, is_leaf=_is_axes_leaf)
+        logical_axes_tree,
+        shapes,
+        is_leaf=_is_axes_leaf,
+    )
 
 
-def shard_pytree(tree: Any, logical_axes_tree: Any, mesh: Mesh,
-                 rules: LogicalRules = DEFAULT_RULES) -> Any:
+def shard_pytree(
+    tree: Any, logical_axes_tree: Any, mesh: Mesh, rules: LogicalRules = DEFAULT_RULES
+) -> Any:
     """Places every array of `tree` on `mesh` according to its logical axes."""
     shardings = logical_to_sharding(logical_axes_tree, mesh, rules, shapes=tree)
     return jax.tree.map(jax.device_put, tree, shardings)
@@ -131,19 +147,20 @@ class ActivationSharding:
         return int(np.prod([self.mesh.shape[a] for a in axes]))
 
 
-def constrain(x: jax.Array, logical_axes: Sequence[str | None],
-              sharding: ActivationSharding | None) -> jax.Array:
+def constrain(
+    x: jax.Array, logical_axes: Sequence[str | None], sharding: ActivationSharding | None
+) -> jax.Array:
     """`sharding.constrain(x, logical_axes)`, or x unchanged without a mesh."""
     return x if sharding is None else sharding.constrain(x, logical_axes)
 
 
-def constrain_tree(tree: Any, logical_axes_tree: Any,
-                   sharding: ActivationSharding | None) -> Any:
+def constrain_tree(tree: Any, logical_axes_tree: Any, sharding: ActivationSharding | None) -> Any:
     """Constrains every leaf of `tree` to its logical axes (e.g. gradients to their params')."""
     if sharding is None:
         return tree
-    return jax.tree.map(lambda axes, x: sharding.constrain(x, axes), logical_axes_tree, tree,
-                        is_leaf=_is_axes_leaf)
+    return jax.tree.map(
+        lambda axes, x: sharding.constrain(x, axes), logical_axes_tree, tree, is_leaf=_is_axes_leaf
+    )
 
 
 def split_strided(x: jax.Array, num_slices: int, group: int = 1) -> jax.Array:
@@ -156,8 +173,9 @@ def split_strided(x: jax.Array, num_slices: int, group: int = 1) -> jax.Array:
     """
     R = x.shape[0]
     if R % (num_slices * group):
-        raise ValueError(f"{R} rows do not split into {num_slices} slices of whole groups of "
-                         f"{group} rows.")
+        raise ValueError(
+            f"{R} rows do not split into {num_slices} slices of whole groups of {group} rows."
+        )
     x = x.reshape((R // (num_slices * group), num_slices, group) + x.shape[1:])
     return jnp.swapaxes(x, 0, 1).reshape((num_slices, R // num_slices) + x.shape[3:])
 
@@ -190,8 +208,9 @@ def without_batch_axes(rules: LogicalRules = DEFAULT_RULES) -> LogicalRules:
     out = []
     for name, target in rules:
         if name != "batch" and target is not None:
-            axes = tuple(a for a in ((target,) if isinstance(target, str) else target)
-                         if a not in batch)
+            axes = tuple(
+                a for a in ((target,) if isinstance(target, str) else target) if a not in batch
+            )
             target = None if not axes else axes[0] if len(axes) == 1 else axes
         out.append((name, target))
     return tuple(out)

@@ -28,6 +28,7 @@ Symbols (per device; "rows" are those one device holds of the slice that runs at
   logprobs  Pb + b Lb F/T (2 x 4 + s) (gate, up in float32, their product) + b Lb D 4
             + D V/T c (unembedding gathered) + R
 """
+
 from __future__ import annotations
 
 import math
@@ -38,12 +39,13 @@ from jaxrl4llm.sampling import buckets
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 
 _F32 = 4
-CPU_GATHER_BYTES = 4   # c: see the module docstring
+CPU_GATHER_BYTES = 4  # c: see the module docstring
 
 
 class Estimate:
-    def __init__(self, config: TrainConfig, model_config, mesh,
-                 gather_bytes: int = CPU_GATHER_BYTES):
+    def __init__(
+        self, config: TrainConfig, model_config, mesh, gather_bytes: int = CPU_GATHER_BYTES
+    ):
         c, m = config, model_config
         self.c, self.m = c, m
         self.s = param_dtype(c.model.param_dtype)(0).dtype.itemsize
@@ -57,7 +59,7 @@ class Estimate:
         self.Wl = sum(math.prod(v[1:]) for v in layer.values())
         self.P = buckets.bucket_prompt_length(c.rollout.max_prompt_tokens)
         self.N = c.rollout.max_new_tokens
-        self.L = self.P + self.N - 1   # a row's tokens without prompt sharing
+        self.L = self.P + self.N - 1  # a row's tokens without prompt sharing
         self.DV = m.hidden_size * m.vocab_size / self.T
         self.F = m.intermediate_size / self.T
         self.T_kv = self.T if m.num_kv_heads % self.T == 0 else 1
@@ -87,8 +89,7 @@ class Estimate:
         cache = 2 * m.num_layers * b * m.num_kv_heads * m.head_dim * self.L * s / self.T_kv
         return self.Pb + weights + cache + resident
 
-    def logprobs(self, num_chunks: int, group: int, resident: float,
-                 unembed: bool = True) -> float:
+    def logprobs(self, num_chunks: int, group: int, resident: float, unembed: bool = True) -> float:
         """unembed=False: PPO's critic values pass (no unembedding gathered)."""
         b, D = self.c.batch_size / num_chunks / self.dp, self.m.hidden_size
         _, Lb = self._tokens(group)

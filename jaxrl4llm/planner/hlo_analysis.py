@@ -14,6 +14,7 @@ it (the CPU compiler's while-loop-invariant code motion hoists a weight's gather
 loop; the TPU and GPU pipelines keep such size-inflating ops inside). `partitioned_hlo`
 returns the program right after partitioning, the placement every backend starts from.
 """
+
 from __future__ import annotations
 
 import collections
@@ -25,15 +26,33 @@ import tempfile
 from typing import Any, Iterable
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
-               "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
-               "f64": 8, "c64": 8, "c128": 16}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
 
 _SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
-_CALLEES = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|"
-                      r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
+_CALLEES = re.compile(
+    r"\b(body|condition|calls|to_apply|branch_computations|"
+    r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
+)
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\})")
@@ -68,8 +87,8 @@ class Collective:
     operands: tuple[Shape, ...]
     group_size: int
     executions: int
-    upcast_from: str | None = None   # the operand is a just-converted bfloat16 / float16 value
-    op_name: str = ""                # the JAX op (and named scopes) it came from, if recorded
+    upcast_from: str | None = None  # the operand is a just-converted bfloat16 / float16 value
+    op_name: str = ""  # the JAX op (and named scopes) it came from, if recorded
 
     @property
     def bytes(self) -> float:
@@ -111,8 +130,9 @@ class _Instruction:
 
 
 def _parse_shapes(text: str) -> tuple[Shape, ...]:
-    return tuple(Shape(d, tuple(int(x) for x in dims.split(",") if x))
-                 for d, dims in _SHAPE.findall(text))
+    return tuple(
+        Shape(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _SHAPE.findall(text)
+    )
 
 
 def _computations(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
@@ -132,13 +152,15 @@ def _computations(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
             continue
         m = _INSTRUCTION.match(line)
         if m:
-            comps[current].append(_Instruction(m.group(2), m.group(4), m.group(3), m.group(5),
-                                               bool(m.group(1))))
+            comps[current].append(
+                _Instruction(m.group(2), m.group(4), m.group(3), m.group(5), bool(m.group(1)))
+            )
     return comps, entry
 
 
-def _executions(comps: dict[str, list[_Instruction]], entry: str,
-                unknown_trip_count: int) -> dict[str, int]:
+def _executions(
+    comps: dict[str, list[_Instruction]], entry: str, unknown_trip_count: int
+) -> dict[str, int]:
     """How often each computation runs per call of the entry computation."""
     calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
     for name, instructions in comps.items():
@@ -149,12 +171,11 @@ def _executions(comps: dict[str, list[_Instruction]], entry: str,
                 trip = int(m.group(1)) if m else unknown_trip_count
             for key, callees in _CALLEES.findall(inst.rest):
                 if key == "to_apply":
-                    continue   # scalar reducers: no collectives inside
+                    continue  # scalar reducers: no collectives inside
                 for callee in callees.strip("{}").replace("%", "").split(","):
                     callee = callee.strip()
                     if callee in comps:
-                        calls[name].append((callee, trip if key in ("body", "condition")
-                                            else 1))
+                        calls[name].append((callee, trip if key in ("body", "condition") else 1))
     counts: dict[str, int] = collections.Counter()
 
     def visit(name: str, times: int) -> None:
@@ -181,11 +202,11 @@ def _group_size(rest: str, num_devices: int | None) -> int:
     return num_devices or 1
 
 
-def _is_sliced(name: str, instructions: list[_Instruction],
-               comps: dict[str, list[_Instruction]]) -> bool:
+def _is_sliced(
+    name: str, instructions: list[_Instruction], comps: dict[str, list[_Instruction]]
+) -> bool:
     """Whether every use of value `name` is a dynamic-slice, directly or inside a fusion."""
-    users = [i for i in instructions
-             if name in i.operands]
+    users = [i for i in instructions if name in i.operands]
     for user in users:
         if user.op == "dynamic-slice":
             continue
@@ -196,9 +217,10 @@ def _is_sliced(name: str, instructions: list[_Instruction],
     return bool(users)
 
 
-def _upcast_source(operand_names: list[str], instructions: list[_Instruction],
-                   comps: dict[str, list[_Instruction]]) -> str | None:
-    """"bf16" / "f16" when every operand is produced by a convert (or a fusion of data
+def _upcast_source(
+    operand_names: list[str], instructions: list[_Instruction], comps: dict[str, list[_Instruction]]
+) -> str | None:
+    """ "bf16" / "f16" when every operand is produced by a convert (or a fusion of data
     movement and converts) that passes the value through that narrower float, else None."""
     narrow = set()
     by_name = {i.name: i for i in instructions}
@@ -210,8 +232,21 @@ def _upcast_source(operand_names: list[str], instructions: list[_Instruction],
         if producer.op == "fusion":
             called = _CALLEES.search(producer.rest)
             body = comps.get(called.group(2).lstrip("%"), []) if called else []
-        moves = {"parameter", "convert", "bitcast", "reshape", "copy", "transpose", "slice",
-                 "dynamic-slice", "constant", "broadcast", "subtract", "add", "multiply"}
+        moves = {
+            "parameter",
+            "convert",
+            "bitcast",
+            "reshape",
+            "copy",
+            "transpose",
+            "slice",
+            "dynamic-slice",
+            "constant",
+            "broadcast",
+            "subtract",
+            "add",
+            "multiply",
+        }
         if {i.op for i in body} - moves:
             return None
         inner = {i.name: i for i in body}
@@ -228,8 +263,12 @@ def _upcast_source(operand_names: list[str], instructions: list[_Instruction],
     return narrow.pop() if len(narrow) == 1 else None
 
 
-def _sliced_elements(inst: _Instruction, num: int, instructions: list[_Instruction],
-                     comps: dict[str, list[_Instruction]]) -> list[bool]:
+def _sliced_elements(
+    inst: _Instruction,
+    num: int,
+    instructions: list[_Instruction],
+    comps: dict[str, list[_Instruction]],
+) -> list[bool]:
     """For each (tuple) element of an all-reduce: whether its result is only sliced, i.e.
     the all-reduce + dynamic-slice pair that the TPU and GPU compilers turn into one
     reduce-scatter (XLA's ReduceScatterCreator pass; the CPU compiler, which plans and
@@ -244,8 +283,9 @@ def _sliced_elements(inst: _Instruction, num: int, instructions: list[_Instructi
     return flags
 
 
-def collectives(hlo: str, *, unknown_trip_count: int = 1,
-                num_devices: int | None = None) -> list[Collective]:
+def collectives(
+    hlo: str, *, unknown_trip_count: int = 1, num_devices: int | None = None
+) -> list[Collective]:
     """Every collective of an optimized HLO module (compiled.as_text()), with how often it runs.
 
     A while loop without a known trip count (a decode loop that stops early) counts as
@@ -261,29 +301,40 @@ def collectives(hlo: str, *, unknown_trip_count: int = 1,
             if kind not in KINDS or not runs.get(comp):
                 continue
             operands = _parse_shapes(inst.rest.split("),")[0])
-            if not operands:   # operands printed by name only: look their shapes up
+            if not operands:  # operands printed by name only: look their shapes up
                 shapes = {i.name: i.result for i in instructions}
-                operands = tuple(s for n in inst.operands
-                                 for s in _parse_shapes(shapes.get(n, "")))
+                operands = tuple(s for n in inst.operands for s in _parse_shapes(shapes.get(n, "")))
             result = _parse_shapes(inst.result)
             if inst.op.endswith("-start") and kind == "all-gather":
-                result = result[len(operands):]   # async: (operands, results) tuple
+                result = result[len(operands) :]  # async: (operands, results) tuple
             group = _group_size(inst.rest, num_devices)
             upcast = _upcast_source(inst.operands, instructions, comps)
             m = _OP_NAME.search(inst.rest)
             op_name = m.group(1) if m else ""
             if kind != "all-reduce" or inst.op.endswith("-start"):
-                out.append(Collective(kind, inst.name, comp, result, operands, group,
-                                      runs[comp], upcast, op_name))
+                out.append(
+                    Collective(
+                        kind, inst.name, comp, result, operands, group, runs[comp], upcast, op_name
+                    )
+                )
                 continue
             sliced = _sliced_elements(inst, len(operands), instructions, comps)
             for flag, name in ((True, "reduce-scatter"), (False, "all-reduce")):
                 picked = [k for k, f in enumerate(sliced) if f == flag]
                 if picked:
-                    out.append(Collective(name, inst.name, comp,
-                                          tuple(result[k] for k in picked),
-                                          tuple(operands[k] for k in picked), group,
-                                          runs[comp], upcast, op_name))
+                    out.append(
+                        Collective(
+                            name,
+                            inst.name,
+                            comp,
+                            tuple(result[k] for k in picked),
+                            tuple(operands[k] for k in picked),
+                            group,
+                            runs[comp],
+                            upcast,
+                            op_name,
+                        )
+                    )
     return out
 
 
@@ -292,16 +343,24 @@ def partitioned_hlo(lowered: Any) -> tuple[Any, str]:
     text right after SPMD partitioning): where the partitioner put each collective, before
     backend passes move any (see the module docstring). Costs one compile, as `.compile()`."""
     with tempfile.TemporaryDirectory() as folder:
-        compiled = lowered.compile(compiler_options={
-            "xla_dump_to": folder, "xla_dump_hlo_pass_re": "spmd-partitioning",
-            "xla_dump_hlo_as_text": True})
-        dumps = sorted(f for f in os.listdir(folder)
-                       if f.endswith("after_spmd-partitioning.txt")
-                       or ".after_spmd-partitioning." in f)
+        compiled = lowered.compile(
+            compiler_options={
+                "xla_dump_to": folder,
+                "xla_dump_hlo_pass_re": "spmd-partitioning",
+                "xla_dump_hlo_as_text": True,
+            }
+        )
+        dumps = sorted(
+            f
+            for f in os.listdir(folder)
+            if f.endswith("after_spmd-partitioning.txt") or ".after_spmd-partitioning." in f
+        )
         if not dumps:
-            raise ValueError("partitioned_hlo: the compiler dumped no HLO after SPMD "
-                             "partitioning; the program must be compiled for a mesh of "
-                             "several devices.")
+            raise ValueError(
+                "partitioned_hlo: the compiler dumped no HLO after SPMD "
+                "partitioning; the program must be compiled for a mesh of "
+                "several devices."
+            )
         with open(os.path.join(folder, dumps[-1])) as f:
             return compiled, f.read()
 
@@ -317,18 +376,26 @@ def _loop_invariant(body: list[_Instruction]) -> set[str]:
         for k, name in enumerate(root.operands):
             source = by_name.get(name)
             m = _TUPLE_INDEX.search(source.rest) if source is not None else None
-            if (source is not None and source.op == "get-tuple-element"
-                    and source.operands == [param] and m and int(m.group(1)) == k):
+            if (
+                source is not None
+                and source.op == "get-tuple-element"
+                and source.operands == [param]
+                and m
+                and int(m.group(1)) == k
+            ):
                 passed.add(k)
     invariant: set[str] = set()
-    for inst in body:   # HLO text lists every value after its operands
+    for inst in body:  # HLO text lists every value after its operands
         if inst.op == "get-tuple-element" and inst.operands == [param]:
             m = _TUPLE_INDEX.search(inst.rest)
             if m and int(m.group(1)) in passed:
                 invariant.add(inst.name)
-        elif inst.op not in ("parameter", "rng", "rng-bit-generator",
-                             "rng-get-and-update-state") and (
-                all(name in invariant for name in inst.operands)):
+        elif inst.op not in (
+            "parameter",
+            "rng",
+            "rng-bit-generator",
+            "rng-get-and-update-state",
+        ) and (all(name in invariant for name in inst.operands)):
             invariant.add(inst.name)
     return invariant
 
@@ -339,17 +406,29 @@ def loop_invariant_collectives(hlo: str, *, unknown_trip_count: int = 1) -> list
     which belongs before the loop. Pass `partitioned_hlo`'s text: the final HLO of the CPU
     compiler has them hoisted already. Counted as `collectives` counts them."""
     comps, _ = _computations(hlo)
-    bodies = {callee.lstrip("%") for instructions in comps.values() for inst in instructions
-              if inst.op == "while"
-              for key, callee in _CALLEES.findall(inst.rest) if key == "body"}
+    bodies = {
+        callee.lstrip("%")
+        for instructions in comps.values()
+        for inst in instructions
+        if inst.op == "while"
+        for key, callee in _CALLEES.findall(inst.rest)
+        if key == "body"
+    }
     flagged = set()
     for name in bodies & set(comps):
         invariant = _loop_invariant(comps[name])
-        flagged |= {(name, i.name) for i in comps[name]
-                    if i.op.removesuffix("-start") in KINDS and i.operands
-                    and all(o in invariant for o in i.operands)}
-    return [op for op in collectives(hlo, unknown_trip_count=unknown_trip_count)
-            if (op.computation, op.name) in flagged]
+        flagged |= {
+            (name, i.name)
+            for i in comps[name]
+            if i.op.removesuffix("-start") in KINDS
+            and i.operands
+            and all(o in invariant for o in i.operands)
+        }
+    return [
+        op
+        for op in collectives(hlo, unknown_trip_count=unknown_trip_count)
+        if (op.computation, op.name) in flagged
+    ]
 
 
 def summarize(ops: Iterable[Collective]) -> dict[str, float]:

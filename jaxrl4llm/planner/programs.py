@@ -6,6 +6,7 @@ compile it, then measured: memory_analysis(), the collectives and matmul FLOPs o
 The rollout's HLO right after SPMD partitioning also gives its weight gathers: once per call
 before the decode loops (what the sampler does), against once per token inside them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,15 +32,15 @@ from jaxrl4llm.train.config import TrainConfig, param_dtype
 @dataclasses.dataclass
 class Row:
     program: str
-    calls: int                 # per training step
-    args: float                # bytes per device
+    calls: int  # per training step
+    args: float  # bytes per device
     temp: float
     output: float
-    alias: float               # outputs written into donated arguments
-    resident: float            # live arrays outside the program (state, reference, batch)
-    estimate: float            # hand estimate of `total`
-    collectives: dict          # payload bytes per call by kind, and "link" bytes
-    flops: float               # matmul FLOPs per call per device
+    alias: float  # outputs written into donated arguments
+    resident: float  # live arrays outside the program (state, reference, batch)
+    estimate: float  # hand estimate of `total`
+    collectives: dict  # payload bytes per call by kind, and "link" bytes
+    flops: float  # matmul FLOPs per call per device
     t_compute: float
     t_comm: float
     t_hbm: float
@@ -58,12 +59,12 @@ class Rollout:
     """The rollout's rows and weight traffic. Bytes are per device, sent over a ring
     (hlo_analysis.Collective.link_bytes), read from the HLO right after SPMD partitioning."""
 
-    rows: int                 # sampled per training step
-    slots: int                # rows decoded at once (a chunk)
+    rows: int  # sampled per training step
+    slots: int  # rows decoded at once (a chunk)
     max_new_tokens: int
-    weight_gathers: float     # the weights' gathers before the decode loops, per call
-    in_loop: float            # collectives one iteration of each loop repeats on unchanged
-                              # values, summed over the loops (0)
+    weight_gathers: float  # the weights' gathers before the decode loops, per call
+    in_loop: float  # collectives one iteration of each loop repeats on unchanged
+    # values, summed over the loops (0)
 
     @property
     def weight_uses(self) -> int:
@@ -99,9 +100,11 @@ def architecture(model: str) -> ModelConfig:
         return ModelConfig.from_hf_config(model)
     name = os.path.basename(os.path.normpath(model)).lower()
     if name not in ARCHITECTURES:
-        raise ValueError(f"--model={model!r}: no config.json there and {name!r} is not in "
-                         f"models/config.py ARCHITECTURES ({', '.join(sorted(ARCHITECTURES))}); "
-                         "pass --architecture=NAME or add the architecture there.")
+        raise ValueError(
+            f"--model={model!r}: no config.json there and {name!r} is not in "
+            f"models/config.py ARCHITECTURES ({', '.join(sorted(ARCHITECTURES))}); "
+            "pass --architecture=NAME or add the architecture there."
+        )
     return ARCHITECTURES[name]
 
 
@@ -112,11 +115,18 @@ def _abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
 def abstract_params(model_config: ModelConfig, mesh, dtype) -> Any:
     shapes = transformer.param_shapes(model_config)
     shardings = parallel.logical_to_sharding(
-        transformer.param_logical_axes(model_config), mesh,
-        shapes=jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes,
-                            is_leaf=lambda x: isinstance(x, tuple)))
-    return jax.tree.map(lambda s, sh: _abstract(s, dtype, sh), shapes, shardings,
-                        is_leaf=lambda x: isinstance(x, tuple))
+        transformer.param_logical_axes(model_config),
+        mesh,
+        shapes=jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=lambda x: isinstance(x, tuple)
+        ),
+    )
+    return jax.tree.map(
+        lambda s, sh: _abstract(s, dtype, sh),
+        shapes,
+        shardings,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
 
 
 def _rows(mesh, shape, dtype) -> jax.ShapeDtypeStruct:
@@ -133,10 +143,17 @@ def _measure(compiled, calls: int, chip, unknown_trip_count: int = 1) -> dict:
     ops = hlo_analysis.collectives(hlo, unknown_trip_count=unknown_trip_count)
     summary = hlo_analysis.summarize(ops)
     flops = hlo_analysis.matmul_flops(hlo, unknown_trip_count=unknown_trip_count)
-    return dict(calls=calls, args=mem.argument_size_in_bytes, temp=mem.temp_size_in_bytes,
-                output=mem.output_size_in_bytes, alias=mem.alias_size_in_bytes,
-                collectives=summary, flops=flops, t_compute=flops / chip.peak_flops,
-                t_comm=summary.get("link", 0.0) / chip.link_bw)
+    return dict(
+        calls=calls,
+        args=mem.argument_size_in_bytes,
+        temp=mem.temp_size_in_bytes,
+        output=mem.output_size_in_bytes,
+        alias=mem.alias_size_in_bytes,
+        collectives=summary,
+        flops=flops,
+        t_compute=flops / chip.peak_flops,
+        t_comm=summary.get("link", 0.0) / chip.link_bw,
+    )
 
 
 def _bytes(tree) -> float:
@@ -151,8 +168,10 @@ def _bytes(tree) -> float:
 def abstract_critic_params(params: Any) -> dict[str, Any]:
     """PPO's critic params as critic.from_policy lays them out: the policy's without the
     unembedding, and a head shaped, typed and placed like the final norm."""
-    return {"backbone": {k: v for k, v in params.items() if k != "unembed"},
-            critic.HEAD: params["final_norm"]}
+    return {
+        "backbone": {k: v for k, v in params.items() if k != "unembed"},
+        critic.HEAD: params["final_norm"],
+    }
 
 
 def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
@@ -170,17 +189,31 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
     state_bytes, param_bytes = _bytes(abstract_state), _bytes(params)
     ref_bytes = param_bytes if c.needs_reference else 0.0
     # PPO: the critic's state (params and Adam moments) lives beside every program.
-    critic_state = state_lib.abstract_state(
-        abstract_critic_params(params), critic.optimizer_config(optimizer, c.critic.learning_rate),
-        c.run.seed) if c.needs_critic else None
+    critic_state = (
+        state_lib.abstract_state(
+            abstract_critic_params(params),
+            critic.optimizer_config(optimizer, c.critic.learning_rate),
+            c.run.seed,
+        )
+        if c.needs_critic
+        else None
+    )
     critic_bytes = _bytes(critic_state) if critic_state is not None else 0.0
 
     # create: params in, state out.
-    create = jax.jit(state_lib.TrainState.create, static_argnums=(1, 2),
-                     out_shardings=state_shardings)
+    create = jax.jit(
+        state_lib.TrainState.create, static_argnums=(1, 2), out_shardings=state_shardings
+    )
     m = _measure(create.lower(params, optimizer, c.run.seed).compile(), 0, chip)
-    rows.append(Row("create", resident=ref_bytes + critic_bytes,
-                    estimate=est.create(ref_bytes + critic_bytes), t_hbm=0.0, **m))
+    rows.append(
+        Row(
+            "create",
+            resident=ref_bytes + critic_bytes,
+            estimate=est.create(ref_bytes + critic_bytes),
+            t_hbm=0.0,
+            **m,
+        )
+    )
 
     # rollout: all rows of a step, in row chunks.
     G, B = c.rollout.group_size, c.batch_size
@@ -197,96 +230,188 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
         chunk = unit * max(1, R // unit) if R and R < Bs else unit
         sample_chunks = -(-Bs // chunk) if R and R < Bs else 1
         Bs = -(-Bs // chunk) * chunk
-    compiled, partitioned = hlo_analysis.partitioned_hlo(sampler.generate_tokens.lower(
-        params, _rows(mesh, (Bs, P), jnp.int32), _rows(mesh, (Bs, P), bool),
-        _rows(mesh, (Bs,), bool), _rows(mesh, (Bs,), key_dtype),
-        jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
-        model_config=model_config, sampling=c.rollout.sampling,
-        max_new_tokens=N, mesh=mesh, prompt_group=Gs, num_chunks=sample_chunks,
-        cache_dtype=dtype, greedy_B=_rows(mesh, (Bs,), bool) if remax else None))
+    compiled, partitioned = hlo_analysis.partitioned_hlo(
+        sampler.generate_tokens.lower(
+            params,
+            _rows(mesh, (Bs, P), jnp.int32),
+            _rows(mesh, (Bs, P), bool),
+            _rows(mesh, (Bs,), bool),
+            _rows(mesh, (Bs,), key_dtype),
+            jax.ShapeDtypeStruct((8,), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32),
+            model_config=model_config,
+            sampling=c.rollout.sampling,
+            max_new_tokens=N,
+            mesh=mesh,
+            prompt_group=Gs,
+            num_chunks=sample_chunks,
+            cache_dtype=dtype,
+            greedy_B=_rows(mesh, (Bs,), bool) if remax else None,
+        )
+    )
     m = _measure(compiled, 1, chip, unknown_trip_count=N)
     scope = f"/{decode.WEIGHTS_SCOPE}/"
-    rollout = Rollout(Bs, Bs // sample_chunks, N, _link_bytes(
-        op for op in hlo_analysis.collectives(partitioned) if scope in op.op_name),
-        _link_bytes(hlo_analysis.loop_invariant_collectives(partitioned)))
+    rollout = Rollout(
+        Bs,
+        Bs // sample_chunks,
+        N,
+        _link_bytes(op for op in hlo_analysis.collectives(partitioned) if scope in op.op_name),
+        _link_bytes(hlo_analysis.loop_invariant_collectives(partitioned)),
+    )
     resident = state_bytes - param_bytes + ref_bytes + critic_bytes
-    rows.append(Row("rollout", resident=resident, estimate=est.rollout(num_chunks, resident),
-                    t_hbm=est.rollout_hbm_bytes(num_chunks) / chip.hbm_bw, **m))
+    rows.append(
+        Row(
+            "rollout",
+            resident=resident,
+            estimate=est.rollout(num_chunks, resident),
+            t_hbm=est.rollout_hbm_bytes(num_chunks) / chip.hbm_bw,
+            **m,
+        )
+    )
 
     # reference / old-policy logprobs: one teacher-forced pass over the rollout's rows.
     seqs = logprobs.Sequences(
-        prompt_tokens_BP=_rows(mesh, (B, P), jnp.int32), prompt_mask_BP=_rows(mesh, (B, P), bool),
+        prompt_tokens_BP=_rows(mesh, (B, P), jnp.int32),
+        prompt_mask_BP=_rows(mesh, (B, P), bool),
         completion_tokens_BT=_rows(mesh, (B, N), jnp.int32),
-        completion_mask_BT=_rows(mesh, (B, N), bool))
+        completion_mask_BT=_rows(mesh, (B, N), bool),
+    )
     calls = int(c.needs_reference) + int(c.needs_old_logprobs and c.update.recompute_old_logprobs)
     temperature = c.rollout.sampling.effective_temperature
     tf_group = c.rollout.layout.prompt_group(B, num_chunks, dp)
     compiled = logprobs.completion_logprobs_jit.lower(
-        params, model_config, seqs, temperature, prompt_group=tf_group, num_chunks=num_chunks,
-        sharding=sharding).compile()
+        params,
+        model_config,
+        seqs,
+        temperature,
+        prompt_group=tf_group,
+        num_chunks=num_chunks,
+        sharding=sharding,
+    ).compile()
     m = _measure(compiled, calls, chip)
-    rows.append(Row("logprobs", resident=resident,
-                    estimate=est.logprobs(num_chunks, tf_group, resident), t_hbm=0.0, **m))
-    if critic_state is not None:   # PPO: the critic's values of the rollout, once per step
+    rows.append(
+        Row(
+            "logprobs",
+            resident=resident,
+            estimate=est.logprobs(num_chunks, tf_group, resident),
+            t_hbm=0.0,
+            **m,
+        )
+    )
+    if critic_state is not None:  # PPO: the critic's values of the rollout, once per step
         compiled = critic.values_jit.lower(
-            critic_state.params, model_config, seqs, prompt_group=tf_group,
-            num_chunks=num_chunks, sharding=sharding).compile()
+            critic_state.params,
+            model_config,
+            seqs,
+            prompt_group=tf_group,
+            num_chunks=num_chunks,
+            sharding=sharding,
+        ).compile()
         resident = state_bytes + ref_bytes + critic_bytes - _bytes(critic_state.params)
-        rows.append(Row("critic values", resident=resident, t_hbm=0.0,
-                        estimate=est.logprobs(num_chunks, tf_group, resident, unembed=False),
-                        **_measure(compiled, 1, chip)))
+        rows.append(
+            Row(
+                "critic values",
+                resident=resident,
+                t_hbm=0.0,
+                estimate=est.logprobs(num_chunks, tf_group, resident, unembed=False),
+                **_measure(compiled, 1, chip),
+            )
+        )
 
     # update: one optimizer step on a mini-batch.
     M, num_micro = c.mini_batch, c.mini_batch // c.micro_batch
     mb_seqs = jax.tree.map(lambda x: _rows(mesh, (M,) + x.shape[1:], x.dtype), seqs)
-    adv = jax.eval_shape(functools.partial(rl.compute_advantages, c.algorithm, group_size=G),
-                         jax.ShapeDtypeStruct((M,), jnp.float32),
-                         jax.ShapeDtypeStruct((M,), bool), jax.ShapeDtypeStruct((M, N), bool),
-                         truncated_B=jax.ShapeDtypeStruct((M,), bool),
-                         logp_BT=jax.ShapeDtypeStruct((M, N), jnp.float32),
-                         ref_logp_BT=jax.ShapeDtypeStruct((M, N), jnp.float32),
-                         baseline_B=jax.ShapeDtypeStruct((M,), jnp.float32),    # ReMax
-                         baseline_correct_B=jax.ShapeDtypeStruct((M,), bool),
-                         values_BT=jax.ShapeDtypeStruct((M, N), jnp.float32)  # PPO
-                         if c.needs_critic else None)[0]
+    adv = jax.eval_shape(
+        functools.partial(rl.compute_advantages, c.algorithm, group_size=G),
+        jax.ShapeDtypeStruct((M,), jnp.float32),
+        jax.ShapeDtypeStruct((M,), bool),
+        jax.ShapeDtypeStruct((M, N), bool),
+        truncated_B=jax.ShapeDtypeStruct((M,), bool),
+        logp_BT=jax.ShapeDtypeStruct((M, N), jnp.float32),
+        ref_logp_BT=jax.ShapeDtypeStruct((M, N), jnp.float32),
+        baseline_B=jax.ShapeDtypeStruct((M,), jnp.float32),  # ReMax
+        baseline_correct_B=jax.ShapeDtypeStruct((M,), bool),
+        values_BT=jax.ShapeDtypeStruct((M, N), jnp.float32)  # PPO
+        if c.needs_critic
+        else None,
+    )[0]
     logp = _rows(mesh, (M, N), jnp.float32)
     batch = step.UpdateBatch(
-        seqs=mb_seqs, advantages=_rows(mesh, adv.shape, jnp.float32),
+        seqs=mb_seqs,
+        advantages=_rows(mesh, adv.shape, jnp.float32),
         keep_B=_rows(mesh, (M,), bool),
         old_logp_BT=logp if c.needs_old_logprobs else None,
         ref_logp_BT=logp if c.needs_reference else None,
         behaviour_logp_BT=logp if c.keeps_behaviour_logprobs else None,
-        old_values_BT=logp if c.needs_critic else None, returns_BT=logp if c.needs_critic else None)
+        old_values_BT=logp if c.needs_critic else None,
+        returns_BT=logp if c.needs_critic else None,
+    )
     layout = c.rollout.layout.shuffled() if c.reshuffles_rows else c.rollout.layout
     update_group = layout.prompt_group(M, num_micro, dp)
     compiled = step.train_step.lower(
-        abstract_state, batch, model_config=model_config, algorithm=c.update_algorithm,
-        optimizer=optimizer, num_micro=num_micro, temperature=temperature, remat=c.model.remat,
-        prompt_group=update_group, sharding=sharding).compile()
+        abstract_state,
+        batch,
+        model_config=model_config,
+        algorithm=c.update_algorithm,
+        optimizer=optimizer,
+        num_micro=num_micro,
+        temperature=temperature,
+        remat=c.model.remat,
+        prompt_group=update_group,
+        sharding=sharding,
+    ).compile()
     m = _measure(compiled, c.updates_per_step, chip)
-    rollout_batch = B / dp * (P * 5 + N * (4 + 1 + 4 * (1 + c.needs_reference
-                                                        + c.needs_old_logprobs
-                                                        + 2 * c.needs_critic)))
+    rollout_batch = (
+        B
+        / dp
+        * (
+            P * 5
+            + N * (4 + 1 + 4 * (1 + c.needs_reference + c.needs_old_logprobs + 2 * c.needs_critic))
+        )
+    )
     resident = ref_bytes + rollout_batch + critic_bytes
-    rows.append(Row("update", resident=resident, estimate=est.update(update_group, resident),
-                    t_hbm=0.0, **m))
-    if critic_state is not None:   # PPO: the critic's update on every mini-batch
+    rows.append(
+        Row(
+            "update", resident=resident, estimate=est.update(update_group, resident), t_hbm=0.0, **m
+        )
+    )
+    if critic_state is not None:  # PPO: the critic's update on every mini-batch
         compiled = critic.critic_step.lower(
-            critic_state, batch, model_config=model_config, algorithm=c.update_algorithm,
+            critic_state,
+            batch,
+            model_config=model_config,
+            algorithm=c.update_algorithm,
             optimizer=critic.optimizer_config(optimizer, c.critic.learning_rate),
-            num_micro=num_micro, remat=c.model.remat, prompt_group=update_group,
-            sharding=sharding).compile()
+            num_micro=num_micro,
+            remat=c.model.remat,
+            prompt_group=update_group,
+            sharding=sharding,
+        ).compile()
         resident = state_bytes + ref_bytes + rollout_batch
-        rows.append(Row("critic update", resident=resident, t_hbm=0.0,
-                        estimate=est.update(update_group, resident, unembed=False),
-                        **_measure(compiled, c.updates_per_step, chip)))
+        rows.append(
+            Row(
+                "critic update",
+                resident=resident,
+                t_hbm=0.0,
+                estimate=est.update(update_group, resident, unembed=False),
+                **_measure(compiled, c.updates_per_step, chip),
+            )
+        )
     textbook = est.textbook_update_collectives(num_micro)
     update_bytes = sum(v for k, v in m["collectives"].items() if k != "link")
     shape = dict(zip(mesh.axis_names, mesh.devices.shape))
-    title = (f"{os.path.basename(c.run.workdir)}: {model_config.num_params / 1e9:.2f}B params "
-             f"{c.model.param_dtype}, {c.rollout.prompts_per_step} prompts x {G} = {B} rows, "
-             f"{c.rollout.max_prompt_tokens}+{N} tokens, mini-batch {M}, "
-             f"micro-batch {c.micro_batch}, rollout chunk {B // num_chunks} rows, "
-             f"remat {c.model.remat}")
-    return Plan(title, ",".join(f"{k}:{v}" for k, v in shape.items()), topo, rows,
-                update_bytes / textbook, rollout)
+    title = (
+        f"{os.path.basename(c.run.workdir)}: {model_config.num_params / 1e9:.2f}B params "
+        f"{c.model.param_dtype}, {c.rollout.prompts_per_step} prompts x {G} = {B} rows, "
+        f"{c.rollout.max_prompt_tokens}+{N} tokens, mini-batch {M}, "
+        f"micro-batch {c.micro_batch}, rollout chunk {B // num_chunks} rows, "
+        f"remat {c.model.remat}"
+    )
+    return Plan(
+        title,
+        ",".join(f"{k}:{v}" for k, v in shape.items()),
+        topo,
+        rows,
+        update_bytes / textbook,
+        rollout,
+    )

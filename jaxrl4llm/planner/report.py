@@ -1,12 +1,18 @@
 """The planner's printed tables: per-program memory and time, the rollout's weight gathers,
 and the slot utilisation of a completion length profile."""
+
 from __future__ import annotations
 
 from jaxrl4llm.planner import programs, slots
 from jaxrl4llm.planner.topology import GB, HEADROOM
 
-_SHORT = {"all-gather": "AG", "reduce-scatter": "RS", "all-reduce": "AR", "all-to-all": "A2A",
-          "collective-permute": "CP"}
+_SHORT = {
+    "all-gather": "AG",
+    "reduce-scatter": "RS",
+    "all-reduce": "AR",
+    "all-to-all": "A2A",
+    "collective-permute": "CP",
+}
 
 
 def _fmt_gb(x: float) -> str:
@@ -16,18 +22,49 @@ def _fmt_gb(x: float) -> str:
 def print_plan(result: programs.Plan, markdown: bool = False) -> None:
     topo, rows = result.topology, result.rows
     budget = topo.chip.hbm_bytes * (1 - HEADROOM)
-    head = ["program", "calls", "args GB", "temp GB", "out GB", "resident GB", "total GB",
-            "estimate GB", "fits", "collectives GB/call", "s/call (compute/comm/hbm)"]
+    head = [
+        "program",
+        "calls",
+        "args GB",
+        "temp GB",
+        "out GB",
+        "resident GB",
+        "total GB",
+        "estimate GB",
+        "fits",
+        "collectives GB/call",
+        "s/call (compute/comm/hbm)",
+    ]
     lines = []
     for r in rows:
-        coll = " ".join(f"{_SHORT[k]} {v / GB:.1f}" for k, v in sorted(r.collectives.items())
-                        if k != "link" and v >= 0.05 * GB) or "-"
+        coll = (
+            " ".join(
+                f"{_SHORT[k]} {v / GB:.1f}"
+                for k, v in sorted(r.collectives.items())
+                if k != "link" and v >= 0.05 * GB
+            )
+            or "-"
+        )
         times = f"{r.seconds:.2f} ({r.t_compute:.2f}/{r.t_comm:.2f}/{r.t_hbm:.2f})"
-        lines.append([r.program, str(r.calls), _fmt_gb(r.args), _fmt_gb(r.temp),
-                      _fmt_gb(r.output), _fmt_gb(r.resident), _fmt_gb(r.total),
-                      _fmt_gb(r.estimate), "yes" if r.total <= budget else "NO", coll, times])
-    print(f"\n{result.title}\n{topo.num_devices} x {topo.chip.name} ({_fmt_gb(topo.chip.hbm_bytes)}"
-          f" GB, budget {_fmt_gb(budget)} GB with {HEADROOM:.0%} headroom), mesh {result.mesh}\n")
+        lines.append(
+            [
+                r.program,
+                str(r.calls),
+                _fmt_gb(r.args),
+                _fmt_gb(r.temp),
+                _fmt_gb(r.output),
+                _fmt_gb(r.resident),
+                _fmt_gb(r.total),
+                _fmt_gb(r.estimate),
+                "yes" if r.total <= budget else "NO",
+                coll,
+                times,
+            ]
+        )
+    print(
+        f"\n{result.title}\n{topo.num_devices} x {topo.chip.name} ({_fmt_gb(topo.chip.hbm_bytes)}"
+        f" GB, budget {_fmt_gb(budget)} GB with {HEADROOM:.0%} headroom), mesh {result.mesh}\n"
+    )
     if markdown:
         print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
         for line in lines:
@@ -38,10 +75,15 @@ def print_plan(result: programs.Plan, markdown: bool = False) -> None:
         for line in lines:
             print("  ".join(c.ljust(w) for c, w in zip(line, widths)))
     step = sum(r.seconds * r.calls for r in rows)
-    print(f"\nroofline step time: {step:.1f} s; update collectives "
-          f"{result.update_vs_textbook:.2f}x textbook FSDP; "
-          + ("every program fits" if all(r.total <= budget for r in rows)
-             else "SOME PROGRAM DOES NOT FIT"))
+    print(
+        f"\nroofline step time: {step:.1f} s; update collectives "
+        f"{result.update_vs_textbook:.2f}x textbook FSDP; "
+        + (
+            "every program fits"
+            if all(r.total <= budget for r in rows)
+            else "SOME PROGRAM DOES NOT FIT"
+        )
+    )
     print_weight_gathers(result)
 
 
@@ -49,22 +91,29 @@ def print_weight_gathers(result: programs.Plan) -> None:
     r = result.rollout
     once, comm_once = result.rollout_seconds(per_token=False)
     per_token, comm_per_token = result.rollout_seconds(per_token=True)
-    print(f"rollout weight gathers (HLO after SPMD partitioning): {_fmt_gb(r.weight_gathers)} GB"
-          f" per device per step, once before the decode loops: rollout {once:.2f} s "
-          f"(comm {comm_once:.2f} s); once per token ({r.weight_uses} prefill + decode steps "
-          f"of {r.rows // r.slots} chunk(s), {_fmt_gb(r.weight_gathers * r.weight_uses)} GB): "
-          f"rollout {per_token:.2f} s (comm {comm_per_token:.2f} s)")
-    print("decode loop: no collective on unchanged values" if not r.in_loop else
-          f"LOOPS REPEAT {_fmt_gb(r.in_loop)} GB of collectives on unchanged values per "
-          "iteration (counted in every prefill and decode step above: an upper bound)")
+    print(
+        f"rollout weight gathers (HLO after SPMD partitioning): {_fmt_gb(r.weight_gathers)} GB"
+        f" per device per step, once before the decode loops: rollout {once:.2f} s "
+        f"(comm {comm_once:.2f} s); once per token ({r.weight_uses} prefill + decode steps "
+        f"of {r.rows // r.slots} chunk(s), {_fmt_gb(r.weight_gathers * r.weight_uses)} GB): "
+        f"rollout {per_token:.2f} s (comm {comm_per_token:.2f} s)"
+    )
+    print(
+        "decode loop: no collective on unchanged values"
+        if not r.in_loop
+        else f"LOOPS REPEAT {_fmt_gb(r.in_loop)} GB of collectives on unchanged values per "
+        "iteration (counted in every prefill and decode step above: an upper bound)"
+    )
 
 
 def print_slot_use(result: programs.Plan, mean: float, p99: float) -> None:
     r = result.rollout
     use = slots.slot_use(mean, p99, r.max_new_tokens, r.rows, r.slots)
-    print(f"completion lengths lognormal (mean {mean:g}, p99 {p99:g} tokens, cut at "
-          f"{r.max_new_tokens}: mean {use.mean_tokens:.0f}); {r.rows} rows in {r.slots} slots: "
-          f"slot utilisation {use.fixed_utilisation:.2f} with a fixed batch "
-          f"({use.fixed_steps:.0f} decode steps), {use.continuous_utilisation:.2f} with "
-          f"continuous batching ({use.continuous_steps:.0f} decode steps; "
-          f"{r.rows // r.slots * r.max_new_tokens} at the length limit)")
+    print(
+        f"completion lengths lognormal (mean {mean:g}, p99 {p99:g} tokens, cut at "
+        f"{r.max_new_tokens}: mean {use.mean_tokens:.0f}); {r.rows} rows in {r.slots} slots: "
+        f"slot utilisation {use.fixed_utilisation:.2f} with a fixed batch "
+        f"({use.fixed_steps:.0f} decode steps), {use.continuous_utilisation:.2f} with "
+        f"continuous batching ({use.continuous_steps:.0f} decode steps; "
+        f"{r.rows // r.slots * r.max_new_tokens} at the length limit)"
+    )

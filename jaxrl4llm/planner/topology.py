@@ -1,6 +1,7 @@
 """The chips and topologies the planner simulates: per-device memory, peak FLOP/s, HBM and
 interconnect bandwidth (sources beside each number). No jax import: tools/plan.py reads the
 device count from here before jax starts."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,9 +17,9 @@ class Chip:
 
     name: str
     hbm_bytes: float
-    peak_flops: float      # dense bf16 FLOP/s
-    hbm_bw: float          # bytes/s
-    link_bw: float         # bytes/s, one direction
+    peak_flops: float  # dense bf16 FLOP/s
+    hbm_bw: float  # bytes/s
+    link_bw: float  # bytes/s, one direction
 
 
 CHIPS = {
@@ -42,7 +43,7 @@ class Topology:
     name: str
     chip: Chip
     num_devices: int
-    num_hosts: int = 1    # processes of a run: flags that run on one host only need 1
+    num_hosts: int = 1  # processes of a run: flags that run on one host only need 1
 
 
 def topology(name: str) -> Topology:
@@ -50,8 +51,10 @@ def topology(name: str) -> Topology:
     one NVLink node), cpu-N (N fake devices with v5p chips' numbers: tests, one host)."""
     m = re.fullmatch(r"(v5p|v5e|cpu)-(\d+)|(\d+)x(h100|h200)", name.lower())
     if not m:
-        raise ValueError(f"--topology={name!r}: use v5p-N, v5e-N, Kxh100 or Kxh200 "
-                         "(e.g. v5p-64, v5e-256, 8xh100).")
+        raise ValueError(
+            f"--topology={name!r}: use v5p-N, v5e-N, Kxh100 or Kxh200 "
+            "(e.g. v5p-64, v5e-256, 8xh100)."
+        )
     if m.group(3):
         count, chip = int(m.group(3)), CHIPS[m.group(4)]
         if count > 8:

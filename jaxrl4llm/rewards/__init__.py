@@ -7,6 +7,7 @@ reasoning-gym tasks (their own scorers, in the same pool), Logic-RL's format rew
     batch.failed   # bool [B]: verification timed out / crashed: not a score, mask these rows
     reward_fn.close()
 """
+
 from jaxrl4llm.rewards.base import (
     FAILED_REASONS,
     REASONS,
@@ -27,11 +28,33 @@ from jaxrl4llm.rewards.registry import KINDS, TASK_VERIFIERS, RewardConfig, Rewa
 from jaxrl4llm.rewards.shaping import ShapingConfig, overlong_penalty, shape
 
 __all__ = [
-    "FAILED_REASONS", "REASONS", "Job", "RewardBatch", "Verdict", "Verifier", "run_plan",
-    "CountdownConfig", "CountdownVerifier",
-    "extract_answer_tag", "extract_boxed", "extract_last_number", "think_answer_format",
-    "GymVerifier", "KnightsKnavesVerifier",
-    "parse_claims", "MathConfig", "MathVerifier", "JobResult", "PoolConfig", "VerifierPool",
-    "KINDS", "TASK_VERIFIERS", "RewardConfig", "RewardFn", "make_reward_fn", "ShapingConfig",
-    "overlong_penalty", "shape",
+    "FAILED_REASONS",
+    "REASONS",
+    "Job",
+    "RewardBatch",
+    "Verdict",
+    "Verifier",
+    "run_plan",
+    "CountdownConfig",
+    "CountdownVerifier",
+    "extract_answer_tag",
+    "extract_boxed",
+    "extract_last_number",
+    "think_answer_format",
+    "GymVerifier",
+    "KnightsKnavesVerifier",
+    "parse_claims",
+    "MathConfig",
+    "MathVerifier",
+    "JobResult",
+    "PoolConfig",
+    "VerifierPool",
+    "KINDS",
+    "TASK_VERIFIERS",
+    "RewardConfig",
+    "RewardFn",
+    "make_reward_fn",
+    "ShapingConfig",
+    "overlong_penalty",
+    "shape",
 ]

@@ -22,6 +22,7 @@ Standard library only, and no json or re (their imports cost more than the run):
 marshal-encoded, in hex. A failure of a run's set-up exits with SETUP_FAILED and one line on
 the run's stderr, so the host can tell a broken sandbox from a failing program.
 """
+
 import ctypes
 import marshal
 import os
@@ -38,9 +39,13 @@ CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 DEVICES = ("null", "zero", "random", "urandom")
-LIMITS = {"cpu_s": resource.RLIMIT_CPU, "memory_bytes": resource.RLIMIT_AS,
-          "processes": resource.RLIMIT_NPROC, "file_bytes": resource.RLIMIT_FSIZE,
-          "open_files": resource.RLIMIT_NOFILE}
+LIMITS = {
+    "cpu_s": resource.RLIMIT_CPU,
+    "memory_bytes": resource.RLIMIT_AS,
+    "processes": resource.RLIMIT_NPROC,
+    "file_bytes": resource.RLIMIT_FSIZE,
+    "open_files": resource.RLIMIT_NOFILE,
+}
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -54,8 +59,11 @@ def _check(result: int, what: str) -> None:
 def _mount(source, target, fstype, flags, data=None) -> None:
     def enc(text):
         return text.encode() if text is not None else None
-    _check(_libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
-           f"mount {source} on {target}")
+
+    _check(
+        _libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data)),
+        f"mount {source} on {target}",
+    )
 
 
 def _die_with_parent() -> None:
@@ -118,15 +126,24 @@ def program_process(server: dict, run: dict, last_cap: int) -> None:
     """Pid 1 of the run's namespaces: set up, then exec the program (never returns)."""
     root = server["root"]
     try:
-        for fd, (path, mode) in enumerate(((run["stdin"], os.O_RDONLY),
-                                           (run["stdout"], os.O_WRONLY | os.O_TRUNC),
-                                           (run["stderr"], os.O_WRONLY | os.O_TRUNC))):
+        for fd, (path, mode) in enumerate(
+            (
+                (run["stdin"], os.O_RDONLY),
+                (run["stdout"], os.O_WRONLY | os.O_TRUNC),
+                (run["stderr"], os.O_WRONLY | os.O_TRUNC),
+            )
+        ):
             opened = os.open(path, mode)
             os.dup2(opened, fd)
             os.close(opened)
         os.closerange(3, 1 << 16)
-        _mount("tmpfs", root + "/work", "tmpfs", MS_NOSUID | MS_NODEV,
-               f"size={run['work_bytes']},mode=0777")
+        _mount(
+            "tmpfs",
+            root + "/work",
+            "tmpfs",
+            MS_NOSUID | MS_NODEV,
+            f"size={run['work_bytes']},mode=0777",
+        )
         with open(run["program"], "rb") as src, open(root + "/work/main.py", "wb") as dst:
             dst.write(src.read())
         os.chdir(root)
@@ -145,8 +162,11 @@ def program_process(server: dict, run: dict, last_cap: int) -> None:
                 except (OSError, ValueError):
                     pass
         interpreter = server["interpreter"]
-        os.execve(interpreter, [interpreter, *server["interpreter_args"], "/work/main.py"],
-                  server["environment"])
+        os.execve(
+            interpreter,
+            [interpreter, *server["interpreter_args"], "/work/main.py"],
+            server["environment"],
+        )
     except BaseException as exc:  # noqa: BLE001 - any failure here is the sandbox's, not the program's
         try:
             os.write(2, f"sandbox set-up failed: {exc}\n".encode())
@@ -159,8 +179,7 @@ def keeper(server: dict, run: dict, last_cap: int) -> str:
     answer line: "exit CODE", "signal NUMBER" or "timeout"."""
     _die_with_parent()
     flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID
-    _check(_libc.unshare(flags | (CLONE_NEWUSER if server["user_namespace"] else 0)),
-           "unshare")
+    _check(_libc.unshare(flags | (CLONE_NEWUSER if server["user_namespace"] else 0)), "unshare")
     if server["user_namespace"]:
         _own_user_namespace()
     pid = os.fork()

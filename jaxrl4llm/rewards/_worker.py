@@ -4,6 +4,7 @@ Started as `python -m jaxrl4llm.rewards._worker FD MEMORY_MB [PRELOAD ...]` by t
 one end of a socketpair. It runs in its own main thread, so math-verify's SIGALRM timeouts work
 here; the pool still keeps a wall-clock guard (a C-level hang ignores signals) and kills us.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -20,6 +21,7 @@ def _limit_memory(megabytes: int) -> None:
         return
     try:
         import resource
+
         limit = megabytes * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     except (ImportError, ValueError, OSError):

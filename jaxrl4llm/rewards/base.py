@@ -1,4 +1,5 @@
 """Reward types shared by every verifier: a per-sample Verdict, a pool Job, the RewardBatch."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,15 +12,15 @@ from absl import logging
 # Every reason a verifier may give. metrics() reports all of them (zeros included) so metric
 # keys stay stable from step to step.
 REASONS = (
-    "correct",        # verified equal to the reference
-    "wrong",          # an answer was found and parsed, and it is not the reference
-    "no_answer",      # no final answer (no \boxed{...} / <answer> tag / number) in the completion
-    "parse_error",    # an answer was found but could not be parsed (or is too long)
+    "correct",  # verified equal to the reference
+    "wrong",  # an answer was found and parsed, and it is not the reference
+    "no_answer",  # no final answer (no \boxed{...} / <answer> tag / number) in the completion
+    "parse_error",  # an answer was found but could not be parsed (or is too long)
     "invalid_numbers",  # countdown: a number not given, or used more times than given
-    "incomplete",     # knights & knaves: not every inhabitant was named in the answer
-    "timeout",        # the verifier ran past its per-item timeout or the batch deadline
-    "crash",          # the verifier worker died (and was replaced)
-    "error",          # the verifier raised on this input
+    "incomplete",  # knights & knaves: not every inhabitant was named in the answer
+    "timeout",  # the verifier ran past its per-item timeout or the batch deadline
+    "crash",  # the verifier worker died (and was replaced)
+    "error",  # the verifier raised on this input
 )
 # Verification did not finish: the row has no score. It is masked out of the loss and out of
 # every group / batch statistic (RewardBatch.failed), never trained on as "wrong".
@@ -30,7 +31,7 @@ class Verdict(NamedTuple):
     correct: bool
     reason: str
     score: float | None = None  # partial credit in [0, 1] (code: tests passed); None: 0 or 1
-    detail: str = ""            # what decided it (code: the first failing test)
+    detail: str = ""  # what decided it (code: the first failing test)
 
 
 class Job(NamedTuple):
@@ -40,6 +41,7 @@ class Job(NamedTuple):
     `fn` is a module-level function (pickled by reference); `args` are plain, hashable values,
     so identical jobs in a batch (a group's repeated answers) run once.
     """
+
     fn: Callable[..., str]
     args: tuple
 
@@ -105,44 +107,58 @@ def run_plan(pool: Any, plan: Sequence[Verdict | Job]) -> list[Verdict]:
         logging.warning(
             "Verification did not finish for %d of %d rows (%s; first: %s). These rows are "
             "left out of the loss and of the group statistics. If this is frequent, raise the "
-            "reward item_timeout_s / batch_timeout_s or num_workers.", sum(failures.values()),
-            len(verdicts), ", ".join(f"{k} {v}" for k, v in sorted(failures.items())),
-            first_failure)
+            "reward item_timeout_s / batch_timeout_s or num_workers.",
+            sum(failures.values()),
+            len(verdicts),
+            ", ".join(f"{k} {v}" for k, v in sorted(failures.items())),
+            first_failure,
+        )
     return verdicts
 
 
 @dataclasses.dataclass(frozen=True)
 class RewardBatch:
-    rewards: np.ndarray   # float32 [B], after shaping
-    correct: np.ndarray   # bool [B]
-    reasons: list[str]    # [B], one of REASONS
+    rewards: np.ndarray  # float32 [B], after shaping
+    correct: np.ndarray  # bool [B]
+    reasons: list[str]  # [B], one of REASONS
     details: list[str] = dataclasses.field(default_factory=list)  # [B] or [] (none given)
 
     def __post_init__(self):
         if not (len(self.rewards) == len(self.correct) == len(self.reasons)):
-            raise ValueError("RewardBatch fields must have the same length, got "
-                             f"{len(self.rewards)}, {len(self.correct)}, {len(self.reasons)}")
+            raise ValueError(
+                "RewardBatch fields must have the same length, got "
+                f"{len(self.rewards)}, {len(self.correct)}, {len(self.reasons)}"
+            )
         if self.details and len(self.details) != len(self.reasons):
-            raise ValueError(f"RewardBatch has {len(self.details)} details for "
-                             f"{len(self.reasons)} rows")
+            raise ValueError(
+                f"RewardBatch has {len(self.details)} details for {len(self.reasons)} rows"
+            )
 
     def __len__(self) -> int:
         return len(self.reasons)
 
     def take(self, rows: Sequence[int] | np.ndarray) -> RewardBatch:
         """The rows `rows`, in that order."""
-        return RewardBatch(rewards=self.rewards[rows], correct=self.correct[rows],
-                           reasons=[self.reasons[i] for i in rows],
-                           details=[self.details[i] for i in rows] if self.details else [])
+        return RewardBatch(
+            rewards=self.rewards[rows],
+            correct=self.correct[rows],
+            reasons=[self.reasons[i] for i in rows],
+            details=[self.details[i] for i in rows] if self.details else [],
+        )
 
     def join(self, *others: RewardBatch) -> RewardBatch:
         """This batch's rows followed by each of `others`'."""
         batches = (self, *others)
-        return RewardBatch(rewards=np.concatenate([b.rewards for b in batches]),
-                           correct=np.concatenate([b.correct for b in batches]),
-                           reasons=[r for b in batches for r in b.reasons],
-                           details=([d for b in batches for d in (b.details or [""] * len(b))]
-                                    if any(b.details for b in batches) else []))
+        return RewardBatch(
+            rewards=np.concatenate([b.rewards for b in batches]),
+            correct=np.concatenate([b.correct for b in batches]),
+            reasons=[r for b in batches for r in b.reasons],
+            details=(
+                [d for b in batches for d in (b.details or [""] * len(b))]
+                if any(b.details for b in batches)
+                else []
+            ),
+        )
 
     @property
     def failed(self) -> np.ndarray:

@@ -17,6 +17,7 @@ so a hung or crashing program costs its own worker's item deadline only. Reward:
 verdict's score). The job's budget is a fraction of the pool's item deadline; cases it leaves
 unrun count as failed. The verdict's detail names the first failing case.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +43,8 @@ MAX_DETAIL = 300
 @dataclasses.dataclass(frozen=True)
 class CodeConfig:
     mode: str = "all_pass"
-    max_code_chars: int = 20_000   # longer extracted programs are a parse_error, never run
-    budget_s: float = 4.5          # all cases of one completion (< the pool's item deadline)
+    max_code_chars: int = 20_000  # longer extracted programs are a parse_error, never run
+    budget_s: float = 4.5  # all cases of one completion (< the pool's item deadline)
     sandbox: SandboxConfig = SandboxConfig()
 
     def __post_init__(self):
@@ -65,7 +66,7 @@ def extract_code(completion: str) -> str | None:
             opening = None
     if found is None:
         return None
-    return completion[found[0]:found[1]]
+    return completion[found[0] : found[1]]
 
 
 def _tokens_match(actual: str, expected: str) -> bool:
@@ -112,8 +113,9 @@ def parse_tests(tests_json: str) -> dict:
     if not isinstance(cases, list) or not cases:
         raise ValueError("code tests need a non-empty list of cases")
     if tests["style"] == "stdio" and not all(
-            isinstance(c, dict) and isinstance(c.get("input"), str)
-            and isinstance(c.get("output"), str) for c in cases):
+        isinstance(c, dict) and isinstance(c.get("input"), str) and isinstance(c.get("output"), str)
+        for c in cases
+    ):
         raise ValueError("stdio code tests: every case needs an input and an output string")
     if tests["style"] == "assert" and not all(isinstance(c, str) for c in cases):
         raise ValueError("assert code tests: every case is a string of Python")
@@ -131,8 +133,9 @@ def _describe(execution, tail: str) -> str:
     return tail
 
 
-def run_case(code: str, tests: dict, index: int, sandbox: SandboxConfig, layer: str
-             ) -> tuple[bool, str, str]:
+def run_case(
+    code: str, tests: dict, index: int, sandbox: SandboxConfig, layer: str
+) -> tuple[bool, str, str]:
     """(passed, why it failed, status) of case `index`."""
     case = tests["cases"][index]
     if tests["style"] == "stdio":
@@ -141,12 +144,17 @@ def run_case(code: str, tests: dict, index: int, sandbox: SandboxConfig, layer: 
             return False, _describe(execution, ""), execution.status
         if outputs_match(execution.stdout, case["output"]):
             return True, "", execution.status
-        return False, (f"expected {case['output'][:80]!r}, got {execution.stdout[:80]!r}"
-                       ), execution.status
+        return (
+            False,
+            (f"expected {case['output'][:80]!r}, got {execution.stdout[:80]!r}"),
+            execution.status,
+        )
     nonce = secrets.token_hex(16)
     # The file goes first: the solution can no longer read the nonce from its own source.
-    program = (f"import os as _os\n_os.unlink(__file__)\ndel _os\n{code}\n\n"
-               f"{tests.get('setup', '')}\n{case}\nprint({nonce!r})\n")
+    program = (
+        f"import os as _os\n_os.unlink(__file__)\ndel _os\n{code}\n\n"
+        f"{tests.get('setup', '')}\n{case}\nprint({nonce!r})\n"
+    )
     execution = run_program(program, "", sandbox, layer)
     last = execution.stdout.rstrip("\n").rsplit("\n", 1)[-1]
     if execution.status == "ok" and last == nonce:
@@ -154,8 +162,9 @@ def run_case(code: str, tests: dict, index: int, sandbox: SandboxConfig, layer: 
     return False, _describe(execution, "exited before the test finished"), execution.status
 
 
-def run_code_tests(code: str, tests_json: str, mode: str, sandbox: SandboxConfig, layer: str,
-                   budget_s: float) -> tuple[str, float, str]:
+def run_code_tests(
+    code: str, tests_json: str, mode: str, sandbox: SandboxConfig, layer: str, budget_s: float
+) -> tuple[str, float, str]:
     """Runs in a pool worker: (reason, score, first failing case) for a program's tests.
     "error" when the sandbox itself could not be set up (the row is masked, not wrong)."""
     tests = parse_tests(tests_json)
@@ -164,8 +173,10 @@ def run_code_tests(code: str, tests_json: str, mode: str, sandbox: SandboxConfig
     passed, failure = 0, ""
     for index in range(len(cases)):
         if time.monotonic() + sandbox.wall_s > deadline:
-            failure = failure or (f"test {index}: not run, the {budget_s:g} s budget was "
-                                  "spent (raise --item_timeout_s)")
+            failure = failure or (
+                f"test {index}: not run, the {budget_s:g} s budget was "
+                "spent (raise --item_timeout_s)"
+            )
             break
         ok, why, status = run_case(code, tests, index, sandbox, layer)
         if status == "setup_failed":
@@ -198,16 +209,31 @@ class CodeVerifier:
     def plan_one(self, completion: str, record: Any) -> Verdict | Job:
         tests_json = record_metadata(record).get("tests")
         if not isinstance(tests_json, str):
-            raise ValueError("a code record needs metadata['tests'], a JSON string of "
-                             "{'style': 'stdio' | 'assert', 'cases': [...]}")
+            raise ValueError(
+                "a code record needs metadata['tests'], a JSON string of "
+                "{'style': 'stdio' | 'assert', 'cases': [...]}"
+            )
         code = extract_code(completion)
         if code is None or not code.strip():
             return Verdict(False, "no_answer", 0.0, "no fenced python code block")
         if len(code) > self.config.max_code_chars:
-            return Verdict(False, "parse_error", 0.0,
-                           f"code longer than {self.config.max_code_chars} characters")
-        return Job(run_code_tests, (code, tests_json, self.config.mode, self.config.sandbox,
-                                    self.layer, self.config.budget_s))
+            return Verdict(
+                False,
+                "parse_error",
+                0.0,
+                f"code longer than {self.config.max_code_chars} characters",
+            )
+        return Job(
+            run_code_tests,
+            (
+                code,
+                tests_json,
+                self.config.mode,
+                self.config.sandbox,
+                self.layer,
+                self.config.budget_s,
+            ),
+        )
 
     def plan(self, completions: Sequence[str], records: Sequence[Any]) -> list[Verdict | Job]:
         return [self.plan_one(c, r) for c, r in zip(completions, records)]

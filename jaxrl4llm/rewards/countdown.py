@@ -4,6 +4,7 @@ The expression is parsed with `ast.parse(mode="eval")` and evaluated by a walker
 only integer literals, parentheses and binary + - * / (exact Fraction arithmetic). Nothing is
 ever passed to eval.
 """
+
 from __future__ import annotations
 
 import ast
@@ -17,11 +18,29 @@ from typing import Any, Mapping, Sequence
 from jaxrl4llm.rewards import extract
 from jaxrl4llm.rewards.base import Job, Verdict, record_answer, record_metadata, run_in_process
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-        ast.Div: operator.truediv}
-_LATEX = (("\\times", "*"), ("\\cdot", "*"), ("\\div", "/"), ("\\left", ""), ("\\right", ""),
-          ("\\,", ""), ("\\!", ""), ("$", ""), ("×", "*"), ("·", "*"), ("÷", "/"), ("−", "-"),
-          ("–", "-"), ("[", "("), ("]", ")"))
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
+_LATEX = (
+    ("\\times", "*"),
+    ("\\cdot", "*"),
+    ("\\div", "/"),
+    ("\\left", ""),
+    ("\\right", ""),
+    ("\\,", ""),
+    ("\\!", ""),
+    ("$", ""),
+    ("×", "*"),
+    ("·", "*"),
+    ("÷", "/"),
+    ("−", "-"),
+    ("–", "-"),
+    ("[", "("),
+    ("]", ")"),
+)
 _FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
 _CHARS_RE = re.compile(r"[0-9\s+\-*/()]+")
 MAX_EXPRESSION_CHARS = 300
@@ -63,8 +82,9 @@ def _walk(node: ast.AST, used: list[int]) -> None:
         _walk(node.left, used)
         _walk(node.right, used)
     else:
-        raise CountdownError("parse_error", f"not allowed in a countdown expression: "
-                                            f"{type(node).__name__}")
+        raise CountdownError(
+            "parse_error", f"not allowed in a countdown expression: {type(node).__name__}"
+        )
 
 
 def _value(node: ast.AST) -> Fraction:
@@ -93,8 +113,9 @@ def evaluate(expression: str, numbers: Sequence[int], use_all: bool = False) -> 
         raise CountdownError("parse_error", "expression nested too deeply") from None
     have, want = Counter(used), Counter(int(n) for n in numbers)
     if have - want or (use_all and have != want):
-        raise CountdownError("invalid_numbers",
-                             f"uses {sorted(used)}, given {sorted(want.elements())}")
+        raise CountdownError(
+            "invalid_numbers", f"uses {sorted(used)}, given {sorted(want.elements())}"
+        )
     return _value(tree.body)  # bounded: only the given (small) numbers appear
 
 
@@ -104,8 +125,10 @@ def countdown_problem(record: Any) -> tuple[list[int], int]:
     numbers = meta.get("numbers", meta.get("nums"))
     target = meta.get("target")
     if numbers is None or target is None:
-        raise ValueError(f"countdown record needs metadata 'numbers' (or 'nums') and 'target'; "
-                         f"got metadata keys {sorted(meta)} (answer {record_answer(record)!r})")
+        raise ValueError(
+            f"countdown record needs metadata 'numbers' (or 'nums') and 'target'; "
+            f"got metadata keys {sorted(meta)} (answer {record_answer(record)!r})"
+        )
     return [int(n) for n in numbers], int(target)
 
 
@@ -114,8 +137,9 @@ def extract_expression(completion: str) -> str | None:
     return answer if answer is not None else extract.extract_answer_tag(completion)
 
 
-def verify_countdown(completion: str, numbers: tuple[int, ...], target: int,
-                     use_all: bool = False) -> str:
+def verify_countdown(
+    completion: str, numbers: tuple[int, ...], target: int, use_all: bool = False
+) -> str:
     """The REASONS name for one completion (runs in a pool worker; pure string work)."""
     expression = extract_expression(completion)
     if expression is None or not expression.strip():

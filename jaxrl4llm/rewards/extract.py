@@ -2,6 +2,7 @@
 
 Nothing here evaluates anything; these only cut substrings out and normalize them.
 """
+
 from __future__ import annotations
 
 import re
@@ -15,10 +16,33 @@ _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?")
 _THOUSANDS_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _DECIMAL_RE = re.compile(r"[+-]?\d{1,200}(?:\.\d{1,200})?")
 _INT_RE = re.compile(r"[+-]?\d{1,200}")
-_SUPERSCRIPTS = str.maketrans({"⁰": "^0", "¹": "^1", "²": "^2", "³": "^3", "⁴": "^4",
-                               "⁵": "^5", "⁶": "^6", "⁷": "^7", "⁸": "^8", "⁹": "^9"})
-_UNICODE_OPS = {"⁄": "/", "−": "-", "–": "-", "×": "\\times ", "÷": "\\div ", "·": "\\cdot ",
-                "√": "\\sqrt ", "∞": "\\infty ", "≤": "\\le ", "≥": "\\ge ", "≠": "\\ne "}
+_SUPERSCRIPTS = str.maketrans(
+    {
+        "⁰": "^0",
+        "¹": "^1",
+        "²": "^2",
+        "³": "^3",
+        "⁴": "^4",
+        "⁵": "^5",
+        "⁶": "^6",
+        "⁷": "^7",
+        "⁸": "^8",
+        "⁹": "^9",
+    }
+)
+_UNICODE_OPS = {
+    "⁄": "/",
+    "−": "-",
+    "–": "-",
+    "×": "\\times ",
+    "÷": "\\div ",
+    "·": "\\cdot ",
+    "√": "\\sqrt ",
+    "∞": "\\infty ",
+    "≤": "\\le ",
+    "≥": "\\ge ",
+    "≠": "\\ne ",
+}
 # Spacing / sizing macros that never change the value; removed only for the exact-match fast path.
 _NOISE_RE = re.compile(r"\\left|\\right|\\!|\\,|\\;|\\:|\\ |\\displaystyle|\s+")
 
@@ -46,13 +70,13 @@ def extract_boxed(text: str) -> str | None:
         return None
     matches = None
     for start in reversed(starts):
-        rest = text[start:start + 1]
+        rest = text[start : start + 1]
         if rest == "{":
             matches = _brace_matches(text) if matches is None else matches
             if start in matches:
-                return text[start + 1:matches[start]].strip()
+                return text[start + 1 : matches[start]].strip()
         elif rest == " ":
-            token = re.match(r" +([^\s$]+)", text[start:start + 200])
+            token = re.match(r" +([^\s$]+)", text[start : start + 200])
             if token:
                 return token.group(1)
     return None
@@ -71,7 +95,7 @@ def extract_answer_tag(text: str) -> str | None:
             start = tag.end() if start is None else start
         elif start is not None:
             found, start = (start, tag.start()), None
-    return text[found[0]:found[1]].strip() if found else None
+    return text[found[0] : found[1]].strip() if found else None
 
 
 def extract_last_number(text: str) -> str | None:

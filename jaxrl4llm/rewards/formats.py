@@ -6,6 +6,7 @@ each of <think>, </think>, <answer>, </answer> appears exactly once and in that 
 Logic-RL prefills "<think>" at the end of its prompt and checks prompt + response; this
 trainer does not prefill, so the completion itself must open with its own <think>.
 """
+
 from __future__ import annotations
 
 THINK_ANSWER_TAGS = ("<think>", "</think>", "<answer>", "</answer>")

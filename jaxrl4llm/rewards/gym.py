@@ -17,6 +17,7 @@ knights_knaves and gsm_symbolic scorers do string and number work only; for ever
 an answer that names a dunder or calls a Python builtin is refused as a parse_error before a
 scorer sees it. The pool isolates hangs, crashes and memory blow-ups, not malicious code.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,7 +36,8 @@ PLAIN_SCORERS = ("knights_knaves", "gsm_symbolic")
 # A dunder, or a call of a Python builtin (sympy's parse_expr keeps builtins callable).
 _UNSAFE_RE = re.compile(
     r"__|\b(?:open|exec|eval|compile|getattr|setattr|delattr|globals|locals|vars|input|"
-    r"breakpoint|exit|quit|help|memoryview|dir|type|super|object|print)\s*\(")
+    r"breakpoint|exit|quit|help|memoryview|dir|type|super|object|print)\s*\("
+)
 
 
 def gym_answer(completion: str) -> str | None:
@@ -47,6 +49,7 @@ def gym_answer(completion: str) -> str | None:
 @functools.lru_cache(maxsize=32)
 def _dataset(task: str, config_json: str):
     import reasoning_gym
+
     return reasoning_gym.create_dataset(task, **json.loads(config_json))
 
 
@@ -54,8 +57,10 @@ def score_gym_answer(answer: str, task: str, config_json: str, entry_pickle: byt
     """Runs in a pool worker: "correct" iff reasoning-gym's score is 1.0, else "wrong"; a
     knights_knaves hedge or second role (hedges.gym_hedge) is "wrong" unscored."""
     entry = pickle.loads(entry_pickle)
-    if task == "knights_knaves" and hedges.gym_hedge(
-            answer, entry.get("metadata", {}).get("names", ())) is not None:
+    if (
+        task == "knights_knaves"
+        and hedges.gym_hedge(answer, entry.get("metadata", {}).get("names", ())) is not None
+    ):
         return "wrong"
     score = float(_dataset(task, config_json).score_answer(answer, entry))
     return "correct" if score >= 1.0 - 1e-9 else "wrong"
@@ -70,16 +75,19 @@ class GymVerifier:
         try:
             task, config_json, entry = meta["gym_task"], meta["gym_config"], meta["gym_entry"]
         except KeyError as exc:
-            raise ValueError(f"a gym record needs metadata gym_task, gym_config and gym_entry "
-                             f"(from a gym: source); missing {exc}") from None
+            raise ValueError(
+                f"a gym record needs metadata gym_task, gym_config and gym_entry "
+                f"(from a gym: source); missing {exc}"
+            ) from None
         if task == "countdown":  # sympy parse_expr in reasoning-gym's scorer: ours instead
             problem = pickle.loads(entry)["metadata"]
             return self.countdown.job(completion, {"metadata": problem, "answer": ""})
         answer = gym_answer(completion)
         if answer is None or not answer.strip():
             return Verdict(False, "no_answer")
-        if len(answer) > MAX_ANSWER_CHARS or (task not in PLAIN_SCORERS
-                                              and _UNSAFE_RE.search(answer)):
+        if len(answer) > MAX_ANSWER_CHARS or (
+            task not in PLAIN_SCORERS and _UNSAFE_RE.search(answer)
+        ):
             return Verdict(False, "parse_error")
         return Job(score_gym_answer, (answer, task, config_json, entry))
 

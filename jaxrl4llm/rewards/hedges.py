@@ -5,6 +5,7 @@ that may write "Zoey is a knight (or maybe a knave)" and be credited learns to h
 final answer that contains a hedge word or phrase, or a question mark, is never correct,
 whatever roles it names. Linear-time: one pass over the words and one literal-phrase search.
 """
+
 from __future__ import annotations
 
 import re
@@ -12,25 +13,60 @@ import unicodedata
 from typing import Iterable
 
 # Whole words, case-insensitive (a word that is one of the puzzle's names is exempt).
-HEDGE_WORDS = frozenset("""
+HEDGE_WORDS = frozenset(
+    """
     or either neither nor maybe perhaps possibly probably likely unlikely
     might may could if unless otherwise else whether alternatively assuming supposing
     depends depending uncertain unsure unclear unknown unknowable undetermined
     undeterminable indeterminate undecided undecidable ambiguous inconclusive presumably
     supposedly apparently seemingly seems guess
-""".split())
+""".split()
+)
 # Phrases over the answer's words (lower-cased, joined by one space).
-HEDGE_PHRASES = ("not sure", "not certain", "not clear", "not known", "not determined",
-                 "no idea", "don t know", "dont know", "do not know", "can t tell",
-                 "cannot tell", "can t say", "cannot say", "cannot be determined",
-                 "can t be determined", "can be", "hard to say", "hard to tell",
-                 "not enough information", "insufficient information")
+HEDGE_PHRASES = (
+    "not sure",
+    "not certain",
+    "not clear",
+    "not known",
+    "not determined",
+    "no idea",
+    "don t know",
+    "dont know",
+    "do not know",
+    "can t tell",
+    "cannot tell",
+    "can t say",
+    "cannot say",
+    "cannot be determined",
+    "can t be determined",
+    "can be",
+    "hard to say",
+    "hard to tell",
+    "not enough information",
+    "insufficient information",
+)
 QUESTION_MARKS = "?\u00bf"  # and, after NFKC, full-width ? and the doubled ?? ?! !?
 
 # reasoning-gym's role words: its seven pairs (knight/knave, hero/villain, ...); its scorer
 # reads any of them as a role.
-GYM_ROLES = frozenset({"knight", "knave", "pioneer", "laggard", "saint", "sinner", "hero",
-                       "villain", "angel", "devil", "altruist", "egoist", "sage", "fool"})
+GYM_ROLES = frozenset(
+    {
+        "knight",
+        "knave",
+        "pioneer",
+        "laggard",
+        "saint",
+        "sinner",
+        "hero",
+        "villain",
+        "angel",
+        "devil",
+        "altruist",
+        "egoist",
+        "sage",
+        "fool",
+    }
+)
 # Words reasoning-gym's scorer skips between a name and its role.
 GYM_SKIPPED = frozenset({"is", "a", "an"})
 
@@ -85,9 +121,13 @@ def gym_unread_roles(answer: str) -> int:
     plural ("all of them are knaves"). With every role word read, a second role for one
     person is an extra pair, which that scorer marks wrong.
     """
-    roles = [w for w in WORD_RE.findall(answer.lower())
-             if w in GYM_ROLES or (w[-1] == "s" and w[:-1] in GYM_ROLES)
-             or (w[-2:] == "es" and w[:-2] in GYM_ROLES)]          # knights, heroes
+    roles = [
+        w
+        for w in WORD_RE.findall(answer.lower())
+        if w in GYM_ROLES
+        or (w[-1] == "s" and w[:-1] in GYM_ROLES)
+        or (w[-2:] == "es" and w[:-2] in GYM_ROLES)
+    ]  # knights, heroes
     return len(roles) - _gym_role_reads(answer)
 
 

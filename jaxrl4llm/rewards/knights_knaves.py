@@ -5,6 +5,7 @@ True = knight), or else from the claims in `record.answer` itself. An answer tha
 (rewards/hedges.py: "maybe", "or", "?", ...) or has a role word outside its claims ("Zoey is
 a knight, she is a knave", "Zoey is a knight and a knave") is wrong, whatever it claims.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,8 +20,9 @@ _ROLES = {"knight": True, "knights": True, "knave": False, "knaves": False}
 _ARTICLES = ("a", "an", "the")
 _VERBS = ("is", "was")
 # "knight or a knave", "knight/knave", "knight (or knave)", "knight and a knave": a hedge.
-_HEDGE_RE = re.compile(r"\s*\(?\s*(?:/|,?\s*\b(?:or|and)\b)\s*(?:(?:a|an)\s+)?(?:knight|knave)",
-                       re.IGNORECASE)
+_HEDGE_RE = re.compile(
+    r"\s*\(?\s*(?:/|,?\s*\b(?:or|and)\b)\s*(?:(?:a|an)\s+)?(?:knight|knave)", re.IGNORECASE
+)
 _HEDGE_WINDOW = 40  # characters after a role word searched for a hedge (bounded: linear)
 
 
@@ -41,7 +43,7 @@ def _role_claims(text: str) -> Iterator[tuple[re.Match, re.Match, bool, bool]]:
         chain = list(recent)[-4:] if has_article else list(recent)[-3:]
         if chain[1].group() not in _VERBS:
             continue
-        if not all(text[a.end():b.start()].isspace() for a, b in zip(chain, chain[1:])):
+        if not all(text[a.end() : b.start()].isspace() for a, b in zip(chain, chain[1:])):
             continue
         hedged = _HEDGE_RE.match(text, word.end(), word.end() + _HEDGE_WINDOW) is not None
         yield chain[0], word, role, hedged
@@ -55,8 +57,9 @@ def _ends_with_name(text: str, end: int, name: str) -> bool:
     return start == 0 or not (text[start - 1].isalnum() or text[start - 1] in "_'-")
 
 
-def _named_claims(text: str, names: Sequence[str] | None
-                  ) -> Iterator[tuple[str, re.Match, bool, bool]]:
+def _named_claims(
+    text: str, names: Sequence[str] | None
+) -> Iterator[tuple[str, re.Match, bool, bool]]:
     """(name, the role word, is_knight, hedged) for each claim about one of `names`; without
     `names`, a name is the capitalised word before the verb."""
     for word, role_word, role, hedged in _role_claims(text):
@@ -91,8 +94,14 @@ def hedge_of(answer: str, names: Sequence[str]) -> str | None:
     if found is not None:
         return found
     claimed = {role_word.start() for _, role_word, _, _ in _named_claims(answer, names)}
-    return next((word.group() for word in hedges.WORD_RE.finditer(answer)
-                 if word.group().lower() in _ROLES and word.start() not in claimed), None)
+    return next(
+        (
+            word.group()
+            for word in hedges.WORD_RE.finditer(answer)
+            if word.group().lower() in _ROLES and word.start() not in claimed
+        ),
+        None,
+    )
 
 
 def solution_of(record: Any) -> dict[str, bool]:
@@ -102,8 +111,10 @@ def solution_of(record: Any) -> dict[str, bool]:
         return {str(n): bool(s) for n, s in zip(meta["names"], meta["solution"])}
     claims = parse_claims(extract.gold_answer(record_answer(record)))
     if not claims or any(len(v) != 1 for v in claims.values()):
-        raise ValueError("knights_knaves record needs metadata {names, solution} or an answer "
-                         f"like 'A is a knight, B is a knave'; got {record_answer(record)!r}")
+        raise ValueError(
+            "knights_knaves record needs metadata {names, solution} or an answer "
+            f"like 'A is a knight, B is a knave'; got {record_answer(record)!r}"
+        )
     return {name: next(iter(v)) for name, v in claims.items()}
 
 
@@ -148,8 +159,10 @@ class KnightsKnavesVerifier:
         claims = parse_claims(answer, names)
         if not claims:
             return None
-        key = ", ".join(f"{name}={'/'.join(sorted('knight' if k else 'knave' for k in roles))}"
-                        for name, roles in sorted(claims.items()))
+        key = ", ".join(
+            f"{name}={'/'.join(sorted('knight' if k else 'knave' for k in roles))}"
+            for name, roles in sorted(claims.items())
+        )
         return key + " (hedged)" if hedge_of(answer, names) is not None else key
 
     def plan(self, completions: Sequence[str], records: Sequence[Any]) -> list[Verdict | Job]:

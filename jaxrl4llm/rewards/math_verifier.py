@@ -6,6 +6,7 @@ workers, each its own process, with the pool's wall-clock guard around it. Extra
 exact-match fast path run in the trainer: linear-time string work on at most
 `max_answer_chars` characters after extraction (tools/bench_extract.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,12 +41,15 @@ def verify_in_worker(pred: str, gold: str, budget_s: float) -> str:
     try:
         gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=seconds_left())
         # no_fallback: an unparseable prediction is a parse_error, not a raw-string "answer"
-        pred_parsed = parse(f"\\boxed{{{pred}}}", parsing_timeout=seconds_left(),
-                            fallback_mode="no_fallback", raise_on_error=True)
+        pred_parsed = parse(
+            f"\\boxed{{{pred}}}",
+            parsing_timeout=seconds_left(),
+            fallback_mode="no_fallback",
+            raise_on_error=True,
+        )
         if not pred_parsed:
             return "parse_error"
-        ok = verify(gold_parsed, pred_parsed, timeout_seconds=seconds_left(),
-                    raise_on_error=True)
+        ok = verify(gold_parsed, pred_parsed, timeout_seconds=seconds_left(), raise_on_error=True)
     except TimeoutException:
         return "timeout"
     except (Exception, RecursionError):  # noqa: BLE001 - sympy fails in many ways on junk
@@ -55,14 +59,15 @@ def verify_in_worker(pred: str, gold: str, budget_s: float) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class MathConfig:
-    answer_mode: str = "boxed"     # "boxed": last \boxed{}; "lenient": else the last number
-    max_answer_chars: int = 1000   # longer extracted answers are a parse_error, not a sympy job
-    budget_s: float = 4.5          # math-verify's time per item (< the pool's item deadline)
+    answer_mode: str = "boxed"  # "boxed": last \boxed{}; "lenient": else the last number
+    max_answer_chars: int = 1000  # longer extracted answers are a parse_error, not a sympy job
+    budget_s: float = 4.5  # math-verify's time per item (< the pool's item deadline)
 
     def __post_init__(self):
         if self.answer_mode not in ANSWER_MODES:
-            raise ValueError(f"unknown answer_mode {self.answer_mode!r}; valid: "
-                             f"{', '.join(ANSWER_MODES)}")
+            raise ValueError(
+                f"unknown answer_mode {self.answer_mode!r}; valid: {', '.join(ANSWER_MODES)}"
+            )
 
     @classmethod
     def for_item_deadline(cls, item_timeout_s: float, **options: Any) -> MathConfig:
@@ -106,8 +111,11 @@ class MathVerifier:
         pred = extract.normalize_unicode(pred)
         gold = extract.normalize_unicode(extract.gold_answer(record_answer(record)))
         verdict = fast_verdict(pred, gold)
-        return verdict if verdict is not None else Job(verify_in_worker,
-                                                       (pred, gold, self.config.budget_s))
+        return (
+            verdict
+            if verdict is not None
+            else Job(verify_in_worker, (pred, gold, self.config.budget_s))
+        )
 
     def answer_key(self, completion: str, record: Any) -> str | None:
         """The answer maj@k votes on: the extracted final answer, normalised as for the

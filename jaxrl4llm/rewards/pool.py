@@ -15,6 +15,7 @@ Deadlines: each job has `item_timeout_s` from the moment a worker starts it, so 
 costs one worker while the others keep taking jobs; `batch_timeout_s` bounds a whole `run`
 (jobs still running then are killed, jobs not started are reported as not started).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,18 +37,20 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 @dataclasses.dataclass(frozen=True)
 class PoolConfig:
     num_workers: int = 2
-    item_timeout_s: float = 5.0     # wall clock for one job, from dispatch to result
-    batch_timeout_s: float = 60.0   # wall clock for one `run` call
-    start_timeout_s: float = 60.0   # a worker that is not ready by then is replaced
-    memory_limit_mb: int = 4096     # RLIMIT_AS in the worker; 0 = unlimited
+    item_timeout_s: float = 5.0  # wall clock for one job, from dispatch to result
+    batch_timeout_s: float = 60.0  # wall clock for one `run` call
+    start_timeout_s: float = 60.0  # a worker that is not ready by then is replaced
+    memory_limit_mb: int = 4096  # RLIMIT_AS in the worker; 0 = unlimited
     preload: tuple[str, ...] = ("math_verify",)
 
     def __post_init__(self):
         if self.num_workers < 1:
             raise ValueError(f"PoolConfig.num_workers must be >= 1, got {self.num_workers}")
         if self.item_timeout_s <= 0 or self.batch_timeout_s <= 0:
-            raise ValueError("PoolConfig.item_timeout_s and batch_timeout_s must be > 0, got "
-                             f"{self.item_timeout_s} and {self.batch_timeout_s}")
+            raise ValueError(
+                "PoolConfig.item_timeout_s and batch_timeout_s must be > 0, got "
+                f"{self.item_timeout_s} and {self.batch_timeout_s}"
+            )
 
 
 class JobResult(NamedTuple):
@@ -61,10 +64,17 @@ class _Worker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [sys.executable, "-m", "jaxrl4llm.rewards._worker", str(child_sock.fileno()),
-               str(config.memory_limit_mb), *config.preload]
-        self.proc = subprocess.Popen(cmd, pass_fds=(child_sock.fileno(),), env=env,
-                                     stdin=subprocess.DEVNULL, close_fds=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxrl4llm.rewards._worker",
+            str(child_sock.fileno()),
+            str(config.memory_limit_mb),
+            *config.preload,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, pass_fds=(child_sock.fileno(),), env=env, stdin=subprocess.DEVNULL, close_fds=True
+        )
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
         self.started = time.monotonic()
@@ -82,8 +92,9 @@ class _Worker:
                 name = signal.Signals(-code).name
             except ValueError:
                 name = f"signal {-code}"
-            return f"was killed by {name}" + (" (out of memory?)" if -code == signal.SIGKILL
-                                              else "")
+            return f"was killed by {name}" + (
+                " (out of memory?)" if -code == signal.SIGKILL else ""
+            )
         return f"exited with code {code}"
 
     def kill(self) -> None:
@@ -182,8 +193,10 @@ class VerifierPool:
                     message = conn.recv()
                 except (EOFError, OSError):  # the worker died
                     if worker.job is not None:
-                        finish(worker.job[1], JobResult(
-                            "crash", f"verifier worker {worker.exit_description()}"))
+                        finish(
+                            worker.job[1],
+                            JobResult("crash", f"verifier worker {worker.exit_description()}"),
+                        )
                     elif not worker.ready:
                         self._consecutive_start_failures += 1
                     self._replace(worker)
@@ -197,8 +210,10 @@ class VerifierPool:
             now = time.monotonic()
             for worker in list(self._workers):
                 if worker.job is not None and now - worker.job[2] >= self.config.item_timeout_s:
-                    finish(worker.job[1], JobResult(
-                        "timeout", f"item deadline ({self.config.item_timeout_s:g} s)"))
+                    finish(
+                        worker.job[1],
+                        JobResult("timeout", f"item deadline ({self.config.item_timeout_s:g} s)"),
+                    )
                     self._replace(worker)
                 elif not worker.ready and now - worker.started >= self.config.start_timeout_s:
                     self._consecutive_start_failures += 1
@@ -210,8 +225,12 @@ class VerifierPool:
                         pending.append(worker.job[1])
                         self._replace(worker)
                 for index in pending:
-                    finish(index, JobResult("crash", "verifier workers failed to start; "
-                                            "see their stderr above"))
+                    finish(
+                        index,
+                        JobResult(
+                            "crash", "verifier workers failed to start; see their stderr above"
+                        ),
+                    )
                 self._consecutive_start_failures = 0
                 break
             if now >= deadline:

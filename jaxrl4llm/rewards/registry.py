@@ -4,6 +4,7 @@ Each record names its task in `metadata["task"]`, so one RewardFn scores a mixed
 Every verifier's jobs of a batch go to one VerifierPool in one `run`: the whole batch shares
 the workers, each item has its own deadline and the batch one deadline.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,11 +26,11 @@ from jaxrl4llm.rewards.shaping import ShapingConfig, shape
 # task name (record metadata or make_reward_fn's argument) -> verifier name
 TASK_VERIFIERS = {
     "math": "math",
-    "arithmetic": "math",   # integer answers: decided by the fast path, never the pool
+    "arithmetic": "math",  # integer answers: decided by the fast path, never the pool
     "countdown": "countdown",
     "knights_knaves": "knights_knaves",
-    "gym": "gym",           # a reasoning-gym task (data/gym.py): its own scorer in the pool
-    "code": "code",         # a Python program run against tests in the sandbox (code.py)
+    "gym": "gym",  # a reasoning-gym task (data/gym.py): its own scorer in the pool
+    "code": "code",  # a Python program run against tests in the sandbox (code.py)
 }
 # Worker modules a verifier needs, imported when a worker starts (not on its first job,
 # whose item deadline an import of reasoning-gym, ~1.5 s, would eat into).
@@ -62,6 +63,7 @@ class RewardConfig:
     code_wall_s: Wall-clock seconds of one test run of a model-written program.
     code_memory_mb: Address-space limit of a model-written program, in MB.
     """
+
     scale: str = "01"
     format_penalty: float = 0.0
     max_new_tokens: int | None = None
@@ -69,8 +71,8 @@ class RewardConfig:
     overlong_penalty: float = 1.0
     answer_mode: str = "boxed"
     countdown_use_all: bool = False
-    num_workers: int = 2           # verifier worker processes
-    item_timeout_s: float = 5.0    # wall clock for one verification, from when a worker starts it
+    num_workers: int = 2  # verifier worker processes
+    item_timeout_s: float = 5.0  # wall clock for one verification, from when a worker starts it
     batch_timeout_s: float = 60.0  # wall clock for all verifications of one batch
     memory_limit_mb: int = 4096
     default_task: str = "math"  # for records without metadata["task"] under kind="auto"
@@ -82,11 +84,13 @@ class RewardConfig:
 
     def __post_init__(self):
         if self.default_task not in TASK_VERIFIERS:
-            raise ValueError(f"unknown default_task {self.default_task!r}; valid: "
-                             f"{', '.join(TASK_VERIFIERS)}")
+            raise ValueError(
+                f"unknown default_task {self.default_task!r}; valid: {', '.join(TASK_VERIFIERS)}"
+            )
         if self.num_workers < 1:
-            raise ValueError(f"--reward_workers={self.num_workers}: the verifier worker "
-                             "processes must be >= 1.")
+            raise ValueError(
+                f"--reward_workers={self.num_workers}: the verifier worker processes must be >= 1."
+            )
         for name in ("item_timeout_s", "batch_timeout_s", "code_wall_s"):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
@@ -95,24 +99,35 @@ class RewardConfig:
 
     @property
     def shaping(self) -> ShapingConfig:
-        return ShapingConfig(scale=self.scale, format_penalty=self.format_penalty,
-                             max_new_tokens=self.max_new_tokens,
-                             overlong_buffer=self.overlong_buffer,
-                             overlong_penalty=self.overlong_penalty)
+        return ShapingConfig(
+            scale=self.scale,
+            format_penalty=self.format_penalty,
+            max_new_tokens=self.max_new_tokens,
+            overlong_buffer=self.overlong_buffer,
+            overlong_penalty=self.overlong_penalty,
+        )
 
     @property
     def pool(self) -> PoolConfig:
-        return PoolConfig(num_workers=self.num_workers, item_timeout_s=self.item_timeout_s,
-                          batch_timeout_s=self.batch_timeout_s,
-                          memory_limit_mb=self.memory_limit_mb)
+        return PoolConfig(
+            num_workers=self.num_workers,
+            item_timeout_s=self.item_timeout_s,
+            batch_timeout_s=self.batch_timeout_s,
+            memory_limit_mb=self.memory_limit_mb,
+        )
 
     @property
     def code(self) -> CodeConfig:
-        sandbox = SandboxConfig(isolation=self.code_isolation, unsafe=self.unsafe_code_execution,
-                                wall_s=self.code_wall_s, cpu_s=max(1, round(self.code_wall_s)),
-                                memory_mb=self.code_memory_mb)
-        return CodeConfig(mode=self.code_reward, sandbox=sandbox,
-                          budget_s=BUDGET_FRACTION * self.item_timeout_s)
+        sandbox = SandboxConfig(
+            isolation=self.code_isolation,
+            unsafe=self.unsafe_code_execution,
+            wall_s=self.code_wall_s,
+            cpu_s=max(1, round(self.code_wall_s)),
+            memory_mb=self.code_memory_mb,
+        )
+        return CodeConfig(
+            mode=self.code_reward, sandbox=sandbox, budget_s=BUDGET_FRACTION * self.item_timeout_s
+        )
 
     @property
     def math(self) -> MathConfig:
@@ -151,8 +166,10 @@ class RewardFn:
             return self.kind
         task = record_metadata(record).get("task", self.config.default_task)
         if task not in TASK_VERIFIERS:
-            raise ValueError(f"record has metadata task {task!r}, which has no verifier; valid: "
-                             f"{', '.join(TASK_VERIFIERS)} (set the source's task=...)")
+            raise ValueError(
+                f"record has metadata task {task!r}, which has no verifier; valid: "
+                f"{', '.join(TASK_VERIFIERS)} (set the source's task=...)"
+            )
         return task
 
     def _preload(self, modules: list[str]) -> None:
@@ -160,42 +177,60 @@ class RewardFn:
         missing = [m for m in modules if m not in self.pool.config.preload]
         if missing:
             self.pool.close()
-            self.pool = VerifierPool(dataclasses.replace(
-                self.pool.config, preload=self.pool.config.preload + tuple(missing)))
+            self.pool = VerifierPool(
+                dataclasses.replace(
+                    self.pool.config, preload=self.pool.config.preload + tuple(missing)
+                )
+            )
 
-    def answer_keys(self, completions: Sequence[str], records: Sequence[Any]
-                    ) -> list[str | None]:
+    def answer_keys(self, completions: Sequence[str], records: Sequence[Any]) -> list[str | None]:
         """Each completion's final answer as its task's verifier reads it, normalised for
         voting (maj@k): equal keys are the same answer. None: no answer."""
-        return [self.verifiers[TASK_VERIFIERS[self.task_of(r)]].answer_key(c, r)
-                for c, r in zip(completions, records)]
+        return [
+            self.verifiers[TASK_VERIFIERS[self.task_of(r)]].answer_key(c, r)
+            for c, r in zip(completions, records)
+        ]
 
     def verdicts(self, completions: Sequence[str], records: Sequence[Any]) -> list[Verdict]:
         if len(completions) != len(records):
-            raise ValueError(f"got {len(completions)} completions for {len(records)} records; "
-                             "repeat each record once per sample (G times) before scoring")
+            raise ValueError(
+                f"got {len(completions)} completions for {len(records)} records; "
+                "repeat each record once per sample (G times) before scoring"
+            )
         groups: dict[str, list[int]] = {}
         for i, record in enumerate(records):
             groups.setdefault(TASK_VERIFIERS[self.task_of(record)], []).append(i)
         self._preload([PRELOAD[name] for name in groups if name in PRELOAD])
         plan: list[Verdict | Job] = [Verdict(False, "error")] * len(records)
         for name, indices in groups.items():
-            found = self.verifiers[name].plan([completions[i] for i in indices],
-                                              [records[i] for i in indices])
+            found = self.verifiers[name].plan(
+                [completions[i] for i in indices], [records[i] for i in indices]
+            )
             for i, item in zip(indices, found):
                 plan[i] = item
         return run_plan(self.pool, plan)
 
-    def score(self, completions: Sequence[str], records: Sequence[Any],
-              lengths: Sequence[int] | np.ndarray | None = None) -> RewardBatch:
+    def score(
+        self,
+        completions: Sequence[str],
+        records: Sequence[Any],
+        lengths: Sequence[int] | np.ndarray | None = None,
+    ) -> RewardBatch:
         """Rewards for B completions of B records; `lengths`: completion tokens (for overlong).
         Rows whose verification did not finish are `.failed` (reward 0): mask them out."""
         verdicts = self.verdicts(completions, records)
-        formatted = ([think_answer_format(c) for c in completions]
-                     if self.shaping.scale == "logic_rl" else None)
+        formatted = (
+            [think_answer_format(c) for c in completions]
+            if self.shaping.scale == "logic_rl"
+            else None
+        )
         rewards, correct = shape(verdicts, self.shaping, lengths, formatted)
-        return RewardBatch(rewards=rewards, correct=correct, reasons=[v.reason for v in verdicts],
-                           details=[v.detail for v in verdicts])
+        return RewardBatch(
+            rewards=rewards,
+            correct=correct,
+            reasons=[v.reason for v in verdicts],
+            details=[v.detail for v in verdicts],
+        )
 
     __call__ = score
 
@@ -207,6 +242,7 @@ def make_reward_fn(task_or_kind: str = "auto", **options: Any) -> RewardFn:
     valid = {f.name for f in dataclasses.fields(RewardConfig)}
     unknown = sorted(set(options) - valid)
     if unknown:
-        raise ValueError(f"unknown reward option(s) {', '.join(unknown)}; valid: "
-                         f"{', '.join(sorted(valid))}")
+        raise ValueError(
+            f"unknown reward option(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}"
+        )
     return RewardFn(task_or_kind, RewardConfig(**options))

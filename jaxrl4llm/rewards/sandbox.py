@@ -28,6 +28,7 @@ killed, the kernel kills every process it started, however it detached. Processe
 per user namespace (or per unused uid), so the limit bounds this program, not the user's others.
 Output goes to files whose size the file-size limit caps (a huge print ends the program).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -55,8 +56,13 @@ SETUP_FAILED = 125  # _sandbox_init's exit code when the namespaces or mounts co
 _INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_init.py")
 # Folders the program may read (those that exist): the system's, and the interpreter's prefix.
 SYSTEM_FOLDERS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/work", "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
+ENVIRONMENT = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/work",
+    "LANG": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONIOENCODING": "utf-8",
+}
 SANDBOX_UIDS = (1_500_000_000, 100_000_000)  # first, count: unused uids for a root host
 INTERPRETER_ARGS = ("-I", "-S", "-B")  # isolated: no user site, no PYTHON* variables, no .pyc
 SERVER_SLACK_S = 5.0  # past the wall limit, an unshare server that has not answered is stuck
@@ -76,6 +82,7 @@ class SandboxConfig:
     open_files: Open file descriptors (RLIMIT_NOFILE).
     work_mb: Size of the private /work tmpfs (the namespaced layers).
     """
+
     isolation: str = "auto"
     unsafe: bool = False
     wall_s: float = 2.0
@@ -88,25 +95,39 @@ class SandboxConfig:
 
     def __post_init__(self):
         if self.isolation not in ISOLATION:
-            raise ValueError(f"unknown sandbox isolation {self.isolation!r}; valid: "
-                             f"{', '.join(ISOLATION)}")
+            raise ValueError(
+                f"unknown sandbox isolation {self.isolation!r}; valid: {', '.join(ISOLATION)}"
+            )
         if self.isolation == "none" and not self.unsafe:
-            raise ValueError("sandbox isolation 'none' runs model-written programs with the "
-                             "user's rights; pass --unsafe_code_execution to allow it")
-        for name in ("wall_s", "cpu_s", "memory_mb", "processes", "file_mb", "open_files",
-                     "work_mb"):
+            raise ValueError(
+                "sandbox isolation 'none' runs model-written programs with the "
+                "user's rights; pass --unsafe_code_execution to allow it"
+            )
+        for name in (
+            "wall_s",
+            "cpu_s",
+            "memory_mb",
+            "processes",
+            "file_mb",
+            "open_files",
+            "work_mb",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"sandbox {name} must be > 0, got {getattr(self, name)}")
 
     @property
     def limits(self) -> dict[str, int]:
-        return {"cpu_s": int(self.cpu_s), "memory_bytes": self.memory_mb << 20,
-                "processes": self.processes, "file_bytes": self.file_mb << 20,
-                "open_files": self.open_files}
+        return {
+            "cpu_s": int(self.cpu_s),
+            "memory_bytes": self.memory_mb << 20,
+            "processes": self.processes,
+            "file_bytes": self.file_mb << 20,
+            "open_files": self.open_files,
+        }
 
 
 class Execution(NamedTuple):
-    status: str       # "ok" (exit 0) | "exit" (non-zero) | "signal" | "timeout" | "setup_failed"
+    status: str  # "ok" (exit 0) | "exit" (non-zero) | "signal" | "timeout" | "setup_failed"
     returncode: int | None
     stdout: str
     stderr: str
@@ -127,8 +148,16 @@ def read_only_folders() -> tuple[str, ...]:
 
 def _probe(argv: list[str]) -> bool:
     try:
-        return subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, timeout=20).returncode == 0
+        return (
+            subprocess.run(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=20,
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -137,8 +166,10 @@ def _probe(argv: list[str]) -> bool:
 def layer_works(layer: str) -> bool:
     """Whether `layer` runs a trivial program here (cached per process)."""
     try:
-        return run_program("print(6 * 7)", "", SandboxConfig(isolation=layer),
-                           layer=layer).stdout == "42\n"
+        return (
+            run_program("print(6 * 7)", "", SandboxConfig(isolation=layer), layer=layer).stdout
+            == "42\n"
+        )
     except OSError:
         return False
 
@@ -172,21 +203,50 @@ def resolve_isolation(config: SandboxConfig) -> str:
         "does not work here: install bubblewrap (apt install bubblewrap) or allow unprivileged "
         "user namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces "
         "> 0); or pass --unsafe_code_execution to run them as your user with only resource "
-        "limits (they can then read your files and reach the network)")
+        "limits (they can then read your files and reach the network)"
+    )
 
 
 def _bwrap_argv(config: SandboxConfig, program: str) -> list[str]:
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--clearenv"]
+    argv = [
+        "bwrap",
+        "--unshare-all",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--clearenv",
+    ]
     for name, value in ENVIRONMENT.items():
         argv += ["--setenv", name, value]
     for path in read_only_folders():
-        argv += (["--symlink", os.readlink(path), path] if os.path.islink(path)
-                 else ["--ro-bind", path, path])
-    argv += ["--dev", "/dev", "--size", str(config.work_mb << 20), "--tmpfs", "/work",
-             "--ro-bind", program, "/work/main.py", "--symlink", "work", "/tmp",
-             "--chdir", "/work", "--remount-ro", "/",
-             "--", interpreter(), *INTERPRETER_ARGS, "/work/main.py"]
+        argv += (
+            ["--symlink", os.readlink(path), path]
+            if os.path.islink(path)
+            else ["--ro-bind", path, path]
+        )
+    argv += [
+        "--dev",
+        "/dev",
+        "--size",
+        str(config.work_mb << 20),
+        "--tmpfs",
+        "/work",
+        "--ro-bind",
+        program,
+        "/work/main.py",
+        "--symlink",
+        "work",
+        "/tmp",
+        "--chdir",
+        "/work",
+        "--remount-ro",
+        "/",
+        "--",
+        interpreter(),
+        *INTERPRETER_ARGS,
+        "/work/main.py",
+    ]
     return argv
 
 
@@ -195,15 +255,36 @@ class _Server:
 
     def __init__(self):
         self.root = tempfile.mkdtemp(prefix="jaxrl4llm-sandboxroot-")
-        spec = {"root": self.root, "read_only": read_only_folders(), "host_pid": os.getpid(),
-                "user_namespace": os.geteuid() != 0, "interpreter": interpreter(),
-                "interpreter_args": INTERPRETER_ARGS, "environment": ENVIRONMENT}
+        spec = {
+            "root": self.root,
+            "read_only": read_only_folders(),
+            "host_pid": os.getpid(),
+            "user_namespace": os.geteuid() != 0,
+            "interpreter": interpreter(),
+            "interpreter_args": INTERPRETER_ARGS,
+            "environment": ENVIRONMENT,
+        }
         user = ["--user", "--map-root-user"] if spec["user_namespace"] else []
         self.proc = subprocess.Popen(
-            ["unshare", *user, "--mount", interpreter(), "-I", "-S", "-B", _INIT,
-             marshal.dumps(spec).hex()],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            cwd="/", env=dict(ENVIRONMENT), start_new_session=True, close_fds=True)
+            [
+                "unshare",
+                *user,
+                "--mount",
+                interpreter(),
+                "-I",
+                "-S",
+                "-B",
+                _INIT,
+                marshal.dumps(spec).hex(),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd="/",
+            env=dict(ENVIRONMENT),
+            start_new_session=True,
+            close_fds=True,
+        )
         self.owner = os.getpid()
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.requests, self.answers = self.proc.stdin, self.proc.stdout
@@ -270,8 +351,10 @@ def _run_unshare(config: SandboxConfig, run_dir: str) -> tuple[str, int | None]:
     run: dict[str, Any] = {
         "program": os.path.join(run_dir, "main.py"),
         **{name: os.path.join(run_dir, name) for name in ("stdin", "stdout", "stderr")},
-        "work_bytes": config.work_mb << 20, "limits": config.limits,
-        "wall_s": float(config.wall_s)}
+        "work_bytes": config.work_mb << 20,
+        "limits": config.limits,
+        "wall_s": float(config.wall_s),
+    }
     for name in ("stdout", "stderr"):  # the server opens them, creating nothing on the host
         open(run[name], "wb").close()
     if os.geteuid() == 0:
@@ -284,8 +367,9 @@ def _run_unshare(config: SandboxConfig, run_dir: str) -> tuple[str, int | None]:
         _drop_server(server)
         if answer == "":
             with open(run["stderr"], "a", encoding="utf-8") as f:
-                f.write("sandbox set-up failed: the unshare server exited (unshare --mount "
-                        "refused?)\n")
+                f.write(
+                    "sandbox set-up failed: the unshare server exited (unshare --mount refused?)\n"
+                )
         return ("timeout", None) if answer is None else ("setup_failed", SETUP_FAILED)
     if answer == "timeout":
         return "timeout", None
@@ -298,9 +382,13 @@ def _run_unshare(config: SandboxConfig, run_dir: str) -> tuple[str, int | None]:
 
 def _set_limits(limits: dict[str, int], extra_processes: int) -> None:
     """In the child before exec (bwrap, none): the rlimits the program inherits."""
-    rlimits = {"cpu_s": resource.RLIMIT_CPU, "memory_bytes": resource.RLIMIT_AS,
-               "processes": resource.RLIMIT_NPROC, "file_bytes": resource.RLIMIT_FSIZE,
-               "open_files": resource.RLIMIT_NOFILE}
+    rlimits = {
+        "cpu_s": resource.RLIMIT_CPU,
+        "memory_bytes": resource.RLIMIT_AS,
+        "processes": resource.RLIMIT_NPROC,
+        "file_bytes": resource.RLIMIT_FSIZE,
+        "open_files": resource.RLIMIT_NOFILE,
+    }
     for name, value in limits.items():
         value += extra_processes if name == "processes" else 0
         resource.setrlimit(rlimits[name], (value, value + (1 if name == "cpu_s" else 0)))
@@ -330,12 +418,22 @@ def _run_child(config: SandboxConfig, run_dir: str, layer: str) -> tuple[str, in
         argv = [interpreter(), *INTERPRETER_ARGS, program]
         preexec = functools.partial(_set_limits, config.limits, 0)
     env = dict(ENVIRONMENT, HOME=work) if layer == "none" else dict(ENVIRONMENT)
-    with open(os.path.join(run_dir, "stdin"), "rb") as stdin_file, \
-            open(os.path.join(run_dir, "stdout"), "wb") as out, \
-            open(os.path.join(run_dir, "stderr"), "wb") as err:
-        proc = subprocess.Popen(argv, stdin=stdin_file, stdout=out, stderr=err, cwd=work,
-                                env=env, start_new_session=True, preexec_fn=preexec,
-                                close_fds=True)
+    with (
+        open(os.path.join(run_dir, "stdin"), "rb") as stdin_file,
+        open(os.path.join(run_dir, "stdout"), "wb") as out,
+        open(os.path.join(run_dir, "stderr"), "wb") as err,
+    ):
+        proc = subprocess.Popen(
+            argv,
+            stdin=stdin_file,
+            stdout=out,
+            stderr=err,
+            cwd=work,
+            env=env,
+            start_new_session=True,
+            preexec_fn=preexec,
+            close_fds=True,
+        )
         try:
             returncode = _wait(proc, config.wall_s)
         finally:
@@ -364,8 +462,9 @@ def _wait(proc: subprocess.Popen, timeout_s: float) -> int | None:
         os.close(pidfd)
 
 
-def run_program(source: str, stdin: str, config: SandboxConfig,
-                layer: str | None = None) -> Execution:
+def run_program(
+    source: str, stdin: str, config: SandboxConfig, layer: str | None = None
+) -> Execution:
     """Runs `source` (Python) with `stdin` under `config`'s isolation and limits; returns its
     status, exit code, output (each capped at file_mb) and wall seconds. Raises
     DependencyError when no isolation layer is available and `config.unsafe` is off; never
@@ -385,7 +484,13 @@ def run_program(source: str, stdin: str, config: SandboxConfig,
             status, returncode = _run_child(config, run_dir, layer)
         seconds = time.monotonic() - start
         limit = config.file_mb << 20
-        return Execution(status, returncode, _read(os.path.join(run_dir, "stdout"), limit),
-                         _read(os.path.join(run_dir, "stderr"), limit), seconds, layer)
+        return Execution(
+            status,
+            returncode,
+            _read(os.path.join(run_dir, "stdout"), limit),
+            _read(os.path.join(run_dir, "stderr"), limit),
+            seconds,
+            layer,
+        )
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -11,6 +11,7 @@ Conventions (see docs/algorithms.md):
     (not (r - mu) / eps).
   * ``keep_B`` removes rows from every statistic; advantages of removed rows are 0.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -56,7 +57,8 @@ def _stats(x, w, axis, ddof):
     mu = pivot + offset.sum(axis=axis, keepdims=True) / jnp.maximum(n, 1.0)
     dof = n - ddof
     var = jnp.where(w > 0, jnp.square(x - mu), 0.0).sum(axis=axis, keepdims=True) / jnp.where(
-        dof > 0, dof, 1.0)
+        dof > 0, dof, 1.0
+    )
     std = jnp.where(dof > 0, jnp.sqrt(var), 0.0)
     # Exact constancy test (max == min) rather than std < tol: a scope of equal values has
     # no spread, whatever rounding left in its std.
@@ -87,8 +89,9 @@ def normalized_advantages(
     r_B = jnp.asarray(rewards_B, jnp.float32)
     w_B = _weights(r_B, keep_B)
     r_PG, w_PG = to_groups(r_B, group_size), to_groups(w_B, group_size)
-    g_mu, g_std, g_flat = (a.repeat(group_size, axis=1).reshape(-1)
-                           for a in _stats(r_PG, w_PG, 1, ddof))
+    g_mu, g_std, g_flat = (
+        a.repeat(group_size, axis=1).reshape(-1) for a in _stats(r_PG, w_PG, 1, ddof)
+    )
     b_mu, b_std, b_flat = _stats(r_B, w_B, None, ddof)
 
     mu = {"group": g_mu, "batch": b_mu, "none": 0.0}[mean]
@@ -107,16 +110,18 @@ def reinforce_advantages(rewards_B: jnp.ndarray, keep_B: jnp.ndarray | None = No
     return jnp.where(_weights(r_B, keep_B) > 0, r_B, 0.0)
 
 
-def rloo_advantages(rewards_B: jnp.ndarray, group_size: int,
-                    keep_B: jnp.ndarray | None = None) -> jnp.ndarray:
+def rloo_advantages(
+    rewards_B: jnp.ndarray, group_size: int, keep_B: jnp.ndarray | None = None
+) -> jnp.ndarray:
     """RLOO: A_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean_j r_j). Returns [B].
 
     Needs group_size >= 2 (a singleton group has no leave-one-out baseline). With keep_B, j runs
     over the group's kept rows; a kept row alone in its group gets A = 0.
     """
     if group_size < 2:
-        raise ValueError(f"RLOO needs group_size >= 2 (got {group_size}); "
-                         "use advantage='normalized' instead.")
+        raise ValueError(
+            f"RLOO needs group_size >= 2 (got {group_size}); use advantage='normalized' instead."
+        )
     r_B = jnp.asarray(rewards_B, jnp.float32)
     w_B = _weights(r_B, keep_B)
     r_PG, w_PG = to_groups(r_B, group_size), to_groups(w_B, group_size)
@@ -158,8 +163,9 @@ def returns_to_go(token_rewards_BT: jnp.ndarray) -> jnp.ndarray:
     return jnp.flip(jnp.cumsum(jnp.flip(token_rewards_BT, axis=1), axis=1), axis=1)
 
 
-def whiten(values_BT: jnp.ndarray, weights_BT: jnp.ndarray, *, ddof: int = 1,
-           eps: float = 1e-6) -> jnp.ndarray:
+def whiten(
+    values_BT: jnp.ndarray, weights_BT: jnp.ndarray, *, ddof: int = 1, eps: float = 1e-6
+) -> jnp.ndarray:
     """(x - mean) / (std + eps) over all weighted (valid) entries; 0 elsewhere."""
     w = jnp.asarray(weights_BT, jnp.float32)
     mu, std, flat = _stats(values_BT, w, None, ddof)
@@ -189,8 +195,10 @@ def reinforce_pp_advantages(
     w_B = _weights(r_B, keep_B)
     if baseline:
         if group_size < 2:
-            raise ValueError("REINFORCE++-baseline needs group_size >= 2 "
-                             "(the group mean of a single sample is itself).")
+            raise ValueError(
+                "REINFORCE++-baseline needs group_size >= 2 "
+                "(the group mean of a single sample is itself)."
+            )
         mu_PG = _stats(to_groups(r_B, group_size), to_groups(w_B, group_size), 1, 0)[0]
         r_B = r_B - mu_PG.repeat(group_size, axis=1).reshape(-1)
     m = jnp.asarray(mask_BT, jnp.float32)

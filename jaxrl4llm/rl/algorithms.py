@@ -4,6 +4,7 @@ The trainer calls only ``compute_advantages`` (once per rollout batch) and ``pol
 (per micro-batch); every preset is a value of ``AlgorithmConfig``, never a subclass (the
 named presets live in presets.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,15 @@ from jaxrl4llm.rl import correction, filters, losses
 from jaxrl4llm.rl import value as value_lib
 from jaxrl4llm.rl.metrics import Metric
 
-ADVANTAGES = ("normalized", "rloo", "reinforce_pp", "reinforce_pp_baseline", "positives", "remax",
-              "gae")
+ADVANTAGES = (
+    "normalized",
+    "rloo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "positives",
+    "remax",
+    "gae",
+)
 OBJECTIVES = ("clipped", "nll")
 KL_PLACES = ("loss", "reward", None)
 IMPORTANCE = ("token", "sequence")
@@ -138,99 +146,159 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
     require(c.agg in losses.AGG_MODES, f"agg={c.agg!r}: choose one of {losses.AGG_MODES}.")
     require(c.importance in IMPORTANCE, f"importance={c.importance!r}: choose one of {IMPORTANCE}.")
     require(c.kl_in in KL_PLACES, f"kl_in={c.kl_in!r}: choose one of {KL_PLACES}.")
-    require(c.kl_estimator in losses.KL_ESTIMATORS,
-           f"kl_estimator={c.kl_estimator!r}: choose one of {losses.KL_ESTIMATORS}.")
-    require(c.rejected_rows in REJECTED_ROWS,
-           f"rejected_rows={c.rejected_rows!r}: choose one of {REJECTED_ROWS}.")
-    require(c.k3_clamp is None or c.k3_clamp > 0,
-           f"k3_clamp={c.k3_clamp!r} must be > 0 (default 10) or None (no cap).")
-    require(c.positives in filters.POSITIVE_SELECTIONS,
-           f"positives={c.positives!r}: choose one of {filters.POSITIVE_SELECTIONS}.")
-    require(isinstance(c.ddof, int) and c.ddof >= 0,
-           f"ddof={c.ddof!r} must be an int >= 0 (1 = torch.std, 0 = numpy default).")
-    require(isinstance(c.max_resample_rounds, int) and c.max_resample_rounds >= 0,
-           f"max_resample_rounds={c.max_resample_rounds!r} must be an int >= 0 "
-           "(extra rounds per step).")
-    require(not (c.dynamic_sampling and G < 2),
-           "dynamic_sampling keeps groups with both correct and wrong samples; it needs "
-           f"group_size >= 2, got {G}.")
+    require(
+        c.kl_estimator in losses.KL_ESTIMATORS,
+        f"kl_estimator={c.kl_estimator!r}: choose one of {losses.KL_ESTIMATORS}.",
+    )
+    require(
+        c.rejected_rows in REJECTED_ROWS,
+        f"rejected_rows={c.rejected_rows!r}: choose one of {REJECTED_ROWS}.",
+    )
+    require(
+        c.k3_clamp is None or c.k3_clamp > 0,
+        f"k3_clamp={c.k3_clamp!r} must be > 0 (default 10) or None (no cap).",
+    )
+    require(
+        c.positives in filters.POSITIVE_SELECTIONS,
+        f"positives={c.positives!r}: choose one of {filters.POSITIVE_SELECTIONS}.",
+    )
+    require(
+        isinstance(c.ddof, int) and c.ddof >= 0,
+        f"ddof={c.ddof!r} must be an int >= 0 (1 = torch.std, 0 = numpy default).",
+    )
+    require(
+        isinstance(c.max_resample_rounds, int) and c.max_resample_rounds >= 0,
+        f"max_resample_rounds={c.max_resample_rounds!r} must be an int >= 0 "
+        "(extra rounds per step).",
+    )
+    require(
+        not (c.dynamic_sampling and G < 2),
+        "dynamic_sampling keeps groups with both correct and wrong samples; it needs "
+        f"group_size >= 2, got {G}.",
+    )
     require(c.eps > 0, f"eps={c.eps!r} must be > 0 (default 1e-6).")
-    require(0 <= c.gamma <= 1,
-           f"gamma={c.gamma!r} must be in [0, 1] (1 = no discount, PPO's default).")
-    require(0 <= c.lam <= 1,
-           f"lam={c.lam!r} must be in [0, 1] (GAE lambda; verl / OpenRLHF use 0.95 or 1).")
-    require(c.value_clip is None or c.value_clip > 0,
-           f"value_clip={c.value_clip!r} must be > 0 (e.g. 0.2) or None (no clip).")
-    require(0 <= c.clip_low < 1,
-           f"clip_low={c.clip_low!r} must be in [0, 1) so that 1 - clip_low > 0.")
+    require(
+        0 <= c.gamma <= 1, f"gamma={c.gamma!r} must be in [0, 1] (1 = no discount, PPO's default)."
+    )
+    require(
+        0 <= c.lam <= 1,
+        f"lam={c.lam!r} must be in [0, 1] (GAE lambda; verl / OpenRLHF use 0.95 or 1).",
+    )
+    require(
+        c.value_clip is None or c.value_clip > 0,
+        f"value_clip={c.value_clip!r} must be > 0 (e.g. 0.2) or None (no clip).",
+    )
+    require(
+        0 <= c.clip_low < 1, f"clip_low={c.clip_low!r} must be in [0, 1) so that 1 - clip_low > 0."
+    )
     require(c.clip_high >= 0, f"clip_high={c.clip_high!r} must be >= 0.")
-    require(c.dual_clip is None or c.dual_clip > 1,
-           f"dual_clip={c.dual_clip!r} must be > 1 (typically 3.0) or None.")
-    require(c.max_tokens is None or c.max_tokens >= 1,
-           f"max_tokens={c.max_tokens!r} must be >= 1 or None (= padded length).")
-    require(c.kl_coef >= 0 and math.isfinite(c.kl_coef),
-           f"kl_coef={c.kl_coef!r} must be finite and >= 0.")
+    require(
+        c.dual_clip is None or c.dual_clip > 1,
+        f"dual_clip={c.dual_clip!r} must be > 1 (typically 3.0) or None.",
+    )
+    require(
+        c.max_tokens is None or c.max_tokens >= 1,
+        f"max_tokens={c.max_tokens!r} must be >= 1 or None (= padded length).",
+    )
+    require(
+        c.kl_coef >= 0 and math.isfinite(c.kl_coef),
+        f"kl_coef={c.kl_coef!r} must be finite and >= 0.",
+    )
     require(math.isfinite(c.entropy_coef), f"entropy_coef={c.entropy_coef!r} must be finite.")
     _validate_correction(c)
     if c.binary_reward is not None:
-        require(len(c.binary_reward) == 2,
-               f"binary_reward={c.binary_reward!r} must be a pair (wrong, right), "
-               "e.g. (-1.0, 1.0).")
+        require(
+            len(c.binary_reward) == 2,
+            f"binary_reward={c.binary_reward!r} must be a pair (wrong, right), e.g. (-1.0, 1.0).",
+        )
     # Contradictions between knobs.
     if c.advantage == "normalized":
-        require(not (c.std == "group" and G <= c.ddof),
-               f"std='group' with ddof={c.ddof} needs group_size > {c.ddof}, got {G}: every "
-               "group std would be undefined; use std='batch' or std='none', or sample more "
-               "completions per prompt.")
-        require(not (c.mean == "group" and G == 1),
-               "mean='group' with group_size=1 makes every advantage 0; use mean='batch' or "
-               "'none', or sample more completions per prompt.")
-    require(not (c.advantage in ("rloo", "reinforce_pp_baseline") and G < 2),
-           f"advantage={c.advantage!r} needs group_size >= 2 (a leave-one-out / group "
-           f"baseline), got {G}.")
-    require(not ((c.reject_all_correct or c.reject_all_wrong) and G == 1),
-           "reject_all_correct/reject_all_wrong with group_size=1 reject every correct/wrong "
-           "sample; set them to False or sample more completions per prompt.")
-    require(not (c.kl_coef > 0 and c.kl_in is None),
-           f"kl_coef={c.kl_coef} but kl_in=None, so the KL would be ignored; set kl_in='loss' "
-           "(or 'reward' for REINFORCE++), or kl_coef=0.")
-    require(not (c.kl_in == "reward" and c.advantage == "positives"),
-           "kl_in='reward' needs an advantage that takes token rewards (normalized, rloo, "
-           "reinforce_pp, reinforce_pp_baseline), not advantage='positives'; use kl_in='loss' "
-           "instead.")
-    require(not (c.kl_in == "reward" and c.kl_estimator == "k3"),
-           "kl_in='reward' uses kl_estimator 'k1' or 'k2' (REINFORCE++); set kl_estimator='k1' "
-           "or 'k2'.")
-    require(not (c.objective == "nll" and c.advantage != "positives"),
-           f"objective='nll' (RAFT) trains on positives only; set advantage='positives' "
-           f"(got {c.advantage!r}).")
+        require(
+            not (c.std == "group" and G <= c.ddof),
+            f"std='group' with ddof={c.ddof} needs group_size > {c.ddof}, got {G}: every "
+            "group std would be undefined; use std='batch' or std='none', or sample more "
+            "completions per prompt.",
+        )
+        require(
+            not (c.mean == "group" and G == 1),
+            "mean='group' with group_size=1 makes every advantage 0; use mean='batch' or "
+            "'none', or sample more completions per prompt.",
+        )
+    require(
+        not (c.advantage in ("rloo", "reinforce_pp_baseline") and G < 2),
+        f"advantage={c.advantage!r} needs group_size >= 2 (a leave-one-out / group "
+        f"baseline), got {G}.",
+    )
+    require(
+        not ((c.reject_all_correct or c.reject_all_wrong) and G == 1),
+        "reject_all_correct/reject_all_wrong with group_size=1 reject every correct/wrong "
+        "sample; set them to False or sample more completions per prompt.",
+    )
+    require(
+        not (c.kl_coef > 0 and c.kl_in is None),
+        f"kl_coef={c.kl_coef} but kl_in=None, so the KL would be ignored; set kl_in='loss' "
+        "(or 'reward' for REINFORCE++), or kl_coef=0.",
+    )
+    require(
+        not (c.kl_in == "reward" and c.advantage == "positives"),
+        "kl_in='reward' needs an advantage that takes token rewards (normalized, rloo, "
+        "reinforce_pp, reinforce_pp_baseline), not advantage='positives'; use kl_in='loss' "
+        "instead.",
+    )
+    require(
+        not (c.kl_in == "reward" and c.kl_estimator == "k3"),
+        "kl_in='reward' uses kl_estimator 'k1' or 'k2' (REINFORCE++); set kl_estimator='k1' "
+        "or 'k2'.",
+    )
+    require(
+        not (c.objective == "nll" and c.advantage != "positives"),
+        f"objective='nll' (RAFT) trains on positives only; set advantage='positives' "
+        f"(got {c.advantage!r}).",
+    )
     return config
 
 
 def _validate_correction(c: AlgorithmConfig) -> None:
-    require(c.is_correction in correction.CORRECTIONS,
-            f"is_correction={c.is_correction!r}: choose one of {correction.CORRECTIONS}.")
-    require(c.is_level in correction.IS_LEVELS,
-            f"is_level={c.is_level!r}: choose one of {correction.IS_LEVELS}.")
-    require(c.is_cap > 0 and math.isfinite(c.is_cap),
-            f"is_cap={c.is_cap!r} must be finite and > 0 (the tis truncation, e.g. 2).")
-    require(0 <= c.is_lower < c.is_upper and math.isfinite(c.is_upper),
-            f"is_lower={c.is_lower!r}, is_upper={c.is_upper!r}: the kept ratio band needs "
-            "0 <= is_lower < is_upper < inf (IcePop: 0.5, 2).")
-    require(c.is_level == "token" or c.is_correction in correction.LEVELLED,
-            f"is_level={c.is_level!r} applies to is_correction tis and mis only "
-            f"(is_correction={c.is_correction!r} has its own level); set is_level=token.")
+    require(
+        c.is_correction in correction.CORRECTIONS,
+        f"is_correction={c.is_correction!r}: choose one of {correction.CORRECTIONS}.",
+    )
+    require(
+        c.is_level in correction.IS_LEVELS,
+        f"is_level={c.is_level!r}: choose one of {correction.IS_LEVELS}.",
+    )
+    require(
+        c.is_cap > 0 and math.isfinite(c.is_cap),
+        f"is_cap={c.is_cap!r} must be finite and > 0 (the tis truncation, e.g. 2).",
+    )
+    require(
+        0 <= c.is_lower < c.is_upper and math.isfinite(c.is_upper),
+        f"is_lower={c.is_lower!r}, is_upper={c.is_upper!r}: the kept ratio band needs "
+        "0 <= is_lower < is_upper < inf (IcePop: 0.5, 2).",
+    )
+    require(
+        c.is_level == "token" or c.is_correction in correction.LEVELLED,
+        f"is_level={c.is_level!r} applies to is_correction tis and mis only "
+        f"(is_correction={c.is_correction!r} has its own level); set is_level=token.",
+    )
 
 
 # ---- entry points -------------------------------------------------------------------------
 
-def compute_advantages(config: AlgorithmConfig, rewards_B: jnp.ndarray, correct_B: jnp.ndarray,
-                       mask_BT: jnp.ndarray, group_size: int, **kwargs: jnp.ndarray | None
-                       ) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, Metric]]:
+
+def compute_advantages(
+    config: AlgorithmConfig,
+    rewards_B: jnp.ndarray,
+    correct_B: jnp.ndarray,
+    mask_BT: jnp.ndarray,
+    group_size: int,
+    **kwargs: jnp.ndarray | None,
+) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, Metric]]:
     """Advantages for one rollout batch: (advantages [B] or [B, T], keep_B bool, metrics);
     ``compute_advantages_and_returns`` without the critic's returns (same arguments)."""
-    adv, _, keep, metrics = compute_advantages_and_returns(config, rewards_B, correct_B, mask_BT,
-                                                           group_size, **kwargs)
+    adv, _, keep, metrics = compute_advantages_and_returns(
+        config, rewards_B, correct_B, mask_BT, group_size, **kwargs
+    )
     return adv, keep, metrics
 
 
@@ -276,27 +344,35 @@ def compute_advantages_and_returns(
     if c.binary_reward is not None:
         r_B = jnp.where(correct, c.binary_reward[1], c.binary_reward[0]).astype(jnp.float32)
     signal = valid & filters.group_keep_mask(
-        correct, group_size, reject_all_correct=c.reject_all_correct,
-        reject_all_wrong=c.reject_all_wrong, valid_B=valid)
+        correct,
+        group_size,
+        reject_all_correct=c.reject_all_correct,
+        reject_all_wrong=c.reject_all_wrong,
+        valid_B=valid,
+    )
     if c.advantage == "positives":
-        signal &= filters.raft_positives(jnp.where(valid, r_B, -jnp.inf), correct, group_size,
-                                         select=c.positives)
+        signal &= filters.raft_positives(
+            jnp.where(valid, r_B, -jnp.inf), correct, group_size, select=c.positives
+        )
     keep = valid if c.rejected_rows == "zero" else signal
     if c.overlong_filter:
         if truncated_B is None:
-            raise ValueError("overlong_filter=True needs truncated_B (the sampler's "
-                             "'hit max_new_tokens' flags).")
+            raise ValueError(
+                "overlong_filter=True needs truncated_B (the sampler's 'hit max_new_tokens' flags)."
+            )
         keep = keep & filters.overlong_keep_mask(truncated_B)
 
     kl_BT, returns_BT = None, None
     if c.kl_in == "reward" and c.kl_coef != 0:
         if logp_BT is None or ref_logp_BT is None:
-            raise ValueError("kl_in='reward' needs logp_BT (sampling policy) and ref_logp_BT "
-                             "(reference model).")
+            raise ValueError(
+                "kl_in='reward' needs logp_BT (sampling policy) and ref_logp_BT (reference model)."
+            )
         kl_BT = losses.kl_estimate(logp_BT, ref_logp_BT, c.kl_estimator, c.k3_clamp)
     if c.advantage == "normalized":
-        adv = adv_lib.normalized_advantages(r_B, group_size, mean=c.mean, std=c.std, ddof=c.ddof,
-                                            eps=c.eps, keep_B=signal)
+        adv = adv_lib.normalized_advantages(
+            r_B, group_size, mean=c.mean, std=c.std, ddof=c.ddof, eps=c.eps, keep_B=signal
+        )
     elif c.advantage == "rloo":
         adv = adv_lib.rloo_advantages(r_B, group_size, keep_B=signal)
     elif c.advantage == "positives":
@@ -305,16 +381,32 @@ def compute_advantages_and_returns(
         adv = r_B - _baseline(c, baseline_B, baseline_correct_B)
     elif c.advantage == "gae":
         if values_BT is None:
-            raise ValueError("advantage='gae' (PPO) needs values_BT: the critic's values of the "
-                             "rollout.")
-        adv, returns_BT = value_lib.ppo_advantages(r_B, values_BT, mask_BT, gamma=c.gamma,
-                                                   lam=c.lam, kl_BT=kl_BT, kl_coef=c.kl_coef,
-                                                   keep_B=signal)
+            raise ValueError(
+                "advantage='gae' (PPO) needs values_BT: the critic's values of the rollout."
+            )
+        adv, returns_BT = value_lib.ppo_advantages(
+            r_B,
+            values_BT,
+            mask_BT,
+            gamma=c.gamma,
+            lam=c.lam,
+            kl_BT=kl_BT,
+            kl_coef=c.kl_coef,
+            keep_B=signal,
+        )
         returns_BT = jnp.where(valid[:, None], returns_BT, 0.0)
     elif c.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
         adv = adv_lib.reinforce_pp_advantages(
-            r_B, mask_BT, kl_BT=kl_BT, kl_coef=c.kl_coef, group_size=group_size,
-            baseline=c.advantage == "reinforce_pp_baseline", keep_B=signal, ddof=c.ddof, eps=c.eps)
+            r_B,
+            mask_BT,
+            kl_BT=kl_BT,
+            kl_coef=c.kl_coef,
+            group_size=group_size,
+            baseline=c.advantage == "reinforce_pp_baseline",
+            keep_B=signal,
+            ddof=c.ddof,
+            eps=c.eps,
+        )
     else:
         raise ValueError(f"advantage={c.advantage!r}: choose one of {ADVANTAGES}.")
     if kl_BT is not None and c.advantage in SEQUENCE_ADVANTAGES:
@@ -329,11 +421,15 @@ def compute_advantages_and_returns(
 
     lf = learn.astype(jnp.float32)
     n_learn = jnp.maximum(lf.sum(), 1.0)
-    adv_B = (adv if adv.ndim == 1
-             else adv.sum(1) / jnp.maximum(jnp.asarray(mask_BT, jnp.float32).sum(1), 1.0))
+    adv_B = (
+        adv
+        if adv.ndim == 1
+        else adv.sum(1) / jnp.maximum(jnp.asarray(mask_BT, jnp.float32).sum(1), 1.0)
+    )
     metrics = {
-        "adv/frac_groups_rejected":
-            Metric.mean(filters.rejected_group_fraction(signal, group_size)),
+        "adv/frac_groups_rejected": Metric.mean(
+            filters.rejected_group_fraction(signal, group_size)
+        ),
         "adv/frac_rows_kept": Metric.mean(lf.mean()),
         "adv/adv_mean": Metric.mean((adv_B * lf).sum() / n_learn),
         "adv/adv_abs_mean": Metric.mean((jnp.abs(adv_B) * lf).sum() / n_learn),
@@ -341,21 +437,26 @@ def compute_advantages_and_returns(
     return adv, returns_BT, keep, metrics
 
 
-def _baseline(c: AlgorithmConfig, baseline_B: jnp.ndarray | None,
-              baseline_correct_B: jnp.ndarray | None) -> jnp.ndarray:
+def _baseline(
+    c: AlgorithmConfig, baseline_B: jnp.ndarray | None, baseline_correct_B: jnp.ndarray | None
+) -> jnp.ndarray:
     """ReMax's baseline per row, mapped like the rewards when binary_reward is set."""
     if baseline_B is None or (c.binary_reward is not None and baseline_correct_B is None):
-        raise ValueError("advantage='remax' needs baseline_B (and baseline_correct_B with "
-                         "binary_reward): the reward and verdict of each prompt's greedy "
-                         "completion.")
+        raise ValueError(
+            "advantage='remax' needs baseline_B (and baseline_correct_B with "
+            "binary_reward): the reward and verdict of each prompt's greedy "
+            "completion."
+        )
     if c.binary_reward is None:
         return jnp.asarray(baseline_B, jnp.float32)
-    return jnp.where(jnp.asarray(baseline_correct_B, bool), c.binary_reward[1],
-                     c.binary_reward[0]).astype(jnp.float32)
+    return jnp.where(
+        jnp.asarray(baseline_correct_B, bool), c.binary_reward[1], c.binary_reward[0]
+    ).astype(jnp.float32)
 
 
-def loss_denominator(config: AlgorithmConfig, mask_BT: jnp.ndarray,
-                     keep_B: jnp.ndarray | None = None) -> jnp.ndarray:
+def loss_denominator(
+    config: AlgorithmConfig, mask_BT: jnp.ndarray, keep_B: jnp.ndarray | None = None
+) -> jnp.ndarray:
     """The mini-batch denominator of ``policy_loss`` (compute once, before splitting
     micro-batches)."""
     return losses.loss_denominator(mask_BT, keep_B, config.agg, config.max_tokens)
@@ -399,23 +500,40 @@ def policy_loss(
     w = losses.row_weights(mask_BT, keep_B)
     if c.objective == "nll":
         # A = 0 on rows kept only for the denominator (rejected_rows="zero").
-        pg_BT, aux = (losses.nll_loss(logp_BT)
-                      * losses.broadcast_advantages(advantages, logp_BT.shape), None)
+        pg_BT, aux = (
+            losses.nll_loss(logp_BT) * losses.broadcast_advantages(advantages, logp_BT.shape),
+            None,
+        )
     else:
         if c.importance == "sequence":
             old_logp_BT = losses.sequence_old_logp(logp_BT, old_logp_BT, mask_BT)
-        pg_BT, aux = losses.clipped_surrogate(logp_BT, old_logp_BT, advantages, clip_low=c.clip_low,
-                                              clip_high=c.clip_high, dual_clip=c.dual_clip)
+        pg_BT, aux = losses.clipped_surrogate(
+            logp_BT,
+            old_logp_BT,
+            advantages,
+            clip_low=c.clip_low,
+            clip_high=c.clip_high,
+            dual_clip=c.dual_clip,
+        )
     is_metrics: dict[str, Metric] = {}
     if behaviour_logp_BT is not None:
         is_metrics = correction.mismatch_metrics(trainer_logp_BT, behaviour_logp_BT, mask_BT)
     if c.is_correction is not None:
         if behaviour_logp_BT is None:
-            raise ValueError(f"is_correction={c.is_correction!r} needs behaviour_logp_BT (the "
-                             "sampler's logprobs of the sampled tokens).")
+            raise ValueError(
+                f"is_correction={c.is_correction!r} needs behaviour_logp_BT (the "
+                "sampler's logprobs of the sampled tokens)."
+            )
         is_w_BT, corrected_BT = correction.is_weights(
-            c.is_correction, trainer_logp_BT, behaviour_logp_BT, mask_BT, level=c.is_level,
-            cap=c.is_cap, lower=c.is_lower, upper=c.is_upper)
+            c.is_correction,
+            trainer_logp_BT,
+            behaviour_logp_BT,
+            mask_BT,
+            level=c.is_level,
+            cap=c.is_cap,
+            lower=c.is_lower,
+            upper=c.is_upper,
+        )
         pg_BT = pg_BT * is_w_BT
         is_metrics.update(correction.correction_metrics(is_w_BT, corrected_BT, w))
     total_BT = pg_BT
@@ -424,20 +542,29 @@ def policy_loss(
         kl_BT = losses.kl_estimate(logp_BT, ref_logp_BT, c.kl_estimator, c.k3_clamp)
     if c.kl_in == "loss" and c.kl_coef != 0:
         if kl_BT is None:
-            raise ValueError("kl_in='loss' with kl_coef > 0 needs ref_logp_BT (reference-model "
-                             "log-probs).")
+            raise ValueError(
+                "kl_in='loss' with kl_coef > 0 needs ref_logp_BT (reference-model log-probs)."
+            )
         total_BT = total_BT + c.kl_coef * kl_BT
     if c.entropy_coef != 0:
         if entropy_BT is None:
-            raise ValueError("entropy_coef != 0 needs entropy_BT (losses.entropy_from_logits of "
-                             "the policy logits).")
+            raise ValueError(
+                "entropy_coef != 0 needs entropy_BT (losses.entropy_from_logits of "
+                "the policy logits)."
+            )
         total_BT = total_BT - c.entropy_coef * entropy_BT
     loss_sum, denom = losses.aggregate(total_BT, mask_BT, keep_B, c.agg, c.max_tokens)
     d = losses.log_ratio(logp_BT, old_logp_BT)
     metrics = losses.token_metrics(
-        w, keep_B, ratio_BT=jnp.exp(d), log_ratio_BT=d, clip_aux=aux, pg_loss_BT=pg_BT,
-        kl_ref_BT=kl_BT, entropy_BT=entropy_BT)
+        w,
+        keep_B,
+        ratio_BT=jnp.exp(d),
+        log_ratio_BT=d,
+        clip_aux=aux,
+        pg_loss_BT=pg_BT,
+        kl_ref_BT=kl_BT,
+        entropy_BT=entropy_BT,
+    )
     metrics.update(is_metrics)
     metrics = jax.tree_util.tree_map(jax.lax.stop_gradient, metrics)
     return loss_sum, denom, metrics
-

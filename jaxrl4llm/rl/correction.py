@@ -19,6 +19,7 @@ and the weights:
   geo_mask  w = 1[lower <= g_i <= upper]             geometric-mean sequence masking
 docs/algorithms.md ("Sampler-trainer mismatch") cites the formulas of verl and OpenRLHF.
 """
+
 from __future__ import annotations
 
 import jax
@@ -30,16 +31,17 @@ CORRECTIONS = ("tis", "mis", "icepop", "geo_mask", None)
 IS_LEVELS = ("token", "sequence")
 # Corrections whose ratio is taken at --is_level; icepop is per token, geo_mask per sequence.
 LEVELLED = ("tis", "mis")
-SAFETY_BOUND = 20.0            # log-ratio clip before exp (verl's SAFETY_BOUND)
-MISMATCH_BAND = (0.5, 2.0)     # ratios outside it are counted by mismatch/ratio_outside_frac
+SAFETY_BOUND = 20.0  # log-ratio clip before exp (verl's SAFETY_BOUND)
+MISMATCH_BAND = (0.5, 2.0)  # ratios outside it are counted by mismatch/ratio_outside_frac
 
 
 def _masked(x_BT: jnp.ndarray, mask_BT: jnp.ndarray) -> jnp.ndarray:
     return jnp.where(jnp.asarray(mask_BT, bool), x_BT, 0.0)
 
 
-def level_log_ratio(old_logp_BT: jnp.ndarray, behaviour_logp_BT: jnp.ndarray,
-                    mask_BT: jnp.ndarray, level: str) -> jnp.ndarray:
+def level_log_ratio(
+    old_logp_BT: jnp.ndarray, behaviour_logp_BT: jnp.ndarray, mask_BT: jnp.ndarray, level: str
+) -> jnp.ndarray:
     """log r [B, T] at `level` ("token", "sequence": the row's sum, "geometric": its mean over
     valid tokens, broadcast over T), clipped to [-20, 20]; 0 at padding."""
     d = _masked(old_logp_BT - behaviour_logp_BT, mask_BT)
@@ -55,9 +57,17 @@ def level_log_ratio(old_logp_BT: jnp.ndarray, behaviour_logp_BT: jnp.ndarray,
     return _masked(jnp.clip(log_r, -SAFETY_BOUND, SAFETY_BOUND), mask_BT)
 
 
-def is_weights(correction: str, old_logp_BT: jnp.ndarray, behaviour_logp_BT: jnp.ndarray,
-               mask_BT: jnp.ndarray, *, level: str = "token", cap: float = 2.0,
-               lower: float = 0.5, upper: float = 2.0) -> tuple[jnp.ndarray, jnp.ndarray]:
+def is_weights(
+    correction: str,
+    old_logp_BT: jnp.ndarray,
+    behaviour_logp_BT: jnp.ndarray,
+    mask_BT: jnp.ndarray,
+    *,
+    level: str = "token",
+    cap: float = 2.0,
+    lower: float = 0.5,
+    upper: float = 2.0,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
     """(w_BT, corrected_BT): the correction's per-token weights (stop-gradient, 0 at padding)
     and where it changed the plain IS ratio's use (bool: truncated, or masked to 0).
 
@@ -79,8 +89,9 @@ def is_weights(correction: str, old_logp_BT: jnp.ndarray, behaviour_logp_BT: jnp
     return jnp.where(valid, w, 0.0), corrected & valid
 
 
-def mismatch_metrics(old_logp_BT: jnp.ndarray, behaviour_logp_BT: jnp.ndarray,
-                     mask_BT: jnp.ndarray) -> dict[str, Metric]:
+def mismatch_metrics(
+    old_logp_BT: jnp.ndarray, behaviour_logp_BT: jnp.ndarray, mask_BT: jnp.ndarray
+) -> dict[str, Metric]:
     """The gap on every sampled token: mismatch/logp_abs_diff_mean (token mean of
     |old_logp - behaviour_logp|), mismatch/logp_abs_diff_max, mismatch/ratio_outside_frac
     (tokens whose ratio exp(old_logp - behaviour_logp) is outside [0.5, 2])."""
@@ -97,8 +108,9 @@ def mismatch_metrics(old_logp_BT: jnp.ndarray, behaviour_logp_BT: jnp.ndarray,
     }
 
 
-def correction_metrics(w_BT: jnp.ndarray, corrected_BT: jnp.ndarray,
-                       weights_BT: jnp.ndarray) -> dict[str, Metric]:
+def correction_metrics(
+    w_BT: jnp.ndarray, corrected_BT: jnp.ndarray, weights_BT: jnp.ndarray
+) -> dict[str, Metric]:
     """Of the tokens in the loss (weights_BT > 0, i.e. valid tokens of kept rows):
     is/corrected_token_frac (truncated or masked), is/corrected_seq_frac (rows with at least
     one such token, of the rows with a token in the loss), is/weight_mean (mean IS weight)."""
@@ -108,7 +120,8 @@ def correction_metrics(w_BT: jnp.ndarray, corrected_BT: jnp.ndarray,
     rows = valid.any(axis=1)
     return {
         "is/corrected_token_frac": Metric.mean(hit.astype(jnp.float32).sum(), n_tokens),
-        "is/corrected_seq_frac": Metric.mean(hit.any(axis=1).astype(jnp.float32).sum(),
-                                             rows.astype(jnp.float32).sum()),
+        "is/corrected_seq_frac": Metric.mean(
+            hit.any(axis=1).astype(jnp.float32).sum(), rows.astype(jnp.float32).sum()
+        ),
         "is/weight_mean": Metric.mean(jnp.where(valid, w_BT, 0.0).sum(), n_tokens),
     }

@@ -4,6 +4,7 @@ Filters read the boolean ``correct_B`` from the verifier, never the float reward
 RAFT's "best" selection, which ranks by reward). A row with keep = False leaves the loss:
 numerator, denominators and batch statistics.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -64,8 +65,10 @@ def keep_mask(
 ) -> jnp.ndarray:
     """bool [B]: group rejection AND (when truncated_B is given) overlong filtering."""
     keep = group_keep_mask(
-        correct_B, group_size, reject_all_correct=reject_all_correct,
-        reject_all_wrong=reject_all_wrong
+        correct_B,
+        group_size,
+        reject_all_correct=reject_all_correct,
+        reject_all_wrong=reject_all_wrong,
     )
     if truncated_B is not None:
         keep &= overlong_keep_mask(truncated_B)

@@ -21,6 +21,7 @@ sequence when n_i > 0:
 max_tokens defaults to T (the padded completion length); micro-batches sliced from one
 padded [B, T] array share it, which keeps the combination exact.
 """
+
 from __future__ import annotations
 
 import jax
@@ -31,15 +32,17 @@ from jaxrl4llm.rl.metrics import Metric
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LOG_RATIO_CLAMP = 20.0
-K3_CLAMP = 10.0   # the cap verl (low_var_kl) and OpenRLHF (compute_approx_kl) put on k3
+K3_CLAMP = 10.0  # the cap verl (low_var_kl) and OpenRLHF (compute_approx_kl) put on k3
 
 
 def row_weights(mask_BT: jnp.ndarray, keep_B: jnp.ndarray | None) -> jnp.ndarray:
     w = jnp.asarray(mask_BT).astype(jnp.float32)
     if keep_B is not None:
         if keep_B.shape != w.shape[:1]:
-            raise ValueError(f"keep_B has shape {keep_B.shape}, expected ({w.shape[0]},) to match "
-                             f"mask_BT {w.shape}.")
+            raise ValueError(
+                f"keep_B has shape {keep_B.shape}, expected ({w.shape[0]},) to match "
+                f"mask_BT {w.shape}."
+            )
         w = w * jnp.asarray(keep_B).astype(jnp.float32)[:, None]
     return w
 
@@ -49,8 +52,10 @@ def broadcast_advantages(advantages: jnp.ndarray, shape_BT: tuple[int, ...]) -> 
     if adv.ndim == 1:
         adv = adv[:, None]
     if adv.shape not in ((shape_BT[0], 1), tuple(shape_BT)):
-        raise ValueError(f"advantages have shape {advantages.shape}; expected [B]={shape_BT[:1]} "
-                         f"or [B, T]={shape_BT}.")
+        raise ValueError(
+            f"advantages have shape {advantages.shape}; expected [B]={shape_BT[:1]} "
+            f"or [B, T]={shape_BT}."
+        )
     return jnp.broadcast_to(adv, shape_BT)
 
 
@@ -92,8 +97,9 @@ def clipped_surrogate(
     return loss, aux
 
 
-def sequence_old_logp(logp_BT: jnp.ndarray, old_logp_BT: jnp.ndarray,
-                      mask_BT: jnp.ndarray) -> jnp.ndarray:
+def sequence_old_logp(
+    logp_BT: jnp.ndarray, old_logp_BT: jnp.ndarray, mask_BT: jnp.ndarray
+) -> jnp.ndarray:
     """GSPO's sequence-level importance ratio as an "old logp" for ``clipped_surrogate``.
 
     s_i = exp(mean_t (logp_it - old_logp_it)) over row i's valid tokens (the length-normalised
@@ -113,8 +119,12 @@ def nll_loss(logp_BT: jnp.ndarray) -> jnp.ndarray:
     return -logp_BT
 
 
-def kl_estimate(logp_BT: jnp.ndarray, ref_logp_BT: jnp.ndarray, estimator: str = "k3",
-                k3_clamp: float | None = K3_CLAMP) -> jnp.ndarray:
+def kl_estimate(
+    logp_BT: jnp.ndarray,
+    ref_logp_BT: jnp.ndarray,
+    estimator: str = "k3",
+    k3_clamp: float | None = K3_CLAMP,
+) -> jnp.ndarray:
     """Per-token KL(pi || pi_ref) estimate, d = logp - ref_logp.
 
     k1 = d; k2 = d^2 / 2; k3 = exp(-d) + d - 1, evaluated on d clamped to [-20, 20] (the
@@ -202,6 +212,7 @@ def finalize_loss(loss_sum: jnp.ndarray, denominator: jnp.ndarray) -> jnp.ndarra
 
 # ---- diagnostics ----------------------------------------------------------------------------
 
+
 def token_metrics(
     w_BT: jnp.ndarray,
     keep_B: jnp.ndarray,
@@ -223,8 +234,9 @@ def token_metrics(
 
     n_rows = jnp.float32(w_BT.shape[0])
     m = {
-        "policy/frac_rejected": Metric.mean(n_rows - jnp.asarray(keep_B).astype(jnp.float32).sum(),
-                                            n_rows),
+        "policy/frac_rejected": Metric.mean(
+            n_rows - jnp.asarray(keep_B).astype(jnp.float32).sum(), n_rows
+        ),
         # k3 estimate of KL(pi || pi_old) on the sampled tokens: >= 0, low variance.
         "policy/approx_kl_old": token_mean(k3(log_ratio_BT)),
         "policy/ratio_min": Metric.min(jnp.where(valid, ratio_BT, jnp.inf).min()),

@@ -9,6 +9,7 @@ without knowing it:
     merged = combine_metrics(combine_metrics(m_micro_0, m_micro_1), m_update_1)
     finalize_metrics(merged)  -> {"policy/entropy": ..., "policy/ratio_min": ...}
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -109,5 +110,9 @@ def finalize_metrics(metrics: Metrics) -> dict[str, jax.Array]:
 
 def identity_metrics(metrics: Metrics) -> dict[str, Metric]:
     """Metrics (or their shapes) -> parts that merge as no-ops."""
-    return {k: Metric(jnp.zeros(m.total.shape, jnp.float32), jnp.zeros(m.count.shape, jnp.float32),
-                      m.reduce).identity() for k, m in metrics.items()}
+    return {
+        k: Metric(
+            jnp.zeros(m.total.shape, jnp.float32), jnp.zeros(m.count.shape, jnp.float32), m.reduce
+        ).identity()
+        for k, m in metrics.items()
+    }

@@ -3,6 +3,7 @@
 ``get_preset(name, **overrides)`` is the one way to build a named config; ``PRESETS`` maps
 every name to its constructor (docs/algorithms.md gives each one's formula and flags).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,15 @@ def grpo() -> AlgorithmConfig:
     A = (r - group mean) / (group std (ddof=1) + 1e-6); per-sequence token-mean then mean over
     sequences (seq-mean-token-mean); clip 0.2; k3 KL to the reference in the loss, coef 0.04.
     """
-    return AlgorithmConfig(name="grpo", mean="group", std="group", agg="seq-mean-token-mean",
-                           kl_in="loss", kl_estimator="k3", kl_coef=0.04)
+    return AlgorithmConfig(
+        name="grpo",
+        mean="group",
+        std="group",
+        agg="seq-mean-token-mean",
+        kl_in="loss",
+        kl_estimator="k3",
+        kl_coef=0.04,
+    )
 
 
 def dr_grpo() -> AlgorithmConfig:
@@ -37,8 +45,9 @@ def reinforce() -> AlgorithmConfig:
     surrogate (clip 0.2), token-mean; no KL. Rows a filter rejects (the Figure 4 ablations add
     group filters) keep A = 0 in the loss (rejected_rows="zero"), as the authors' code.
     """
-    return AlgorithmConfig(name="reinforce", mean="none", std="none", binary_reward=(-1.0, 1.0),
-                           rejected_rows="zero")
+    return AlgorithmConfig(
+        name="reinforce", mean="none", std="none", binary_reward=(-1.0, 1.0), rejected_rows="zero"
+    )
 
 
 def reinforce_rej() -> AlgorithmConfig:
@@ -48,8 +57,9 @@ def reinforce_rej() -> AlgorithmConfig:
     stay in the token-mean denominator with A = 0 (rejected_rows="zero"), as the authors'
     compute_reinforce_rej_outcome_advantage (github.com/RLHFlow/Minimal-RL).
     """
-    return dataclasses.replace(reinforce(), name="reinforce_rej", reject_all_correct=True,
-                               reject_all_wrong=True)
+    return dataclasses.replace(
+        reinforce(), name="reinforce_rej", reject_all_correct=True, reject_all_wrong=True
+    )
 
 
 def reinforce_pp() -> AlgorithmConfig:
@@ -58,8 +68,13 @@ def reinforce_pp() -> AlgorithmConfig:
     Token rewards r at the last token - 0.01 * k1 KL on every token; returns with gamma = 1;
     whitened over all valid tokens of the batch (ddof=1, eps=1e-6); clip 0.2; token-mean.
     """
-    return AlgorithmConfig(name="reinforce_pp", advantage="reinforce_pp", kl_in="reward",
-                           kl_estimator="k1", kl_coef=0.01)
+    return AlgorithmConfig(
+        name="reinforce_pp",
+        advantage="reinforce_pp",
+        kl_in="reward",
+        kl_estimator="k1",
+        kl_coef=0.01,
+    )
 
 
 def reinforce_pp_baseline() -> AlgorithmConfig:
@@ -71,9 +86,14 @@ def reinforce_pp_baseline() -> AlgorithmConfig:
     (train_reinforce_baseline_llama_ray_hybrid_engine.sh: --use_kl_loss --kl_estimator k2
     --init_kl_coef 1e-3).
     """
-    return dataclasses.replace(reinforce_pp(), name="reinforce_pp_baseline",
-                               advantage="reinforce_pp_baseline", kl_in="loss", kl_estimator="k2",
-                               kl_coef=0.001)
+    return dataclasses.replace(
+        reinforce_pp(),
+        name="reinforce_pp_baseline",
+        advantage="reinforce_pp_baseline",
+        kl_in="loss",
+        kl_estimator="k2",
+        kl_coef=0.001,
+    )
 
 
 def lite_ppo() -> AlgorithmConfig:
@@ -110,8 +130,13 @@ def raft_pp() -> AlgorithmConfig:
     wrong samples stay in the token-mean denominator with A = 0 (rejected_rows="zero"), as the
     authors' compute_raft_outcome_advantage (github.com/RLHFlow/Minimal-RL).
     """
-    return AlgorithmConfig(name="raft_pp", advantage="positives", objective="clipped",
-                           positives="correct", rejected_rows="zero")
+    return AlgorithmConfig(
+        name="raft_pp",
+        advantage="positives",
+        objective="clipped",
+        positives="correct",
+        rejected_rows="zero",
+    )
 
 
 def gspo() -> AlgorithmConfig:
@@ -122,8 +147,15 @@ def gspo() -> AlgorithmConfig:
     [1 - 3e-4, 1 + 4e-4] (the paper's ranges); per-sequence token mean (seq-mean-token-mean,
     as verl's compute_policy_loss_gspo); no KL.
     """
-    return AlgorithmConfig(name="gspo", mean="group", std="group", agg="seq-mean-token-mean",
-                           importance="sequence", clip_low=3e-4, clip_high=4e-4)
+    return AlgorithmConfig(
+        name="gspo",
+        mean="group",
+        std="group",
+        agg="seq-mean-token-mean",
+        importance="sequence",
+        clip_low=3e-4,
+        clip_high=4e-4,
+    )
 
 
 def remax() -> AlgorithmConfig:
@@ -146,9 +178,17 @@ def dapo() -> AlgorithmConfig:
     wrong are resampled (up to max_resample_rounds extra rounds) and kept out of the loss.
     The soft overlong punishment is a reward option (--overlong_buffer, --overlong_penalty).
     """
-    return AlgorithmConfig(name="dapo", mean="group", std="group", agg="token-mean",
-                           clip_low=0.2, clip_high=0.28, reject_all_correct=True,
-                           reject_all_wrong=True, dynamic_sampling=True)
+    return AlgorithmConfig(
+        name="dapo",
+        mean="group",
+        std="group",
+        agg="token-mean",
+        clip_low=0.2,
+        clip_high=0.28,
+        reject_all_correct=True,
+        reject_all_wrong=True,
+        dynamic_sampling=True,
+    )
 
 
 def ppo() -> AlgorithmConfig:
@@ -163,14 +203,40 @@ def ppo() -> AlgorithmConfig:
     (--gamma 1 --lambd 0.95 --value_clip 0.2; verl's ppo_trainer.yaml has lam 1.0 and
     cliprange_value 0.5).
     """
-    return AlgorithmConfig(name="ppo", advantage="gae", mean="none", std="none", agg="token-mean",
-                           kl_in="reward", kl_estimator="k1", kl_coef=0.01, gamma=1.0, lam=0.95,
-                           value_clip=0.2)
+    return AlgorithmConfig(
+        name="ppo",
+        advantage="gae",
+        mean="none",
+        std="none",
+        agg="token-mean",
+        kl_in="reward",
+        kl_estimator="k1",
+        kl_coef=0.01,
+        gamma=1.0,
+        lam=0.95,
+        value_clip=0.2,
+    )
 
 
-PRESETS = {f.__name__: f for f in (grpo, dr_grpo, reinforce, reinforce_rej, reinforce_pp,
-                                   reinforce_pp_baseline, lite_ppo, rloo, raft, raft_pp, gspo,
-                                   remax, dapo, ppo)}
+PRESETS = {
+    f.__name__: f
+    for f in (
+        grpo,
+        dr_grpo,
+        reinforce,
+        reinforce_rej,
+        reinforce_pp,
+        reinforce_pp_baseline,
+        lite_ppo,
+        rloo,
+        raft,
+        raft_pp,
+        gspo,
+        remax,
+        dapo,
+        ppo,
+    )
+}
 
 
 def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
@@ -181,6 +247,7 @@ def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
     known = {f.name for f in dataclasses.fields(AlgorithmConfig)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise ValueError(f"unknown AlgorithmConfig knob(s) {unknown}; valid knobs: "
-                         f"{', '.join(sorted(known))}.")
+        raise ValueError(
+            f"unknown AlgorithmConfig knob(s) {unknown}; valid knobs: {', '.join(sorted(known))}."
+        )
     return dataclasses.replace(PRESETS[key](), **overrides)

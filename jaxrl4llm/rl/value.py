@@ -15,6 +15,7 @@ Conventions (as verl's compute_gae_advantage_return / compute_value_loss, core_a
   * Value loss per token: 0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2),
     aggregated like the policy loss (losses.aggregate: exact over micro-batches).
 """
+
 from __future__ import annotations
 
 import jax
@@ -24,11 +25,17 @@ from jaxrl4llm.rl import advantages as adv_lib
 from jaxrl4llm.rl import losses
 from jaxrl4llm.rl.metrics import Metric
 
-WHITEN_EPS = 1e-8   # verl's masked_whiten: rsqrt(var + 1e-8)
+WHITEN_EPS = 1e-8  # verl's masked_whiten: rsqrt(var + 1e-8)
 
 
-def gae_advantages(token_rewards_BT: jnp.ndarray, values_BT: jnp.ndarray, mask_BT: jnp.ndarray,
-                   *, gamma: float, lam: float) -> tuple[jnp.ndarray, jnp.ndarray]:
+def gae_advantages(
+    token_rewards_BT: jnp.ndarray,
+    values_BT: jnp.ndarray,
+    mask_BT: jnp.ndarray,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
     """(advantages_BT, returns_BT) by generalized advantage estimation (Schulman et al. 2016),
     before whitening; both are 0 off the mask."""
     m = jnp.asarray(mask_BT, jnp.float32)
@@ -49,8 +56,9 @@ def gae_advantages(token_rewards_BT: jnp.ndarray, values_BT: jnp.ndarray, mask_B
     return adv_BT, (adv_BT + v) * m
 
 
-def masked_whiten(values_BT: jnp.ndarray, weights_BT: jnp.ndarray,
-                  eps: float = WHITEN_EPS) -> jnp.ndarray:
+def masked_whiten(
+    values_BT: jnp.ndarray, weights_BT: jnp.ndarray, eps: float = WHITEN_EPS
+) -> jnp.ndarray:
     """(x - mean) * rsqrt(var + eps) over the weighted entries (var with ddof=1, as verl's
     masked_whiten); 0 elsewhere, and 0 everywhere when those entries are all equal."""
     w = jnp.asarray(weights_BT, jnp.float32)
@@ -59,10 +67,17 @@ def masked_whiten(values_BT: jnp.ndarray, weights_BT: jnp.ndarray,
     return jnp.where(w > 0, out, 0.0)
 
 
-def ppo_advantages(rewards_B: jnp.ndarray, values_BT: jnp.ndarray, mask_BT: jnp.ndarray, *,
-                   gamma: float, lam: float, kl_BT: jnp.ndarray | None = None,
-                   kl_coef: float = 0.0, keep_B: jnp.ndarray | None = None
-                   ) -> tuple[jnp.ndarray, jnp.ndarray]:
+def ppo_advantages(
+    rewards_B: jnp.ndarray,
+    values_BT: jnp.ndarray,
+    mask_BT: jnp.ndarray,
+    *,
+    gamma: float,
+    lam: float,
+    kl_BT: jnp.ndarray | None = None,
+    kl_coef: float = 0.0,
+    keep_B: jnp.ndarray | None = None,
+) -> tuple[jnp.ndarray, jnp.ndarray]:
     """PPO's (advantages_BT, returns_BT): token rewards (r at the last real token, minus
     kl_coef * KL_t on every real token), GAE, advantages whitened over the kept rows' real
     tokens. keep_B rows leave the whitening statistics; their advantages are 0 (their
@@ -74,11 +89,17 @@ def ppo_advantages(rewards_B: jnp.ndarray, values_BT: jnp.ndarray, mask_BT: jnp.
     return masked_whiten(adv_BT, w_BT), ret_BT
 
 
-def value_loss(values_BT: jnp.ndarray, old_values_BT: jnp.ndarray, returns_BT: jnp.ndarray,
-               mask_BT: jnp.ndarray, keep_B: jnp.ndarray | None = None, *,
-               value_clip: float | None = 0.2, agg: str = "token-mean",
-               max_tokens: int | None = None
-               ) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, Metric]]:
+def value_loss(
+    values_BT: jnp.ndarray,
+    old_values_BT: jnp.ndarray,
+    returns_BT: jnp.ndarray,
+    mask_BT: jnp.ndarray,
+    keep_B: jnp.ndarray | None = None,
+    *,
+    value_clip: float | None = 0.2,
+    agg: str = "token-mean",
+    max_tokens: int | None = None,
+) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, Metric]]:
     """(loss_sum, denominator, metrics) of PPO's clipped value loss on one (micro-)batch.
 
     Per token 0.5 * max((V - R)^2, (V_clipped - R)^2), V_clipped = V_old + clip(V - V_old,

@@ -5,6 +5,7 @@ program. A training run has a fixed batch (prompts x group size) and prompts of 
 length, so lengths go to two sizes per octave (2^k and 1.5 * 2^k: a handful of programs, at
 most a third of a block's positions padding) and batches to a few sizes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,7 +27,7 @@ class PromptTooLongError(UserError, ValueError):
 
 def two_per_octave(n: int) -> int:
     """The smallest 2^k or 1.5 * 2^k that is >= n (n >= 1): at most a third of it is padding."""
-    octave = 1 << (n - 1).bit_length()          # the next power of two >= n
+    octave = 1 << (n - 1).bit_length()  # the next power of two >= n
     return octave * 3 // 4 if octave >= 4 and n <= octave * 3 // 4 else octave
 
 
@@ -61,16 +62,18 @@ def bucket_batch_size(batch: int, multiple: int = 1) -> int:
 MIN_COMPLETION_BUCKET = 16
 
 
-def bucket_completion_length(length: int, max_new_tokens: int,
-                             minimum: int = MIN_COMPLETION_BUCKET) -> int:
+def bucket_completion_length(
+    length: int, max_new_tokens: int, minimum: int = MIN_COMPLETION_BUCKET
+) -> int:
     """The padded completion length the teacher-forced passes and the update run on: the
     longest completion of the batch rounded up to 2^k or 1.5 * 2^k (at least `minimum`),
     capped at max_new_tokens. Two lengths per octave: at most a third of the computed
     positions past the longest row are padding, and a run compiles at most
     2 * log2(max_new_tokens / minimum) + 1 update programs."""
     if not 0 <= length <= max_new_tokens:
-        raise ValueError(f"Completion length {length} is outside [0, max_new_tokens="
-                         f"{max_new_tokens}].")
+        raise ValueError(
+            f"Completion length {length} is outside [0, max_new_tokens={max_new_tokens}]."
+        )
     return min(two_per_octave(max(length, minimum, 1)), max_new_tokens)
 
 
@@ -87,9 +90,17 @@ class PromptBatch:
     num_rows: int
 
 
-def prepare_batch(prompts: Sequence[Sequence[int]], *, n: int, max_prompt_len: int,
-                  long_prompts: str, pad_id: int, vocab_size: int, batch_multiple: int = 1,
-                  min_prompt_bucket: int = MIN_PROMPT_BUCKET) -> PromptBatch:
+def prepare_batch(
+    prompts: Sequence[Sequence[int]],
+    *,
+    n: int,
+    max_prompt_len: int,
+    long_prompts: str,
+    pad_id: int,
+    vocab_size: int,
+    batch_multiple: int = 1,
+    min_prompt_bucket: int = MIN_PROMPT_BUCKET,
+) -> PromptBatch:
     """Host side: repeat each prompt n times, left-pad into a bucketed [B, P] block."""
     if long_prompts not in LONG_PROMPT_MODES:
         raise ValueError(f"long_prompts={long_prompts!r} must be one of {LONG_PROMPT_MODES}.")
@@ -100,12 +111,16 @@ def prepare_batch(prompts: Sequence[Sequence[int]], *, n: int, max_prompt_len: i
         raise ValueError("No prompts were given: pass at least one list of token ids.")
     for i, p in enumerate(lists):
         if p.size == 0:
-            raise ValueError(f"Prompt {i} is empty; every prompt needs at least one token "
-                             "(e.g. BOS or a chat template).")
+            raise ValueError(
+                f"Prompt {i} is empty; every prompt needs at least one token "
+                "(e.g. BOS or a chat template)."
+            )
         bad = p[(p < 0) | (p >= vocab_size)]
         if bad.size:
-            raise ValueError(f"Prompt {i} holds token id {int(bad[0])} outside [0, {vocab_size}): "
-                             "was it tokenized for another model?")
+            raise ValueError(
+                f"Prompt {i} holds token id {int(bad[0])} outside [0, {vocab_size}): "
+                "was it tokenized for another model?"
+            )
     too_long = np.array([p.size > max_prompt_len for p in lists])
     if too_long.any() and long_prompts == "error":
         i = int(np.argmax(too_long))
@@ -113,17 +128,18 @@ def prepare_batch(prompts: Sequence[Sequence[int]], *, n: int, max_prompt_len: i
             f"{int(too_long.sum())} of {len(lists)} prompts are longer than --max_prompt_tokens="
             f"{max_prompt_len} (prompt {i} has {lists[i].size} tokens). Shorten them, raise "
             "--max_prompt_tokens (or lower --max_new_tokens), or pass --long_prompts=drop to "
-            "skip and count them.")
+            "skip and count them."
+        )
     num_rows = len(lists) * n
     B = bucket_batch_size(num_rows, batch_multiple)
     kept = [p.size for p, long in zip(lists, too_long) if not long] or [1]
     P = bucket_prompt_length(max(kept), min_prompt_bucket)
     prompt_BP = np.full((B, P), pad_id, np.int32)
     mask_BP = np.zeros((B, P), bool)
-    mask_BP[:, -1] = True   # inactive rows hold one pad token so attention stays defined
+    mask_BP[:, -1] = True  # inactive rows hold one pad token so attention stays defined
     active_B = np.zeros(B, bool)
     dropped_B = np.zeros(B, bool)
-    prompt_index_B = np.full(B, len(lists), np.int32)   # batch padding: past every prompt
+    prompt_index_B = np.full(B, len(lists), np.int32)  # batch padding: past every prompt
     sample_index_B = np.zeros(B, np.int32)
     for i, p in enumerate(lists):
         rows = slice(i * n, (i + 1) * n)
@@ -132,8 +148,9 @@ def prepare_batch(prompts: Sequence[Sequence[int]], *, n: int, max_prompt_len: i
         if too_long[i]:
             dropped_B[rows] = True
             continue
-        prompt_BP[rows, P - p.size:] = p
-        mask_BP[rows, P - p.size:] = True
+        prompt_BP[rows, P - p.size :] = p
+        mask_BP[rows, P - p.size :] = True
         active_B[rows] = True
-    return PromptBatch(prompt_BP, mask_BP, active_B, dropped_B, prompt_index_B,
-                       sample_index_B, num_rows)
+    return PromptBatch(
+        prompt_BP, mask_BP, active_B, dropped_B, prompt_index_B, sample_index_B, num_rows
+    )

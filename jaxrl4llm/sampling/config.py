@@ -1,6 +1,7 @@
 """RolloutConfig: how prompts are sampled (P prompts, G samples of each, lengths, the sampling
 strategy, the row layout); the `rollout` group of the training config, read by the sampling
 context of the trainer and the evaluator."""
+
 from __future__ import annotations
 
 import dataclasses

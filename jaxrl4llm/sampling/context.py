@@ -6,6 +6,7 @@ The reward function and the prompt format are typed by what sampling asks of the
 protocols below), so this layer imports neither rewards/ nor data/: rewards.RewardFn and
 data.config.DataConfig are what the trainer and the evaluator pass.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,13 +25,13 @@ class RowVerdicts(Protocol):
     """A reward function's verdicts on B rows (rewards.RewardBatch)."""
 
     @property
-    def rewards(self) -> np.ndarray: ...       # float32 [B]
+    def rewards(self) -> np.ndarray: ...  # float32 [B]
 
     @property
-    def correct(self) -> np.ndarray: ...       # bool [B]
+    def correct(self) -> np.ndarray: ...  # bool [B]
 
     @property
-    def failed(self) -> np.ndarray: ...        # bool [B]: verification did not finish
+    def failed(self) -> np.ndarray: ...  # bool [B]: verification did not finish
 
     def take(self, rows: np.ndarray) -> Self: ...
 
@@ -40,11 +41,13 @@ class RowVerdicts(Protocol):
 class RewardFunction(Protocol):
     """Scores completions against their records (rewards.RewardFn)."""
 
-    def score(self, completions: Sequence[str], records: Sequence[Any],
-              lengths: np.ndarray | None = None) -> RowVerdicts: ...
+    def score(
+        self, completions: Sequence[str], records: Sequence[Any], lengths: np.ndarray | None = None
+    ) -> RowVerdicts: ...
 
-    def answer_keys(self, completions: Sequence[str], records: Sequence[Any]
-                    ) -> list[str | None]: ...
+    def answer_keys(
+        self, completions: Sequence[str], records: Sequence[Any]
+    ) -> list[str | None]: ...
 
 
 class PromptFormat(Protocol):
@@ -64,16 +67,28 @@ class RolloutContext:
     rollout: RolloutConfig
 
     @classmethod
-    def create(cls, model_config: ModelConfig, tokenizer: Any, reward_fn: RewardFunction,
-               mesh: Mesh | None, data: PromptFormat, rollout: RolloutConfig,
-               **sampler_options: Any) -> RolloutContext:
+    def create(
+        cls,
+        model_config: ModelConfig,
+        tokenizer: Any,
+        reward_fn: RewardFunction,
+        mesh: Mesh | None,
+        data: PromptFormat,
+        rollout: RolloutConfig,
+        **sampler_options: Any,
+    ) -> RolloutContext:
         """`sampler_options` go to Sampler (e.g. stop_ids=() to sample exactly
         max_new_tokens tokens)."""
-        sampler = Sampler(model_config, tokenizer, mesh=mesh,
-                          max_prompt_len=rollout.max_prompt_tokens,
-                          long_prompts=rollout.long_prompts,
-                          max_rows=rollout.rollout_micro_batch or None,
-                          decode_slots=rollout.decode_slots, **sampler_options)
+        sampler = Sampler(
+            model_config,
+            tokenizer,
+            mesh=mesh,
+            max_prompt_len=rollout.max_prompt_tokens,
+            long_prompts=rollout.long_prompts,
+            max_rows=rollout.rollout_micro_batch or None,
+            decode_slots=rollout.decode_slots,
+            **sampler_options,
+        )
         return cls(sampler, reward_fn, data, rollout)
 
     @property

@@ -17,6 +17,7 @@ Compaction gathers rows across the batch, which on a mesh would move cache rows 
 devices; with a mesh (or fewer than 2 * MIN_COMPACT_ROWS rows, or at most MIN_COMPACT_ROWS new
 tokens) the loop keeps all B slots.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,25 +45,32 @@ def cache_dtype_for(params: Any) -> Any:
     return jnp.float32 if jax.default_backend() == "cpu" else params["embed"].dtype
 
 
-def prefill(params: Any, model_config: ModelConfig, prompt_BP: jax.Array,
-            prompt_mask_BP: jax.Array, cache: transformer.KVCache,
-            sharding: parallel.ActivationSharding | None = None
-            ) -> tuple[jax.Array, transformer.KVCache]:
+def prefill(
+    params: Any,
+    model_config: ModelConfig,
+    prompt_BP: jax.Array,
+    prompt_mask_BP: jax.Array,
+    cache: transformer.KVCache,
+    sharding: parallel.ActivationSharding | None = None,
+) -> tuple[jax.Array, transformer.KVCache]:
     """Writes the left-padded prompt block into cache slots [0, P); returns the logits of each
     row's last prompt token [B, V] (only that column is unembedded) and the cache."""
     positions_BP = transformer.positions_from_mask(prompt_mask_BP)
-    h_BPD, new_cache = transformer.hidden_states(params, model_config, prompt_BP, positions_BP,
-                                                 prompt_mask_BP, cache, 0, sharding=sharding)
+    h_BPD, new_cache = transformer.hidden_states(
+        params, model_config, prompt_BP, positions_BP, prompt_mask_BP, cache, 0, sharding=sharding
+    )
     assert new_cache is not None  # hidden_states returns the cache it is given, updated
     return transformer.unembed(params, model_config, h_BPD[:, -1:], sharding)[:, 0], new_cache
+
 
 # The named scope of the weights' layout change before the loops: its collectives are the
 # once-per-call weight gathers (tools/plan.py finds them by it in the HLO's metadata).
 WEIGHTS_SCOPE = "decode_weights"
 
 
-def loop_params(params: Any, model_config: ModelConfig,
-                sharding: parallel.ActivationSharding | None) -> Any:
+def loop_params(
+    params: Any, model_config: ModelConfig, sharding: parallel.ActivationSharding | None
+) -> Any:
     """The weights the sampler computes with, made once before prefill and the decode loops:
     matrices in the compute dtype, one buffer per layer (transformer.unstack_layers) and, on a
     mesh, laid out for the decode matmuls (parallel.without_batch_axes: the FSDP shards
@@ -75,27 +83,45 @@ def loop_params(params: Any, model_config: ModelConfig,
     with jax.named_scope(WEIGHTS_SCOPE):
         # LoRA adapters folded into the weights: decoding then runs no adapter matmuls, and
         # the folded weights are the per-layer copy made here anyway (docs/performance.md).
-        params = transformer.unstack_layers(transformer.cast_for_compute(
-            lora.fold(params), model_config))
+        params = transformer.unstack_layers(
+            transformer.cast_for_compute(lora.fold(params), model_config)
+        )
         if sharding is None:
             return params
         stacked = transformer.param_logical_axes(model_config)
-        axes = {**stacked, "layers": tuple({k: v[1:] for k, v in stacked["layers"].items()}
-                                           for _ in params["layers"])}
-        layout = parallel.ActivationSharding(sharding.mesh, parallel.without_batch_axes(
-            sharding.rules))
+        axes = {
+            **stacked,
+            "layers": tuple(
+                {k: v[1:] for k, v in stacked["layers"].items()} for _ in params["layers"]
+            ),
+        }
+        layout = parallel.ActivationSharding(
+            sharding.mesh, parallel.without_batch_axes(sharding.rules)
+        )
         return parallel.constrain_tree(params, axes, layout)
 
 
-def decode_step(params: Any, model_config: ModelConfig, token_B: jax.Array,
-                position_B: jax.Array, cache: transformer.KVCache, cache_index: jax.Array,
-                sharding: parallel.ActivationSharding | None = None
-                ) -> tuple[jax.Array, transformer.KVCache]:
+def decode_step(
+    params: Any,
+    model_config: ModelConfig,
+    token_B: jax.Array,
+    position_B: jax.Array,
+    cache: transformer.KVCache,
+    cache_index: jax.Array,
+    sharding: parallel.ActivationSharding | None = None,
+) -> tuple[jax.Array, transformer.KVCache]:
     """Feeds one token per row at slot `cache_index`; returns (next-token logits [B, V], cache)."""
     B = token_B.shape[0]
-    h_B1D, new_cache = transformer.hidden_states(params, model_config, token_B[:, None],
-                                                 position_B[:, None], jnp.ones((B, 1), bool),
-                                                 cache, cache_index, sharding=sharding)
+    h_B1D, new_cache = transformer.hidden_states(
+        params,
+        model_config,
+        token_B[:, None],
+        position_B[:, None],
+        jnp.ones((B, 1), bool),
+        cache,
+        cache_index,
+        sharding=sharding,
+    )
     assert new_cache is not None  # hidden_states returns the cache it is given, updated
     return transformer.unembed(params, model_config, h_B1D, sharding)[:, 0], new_cache
 
@@ -107,20 +133,20 @@ def is_stop(tokens_B: jax.Array, stop_ids_S: jax.Array) -> jax.Array:
 class LoopState(flax.struct.PyTreeNode):
     """Per slot (_S, the current level's batch) and per row (_R, the block's B rows)."""
 
-    step: jax.Array          # index of the completion token produced next
-    cache: transformer.KVCache   # [S, ...] rows of the live slots
-    last_S: jax.Array        # the token produced at step - 1 (fed in this step)
-    position_S: jax.Array    # its RoPE position
-    done_S: jax.Array        # emitted a stop token (or an inactive row)
-    row_S: jax.Array         # the row each slot decodes
-    keys_S: jax.Array        # that row's key
+    step: jax.Array  # index of the completion token produced next
+    cache: transformer.KVCache  # [S, ...] rows of the live slots
+    last_S: jax.Array  # the token produced at step - 1 (fed in this step)
+    position_S: jax.Array  # its RoPE position
+    done_S: jax.Array  # emitted a stop token (or an inactive row)
+    row_S: jax.Array  # the row each slot decodes
+    keys_S: jax.Array  # that row's key
     length_R: jax.Array
     done_R: jax.Array
     tokens_RT: jax.Array
     logprobs_RT: jax.Array
-    slot_steps: jax.Array    # int32: sum over decode steps of the slots computed
-    greedy_S: jax.Array | None = None   # rows that decode greedily (ReMax's baseline row)
-    cap_S: jax.Array | None = None      # the row's own token limit (<= max_new_tokens)
+    slot_steps: jax.Array  # int32: sum over decode steps of the slots computed
+    greedy_S: jax.Array | None = None  # rows that decode greedily (ReMax's baseline row)
+    cap_S: jax.Array | None = None  # the row's own token limit (<= max_new_tokens)
 
 
 def live(s: LoopState) -> jax.Array:
@@ -140,17 +166,31 @@ def _compact(s: LoopState, size: int) -> LoopState:
     """The `size` slots holding every live row (live first, then finished ones as filler)."""
     order = jnp.argsort(~live(s), stable=True)[:size]
     take = lambda x: jnp.take(x, order, axis=0)  # noqa: E731
-    return s.replace(cache=jax.tree.map(take, s.cache), last_S=take(s.last_S),
-                     position_S=take(s.position_S), done_S=take(s.done_S),
-                     row_S=take(s.row_S), keys_S=take(s.keys_S),
-                     greedy_S=None if s.greedy_S is None else take(s.greedy_S),
-                     cap_S=None if s.cap_S is None else take(s.cap_S))
+    return s.replace(
+        cache=jax.tree.map(take, s.cache),
+        last_S=take(s.last_S),
+        position_S=take(s.position_S),
+        done_S=take(s.done_S),
+        row_S=take(s.row_S),
+        keys_S=take(s.keys_S),
+        greedy_S=None if s.greedy_S is None else take(s.greedy_S),
+        cap_S=None if s.cap_S is None else take(s.cap_S),
+    )
 
 
-def decode(params: Any, state: LoopState, *, model_config: ModelConfig,
-           sampling: SamplingConfig, stop_ids_S: jax.Array, pad_id: jax.Array,
-           prompt_len: int, max_new_tokens: int,
-           sharding: parallel.ActivationSharding | None, compact: bool) -> LoopState:
+def decode(
+    params: Any,
+    state: LoopState,
+    *,
+    model_config: ModelConfig,
+    sampling: SamplingConfig,
+    stop_ids_S: jax.Array,
+    pad_id: jax.Array,
+    prompt_len: int,
+    max_new_tokens: int,
+    sharding: parallel.ActivationSharding | None,
+    compact: bool,
+) -> LoopState:
     """Runs the decode loop from `state` (after the first token) to the end."""
     N = max_new_tokens
     # Short completions leave little to save; they skip the extra loops' compile time.
@@ -159,8 +199,7 @@ def decode(params: Any, state: LoopState, *, model_config: ModelConfig,
     # (a scatter into batch-sharded buffers could make the partitioner gather them).
     in_place = len(sizes) == 1
 
-    def write(buf_RT: jax.Array, row_S: jax.Array, step: jax.Array, x_S: jax.Array
-              ) -> jax.Array:
+    def write(buf_RT: jax.Array, row_S: jax.Array, step: jax.Array, x_S: jax.Array) -> jax.Array:
         if in_place:
             return jax.lax.dynamic_update_slice(buf_RT, x_S[:, None], (0, step))
         return buf_RT.at[row_S, step].set(x_S)
@@ -168,10 +207,10 @@ def decode(params: Any, state: LoopState, *, model_config: ModelConfig,
     def body(s: LoopState) -> LoopState:
         # Finished rows still in a slot keep feeding tokens (harmless: they only attend to
         # themselves) and write pad / 0 at their own row.
-        logits_SV, cache = decode_step(params, model_config, s.last_S, s.position_S, s.cache,
-                                       prompt_len + s.step - 1, sharding)
-        keys_S = jax.vmap(jax.random.fold_in)(s.keys_S, jnp.full(s.row_S.shape, s.step,
-                                                                  jnp.uint32))
+        logits_SV, cache = decode_step(
+            params, model_config, s.last_S, s.position_S, s.cache, prompt_len + s.step - 1, sharding
+        )
+        keys_S = jax.vmap(jax.random.fold_in)(s.keys_S, jnp.full(s.row_S.shape, s.step, jnp.uint32))
         tok_S, lp_S = strategies.sample(logits_SV, keys_S, sampling, s.greedy_S)
         live_S = live(s)
         tok_S = jnp.where(live_S, tok_S, pad_id)
@@ -179,14 +218,21 @@ def decode(params: Any, state: LoopState, *, model_config: ModelConfig,
         # A row stopped by its cap stays not done (truncated), even if pad is a stop id.
         done_S = s.done_S | (live_S & is_stop(tok_S, stop_ids_S))
         return s.replace(
-            step=s.step + 1, cache=cache, last_S=tok_S, position_S=s.position_S + 1,
+            step=s.step + 1,
+            cache=cache,
+            last_S=tok_S,
+            position_S=s.position_S + 1,
             done_S=done_S,
-            length_R=(s.length_R + live_S.astype(jnp.int32) if in_place
-                      else s.length_R.at[s.row_S].add(live_S.astype(jnp.int32))),
+            length_R=(
+                s.length_R + live_S.astype(jnp.int32)
+                if in_place
+                else s.length_R.at[s.row_S].add(live_S.astype(jnp.int32))
+            ),
             done_R=done_S if in_place else s.done_R.at[s.row_S].set(done_S),
             tokens_RT=write(s.tokens_RT, s.row_S, s.step, tok_S),
             logprobs_RT=write(s.logprobs_RT, s.row_S, s.step, lp_S),
-            slot_steps=s.slot_steps + s.row_S.shape[0])
+            slot_steps=s.slot_steps + s.row_S.shape[0],
+        )
 
     def more_live_than(floor: int, s: LoopState) -> jax.Array:
         return (s.step < N) & (jnp.sum(live(s)) > floor)

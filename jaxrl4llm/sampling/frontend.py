@@ -6,6 +6,7 @@ the stop ids, the pad id, the prompt limit and what to do with longer prompts, t
 how completions decode to text (stop token excluded). Greedy decoding reports temperature-1
 logprobs (SamplingConfig.effective_temperature), the rule the teacher-forced passes follow.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,13 +58,23 @@ class Sampler:
     multiple of its data-parallel size.
     """
 
-    def __init__(self, model_config: ModelConfig, tokenizer: Any = None, *,
-                 mesh: Mesh | None = None, rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
-                 stop_ids: Sequence[int] | None = None, extra_stop_ids: Sequence[int] = (),
-                 pad_id: int | None = None, max_prompt_len: int | None = None,
-                 long_prompts: str = "error",
-                 min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET,
-                 max_rows: int | None = None, compact: bool = True, decode_slots: int = 0):
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        tokenizer: Any = None,
+        *,
+        mesh: Mesh | None = None,
+        rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+        stop_ids: Sequence[int] | None = None,
+        extra_stop_ids: Sequence[int] = (),
+        pad_id: int | None = None,
+        max_prompt_len: int | None = None,
+        long_prompts: str = "error",
+        min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET,
+        max_rows: int | None = None,
+        compact: bool = True,
+        decode_slots: int = 0,
+    ):
         if long_prompts not in LONG_PROMPT_MODES:
             raise ValueError(f"long_prompts={long_prompts!r} must be one of {LONG_PROMPT_MODES}.")
         continuous.check_slots(decode_slots, mesh, rules)
@@ -89,15 +100,25 @@ class Sampler:
         """Places params on the sampler's mesh (a no-op without one)."""
         if self.mesh is None:
             return params
-        return parallel.shard_pytree(params, transformer.param_logical_axes(self.model_config),
-                                     self.mesh, self.rules)
+        return parallel.shard_pytree(
+            params, transformer.param_logical_axes(self.model_config), self.mesh, self.rules
+        )
 
-    def generate(self, params: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                 max_new_tokens: int, key: jax.Array, *, group_size: int = 1,
-                 share_prompts: bool = True, row_keys: jax.Array | None = None,
-                 greedy_last: int = 0,
-                 prefixes: Sequence[Sequence[int]] | None = None,
-                 row_caps: Sequence[int] | None = None) -> SampleOutput:
+    def generate(
+        self,
+        params: Any,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        max_new_tokens: int,
+        key: jax.Array,
+        *,
+        group_size: int = 1,
+        share_prompts: bool = True,
+        row_keys: jax.Array | None = None,
+        greedy_last: int = 0,
+        prefixes: Sequence[Sequence[int]] | None = None,
+        row_caps: Sequence[int] | None = None,
+    ) -> SampleOutput:
         """`group_size` samples of each prompt (token ids), laid out as
         RowLayout(group_size, share_prompts), the last `greedy_last` of each greedy, row r
         stopping at row_caps[r] tokens if given; see the module function `generate`.
@@ -111,24 +132,45 @@ class Sampler:
         limit = self.max_prompt_len
         if prefixes is not None:
             if group_size != 1 or len(prefixes) != len(prompts):
-                raise ValueError(f"prefixes: one per prompt with group_size=1, got "
-                                 f"{len(prefixes)} for {len(prompts)} prompts x {group_size}.")
+                raise ValueError(
+                    f"prefixes: one per prompt with group_size=1, got "
+                    f"{len(prefixes)} for {len(prompts)} prompts x {group_size}."
+                )
             prompts = [list(p) + list(x) for p, x in zip(prompts, prefixes)]
             limit = max(len(p) for p in prompts)
-        return generate(params, self.model_config, prompts, sampling, max_new_tokens, key,
-                        stop_ids=self.stop_ids, n=group_size, pad_id=self.pad_id,
-                        mesh=self.mesh, rules=self.rules, max_prompt_len=limit,
-                        long_prompts=self.long_prompts, row_keys=row_keys,
-                        min_prompt_bucket=self.min_prompt_bucket, share_prompts=share_prompts,
-                        max_rows=self.max_rows, greedy_last=greedy_last, compact=self.compact,
-                        decode_slots=self.decode_slots, row_caps=row_caps)
+        return generate(
+            params,
+            self.model_config,
+            prompts,
+            sampling,
+            max_new_tokens,
+            key,
+            stop_ids=self.stop_ids,
+            n=group_size,
+            pad_id=self.pad_id,
+            mesh=self.mesh,
+            rules=self.rules,
+            max_prompt_len=limit,
+            long_prompts=self.long_prompts,
+            row_keys=row_keys,
+            min_prompt_bucket=self.min_prompt_bucket,
+            share_prompts=share_prompts,
+            max_rows=self.max_rows,
+            greedy_last=greedy_last,
+            compact=self.compact,
+            decode_slots=self.decode_slots,
+            row_caps=row_caps,
+        )
 
-    def encode(self, prompts: Sequence[Any], *, chat: bool = True,
-               system: str | None = None) -> list[list[int]]:
+    def encode(
+        self, prompts: Sequence[Any], *, chat: bool = True, system: str | None = None
+    ) -> list[list[int]]:
         """Texts (or chat message lists) -> token ids, through the chat template by default."""
         if self.tokenizer is None:
-            raise ValueError("This Sampler has no tokenizer; pass one to Sampler(...) to "
-                             "sample from text, or call generate() with token ids.")
+            raise ValueError(
+                "This Sampler has no tokenizer; pass one to Sampler(...) to "
+                "sample from text, or call generate() with token ids."
+            )
         if chat:
             return [self.tokenizer.encode_chat(p, system) for p in prompts]
         return [self.tokenizer.encode(p) for p in prompts]
@@ -137,26 +179,61 @@ class Sampler:
         """This host's first `num_rows` completion texts (default: all rows), stop token
         excluded (rows of dropped prompts decode to "")."""
         num_rows = out.tokens_BT.shape[0] if num_rows is None else num_rows
-        rows = trim.text_token_ids(*(host_rows(x, num_rows) for x in
-                                     (out.tokens_BT, out.lengths_B, out.truncated_B)))
+        rows = trim.text_token_ids(
+            *(host_rows(x, num_rows) for x in (out.tokens_BT, out.lengths_B, out.truncated_B))
+        )
         return ["" if ids is None else self.tokenizer.decode(ids) for ids in rows]
 
-    def sample(self, params: Any, prompts: Sequence[Any], sampling: SamplingConfig,
-               max_new_tokens: int, key: jax.Array, layout: RowLayout = RowLayout(), *,
-               chat: bool = True, system: str | None = None, greedy_last: int = 0) -> Samples:
+    def sample(
+        self,
+        params: Any,
+        prompts: Sequence[Any],
+        sampling: SamplingConfig,
+        max_new_tokens: int,
+        key: jax.Array,
+        layout: RowLayout = RowLayout(),
+        *,
+        chat: bool = True,
+        system: str | None = None,
+        greedy_last: int = 0,
+    ) -> Samples:
         """Texts or chat message lists -> `layout.group_size` samples of each, decoded (the
         last `greedy_last` of each greedily)."""
-        out = self.generate(params, self.encode(prompts, chat=chat, system=system), sampling,
-                            max_new_tokens, key, group_size=layout.group_size,
-                            share_prompts=layout.share_prompts, greedy_last=greedy_last)
-        return Samples(out=out, texts=self.decode(out, len(prompts) * layout.group_size),
-                       layout=layout)
+        out = self.generate(
+            params,
+            self.encode(prompts, chat=chat, system=system),
+            sampling,
+            max_new_tokens,
+            key,
+            group_size=layout.group_size,
+            share_prompts=layout.share_prompts,
+            greedy_last=greedy_last,
+        )
+        return Samples(
+            out=out, texts=self.decode(out, len(prompts) * layout.group_size), layout=layout
+        )
 
-    def generate_text(self, params: Any, prompts: Sequence[Any], sampling: SamplingConfig,
-                      max_new_tokens: int, key: jax.Array, *, group_size: int = 1,
-                      chat: bool = True, system: str | None = None
-                      ) -> tuple[list[str], SampleOutput]:
+    def generate_text(
+        self,
+        params: Any,
+        prompts: Sequence[Any],
+        sampling: SamplingConfig,
+        max_new_tokens: int,
+        key: jax.Array,
+        *,
+        group_size: int = 1,
+        chat: bool = True,
+        system: str | None = None,
+    ) -> tuple[list[str], SampleOutput]:
         """Applies the chat template, samples, and decodes; returns (texts [B], output)."""
-        samples = self.sample(params, prompts, sampling, max_new_tokens, key,
-                              RowLayout(group_size), chat=chat, system=system)
+        samples = self.sample(
+            params,
+            prompts,
+            sampling,
+            max_new_tokens,
+            key,
+            RowLayout(group_size),
+            chat=chat,
+            system=system,
+        )
         return samples.texts, samples.out

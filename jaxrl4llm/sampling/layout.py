@@ -6,6 +6,7 @@ consumer reads the layout instead of assuming it: the sampler (prefill once per 
 reward call (one record per row), the advantages (group statistics), the teacher-forced
 passes and the update (a group's prompt runs once).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,8 +40,11 @@ class RowLayout:
         devices, else 1 (a group split across devices would replicate its prompt and
         all-reduce it)."""
         G = self.group_size
-        if (not (self.share_prompts and self.grouped) or rows % slices
-                or (rows // slices) % (G * data_parallel)):
+        if (
+            not (self.share_prompts and self.grouped)
+            or rows % slices
+            or (rows // slices) % (G * data_parallel)
+        ):
             return 1
         return G
 
@@ -49,9 +53,12 @@ class RowLayout:
         return dataclasses.replace(self, grouped=False)
 
 
-def prompt_completion_rows(prompt_tokens_BP: jax.Array, prompt_mask_BP: jax.Array,
-                           completion_tokens_BT: jax.Array, completion_mask_BT: jax.Array
-                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def prompt_completion_rows(
+    prompt_tokens_BP: jax.Array,
+    prompt_mask_BP: jax.Array,
+    completion_tokens_BT: jax.Array,
+    completion_mask_BT: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(tokens, mask, positions) [B, P + T] of prompt ++ completion rows, for a teacher-forced
     forward whose logits at column P - 1 + t predict completion token t."""
     tokens = jnp.concatenate([prompt_tokens_BP, completion_tokens_BT], axis=1)

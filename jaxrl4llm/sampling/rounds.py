@@ -16,6 +16,7 @@ teacher-forced passes, the update) is the same whatever happened here:
   short is filled with set-aside groups, which the preset's group filters then keep out of
   the loss.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,10 @@ from jaxrl4llm.sampling.frontend import Samples
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
-ONE_HOST_ONLY = ("--advantage=remax and --dynamic_sampling pick rows on the host and run on one "
-                 "host only; use one host, or --nodynamic_sampling / another advantage.")
+ONE_HOST_ONLY = (
+    "--advantage=remax and --dynamic_sampling pick rows on the host and run on one "
+    "host only; use one host, or --nodynamic_sampling / another advantage."
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +57,11 @@ class Rounds:
 
     @classmethod
     def for_algorithm(cls, algorithm: AlgorithmConfig) -> Rounds:
-        return cls(greedy_baseline=algorithm.advantage == "remax",
-                   dynamic_sampling=algorithm.dynamic_sampling,
-                   max_resample_rounds=algorithm.max_resample_rounds)
+        return cls(
+            greedy_baseline=algorithm.advantage == "remax",
+            dynamic_sampling=algorithm.dynamic_sampling,
+            max_resample_rounds=algorithm.max_resample_rounds,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +85,9 @@ def _take(part: ScoredRows, rows: np.ndarray) -> ScoredRows:
     s = part.samples
     out = jax.tree.map(lambda x: x if np.ndim(x) == 0 else x[rows], s.out)
     base = [None if getattr(part, f) is None else getattr(part, f)[rows] for f in _BASELINES]
-    return ScoredRows(Samples(out, [s.texts[i] for i in rows], s.layout),
-                      part.verdicts.take(rows), *base)
+    return ScoredRows(
+        Samples(out, [s.texts[i] for i in rows], s.layout), part.verdicts.take(rows), *base
+    )
 
 
 def _left_pad(x: jax.Array | np.ndarray, width: int, value: Any) -> np.ndarray:
@@ -93,54 +99,78 @@ def _concat(parts: Sequence[ScoredRows], pad_id: int) -> ScoredRows:
     if len(parts) == 1:
         return parts[0]
     width = max(p.samples.out.prompt_tokens_BP.shape[1] for p in parts)
-    outs = [p.samples.out.replace(
-        prompt_tokens_BP=_left_pad(p.samples.out.prompt_tokens_BP, width, pad_id),
-        prompt_mask_BP=_left_pad(p.samples.out.prompt_mask_BP, width, False)) for p in parts]
-    out = jax.tree.map(lambda *xs: max(xs) if np.ndim(xs[0]) == 0 else np.concatenate(xs),
-                       *outs)
+    outs = [
+        p.samples.out.replace(
+            prompt_tokens_BP=_left_pad(p.samples.out.prompt_tokens_BP, width, pad_id),
+            prompt_mask_BP=_left_pad(p.samples.out.prompt_mask_BP, width, False),
+        )
+        for p in parts
+    ]
+    out = jax.tree.map(lambda *xs: max(xs) if np.ndim(xs[0]) == 0 else np.concatenate(xs), *outs)
     verdicts = parts[0].verdicts.join(*(p.verdicts for p in parts[1:]))
-    base = [None if getattr(parts[0], f) is None else np.concatenate([getattr(p, f) for p in parts])
-            for f in _BASELINES]
+    base = [
+        None if getattr(parts[0], f) is None else np.concatenate([getattr(p, f) for p in parts])
+        for f in _BASELINES
+    ]
     texts = [t for p in parts for t in p.samples.texts]
     return ScoredRows(Samples(out, texts, parts[0].samples.layout), verdicts, *base)
 
 
-def _one_round(ctx: RolloutContext, params: Any, records: Sequence[Any], key: jax.Array,
-               layout: RowLayout, rounds: Rounds, sampling: SamplingConfig
-               ) -> tuple[ScoredRows, float, float]:
+def _one_round(
+    ctx: RolloutContext,
+    params: Any,
+    records: Sequence[Any],
+    key: jax.Array,
+    layout: RowLayout,
+    rounds: Rounds,
+    sampling: SamplingConfig,
+) -> tuple[ScoredRows, float, float]:
     """Samples and scores the records' groups; (result, sample seconds, reward seconds)."""
     t0 = time.perf_counter()
     greedy = rounds.greedy_baseline
     n = layout.group_size + int(greedy)
-    samples = ctx.sampler.sample(params, [ctx.data.messages(r) for r in records], sampling,
-                                 ctx.rollout.max_new_tokens, key,
-                                 RowLayout(n, layout.share_prompts), greedy_last=int(greedy))
+    samples = ctx.sampler.sample(
+        params,
+        [ctx.data.messages(r) for r in records],
+        sampling,
+        ctx.rollout.max_new_tokens,
+        key,
+        RowLayout(n, layout.share_prompts),
+        greedy_last=int(greedy),
+    )
     jax.block_until_ready(samples.out.tokens_BT)
     t_sample = time.perf_counter() - t0
     t0 = time.perf_counter()
     lengths = samples.host(samples.out.lengths_B)
     verdicts = ctx.reward_fn.score(samples.texts, RowLayout(n).repeat(records), lengths=lengths)
     part = ScoredRows(dataclasses.replace(samples, layout=layout), verdicts)
-    if greedy or rounds.dynamic_sampling:   # rows are selected on the host
-        part = dataclasses.replace(part, samples=dataclasses.replace(
-            samples, out=jax.device_get(samples.out), layout=layout))
-    if greedy:   # rows p * n + G are the greedy ones: baselines of the G rows before them
+    if greedy or rounds.dynamic_sampling:  # rows are selected on the host
+        part = dataclasses.replace(
+            part,
+            samples=dataclasses.replace(samples, out=jax.device_get(samples.out), layout=layout),
+        )
+    if greedy:  # rows p * n + G are the greedy ones: baselines of the G rows before them
         index_PN = np.arange(len(records) * n).reshape(-1, n)
         base = index_PN[:, -1].repeat(layout.group_size)
         part = _take(part, index_PN[:, :-1].reshape(-1))
-        part = dataclasses.replace(part, baseline_B=verdicts.rewards[base],
-                                   baseline_correct_B=verdicts.correct[base],
-                                   baseline_failed_B=verdicts.failed[base])
+        part = dataclasses.replace(
+            part,
+            baseline_B=verdicts.rewards[base],
+            baseline_correct_B=verdicts.correct[base],
+            baseline_failed_B=verdicts.failed[base],
+        )
     return part, t_sample, time.perf_counter() - t0
 
 
 def on_device(part: ScoredRows, mesh: Any) -> ScoredRows:
     """The selected rows back on the devices, laid out like the sampler's (same shapes every
     step, so later passes do not recompile)."""
+
     def put(x):
         if np.ndim(x) == 0 or mesh is None:
             return jnp.asarray(x)
         return jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x)))
+
     out = jax.tree.map(put, part.samples.out)
     return dataclasses.replace(part, samples=dataclasses.replace(part.samples, out=out))
 
@@ -153,25 +183,33 @@ def _has_spread(part: ScoredRows, group_size: int) -> np.ndarray:
     return correct.any(axis=1) & wrong.any(axis=1)
 
 
-def sample_and_score(ctx: RolloutContext, params: Any, records: Sequence[Any], key: jax.Array,
-                     layout: RowLayout, rounds: Rounds = Rounds(),
-                     next_records: Callable[[], Sequence[Any]] | None = None, *,
-                     sampling: SamplingConfig | None = None
-                     ) -> tuple[ScoredRows, dict[str, Any]]:
+def sample_and_score(
+    ctx: RolloutContext,
+    params: Any,
+    records: Sequence[Any],
+    key: jax.Array,
+    layout: RowLayout,
+    rounds: Rounds = Rounds(),
+    next_records: Callable[[], Sequence[Any]] | None = None,
+    *,
+    sampling: SamplingConfig | None = None,
+) -> tuple[ScoredRows, dict[str, Any]]:
     """P = len(records) groups of `layout.group_size` rows, sampled with `sampling` (default:
     the context's) and scored by the context's reward function; and the timings and metrics
     (time/rollout_s, time/reward_s, and with dynamic sampling rollout/rounds,
     rollout/frac_groups_filtered, rollout/groups_short and reward/accuracy_sampled).
     `next_records()` gives more prompts when dynamic sampling resamples (default: the same)."""
     greedy, dynamic = rounds.greedy_baseline, rounds.dynamic_sampling
-    if (greedy or dynamic) and jax.process_count() > 1:   # TrainConfig.validate says so first
+    if (greedy or dynamic) and jax.process_count() > 1:  # TrainConfig.validate says so first
         raise ValueError(ONE_HOST_ONLY)
     sampling = sampling or ctx.rollout.sampling
     G, P = layout.group_size, len(records)
     part, t_sample, t_reward = _one_round(ctx, params, records, key, layout, rounds, sampling)
     if not dynamic:
         return on_device(part, ctx.sampler.mesh) if greedy else part, {
-            "time/rollout_s": t_sample, "time/reward_s": t_reward}
+            "time/rollout_s": t_sample,
+            "time/reward_s": t_reward,
+        }
     kept, flat, n_kept, n_groups, n_rounds, n_correct = [], [], 0, 0, 1, 0
     while True:
         n_correct += int(part.verdicts.correct.sum())
@@ -183,16 +221,20 @@ def sample_and_score(ctx: RolloutContext, params: Any, records: Sequence[Any], k
         if n_kept >= P or n_rounds > rounds.max_resample_rounds:
             break
         records = next_records() if next_records is not None else records
-        part, ts, tr = _one_round(ctx, params, records, jax.random.fold_in(key, n_rounds),
-                                  layout, rounds, sampling)
+        part, ts, tr = _one_round(
+            ctx, params, records, jax.random.fold_in(key, n_rounds), layout, rounds, sampling
+        )
         t_sample, t_reward, n_rounds = t_sample + ts, t_reward + tr, n_rounds + 1
     batch = _concat([p for p in kept + flat if p.verdicts.rewards.size], ctx.sampler.pad_id)
     batch = on_device(_take(batch, np.arange(P * G)), ctx.sampler.mesh)  # spread first
-    metrics = {"time/rollout_s": t_sample, "time/reward_s": t_reward,
-               "rollout/rounds": Metric.mean(float(n_rounds)),
-               "rollout/frac_groups_filtered": Metric.mean(1.0 - n_kept / n_groups),
-               "rollout/groups_short": Metric.mean(float(max(P - n_kept, 0))),
-               # Over every sample drawn this step: the policy's accuracy, unlike the
-               # batch's, which the filter biases towards groups with a correct sample.
-               "reward/accuracy_sampled": Metric.mean(n_correct / (n_groups * G))}
+    metrics = {
+        "time/rollout_s": t_sample,
+        "time/reward_s": t_reward,
+        "rollout/rounds": Metric.mean(float(n_rounds)),
+        "rollout/frac_groups_filtered": Metric.mean(1.0 - n_kept / n_groups),
+        "rollout/groups_short": Metric.mean(float(max(P - n_kept, 0))),
+        # Over every sample drawn this step: the policy's accuracy, unlike the
+        # batch's, which the filter biases towards groups with a correct sample.
+        "reward/accuracy_sampled": Metric.mean(n_correct / (n_groups * G)),
+    }
     return batch, metrics

@@ -20,6 +20,7 @@ Logprobs are log_softmax(logits / temperature) at the sampled token, before top-
 truncation (temperature 1 for greedy); see strategies.py. Row r draws with
 fold_in(row_key[r], step), so a row's samples do not depend on the rest of the batch.
 """
+
 from __future__ import annotations
 
 import functools
@@ -80,47 +81,77 @@ class SampleOutput(flax.struct.PyTreeNode):
         """The first `length` completion columns (>= every row's length: nothing real is cut),
         so teacher-forced passes run on the batch's own longest completion, not
         max_new_tokens (see buckets.bucket_completion_length)."""
-        return self.replace(tokens_BT=trim.cut_columns(self.tokens_BT, length),
-                            logprobs_BT=trim.cut_columns(self.logprobs_BT, length),
-                            mask_BT=trim.cut_columns(self.mask_BT, length))
+        return self.replace(
+            tokens_BT=trim.cut_columns(self.tokens_BT, length),
+            logprobs_BT=trim.cut_columns(self.logprobs_BT, length),
+            mask_BT=trim.cut_columns(self.mask_BT, length),
+        )
 
     def sequences(self) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(tokens, mask, positions) of prompt + completion, [B, P + T], for a teacher-forced
         forward whose logits at column P - 1 + t predict completion token t."""
-        return prompt_completion_rows(self.prompt_tokens_BP, self.prompt_mask_BP, self.tokens_BT,
-                                      self.mask_BT)
+        return prompt_completion_rows(
+            self.prompt_tokens_BP, self.prompt_mask_BP, self.tokens_BT, self.mask_BT
+        )
 
 
-def _cache_sharding(sharding: parallel.ActivationSharding, cache: transformer.KVCache
-                    ) -> transformer.KVCache:
+def _cache_sharding(
+    sharding: parallel.ActivationSharding, cache: transformer.KVCache
+) -> transformer.KVCache:
     """The cache's tree with a sharding at every leaf (`replace` swaps all three fields)."""
     k = sharding.named(transformer.K_CACHE_LOGICAL_AXES, cache.k_BKHS[0].shape)
     v = sharding.named(transformer.V_CACHE_LOGICAL_AXES, cache.v_BKSH[0].shape)
     layers = len(cache.k_BKHS)
-    return cache.replace(k_BKHS=(k,) * layers, v_BKSH=(v,) * layers,
-                         mask_BS=sharding.named(("batch", "length"), cache.mask_BS.shape))
+    return cache.replace(
+        k_BKHS=(k,) * layers,
+        v_BKSH=(v,) * layers,
+        mask_BS=sharding.named(("batch", "length"), cache.mask_BS.shape),
+    )
 
 
 def stop_id_array(stop_ids: Sequence[int]) -> np.ndarray:
     """Stop ids as an int32 array padded with -1 to a multiple of 8 (few distinct shapes)."""
     ids = sorted({int(s) for s in stop_ids})
     out = np.full(8 * max(1, -(-len(ids) // 8)), -1, np.int32)
-    out[:len(ids)] = ids
+    out[: len(ids)] = ids
     return out
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "model_config", "sampling", "max_new_tokens", "mesh", "rules", "prompt_group",
-    "num_chunks", "cache_dtype", "compact"))
-def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
-                    active_B: jax.Array, row_keys_B: jax.Array, stop_ids_S: jax.Array,
-                    pad_id: jax.Array, *, model_config: ModelConfig, sampling: SamplingConfig,
-                    max_new_tokens: int, mesh: Mesh | None = None,
-                    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
-                    prompt_group: int = 1, num_chunks: int = 1,
-                    cache_dtype: Any = None, greedy_B: jax.Array | None = None,
-                    compact: bool = True, row_caps_B: jax.Array | None = None
-                    ) -> SampleOutput:
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "model_config",
+        "sampling",
+        "max_new_tokens",
+        "mesh",
+        "rules",
+        "prompt_group",
+        "num_chunks",
+        "cache_dtype",
+        "compact",
+    ),
+)
+def generate_tokens(
+    params: Any,
+    prompt_BP: jax.Array,
+    prompt_mask_BP: jax.Array,
+    active_B: jax.Array,
+    row_keys_B: jax.Array,
+    stop_ids_S: jax.Array,
+    pad_id: jax.Array,
+    *,
+    model_config: ModelConfig,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    mesh: Mesh | None = None,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+    prompt_group: int = 1,
+    num_chunks: int = 1,
+    cache_dtype: Any = None,
+    greedy_B: jax.Array | None = None,
+    compact: bool = True,
+    row_caps_B: jax.Array | None = None,
+) -> SampleOutput:
     """The compiled sampler over one bucket. Rows must hold at least one prompt token
     (left-padded); inactive rows (batch padding, dropped prompts) produce nothing.
     stop_ids_S (int32, -1 = unused slot) and pad_id are traced, so they cost no recompiles.
@@ -134,45 +165,73 @@ def generate_tokens(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array
     1..max_new_tokens): each row's own token limit; a row stopped by it is truncated."""
     B = prompt_BP.shape[0]
     if B % (num_chunks * prompt_group):
-        raise ValueError(f"generate_tokens: {B} rows do not split into {num_chunks} chunks of "
-                         f"whole groups of {prompt_group}.")
+        raise ValueError(
+            f"generate_tokens: {B} rows do not split into {num_chunks} chunks of "
+            f"whole groups of {prompt_group}."
+        )
     sharding = None if mesh is None else parallel.ActivationSharding(mesh, rules)
     # Per-layer buffers in the decode matmuls' layout, made once here, not in every step.
     params = decode.loop_params(params, model_config, sharding)
     run = functools.partial(
-        _generate_rows, params, stop_ids_S=stop_ids_S, pad_id=pad_id,
-        model_config=model_config, sampling=sampling, max_new_tokens=max_new_tokens,
-        sharding=sharding, prompt_group=prompt_group,
-        cache_dtype=cache_dtype or _cache_dtype(params), compact=compact)
+        _generate_rows,
+        params,
+        stop_ids_S=stop_ids_S,
+        pad_id=pad_id,
+        model_config=model_config,
+        sampling=sampling,
+        max_new_tokens=max_new_tokens,
+        sharding=sharding,
+        prompt_group=prompt_group,
+        cache_dtype=cache_dtype or _cache_dtype(params),
+        compact=compact,
+    )
     rows = (prompt_BP, prompt_mask_BP, active_B, row_keys_B)
     options: dict[str, Any] = {
-        name: x for name, x in (("greedy_B", greedy_B), ("row_caps_B", row_caps_B))
-        if x is not None}
+        name: x for name, x in (("greedy_B", greedy_B), ("row_caps_B", row_caps_B)) if x is not None
+    }
     if num_chunks == 1:
         return run(*rows, **options)
-    chunks = jax.tree.map(lambda x: parallel.constrain(
-        parallel.split_strided(x, num_chunks, prompt_group), (None, "batch"), sharding),
-        (rows, options))
+    chunks = jax.tree.map(
+        lambda x: parallel.constrain(
+            parallel.split_strided(x, num_chunks, prompt_group), (None, "batch"), sharding
+        ),
+        (rows, options),
+    )
     out = jax.lax.map(lambda xs: run(*xs[0], **xs[1]), chunks)
-    merged = jax.tree.map(lambda x: parallel.merge_strided(x, prompt_group),
-                          out.replace(num_steps=None, slot_steps=None))
+    merged = jax.tree.map(
+        lambda x: parallel.merge_strided(x, prompt_group),
+        out.replace(num_steps=None, slot_steps=None),
+    )
     return merged.replace(num_steps=jnp.max(out.num_steps), slot_steps=jnp.sum(out.slot_steps))
 
 
-def _generate_rows(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
-                   active_B: jax.Array, row_keys_B: jax.Array,
-                   greedy_B: jax.Array | None = None,
-                   row_caps_B: jax.Array | None = None, *, stop_ids_S: jax.Array,
-                   pad_id: jax.Array, model_config: ModelConfig, sampling: SamplingConfig,
-                   max_new_tokens: int, sharding: parallel.ActivationSharding | None,
-                   prompt_group: int, cache_dtype: Any, compact: bool) -> SampleOutput:
+def _generate_rows(
+    params: Any,
+    prompt_BP: jax.Array,
+    prompt_mask_BP: jax.Array,
+    active_B: jax.Array,
+    row_keys_B: jax.Array,
+    greedy_B: jax.Array | None = None,
+    row_caps_B: jax.Array | None = None,
+    *,
+    stop_ids_S: jax.Array,
+    pad_id: jax.Array,
+    model_config: ModelConfig,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    sharding: parallel.ActivationSharding | None,
+    prompt_group: int,
+    cache_dtype: Any,
+    compact: bool,
+) -> SampleOutput:
     """Prefill + decode loop over one block of rows (see generate_tokens)."""
     B, P = prompt_BP.shape
     N = max_new_tokens
     g = prompt_group
     cache = transformer.init_kv_cache(model_config, B // g, P + N - 1, cache_dtype)
-    logits_BV, cache = prefill(params, model_config, prompt_BP[::g], prompt_mask_BP[::g], cache,
-                               sharding)
+    logits_BV, cache = prefill(
+        params, model_config, prompt_BP[::g], prompt_mask_BP[::g], cache, sharding
+    )
     if g > 1:
         logits_BV, cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), (logits_BV, cache))
     if sharding is not None:
@@ -183,41 +242,80 @@ def _generate_rows(params: Any, prompt_BP: jax.Array, prompt_mask_BP: jax.Array,
     tok_B = jnp.where(active_B, tok_B, pad_id)
     done_B = ~active_B | decode.is_stop(tok_B, stop_ids_S)
     state = decode.LoopState(
-        step=jnp.array(1, jnp.int32), cache=cache, last_S=tok_B,
-        position_S=jnp.sum(prompt_mask_BP, axis=1, dtype=jnp.int32), done_S=done_B,
-        row_S=jnp.arange(B, dtype=jnp.int32), keys_S=row_keys_B,
-        length_R=active_B.astype(jnp.int32), done_R=done_B,
+        step=jnp.array(1, jnp.int32),
+        cache=cache,
+        last_S=tok_B,
+        position_S=jnp.sum(prompt_mask_BP, axis=1, dtype=jnp.int32),
+        done_S=done_B,
+        row_S=jnp.arange(B, dtype=jnp.int32),
+        keys_S=row_keys_B,
+        length_R=active_B.astype(jnp.int32),
+        done_R=done_B,
         tokens_RT=jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(tok_B),
         logprobs_RT=jnp.zeros((B, N), jnp.float32).at[:, 0].set(jnp.where(active_B, lp_B, 0.0)),
-        slot_steps=jnp.array(0, jnp.int32), greedy_S=greedy_B, cap_S=row_caps_B)
-    state = decode.decode(params, state, model_config=model_config, sampling=sampling,
-                          stop_ids_S=stop_ids_S, pad_id=pad_id, prompt_len=P,
-                          max_new_tokens=N, sharding=sharding, compact=compact)
+        slot_steps=jnp.array(0, jnp.int32),
+        greedy_S=greedy_B,
+        cap_S=row_caps_B,
+    )
+    state = decode.decode(
+        params,
+        state,
+        model_config=model_config,
+        sampling=sampling,
+        stop_ids_S=stop_ids_S,
+        pad_id=pad_id,
+        prompt_len=P,
+        max_new_tokens=N,
+        sharding=sharding,
+        compact=compact,
+    )
     mask_BT = jnp.arange(N)[None, :] < state.length_R[:, None]
     return SampleOutput(
-        tokens_BT=state.tokens_RT, logprobs_BT=state.logprobs_RT, mask_BT=mask_BT,
-        lengths_B=state.length_R, truncated_B=active_B & ~state.done_R,
-        prompt_tokens_BP=prompt_BP, prompt_mask_BP=prompt_mask_BP.astype(bool),
-        dropped_B=jnp.zeros((B,), bool), num_steps=state.step, slot_steps=state.slot_steps)
+        tokens_BT=state.tokens_RT,
+        logprobs_BT=state.logprobs_RT,
+        mask_BT=mask_BT,
+        lengths_B=state.length_R,
+        truncated_B=active_B & ~state.done_R,
+        prompt_tokens_BP=prompt_BP,
+        prompt_mask_BP=prompt_mask_BP.astype(bool),
+        dropped_B=jnp.zeros((B,), bool),
+        num_steps=state.step,
+        slot_steps=state.slot_steps,
+    )
 
 
 @jax.jit
 def _row_keys(key: jax.Array, prompt_index_B: jax.Array, sample_index_B: jax.Array) -> jax.Array:
     """Key of sample g of prompt p: fold_in(fold_in(key, p), g), whatever else is batched."""
     return jax.vmap(lambda p, g: jax.random.fold_in(jax.random.fold_in(key, p), g))(
-        prompt_index_B, sample_index_B)
+        prompt_index_B, sample_index_B
+    )
 
 
-def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[int]],
-             sampling: SamplingConfig, max_new_tokens: int, key: jax.Array, *,
-             stop_ids: Sequence[int] | None = None, n: int = 1, pad_id: int | None = None,
-             mesh: Mesh | None = None, rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
-             max_prompt_len: int | None = None, long_prompts: str = "error",
-             row_keys: jax.Array | None = None,
-             min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET,
-             share_prompts: bool = True, max_rows: int | None = None,
-             greedy_last: int = 0, compact: bool = True,
-             decode_slots: int = 0, row_caps: Sequence[int] | None = None) -> SampleOutput:
+def generate(
+    params: Any,
+    model_config: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    key: jax.Array,
+    *,
+    stop_ids: Sequence[int] | None = None,
+    n: int = 1,
+    pad_id: int | None = None,
+    mesh: Mesh | None = None,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+    max_prompt_len: int | None = None,
+    long_prompts: str = "error",
+    row_keys: jax.Array | None = None,
+    min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET,
+    share_prompts: bool = True,
+    max_rows: int | None = None,
+    greedy_last: int = 0,
+    compact: bool = True,
+    decode_slots: int = 0,
+    row_caps: Sequence[int] | None = None,
+) -> SampleOutput:
     """Samples `n` completions of each prompt (lists of token ids, unpadded).
 
     stop_ids defaults to model_config.eos_token_ids; max_prompt_len defaults to
@@ -245,23 +343,34 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
         max_rows = None
     if row_caps is not None:
         caps = np.asarray(row_caps)
-        if (caps.shape != (len(prompts) * n,) or not np.issubdtype(caps.dtype, np.integer)
-                or caps.min(initial=1) < 1 or caps.max(initial=1) > max_new_tokens):
-            raise ValueError(f"row_caps must hold len(prompts) * n = {len(prompts) * n} ints "
-                             f"in 1..max_new_tokens={max_new_tokens}; got shape {caps.shape}, "
-                             f"dtype {caps.dtype}.")
+        if (
+            caps.shape != (len(prompts) * n,)
+            or not np.issubdtype(caps.dtype, np.integer)
+            or caps.min(initial=1) < 1
+            or caps.max(initial=1) > max_new_tokens
+        ):
+            raise ValueError(
+                f"row_caps must hold len(prompts) * n = {len(prompts) * n} ints "
+                f"in 1..max_new_tokens={max_new_tokens}; got shape {caps.shape}, "
+                f"dtype {caps.dtype}."
+            )
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}.")
     stop_S = stop_id_array(model_config.eos_token_ids if stop_ids is None else stop_ids)
     pad = pad_id if pad_id is not None else (model_config.pad_token_id or 0)
-    limit = (model_config.max_position_embeddings - max_new_tokens if max_prompt_len is None
-             else max_prompt_len)
+    limit = (
+        model_config.max_position_embeddings - max_new_tokens
+        if max_prompt_len is None
+        else max_prompt_len
+    )
     if limit < 1:
-        raise ValueError(f"No room for a prompt: --max_new_tokens={max_new_tokens} leaves "
-                         f"{limit} prompt tokens; lower --max_new_tokens or set "
-                         "--max_prompt_tokens.")
+        raise ValueError(
+            f"No room for a prompt: --max_new_tokens={max_new_tokens} leaves "
+            f"{limit} prompt tokens; lower --max_new_tokens or set "
+            "--max_prompt_tokens."
+        )
     multiple = 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
     multihost = mesh is not None and jax.process_count() > 1
     if multihost:
@@ -274,34 +383,48 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
         unit = math.lcm(n, multiple)
         chunk = unit * max(1, max_rows // jax.process_count() // unit)
         multiple = chunk
-    batch = buckets.prepare_batch(prompts, n=n, max_prompt_len=limit,
-                                  long_prompts=long_prompts, pad_id=pad,
-                                  vocab_size=model_config.vocab_size, batch_multiple=multiple,
-                                  min_prompt_bucket=min_prompt_bucket)
+    batch = buckets.prepare_batch(
+        prompts,
+        n=n,
+        max_prompt_len=limit,
+        long_prompts=long_prompts,
+        pad_id=pad,
+        vocab_size=model_config.vocab_size,
+        batch_multiple=multiple,
+        min_prompt_bucket=min_prompt_bucket,
+    )
     B = batch.prompt_BP.shape[0]
     num_chunks = B // chunk if chunk else 1
     # Prompt indices are global (offset by this host's share) so no two hosts draw alike.
-    prompt_index_B = batch.prompt_index_B + (jax.process_index() * len(prompts) if multihost
-                                             else 0)
+    prompt_index_B = batch.prompt_index_B + (jax.process_index() * len(prompts) if multihost else 0)
     if row_keys is None:
         keys_B = _row_keys(key, jnp.asarray(prompt_index_B), jnp.asarray(batch.sample_index_B))
     else:
         if len(row_keys) != batch.num_rows:
-            raise ValueError(f"row_keys has {len(row_keys)} keys; expected len(prompts) * n = "
-                             f"{batch.num_rows}.")
-        extra = _row_keys(key, jnp.asarray(prompt_index_B[batch.num_rows:]),
-                          jnp.asarray(batch.sample_index_B[batch.num_rows:]))
+            raise ValueError(
+                f"row_keys has {len(row_keys)} keys; expected len(prompts) * n = {batch.num_rows}."
+            )
+        extra = _row_keys(
+            key,
+            jnp.asarray(prompt_index_B[batch.num_rows :]),
+            jnp.asarray(batch.sample_index_B[batch.num_rows :]),
+        )
         keys_B = jnp.concatenate([row_keys, extra]) if B > batch.num_rows else row_keys
     inputs = (batch.prompt_BP, batch.mask_BP, batch.active_B, keys_B)
-    if multihost:   # host-local rows -> one global batch, hosts' blocks in process order
+    if multihost:  # host-local rows -> one global batch, hosts' blocks in process order
         assert mesh is not None  # multihost implies a mesh
         inputs = inputs[:3] + (np.asarray(jax.random.key_data(keys_B)),)
-        inputs = tuple(jax.make_array_from_process_local_data(
-            parallel.batch_sharding(mesh, np.ndim(x), rules), np.asarray(x)) for x in inputs)
+        inputs = tuple(
+            jax.make_array_from_process_local_data(
+                parallel.batch_sharding(mesh, np.ndim(x), rules), np.asarray(x)
+            )
+            for x in inputs
+        )
         inputs = inputs[:3] + (_wrap_keys(inputs[3]),)
     elif mesh is not None:
-        inputs = tuple(jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x), rules))
-                       for x in inputs)
+        inputs = tuple(
+            jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x), rules)) for x in inputs
+        )
     # prepare_batch lays each prompt's n samples out as consecutive rows (batch padding rows
     # are all alike): with whole groups the prompt is prefilled once per group.
     prompt_group = RowLayout(n, share_prompts).prompt_group(B)
@@ -311,7 +434,8 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
         if multihost:
             assert mesh is not None  # multihost implies a mesh
             return jax.make_array_from_process_local_data(
-                parallel.batch_sharding(mesh, 1, rules), x_B)
+                parallel.batch_sharding(mesh, 1, rules), x_B
+            )
         if mesh is not None:
             return jax.device_put(x_B, parallel.batch_sharding(mesh, 1, rules))
         return x_B
@@ -320,34 +444,57 @@ def generate(params: Any, model_config: ModelConfig, prompts: Sequence[Sequence[
     if greedy_last:
         greedy_B = place(np.asarray(batch.sample_index_B) >= n - greedy_last)
     caps_B = None
-    if row_caps is not None:   # batch padding rows (inactive) take the full limit
+    if row_caps is not None:  # batch padding rows (inactive) take the full limit
         caps_B = np.full(B, max_new_tokens, np.int32)
-        caps_B[:batch.num_rows] = row_caps
+        caps_B[: batch.num_rows] = row_caps
         caps_B = place(caps_B)
     if decode_slots:
         slots = continuous.generate_slots(
-            params, *inputs, stop_S, np.int32(pad), model_config=model_config,
-            sampling=sampling, max_new_tokens=int(max_new_tokens), slots=decode_slots,
-            mesh=mesh, rules=rules, greedy_B=greedy_B, row_caps_B=caps_B,
-            prompt_group=prompt_group)
+            params,
+            *inputs,
+            stop_S,
+            np.int32(pad),
+            model_config=model_config,
+            sampling=sampling,
+            max_new_tokens=int(max_new_tokens),
+            slots=decode_slots,
+            mesh=mesh,
+            rules=rules,
+            greedy_B=greedy_B,
+            row_caps_B=caps_B,
+            prompt_group=prompt_group,
+        )
         out = _slot_sample_output(slots, *inputs[:3])
     else:
-        out = generate_tokens(params, *inputs, stop_S, np.int32(pad), model_config=model_config,
-                              sampling=sampling, max_new_tokens=int(max_new_tokens), mesh=mesh,
-                              rules=rules, prompt_group=prompt_group, num_chunks=num_chunks,
-                              greedy_B=greedy_B, compact=compact, row_caps_B=caps_B)
+        out = generate_tokens(
+            params,
+            *inputs,
+            stop_S,
+            np.int32(pad),
+            model_config=model_config,
+            sampling=sampling,
+            max_new_tokens=int(max_new_tokens),
+            mesh=mesh,
+            rules=rules,
+            prompt_group=prompt_group,
+            num_chunks=num_chunks,
+            greedy_B=greedy_B,
+            compact=compact,
+            row_caps_B=caps_B,
+        )
     if multihost:
         assert mesh is not None  # multihost implies a mesh
         # Rows stay global (each host's block keeps its padding rows: see host_rows).
         dropped_B = jax.make_array_from_process_local_data(
-            parallel.batch_sharding(mesh, 1, rules), batch.dropped_B)
-        return out.replace(dropped_B=dropped_B, prompt_mask_BP=_and_not(out.prompt_mask_BP,
-                                                                        dropped_B))
+            parallel.batch_sharding(mesh, 1, rules), batch.dropped_B
+        )
+        return out.replace(
+            dropped_B=dropped_B, prompt_mask_BP=_and_not(out.prompt_mask_BP, dropped_B)
+        )
     dropped_B = jnp.asarray(batch.dropped_B)
-    out = out.replace(dropped_B=dropped_B,
-                      prompt_mask_BP=out.prompt_mask_BP & ~dropped_B[:, None])
-    if B > batch.num_rows:   # drop the batch-bucket padding rows
-        out = jax.tree.map(lambda x: x if x.ndim == 0 else x[:batch.num_rows], out)
+    out = out.replace(dropped_B=dropped_B, prompt_mask_BP=out.prompt_mask_BP & ~dropped_B[:, None])
+    if B > batch.num_rows:  # drop the batch-bucket padding rows
+        out = jax.tree.map(lambda x: x if x.ndim == 0 else x[: batch.num_rows], out)
     return out
 
 
@@ -355,16 +502,23 @@ _wrap_keys = jax.jit(jax.random.wrap_key_data)
 
 
 @jax.jit
-def _slot_sample_output(out: continuous.SlotOutput, prompt_BP: jax.Array,
-                        prompt_mask_BP: jax.Array, active_B: jax.Array) -> SampleOutput:
+def _slot_sample_output(
+    out: continuous.SlotOutput, prompt_BP: jax.Array, prompt_mask_BP: jax.Array, active_B: jax.Array
+) -> SampleOutput:
     """The continuous sampler's rows as a SampleOutput (num_steps: the longest row)."""
     N = out.tokens_RT.shape[1]
     return SampleOutput(
-        tokens_BT=out.tokens_RT, logprobs_BT=out.logprobs_RT,
-        mask_BT=jnp.arange(N)[None, :] < out.length_R[:, None], lengths_B=out.length_R,
-        truncated_B=active_B & ~out.done_R, prompt_tokens_BP=prompt_BP,
-        prompt_mask_BP=prompt_mask_BP.astype(bool), dropped_B=jnp.zeros(active_B.shape, bool),
-        num_steps=jnp.maximum(jnp.max(out.length_R), 1), slot_steps=out.slot_steps)
+        tokens_BT=out.tokens_RT,
+        logprobs_BT=out.logprobs_RT,
+        mask_BT=jnp.arange(N)[None, :] < out.length_R[:, None],
+        lengths_B=out.length_R,
+        truncated_B=active_B & ~out.done_R,
+        prompt_tokens_BP=prompt_BP,
+        prompt_mask_BP=prompt_mask_BP.astype(bool),
+        dropped_B=jnp.zeros(active_B.shape, bool),
+        num_steps=jnp.maximum(jnp.max(out.length_R), 1),
+        slot_steps=out.slot_steps,
+    )
 
 
 @jax.jit
@@ -375,6 +529,7 @@ def _and_not(mask_BP: jax.Array, dropped_B: jax.Array) -> jax.Array:
 def _global_max_prompt_len(prompts: Sequence[Sequence[int]], limit: int) -> int:
     """The longest kept prompt over all hosts (so every host picks the same bucket)."""
     from jax.experimental import multihost_utils
+
     local = max((len(p) for p in prompts if len(p) <= limit), default=1)
     return int(np.max(multihost_utils.process_allgather(np.int32(local))))
 
@@ -388,7 +543,8 @@ def host_rows(x: jax.Array, num_rows: int) -> np.ndarray:
     if jax.process_count() == 1:
         return np.asarray(jax.device_get(x))[:num_rows]
     from jax.experimental import multihost_utils
+
     full = np.asarray(multihost_utils.process_allgather(x, tiled=True))
     block = full.shape[0] // jax.process_count()
     start = jax.process_index() * block
-    return full[start:start + num_rows]
+    return full[start : start + num_rows]

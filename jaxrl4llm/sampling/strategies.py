@@ -15,6 +15,7 @@ Truncation follows transformers' warpers: top-k first, then top-p over the top-k
 renormalized. Ties at a cut-off value are kept (top-k may keep more than k tokens when
 several logits equal the k-th one), so two implementations never disagree on a tie.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,8 +43,9 @@ class SamplingConfig:
 
     def __post_init__(self):
         if not self.temperature >= 0.0:
-            raise ValueError(f"--temperature={self.temperature} must be >= 0 "
-                             "(0 means greedy decoding).")
+            raise ValueError(
+                f"--temperature={self.temperature} must be >= 0 (0 means greedy decoding)."
+            )
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"--top_k={self.top_k!r} must be an int >= 0 (0 = off).")
         if not 0.0 < self.top_p <= 1.0:
@@ -89,8 +91,8 @@ def _top_p_threshold_bisect(probs_BV: jax.Array, top_p: float) -> jax.Array:
     order like the floats, so 32 halvings pin tau down exactly.
     """
     bits_BV = jax.lax.bitcast_convert_type(probs_BV, jnp.int32)
-    lo_B = jnp.zeros(probs_BV.shape[:1], jnp.int32)         # mass(p >= 0) = 1 >= top_p
-    hi_B = jnp.max(bits_BV, axis=-1) + 1                   # mass(p >= above max) = 0 < top_p
+    lo_B = jnp.zeros(probs_BV.shape[:1], jnp.int32)  # mass(p >= 0) = 1 >= top_p
+    hi_B = jnp.max(bits_BV, axis=-1) + 1  # mass(p >= above max) = 0 < top_p
 
     def body(_, lo_hi):
         lo_B, hi_B = lo_hi
@@ -138,13 +140,14 @@ def keep_threshold(scaled_BV: jax.Array, config: SamplingConfig) -> jax.Array | 
     return jnp.where(found_B, thresh_B, slow_B)
 
 
-def _nucleus_in_candidates(vals_BK: jax.Array, probs_BK: jax.Array,
-                           top_p: float) -> tuple[jax.Array, jax.Array]:
+def _nucleus_in_candidates(
+    vals_BK: jax.Array, probs_BK: jax.Array, top_p: float
+) -> tuple[jax.Array, jax.Array]:
     """Nucleus cut-off among K descending candidates; found_B says it ends inside them."""
     cum_BK = jnp.cumsum(probs_BK, axis=-1)
-    above_BK = cum_BK - probs_BK                       # mass strictly above each candidate
+    above_BK = cum_BK - probs_BK  # mass strictly above each candidate
     kept_BK = above_BK < top_p
-    kept_BK = kept_BK.at[:, 0].set(True)               # always keep the most likely token
+    kept_BK = kept_BK.at[:, 0].set(True)  # always keep the most likely token
     num_B = jnp.sum(kept_BK, axis=-1)
     thresh_B = jnp.take_along_axis(vals_BK, (num_B - 1)[:, None], axis=-1)[:, 0]
     found_B = cum_BK[:, -1] >= top_p
@@ -162,8 +165,12 @@ def allowed_tokens(logits_BV: jax.Array, config: SamplingConfig) -> jax.Array:
     return scaled_BV >= thresh_B[:, None]
 
 
-def sample(logits_BV: jax.Array, keys_B: jax.Array, config: SamplingConfig,
-           greedy_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def sample(
+    logits_BV: jax.Array,
+    keys_B: jax.Array,
+    config: SamplingConfig,
+    greedy_B: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row; returns (tokens_B int32, logprobs_B float32).
 
     greedy_B (bool [B], optional): rows that take the argmax instead (e.g. ReMax's greedy
@@ -192,7 +199,8 @@ def sample(logits_BV: jax.Array, keys_B: jax.Array, config: SamplingConfig,
         x_B = jnp.minimum(u_B * total_B, jnp.nextafter(total_B, 0.0))
         tokens_B = jnp.argmax(cdf_BV > x_B[:, None], axis=-1).astype(jnp.int32)
         if greedy_B is not None:
-            tokens_B = jnp.where(greedy_B, jnp.argmax(scaled_BV, axis=-1).astype(jnp.int32),
-                                 tokens_B)
+            tokens_B = jnp.where(
+                greedy_B, jnp.argmax(scaled_BV, axis=-1).astype(jnp.int32), tokens_B
+            )
     chosen_B = jnp.take_along_axis(scaled_BV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, chosen_B - lse_B

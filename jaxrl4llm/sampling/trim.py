@@ -10,6 +10,7 @@ the first stop token (none when the row was truncated at max_new_tokens), then p
   and the update cut to is buckets.bucket_completion_length of the longest row, so only
   padding is cut.
 """
+
 from __future__ import annotations
 
 from typing import overload
@@ -18,12 +19,15 @@ import jax
 import numpy as np
 
 
-def text_token_ids(tokens_BT: np.ndarray, lengths_B: np.ndarray, truncated_B: np.ndarray
-                   ) -> list[np.ndarray | None]:
+def text_token_ids(
+    tokens_BT: np.ndarray, lengths_B: np.ndarray, truncated_B: np.ndarray
+) -> list[np.ndarray | None]:
     """Each row's completion tokens without its stop token (a truncated row has none and keeps
     all of its tokens); None for a row without a completion (e.g. a dropped prompt's)."""
-    return [tokens_BT[r, :int(n) - (0 if truncated else 1)] if n else None
-            for r, (n, truncated) in enumerate(zip(lengths_B, truncated_B))]
+    return [
+        tokens_BT[r, : int(n) - (0 if truncated else 1)] if n else None
+        for r, (n, truncated) in enumerate(zip(lengths_B, truncated_B))
+    ]
 
 
 @overload

@@ -8,6 +8,7 @@ digests, train/integrity.py) once orbax has finalized the step. A restore checks
 and finiteness; a damaged or unreadable step is set aside (renamed STEP.corrupt-TIME) with a
 warning and the previous one is tried, down to a clear error when none is usable.
 """
+
 from __future__ import annotations
 
 import errno
@@ -50,7 +51,8 @@ def _disk_full(error: BaseException | None) -> bool:
     through the chain of causes."""
     while error is not None:
         if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or (
-                "No space left on device" in str(error)):
+            "No space left on device" in str(error)
+        ):
             return True
         error = error.__cause__ or error.__context__
     return False
@@ -71,8 +73,9 @@ class Checkpointer:
         self._every = every
         self._manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                                 enable_async_checkpointing=False),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep, create=True, enable_async_checkpointing=False
+            ),
             item_names=("state", "data"),
         )
 
@@ -94,10 +97,15 @@ class Checkpointer:
                 f"Refusing to save checkpoint {step} to {self.directory}: non-finite values in "
                 f"{', '.join(saved.nonfinite[:5])}. The last good checkpoint is "
                 f"{self._manager.latest_step()}. The update diverged: lower the learning rate, "
-                "check the rewards for NaN / inf, or resume from that checkpoint.")
+                "check the rewards for NaN / inf, or resume from that checkpoint."
+            )
         try:
-            self._manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)
+                ),
+            )
             self._manager.wait_until_finished()  # finalized: the step folder has its final name
         except (OSError, ValueError) as e:
             if not _disk_full(e):
@@ -109,7 +117,8 @@ class Checkpointer:
                 f"device ({free:.1f} GiB free after removing the partial step). Free space "
                 "there (or point --workdir elsewhere), or keep fewer / rarer checkpoints "
                 "(--keep_checkpoints, --checkpoint_every); rerunning the same command resumes "
-                f"from checkpoint {self._manager.latest_step()}.") from e
+                f"from checkpoint {self._manager.latest_step()}."
+            ) from e
         if jax.process_index() == 0:
             integrity.write_record(self._step_dir(step), step, saved, data_state)
         logging.info("Saved checkpoint %d to %s", step, self.directory)
@@ -129,12 +138,17 @@ class Checkpointer:
             return f"unreadable {integrity.RECORD_NAME}: {exc}"
         found = integrity.problems(record, integrity.fingerprint(state), data_state)
         if record is None and not found:
-            logging.warning("Checkpoint %s has no %s (saved by an older version): restored "
-                            "without checking its bytes.", record_dir, integrity.RECORD_NAME)
+            logging.warning(
+                "Checkpoint %s has no %s (saved by an older version): restored "
+                "without checking its bytes.",
+                record_dir,
+                integrity.RECORD_NAME,
+            )
         return "; ".join(found) or None
 
-    def restore(self, abstract_state: Any, step: int | None = None, *,
-                set_aside: bool = True) -> tuple[Any, dict]:
+    def restore(
+        self, abstract_state: Any, step: int | None = None, *, set_aside: bool = True
+    ) -> tuple[Any, dict]:
         """Restores onto the shardings of `abstract_state` (a pytree of jax.ShapeDtypeStruct:
         `abstract_like(state)` of a state from `state.create_state`, or
         `state.abstract_state`), so optimizer moments come back laid out like their params:
@@ -147,8 +161,12 @@ class Checkpointer:
         for candidate in steps:
             problem: str | None
             try:
-                restored = self._manager.restore(candidate, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+                restored = self._manager.restore(
+                    candidate,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
+                    ),
+                )
                 state, data_state = restored["state"], dict(restored["data"])
             except Exception as exc:  # noqa: BLE001 - tensorstore / JSON / orbax raise many types
                 problem = f"{type(exc).__name__}: {exc}"
@@ -160,15 +178,19 @@ class Checkpointer:
                 return state, data_state
             reason = " ".join(problem.split())[:400]
             failures.append((candidate, reason))
-            logging.warning("Checkpoint %s is unusable (%s)%s", self._step_dir(candidate), reason,
-                            "; falling back to the previous one." if candidate != steps[-1]
-                            else ".")
+            logging.warning(
+                "Checkpoint %s is unusable (%s)%s",
+                self._step_dir(candidate),
+                reason,
+                "; falling back to the previous one." if candidate != steps[-1] else ".",
+            )
         detail = "; ".join(f"step {s}: {reason}" for s, reason in failures)
         raise CheckpointError(
             f"No usable checkpoint in {self.directory} ({detail}). If the files were damaged "
             f"(disk full, a copy cut short), delete those step folders, or the whole "
             f"{self.directory} to start over; if the model or its settings changed, train in "
-            "a new --workdir.")
+            "a new --workdir."
+        )
 
     def _set_aside(self, steps: list[int]) -> None:
         """Renames damaged steps out of orbax's way, so those steps can be saved again."""
@@ -181,6 +203,7 @@ class Checkpointer:
                     os.rename(self._step_dir(bad), f"{self._step_dir(bad)}.corrupt-{stamp}")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
+
             multihost_utils.sync_global_devices("checkpoint set-aside")
         self._manager.reload()
 
@@ -193,11 +216,13 @@ def abstract_like(tree: Any) -> Any:
     """ShapeDtypeStructs (with shardings) for restoring a tree shaped like `tree`."""
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-        tree)
+        tree,
+    )
 
 
-def load_trained_policy(workdir: str, step: int | None = None, mesh: Any = None
-                        ) -> tuple[Any, Any, Any, Any]:
+def load_trained_policy(
+    workdir: str, step: int | None = None, mesh: Any = None
+) -> tuple[Any, Any, Any, Any]:
     """(train config, model config, trained params, tokenizer) of a training workdir.
 
     The base model named in WORKDIR/config.json gives the architecture and tokenizer; the
@@ -208,8 +233,9 @@ def load_trained_policy(workdir: str, step: int | None = None, mesh: Any = None
     return config, model_config, params, tokenizer
 
 
-def load_trained_models(workdir: str, step: int | None = None, mesh: Any = None, *,
-                        merge_lora: bool = True) -> tuple[Any, Any, Any, Any, Any]:
+def load_trained_models(
+    workdir: str, step: int | None = None, mesh: Any = None, *, merge_lora: bool = True
+) -> tuple[Any, Any, Any, Any, Any]:
     """(train config, model config, policy params, critic params or None, tokenizer): as
     `load_trained_policy`, with PPO's critic when the run trained one. `merge_lora=False`:
     a LoRA run's policy params are its adapters as trained (models/lora.py)."""
@@ -218,24 +244,34 @@ def load_trained_models(workdir: str, step: int | None = None, mesh: Any = None,
     config = read_run_config(workdir)
     checkpoint_step(workdir, step)
     model_config, params, tokenizer = registry.load_model(
-        config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype))
+        config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype)
+    )
     # Restored onto the params' layout, optimizer moments included. A LoRA run saved its
     # adapters: restored beside the base, and merged into it.
     trained = adapters.trainable(config.lora, model_config, params, config.run.seed)
     abstract: Any = abstract_state(trained, config.optimizer, config.run.seed)
-    if config.needs_critic:   # PPO: the critic's state sits beside the policy's
+    if config.needs_critic:  # PPO: the critic's state sits beside the policy's
         from jaxrl4llm.train import critic
-        abstract = {"policy": abstract, "critic": abstract_state(
-            critic.from_policy(params), critic.optimizer_config(
-                config.optimizer, config.critic.learning_rate), config.run.seed)}
+
+        abstract = {
+            "policy": abstract,
+            "critic": abstract_state(
+                critic.from_policy(params),
+                critic.optimizer_config(config.optimizer, config.critic.learning_rate),
+                config.run.seed,
+            ),
+        }
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=1)
     try:
         state, _ = checkpointer.restore(abstract, step, set_aside=False)  # read-only here
     finally:
         checkpointer.close()
     policy = state["policy"] if config.needs_critic else state
-    policy_params = (lora_lib.merge(params, policy.params, config.lora)
-                     if config.lora.enabled and merge_lora else policy.params)
+    policy_params = (
+        lora_lib.merge(params, policy.params, config.lora)
+        if config.lora.enabled and merge_lora
+        else policy.params
+    )
     critic_params = state["critic"].params if config.needs_critic else None
     return config, model_config, policy_params, critic_params, tokenizer
 
@@ -246,12 +282,16 @@ def read_run_config(workdir: str) -> TrainConfig:
     it is not a training workdir or the file cannot be read."""
     path = os.path.join(workdir, "config.json")
     if not os.path.isdir(workdir):
-        raise RunNotFoundError(f"{workdir!r} does not exist: pass the --workdir of a training "
-                               "run (python -m experiments.train writes it).")
+        raise RunNotFoundError(
+            f"{workdir!r} does not exist: pass the --workdir of a training "
+            "run (python -m experiments.train writes it)."
+        )
     if not os.path.isfile(path):
-        raise RunNotFoundError(f"{workdir!r} has no config.json, so it is not a training "
-                               "workdir: pass the --workdir a python -m experiments.train run "
-                               "wrote to.")
+        raise RunNotFoundError(
+            f"{workdir!r} has no config.json, so it is not a training "
+            "workdir: pass the --workdir a python -m experiments.train run "
+            "wrote to."
+        )
     try:
         with open(path, encoding="utf-8") as f:
             return TrainConfig.from_json(f.read())
@@ -259,7 +299,8 @@ def read_run_config(workdir: str) -> TrainConfig:
         raise CheckpointError(
             f"Cannot read the run's settings from {path} ({type(exc).__name__}: "
             f"{' '.join(str(exc).split())[:200]}): it is not the config.json the trainer "
-            "wrote. Restore that file, or pass the --workdir of another training run.") from exc
+            "wrote. Restore that file, or pass the --workdir of another training run."
+        ) from exc
 
 
 def saved_steps(workdir: str) -> list[int]:
@@ -281,14 +322,17 @@ def checkpoint_step(workdir: str, step: int | None = None) -> int:
     if step not in steps:
         raise CheckpointError(
             f"{workdir!r} holds no checkpoint of step {step}: it has steps "
-            f"{', '.join(map(str, steps))}. Pass one of them (or no step: the latest).")
+            f"{', '.join(map(str, steps))}. Pass one of them (or no step: the latest)."
+        )
     return step
 
 
 def _no_checkpoint(workdir: str) -> str:
-    return (f"{workdir!r} has no checkpoint yet (no step folder in "
-            f"{os.path.join(workdir, 'checkpoints')}): train it for --checkpoint_every steps "
-            "first, or evaluate the base model with --model.")
+    return (
+        f"{workdir!r} has no checkpoint yet (no step folder in "
+        f"{os.path.join(workdir, 'checkpoints')}): train it for --checkpoint_every steps "
+        "first, or evaluate the base model with --model."
+    )
 
 
 class PreemptionFlag:
@@ -315,6 +359,7 @@ class PreemptionFlag:
         others waiting. A host that did not get the signal then counts as preempted too."""
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
+
             flags = multihost_utils.process_allgather(np.array(self.requested))
             if bool(np.asarray(flags).any()):
                 self._event.set()

@@ -8,6 +8,7 @@ optimizer.schedule), or its values are a fixed set, the mount below says so. The
 layers below the trainer read too live with them: DataConfig (data/config.py), RolloutConfig
 (sampling/config.py), EvalConfig (eval/config.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -44,7 +45,7 @@ BF16_MIN_LEARNING_RATE = 1e-5
 
 
 def param_dtype(name: str) -> Any:
-    """"float32" / "bfloat16" (the --param_dtype values) -> the jax dtype."""
+    """ "float32" / "bfloat16" (the --param_dtype values) -> the jax dtype."""
     return {"float32": jax.numpy.float32, "bfloat16": jax.numpy.bfloat16}[name]
 
 
@@ -69,8 +70,6 @@ class ModelOptions:
     def compute_config(self, model_config: Any) -> Any:
         """The loaded model's ModelConfig with this run's --compute_dtype."""
         return dataclasses.replace(model_config, compute_dtype=self.compute_dtype)
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +115,6 @@ class CriticOptions:
     warmup_steps: int = 0
 
 
-
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Length, devices, outputs and seed of a run.
@@ -147,50 +145,82 @@ class RunConfig:
     def tracker_names(self) -> tuple[str, ...]:
         """The trackers this run writes to (--trackers, less tensorboard with
         --notensorboard)."""
-        return tuple(n for n in trackers.parse(self.trackers)
-                     if n != "tensorboard" or self.tensorboard)
+        return tuple(
+            n for n in trackers.parse(self.trackers) if n != "tensorboard" or self.tensorboard
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Everything a run needs; WORKDIR/config.json holds it (to_json / from_json)."""
 
-    model: ModelOptions = group(ModelOptions, flags={"name": "model"},
-                                choices={"param_dtype": DTYPES, "compute_dtype": DTYPES})
+    model: ModelOptions = group(
+        ModelOptions,
+        flags={"name": "model"},
+        choices={"param_dtype": DTYPES, "compute_dtype": DTYPES},
+    )
     data: DataConfig = group(DataConfig, flags={"source": "data", "revision": "data_revision"})
     rollout: RolloutConfig = group(RolloutConfig, choices={"long_prompts": LONG_PROMPT_MODES})
     reward: RewardConfig = group(
-        RewardConfig, flags={"scale": "reward_scale", "num_workers": "reward_workers"},
-        choices={"scale": SCALES, "answer_mode": ANSWER_MODES,
-                 "default_task": tuple(TASK_VERIFIERS), "code_reward": CODE_MODES,
-                 "code_isolation": CODE_ISOLATION},
-        derived={"max_new_tokens": "max_new_tokens"})
+        RewardConfig,
+        flags={"scale": "reward_scale", "num_workers": "reward_workers"},
+        choices={
+            "scale": SCALES,
+            "answer_mode": ANSWER_MODES,
+            "default_task": tuple(TASK_VERIFIERS),
+            "code_reward": CODE_MODES,
+            "code_isolation": CODE_ISOLATION,
+        },
+        derived={"max_new_tokens": "max_new_tokens"},
+    )
     algorithm: rl.AlgorithmConfig = group(
-        rl.presets.grpo, flags={"name": "algorithm"}, preset=rl.get_preset,
-        choices={"name": tuple(sorted(rl.PRESETS)), "advantage": rl.algorithms.ADVANTAGES,
-                 "mean": rl.advantages.MEANS, "std": rl.advantages.STDS,
-                 "objective": rl.algorithms.OBJECTIVES, "agg": rl.AGG_MODES,
-                 "kl_in": rl.algorithms.KL_PLACES, "kl_estimator": rl.KL_ESTIMATORS,
-                 "importance": rl.algorithms.IMPORTANCE,
-                 "positives": rl.filters.POSITIVE_SELECTIONS,
-                 "rejected_rows": rl.algorithms.REJECTED_ROWS,
-                 "is_correction": rl.CORRECTIONS, "is_level": rl.IS_LEVELS})
+        rl.presets.grpo,
+        flags={"name": "algorithm"},
+        preset=rl.get_preset,
+        choices={
+            "name": tuple(sorted(rl.PRESETS)),
+            "advantage": rl.algorithms.ADVANTAGES,
+            "mean": rl.advantages.MEANS,
+            "std": rl.advantages.STDS,
+            "objective": rl.algorithms.OBJECTIVES,
+            "agg": rl.AGG_MODES,
+            "kl_in": rl.algorithms.KL_PLACES,
+            "kl_estimator": rl.KL_ESTIMATORS,
+            "importance": rl.algorithms.IMPORTANCE,
+            "positives": rl.filters.POSITIVE_SELECTIONS,
+            "rejected_rows": rl.algorithms.REJECTED_ROWS,
+            "is_correction": rl.CORRECTIONS,
+            "is_level": rl.IS_LEVELS,
+        },
+    )
     optimizer: OptimizerConfig = group(
-        OptimizerConfig, flags={"schedule": "lr_schedule", "b1": "adam_b1", "b2": "adam_b2",
-                                "eps": "adam_eps"},
-        choices={"schedule": SCHEDULES})
+        OptimizerConfig,
+        flags={"schedule": "lr_schedule", "b1": "adam_b1", "b2": "adam_b2", "eps": "adam_eps"},
+        choices={"schedule": SCHEDULES},
+    )
     update: UpdateConfig = group(UpdateConfig)
-    lora: LoraConfig = group(LoraConfig, flags={
-        "rank": "lora_rank", "alpha": "lora_alpha", "dropout": "lora_dropout",
-        "targets": "lora_targets"})
-    critic: CriticOptions = group(CriticOptions, flags={
-        "model": "critic_model", "learning_rate": "critic_learning_rate",
-        "warmup_steps": "critic_warmup_steps"})
+    lora: LoraConfig = group(
+        LoraConfig,
+        flags={
+            "rank": "lora_rank",
+            "alpha": "lora_alpha",
+            "dropout": "lora_dropout",
+            "targets": "lora_targets",
+        },
+    )
+    critic: CriticOptions = group(
+        CriticOptions,
+        flags={
+            "model": "critic_model",
+            "learning_rate": "critic_learning_rate",
+            "warmup_steps": "critic_warmup_steps",
+        },
+    )
     evaluation: EvalConfig = group(EvalConfig)
     run: RunConfig = group(RunConfig)
 
     def __post_init__(self):
-        options.fill_derived(self)   # reward.max_new_tokens follows rollout.max_new_tokens
+        options.fill_derived(self)  # reward.max_new_tokens follows rollout.max_new_tokens
 
     def replace(self, **values: Any) -> "TrainConfig":
         """This config with options set by flag name (see options.replace), e.g.
@@ -253,26 +283,35 @@ class TrainConfig:
         no pass: on-policy the update's own logprobs are pi_old."""
         return not (self.needs_old_logprobs and not self.update.recompute_old_logprobs)
 
-    def validate(self, num_devices: int, data_parallel: int | None = None,
-                 num_hosts: int | None = None) -> "TrainConfig":
+    def validate(
+        self, num_devices: int, data_parallel: int | None = None, num_hosts: int | None = None
+    ) -> "TrainConfig":
         """Raises a FlagError naming the flag and the fix for any bad value, before anything
         is loaded or compiled: the run's one check of its whole config (train.loop.run calls
         it first, before the workdir lock). num_hosts: the run's processes (default: this
         run's; tools/plan.py passes its topology's)."""
-        with flag_errors():   # a sub-config's ValueError names its flag too
-            self._validate_all(num_devices, data_parallel,
-                               jax.process_count() if num_hosts is None else num_hosts)
+        with flag_errors():  # a sub-config's ValueError names its flag too
+            self._validate_all(
+                num_devices, data_parallel, jax.process_count() if num_hosts is None else num_hosts
+            )
         return self
 
     @property
     def one_host_only(self) -> list[str]:
         """The set flags whose rows are picked on the host, so run on one host only."""
         a, r = self.algorithm, self.rollout
-        return [flag for flag, on in (
-            ("--advantage=remax", a.advantage == "remax"),
-            ("--dynamic_sampling", a.dynamic_sampling),
-            (f"--partial_rollout_tokens={r.partial_rollout_tokens}",
-             r.partial_rollout_tokens > 0)) if on]
+        return [
+            flag
+            for flag, on in (
+                ("--advantage=remax", a.advantage == "remax"),
+                ("--dynamic_sampling", a.dynamic_sampling),
+                (
+                    f"--partial_rollout_tokens={r.partial_rollout_tokens}",
+                    r.partial_rollout_tokens > 0,
+                ),
+            )
+            if on
+        ]
 
     def validate_context(self, context: int, model: str | None = None) -> "TrainConfig":
         """Raises a FlagError when a prompt of --max_prompt_tokens plus its completion (the
@@ -281,14 +320,18 @@ class TrainConfig:
         r = self.rollout
         lengths = [("--max_new_tokens", r.max_new_tokens)] + [
             (f"--eval_sets item {s.name}'s max_new_tokens", s.max_new_tokens)
-            for s in self.evaluation.sets if s.max_new_tokens is not None]
+            for s in self.evaluation.sets
+            if s.max_new_tokens is not None
+        ]
         with flag_errors():
             for what, new_tokens in lengths:
-                require(r.max_prompt_tokens + new_tokens <= context,
-                        f"--max_prompt_tokens={r.max_prompt_tokens} + {what}={new_tokens} = "
-                        f"{r.max_prompt_tokens + new_tokens} tokens exceed the context of "
-                        f"--model={model or self.model.name} ({context} positions): lower "
-                        "them so that their sum is at most the context.")
+                require(
+                    r.max_prompt_tokens + new_tokens <= context,
+                    f"--max_prompt_tokens={r.max_prompt_tokens} + {what}={new_tokens} = "
+                    f"{r.max_prompt_tokens + new_tokens} tokens exceed the context of "
+                    f"--model={model or self.model.name} ({context} positions): lower "
+                    "them so that their sum is at most the context.",
+                )
         return self
 
     def precision_warnings(self) -> list[str]:
@@ -297,24 +340,28 @@ class TrainConfig:
         a step smaller than ~1/256 of a weight rounds away)."""
         lr = self.optimizer.learning_rate
         if self.model.param_dtype == "bfloat16" and lr < BF16_MIN_LEARNING_RATE:
-            return [f"--param_dtype=bfloat16 with --learning_rate={lr:g} (< "
-                    f"{BF16_MIN_LEARNING_RATE:g}): most updates round away in bfloat16 "
-                    "weights. Set --param_dtype=float32 --compute_dtype=bfloat16 (float32 "
-                    "master weights, bfloat16 matmuls)."]
+            return [
+                f"--param_dtype=bfloat16 with --learning_rate={lr:g} (< "
+                f"{BF16_MIN_LEARNING_RATE:g}): most updates round away in bfloat16 "
+                "weights. Set --param_dtype=float32 --compute_dtype=bfloat16 (float32 "
+                "master weights, bfloat16 matmuls)."
+            ]
         return []
 
-    def _validate_all(self, num_devices: int, data_parallel: int | None,
-                      num_hosts: int) -> None:
+    def _validate_all(self, num_devices: int, data_parallel: int | None, num_hosts: int) -> None:
         self._validate_values()
         self._validate_reward()
         self._validate_data()
         run, e = self.run, self.evaluation
-        require(not os.path.exists(run.workdir) or os.path.isdir(run.workdir),
-                f"--workdir={run.workdir} is a file, not a folder: name a new or existing "
-                "folder for the run's outputs.")
-        require(e.eval_every >= 0 and e.eval_prompts >= -1 and e.eval_samples >= 1,
-                "--eval_every must be >= 0, --eval_prompts >= -1 (-1 = all) and "
-                "--eval_samples >= 1.")
+        require(
+            not os.path.exists(run.workdir) or os.path.isdir(run.workdir),
+            f"--workdir={run.workdir} is a file, not a folder: name a new or existing "
+            "folder for the run's outputs.",
+        )
+        require(
+            e.eval_every >= 0 and e.eval_prompts >= -1 and e.eval_samples >= 1,
+            "--eval_every must be >= 0, --eval_prompts >= -1 (-1 = all) and --eval_samples >= 1.",
+        )
         e.sets  # raises on a malformed --eval_sets, naming the item
         prompts.expand(self.data.system_prompt)
         prompts.expand(self.data.instruction, "--instruction")
@@ -323,13 +370,17 @@ class TrainConfig:
         self._validate_critic()
         self._validate_partial(num_hosts)
         a = self.algorithm
-        require(a.is_correction is None or self.keeps_behaviour_logprobs,
-                f"--is_correction={a.is_correction} reweights by the trainer's pi_old over the "
-                f"sampler's logprobs, but with {self.updates_per_step} updates per rollout and "
-                "--norecompute_old_logprobs pi_old is the sampler's (ratio 1); set "
-                "--recompute_old_logprobs or drop --is_correction.")
-        require(not ((a.advantage == "remax" or a.dynamic_sampling) and num_hosts > 1),
-                rounds.ONE_HOST_ONLY)
+        require(
+            a.is_correction is None or self.keeps_behaviour_logprobs,
+            f"--is_correction={a.is_correction} reweights by the trainer's pi_old over the "
+            f"sampler's logprobs, but with {self.updates_per_step} updates per rollout and "
+            "--norecompute_old_logprobs pi_old is the sampler's (ratio 1); set "
+            "--recompute_old_logprobs or drop --is_correction.",
+        )
+        require(
+            not ((a.advantage == "remax" or a.dynamic_sampling) and num_hosts > 1),
+            rounds.ONE_HOST_ONLY,
+        )
         self.optimizer.validate()
         self.lora.validate()
 
@@ -338,73 +389,106 @@ class TrainConfig:
         r, u, run = self.rollout, self.update, self.run
         for name, value in options.flatten(self).items():  # nan / inf slip through float()
             numbers = value if isinstance(value, tuple) else (value,)
-            require(all(math.isfinite(x) for x in numbers if isinstance(x, float)),
-                    f"--{name}={options.format_value(value)} is not a finite number.")
-        require(self.model.param_dtype in DTYPES,
-                f"--param_dtype={self.model.param_dtype!r}: choose {DTYPES}.")
-        require(self.model.compute_dtype in (None,) + DTYPES,
-                f"--compute_dtype={self.model.compute_dtype!r}: choose {DTYPES}.")
+            require(
+                all(math.isfinite(x) for x in numbers if isinstance(x, float)),
+                f"--{name}={options.format_value(value)} is not a finite number.",
+            )
+        require(
+            self.model.param_dtype in DTYPES,
+            f"--param_dtype={self.model.param_dtype!r}: choose {DTYPES}.",
+        )
+        require(
+            self.model.compute_dtype in (None,) + DTYPES,
+            f"--compute_dtype={self.model.compute_dtype!r}: choose {DTYPES}.",
+        )
         require(r.prompts_per_step >= 1, "--prompts_per_step must be >= 1.")
         require(r.group_size >= 1, "--group_size must be >= 1.")
-        require(r.max_new_tokens >= 1 and r.max_prompt_tokens >= 1,
-                "--max_new_tokens and --max_prompt_tokens must be >= 1.")
+        require(
+            r.max_new_tokens >= 1 and r.max_prompt_tokens >= 1,
+            "--max_new_tokens and --max_prompt_tokens must be >= 1.",
+        )
         require(u.ppo_epochs >= 1, "--ppo_epochs must be >= 1.")
-        require(u.micro_batch_length_classes >= 1,
-                f"--micro_batch_length_classes={u.micro_batch_length_classes} must be >= 1 "
-                "(1 = every micro-batch at the mini-batch's longest completion).")
+        require(
+            u.micro_batch_length_classes >= 1,
+            f"--micro_batch_length_classes={u.micro_batch_length_classes} must be >= 1 "
+            "(1 = every micro-batch at the mini-batch's longest completion).",
+        )
         require(u.max_nonfinite_steps >= 1, "--max_nonfinite_steps must be >= 1.")
         require(run.num_steps >= 1, "--num_steps must be >= 1.")
-        require(run.checkpoint_every >= 1, f"--checkpoint_every={run.checkpoint_every} must be "
-                ">= 1 (the run also saves at its end and when preempted).")
-        require(run.keep_checkpoints >= 1, f"--keep_checkpoints={run.keep_checkpoints} must be "
-                ">= 1: a run resumes from its latest checkpoint; to save less often, raise "
-                "--checkpoint_every.")
+        require(
+            run.checkpoint_every >= 1,
+            f"--checkpoint_every={run.checkpoint_every} must be "
+            ">= 1 (the run also saves at its end and when preempted).",
+        )
+        require(
+            run.keep_checkpoints >= 1,
+            f"--keep_checkpoints={run.keep_checkpoints} must be "
+            ">= 1: a run resumes from its latest checkpoint; to save less often, raise "
+            "--checkpoint_every.",
+        )
         require(r.long_prompts in LONG_PROMPT_MODES, "--long_prompts: choose error or drop.")
-        trackers.check_installed(run.tracker_names)   # a bad name: ValueError naming the flag
-        require(r.decode_slots >= 0, f"--decode_slots={r.decode_slots} must be >= 0 (0: every "
-                "row at once, finished rows compacted away).")
+        trackers.check_installed(run.tracker_names)  # a bad name: ValueError naming the flag
+        require(
+            r.decode_slots >= 0,
+            f"--decode_slots={r.decode_slots} must be >= 0 (0: every "
+            "row at once, finished rows compacted away).",
+        )
 
     def _validate_batches(self, num_devices: int, data_parallel: int | None) -> None:
         """Mini-, micro- and rollout micro-batches divide the batch and fill the mesh."""
         r, run = self.rollout, self.run
         B = self.batch_size
-        require(B % self.mini_batch == 0,
-                f"--mini_batch_size={self.mini_batch} does not divide the batch of "
-                f"{B} rows (prompts_per_step {r.prompts_per_step} x group_size "
-                f"{r.group_size}); pick a divisor of {B}.")
-        require(self.mini_batch % self.micro_batch == 0,
-                f"--micro_batch_size={self.micro_batch} does not divide the mini-batch of "
-                f"{self.mini_batch} rows; pick a divisor of {self.mini_batch}.")
+        require(
+            B % self.mini_batch == 0,
+            f"--mini_batch_size={self.mini_batch} does not divide the batch of "
+            f"{B} rows (prompts_per_step {r.prompts_per_step} x group_size "
+            f"{r.group_size}); pick a divisor of {B}.",
+        )
+        require(
+            self.mini_batch % self.micro_batch == 0,
+            f"--micro_batch_size={self.micro_batch} does not divide the mini-batch of "
+            f"{self.mini_batch} rows; pick a divisor of {self.mini_batch}.",
+        )
         if data_parallel is None:
             sizes = parallel.MeshSpec.parse(run.mesh).resolve(num_devices)
             data_parallel = parallel.data_parallel_size(
-                jax.sharding.AbstractMesh(sizes, parallel.MESH_AXES))
-        require(self.micro_batch % data_parallel == 0,
-                f"The micro-batch of {self.micro_batch} rows cannot be split over the "
-                f"{data_parallel} data-parallel devices of --mesh={run.mesh}; make "
-                "--micro_batch_size a multiple of data*fsdp.")
+                jax.sharding.AbstractMesh(sizes, parallel.MESH_AXES)
+            )
+        require(
+            self.micro_batch % data_parallel == 0,
+            f"The micro-batch of {self.micro_batch} rows cannot be split over the "
+            f"{data_parallel} data-parallel devices of --mesh={run.mesh}; make "
+            "--micro_batch_size a multiple of data*fsdp.",
+        )
         R = r.rollout_micro_batch
-        require(R == 0 or (R > 0 and B % R == 0 and R % r.group_size == 0
-                           and R % data_parallel == 0),
-                f"--rollout_micro_batch={R} must divide the batch of {B} rows and be a multiple "
-                f"of --group_size={r.group_size} and of the {data_parallel} data-parallel "
-                f"devices of --mesh={run.mesh} (or 0: all rows at once).")
-        require(r.decode_slots % data_parallel == 0,
-                f"--decode_slots={r.decode_slots} must be a multiple of the {data_parallel} "
-                f"data-parallel devices of --mesh={run.mesh} (each decodes as many slots), "
-                "or 0.")
+        require(
+            R == 0 or (R > 0 and B % R == 0 and R % r.group_size == 0 and R % data_parallel == 0),
+            f"--rollout_micro_batch={R} must divide the batch of {B} rows and be a multiple "
+            f"of --group_size={r.group_size} and of the {data_parallel} data-parallel "
+            f"devices of --mesh={run.mesh} (or 0: all rows at once).",
+        )
+        require(
+            r.decode_slots % data_parallel == 0,
+            f"--decode_slots={r.decode_slots} must be a multiple of the {data_parallel} "
+            f"data-parallel devices of --mesh={run.mesh} (each decodes as many slots), "
+            "or 0.",
+        )
 
     def _validate_critic(self) -> None:
         c = self.critic
         require(c.warmup_steps >= 0, f"--critic_warmup_steps={c.warmup_steps} must be >= 0.")
-        require(c.learning_rate is None or c.learning_rate > 0,
-                f"--critic_learning_rate={c.learning_rate} must be > 0 (or unset: 10 x "
-                "--learning_rate).")
-        require(self.needs_critic or (c.model is None and c.learning_rate is None
-                                      and c.warmup_steps == 0),
-                f"--critic_model / --critic_learning_rate / --critic_warmup_steps are set but "
-                f"--algorithm={self.algorithm.name} trains no critic; use --algorithm=ppo (or "
-                "--advantage=gae), or drop the critic flags.")
+        require(
+            c.learning_rate is None or c.learning_rate > 0,
+            f"--critic_learning_rate={c.learning_rate} must be > 0 (or unset: 10 x "
+            "--learning_rate).",
+        )
+        require(
+            self.needs_critic
+            or (c.model is None and c.learning_rate is None and c.warmup_steps == 0),
+            f"--critic_model / --critic_learning_rate / --critic_warmup_steps are set but "
+            f"--algorithm={self.algorithm.name} trains no critic; use --algorithm=ppo (or "
+            "--advantage=gae), or drop the critic flags.",
+        )
 
     def _validate_partial(self, num_hosts: int) -> None:
         """Partial rollouts: the budget, the staleness bound and what they do not combine with."""
@@ -412,57 +496,89 @@ class TrainConfig:
         N, K = r.partial_rollout_tokens, r.max_staleness
         require(K >= 0, f"--max_staleness={K} must be >= 0 (steps a carried group may wait).")
         if not N:
-            require(K == RolloutConfig.max_staleness,
-                    f"--max_staleness={K} applies only to partial rollouts: set "
-                    "--partial_rollout_tokens too, or drop --max_staleness.")
+            require(
+                K == RolloutConfig.max_staleness,
+                f"--max_staleness={K} applies only to partial rollouts: set "
+                "--partial_rollout_tokens too, or drop --max_staleness.",
+            )
             return
-        require(0 < N < r.max_new_tokens,
-                f"--partial_rollout_tokens={N} must be in [1, --max_new_tokens="
-                f"{r.max_new_tokens}) (0 = off): a budget of --max_new_tokens or more finishes "
-                "every row in one round.")
-        unsupported = [flag for flag, on in (
-            ("--dynamic_sampling", a.dynamic_sampling),
-            ("--advantage=remax", a.advantage == "remax"),
-            ("--norecompute_old_logprobs", not self.update.recompute_old_logprobs)) if on]
-        require(not unsupported,
-                f"--partial_rollout_tokens={N} does not combine with {', '.join(unsupported)}: "
-                "partial rollouts fill the batch with finished groups themselves and take pi_old "
-                "from the recomputed logprobs; drop those, or set --partial_rollout_tokens=0.")
+        require(
+            0 < N < r.max_new_tokens,
+            f"--partial_rollout_tokens={N} must be in [1, --max_new_tokens="
+            f"{r.max_new_tokens}) (0 = off): a budget of --max_new_tokens or more finishes "
+            "every row in one round.",
+        )
+        unsupported = [
+            flag
+            for flag, on in (
+                ("--dynamic_sampling", a.dynamic_sampling),
+                ("--advantage=remax", a.advantage == "remax"),
+                ("--norecompute_old_logprobs", not self.update.recompute_old_logprobs),
+            )
+            if on
+        ]
+        require(
+            not unsupported,
+            f"--partial_rollout_tokens={N} does not combine with {', '.join(unsupported)}: "
+            "partial rollouts fill the batch with finished groups themselves and take pi_old "
+            "from the recomputed logprobs; drop those, or set --partial_rollout_tokens=0.",
+        )
         require(num_hosts == 1, partial.ONE_HOST_ONLY)
 
     def _validate_data(self) -> None:
         """Flags that a data source would ignore (the source itself is read, and checked, by
         the trainer before the model loads)."""
         d = self.data
-        kind = d.source.partition(":")[0] if ":" in d.source else (
-            "name" if d.source.isidentifier() else "file")
-        require(d.revision is None or kind in ("hf", "name"),
-                f"--data_revision={d.revision} applies to hf: sources and registered names "
-                f"only, not --data={d.source}; drop it.")
-        own = [f"--{k}" for k, v in (("prompt_field", d.prompt_field),
-                                     ("answer_field", d.answer_field)) if v]
-        require(not own or kind not in ("synthetic", "gym", "name"),
-                f"{' and '.join(own)} name columns, but --data={d.source} brings its own "
-                "fields; drop them (they apply to hf:, jsonl:, parquet: and tfds: sources).")
+        kind = (
+            d.source.partition(":")[0]
+            if ":" in d.source
+            else ("name" if d.source.isidentifier() else "file")
+        )
+        require(
+            d.revision is None or kind in ("hf", "name"),
+            f"--data_revision={d.revision} applies to hf: sources and registered names "
+            f"only, not --data={d.source}; drop it.",
+        )
+        own = [
+            f"--{k}"
+            for k, v in (("prompt_field", d.prompt_field), ("answer_field", d.answer_field))
+            if v
+        ]
+        require(
+            not own or kind not in ("synthetic", "gym", "name"),
+            f"{' and '.join(own)} name columns, but --data={d.source} brings its own "
+            "fields; drop them (they apply to hf:, jsonl:, parquet: and tfds: sources).",
+        )
 
     def _validate_reward(self) -> None:
         """The reward flags that rewards.shaping and the verifier pool would otherwise refuse
         only when the reward function is built, after the model has loaded."""
         w, r = self.reward, self.rollout
         require(w.scale in SCALES, f"--reward_scale: choose one of {SCALES}.")
-        require(w.format_penalty >= 0, f"--format_penalty={w.format_penalty} must be >= 0 (it is "
-                "subtracted from the reward of a completion without a final answer).")
-        require(not (w.scale == "logic_rl" and w.format_penalty),
-                f"--format_penalty={w.format_penalty} does not apply to --reward_scale=logic_rl, "
-                "which has its own format reward; leave --format_penalty at 0.")
-        require(0 <= w.overlong_buffer <= r.max_new_tokens,
-                f"--overlong_buffer={w.overlong_buffer} must be in [0, --max_new_tokens="
-                f"{r.max_new_tokens}] (0 = no overlong punishment).")
-        require(w.overlong_penalty >= 0, f"--overlong_penalty={w.overlong_penalty} must be >= 0 "
-                "(it is subtracted).")
-        require(w.memory_limit_mb >= 0, f"--memory_limit_mb={w.memory_limit_mb} must be >= 0 "
-                "(0 = no limit).")
-        w.shaping, w.pool   # their own checks, now rather than when the reward is built
+        require(
+            w.format_penalty >= 0,
+            f"--format_penalty={w.format_penalty} must be >= 0 (it is "
+            "subtracted from the reward of a completion without a final answer).",
+        )
+        require(
+            not (w.scale == "logic_rl" and w.format_penalty),
+            f"--format_penalty={w.format_penalty} does not apply to --reward_scale=logic_rl, "
+            "which has its own format reward; leave --format_penalty at 0.",
+        )
+        require(
+            0 <= w.overlong_buffer <= r.max_new_tokens,
+            f"--overlong_buffer={w.overlong_buffer} must be in [0, --max_new_tokens="
+            f"{r.max_new_tokens}] (0 = no overlong punishment).",
+        )
+        require(
+            w.overlong_penalty >= 0,
+            f"--overlong_penalty={w.overlong_penalty} must be >= 0 (it is subtracted).",
+        )
+        require(
+            w.memory_limit_mb >= 0,
+            f"--memory_limit_mb={w.memory_limit_mb} must be >= 0 (0 = no limit).",
+        )
+        w.shaping, w.pool  # their own checks, now rather than when the reward is built
 
     # ---- config.json ----------------------------------------------------------------------
 
@@ -480,5 +596,8 @@ class TrainConfig:
         algorithm = options.from_dict(rl.AlgorithmConfig, data.pop("algorithm"))
         optimizer = options.from_dict(OptimizerConfig, data.pop("optimizer"))
         known = options.option_map(cls)
-        return cls().replace(algorithm=algorithm, optimizer=optimizer,
-                             **{k: v for k, v in data.items() if k in known})
+        return cls().replace(
+            algorithm=algorithm,
+            optimizer=optimizer,
+            **{k: v for k, v in data.items() if k in known},
+        )

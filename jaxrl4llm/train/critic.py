@@ -12,6 +12,7 @@ or read from `--critic_model`, an HF folder / GGUF of the same family; a folder
 `export_critic` wrote holds the head as transformers' `score` ([1, D] weight, zero bias),
 which `AutoModelForTokenClassification` loads.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,11 +33,25 @@ from jaxrl4llm.train.state import OptimizerConfig, TrainState
 from jaxrl4llm.train.step import UpdateBatch, accumulate, apply_update
 
 HEAD = "value_head"
-SCORE_WEIGHT, SCORE_BIAS = "score.weight", "score.bias"   # transformers' *ForTokenClassification
+SCORE_WEIGHT, SCORE_BIAS = "score.weight", "score.bias"  # transformers' *ForTokenClassification
 # What makes two configs the same family, shape and computation (a critic must match its policy).
-_SAME_MODEL = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
-               "num_heads", "num_kv_heads", "head_dim", "rms_norm_eps", "rope_theta",
-               "rope_scaling", "tie_word_embeddings", "attention_bias", "qk_norm", "sliding_window")
+_SAME_MODEL = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "tie_word_embeddings",
+    "attention_bias",
+    "qk_norm",
+    "sliding_window",
+)
 
 
 def logical_axes(model_config: Any) -> dict[str, Any]:
@@ -60,13 +75,15 @@ def from_policy(params: Any) -> dict[str, Any]:
     return {"backbone": backbone, HEAD: _placed_like(params["final_norm"], 0.0)}
 
 
-def load(name: str, model_config: Any, mesh: Any = None, dtype: Any = jnp.float32
-         ) -> dict[str, Any]:
+def load(
+    name: str, model_config: Any, mesh: Any = None, dtype: Any = jnp.float32
+) -> dict[str, Any]:
     """The critic read from `--critic_model`: an HF folder or GGUF of the policy's family (the
     backbone; a zero head unless the folder holds transformers' `score` head)."""
     path = registry.resolve(name)
     if path.endswith(".gguf"):
         from jaxrl4llm.models import gguf_file
+
         source: gguf_file.GGUFSource | weights.SafetensorsSource
         source = gguf_file.GGUFSource(path)
         config = source.config()
@@ -74,42 +91,66 @@ def load(name: str, model_config: Any, mesh: Any = None, dtype: Any = jnp.float3
         source = weights.SafetensorsSource(path)
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             hf = json.load(f)
-        hf.pop("architectures", None)   # a *ForTokenClassification critic names its head class
+        hf.pop("architectures", None)  # a *ForTokenClassification critic names its head class
         config = type(model_config).from_hf_config(hf)
     different = [f for f in _SAME_MODEL if getattr(config, f) != getattr(model_config, f)]
     if different:
-        listed = ", ".join(f"{f}={getattr(config, f)!r} (policy: {getattr(model_config, f)!r})"
-                           for f in different[:4])
-        raise ValueError(f"--critic_model={name!r} is not a model of the policy's family and "
-                         f"shape: {listed}. Pass a checkpoint of the same architecture, or leave "
-                         "--critic_model unset to start the critic from the policy's weights.")
-    backbone = weights.load_params(source, model_config, mesh, dtype=dtype, skip=("unembed",),
-                                   ignore=(SCORE_WEIGHT, SCORE_BIAS))
+        listed = ", ".join(
+            f"{f}={getattr(config, f)!r} (policy: {getattr(model_config, f)!r})"
+            for f in different[:4]
+        )
+        raise ValueError(
+            f"--critic_model={name!r} is not a model of the policy's family and "
+            f"shape: {listed}. Pass a checkpoint of the same architecture, or leave "
+            "--critic_model unset to start the critic from the policy's weights."
+        )
+    backbone = weights.load_params(
+        source,
+        model_config,
+        mesh,
+        dtype=dtype,
+        skip=("unembed",),
+        ignore=(SCORE_WEIGHT, SCORE_BIAS),
+    )
     head = np.zeros(model_config.hidden_size, np.dtype(dtype))
     if SCORE_WEIGHT in source.names():
         if source.shape(SCORE_WEIGHT) != (1, model_config.hidden_size):
-            raise ValueError(f"--critic_model={name!r}: {SCORE_WEIGHT} has shape "
-                             f"{source.shape(SCORE_WEIGHT)}; a value head is [1, "
-                             f"{model_config.hidden_size}] (one label).")
+            raise ValueError(
+                f"--critic_model={name!r}: {SCORE_WEIGHT} has shape "
+                f"{source.shape(SCORE_WEIGHT)}; a value head is [1, "
+                f"{model_config.hidden_size}] (one label)."
+            )
         if SCORE_BIAS in source.names() and np.any(np.asarray(source.read(SCORE_BIAS)) != 0):
-            raise ValueError(f"--critic_model={name!r}: its head has a non-zero {SCORE_BIAS}; "
-                             "the critic's head has no bias (export it with a zero bias).")
+            raise ValueError(
+                f"--critic_model={name!r}: its head has a non-zero {SCORE_BIAS}; "
+                "the critic's head has no bias (export it with a zero bias)."
+            )
         head = np.asarray(source.read(SCORE_WEIGHT), head.dtype).reshape(-1)
     return {"backbone": backbone, HEAD: _placed_like(backbone["final_norm"], head)}
 
 
-def export(critic_params: Any, model_config: Any, path: str | os.PathLike,
-           tokenizer: Any = None) -> None:
+def export(
+    critic_params: Any, model_config: Any, path: str | os.PathLike, tokenizer: Any = None
+) -> None:
     """An HF folder `transformers.AutoModelForTokenClassification` loads (num_labels 1: its
     logits [B, L, 1] are the values) and `--critic_model` reads back."""
     head = np.asarray(jax.device_get(critic_params[HEAD]))
-    arch = model_config.to_hf_config()["architectures"][0].replace("ForCausalLM",
-                                                                   "ForTokenClassification")
-    weights.export_hf(critic_params["backbone"], model_config, path, tokenizer,
-                      extra_tensors={SCORE_WEIGHT: head.reshape(1, -1),
-                                     SCORE_BIAS: np.zeros(1, head.dtype)},
-                      hf_config={"architectures": [arch], "num_labels": 1,
-                                 "id2label": {"0": "value"}, "label2id": {"value": 0}})
+    arch = model_config.to_hf_config()["architectures"][0].replace(
+        "ForCausalLM", "ForTokenClassification"
+    )
+    weights.export_hf(
+        critic_params["backbone"],
+        model_config,
+        path,
+        tokenizer,
+        extra_tensors={SCORE_WEIGHT: head.reshape(1, -1), SCORE_BIAS: np.zeros(1, head.dtype)},
+        hf_config={
+            "architectures": [arch],
+            "num_labels": 1,
+            "id2label": {"0": "value"},
+            "label2id": {"value": 0},
+        },
+    )
 
 
 def optimizer_config(optimizer: OptimizerConfig, learning_rate: float | None) -> OptimizerConfig:
@@ -119,64 +160,139 @@ def optimizer_config(optimizer: OptimizerConfig, learning_rate: float | None) ->
     return dataclasses.replace(optimizer, learning_rate=lr)
 
 
-def completion_values(critic_params: Any, model_config: Any, seqs: Sequences, *,
-                      remat: bool = False, prompt_group: int = 1,
-                      sharding: parallel.ActivationSharding | None = None) -> jax.Array:
+def completion_values(
+    critic_params: Any,
+    model_config: Any,
+    seqs: Sequences,
+    *,
+    remat: bool = False,
+    prompt_group: int = 1,
+    sharding: parallel.ActivationSharding | None = None,
+) -> jax.Array:
     """values_BT float32: V(s_t) at every completion token t (0-masked by the caller)."""
     backbone = transformer.cast_for_compute(critic_params["backbone"], model_config)
-    h_BTD = completion_hidden_states(backbone, model_config, seqs, remat=remat,
-                                     prompt_group=prompt_group, sharding=sharding)
+    h_BTD = completion_hidden_states(
+        backbone, model_config, seqs, remat=remat, prompt_group=prompt_group, sharding=sharding
+    )
     head = critic_params[HEAD].astype(h_BTD.dtype)
     return jnp.einsum("btd,d->bt", h_BTD, head, preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "prompt_group", "num_chunks", "sharding"))
-def values_jit(critic_params: Any, config: Any, seqs: Sequences, prompt_group: int = 1,
-               num_chunks: int = 1, sharding: parallel.ActivationSharding | None = None
-               ) -> jax.Array:
+def values_jit(
+    critic_params: Any,
+    config: Any,
+    seqs: Sequences,
+    prompt_group: int = 1,
+    num_chunks: int = 1,
+    sharding: parallel.ActivationSharding | None = None,
+) -> jax.Array:
     """The rollout's values (V_old), 0 off the mask, in `num_chunks` strided row chunks."""
+
     def values(seqs: Sequences) -> jax.Array:
-        v_BT = completion_values(critic_params, config, seqs, prompt_group=prompt_group,
-                                 sharding=sharding)
+        v_BT = completion_values(
+            critic_params, config, seqs, prompt_group=prompt_group, sharding=sharding
+        )
         return jnp.where(seqs.completion_mask_BT, v_BT, 0.0)
 
     return over_row_chunks(values, seqs, num_chunks, prompt_group, sharding)
 
 
-def _micro_loss(critic_params: Any, mb: UpdateBatch, denominator: jax.Array, *,
-                model_config: Any, algorithm: rl.AlgorithmConfig, remat: bool,
-                prompt_group: int, sharding: parallel.ActivationSharding | None
-                ) -> tuple[jax.Array, dict[str, Metric]]:
+def _micro_loss(
+    critic_params: Any,
+    micro_batch: UpdateBatch,
+    denominator: jax.Array,
+    *,
+    model_config: Any,
+    algorithm: rl.AlgorithmConfig,
+    remat: bool,
+    prompt_group: int,
+    sharding: parallel.ActivationSharding | None,
+) -> tuple[jax.Array, dict[str, Metric]]:
     # PPO's update batches carry the critic's old values and returns (train.rollout).
-    assert mb.old_values_BT is not None and mb.returns_BT is not None
-    values_BT = completion_values(critic_params, model_config, mb.seqs, remat=remat,
-                                  prompt_group=prompt_group, sharding=sharding)
+    assert micro_batch.old_values_BT is not None and micro_batch.returns_BT is not None
+    values_BT = completion_values(
+        critic_params,
+        model_config,
+        micro_batch.seqs,
+        remat=remat,
+        prompt_group=prompt_group,
+        sharding=sharding,
+    )
     loss_sum, _, metrics = rl.value_loss(
-        values_BT, mb.old_values_BT, mb.returns_BT, mb.seqs.completion_mask_BT, mb.keep_B,
-        value_clip=algorithm.value_clip, agg=algorithm.agg, max_tokens=algorithm.max_tokens)
+        values_BT,
+        micro_batch.old_values_BT,
+        micro_batch.returns_BT,
+        micro_batch.seqs.completion_mask_BT,
+        micro_batch.keep_B,
+        value_clip=algorithm.value_clip,
+        agg=algorithm.agg,
+        max_tokens=algorithm.max_tokens,
+    )
     return loss_sum / denominator, metrics
 
 
-@functools.partial(jax.jit, donate_argnames=("state",), static_argnames=(
-    "model_config", "algorithm", "optimizer", "num_micro", "remat", "prompt_group", "sharding"))
-def critic_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
-                algorithm: rl.AlgorithmConfig, optimizer: OptimizerConfig, num_micro: int,
-                remat: bool = False, prompt_group: int = 1,
-                sharding: parallel.ActivationSharding | None = None
-                ) -> tuple[TrainState, dict[str, jax.Array]]:
+@functools.partial(
+    jax.jit,
+    donate_argnames=("state",),
+    static_argnames=(
+        "model_config",
+        "algorithm",
+        "optimizer",
+        "num_micro",
+        "remat",
+        "prompt_group",
+        "sharding",
+    ),
+)
+def critic_step(
+    state: TrainState,
+    batch: UpdateBatch,
+    *,
+    model_config: Any,
+    algorithm: rl.AlgorithmConfig,
+    optimizer: OptimizerConfig,
+    num_micro: int,
+    remat: bool = False,
+    prompt_group: int = 1,
+    sharding: parallel.ActivationSharding | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
     """One AdamW update of the critic on a mini-batch's clipped value loss (rl.value_loss,
     aggregated like the policy's loss), accumulated over micro-batches like `train_step`
     and skipped likewise when not finite. Metrics: critic/loss, critic/grad_norm, ..."""
-    denominator = jnp.maximum(rl.loss_denominator(
-        algorithm, batch.seqs.completion_mask_BT, batch.keep_B), 1e-8)
-    grad_fn = jax.value_and_grad(functools.partial(
-        _micro_loss, model_config=model_config, algorithm=algorithm, remat=remat,
-        prompt_group=prompt_group, sharding=sharding), has_aux=True)
+    denominator = jnp.maximum(
+        rl.loss_denominator(algorithm, batch.seqs.completion_mask_BT, batch.keep_B), 1e-8
+    )
+    grad_fn = jax.value_and_grad(
+        functools.partial(
+            _micro_loss,
+            model_config=model_config,
+            algorithm=algorithm,
+            remat=remat,
+            prompt_group=prompt_group,
+            sharding=sharding,
+        ),
+        has_aux=True,
+    )
     axes = logical_axes(model_config)
-    loss, grads, metrics = accumulate(state.params, batch, grad_fn, denominator,
-                                      num_micro=num_micro, prompt_group=prompt_group,
-                                      param_axes=axes, sharding=sharding)
-    new_state, update_metrics = apply_update(state, loss, grads, optimizer=optimizer,
-                                             param_axes=axes, sharding=sharding,
-                                             loss_name="critic/loss", prefix="critic")
+    loss, grads, metrics = accumulate(
+        state.params,
+        batch,
+        grad_fn,
+        denominator,
+        num_micro=num_micro,
+        prompt_group=prompt_group,
+        param_axes=axes,
+        sharding=sharding,
+    )
+    new_state, update_metrics = apply_update(
+        state,
+        loss,
+        grads,
+        optimizer=optimizer,
+        param_axes=axes,
+        sharding=sharding,
+        loss_name="critic/loss",
+        prefix="critic",
+    )
     return new_state, dict(metrics, **update_metrics)

@@ -15,6 +15,7 @@
 
 docs/reliability.md lists the tests behind each.
 """
+
 from __future__ import annotations
 
 from jaxrl4llm.config.errors import (  # noqa: F401

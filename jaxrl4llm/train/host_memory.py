@@ -6,6 +6,7 @@ returning it, so the update would start its own peak on top of the rollout's lef
 `malloc_trim` gives those pages back. Elsewhere (macOS, musl, accelerators' host side) it is
 a no-op.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -5,6 +5,7 @@ the element's global index. Integer addition mod 2^32 is exact in any order, so 
 does not depend on the sharding or the number of hosts, is computed where the shards live
 (one jitted pass, no gather onto a host), and changes with any single flipped bit.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,8 +32,9 @@ def _bits_u32(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
 
 
-def _index_weights(shape: tuple[int, ...], global_shape: tuple[int, ...],
-                   offsets: jax.Array) -> jax.Array:
+def _index_weights(
+    shape: tuple[int, ...], global_shape: tuple[int, ...], offsets: jax.Array
+) -> jax.Array:
     """An odd pseudo-random uint32 weight per element of a block of `shape` starting at
     `offsets` in an array of `global_shape`, from the element's row-major global index."""
     index = jnp.zeros(shape, jnp.uint32)
@@ -48,15 +50,21 @@ def _index_weights(shape: tuple[int, ...], global_shape: tuple[int, ...],
 
 
 @functools.partial(jax.jit, static_argnames=("global_shape",))
-def _block_check(block: jax.Array, offsets: jax.Array, *, global_shape: tuple[int, ...]
-                 ) -> tuple[jax.Array, jax.Array]:
+def _block_check(
+    block: jax.Array, offsets: jax.Array, *, global_shape: tuple[int, ...]
+) -> tuple[jax.Array, jax.Array]:
     """(digest, all finite) of one block of an array (a shard on one device)."""
     bits = _bits_u32(block)
-    extra = bits.shape[len(global_shape):]  # 64-bit elements: two words each
-    digest = jnp.sum(bits * _index_weights(bits.shape, tuple(global_shape) + extra,
-                                           jnp.concatenate([offsets, jnp.zeros(len(extra),
-                                                                               jnp.uint32)])),
-                     dtype=jnp.uint32)
+    extra = bits.shape[len(global_shape) :]  # 64-bit elements: two words each
+    digest = jnp.sum(
+        bits
+        * _index_weights(
+            bits.shape,
+            tuple(global_shape) + extra,
+            jnp.concatenate([offsets, jnp.zeros(len(extra), jnp.uint32)]),
+        ),
+        dtype=jnp.uint32,
+    )
     if jnp.issubdtype(block.dtype, jnp.inexact):
         return digest, jnp.isfinite(block).all()
     return digest, jnp.array(True)
@@ -68,7 +76,7 @@ def _shard_offsets(index: tuple[slice, ...], ndim: int) -> np.ndarray:
 
 class Fingerprint(NamedTuple):
     arrays: dict[str, dict[str, Any]]  # leaf path -> {"digest", "shape", "dtype"}
-    nonfinite: list[str]               # leaf paths holding NaN or inf
+    nonfinite: list[str]  # leaf paths holding NaN or inf
 
 
 def fingerprint(tree: Any) -> Fingerprint:
@@ -86,21 +94,31 @@ def fingerprint(tree: Any) -> Fingerprint:
         if not shards:  # a host value (numpy / scalar)
             leaf = jnp.asarray(leaf)
             shards = [s for s in leaf.addressable_shards if s.replica_id == 0]
-        pending.append([_block_check(s.data, _shard_offsets(s.index, leaf.ndim),
-                                     global_shape=tuple(leaf.shape)) for s in shards])
+        pending.append(
+            [
+                _block_check(
+                    s.data, _shard_offsets(s.index, leaf.ndim), global_shape=tuple(leaf.shape)
+                )
+                for s in shards
+            ]
+        )
     local = jax.device_get(pending)
     digests = np.array([sum(int(d) for d, _ in parts) % 2**32 for parts in local], np.uint32)
     finite = np.array([all(bool(f) for _, f in parts) for parts in local], bool)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
+
         all_digests, all_finite = multihost_utils.process_allgather((digests, finite))
         digests = np.asarray(all_digests, np.uint64).sum(axis=0) % 2**32  # uint32 per host
         finite = np.all(np.asarray(all_finite), axis=0)
     arrays, nonfinite = {}, []
     for (path, leaf), digest, ok in zip(leaves, digests, finite):
         name = jax.tree_util.keystr(path)
-        arrays[name] = {"digest": int(digest), "shape": list(np.shape(leaf)),
-                        "dtype": str(leaf.dtype)}
+        arrays[name] = {
+            "digest": int(digest),
+            "shape": list(np.shape(leaf)),
+            "dtype": str(leaf.dtype),
+        }
         if not ok:
             nonfinite.append(name)
     return Fingerprint(arrays, nonfinite)
@@ -112,8 +130,12 @@ def data_digest(data_state: Any) -> str:
 
 def write_record(directory: str, step: int, saved: Fingerprint, data_state: Any) -> None:
     """Writes the record atomically (aside, then renamed) into the step's folder."""
-    record = {"format": FORMAT, "step": int(step), "arrays": saved.arrays,
-              "data_sha256": data_digest(data_state)}
+    record = {
+        "format": FORMAT,
+        "step": int(step),
+        "arrays": saved.arrays,
+        "data_sha256": data_digest(data_state),
+    }
     path = os.path.join(directory, RECORD_NAME)
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)
@@ -142,20 +164,28 @@ def problems(record: dict[str, Any] | None, restored: Fingerprint, data_state: A
     or data whose digest differs from the one taken at save time."""
     found = []
     if restored.nonfinite:
-        found.append(f"non-finite values in {_plural(len(restored.nonfinite), 'array')} "
-                     f"({', '.join(restored.nonfinite[:3])})")
+        found.append(
+            f"non-finite values in {_plural(len(restored.nonfinite), 'array')} "
+            f"({', '.join(restored.nonfinite[:3])})"
+        )
     if record is None:
         return found
     saved = record["arrays"]
-    changed = [name for name, entry in restored.arrays.items()
-               if name not in saved or saved[name]["digest"] != entry["digest"]]
+    changed = [
+        name
+        for name, entry in restored.arrays.items()
+        if name not in saved or saved[name]["digest"] != entry["digest"]
+    ]
     missing = sorted(set(saved) - set(restored.arrays))
     if changed:
-        found.append(f"checksum mismatch in {_plural(len(changed), 'array')} "
-                     f"({', '.join(changed[:3])}): the files changed after they were saved")
+        found.append(
+            f"checksum mismatch in {_plural(len(changed), 'array')} "
+            f"({', '.join(changed[:3])}): the files changed after they were saved"
+        )
     if missing:
-        found.append(f"{_plural(len(missing), 'saved array')} not restored "
-                     f"({', '.join(missing[:3])})")
+        found.append(
+            f"{_plural(len(missing), 'saved array')} not restored ({', '.join(missing[:3])})"
+        )
     if record.get("data_sha256") != data_digest(data_state):
         found.append("checksum mismatch in the data-iterator state")
     return found

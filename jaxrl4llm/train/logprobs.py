@@ -7,6 +7,7 @@ logits divided by the sampling temperature (the sampler's definition too).
 Layout: a row is `prompt (left-padded, Tp) ++ completion (Tc)`. The logits at column
 Tp-1+t predict completion token t, so the model reads the first Tp+Tc-1 tokens.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,23 +27,28 @@ Sharding = parallel.ActivationSharding | None
 class Sequences(flax.struct.PyTreeNode):
     """Prompt + completion token blocks of a batch of samples."""
 
-    prompt_tokens_BP: jax.Array      # int32, left-padded
-    prompt_mask_BP: jax.Array        # bool, real prompt tokens
+    prompt_tokens_BP: jax.Array  # int32, left-padded
+    prompt_mask_BP: jax.Array  # bool, real prompt tokens
     completion_tokens_BT: jax.Array  # int32, padded after the stop token
-    completion_mask_BT: jax.Array    # bool, tokens up to and including the first stop token
+    completion_mask_BT: jax.Array  # bool, tokens up to and including the first stop token
 
 
 def _inputs(seqs: Sequences) -> tuple[jax.Array, jax.Array, jax.Array]:
     tokens, mask, positions = prompt_completion_rows(
-        seqs.prompt_tokens_BP, seqs.prompt_mask_BP, seqs.completion_tokens_BT,
-        seqs.completion_mask_BT)
+        seqs.prompt_tokens_BP,
+        seqs.prompt_mask_BP,
+        seqs.completion_tokens_BT,
+        seqs.completion_mask_BT,
+    )
     return tokens[:, :-1], positions[:, :-1], mask[:, :-1]
 
 
-def _chunk_logprobs(spec: str, w: jax.Array, h_BCD: jax.Array, targets_BC: jax.Array,
-                    temperature: float) -> tuple[jax.Array, jax.Array]:
-    logits_BCV = jnp.einsum(spec, h_BCD.astype(w.dtype), w,
-                            preferred_element_type=jnp.float32) / temperature
+def _chunk_logprobs(
+    spec: str, w: jax.Array, h_BCD: jax.Array, targets_BC: jax.Array, temperature: float
+) -> tuple[jax.Array, jax.Array]:
+    logits_BCV = (
+        jnp.einsum(spec, h_BCD.astype(w.dtype), w, preferred_element_type=jnp.float32) / temperature
+    )
     logz_BC = jax.nn.logsumexp(logits_BCV, axis=-1)
     target_logit_BC = jnp.take_along_axis(logits_BCV, targets_BC[..., None], axis=-1)[..., 0]
     probs_BCV = jnp.exp(logits_BCV - logz_BC[..., None])
@@ -62,10 +68,16 @@ def logits_chunk_size(batch: int, length: int, vocab_size: int) -> int:
     return min(1 << (fit.bit_length() - 1), length)
 
 
-def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: float = 1.0,
-                        chunk_size: int | None = None, remat: bool = False,
-                        prompt_group: int = 1, sharding: Sharding = None
-                        ) -> tuple[jax.Array, jax.Array]:
+def completion_logprobs(
+    params: Any,
+    config: Any,
+    seqs: Sequences,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    remat: bool = False,
+    prompt_group: int = 1,
+    sharding: Sharding = None,
+) -> tuple[jax.Array, jax.Array]:
     """Returns (logp_BT, entropy_BT) of the completion tokens, float32, at `temperature`:
     the sampler's logprob temperature (SamplingConfig.effective_temperature: 1 for greedy).
 
@@ -83,23 +95,35 @@ def completion_logprobs(params: Any, config: Any, seqs: Sequences, temperature: 
     matrix is gathered once and each device unembeds its own rows (chunk size from what one
     device holds).
     """
-    params = transformer.cast_for_compute(params, config)   # mixed precision (compute_dtype)
-    h_BTD = completion_hidden_states(params, config, seqs, remat=remat,
-                                     prompt_group=prompt_group, sharding=sharding)
-    return logprobs_from_hidden(params, config, h_BTD, seqs.completion_tokens_BT, temperature,
-                                chunk_size, sharding)
+    params = transformer.cast_for_compute(params, config)  # mixed precision (compute_dtype)
+    h_BTD = completion_hidden_states(
+        params, config, seqs, remat=remat, prompt_group=prompt_group, sharding=sharding
+    )
+    return logprobs_from_hidden(
+        params, config, h_BTD, seqs.completion_tokens_BT, temperature, chunk_size, sharding
+    )
 
 
-def logprobs_from_hidden(params: Any, config: Any, h_BTD: jax.Array, targets_BT: jax.Array,
-                         temperature: float, chunk_size: int | None = None,
-                         sharding: Sharding = None) -> tuple[jax.Array, jax.Array]:
+def logprobs_from_hidden(
+    params: Any,
+    config: Any,
+    h_BTD: jax.Array,
+    targets_BT: jax.Array,
+    temperature: float,
+    chunk_size: int | None = None,
+    sharding: Sharding = None,
+) -> tuple[jax.Array, jax.Array]:
     """(logp_BT, entropy_BT) float32 of `targets_BT` under the final hidden states h_BTD
     (`params` already cast for compute), unembedded in chunks (see `completion_logprobs`)."""
     spec, w = transformer.unembedding_matrix(params, config, sharding)
     V = config.vocab_size
     chunked = functools.partial(
-        _chunked_logprobs, spec, temperature=temperature, chunk_size=chunk_size,
-        vocab_per_device=V if sharding is None else V // sharding.shards("vocab", V))
+        _chunked_logprobs,
+        spec,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_per_device=V if sharding is None else V // sharding.shards("vocab", V),
+    )
     if sharding is None or sharding.shards("batch", h_BTD.shape[0]) == 1:
         return chunked(w, h_BTD, targets_BT)
     rows = sharding.spec(("batch",), h_BTD.shape[:1])[0]
@@ -115,14 +139,26 @@ def logprobs_from_hidden(params: Any, config: Any, h_BTD: jax.Array, targets_BT:
     boundary = jnp.float32 if jax.default_backend() == "cpu" else dtype
     # Varying before the cast, so the gradient's sum over devices happens in `boundary`.
     per_device = lambda w, h, t: chunked(  # noqa: E731
-        jax.lax.pcast(w, rows, to="varying").astype(dtype), h, t)
-    return jax.shard_map(per_device, mesh=sharding.mesh, in_specs=(P(), P(rows), P(rows)),
-                         out_specs=(P(rows), P(rows)), axis_names=set(rows))(
-        w.astype(boundary), h_BTD, targets_BT)
+        jax.lax.pcast(w, rows, to="varying").astype(dtype), h, t
+    )
+    return jax.shard_map(
+        per_device,
+        mesh=sharding.mesh,
+        in_specs=(P(), P(rows), P(rows)),
+        out_specs=(P(rows), P(rows)),
+        axis_names=set(rows),
+    )(w.astype(boundary), h_BTD, targets_BT)
 
 
-def completion_hidden_states(params: Any, config: Any, seqs: Sequences, *, remat: bool = False,
-                             prompt_group: int = 1, sharding: Sharding = None) -> jax.Array:
+def completion_hidden_states(
+    params: Any,
+    config: Any,
+    seqs: Sequences,
+    *,
+    remat: bool = False,
+    prompt_group: int = 1,
+    sharding: Sharding = None,
+) -> jax.Array:
     """h_BTD: the last layer's hidden state (after the final norm) at the column that predicts
     each completion token, i.e. of the prefix before it; `params` already cast for compute.
     The policy unembeds it into logprobs, the critic's head reads V(s_t) from it."""
@@ -130,21 +166,36 @@ def completion_hidden_states(params: Any, config: Any, seqs: Sequences, *, remat
     if prompt_group > 1:
         g = prompt_group
         h_GPD, h_rest_BTD = transformer.hidden_states_shared_prefix(
-            params, config, seqs.prompt_tokens_BP[::g], seqs.prompt_mask_BP[::g],
-            seqs.completion_tokens_BT[:, :-1], seqs.completion_mask_BT[:, :-1], group=g,
-            remat=remat, sharding=sharding)
+            params,
+            config,
+            seqs.prompt_tokens_BP[::g],
+            seqs.prompt_mask_BP[::g],
+            seqs.completion_tokens_BT[:, :-1],
+            seqs.completion_mask_BT[:, :-1],
+            group=g,
+            remat=remat,
+            sharding=sharding,
+        )
         h_BTD = jnp.concatenate([jnp.repeat(h_GPD[:, -1:], g, axis=0), h_rest_BTD], axis=1)
     else:
         tokens, positions, mask = _inputs(seqs)
-        hidden_BLD, _ = transformer.hidden_states(params, config, tokens, positions, mask,
-                                                  remat=remat, sharding=sharding)
-        h_BTD = hidden_BLD[:, num_prompt - 1:]
+        hidden_BLD, _ = transformer.hidden_states(
+            params, config, tokens, positions, mask, remat=remat, sharding=sharding
+        )
+        h_BTD = hidden_BLD[:, num_prompt - 1 :]
     return parallel.constrain(h_BTD, transformer.H_AXES, sharding)
 
 
-def _chunked_logprobs(spec: str, w: jax.Array, h_BTD: jax.Array, targets_BT: jax.Array, *,
-                      temperature: float, chunk_size: int | None, vocab_per_device: int
-                      ) -> tuple[jax.Array, jax.Array]:
+def _chunked_logprobs(
+    spec: str,
+    w: jax.Array,
+    h_BTD: jax.Array,
+    targets_BT: jax.Array,
+    *,
+    temperature: float,
+    chunk_size: int | None,
+    vocab_per_device: int,
+) -> tuple[jax.Array, jax.Array]:
     """(logp_BT, entropy_BT) from final hidden states, unembedded `chunk_size` positions at a
     time (default: as many as the logits budget allows for these rows)."""
     B, T, D = h_BTD.shape
@@ -163,33 +214,61 @@ def _chunked_logprobs(spec: str, w: jax.Array, h_BTD: jax.Array, targets_BT: jax
     return logp_BT, ent_BT
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "config", "temperature", "chunk_size", "prompt_group", "num_chunks", "sharding"))
-def completion_logprobs_jit(params: Any, config: Any, seqs: Sequences, temperature: float,
-                            chunk_size: int | None = None, prompt_group: int = 1,
-                            num_chunks: int = 1, sharding: Sharding = None) -> jax.Array:
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "config",
+        "temperature",
+        "chunk_size",
+        "prompt_group",
+        "num_chunks",
+        "sharding",
+    ),
+)
+def completion_logprobs_jit(
+    params: Any,
+    config: Any,
+    seqs: Sequences,
+    temperature: float,
+    chunk_size: int | None = None,
+    prompt_group: int = 1,
+    num_chunks: int = 1,
+    sharding: Sharding = None,
+) -> jax.Array:
     """Jitted logprobs only (old-policy and reference passes in the rollout).
 
     `num_chunks` > 1 runs the rows in that many strided row chunks one after another (whole
     prompt groups each; every chunk spans every device), so activations are sized by one
     chunk; the result equals one pass over all rows.
     """
-    params = transformer.cast_for_compute(params, config)   # once, not once per chunk
+    params = transformer.cast_for_compute(params, config)  # once, not once per chunk
 
     def logprobs(seqs: Sequences) -> jax.Array:
-        logp_BT, _ = completion_logprobs(params, config, seqs, temperature, chunk_size,
-                                         prompt_group=prompt_group, sharding=sharding)
+        logp_BT, _ = completion_logprobs(
+            params,
+            config,
+            seqs,
+            temperature,
+            chunk_size,
+            prompt_group=prompt_group,
+            sharding=sharding,
+        )
         return jnp.where(seqs.completion_mask_BT, logp_BT, 0.0)
 
     return over_row_chunks(logprobs, seqs, num_chunks, prompt_group, sharding)
 
 
-def over_row_chunks(fn: Any, seqs: Sequences, num_chunks: int, prompt_group: int,
-                    sharding: Sharding) -> jax.Array:
+def over_row_chunks(
+    fn: Any, seqs: Sequences, num_chunks: int, prompt_group: int, sharding: Sharding
+) -> jax.Array:
     """fn(seqs) -> [B, T], run over `num_chunks` strided row chunks one after another (whole
     prompt groups each) and merged back into row order."""
     if num_chunks == 1:
         return fn(seqs)
-    chunks = jax.tree.map(lambda x: parallel.constrain(
-        parallel.split_strided(x, num_chunks, prompt_group), (None, "batch"), sharding), seqs)
+    chunks = jax.tree.map(
+        lambda x: parallel.constrain(
+            parallel.split_strided(x, num_chunks, prompt_group), (None, "batch"), sharding
+        ),
+        seqs,
+    )
     return parallel.merge_strided(jax.lax.map(fn, chunks), prompt_group)

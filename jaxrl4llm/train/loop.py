@@ -11,6 +11,7 @@
 Every stage is a function of its inputs; this module only sequences them and owns the
 run's side effects (the console, metrics, checkpoints, SIGTERM).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +44,7 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
     for the run: a second run on it fails, naming this one.
     """
     devices = jax.devices() if devices is None else list(devices)
-    config.validate(len(devices))   # the run's one check, before the workdir is touched
+    config.validate(len(devices))  # the run's one check, before the workdir is touched
     with WorkdirLock(config.run.workdir, enabled=jax.process_index() == 0):
         models, services = setup(config, devices)
         preempted = PreemptionFlag()
@@ -52,36 +53,47 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
         finally:
             services.close()
             preempted.restore_handler()
-    outputs = (_write_outputs(services.workdir, progress.eval_results)
-               if jax.process_index() == 0 else {})
-    return {"step": int(models.state.step), "metrics": progress.last,
-            "eval": progress.eval_results, "workdir": services.workdir, "outputs": outputs,
-            "state": models.state, "critic_state": models.critic_state,
-            "ref_params": models.ref_params, "preempted": preempted.requested}
+    outputs = (
+        _write_outputs(services.workdir, progress.eval_results) if jax.process_index() == 0 else {}
+    )
+    return {
+        "step": int(models.state.step),
+        "metrics": progress.last,
+        "eval": progress.eval_results,
+        "workdir": services.workdir,
+        "outputs": outputs,
+        "state": models.state,
+        "critic_state": models.critic_state,
+        "ref_params": models.ref_params,
+        "preempted": preempted.requested,
+    }
 
 
 @dataclasses.dataclass
 class Progress:
     """What the loop carries from step to step besides the models."""
 
-    last: dict[str, float] = dataclasses.field(default_factory=dict)   # the last step's metrics
+    last: dict[str, float] = dataclasses.field(default_factory=dict)  # the last step's metrics
     eval_results: dict[str, float] = dataclasses.field(default_factory=dict)
-    stalled: int = 0   # consecutive steps whose every update was skipped as non-finite
+    stalled: int = 0  # consecutive steps whose every update was skipped as non-finite
 
 
-def _train(models: Models, services: Services,
-           preempted: PreemptionFlag) -> tuple[Models, Progress]:
+def _train(
+    models: Models, services: Services, preempted: PreemptionFlag
+) -> tuple[Models, Progress]:
     config, evals = services.config, services.evaluation
     seed, num_steps, start = config.run.seed, config.run.num_steps, services.start
     progress = Progress()
     updater = Updater(services)
-    bar = tqdm(total=num_steps, initial=start, desc="train", unit="step",
-               disable=jax.process_index() != 0)
+    bar = tqdm(
+        total=num_steps, initial=start, desc="train", unit="step", disable=jax.process_index() != 0
+    )
     try:
         if start == 0 and config.evaluation.eval_every and evals.enabled:
             # The starting level, so curves show where training began.
-            progress.eval_results = evals.run(services.ctx, models.policy_params(),
-                                              eval_key(seed, 0))
+            progress.eval_results = evals.run(
+                services.ctx, models.policy_params(), eval_key(seed, 0)
+            )
             services.writer.write(0, progress.eval_results)
             tqdm.write(metrics_lib.console_line(0, num_steps, progress.eval_results))
         for step in range(start, num_steps):
@@ -93,7 +105,7 @@ def _train(models: Models, services: Services,
             bar.update(1)
             tqdm.write(metrics_lib.console_line(done, num_steps, progress.last))
             _watch_divergence(progress, config, done, services.checkpointer)
-            stop = preempted.poll()   # the same answer on every host
+            stop = preempted.poll()  # the same answer on every host
             if services.checkpointer.should_save(done) or stop:
                 _save(models, services, done)
             if stop:
@@ -101,26 +113,34 @@ def _train(models: Models, services: Services,
                 break
         else:
             _save(models, services, int(models.state.step))
-            if evals.enabled and start >= num_steps:   # resumed after the last step: eval.json only
-                progress.eval_results = evals.run(services.ctx, models.policy_params(),
-                                                  jax.random.key(seed + 1))
+            if evals.enabled and start >= num_steps:  # resumed after the last step: eval.json only
+                progress.eval_results = evals.run(
+                    services.ctx, models.policy_params(), jax.random.key(seed + 1)
+                )
     finally:
         bar.close()
     return models, progress
 
 
-def _step(models: Models, services: Services, updater: Updater,
-          step: int) -> tuple[Models, dict[str, float], dict[str, float] | None]:
+def _step(
+    models: Models, services: Services, updater: Updater, step: int
+) -> tuple[Models, dict[str, float], dict[str, float] | None]:
     """One training step: (new models, its metrics, the eval results if it evaluated)."""
     config = services.config
     t_step = time.perf_counter()
     records = next(services.iterator)
     step_key = jax.random.fold_in(models.state.key(), step)
-    batch, metrics = rollout(services.ctx, config, models.policy_params(), models.ref_params,
-                             records, jax.random.fold_in(step_key, 0),
-                             next_records=lambda: next(services.iterator),  # dynamic sampling
-                             critic_params=None if models.critic_state is None
-                             else models.critic_state.params, in_flight=services.in_flight)
+    batch, metrics = rollout(
+        services.ctx,
+        config,
+        models.policy_params(),
+        models.ref_params,
+        records,
+        jax.random.fold_in(step_key, 0),
+        next_records=lambda: next(services.iterator),  # dynamic sampling
+        critic_params=None if models.critic_state is None else models.critic_state.params,
+        in_flight=services.in_flight,
+    )
     host_memory.release_free_memory()  # the sampler's freed buffers, before the update
     models, update_metrics = updater(models, batch, step, jax.random.fold_in(step_key, 1))
     metrics.update(update_metrics)
@@ -128,8 +148,9 @@ def _step(models: Models, services: Services, updater: Updater,
     results = None
     if services.evaluation.due(step + 1, config.run.num_steps):
         # The key the evaluator also derives for this step's checkpoint.
-        results = services.evaluation.run(services.ctx, models.policy_params(),
-                                          eval_key(config.run.seed, step + 1))
+        results = services.evaluation.run(
+            services.ctx, models.policy_params(), eval_key(config.run.seed, step + 1)
+        )
         metrics.update(results)
     metrics["time/step_s"] = time.perf_counter() - t_step
     metrics["data/epoch"] = services.iterator.epoch
@@ -137,8 +158,9 @@ def _step(models: Models, services: Services, updater: Updater,
     return models, metrics, results
 
 
-def _watch_divergence(progress: Progress, config: TrainConfig, done: int,
-                      checkpointer: Checkpointer) -> None:
+def _watch_divergence(
+    progress: Progress, config: TrainConfig, done: int, checkpointer: Checkpointer
+) -> None:
     """Stops a run whose every update was skipped (non-finite) for --max_nonfinite_steps
     steps in a row. (During PPO's critic warm-up only the critic updates.)"""
     last = progress.last
@@ -150,18 +172,20 @@ def _watch_divergence(progress: Progress, config: TrainConfig, done: int,
 
 def _save(models: Models, services: Services, step: int) -> None:
     data_state = {"iterator": services.iterator.get_state()}
-    if services.in_flight is not None:   # partial rollouts' carried rows
+    if services.in_flight is not None:  # partial rollouts' carried rows
         data_state["in_flight"] = services.in_flight.get_state()
     services.checkpointer.save(step, models.saved(), data_state)
 
 
 def _diverged_message(step: int, stalled: int, checkpointer: Checkpointer) -> str:
-    return (f"Stopped at step {step}: every update of the last {stalled} steps had a NaN / inf "
-            f"loss or gradient and was skipped (--max_nonfinite_steps={stalled}), so the model "
-            f"no longer trains. The last checkpoint is step {checkpointer.latest_step()} in "
-            f"{checkpointer.directory}. Check the rewards and advantages for NaN / inf "
-            "(metrics.jsonl: optim/skipped_updates, reward/*) or lower --learning_rate, then "
-            "rerun to resume from that checkpoint.")
+    return (
+        f"Stopped at step {step}: every update of the last {stalled} steps had a NaN / inf "
+        f"loss or gradient and was skipped (--max_nonfinite_steps={stalled}), so the model "
+        f"no longer trains. The last checkpoint is step {checkpointer.latest_step()} in "
+        f"{checkpointer.directory}. Check the rewards and advantages for NaN / inf "
+        "(metrics.jsonl: optim/skipped_updates, reward/*) or lower --learning_rate, then "
+        "rerun to resume from that checkpoint."
+    )
 
 
 def _write_outputs(workdir: str, eval_results: dict[str, float]) -> dict[str, str]:

@@ -5,6 +5,7 @@ Metrics arrive named as they are logged, each with its reduction (rl.metrics.Met
 `to_host_scalars` turns them into the plain `{name: float}` dicts every writer takes. Only
 process 0 writes, so a multi-host run produces one log.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -42,9 +43,11 @@ def to_host_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     every row was rejected, as in RAFT's first steps) is left out rather than logged as 0,
     so curves and final averages do not take its stand-in value for a measurement."""
     host = jax.device_get(dict(metrics))
-    return {k: float(np.asarray(v.value if isinstance(v, Metric) else v))
-            for k, v in host.items()
-            if not (isinstance(v, Metric) and bool(np.asarray(v.is_empty)))}
+    return {
+        k: float(np.asarray(v.value if isinstance(v, Metric) else v))
+        for k, v in host.items()
+        if not (isinstance(v, Metric) and bool(np.asarray(v.is_empty)))
+    }
 
 
 def combine_over_hosts(metrics: Mapping[str, Metric]) -> dict[str, Metric]:
@@ -53,9 +56,13 @@ def combine_over_hosts(metrics: Mapping[str, Metric]) -> dict[str, Metric]:
     if jax.process_count() == 1:
         return dict(metrics)
     from jax.experimental import multihost_utils
+
     keys = sorted(metrics)
-    parts = np.asarray(multihost_utils.process_allgather(np.array(
-        [[float(metrics[k].total), float(metrics[k].count)] for k in keys], np.float64)))
+    parts = np.asarray(
+        multihost_utils.process_allgather(
+            np.array([[float(metrics[k].total), float(metrics[k].count)] for k in keys], np.float64)
+        )
+    )
     out = {}
     for i, k in enumerate(keys):
         merged = Metric(parts[0, i, 0], parts[0, i, 1], metrics[k].reduce)
@@ -70,8 +77,12 @@ class MetricsWriter:
     trackers (train/trackers.py: TensorBoard by default, W&B, MLflow), with `hparams` (the
     run's flags) as their hyper-parameters."""
 
-    def __init__(self, workdir: str, trackers: Sequence[str] = ("tensorboard",),
-                 hparams: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        workdir: str,
+        trackers: Sequence[str] = ("tensorboard",),
+        hparams: Mapping[str, Any] | None = None,
+    ):
         self.path = os.path.join(workdir, "metrics.jsonl")
         self._is_writer = jax.process_index() == 0
         self._trackers: list[trackers_lib.Tracker] = []
@@ -98,12 +109,17 @@ class MetricsWriter:
         if not self._is_writer:
             return
         record: dict[str, float | None] = {"step": int(step)}
-        record.update({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                       for k, v in sorted(metrics.items())})
+        record.update(
+            {
+                k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                for k, v in sorted(metrics.items())
+            }
+        )
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        finite = {k: v for k, v in metrics.items()
-                  if isinstance(v, (int, float)) and math.isfinite(v)}
+        finite = {
+            k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)
+        }
         for tracker in self._trackers:
             tracker.write(step, finite)
 
@@ -125,8 +141,13 @@ def _parse_records(path: str) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 record = None
             if not isinstance(record, dict):
-                logging.warning("%s:%d: not a JSON record (a write cut short by a kill or a "
-                                "full disk?); skipped: %.80r", path, line_no, line)
+                logging.warning(
+                    "%s:%d: not a JSON record (a write cut short by a kill or a "
+                    "full disk?); skipped: %.80r",
+                    path,
+                    line_no,
+                    line,
+                )
                 continue
             records.append(record)
     return records
@@ -140,8 +161,10 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
     """All records of `workdir/metrics.jsonl`, in file order (torn lines skipped, warned)."""
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
-        raise MetricsNotFoundError(f"No metrics at {path}: is {workdir!r} a training workdir? "
-                                   "Pass training workdirs (each holds metrics.jsonl).")
+        raise MetricsNotFoundError(
+            f"No metrics at {path}: is {workdir!r} a training workdir? "
+            "Pass training workdirs (each holds metrics.jsonl)."
+        )
     return _parse_records(path)
 
 
@@ -161,9 +184,12 @@ def _eval_set_scores(metrics: Mapping[str, float]) -> list[tuple[str, float]]:
     scores = []
     for key in sorted(metrics):
         parts = key.split("/")
-        if (len(parts) == 3 and parts[0] == "eval" and parts[2].startswith("avg@")
-                and metrics[key] is not None):
+        if (
+            len(parts) == 3
+            and parts[0] == "eval"
+            and parts[2].startswith("avg@")
+            and metrics[key] is not None
+        ):
             scores.append((parts[1], f"{parts[1]} {parts[2]}", metrics[key]))
     sets = {name for name, _, _ in scores if name != "mean"}
-    return [(label, value) for name, label, value in scores
-            if name != "mean" or len(sets) > 1]
+    return [(label, value) for name, label, value in scores if name != "mean" or len(sets) > 1]

@@ -6,6 +6,7 @@ sampler-trainer gap only when a run logged them and they vary (a run without a K
 with one update per rollout, whose clip fraction is always 0, would show an empty or flat
 panel).
 """
+
 from __future__ import annotations
 
 import math
@@ -15,7 +16,7 @@ from typing import Any
 
 from jaxrl4llm.train.metrics import read_metrics
 
-Panel = tuple[str, tuple[str, ...]]   # (title, metric keys drawn in it: solid, then dashed)
+Panel = tuple[str, tuple[str, ...]]  # (title, metric keys drawn in it: solid, then dashed)
 ALWAYS: tuple[Panel, ...] = (
     ("reward", ("reward/mean",)),
     ("accuracy", ("reward/accuracy", "eval/accuracy")),
@@ -32,21 +33,27 @@ WHEN_VARYING: tuple[Panel, ...] = (
 
 def _varies(runs: Sequence[Sequence[Mapping[str, Any]]], key: str) -> bool:
     """Whether `key` takes at least two different finite values over all records of all runs."""
-    values = {r[key] for records in runs for r in records
-              if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])}
+    values = {
+        r[key]
+        for records in runs
+        for r in records
+        if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+    }
     return len(values) > 1
 
 
 def choose_panels(runs: Sequence[Sequence[Mapping[str, Any]]]) -> list[Panel]:
     """The panels to draw for these runs' metrics records: ALWAYS, then each WHEN_VARYING
     panel one of whose keys varies."""
-    return list(ALWAYS) + [panel for panel in WHEN_VARYING
-                           if any(_varies(runs, key) for key in panel[1])]
+    return list(ALWAYS) + [
+        panel for panel in WHEN_VARYING if any(_varies(runs, key) for key in panel[1])
+    ]
 
 
 def plot_runs(workdirs: Sequence[str], out: str) -> str:
     """Writes the figure to `out` and returns its path."""
     import matplotlib
+
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
@@ -54,8 +61,9 @@ def plot_runs(workdirs: Sequence[str], out: str) -> str:
     panels = choose_panels(list(runs.values()))
     cols = 2 if len(panels) <= 4 else 3
     rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), constrained_layout=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(5 * cols, 4 * rows), constrained_layout=True, squeeze=False
+    )
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (title, keys) in zip(axes.flat, panels):
         for i, (name, records) in enumerate(runs.items()):
@@ -64,11 +72,18 @@ def plot_runs(workdirs: Sequence[str], out: str) -> str:
                 if points:
                     steps, values = zip(*points)
                     label = name if len(keys) == 1 else f"{name} ({key.split('/')[0]})"
-                    ax.plot(steps, values, style, color=colors[i % len(colors)], label=label,
-                            marker="o" if len(points) < 30 else None, markersize=3)
+                    ax.plot(
+                        steps,
+                        values,
+                        style,
+                        color=colors[i % len(colors)],
+                        label=label,
+                        marker="o" if len(points) < 30 else None,
+                        markersize=3,
+                    )
         finish_axis(ax, title, legend_size=8)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")   # the grid's unused cell
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")  # the grid's unused cell
     fig.suptitle(", ".join(runs))
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=100)
@@ -84,5 +99,6 @@ def finish_axis(ax: Any, title: str, legend_size: int) -> None:
     if ax.lines:
         ax.legend(fontsize=legend_size)
     else:
-        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes,
-                color="gray")
+        ax.text(
+            0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray"
+        )

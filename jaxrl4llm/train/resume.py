@@ -21,6 +21,7 @@ allowed and logged:
   --critic_learning_rate (the Adam moments stay valid; lowering the rate after a spike is a
   common deliberate change).
 """
+
 from __future__ import annotations
 
 import os
@@ -31,17 +32,40 @@ from jaxrl4llm.config import options
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.errors import ResumeMismatchError
 
-RESUMABLE = frozenset({
-    "num_steps", "checkpoint_every", "keep_checkpoints", "trackers", "tensorboard",
-    "max_nonfinite_steps",
-    "workdir", "mesh", "distributed",
-    "eval_data", "eval_every", "eval_prompts", "eval_samples", "eval_sets",
-    "reward_workers", "item_timeout_s", "batch_timeout_s", "memory_limit_mb",
-    "micro_batch_size", "micro_batch_length_classes", "rollout_micro_batch", "decode_slots",
-    "remat",
-    "share_prompts", "compute_dtype",
-    "learning_rate", "warmup_steps", "lr_schedule", "decay_steps", "critic_learning_rate",
-})
+RESUMABLE = frozenset(
+    {
+        "num_steps",
+        "checkpoint_every",
+        "keep_checkpoints",
+        "trackers",
+        "tensorboard",
+        "max_nonfinite_steps",
+        "workdir",
+        "mesh",
+        "distributed",
+        "eval_data",
+        "eval_every",
+        "eval_prompts",
+        "eval_samples",
+        "eval_sets",
+        "reward_workers",
+        "item_timeout_s",
+        "batch_timeout_s",
+        "memory_limit_mb",
+        "micro_batch_size",
+        "micro_batch_length_classes",
+        "rollout_micro_batch",
+        "decode_slots",
+        "remat",
+        "share_prompts",
+        "compute_dtype",
+        "learning_rate",
+        "warmup_steps",
+        "lr_schedule",
+        "decay_steps",
+        "critic_learning_rate",
+    }
+)
 _FIRST = ("model", "algorithm")  # named first: the usual mistake
 
 
@@ -61,24 +85,32 @@ def check_resume(workdir: str, config: TrainConfig) -> None:
         with open(path, encoding="utf-8") as f:
             saved = TrainConfig.from_json(f.read())
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        logging.warning("Cannot read %s (%s): resuming without comparing its settings.",
-                        path, exc)
+        logging.warning("Cannot read %s (%s): resuming without comparing its settings.", path, exc)
         return
     old, new = options.flatten(saved), options.flatten(config)
-    changed = sorted((name for name in new if old.get(name) != new[name]),
-                     key=lambda name: (_FIRST + (name,)).index(name))
+    changed = sorted(
+        (name for name in new if old.get(name) != new[name]),
+        key=lambda name: (_FIRST + (name,)).index(name),
+    )
     refused = [name for name in changed if name not in RESUMABLE]
     if refused:
-        listed = "; ".join(f"--{name}: {_show(old[name])} saved, {_show(new[name])} now"
-                           for name in refused[:8])
+        listed = "; ".join(
+            f"--{name}: {_show(old[name])} saved, {_show(new[name])} now" for name in refused[:8]
+        )
         more = f" (and {len(refused) - 8} more)" if len(refused) > 8 else ""
         raise ResumeMismatchError(
             f"{workdir} holds checkpoints trained with other settings than this run's, which "
             f"a resume cannot change: {listed}{more}. Train in a new --workdir, or rerun with "
-            f"the values saved in {path} to resume.")
+            f"the values saved in {path} to resume."
+        )
     for name in changed:
-        logging.warning("Resuming %s with --%s changed: %s -> %s.", workdir, name,
-                        _show(old[name]), _show(new[name]))
+        logging.warning(
+            "Resuming %s with --%s changed: %s -> %s.",
+            workdir,
+            name,
+            _show(old[name]),
+            _show(new[name]),
+        )
 
 
 def _show(value: object) -> str:

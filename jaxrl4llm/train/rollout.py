@@ -4,6 +4,7 @@ Host work (tokenizing prompts, decoding completions, verifying answers) happens 
 device computation is a jitted function of the sampler, the logprob pass or rl. The batch
 carries its row layout (sampling.layout.RowLayout) for every later consumer.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,20 +34,42 @@ def _global_rows(ctx: RolloutContext, local: np.ndarray) -> jax.Array:
         return jnp.asarray(local)
     mesh = ctx.sampler.mesh
     assert mesh is not None  # several hosts always run on one mesh (train.services)
-    return jax.make_array_from_process_local_data(parallel.batch_sharding(mesh, local.ndim),
-                                                  local)
+    return jax.make_array_from_process_local_data(parallel.batch_sharding(mesh, local.ndim), local)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "group_size"))
-def _advantages(config, rewards_B, correct_B, mask_BT, truncated_B, dropped_B, valid_B, logp_BT,
-                ref_logp_BT, baseline_B=None, baseline_correct_B=None, values_BT=None, *,
-                group_size):
+def _advantages(
+    config,
+    rewards_B,
+    correct_B,
+    mask_BT,
+    truncated_B,
+    dropped_B,
+    valid_B,
+    logp_BT,
+    ref_logp_BT,
+    baseline_B=None,
+    baseline_correct_B=None,
+    values_BT=None,
+    *,
+    group_size,
+):
     # Rows without a reward (verification failed, or the prompt was skipped as too long) leave
     # the loss and every statistic (batch mean / std, whitening). returns_BT: None unless PPO.
     return rl.compute_advantages_and_returns(
-        config, rewards_B, correct_B, mask_BT, group_size, truncated_B=truncated_B,
-        logp_BT=logp_BT, ref_logp_BT=ref_logp_BT, valid_B=valid_B & ~dropped_B,
-        baseline_B=baseline_B, baseline_correct_B=baseline_correct_B, values_BT=values_BT)
+        config,
+        rewards_B,
+        correct_B,
+        mask_BT,
+        group_size,
+        truncated_B=truncated_B,
+        logp_BT=logp_BT,
+        ref_logp_BT=ref_logp_BT,
+        valid_B=valid_B & ~dropped_B,
+        baseline_B=baseline_B,
+        baseline_correct_B=baseline_correct_B,
+        values_BT=values_BT,
+    )
 
 
 def _group_metrics(correct_B: np.ndarray, group_size: int) -> dict[str, Metric]:
@@ -58,10 +81,17 @@ def _group_metrics(correct_B: np.ndarray, group_size: int) -> dict[str, Metric]:
     }
 
 
-def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: Any,
-            records: Sequence[Any], key: jax.Array, next_records: Any = None,
-            critic_params: Any = None, in_flight: Any = None
-            ) -> tuple[UpdateBatch, dict[str, float]]:
+def rollout(
+    ctx: RolloutContext,
+    config: TrainConfig,
+    params: Any,
+    ref_params: Any,
+    records: Sequence[Any],
+    key: jax.Array,
+    next_records: Any = None,
+    critic_params: Any = None,
+    in_flight: Any = None,
+) -> tuple[UpdateBatch, dict[str, float]]:
     """Builds the update batch of one training step (B = len(records) * group_size rows):
     sample -> score -> filter (`sample_and_score`, in rounds when dynamic sampling
     resamples), then the teacher-forced passes (reference / old logprobs, PPO's values) and
@@ -72,13 +102,22 @@ def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: A
     if in_flight is not None:
         rows, round_metrics = in_flight.sample_and_score(ctx, params, records, key, next_records)
     else:
-        rows, round_metrics = sample_and_score(ctx, params, records, key, config.rollout.layout,
-                                               Rounds.for_algorithm(config.algorithm),
-                                               next_records)
+        rows, round_metrics = sample_and_score(
+            ctx,
+            params,
+            records,
+            key,
+            config.rollout.layout,
+            Rounds.for_algorithm(config.algorithm),
+            next_records,
+        )
     t0 = time.perf_counter()
     # Teacher-forced passes and the update run on the batch's longest completion, bucketed.
-    out = rows.samples.out.trimmed(buckets.bucket_completion_length(
-        int(rows.samples.out.num_steps), config.rollout.max_new_tokens))
+    out = rows.samples.out.trimmed(
+        buckets.bucket_completion_length(
+            int(rows.samples.out.num_steps), config.rollout.max_new_tokens
+        )
+    )
     batch, adv_metrics = _update_batch(ctx, config, params, ref_params, critic_params, rows, out)
     jax.block_until_ready(batch)
     t_logprobs = time.perf_counter() - t0
@@ -88,48 +127,88 @@ def rollout(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: A
     return batch, metrics
 
 
-def _update_batch(ctx: RolloutContext, config: TrainConfig, params: Any, ref_params: Any,
-                  critic_params: Any, rows: Any, out: Any) -> tuple[UpdateBatch, dict]:
+def _update_batch(
+    ctx: RolloutContext,
+    config: TrainConfig,
+    params: Any,
+    ref_params: Any,
+    critic_params: Any,
+    rows: Any,
+    out: Any,
+) -> tuple[UpdateBatch, dict]:
     """The reference / old-policy logprobs and PPO's values of the trimmed samples `out`,
     then the advantages: the update's batch and the advantage metrics."""
     layout, verdicts = config.rollout.layout, rows.verdicts
-    seqs = Sequences(prompt_tokens_BP=out.prompt_tokens_BP, prompt_mask_BP=out.prompt_mask_BP,
-                     completion_tokens_BT=out.tokens_BT, completion_mask_BT=out.mask_BT)
+    seqs = Sequences(
+        prompt_tokens_BP=out.prompt_tokens_BP,
+        prompt_mask_BP=out.prompt_mask_BP,
+        completion_tokens_BT=out.tokens_BT,
+        completion_mask_BT=out.mask_BT,
+    )
     B = seqs.completion_tokens_BT.shape[0]
-    chunks = parallel.num_row_chunks(B, config.rollout.rollout_micro_batch,
-                                     layout.group_size if B % layout.group_size == 0 else 1)
+    chunks = parallel.num_row_chunks(
+        B,
+        config.rollout.rollout_micro_batch,
+        layout.group_size if B % layout.group_size == 0 else 1,
+    )
     mesh = ctx.sampler.mesh
     data_parallel = 1 if mesh is None else parallel.data_parallel_size(mesh)
-    passes = dict(config=ctx.sampler.model_config, seqs=seqs,
-                  prompt_group=layout.prompt_group(B, chunks, data_parallel),
-                  num_chunks=chunks, sharding=ctx.sharding)
-    logprobs = functools.partial(completion_logprobs_jit,
-                                 temperature=config.rollout.sampling.effective_temperature,
-                                 **passes)
+    passes = dict(
+        config=ctx.sampler.model_config,
+        seqs=seqs,
+        prompt_group=layout.prompt_group(B, chunks, data_parallel),
+        num_chunks=chunks,
+        sharding=ctx.sharding,
+    )
+    logprobs = functools.partial(
+        completion_logprobs_jit, temperature=config.rollout.sampling.effective_temperature, **passes
+    )
     ref_logp = logprobs(ref_params) if config.needs_reference else None
     old_logp = None
     if config.needs_old_logprobs:
         old_logp = logprobs(params) if config.update.recompute_old_logprobs else out.logprobs_BT
     behaviour_logp = old_logp if old_logp is not None else out.logprobs_BT
     values = None if critic_params is None else critic.values_jit(critic_params, **passes)
-    valid = ~verdicts.failed if rows.baseline_failed_B is None else ~(
-        verdicts.failed | rows.baseline_failed_B)   # ReMax: no baseline, no advantage
-    baseline = [None if b is None else _global_rows(ctx, b)
-                for b in (rows.baseline_B, rows.baseline_correct_B)]
+    valid = (
+        ~verdicts.failed
+        if rows.baseline_failed_B is None
+        else ~(verdicts.failed | rows.baseline_failed_B)
+    )  # ReMax: no baseline, no advantage
+    baseline = [
+        None if b is None else _global_rows(ctx, b)
+        for b in (rows.baseline_B, rows.baseline_correct_B)
+    ]
     advantages, returns, keep_B, adv_metrics = _advantages(
-        config.algorithm, _global_rows(ctx, verdicts.rewards), _global_rows(ctx, verdicts.correct),
-        out.mask_BT, out.truncated_B, out.dropped_B, _global_rows(ctx, valid),
-        behaviour_logp, ref_logp, *baseline, values, group_size=layout.group_size)
-    batch = UpdateBatch(seqs=seqs, advantages=advantages, keep_B=keep_B, old_logp_BT=old_logp,
-                        ref_logp_BT=ref_logp, old_values_BT=values, returns_BT=returns,
-                        behaviour_logp_BT=(out.logprobs_BT if config.keeps_behaviour_logprobs
-                                           else None),
-                        layout=layout)
+        config.algorithm,
+        _global_rows(ctx, verdicts.rewards),
+        _global_rows(ctx, verdicts.correct),
+        out.mask_BT,
+        out.truncated_B,
+        out.dropped_B,
+        _global_rows(ctx, valid),
+        behaviour_logp,
+        ref_logp,
+        *baseline,
+        values,
+        group_size=layout.group_size,
+    )
+    batch = UpdateBatch(
+        seqs=seqs,
+        advantages=advantages,
+        keep_B=keep_B,
+        old_logp_BT=old_logp,
+        ref_logp_BT=ref_logp,
+        old_values_BT=values,
+        returns_BT=returns,
+        behaviour_logp_BT=(out.logprobs_BT if config.keeps_behaviour_logprobs else None),
+        layout=layout,
+    )
     return batch, adv_metrics
 
 
-def _rollout_metrics(rows: Any, out: Any, layout: RowLayout, round_metrics: dict,
-                     t_logprobs: float) -> dict[str, float]:
+def _rollout_metrics(
+    rows: Any, out: Any, layout: RowLayout, round_metrics: dict, t_logprobs: float
+) -> dict[str, float]:
     """reward/*, response/*, reward_reason/* and the rounds' metrics, combined over hosts,
     and the sampling / scoring / teacher-forced pass times. `out`: the samples trimmed for
     the passes."""
@@ -147,19 +226,23 @@ def _rollout_metrics(rows: Any, out: Any, layout: RowLayout, round_metrics: dict
         # Real completion tokens / positions the teacher-forced passes compute (after
         # trimming); the loop logs the update's own as response/update_real_frac.
         "response/logprob_real_frac": Metric.mean(
-            float(lengths.sum() / max(lengths.size * out.mask_BT.shape[1], 1))),
+            float(lengths.sum() / max(lengths.size * out.mask_BT.shape[1], 1))
+        ),
         "response/truncated_frac": Metric.mean(float(np.mean(samples.host(out.truncated_B)))),
         "response/dropped_prompts": Metric.sum(
-            float(np.sum(samples.host(out.dropped_B)) / layout.group_size)),
+            float(np.sum(samples.host(out.dropped_B)) / layout.group_size)
+        ),
         **{f"reward_reason/{k}": Metric.sum(float(v)) for k, v in verdicts.metrics().items()},
         **{k: v for k, v in round_metrics.items() if isinstance(v, Metric)},
     }
     metrics = metrics_lib.to_host_scalars(metrics_lib.combine_over_hosts(host))
     t_sample = round_metrics["time/rollout_s"]
-    metrics.update({
-        "time/rollout_s": t_sample,
-        "time/reward_s": round_metrics["time/reward_s"],
-        "time/logprobs_s": t_logprobs,
-        "throughput/rollout_tokens_per_s": float(lengths.sum() / max(t_sample, 1e-9)),
-    })
+    metrics.update(
+        {
+            "time/rollout_s": t_sample,
+            "time/reward_s": round_metrics["time/reward_s"],
+            "time/logprobs_s": t_logprobs,
+            "throughput/rollout_tokens_per_s": float(lengths.sum() / max(t_sample, 1e-9)),
+        }
+    )
     return metrics

@@ -1,6 +1,7 @@
 """A training run's setup: the models it trains (`Models`, checkpointed) and the services a
 step uses (`Services`: mesh, sampler context, reward pool, data iterator, evaluation,
 checkpointer, metric writers), built once by `setup` and closed by `Services.close`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,8 +67,11 @@ class Models:
         critic_state = self.critic_state
         if critic_state is not None:
             critic_state = critic_state.replace(step=_increment(critic_state.step))
-        return dataclasses.replace(self, state=self.state.replace(step=_increment(self.state.step)),
-                                   critic_state=critic_state)
+        return dataclasses.replace(
+            self,
+            state=self.state.replace(step=_increment(self.state.step)),
+            critic_state=critic_state,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +80,8 @@ class Evaluation:
     own protocol), scored with the trainer's own sampler."""
 
     config: EvalConfig
-    records: list            # --eval_data / held-out split prompts (may be empty)
-    set_records: Any         # --eval_sets' prompts by set
+    records: list  # --eval_data / held-out split prompts (may be empty)
+    set_records: Any  # --eval_sets' prompts by set
 
     @property
     def enabled(self) -> bool:
@@ -90,9 +94,15 @@ class Evaluation:
         return self.enabled and (done == num_steps or bool(every and done % every == 0))
 
     def run(self, ctx: RolloutContext, params: Any, key: jax.Array) -> dict[str, float]:
-        return evaluator.evaluate_run(ctx, params, self.records, self.config.sets,
-                                      self.set_records, samples=self.config.eval_samples,
-                                      key=key)
+        return evaluator.evaluate_run(
+            ctx,
+            params,
+            self.records,
+            self.config.sets,
+            self.set_records,
+            samples=self.config.eval_samples,
+            key=key,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,17 +111,17 @@ class Services:
 
     config: TrainConfig
     mesh: Any
-    model_config: Any                  # the policy's ModelConfig, with --compute_dtype
+    model_config: Any  # the policy's ModelConfig, with --compute_dtype
     workdir: str
-    iterator: Any                      # the resumable prompt iterator (this host's shard)
-    ctx: RolloutContext                # sampler, tokenizer, reward function, sharding
+    iterator: Any  # the resumable prompt iterator (this host's shard)
+    ctx: RolloutContext  # sampler, tokenizer, reward function, sharding
     reward_fn: RewardFn
     evaluation: Evaluation
     checkpointer: Checkpointer
     writer: metrics_lib.MetricsWriter
     lr_schedule: Callable[[int], Any]
-    start: int                         # the step this run starts at (after a resume)
-    in_flight: partial.InFlight | None = None   # partial rollouts' carried buffer
+    start: int  # the step this run starts at (after a resume)
+    in_flight: partial.InFlight | None = None  # partial rollouts' carried buffer
 
     def close(self) -> None:
         """Whatever happened, what was computed is kept: metrics flushed, pool closed."""
@@ -133,13 +143,21 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
     check_resume(workdir, config)  # a different model / algorithm: refused before any write
 
     # The data first: a bad source fails before the model loads or the workdir is written.
-    source = make_source(config.data.source, split="train", revision=config.data.revision,
-                         **config.data.field_names)
-    iterator = make_iterator(source, _prompts_per_host(config, mesh), seed=run.seed,
-                             shard_index=jax.process_index(), shard_count=jax.process_count())
-    evals = Evaluation(config.evaluation,
-                       evaluator.held_out_records(config.data, config.evaluation),
-                       evaluator.eval_set_records(config.evaluation.sets, config.data))
+    source = make_source(
+        config.data.source, split="train", revision=config.data.revision, **config.data.field_names
+    )
+    iterator = make_iterator(
+        source,
+        _prompts_per_host(config, mesh),
+        seed=run.seed,
+        shard_index=jax.process_index(),
+        shard_count=jax.process_count(),
+    )
+    evals = Evaluation(
+        config.evaluation,
+        evaluator.held_out_records(config.data, config.evaluation),
+        evaluator.eval_set_records(config.evaluation.sets, config.data),
+    )
 
     os.makedirs(workdir, exist_ok=True)
     if jax.process_index() == 0:
@@ -147,10 +165,11 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
             f.write(config.to_json())
 
     model_config, params, tokenizer = registry.load_model(
-        config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype))
+        config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype)
+    )
     # Before anything compiles: a prompt + completion longer than the model's context.
     config.validate_context(model_config.max_position_embeddings)
-    model_config = config.model.compute_config(model_config)   # --compute_dtype
+    model_config = config.model.compute_config(model_config)  # --compute_dtype
     lora = config.lora if config.lora.enabled else None
     if lora is not None:
         # The base is frozen outside the state (never donated): it is the reference too.
@@ -160,19 +179,29 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
         # A separate copy: the policy's buffers are donated to each update.
         ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
         trained = params
-    models = Models(state=create_state(trained, config.optimizer, run.seed),
-                    critic_state=_create_critic(config, params, model_config, mesh),
-                    ref_params=ref_params, base_params=params if lora else None, lora=lora)
+    models = Models(
+        state=create_state(trained, config.optimizer, run.seed),
+        critic_state=_create_critic(config, params, model_config, mesh),
+        ref_params=ref_params,
+        base_params=params if lora else None,
+        lora=lora,
+    )
     del params, trained
     reward_fn = RewardFn("auto", config.reward)
-    ctx = RolloutContext.create(model_config, tokenizer, reward_fn, mesh, config.data,
-                                config.rollout)
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), run.checkpoint_every,
-                                run.keep_checkpoints)
-    writer = metrics_lib.MetricsWriter(workdir, trackers=run.tracker_names,
-                                       hparams=options.flatten(config))
-    in_flight = (partial.InFlight(config.rollout, ctx.sampler.pad_id)
-                 if config.rollout.partial_rollout_tokens else None)
+    ctx = RolloutContext.create(
+        model_config, tokenizer, reward_fn, mesh, config.data, config.rollout
+    )
+    checkpointer = Checkpointer(
+        os.path.join(workdir, "checkpoints"), run.checkpoint_every, run.keep_checkpoints
+    )
+    writer = metrics_lib.MetricsWriter(
+        workdir, trackers=run.tracker_names, hparams=options.flatten(config)
+    )
+    in_flight = (
+        partial.InFlight(config.rollout, ctx.sampler.pad_id)
+        if config.rollout.partial_rollout_tokens
+        else None
+    )
     start = 0
     if checkpointer.latest_step() is not None:
         saved, data_state = checkpointer.restore(abstract_like(models.saved()))
@@ -184,11 +213,21 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
         start = int(models.state.step)
         tqdm.write(f"Resumed from step {start} in {workdir}")
     writer.truncate_after(start)  # also at 0: a run killed before its first checkpoint
-    return models, Services(config=config, mesh=mesh, model_config=model_config,
-                            workdir=workdir, iterator=iterator, ctx=ctx, reward_fn=reward_fn,
-                            evaluation=evals, checkpointer=checkpointer, writer=writer,
-                            lr_schedule=learning_rate_schedule(config.optimizer), start=start,
-                            in_flight=in_flight)
+    return models, Services(
+        config=config,
+        mesh=mesh,
+        model_config=model_config,
+        workdir=workdir,
+        iterator=iterator,
+        ctx=ctx,
+        reward_fn=reward_fn,
+        evaluation=evals,
+        checkpointer=checkpointer,
+        writer=writer,
+        lr_schedule=learning_rate_schedule(config.optimizer),
+        start=start,
+        in_flight=in_flight,
+    )
 
 
 def _prompts_per_host(config: TrainConfig, mesh: Any) -> int:
@@ -204,20 +243,26 @@ def _prompts_per_host(config: TrainConfig, mesh: Any) -> int:
             f"--prompts_per_step={P} x --group_size={config.rollout.group_size} "
             f"over {hosts} hosts gives {rows} rows per host; it must split evenly over the hosts "
             f"and fill the {local_shards} local data-parallel devices of each (a multiple of "
-            f"{max(local_shards, 8)} rows per host).")
+            f"{max(local_shards, 8)} rows per host)."
+        )
     return P // hosts
 
 
-def _create_critic(config: TrainConfig, params: Any, model_config: Any,
-                   mesh: Any) -> TrainState | None:
+def _create_critic(
+    config: TrainConfig, params: Any, model_config: Any, mesh: Any
+) -> TrainState | None:
     """PPO's critic state (None for every other algorithm): from --critic_model, else the
     policy's weights with a zero head, laid out like the policy."""
     if not config.needs_critic:
         return None
     if config.critic.model:
-        critic_params = critic.load(config.critic.model, model_config, mesh,
-                                    dtype=param_dtype(config.model.param_dtype))
+        critic_params = critic.load(
+            config.critic.model, model_config, mesh, dtype=param_dtype(config.model.param_dtype)
+        )
     else:
         critic_params = critic.from_policy(params)
-    return create_state(critic_params, critic.optimizer_config(
-        config.optimizer, config.critic.learning_rate), config.run.seed)
+    return create_state(
+        critic_params,
+        critic.optimizer_config(config.optimizer, config.critic.learning_rate),
+        config.run.seed,
+    )

@@ -5,6 +5,7 @@ TrainState.create with output shardings that give every optimizer leaf shaped li
 parameter that parameter's sharding (scalars replicated), and `abstract_state` gives the
 same layout as restore targets.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,9 +39,9 @@ class OptimizerConfig:
     learning_rate: float = 1e-6
     warmup_steps: int = 0
     schedule: str = "constant"  # constant | cosine | linear (decay to 0 over decay_steps)
-    decay_steps: int = 0         # optimizer updates to decay over; 0 = constant after warmup
+    decay_steps: int = 0  # optimizer updates to decay over; 0 = constant after warmup
     weight_decay: float = 0.0
-    max_grad_norm: float = 1.0   # 0 disables clipping
+    max_grad_norm: float = 1.0  # 0 disables clipping
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
@@ -55,8 +56,10 @@ class OptimizerConfig:
         if self.weight_decay < 0:
             raise ValueError(f"--weight_decay={self.weight_decay} must be >= 0.")
         if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
-            raise ValueError(f"--adam_b1={self.b1} and --adam_b2={self.b2} must be in [0, 1) "
-                             "(defaults 0.9, 0.999).")
+            raise ValueError(
+                f"--adam_b1={self.b1} and --adam_b2={self.b2} must be in [0, 1) "
+                "(defaults 0.9, 0.999)."
+            )
         if self.eps <= 0:
             raise ValueError(f"--adam_eps={self.eps} must be > 0 (default 1e-8).")
 
@@ -81,8 +84,15 @@ def make_optimizer(config: OptimizerConfig) -> optax.GradientTransformation:
     parts = []
     if config.max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(config.max_grad_norm))
-    parts.append(optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
-                             eps=config.eps, weight_decay=config.weight_decay))
+    parts.append(
+        optax.adamw(
+            learning_rate_schedule(config),
+            b1=config.b1,
+            b2=config.b2,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+        )
+    )
     return optax.chain(*parts)
 
 
@@ -91,17 +101,21 @@ class TrainState(flax.struct.PyTreeNode):
 
     params: Any
     opt_state: Any
-    step: jax.Array    # int32 scalar: completed training steps (rollouts)
-    rng: jax.Array     # uint32[2] raw key data, so orbax saves it as a plain array
+    step: jax.Array  # int32 scalar: completed training steps (rollouts)
+    rng: jax.Array  # uint32[2] raw key data, so orbax saves it as a plain array
 
     @classmethod
-    def create(cls, params: Any, optimizer: optax.GradientTransformation | OptimizerConfig,
-               seed: int) -> "TrainState":
+    def create(
+        cls, params: Any, optimizer: optax.GradientTransformation | OptimizerConfig, seed: int
+    ) -> "TrainState":
         if isinstance(optimizer, OptimizerConfig):
             optimizer = make_optimizer(optimizer)
-        return cls(params=params, opt_state=optimizer.init(params),
-                   step=jnp.zeros((), jnp.int32),
-                   rng=jax.random.key_data(jax.random.key(seed)))
+        return cls(
+            params=params,
+            opt_state=optimizer.init(params),
+            step=jnp.zeros((), jnp.int32),
+            rng=jax.random.key_data(jax.random.key(seed)),
+        )
 
     def key(self) -> jax.Array:
         return jax.random.wrap_key_data(self.rng)
@@ -116,12 +130,14 @@ def like_params(tree: Any, params: Any, param_value: Any, other: Any) -> Any:
         # jaxlib ships no stub for its compiled PyTreeDef, so mypy sees no __eq__ on it.
         return jax.tree.structure(x) == params_def  # type: ignore[operator]
 
-    return jax.tree.map(lambda x: param_value if is_param_tree(x) else other, tree,
-                        is_leaf=is_param_tree)
+    return jax.tree.map(
+        lambda x: param_value if is_param_tree(x) else other, tree, is_leaf=is_param_tree
+    )
 
 
-def state_shardings(params: Any, optimizer: OptimizerConfig | optax.GradientTransformation
-                    ) -> TrainState | None:
+def state_shardings(
+    params: Any, optimizer: OptimizerConfig | optax.GradientTransformation
+) -> TrainState | None:
     """Shardings of the TrainState built from `params` (arrays or ShapeDtypeStructs carrying
     NamedShardings): optimizer leaves shaped like the params take the params' shardings,
     every other leaf is replicated. None when the params are not on a mesh."""
@@ -130,38 +146,47 @@ def state_shardings(params: Any, optimizer: OptimizerConfig | optax.GradientTran
     if not shardings or len(shardings) < len(leaves):
         return None
     replicated = NamedSharding(shardings[0].mesh, PartitionSpec())
-    abstract = jax.eval_shape(functools.partial(TrainState.create, optimizer=optimizer, seed=0),
-                              params)
+    abstract = jax.eval_shape(
+        functools.partial(TrainState.create, optimizer=optimizer, seed=0), params
+    )
     param_shardings = jax.tree.unflatten(jax.tree.structure(params), shardings)
     # The state's tree with a sharding at every leaf: `replace` swaps all four fields.
-    return abstract.replace(params=param_shardings,
-                            opt_state=like_params(abstract.opt_state, params, param_shardings,
-                                                  replicated),
-                            step=replicated, rng=replicated)
+    return abstract.replace(
+        params=param_shardings,
+        opt_state=like_params(abstract.opt_state, params, param_shardings, replicated),
+        step=replicated,
+        rng=replicated,
+    )
 
 
 def create_state(params: Any, optimizer: OptimizerConfig, seed: int) -> TrainState:
     """TrainState.create, compiled so the optimizer state is born with its params' sharding."""
-    create = jax.jit(TrainState.create, static_argnums=(1, 2),
-                     out_shardings=state_shardings(params, optimizer))
+    create = jax.jit(
+        TrainState.create, static_argnums=(1, 2), out_shardings=state_shardings(params, optimizer)
+    )
     return create(params, optimizer, seed)
 
 
 def abstract_state(params: Any, optimizer: OptimizerConfig, seed: int) -> TrainState:
     """ShapeDtypeStructs with shardings of the state `create_state` builds (restore targets)."""
-    abstract = jax.eval_shape(functools.partial(TrainState.create, optimizer=optimizer,
-                                                seed=seed), params)
+    abstract = jax.eval_shape(
+        functools.partial(TrainState.create, optimizer=optimizer, seed=seed), params
+    )
     shardings = state_shardings(params, optimizer)
     if shardings is None:
         return abstract
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract, shardings)
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
 
 
 def state_logical_axes(state: TrainState, param_axes: Any) -> TrainState:
     """Logical axes of every state leaf: the params' for params and optimizer leaves shaped
     like them, none (replicated) for the rest."""
     # The state's tree with logical axes at every leaf: `replace` swaps all four fields.
-    return state.replace(params=param_axes,
-                         opt_state=like_params(state.opt_state, state.params, param_axes, ()),
-                         step=(), rng=(None,))
+    return state.replace(
+        params=param_axes,
+        opt_state=like_params(state.opt_state, state.params, param_axes, ()),
+        step=(),
+        rng=(None,),
+    )

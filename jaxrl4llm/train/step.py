@@ -16,6 +16,7 @@ when prompts are shared), so every micro-batch spans every device; activations a
 constrained to the batch layout and gradients to the params' layout, so the compiled update
 all-gathers each layer's weights inside the layer scan and reduce-scatters its gradients.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,12 +43,12 @@ class UpdateBatch(flax.struct.PyTreeNode):
     """What the update needs of a rollout, rows aligned: [M, ...] for a mini-batch of M."""
 
     seqs: Sequences
-    advantages: jax.Array            # [M] or [M, T] float32 (0 on rejected rows)
-    keep_B: jax.Array                # bool [M]: rows that enter the loss
-    old_logp_BT: jax.Array | None    # None: on-policy (one update per rollout), ratio = 1
-    ref_logp_BT: jax.Array | None    # None unless a KL to the reference is used
+    advantages: jax.Array  # [M] or [M, T] float32 (0 on rejected rows)
+    keep_B: jax.Array  # bool [M]: rows that enter the loss
+    old_logp_BT: jax.Array | None  # None: on-policy (one update per rollout), ratio = 1
+    ref_logp_BT: jax.Array | None  # None unless a KL to the reference is used
     old_values_BT: jax.Array | None = None  # PPO: the critic's values in the rollout
-    returns_BT: jax.Array | None = None     # PPO: the critic's targets (GAE returns)
+    returns_BT: jax.Array | None = None  # PPO: the critic's targets (GAE returns)
     # The sampler's logprobs of the tokens (None when pi_old is them): the gap to the
     # trainer's is logged, and --is_correction reweights by it.
     behaviour_logp_BT: jax.Array | None = None
@@ -64,12 +65,17 @@ class UpdateBatch(flax.struct.PyTreeNode):
             return self
         cut = lambda x: trim.cut_columns(x, length)  # noqa: E731
         return self.replace(
-            seqs=self.seqs.replace(completion_tokens_BT=cut(self.seqs.completion_tokens_BT),
-                                   completion_mask_BT=cut(self.seqs.completion_mask_BT)),
+            seqs=self.seqs.replace(
+                completion_tokens_BT=cut(self.seqs.completion_tokens_BT),
+                completion_mask_BT=cut(self.seqs.completion_mask_BT),
+            ),
             advantages=cut(self.advantages) if self.advantages.ndim == 2 else self.advantages,
-            old_logp_BT=cut(self.old_logp_BT), ref_logp_BT=cut(self.ref_logp_BT),
-            old_values_BT=cut(self.old_values_BT), returns_BT=cut(self.returns_BT),
-            behaviour_logp_BT=cut(self.behaviour_logp_BT))
+            old_logp_BT=cut(self.old_logp_BT),
+            ref_logp_BT=cut(self.ref_logp_BT),
+            old_values_BT=cut(self.old_values_BT),
+            returns_BT=cut(self.returns_BT),
+            behaviour_logp_BT=cut(self.behaviour_logp_BT),
+        )
 
 
 def length_classes(length: int, num_classes: int) -> tuple[int, ...]:
@@ -92,31 +98,63 @@ def micro_batch_order(lengths_R: np.ndarray, num_micro: int) -> np.ndarray:
     return by_length.reshape(num_micro, R // num_micro).T.reshape(-1)
 
 
-def _micro_loss(params: Any, mb: UpdateBatch, denominator: jax.Array, *, model_config: Any,
-                algorithm: rl.AlgorithmConfig, temperature: float, remat: bool,
-                prompt_group: int, sharding: parallel.ActivationSharding | None,
-                frozen: Any = None, lora: LoraConfig | None = None,
-                dropout_key: jax.Array | None = None) -> tuple[jax.Array, dict[str, Metric]]:
+def _micro_loss(
+    params: Any,
+    micro_batch: UpdateBatch,
+    denominator: jax.Array,
+    *,
+    model_config: Any,
+    algorithm: rl.AlgorithmConfig,
+    temperature: float,
+    remat: bool,
+    prompt_group: int,
+    sharding: parallel.ActivationSharding | None,
+    frozen: Any = None,
+    lora: LoraConfig | None = None,
+    dropout_key: jax.Array | None = None,
+) -> tuple[jax.Array, dict[str, Metric]]:
     # With LoRA, `params` are the adapters and the base is a constant here: its weights get
     # no gradient (none is computed; tests/train/test_lora_training.py checks the HLO).
     policy = adapters.policy(lora, frozen, params, dropout_key)
-    logp_BT, entropy_BT = completion_logprobs(policy, model_config, mb.seqs, temperature,
-                                              remat=remat, prompt_group=prompt_group,
-                                              sharding=sharding)
+    logp_BT, entropy_BT = completion_logprobs(
+        policy,
+        model_config,
+        micro_batch.seqs,
+        temperature,
+        remat=remat,
+        prompt_group=prompt_group,
+        sharding=sharding,
+    )
     loss_sum, _, metric_sums = rl.policy_loss(
-        algorithm, logp_BT, mb.old_logp_BT, mb.advantages, mb.seqs.completion_mask_BT, mb.keep_B,
-        ref_logp_BT=mb.ref_logp_BT, entropy_BT=entropy_BT,
-        behaviour_logp_BT=mb.behaviour_logp_BT)
+        algorithm,
+        logp_BT,
+        micro_batch.old_logp_BT,
+        micro_batch.advantages,
+        micro_batch.seqs.completion_mask_BT,
+        micro_batch.keep_B,
+        ref_logp_BT=micro_batch.ref_logp_BT,
+        entropy_BT=entropy_BT,
+        behaviour_logp_BT=micro_batch.behaviour_logp_BT,
+    )
     return loss_sum / denominator, metric_sums
 
 
-def accumulate_gradients(params: Any, batch: UpdateBatch, *, model_config: Any,
-                         algorithm: rl.AlgorithmConfig, num_micro: int, temperature: float,
-                         remat: bool = False, prompt_group: int = 1,
-                         sharding: parallel.ActivationSharding | None = None,
-                         length_classes: tuple[int, ...] = (), frozen: Any = None,
-                         lora: LoraConfig | None = None, dropout_key: jax.Array | None = None
-                         ) -> tuple[jax.Array, Any, dict]:
+def accumulate_gradients(
+    params: Any,
+    batch: UpdateBatch,
+    *,
+    model_config: Any,
+    algorithm: rl.AlgorithmConfig,
+    num_micro: int,
+    temperature: float,
+    remat: bool = False,
+    prompt_group: int = 1,
+    sharding: parallel.ActivationSharding | None = None,
+    length_classes: tuple[int, ...] = (),
+    frozen: Any = None,
+    lora: LoraConfig | None = None,
+    dropout_key: jax.Array | None = None,
+) -> tuple[jax.Array, Any, dict]:
     """(loss, grads, metrics) of a mini-batch, scanning over `num_micro` strided micro-batches;
     metrics are rl.metrics.Metric values by final name, merged over the micro-batches.
 
@@ -124,22 +162,49 @@ def accumulate_gradients(params: Any, batch: UpdateBatch, *, model_config: Any,
     `completion_logprobs`); each micro-batch holds whole blocks. With `lora` (enabled),
     `params` are the adapters on the `frozen` base params, and the grads are theirs.
     """
-    denominator = jnp.maximum(rl.loss_denominator(
-        algorithm, batch.seqs.completion_mask_BT, batch.keep_B), 1e-8)
-    grad_fn = jax.value_and_grad(functools.partial(
-        _micro_loss, model_config=model_config, algorithm=algorithm, temperature=temperature,
-        remat=remat, prompt_group=prompt_group, sharding=sharding, frozen=frozen, lora=lora,
-        dropout_key=dropout_key), has_aux=True)
-    return accumulate(params, batch, grad_fn, denominator, num_micro=num_micro,
-                      prompt_group=prompt_group,
-                      param_axes=adapters.param_axes(lora, model_config), sharding=sharding,
-                      length_classes=length_classes)
+    denominator = jnp.maximum(
+        rl.loss_denominator(algorithm, batch.seqs.completion_mask_BT, batch.keep_B), 1e-8
+    )
+    grad_fn = jax.value_and_grad(
+        functools.partial(
+            _micro_loss,
+            model_config=model_config,
+            algorithm=algorithm,
+            temperature=temperature,
+            remat=remat,
+            prompt_group=prompt_group,
+            sharding=sharding,
+            frozen=frozen,
+            lora=lora,
+            dropout_key=dropout_key,
+        ),
+        has_aux=True,
+    )
+    return accumulate(
+        params,
+        batch,
+        grad_fn,
+        denominator,
+        num_micro=num_micro,
+        prompt_group=prompt_group,
+        param_axes=adapters.param_axes(lora, model_config),
+        sharding=sharding,
+        length_classes=length_classes,
+    )
 
 
-def accumulate(params: Any, batch: UpdateBatch, grad_fn: Any, denominator: jax.Array, *,
-               num_micro: int, prompt_group: int, param_axes: Any,
-               sharding: parallel.ActivationSharding | None,
-               length_classes: tuple[int, ...] = ()) -> tuple[jax.Array, Any, dict]:
+def accumulate(
+    params: Any,
+    batch: UpdateBatch,
+    grad_fn: Any,
+    denominator: jax.Array,
+    *,
+    num_micro: int,
+    prompt_group: int,
+    param_axes: Any,
+    sharding: parallel.ActivationSharding | None,
+    length_classes: tuple[int, ...] = (),
+) -> tuple[jax.Array, Any, dict]:
     """(loss, grads, metrics) of `grad_fn(params, micro_batch, denominator)` (value_and_grad
     with metrics as aux) summed over `num_micro` strided micro-batches, gradients laid out
     like `param_axes`: the policy's update and the critic's share it. With `length_classes`
@@ -147,50 +212,63 @@ def accumulate(params: Any, batch: UpdateBatch, grad_fn: Any, denominator: jax.A
     longest completion."""
     rows = batch.seqs.completion_tokens_BT.shape[0]
     if rows % num_micro or (rows // num_micro) % prompt_group:
-        raise ValueError(f"A mini-batch of {rows} rows cannot be split into {num_micro} "
-                         f"micro-batches of whole prompt groups of {prompt_group} rows.")
+        raise ValueError(
+            f"A mini-batch of {rows} rows cannot be split into {num_micro} "
+            f"micro-batches of whole prompt groups of {prompt_group} rows."
+        )
     micro = jax.tree.map(
-        lambda x: parallel.constrain(parallel.split_strided(x, num_micro, prompt_group),
-                                     (None, "batch"), sharding), batch)
+        lambda x: parallel.constrain(
+            parallel.split_strided(x, num_micro, prompt_group), (None, "batch"), sharding
+        ),
+        batch,
+    )
     first = jax.tree.map(lambda x: x[0], micro)
 
-    def run_at(length, mb):
-        return grad_fn(params, mb.trimmed(length), denominator)
+    def run_at(length, micro_batch):
+        return grad_fn(params, micro_batch.trimmed(length), denominator)
 
-    def body(carry, mb):
+    def body(carry, micro_batch):
         if length_classes:
-            longest = jnp.max(jnp.sum(mb.seqs.completion_mask_BT, axis=1, dtype=jnp.int32))
-            index = jnp.minimum(jnp.searchsorted(jnp.asarray(length_classes, jnp.int32),
-                                                 longest), len(length_classes) - 1)
+            longest = jnp.max(jnp.sum(micro_batch.seqs.completion_mask_BT, axis=1, dtype=jnp.int32))
+            index = jnp.minimum(
+                jnp.searchsorted(jnp.asarray(length_classes, jnp.int32), longest),
+                len(length_classes) - 1,
+            )
             branches = [functools.partial(run_at, length) for length in length_classes]
-            out = jax.lax.switch(index, branches, mb)
+            out = jax.lax.switch(index, branches, micro_batch)
         else:
-            out = grad_fn(params, mb, denominator)
+            out = grad_fn(params, micro_batch, denominator)
         return _add_micro_batch(carry, out, param_axes, sharding), None
 
-    carry, _ = jax.lax.scan(body, _zero_sums(params, lambda: grad_fn(params, first, denominator),
-                                             param_axes, sharding), micro)
+    carry, _ = jax.lax.scan(
+        body,
+        _zero_sums(params, lambda: grad_fn(params, first, denominator), param_axes, sharding),
+        micro,
+    )
     return _finish(carry, params)
 
 
-def _zero_sums(params: Any, micro_grad: Any, param_axes: Any,
-               sharding: parallel.ActivationSharding | None) -> tuple[Any, jax.Array, dict]:
+def _zero_sums(
+    params: Any, micro_grad: Any, param_axes: Any, sharding: parallel.ActivationSharding | None
+) -> tuple[Any, jax.Array, dict]:
     """(gradients, loss, metrics) before the first micro-batch; `micro_grad()` is one
     micro-batch's value_and_grad (only its metrics' shapes are read)."""
     _, metric_shapes = jax.eval_shape(lambda: micro_grad()[0])
     zero_grads = parallel.constrain_tree(
-        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), param_axes, sharding)
+        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), param_axes, sharding
+    )
     return zero_grads, jnp.zeros((), jnp.float32), identity_metrics(metric_shapes)
 
 
-def _add_micro_batch(carry: tuple, out: Any, param_axes: Any,
-                     sharding: parallel.ActivationSharding | None) -> tuple:
+def _add_micro_batch(
+    carry: tuple, out: Any, param_axes: Any, sharding: parallel.ActivationSharding | None
+) -> tuple:
     grads, loss, metrics = carry
-    (mb_loss, mb_metrics), mb_grads = out
+    (micro_loss, micro_metrics), micro_grads = out
     # Laid out like the params: each micro-batch's gradient is reduce-scattered.
-    mb_grads = parallel.constrain_tree(mb_grads, param_axes, sharding)
-    grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, mb_grads)
-    return grads, loss + mb_loss, rl.combine_metrics(metrics, mb_metrics)
+    micro_grads = parallel.constrain_tree(micro_grads, param_axes, sharding)
+    grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads, micro_grads)
+    return grads, loss + micro_loss, rl.combine_metrics(metrics, micro_metrics)
 
 
 def _finish(carry: tuple, params: Any) -> tuple[jax.Array, Any, dict]:
@@ -198,10 +276,17 @@ def _finish(carry: tuple, params: Any) -> tuple[jax.Array, Any, dict]:
     return loss, jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params), metric_sums
 
 
-def accumulate_packed(params: Any, batch: UpdateBatch, packed: PackedBatch, *,
-                      model_config: Any, algorithm: rl.AlgorithmConfig, temperature: float,
-                      remat: bool = False, sharding: parallel.ActivationSharding | None = None
-                      ) -> tuple[jax.Array, Any, dict]:
+def accumulate_packed(
+    params: Any,
+    batch: UpdateBatch,
+    packed: PackedBatch,
+    *,
+    model_config: Any,
+    algorithm: rl.AlgorithmConfig,
+    temperature: float,
+    remat: bool = False,
+    sharding: parallel.ActivationSharding | None = None,
+) -> tuple[jax.Array, Any, dict]:
     """(loss, grads, metrics) of a mini-batch whose sequences are packed (`packing.pack`):
     micro-batch k runs its packed rows, reads each of its sequences' completion logprobs back
     into the mini-batch's [M, T] layout and takes the padded update's loss over its own rows
@@ -211,42 +296,75 @@ def accumulate_packed(params: Any, batch: UpdateBatch, packed: PackedBatch, *,
     mask_MT, keep_M = batch.seqs.completion_mask_BT, batch.keep_B
     T = mask_MT.shape[1]
     denominator = jnp.maximum(rl.loss_denominator(algorithm, mask_MT, keep_M), 1e-8)
-    param_axes = adapters.param_axes(None, model_config)   # full fine-tuning only
+    param_axes = adapters.param_axes(None, model_config)  # full fine-tuning only
 
     def micro_loss(params, k):
-        logp_RL, entropy_RL = packed_logprobs(params, model_config, packed, k, temperature,
-                                              remat=remat, sharding=sharding)
+        logp_RL, entropy_RL = packed_logprobs(
+            params, model_config, packed, k, temperature, remat=remat, sharding=sharding
+        )
         mine_M = packed.micro_M == k
         logp_MT = unpack(logp_RL, packed.start_M, T)
         loss_sum, _, metrics = rl.policy_loss(
-            algorithm, logp_MT, batch.old_logp_BT, batch.advantages,
-            mask_MT & mine_M[:, None], keep_M, ref_logp_BT=batch.ref_logp_BT,
+            algorithm,
+            logp_MT,
+            batch.old_logp_BT,
+            batch.advantages,
+            mask_MT & mine_M[:, None],
+            keep_M,
+            ref_logp_BT=batch.ref_logp_BT,
             entropy_BT=unpack(entropy_RL, packed.start_M, T),
-            behaviour_logp_BT=batch.behaviour_logp_BT)
+            behaviour_logp_BT=batch.behaviour_logp_BT,
+        )
         # The one metric that counts rows: only this micro-batch's.
         metrics["policy/frac_rejected"] = Metric.mean(
-            jnp.sum(mine_M & ~keep_M, dtype=jnp.float32), jnp.sum(mine_M, dtype=jnp.float32))
+            jnp.sum(mine_M & ~keep_M, dtype=jnp.float32), jnp.sum(mine_M, dtype=jnp.float32)
+        )
         return loss_sum / denominator, metrics
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
     carry = jax.lax.fori_loop(
-        0, packed.num_micro,
+        0,
+        packed.num_micro,
         lambda k, carry: _add_micro_batch(carry, grad_fn(params, k), param_axes, sharding),
-        _zero_sums(params, lambda: grad_fn(params, jnp.int32(0)), param_axes, sharding))
+        _zero_sums(params, lambda: grad_fn(params, jnp.int32(0)), param_axes, sharding),
+    )
     return _finish(carry, params)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",), static_argnames=(
-    "model_config", "algorithm", "optimizer", "num_micro", "temperature", "remat",
-    "prompt_group", "sharding", "length_classes", "lora"))
-def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
-               algorithm: rl.AlgorithmConfig, optimizer: OptimizerConfig,
-               num_micro: int, temperature: float, remat: bool = False,
-               prompt_group: int = 1, sharding: parallel.ActivationSharding | None = None,
-               length_classes: tuple[int, ...] = (), packed: PackedBatch | None = None,
-               lora: LoraConfig | None = None, frozen: Any = None,
-               dropout_key: jax.Array | None = None
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+@functools.partial(
+    jax.jit,
+    donate_argnames=("state",),
+    static_argnames=(
+        "model_config",
+        "algorithm",
+        "optimizer",
+        "num_micro",
+        "temperature",
+        "remat",
+        "prompt_group",
+        "sharding",
+        "length_classes",
+        "lora",
+    ),
+)
+def train_step(
+    state: TrainState,
+    batch: UpdateBatch,
+    *,
+    model_config: Any,
+    algorithm: rl.AlgorithmConfig,
+    optimizer: OptimizerConfig,
+    num_micro: int,
+    temperature: float,
+    remat: bool = False,
+    prompt_group: int = 1,
+    sharding: parallel.ActivationSharding | None = None,
+    length_classes: tuple[int, ...] = (),
+    packed: PackedBatch | None = None,
+    lora: LoraConfig | None = None,
+    frozen: Any = None,
+    dropout_key: jax.Array | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update on a mini-batch; the old state is donated (updated in place).
 
     Every static argument is a frozen config (hashable by value), so separate runs in one
@@ -264,27 +382,60 @@ def train_step(state: TrainState, batch: UpdateBatch, *, model_config: Any,
     """
     if packed is not None:
         if frozen is not None:
-            raise ValueError("Packed micro-batches train the full parameters; LoRA adapters "
-                             "run on padded micro-batches.")
+            raise ValueError(
+                "Packed micro-batches train the full parameters; LoRA adapters "
+                "run on padded micro-batches."
+            )
         loss, grads, metrics = accumulate_packed(
-            state.params, batch, packed, model_config=model_config, algorithm=algorithm,
-            temperature=temperature, remat=remat, sharding=sharding)
+            state.params,
+            batch,
+            packed,
+            model_config=model_config,
+            algorithm=algorithm,
+            temperature=temperature,
+            remat=remat,
+            sharding=sharding,
+        )
     else:
         loss, grads, metrics = accumulate_gradients(
-            state.params, batch, model_config=model_config, algorithm=algorithm,
-            num_micro=num_micro, temperature=temperature, remat=remat,
-            prompt_group=prompt_group, sharding=sharding, length_classes=length_classes,
-            frozen=frozen, lora=lora, dropout_key=dropout_key)
+            state.params,
+            batch,
+            model_config=model_config,
+            algorithm=algorithm,
+            num_micro=num_micro,
+            temperature=temperature,
+            remat=remat,
+            prompt_group=prompt_group,
+            sharding=sharding,
+            length_classes=length_classes,
+            frozen=frozen,
+            lora=lora,
+            dropout_key=dropout_key,
+        )
     new_state, update_metrics = apply_update(
-        state, loss, grads, optimizer=optimizer,
-        param_axes=adapters.param_axes(lora, model_config), sharding=sharding,
-        loss_name="policy/loss", prefix="optim")
+        state,
+        loss,
+        grads,
+        optimizer=optimizer,
+        param_axes=adapters.param_axes(lora, model_config),
+        sharding=sharding,
+        loss_name="policy/loss",
+        prefix="optim",
+    )
     return new_state, dict(metrics, **update_metrics)
 
 
-def apply_update(state: TrainState, loss: jax.Array, grads: Any, *, optimizer: OptimizerConfig,
-                 param_axes: Any, sharding: parallel.ActivationSharding | None,
-                 loss_name: str, prefix: str) -> tuple[TrainState, dict[str, Metric]]:
+def apply_update(
+    state: TrainState,
+    loss: jax.Array,
+    grads: Any,
+    *,
+    optimizer: OptimizerConfig,
+    param_axes: Any,
+    sharding: parallel.ActivationSharding | None,
+    loss_name: str,
+    prefix: str,
+) -> tuple[TrainState, dict[str, Metric]]:
     """The optimizer step of `train_step` (and the critic's): skipped when the loss or the
     gradient is not finite; metrics `loss_name`, PREFIX/grad_norm, /update_norm,
     /skipped_updates."""
@@ -300,19 +451,25 @@ def apply_update(state: TrainState, loss: jax.Array, grads: Any, *, optimizer: O
     def apply(operands):
         params, opt_state, grads = operands
         updates, opt_state = make_optimizer(optimizer).update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state,
-                optax.global_norm(updates).astype(jnp.float32))
+        return (
+            optax.apply_updates(params, updates),
+            opt_state,
+            optax.global_norm(updates).astype(jnp.float32),
+        )
 
     def keep(operands):  # update_norm 0: nothing was applied
         params, opt_state, _ = operands
         return params, opt_state, jnp.zeros((), jnp.float32)
 
-    params, opt_state, update_norm = jax.lax.cond(finite, apply, keep,
-                                                  (state.params, state.opt_state, grads))
-    metrics = {loss_name: Metric.mean(loss),
-               f"{prefix}/grad_norm": Metric.mean(grad_norm),
-               f"{prefix}/update_norm": Metric.mean(update_norm),
-               f"{prefix}/skipped_updates": Metric.sum(1.0 - finite.astype(jnp.float32))}
+    params, opt_state, update_norm = jax.lax.cond(
+        finite, apply, keep, (state.params, state.opt_state, grads)
+    )
+    metrics = {
+        loss_name: Metric.mean(loss),
+        f"{prefix}/grad_norm": Metric.mean(grad_norm),
+        f"{prefix}/update_norm": Metric.mean(update_norm),
+        f"{prefix}/skipped_updates": Metric.sum(1.0 - finite.astype(jnp.float32)),
+    }
     new_state = state.replace(params=params, opt_state=opt_state)
     axes = state_logical_axes(new_state, param_axes)
     return parallel.constrain_tree(new_state, axes, sharding), metrics

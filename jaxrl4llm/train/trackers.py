@@ -9,6 +9,7 @@ when named, and both work offline: W&B with WANDB_MODE=offline (files under WORK
 `wandb sync` uploads them later), MLflow into WORKDIR/mlflow.db unless MLFLOW_TRACKING_URI
 names a server.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -23,22 +24,27 @@ from jaxrl4llm.config.errors import DependencyError
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 # The import each tracker needs and the extra that installs it.
-PACKAGES = {"tensorboard": ("tensorboardX", "tensorboardX"), "wandb": ("wandb", "jaxrl4llm[wandb]"),
-            "mlflow": ("mlflow", "jaxrl4llm[mlflow]")}
+PACKAGES = {
+    "tensorboard": ("tensorboardX", "tensorboardX"),
+    "wandb": ("wandb", "jaxrl4llm[wandb]"),
+    "mlflow": ("mlflow", "jaxrl4llm[mlflow]"),
+}
 IDS_FILE = "trackers.json"
 # The W&B project and MLflow experiment (unless WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME say).
 PROJECT = "jaxrl4llm"
 _MLFLOW_BAD_CHARS = re.compile(r"[^/\w.\- :]")
-_MLFLOW_BATCH = 100   # MLflow's limit of params (and of metrics, 1000) per log_batch
+_MLFLOW_BATCH = 100  # MLflow's limit of params (and of metrics, 1000) per log_batch
 
 
 def parse(text: str) -> tuple[str, ...]:
-    """"tensorboard,wandb" -> ("tensorboard", "wandb"); an unknown name raises ValueError."""
+    """ "tensorboard,wandb" -> ("tensorboard", "wandb"); an unknown name raises ValueError."""
     names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     unknown = [n for n in names if n not in TRACKERS]
     if unknown:
-        raise ValueError(f"--trackers={text}: unknown tracker(s) {', '.join(unknown)}; choose "
-                         f"from {', '.join(TRACKERS)} (comma-separated, empty for none).")
+        raise ValueError(
+            f"--trackers={text}: unknown tracker(s) {', '.join(unknown)}; choose "
+            f"from {', '.join(TRACKERS)} (comma-separated, empty for none)."
+        )
     return names
 
 
@@ -47,9 +53,11 @@ def check_installed(names: tuple[str, ...]) -> None:
     for name in names:
         module, extra = PACKAGES[name]
         if importlib.util.find_spec(module) is None:
-            raise DependencyError(f"--trackers={name} needs the {module} package, which is not "
-                                  f"installed: pip install '{extra}' (or drop {name} from "
-                                  "--trackers).")
+            raise DependencyError(
+                f"--trackers={name} needs the {module} package, which is not "
+                f"installed: pip install '{extra}' (or drop {name} from "
+                "--trackers)."
+            )
 
 
 class Tracker(Protocol):
@@ -58,8 +66,9 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-def open_trackers(workdir: str, names: tuple[str, ...],
-                  hparams: Mapping[str, Any]) -> list[Tracker]:
+def open_trackers(
+    workdir: str, names: tuple[str, ...], hparams: Mapping[str, Any]
+) -> list[Tracker]:
     """The trackers `names`, each continuing the run whose id WORKDIR/trackers.json holds (a
     new one otherwise, its id saved there)."""
     path = os.path.join(workdir, IDS_FILE)
@@ -72,8 +81,7 @@ def open_trackers(workdir: str, names: tuple[str, ...],
         if name == "tensorboard":
             trackers.append(TensorBoard(os.path.join(workdir, "tensorboard")))
         elif name == "wandb":
-            trackers.append(WandB(workdir, ids.setdefault("wandb", uuid.uuid4().hex[:12]),
-                                  hparams))
+            trackers.append(WandB(workdir, ids.setdefault("wandb", uuid.uuid4().hex[:12]), hparams))
         else:
             mlflow = MLflow(workdir, ids.get("mlflow"), hparams)
             ids["mlflow"] = mlflow.run_id
@@ -93,15 +101,21 @@ class TensorBoard:
 
     def __init__(self, logdir: str):
         from tensorboardX.event_file_writer import EventsWriter
+
         os.makedirs(logdir, exist_ok=True)
         self._writer = EventsWriter(os.path.join(logdir, "events"))
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
         from tensorboardX.proto import event_pb2, summary_pb2
-        values = [summary_pb2.Summary.Value(tag=k, simple_value=float(v))
-                  for k, v in scalars.items()]
-        self._writer.write_event(event_pb2.Event(wall_time=time.time(), step=int(step),
-                                                 summary=summary_pb2.Summary(value=values)))
+
+        values = [
+            summary_pb2.Summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()
+        ]
+        self._writer.write_event(
+            event_pb2.Event(
+                wall_time=time.time(), step=int(step), summary=summary_pb2.Summary(value=values)
+            )
+        )
         self._writer.flush()
 
     def close(self) -> None:
@@ -113,9 +127,15 @@ class WandB:
 
     def __init__(self, workdir: str, run_id: str, hparams: Mapping[str, Any]):
         import wandb
-        self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", PROJECT), id=run_id,
-                               resume="allow", dir=workdir, name=_run_name(workdir),
-                               config=dict(hparams))
+
+        self._run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", PROJECT),
+            id=run_id,
+            resume="allow",
+            dir=workdir,
+            name=_run_name(workdir),
+            config=dict(hparams),
+        )
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
         self._run.log(dict(scalars), step=int(step))
@@ -131,30 +151,36 @@ class MLflow:
     def __init__(self, workdir: str, run_id: str | None, hparams: Mapping[str, Any]):
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
+
         uri = os.environ.get("MLFLOW_TRACKING_URI") or (
-            "sqlite:///" + os.path.join(os.path.abspath(workdir), "mlflow.db"))
+            "sqlite:///" + os.path.join(os.path.abspath(workdir), "mlflow.db")
+        )
         self._client = MlflowClient(tracking_uri=uri)
         if run_id is None:
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
             experiment = self._client.get_experiment_by_name(name)
-            experiment_id = (experiment.experiment_id if experiment else
-                             self._client.create_experiment(name, artifact_location=os.path.join(
-                                 os.path.abspath(workdir), "mlartifacts")))
-            run_id = self._client.create_run(experiment_id,
-                                             run_name=_run_name(workdir)).info.run_id
+            experiment_id = (
+                experiment.experiment_id
+                if experiment
+                else self._client.create_experiment(
+                    name, artifact_location=os.path.join(os.path.abspath(workdir), "mlartifacts")
+                )
+            )
+            run_id = self._client.create_run(experiment_id, run_name=_run_name(workdir)).info.run_id
             params = [Param(_mlflow_name(k), str(v)[:6000]) for k, v in sorted(hparams.items())]
             for i in range(0, len(params), _MLFLOW_BATCH):
-                self._client.log_batch(run_id, params=params[i:i + _MLFLOW_BATCH])
+                self._client.log_batch(run_id, params=params[i : i + _MLFLOW_BATCH])
         else:
             self._client.update_run(run_id, status="RUNNING")
         self.run_id: str = run_id
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
         from mlflow.entities import Metric
+
         now = int(time.time() * 1000)
         metrics = [Metric(_mlflow_name(k), float(v), now, int(step)) for k, v in scalars.items()]
         for i in range(0, len(metrics), 10 * _MLFLOW_BATCH):
-            self._client.log_batch(self.run_id, metrics=metrics[i:i + 10 * _MLFLOW_BATCH])
+            self._client.log_batch(self.run_id, metrics=metrics[i : i + 10 * _MLFLOW_BATCH])
 
     def close(self) -> None:
         self._client.set_terminated(self.run_id)

@@ -1,5 +1,6 @@
 """The update stage of a training step: every mini-batch of the rollout's batch through the
 jitted policy update (and PPO's critic update), compiled once per shape."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,64 +31,100 @@ class Updater:
         self.data_parallel = parallel.data_parallel_size(self.services.mesh)
         model_config = self.services.model_config
         self.policy_static = dict(
-            model_config=model_config, algorithm=config.update_algorithm,
-            optimizer=config.optimizer, num_micro=self.num_micro,
+            model_config=model_config,
+            algorithm=config.update_algorithm,
+            optimizer=config.optimizer,
+            num_micro=self.num_micro,
             temperature=config.rollout.sampling.effective_temperature,
-            remat=config.model.remat, sharding=ctx.sharding,
-            lora=config.lora if config.lora.enabled else None)
+            remat=config.model.remat,
+            sharding=ctx.sharding,
+            lora=config.lora if config.lora.enabled else None,
+        )
         self.critic_static = dict(
-            model_config=model_config, algorithm=config.update_algorithm,
+            model_config=model_config,
+            algorithm=config.update_algorithm,
             optimizer=critic.optimizer_config(config.optimizer, config.critic.learning_rate),
-            num_micro=self.num_micro, remat=config.model.remat, sharding=ctx.sharding)
+            num_micro=self.num_micro,
+            remat=config.model.remat,
+            sharding=ctx.sharding,
+        )
 
-    def __call__(self, models: Models, batch: UpdateBatch, step: int,
-                 key: jax.Array) -> tuple[Models, dict[str, float]]:
+    def __call__(
+        self, models: Models, batch: UpdateBatch, step: int, key: jax.Array
+    ) -> tuple[Models, dict[str, float]]:
         """All of a step's optimizer updates; returns the new models and the update's
         metrics (optim/*, policy/*, critic/*, response/update_real_frac, time/update_s)."""
         config = self.services.config
         t0 = time.perf_counter()
         metrics: dict[str, Metric] = {}
         real_tokens, update_columns = 0, 0  # completion tokens / positions the update runs
-        dropout_key = jax.random.fold_in(key, 1 << 20)   # apart from the shuffling's
-        for index, (mb, classes, tokens) in enumerate(minibatches(batch, config, key,
-                                                                  self.services.mesh)):
+        dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffling's
+        for index, (mini_batch, classes, tokens) in enumerate(
+            minibatches(batch, config, key, self.services.mesh)
+        ):
             if tokens is not None:
                 real_tokens += tokens[0]
                 update_columns += tokens[1]
             # Rows still in their groups run each group's prompt once.
-            prompt_group = mb.layout.prompt_group(mb.keep_B.shape[0], self.num_micro,
-                                                  self.data_parallel)
+            prompt_group = mini_batch.layout.prompt_group(
+                mini_batch.keep_B.shape[0], self.num_micro, self.data_parallel
+            )
             # PPO: the first steps train the critic only.
             if step >= config.critic.warmup_steps:
-                models, m = self._policy_update(models, mb, prompt_group, classes,
-                                                jax.random.fold_in(dropout_key, index))
+                models, m = self._policy_update(
+                    models,
+                    mini_batch,
+                    prompt_group,
+                    classes,
+                    jax.random.fold_in(dropout_key, index),
+                )
                 metrics = combine_metrics(metrics, m)
             if models.critic_state is not None:
-                critic_state, m = critic.critic_step(models.critic_state, mb,
-                                                     prompt_group=prompt_group,
-                                                     **self.critic_static)
+                critic_state, m = critic.critic_step(
+                    models.critic_state, mini_batch, prompt_group=prompt_group, **self.critic_static
+                )
                 models = dataclasses.replace(models, critic_state=critic_state)
                 metrics = combine_metrics(metrics, m)
         host = metrics_lib.to_host_scalars(metrics)  # waits for the updates
         if update_columns:
             host["response/update_real_frac"] = real_tokens / update_columns
         host["time/update_s"] = time.perf_counter() - t0
-        host["optim/learning_rate"] = float(self.services.lr_schedule(
-            (step + 1) * config.updates_per_step - 1))
+        host["optim/learning_rate"] = float(
+            self.services.lr_schedule((step + 1) * config.updates_per_step - 1)
+        )
         return models, host
 
-    def _policy_update(self, models: Models, mb: UpdateBatch, prompt_group: int,
-                       classes: tuple[int, ...], key: jax.Array
-                       ) -> tuple[Models, dict[str, Metric]]:
-        signature = (prompt_group, classes, tuple(x.shape for x in jax.tree.leaves(mb)))
+    def _policy_update(
+        self,
+        models: Models,
+        mini_batch: UpdateBatch,
+        prompt_group: int,
+        classes: tuple[int, ...],
+        key: jax.Array,
+    ) -> tuple[Models, dict[str, Metric]]:
+        signature = (prompt_group, classes, tuple(x.shape for x in jax.tree.leaves(mini_batch)))
         lora = self.services.config.lora
         # LoRA: the frozen base beside the state; --lora_dropout's key (fresh each update).
-        inputs = dict(frozen=models.base_params,
-                      dropout_key=key if lora.enabled and lora.dropout > 0 else None)
+        inputs = dict(
+            frozen=models.base_params,
+            dropout_key=key if lora.enabled and lora.dropout > 0 else None,
+        )
         if signature not in self.compiled:
-            compile_train_step(models.state, mb, prompt_group=prompt_group,
-                               length_classes=classes, **inputs, **self.policy_static)
+            compile_train_step(
+                models.state,
+                mini_batch,
+                prompt_group=prompt_group,
+                length_classes=classes,
+                **inputs,
+                **self.policy_static,
+            )
             self.compiled.add(signature)
-        state, metrics = train_step(models.state, mb, prompt_group=prompt_group,
-                                    length_classes=classes, **inputs, **self.policy_static)
+        state, metrics = train_step(
+            models.state,
+            mini_batch,
+            prompt_group=prompt_group,
+            length_classes=classes,
+            **inputs,
+            **self.policy_static,
+        )
         return dataclasses.replace(models, state=state), metrics

@@ -9,6 +9,7 @@ host cannot be checked from here: the error says how to remove the file by hand.
     with WorkdirLock(workdir):
         ...  # train
 """
+
 from __future__ import annotations
 
 import datetime
@@ -50,8 +51,10 @@ def _read(path: str) -> dict[str, Any] | None:
 
 
 def _describe(holder: dict[str, Any]) -> str:
-    return (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} "
-            f"(since {holder.get('started', '?')})")
+    return (
+        f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} "
+        f"(since {holder.get('started', '?')})"
+    )
 
 
 class WorkdirLock:
@@ -82,8 +85,10 @@ class WorkdirLock:
                 self._held = True
                 return
             self._take_over_if_stale()
-        raise WorkdirInUseError(f"Could not lock {self.workdir}: {self.path} keeps "
-                                "reappearing; is another run starting there?")
+        raise WorkdirInUseError(
+            f"Could not lock {self.workdir}: {self.path} keeps "
+            "reappearing; is another run starting there?"
+        )
 
     def _create(self, content: str) -> bool:
         """Creates the lock file holding `content`, atomically; False if it exists."""
@@ -116,7 +121,8 @@ class WorkdirLock:
             raise WorkdirInUseError(
                 f"{self.workdir} is in use: {_describe(holder)} holds {self.path}. Wait for "
                 "that run to finish (or stop it), or pass another --workdir. If that run is "
-                f"gone (e.g. it ran on another host), delete {self.path} and start again.")
+                f"gone (e.g. it ran on another host), delete {self.path} and start again."
+            )
         stale = f"{self.path}.stale.{os.getpid()}"
         try:
             os.rename(self.path, stale)
@@ -124,11 +130,16 @@ class WorkdirLock:
             return  # another run took it over first: retry
         if _read(stale) != holder:  # raced with a run that had just locked: give it back
             os.rename(stale, self.path)
-            raise WorkdirInUseError(f"{self.workdir} was just locked by another run: "
-                                    f"{_describe(_read(self.path) or {})}.")
+            raise WorkdirInUseError(
+                f"{self.workdir} was just locked by another run: "
+                f"{_describe(_read(self.path) or {})}."
+            )
         os.remove(stale)
-        logging.warning("Took over the stale lock of %s on %s: that process is no longer "
-                        "running (killed?).", _describe(holder), self.workdir)
+        logging.warning(
+            "Took over the stale lock of %s on %s: that process is no longer running (killed?).",
+            _describe(holder),
+            self.workdir,
+        )
 
     def release(self) -> None:
         if not self._held:

@@ -1,5 +1,6 @@
 """The registry: every entry loads its fixture rows (written in the benchmark's published
 schema), normalises its answers, and a correct completion scores 1 and a wrong one 0."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +30,13 @@ EXPECTED = {
     "math_lvl3to5_8k": ("train", ["7", "9", "\\frac{5}{6}"], "8"),
 }
 # What a model writes for the same answers (other spellings where the math allows).
-WRITTEN = {"minerva_math": ["0.490", "1216"], "amc23": ["27", "36"], "aime24": ["204", "25"],
-           "olympiadbench": ["2", "(6,3), (9,3), (9,5), (54,5)"], "gsm8k": ["18", "1,250"]}
+WRITTEN = {
+    "minerva_math": ["0.490", "1216"],
+    "amc23": ["27", "36"],
+    "aime24": ["204", "25"],
+    "olympiadbench": ["2", "(6,3), (9,3), (9,5), (54,5)"],
+    "gsm8k": ["18", "1,250"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +69,7 @@ def test_entry_loads_normalises_and_scores(name, offline, reward_fn):
     split, answers, wrong = EXPECTED[name]
     source = make_source(name, split=split)
     assert [r.answer for r in source] == answers
-    assert all(r.prompt and r.task == "math" and r.metadata["benchmark"] == name
-               for r in source)
+    assert all(r.prompt and r.task == "math" and r.metadata["benchmark"] == name for r in source)
     written = WRITTEN.get(name, answers)
     right = reward_fn.score([f"So the answer is \\boxed{{{a}}}." for a in written], list(source))
     assert right.correct.all(), right.reasons
@@ -106,9 +111,11 @@ def test_math_levels_3_to_5_keeps_the_shortest_prompts_deterministically(offline
     the published order. The fixture's level 3-5 prompts have 44, 42 and 33 characters."""
     entry = BENCHMARKS["math_lvl3to5_8k"]
     assert entry.where == {"level": (3, 4, 5)} and entry.shortest == 8000
-    monkeypatch.setitem(benchmarks.BENCHMARKS, "math_lvl3to5_8k",
-                        dataclasses.replace(entry, shortest=2))
+    monkeypatch.setitem(
+        benchmarks.BENCHMARKS, "math_lvl3to5_8k", dataclasses.replace(entry, shortest=2)
+    )
     first = make_source("math_lvl3to5_8k", split="train")
     assert [r.answer for r in first] == ["9", "\\frac{5}{6}"]
-    assert [r.prompt for r in first] == [r.prompt for r in make_source("math_lvl3to5_8k",
-                                                                       split="train")]
+    assert [r.prompt for r in first] == [
+        r.prompt for r in make_source("math_lvl3to5_8k", split="train")
+    ]

@@ -1,6 +1,7 @@
 """Code data: the registry's code sets (rows in their published schemas, read offline from a
 hub-cache fixture) and the procedural code task; their tests pass a correct program and fail a
 wrong one in the sandbox."""
+
 from __future__ import annotations
 
 import json
@@ -16,55 +17,97 @@ from jaxrl4llm.rewards.code import CodeConfig, CodeVerifier
 
 from tests.data.hub_fixtures import readme, write_repo
 
-needs_sandbox = pytest.mark.skipif(sandbox.available_layer() is None,
-                                   reason="no isolation layer (bwrap, unshare) here")
+needs_sandbox = pytest.mark.skipif(
+    sandbox.available_layer() is None, reason="no isolation layer (bwrap, unshare) here"
+)
 
 HUMANEVAL = [
-    {"task_id": "HumanEval/0", "prompt": "def add(a: int, b: int) -> int:\n"
-     "    \"\"\"Return the sum of a and b.\n    >>> add(2, 3)\n    5\n    \"\"\"\n",
-     "canonical_solution": "    return a + b\n",
-     "test": "\n\nMETADATA = {}\n\n\ndef check(candidate):\n    assert candidate(2, 3) == 5\n"
-             "    assert candidate(-1, 1) == 0\n",
-     "entry_point": "add"},
+    {
+        "task_id": "HumanEval/0",
+        "prompt": "def add(a: int, b: int) -> int:\n"
+        '    """Return the sum of a and b.\n    >>> add(2, 3)\n    5\n    """\n',
+        "canonical_solution": "    return a + b\n",
+        "test": "\n\nMETADATA = {}\n\n\ndef check(candidate):\n    assert candidate(2, 3) == 5\n"
+        "    assert candidate(-1, 1) == 0\n",
+        "entry_point": "add",
+    },
 ]
 MBPP_FULL = [
-    {"task_id": 11, "text": "Write a python function to remove first and last occurrence of a "
-     "given character from the string.",
-     "code": "def remove_Occ(s,ch): \r\n    s = s.replace(ch, '', 1)\r\n    i = s.rfind(ch)\r\n"
-             "    if i >= 0:\r\n        s = s[:i] + s[i + 1:]\r\n    return s ",
-     "test_list": ['assert remove_Occ("hello","l") == "heo"',
-                   'assert remove_Occ("abcda","a") == "bcd"',
-                   'assert remove_Occ("PHP","P") == "H"'],
-     "test_setup_code": "", "challenge_test_list": []},
-    {"task_id": 12, "text": "Write a function with no tests.", "code": "def f(): pass",
-     "test_list": [], "test_setup_code": "", "challenge_test_list": []},
+    {
+        "task_id": 11,
+        "text": "Write a python function to remove first and last occurrence of a "
+        "given character from the string.",
+        "code": "def remove_Occ(s,ch): \r\n    s = s.replace(ch, '', 1)\r\n    i = s.rfind(ch)\r\n"
+        "    if i >= 0:\r\n        s = s[:i] + s[i + 1:]\r\n    return s ",
+        "test_list": [
+            'assert remove_Occ("hello","l") == "heo"',
+            'assert remove_Occ("abcda","a") == "bcd"',
+            'assert remove_Occ("PHP","P") == "H"',
+        ],
+        "test_setup_code": "",
+        "challenge_test_list": [],
+    },
+    {
+        "task_id": 12,
+        "text": "Write a function with no tests.",
+        "code": "def f(): pass",
+        "test_list": [],
+        "test_setup_code": "",
+        "challenge_test_list": [],
+    },
 ]
 APPS = [
-    {"problem_id": 4000, "question": "Given two integers, print their product.\n",
-     "solutions": json.dumps(["a, b = map(int, input().split())\nprint(a * b)\n"]),
-     "input_output": json.dumps({"inputs": ["3 4\n", "-2 5\n"], "outputs": ["12\n", "-10\n"]}),
-     "difficulty": "introductory", "url": "https://codeforces.com/problemset/problem/0/A",
-     "starter_code": ""},
-    {"problem_id": 4001, "question": "Lines in, lines out.", "solutions": "[]",
-     "input_output": json.dumps({"inputs": [["1", "2"]], "outputs": [["3"]]}),
-     "difficulty": "interview", "url": "", "starter_code": ""},
-    {"problem_id": 4002, "question": "Call-based.", "solutions": "[]",
-     "input_output": json.dumps({"fn_name": "f", "inputs": [[1]], "outputs": [2]}),
-     "difficulty": "interview", "url": "", "starter_code": "def f(x):"},
+    {
+        "problem_id": 4000,
+        "question": "Given two integers, print their product.\n",
+        "solutions": json.dumps(["a, b = map(int, input().split())\nprint(a * b)\n"]),
+        "input_output": json.dumps({"inputs": ["3 4\n", "-2 5\n"], "outputs": ["12\n", "-10\n"]}),
+        "difficulty": "introductory",
+        "url": "https://codeforces.com/problemset/problem/0/A",
+        "starter_code": "",
+    },
+    {
+        "problem_id": 4001,
+        "question": "Lines in, lines out.",
+        "solutions": "[]",
+        "input_output": json.dumps({"inputs": [["1", "2"]], "outputs": [["3"]]}),
+        "difficulty": "interview",
+        "url": "",
+        "starter_code": "",
+    },
+    {
+        "problem_id": 4002,
+        "question": "Call-based.",
+        "solutions": "[]",
+        "input_output": json.dumps({"fn_name": "f", "inputs": [[1]], "outputs": [2]}),
+        "difficulty": "interview",
+        "url": "",
+        "starter_code": "def f(x):",
+    },
 ]
 CODE_REPOS = {
     "openai/openai_humaneval": (
         [{"name": "openai_humaneval", "files": {"test": "openai_humaneval/test-*"}}],
-        {"openai_humaneval/test-00000-of-00001.parquet": HUMANEVAL}),
+        {"openai_humaneval/test-00000-of-00001.parquet": HUMANEVAL},
+    ),
     "google-research-datasets/mbpp": (
-        [{"name": "full", "default": True, "files": {"train": "full/train-*",
-                                                     "test": "full/test-*"}}],
-        {"full/train-00000-of-00001.parquet": MBPP_FULL,
-         "full/test-00000-of-00001.parquet": MBPP_FULL[:1]}),
+        [
+            {
+                "name": "full",
+                "default": True,
+                "files": {"train": "full/train-*", "test": "full/test-*"},
+            }
+        ],
+        {
+            "full/train-00000-of-00001.parquet": MBPP_FULL,
+            "full/test-00000-of-00001.parquet": MBPP_FULL[:1],
+        },
+    ),
     "codeparrot/apps": (None, {"train.jsonl": APPS, "test.jsonl": APPS[:1]}),
 }
-WRONG = ("```python\nprint(0)\ndef add(a, b):\n    return 0\ndef remove_Occ(s, ch):\n"
-         "    return s\n```")
+WRONG = (
+    "```python\nprint(0)\ndef add(a, b):\n    return 0\ndef remove_Occ(s, ch):\n    return s\n```"
+)
 
 
 @pytest.fixture
@@ -109,8 +152,10 @@ def test_apps_keeps_stdin_problems_and_joins_line_lists(offline):
     source = make_source("apps", split="train")
     assert source.counts == {"rows": 3, "dropped": 1, "kept": 2}
     first, lines = (json.loads(r.metadata["tests"]) for r in source)
-    assert first == {"style": "stdio", "cases": [{"input": "3 4\n", "output": "12\n"},
-                                                 {"input": "-2 5\n", "output": "-10\n"}]}
+    assert first == {
+        "style": "stdio",
+        "cases": [{"input": "3 4\n", "output": "12\n"}, {"input": "-2 5\n", "output": "-10\n"}],
+    }
     assert lines["cases"] == [{"input": "1\n2\n", "output": "3\n"}]
     assert source[0].answer.startswith("a, b = map(int")
     assert source[1].answer == source[1].metadata["tests"]  # no reference solution: the tests
@@ -124,8 +169,9 @@ def test_a_code_set_offline_without_its_files_names_the_download(tmp_path, monke
 
 
 @needs_sandbox
-@pytest.mark.parametrize("name,split", [("humaneval", "test"), ("mbpp", "train"),
-                                        ("apps", "train")])
+@pytest.mark.parametrize(
+    "name,split", [("humaneval", "test"), ("mbpp", "train"), ("apps", "train")]
+)
 def test_reference_solutions_pass_and_a_wrong_program_fails(offline, name, split):
     verifier = CodeVerifier(CodeConfig())
     record = make_source(name, split=split)[0]
@@ -136,6 +182,7 @@ def test_reference_solutions_pass_and_a_wrong_program_fails(offline, name, split
 
 
 # ---- the procedural task ---------------------------------------------------------------
+
 
 def _expected_output(question: str, text: str) -> str:
     """The answer to a generated question, worked out from its wording alone."""

@@ -1,4 +1,5 @@
 """gym: sources (reasoning-gym): options, disjoint splits, knights-and-knaves settings."""
+
 from __future__ import annotations
 
 import pickle
@@ -11,35 +12,56 @@ from jaxrl4llm.data.sources import make_source
 from jaxrl4llm.data.tasks.common import split_of
 
 pytest.importorskip("reasoning_gym")  # a test dependency ('.[test]'); the 'gym' extra for users
-OTHER_ROLES = ("pioneer", "laggard", "saint", "sinner", "hero", "villain", "angel", "devil",
-               "altruist", "egoist", "sage", "fool")
+OTHER_ROLES = (
+    "pioneer",
+    "laggard",
+    "saint",
+    "sinner",
+    "hero",
+    "villain",
+    "angel",
+    "devil",
+    "altruist",
+    "egoist",
+    "sage",
+    "fool",
+)
 
 
 @pytest.mark.parametrize("people", [2, 5, 8])
 def test_knights_knaves_people_depth_width(people):
-    source = make_source(f"gym:knights_knaves?n_people={people}&depth_constraint=3"
-                         "&width_constraint=3&n=6", split="test")
+    source = make_source(
+        f"gym:knights_knaves?n_people={people}&depth_constraint=3&width_constraint=3&n=6",
+        split="test",
+    )
     assert len(source) == 6
     for record in source:
         entry = pickle.loads(record.metadata["gym_entry"])
         assert len(entry["metadata"]["names"]) == people
-        assert entry["metadata"]["difficulty"] == {"n_people": people, "depth_constraint": 3,
-                                                   "width_constraint": 3}
+        assert entry["metadata"]["difficulty"] == {
+            "n_people": people,
+            "depth_constraint": 3,
+            "width_constraint": 3,
+        }
         assert record.task == "gym" and record.metadata["gym_task"] == "knights_knaves"
         assert f"You meet {people} inhabitants" in record.prompt
         assert record.answer.count(" is a kn") == people  # knight / knave only (terms=knight)
-        assert not any(re.search(rf"\b{w}s?\b", record.prompt + record.answer, re.I)
-                       for w in OTHER_ROLES)
+        assert not any(
+            re.search(rf"\b{w}s?\b", record.prompt + record.answer, re.I) for w in OTHER_ROLES
+        )
 
 
 def test_knights_knaves_compound_statements_nest_at_depth_three():
     source = make_source("gym:knights_knaves?n_people=4&depth_constraint=3&n=30", split="train")
-    statements = [pickle.loads(r.metadata["gym_entry"])["metadata"]["statements"]
-                  for r in source]
+    statements = [pickle.loads(r.metadata["gym_entry"])["metadata"]["statements"] for r in source]
     ops = {s[0] for puzzle in statements for s in puzzle}
     assert {"and", "or", "->", "<=>"} & ops  # compound statements occur
-    nested = any(isinstance(part, tuple) and part[0] in ("and", "or", "not", "->", "<=>")
-                 for puzzle in statements for s in puzzle for part in s[1:])
+    nested = any(
+        isinstance(part, tuple) and part[0] in ("and", "or", "not", "->", "<=>")
+        for puzzle in statements
+        for s in puzzle
+        for part in s[1:]
+    )
     assert nested
 
 
@@ -74,8 +96,7 @@ def test_splits_are_disjoint_and_deterministic():
 
 
 def test_countdown_and_gsm_symbolic_options():
-    countdown = make_source("gym:countdown?min_numbers=3&max_numbers=3&operators=+,-&n=5",
-                            "train")
+    countdown = make_source("gym:countdown?min_numbers=3&max_numbers=3&operators=+,-&n=5", "train")
     for record in countdown:
         entry = pickle.loads(record.metadata["gym_entry"])
         assert len(entry["metadata"]["numbers"]) == 3
@@ -85,13 +106,16 @@ def test_countdown_and_gsm_symbolic_options():
     assert gsm[0].metadata["instruction"].startswith("Put your final answer within <answer>")
 
 
-@pytest.mark.parametrize("spec,match", [
-    ("gym:no_such_task", "reasoning-gym has no task 'no_such_task'"),
-    ("gym:knights_knaves?people=3", "unknown option 'people=3'; valid: depth_constraint"),
-    ("gym:knights_knaves?n_people=three", "n_people='three' is not a valid int"),
-    ("gym:knights_knaves?n_people=0", "reasoning-gym refused the options"),
-    ("gym:knights_knaves?terms=fancy", "terms must be one of knight, random"),
-])
+@pytest.mark.parametrize(
+    "spec,match",
+    [
+        ("gym:no_such_task", "reasoning-gym has no task 'no_such_task'"),
+        ("gym:knights_knaves?people=3", "unknown option 'people=3'; valid: depth_constraint"),
+        ("gym:knights_knaves?n_people=three", "n_people='three' is not a valid int"),
+        ("gym:knights_knaves?n_people=0", "reasoning-gym refused the options"),
+        ("gym:knights_knaves?terms=fancy", "terms must be one of knight, random"),
+    ],
+)
 def test_bad_options_are_clear_errors(spec, match):
     with pytest.raises(DataError, match=match):
         make_source(spec)

@@ -1,6 +1,7 @@
 """hf: sources from a hub cache written by the test (HF_HUB_OFFLINE=1: no network), and
 without network: HF_ENDPOINT at a closed loopback port, so the tests behave the same on a
 machine that can reach the Hub."""
+
 from __future__ import annotations
 
 import os
@@ -38,21 +39,30 @@ def test_spec_grammar():
 
 
 def test_readme_configs_pick_the_files_of_a_config_and_split(hub):
-    write_repo(hub, "o/qa", {
-        "README.md": readme([{"name": "main", "files": {"train": "main/train-*",
-                                                        "test": "main/test-*"}},
-                             {"name": "other", "files": {"test": "other/test-*"}}]),
-        "main/train-00000-of-00001.parquet": ROWS_V2,
-        "main/test-00000-of-00002.parquet": ROWS_V1,
-        "main/test-00001-of-00002.parquet": ROWS_V2,
-        "other/test-00000-of-00001.parquet": [{"question": "x", "answer": "y"}]})
+    write_repo(
+        hub,
+        "o/qa",
+        {
+            "README.md": readme(
+                [
+                    {"name": "main", "files": {"train": "main/train-*", "test": "main/test-*"}},
+                    {"name": "other", "files": {"test": "other/test-*"}},
+                ]
+            ),
+            "main/train-00000-of-00001.parquet": ROWS_V2,
+            "main/test-00000-of-00002.parquet": ROWS_V1,
+            "main/test-00001-of-00002.parquet": ROWS_V2,
+            "other/test-00000-of-00001.parquet": [{"question": "x", "answer": "y"}],
+        },
+    )
     test = make_source("hf:o/qa:main", split="test")
     assert [r.prompt for r in test] == ["1+1?", "2+2?", "3+3?"]  # both shards, in order
     assert len(make_source("hf:o/qa:main", split="train")) == 2
     assert [r.answer for r in make_source("hf:o/qa:other@test")] == ["y"]  # @SPLIT wins
     origin = test[0].metadata["origin"]
     assert origin.startswith("hf:o/qa@") and origin.endswith(
-        "main/test-00000-of-00002.parquet:row 1")
+        "main/test-00000-of-00002.parquet:row 1"
+    )
     with pytest.raises(DataError, match="configs main, other; name one, e.g. hf:o/qa:main"):
         make_source("hf:o/qa", split="test")
     with pytest.raises(DataError, match="no config 'nope'"):
@@ -74,17 +84,20 @@ def test_without_readme_the_split_is_in_the_file_name(hub):
 def test_revision_pinning_by_tag_and_commit(hub):
     old = write_repo(hub, "o/rev", {"test.jsonl": ROWS_V1}, revision="v1")
     write_repo(hub, "o/rev", {"test.jsonl": ROWS_V2, "extra.txt": "x"}, revision="main")
-    assert len(make_source("hf:o/rev", split="test")) == 2          # main
+    assert len(make_source("hf:o/rev", split="test")) == 2  # main
     assert len(make_source("hf:o/rev", split="test", revision="v1")) == 1
-    pinned = make_source("hf:o/rev", split="test", revision=old)    # a commit hash
+    pinned = make_source("hf:o/rev", split="test", revision=old)  # a commit hash
     assert [r.prompt for r in pinned] == ["1+1?"] and old in pinned.name
     assert old in pinned[0].metadata["origin"]
 
 
 def test_offline_missing_file_names_the_repository_and_the_file(hub):
     # The README names test.jsonl, but the cache has only the README (never downloaded).
-    write_repo(hub, "o/partial", {"README.md": readme([{"name": "default",
-                                                        "files": {"test": "test.jsonl"}}])})
+    write_repo(
+        hub,
+        "o/partial",
+        {"README.md": readme([{"name": "default", "files": {"test": "test.jsonl"}}])},
+    )
     with pytest.raises(DataError) as err:
         make_source("hf:o/partial", split="test")
     message = str(err.value)
@@ -99,25 +112,48 @@ def test_offline_missing_file_names_the_repository_and_the_file(hub):
 
 
 def test_field_names_and_json_array_files(hub):
-    write_repo(hub, "o/json", {"data/test.json": "[" + ",".join(
-        '{"q": "Q%d", "sol": "%d", "task": "arithmetic"}' % (i, i) for i in range(3)) + "]"})
+    write_repo(
+        hub,
+        "o/json",
+        {
+            "data/test.json": "["
+            + ",".join('{"q": "Q%d", "sol": "%d", "task": "arithmetic"}' % (i, i) for i in range(3))
+            + "]"
+        },
+    )
     source = make_source("hf:o/json", split="test", prompt_field="q", answer_field="sol")
     assert [(r.prompt, r.answer, r.task) for r in source] == [
-        ("Q0", "0", "arithmetic"), ("Q1", "1", "arithmetic"), ("Q2", "2", "arithmetic")]
+        ("Q0", "0", "arithmetic"),
+        ("Q1", "1", "arithmetic"),
+        ("Q2", "2", "arithmetic"),
+    ]
 
 
 def test_readme_data_files_as_a_mapping_and_a_plain_list(hub):
-    write_repo(hub, "o/map", {"README.md": "---\nconfigs:\n- config_name: default\n  data_files:\n"
-                                          "    test: held/out.jsonl\n---\n",
-                              "held/out.jsonl": ROWS_V2})
+    write_repo(
+        hub,
+        "o/map",
+        {
+            "README.md": "---\nconfigs:\n- config_name: default\n  data_files:\n"
+            "    test: held/out.jsonl\n---\n",
+            "held/out.jsonl": ROWS_V2,
+        },
+    )
     assert len(make_source("hf:o/map", split="test")) == 2
-    write_repo(hub, "o/list", {"README.md": "---\nconfigs:\n- config_name: default\n  data_files:"
-                                           "\n  - a.jsonl\n  - b.jsonl\n---\n",
-                               "a.jsonl": ROWS_V1, "b.jsonl": ROWS_V2})
+    write_repo(
+        hub,
+        "o/list",
+        {
+            "README.md": "---\nconfigs:\n- config_name: default\n  data_files:"
+            "\n  - a.jsonl\n  - b.jsonl\n---\n",
+            "a.jsonl": ROWS_V1,
+            "b.jsonl": ROWS_V2,
+        },
+    )
     assert len(make_source("hf:o/list", split="train")) == 3  # paths without a split: train
 
 
-CLOSED_ENDPOINT = "http://127.0.0.1:9"   # the discard port: nothing listens there
+CLOSED_ENDPOINT = "http://127.0.0.1:9"  # the discard port: nothing listens there
 
 
 @pytest.fixture
@@ -128,9 +164,16 @@ def no_network(tmp_path, monkeypatch):
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setenv("HF_ENDPOINT", CLOSED_ENDPOINT)
     from huggingface_hub import constants  # read HF_HUB_OFFLINE when first imported
+
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy",
-                  "ALL_PROXY"):
+    for proxy in (
+        "http_proxy",
+        "https_proxy",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "all_proxy",
+        "ALL_PROXY",
+    ):
         monkeypatch.delenv(proxy, raising=False)
     return str(cache)
 
@@ -162,15 +205,25 @@ def test_train_with_an_hf_source_and_no_network_exits_2_in_one_line(no_network, 
     """The whole command: one line naming the fix, exit 2, none of huggingface_hub's retry
     lines (each retry prints one; five take ~25 s)."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    model = tmp_path / "model"   # passes the flag check; the data fails before it loads
+    model = tmp_path / "model"  # passes the flag check; the data fails before it loads
     model.mkdir()
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"")
     result = subprocess.run(
-        [sys.executable, "-m", "experiments.train", "--data=hf:o/remote", f"--model={model}",
-         f"--workdir={tmp_path / 'run'}"],
-        cwd=repo, capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+        [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            "--data=hf:o/remote",
+            f"--model={model}",
+            f"--workdir={tmp_path / 'run'}",
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, result.stderr[-3000:]
     assert len(lines) == 1 and "hf download o/remote" in lines[0], result.stderr[-3000:]

@@ -1,4 +1,5 @@
 """The batch iterator: deterministic, sharded, epoch-repeating, and exactly resumable."""
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,10 @@ def test_epochs_cover_every_record_once_with_a_new_order_each_epoch():
 
 def test_hosts_partition_each_epoch():
     # 23 records, 2 hosts x batch 4 = 8 per global step: hosts never overlap within an epoch
-    hosts = [make_iterator(SOURCE, 4, seed=5, num_epochs=1, shard_index=h, shard_count=2)
-             for h in range(2)]
+    hosts = [
+        make_iterator(SOURCE, 4, seed=5, num_epochs=1, shard_index=h, shard_count=2)
+        for h in range(2)
+    ]
     seen = [a for it in hosts for batch in _answers(it) for a in batch]
     assert Counter(seen) == Counter(str(i) for i in range(23))
     assert [it.num_batches for it in hosts] == [3, 3]

@@ -1,4 +1,5 @@
 """Procedural tasks: deterministic per seed, disjoint splits, verifiers accept own solutions."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,11 +11,14 @@ from jaxrl4llm.data.tasks import TASKS, arithmetic, generate_record, split_of
 from jaxrl4llm.rewards import make_reward_fn
 
 CONFIGS = {
-    "arithmetic": [arithmetic.ArithmeticConfig(),
-                   arithmetic.ArithmeticConfig(digits=3, num_operands=4, ops="+-*/",
-                                               allow_negative=True)],
-    "countdown": [TASKS["countdown"].config_cls(),
-                  TASKS["countdown"].config_cls(num_numbers=3, max_number=20, max_target=50)],
+    "arithmetic": [
+        arithmetic.ArithmeticConfig(),
+        arithmetic.ArithmeticConfig(digits=3, num_operands=4, ops="+-*/", allow_negative=True),
+    ],
+    "countdown": [
+        TASKS["countdown"].config_cls(),
+        TASKS["countdown"].config_cls(num_numbers=3, max_number=20, max_target=50),
+    ],
 }
 CASES = [(task, config) for task, configs in CONFIGS.items() for config in configs]
 
@@ -70,6 +74,7 @@ def test_task_instructions_are_metadata_not_part_of_the_question():
     """The question is the question; its answer format is the record's instruction, used
     instead of (never after) the default one."""
     from jaxrl4llm.data.prompts import DEFAULT_INSTRUCTION, record_messages
+
     record = generate_record("countdown", seed=0, split="train", index=0)
     assert "\\boxed" not in record.prompt and "\\boxed" in record.metadata["instruction"]
     (message,) = record_messages(record)
@@ -92,5 +97,9 @@ def test_bad_knobs_are_clear_errors():
     with pytest.raises(DataError, match="unknown split"):
         generate_record("arithmetic", split="dev")
     with pytest.raises(DataError, match="too small"):  # 100 possible questions, none in test
-        generate_record("arithmetic", arithmetic.ArithmeticConfig(digits=1, ops="+"),
-                        split="test", test_fraction=0.0001)
+        generate_record(
+            "arithmetic",
+            arithmetic.ArithmeticConfig(digits=1, ops="+"),
+            split="test",
+            test_fraction=0.0001,
+        )

@@ -1,5 +1,6 @@
 """avg@k, unbiased pass@k and maj@k against closed forms and a brute-force estimator; the
 held-out prompts the evaluator takes."""
+
 import itertools
 import math
 
@@ -9,8 +10,9 @@ import pytest
 from jaxrl4llm.eval import evaluator, protocols
 
 
-@pytest.mark.parametrize("n,c,k", [(5, 0, 1), (5, 5, 3), (5, 2, 1), (6, 2, 3), (10, 3, 4),
-                                   (4, 1, 4)])
+@pytest.mark.parametrize(
+    "n,c,k", [(5, 0, 1), (5, 5, 3), (5, 2, 1), (6, 2, 3), (10, 3, 4), (4, 1, 4)]
+)
 def test_pass_at_k_matches_binomial_formula(n, c, k):
     expected = 1.0 - math.comb(n - c, k) / math.comb(n, k)
     assert protocols.pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
@@ -54,14 +56,26 @@ def test_eval_prompts_means_the_first_n_all_or_none(tmp_path):
     path = tmp_path / "held_out.jsonl"
     path.write_text("".join(f'{{"prompt": "q{i}", "answer": "{i}"}}\n' for i in range(7)))
     data = DataConfig(source="synthetic:arithmetic")
-    assert evaluator.held_out_records(data, EvalConfig(eval_data=f"jsonl:{path}",
-                                                        eval_prompts=0)) == []
+    assert (
+        evaluator.held_out_records(data, EvalConfig(eval_data=f"jsonl:{path}", eval_prompts=0))
+        == []
+    )
     three = evaluator.held_out_records(data, EvalConfig(eval_data=f"jsonl:{path}", eval_prompts=3))
     assert [r.prompt for r in three] == ["q0", "q1", "q2"]
-    assert len(evaluator.held_out_records(data, EvalConfig(eval_data=f"jsonl:{path}",
-                                                            eval_prompts=-1))) == 7
-    assert len(evaluator.held_out_records(data, EvalConfig(eval_data=f"jsonl:{path}",
-                                                            eval_prompts=100))) == 7
+    assert (
+        len(
+            evaluator.held_out_records(data, EvalConfig(eval_data=f"jsonl:{path}", eval_prompts=-1))
+        )
+        == 7
+    )
+    assert (
+        len(
+            evaluator.held_out_records(
+                data, EvalConfig(eval_data=f"jsonl:{path}", eval_prompts=100)
+            )
+        )
+        == 7
+    )
 
 
 def test_draw_and_evaluate_score_each_batch_through_the_trainers_sampling_path():
@@ -94,24 +108,34 @@ def test_draw_and_evaluate_score_each_batch_through_the_trainers_sampling_path()
     VERDICTS = {0: [True, False], 1: [False, False], 2: [True, True]}
     ANSWERS = {0: ["5", "6"], 1: ["1", None], 2: ["3", "3"]}
     sampler = Sampler()
-    sampled = object()   # the rollout's sampling config, passed through untouched
+    sampled = object()  # the rollout's sampling config, passed through untouched
     ctx = types.SimpleNamespace(
-        sampler=sampler, reward_fn=Verifier(VERDICTS),
+        sampler=sampler,
+        reward_fn=Verifier(VERDICTS),
         data=types.SimpleNamespace(messages=lambda r: r),
-        rollout=types.SimpleNamespace(sampling=sampled, max_new_tokens=3, share_prompts=True))
-    drawn = evaluator.draw(ctx, None, [0, 1, 2], greedy=True, samples=2,
-                           key=jax.random.key(0), prompts_per_batch=2)
-    assert [(c[0], c[1]) for c in sampler.calls] == [([0, 1], 1), ([0, 1], 2), ([2], 1),
-                                                     ([2], 2)]
+        rollout=types.SimpleNamespace(sampling=sampled, max_new_tokens=3, share_prompts=True),
+    )
+    drawn = evaluator.draw(
+        ctx, None, [0, 1, 2], greedy=True, samples=2, key=jax.random.key(0), prompts_per_batch=2
+    )
+    assert [(c[0], c[1]) for c in sampler.calls] == [([0, 1], 1), ([0, 1], 2), ([2], 1), ([2], 2)]
     assert sampler.strategies == [GREEDY, sampled, GREEDY, sampled]
-    np.testing.assert_array_equal(drawn.greedy_P, [True, False, True])   # sample 0's verdict
-    np.testing.assert_array_equal(drawn.correct_PK, [[True, False], [False, False],
-                                                     [True, True]])
+    np.testing.assert_array_equal(drawn.greedy_P, [True, False, True])  # sample 0's verdict
+    np.testing.assert_array_equal(drawn.correct_PK, [[True, False], [False, False], [True, True]])
     assert drawn.answers_PK == [["5", "6"], ["1", None], ["3", "3"]]
 
-    out = evaluator.evaluate(ctx, None, [0, 1, 2], samples=2, key=jax.random.key(0),
-                             prompts_per_batch=2, prefix="")
+    out = evaluator.evaluate(
+        ctx, None, [0, 1, 2], samples=2, key=jax.random.key(0), prompts_per_batch=2, prefix=""
+    )
     # pass@1 = mean c / n; pass@2 = any correct; maj@2: "5" (tie, first seen) right, "1"
     # wrong, "3" right.
-    assert out == pytest.approx({"accuracy": 2 / 3, "avg@2": 3 / 6, "pass@1": (1 / 2 + 0 + 1) / 3,
-                                 "pass@2": 2 / 3, "maj@2": 2 / 3, "num_prompts": 3.0})
+    assert out == pytest.approx(
+        {
+            "accuracy": 2 / 3,
+            "avg@2": 3 / 6,
+            "pass@1": (1 / 2 + 0 + 1) / 3,
+            "pass@2": 2 / 3,
+            "maj@2": 2 / 3,
+            "num_prompts": 3.0,
+        }
+    )

@@ -1,6 +1,7 @@
 """The code quickstart's flagfile: it parses to a valid config on one CPU device, trains on
 the procedural code task with the code reward, and its prompts fit --max_prompt_tokens under
 the embedded model's chat template."""
+
 import os
 
 import pytest

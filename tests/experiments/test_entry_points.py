@@ -1,6 +1,7 @@
 """The error contract of every entry point (docs/reliability.md, "Exit codes"), as a user
 meets it: a real process given one bad input exits 2 with one line, `Error: ...`, and no
 traceback; --debug or JAXRL4LLM_DEBUG=1 brings the traceback back."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,9 @@ ENV.pop("JAXRL4LLM_DEBUG", None)
 
 
 def _run(argv, env=ENV):
-    return subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def _one_line(result) -> str:
@@ -27,33 +29,40 @@ def _one_line(result) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("argv,expected", [
-    (["-m", "experiments.train", "--no_such_flag=1"], "no_such_flag"),
-    (["-m", "experiments.train", "--flagfile=no/such.flags"], "--flagfile"),
-    (["-m", "experiments.train", "--workdir=WORKDIR", "stray"], "'stray'"),
-    (["-m", "experiments.train", "--lr_schedule=steep"], "--lr_schedule='steep'"),
-    (["-m", "experiments.train", "--format_penalty=-1"], "--format_penalty=-1.0"),
-    (["-m", "experiments.train", "--workdir=A_FILE"], "is a file"),
-    (["-m", "experiments.train", "--model=MISSING"], "MISSING"),
-    (["-m", "experiments.evaluate", "--checkpoint=WORKDIR"], "is not a training workdir"),
-    (["-m", "experiments.evaluate", "--eval_prompts=0"], "--eval_prompts=0"),
-    (["-m", "experiments.study", "--study=no_such_study"], "--study=no_such_study"),
-    (["tools/plot.py", "WORKDIR"], "metrics.jsonl"),
-    (["tools/export_hf.py", "WORKDIR", "OUT"], "is not a training workdir"),
-    (["tools/plan.py", "--topology=v9-1"], "--topology='v9-1'"),
-    (["tools/bench_extract.py", "--bytes=many"], "--bytes"),
-    (["tools/bench_forward.py", "--model=huge"], "--model=huge"),
-    (["tools/bench_rollout.py", "--dtype=float8"], "--dtype"),
-    (["tools/bench_sampler.py", "--modes=beam"], "--modes"),
-    (["tools/bench_train.py", "--rounds=0"], "--rounds=0"),
-    (["tools/bench_update_memory.py", "stray"], "stray"),
-    (["tools/profile_decode.py", "--batch=wide"], "--batch"),
-])
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["-m", "experiments.train", "--no_such_flag=1"], "no_such_flag"),
+        (["-m", "experiments.train", "--flagfile=no/such.flags"], "--flagfile"),
+        (["-m", "experiments.train", "--workdir=WORKDIR", "stray"], "'stray'"),
+        (["-m", "experiments.train", "--lr_schedule=steep"], "--lr_schedule='steep'"),
+        (["-m", "experiments.train", "--format_penalty=-1"], "--format_penalty=-1.0"),
+        (["-m", "experiments.train", "--workdir=A_FILE"], "is a file"),
+        (["-m", "experiments.train", "--model=MISSING"], "MISSING"),
+        (["-m", "experiments.evaluate", "--checkpoint=WORKDIR"], "is not a training workdir"),
+        (["-m", "experiments.evaluate", "--eval_prompts=0"], "--eval_prompts=0"),
+        (["-m", "experiments.study", "--study=no_such_study"], "--study=no_such_study"),
+        (["tools/plot.py", "WORKDIR"], "metrics.jsonl"),
+        (["tools/export_hf.py", "WORKDIR", "OUT"], "is not a training workdir"),
+        (["tools/plan.py", "--topology=v9-1"], "--topology='v9-1'"),
+        (["tools/bench_extract.py", "--bytes=many"], "--bytes"),
+        (["tools/bench_forward.py", "--model=huge"], "--model=huge"),
+        (["tools/bench_rollout.py", "--dtype=float8"], "--dtype"),
+        (["tools/bench_sampler.py", "--modes=beam"], "--modes"),
+        (["tools/bench_train.py", "--rounds=0"], "--rounds=0"),
+        (["tools/bench_update_memory.py", "stray"], "stray"),
+        (["tools/profile_decode.py", "--batch=wide"], "--batch"),
+    ],
+)
 def test_one_bad_input_exits_2_in_one_line(argv, expected, tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    paths = {"WORKDIR": str(tmp_path), "OUT": str(tmp_path / "out"), "A_FILE": str(a_file),
-             "MISSING": str(tmp_path / "no_model")}
+    paths = {
+        "WORKDIR": str(tmp_path),
+        "OUT": str(tmp_path / "out"),
+        "A_FILE": str(a_file),
+        "MISSING": str(tmp_path / "no_model"),
+    }
     for word, path in paths.items():
         argv = [a.replace(word, path) for a in argv]
         expected = expected.replace(word, path)

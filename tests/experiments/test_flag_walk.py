@@ -1,6 +1,7 @@
 """Every flag of `experiments.train`, one bad value each, in-process: exit 2, one line on
 stderr naming it, and the model never starts loading (a bad value found after the model
 load would cost a user minutes, or a cluster job's queue time)."""
+
 from __future__ import annotations
 
 import typing
@@ -14,7 +15,7 @@ from jaxrl4llm.config.errors import EXIT_USER_ERROR
 from jaxrl4llm.models import registry
 from jaxrl4llm.train.config import TrainConfig
 
-SIGNED = {"seed", "entropy_coef"}   # any finite value is meaningful (a negative bonus too)
+SIGNED = {"seed", "entropy_coef"}  # any finite value is meaningful (a negative bonus too)
 
 
 class ModelLoadStarted(Exception):
@@ -43,7 +44,7 @@ def bad_values(o: options.Option, tmp_path) -> list[str]:
 FREE_TEXT = {
     "model": lambda f: [str(f.parent / "no_such_model"), "no-such-model"],
     "data": lambda f: ["no_such_scheme:x", f"jsonl:{f.parent / 'missing.jsonl'}"],
-    "data_revision": lambda f: ["v1"],            # only an hf: source has revisions
+    "data_revision": lambda f: ["v1"],  # only an hf: source has revisions
     "prompt_field": lambda f: ["no_such_column"],
     "answer_field": lambda f: ["no_such_column"],
     "instruction": lambda f: ["@no_such_prompt"],
@@ -65,11 +66,12 @@ def _cases(tmp_path_factory):
 @pytest.fixture
 def run_train(tmp_path, monkeypatch, capsys):
     """train.main under the error contract, in-process: (exit code, stderr lines)."""
+
     def boom(*args, **kwargs):
         raise ModelLoadStarted()
 
     monkeypatch.setattr(registry, "load_model", boom)
-    model = tmp_path / "model"   # a model folder the flag check accepts (never loaded)
+    model = tmp_path / "model"  # a model folder the flag check accepts (never loaded)
     model.mkdir()
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"")
@@ -87,8 +89,11 @@ def run_train(tmp_path, monkeypatch, capsys):
 
 
 def test_every_option_has_a_bad_value():
-    names = {o.name for o in options.options(TrainConfig)
-             if options.base_type(o.type)[0] is str and not o.choices}
+    names = {
+        o.name
+        for o in options.options(TrainConfig)
+        if options.base_type(o.type)[0] is str and not o.choices
+    }
     assert names == set(FREE_TEXT)
 
 
@@ -99,7 +104,8 @@ def test_the_good_flags_reach_the_model_load(run_train):
 
 
 def test_every_flag_with_a_bad_value_fails_in_one_line_before_the_model_loads(
-        run_train, tmp_path_factory):
+    run_train, tmp_path_factory
+):
     failures = []
     for name, value in _cases(tmp_path_factory):
         try:
@@ -114,16 +120,19 @@ def test_every_flag_with_a_bad_value_fails_in_one_line_before_the_model_loads(
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("argv,expected", [
-    (["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
-    (["--flagfile=/no/such.flags"], "--flagfile: "),
-    (["stray"], "Unexpected argument(s) 'stray'"),
-    (["--algorithm=nope"], "--algorithm='nope' is not a valid"),
-    (["--format_penalty=-1"], "--format_penalty=-1.0 must be >= 0"),
-    (["--overlong_buffer=-5"], "--overlong_buffer=-5 must be in [0, --max_new_tokens=128]"),
-    (["--reward_scale=logic_rl", "--format_penalty=0.5"], "does not apply to --reward_scale"),
-    (["--overlong_buffer=200"], "--overlong_buffer=200 must be in [0"),
-])
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
+        (["--flagfile=/no/such.flags"], "--flagfile: "),
+        (["stray"], "Unexpected argument(s) 'stray'"),
+        (["--algorithm=nope"], "--algorithm='nope' is not a valid"),
+        (["--format_penalty=-1"], "--format_penalty=-1.0 must be >= 0"),
+        (["--overlong_buffer=-5"], "--overlong_buffer=-5 must be in [0, --max_new_tokens=128]"),
+        (["--reward_scale=logic_rl", "--format_penalty=0.5"], "does not apply to --reward_scale"),
+        (["--overlong_buffer=200"], "--overlong_buffer=200 must be in [0"),
+    ],
+)
 def test_command_line_errors_name_the_input(run_train, argv, expected):
     code, lines = run_train(*argv)
     assert code == EXIT_USER_ERROR and len(lines) == 1, lines

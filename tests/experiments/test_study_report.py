@@ -1,4 +1,5 @@
 """The study report's statistics on hand-written metrics files (no training), and spec errors."""
+
 import json
 import os
 
@@ -52,20 +53,33 @@ def test_report_numbers_by_hand(tmp_path):
     runs = study_spec.plan(study, "x", str(tmp_path / "root"))
     assert [r.label for r in runs] == ["a/seed_0", "a/seed_1", "b/seed_0", "b/seed_1"]
     assert all(r.num_steps == 4 for r in runs)
-    assert runs[2].argv[3:] == ("--num_steps=4", "--algorithm=reinforce", "--learning_rate=0.001",
-                                "--seed=0", f"--workdir={tmp_path / 'root' / 'b' / 'seed_0'}")
+    assert runs[2].argv[3:] == (
+        "--num_steps=4",
+        "--algorithm=reinforce",
+        "--learning_rate=0.001",
+        "--seed=0",
+        f"--workdir={tmp_path / 'root' / 'b' / 'seed_0'}",
+    )
     root = tmp_path / "root"
     # a/0: acc 0, .5, 1 at steps 0, 2, 4; entropy 3, 2, 1, 0 at steps 1-4.
-    _write(root / "a" / "seed_0", [_run(0, 0.0), _run(1, entropy=3.0), _run(2, 0.5, 2.0),
-                                    _run(3, entropy=1.0), _run(4, 1.0, 0.0)])
+    _write(
+        root / "a" / "seed_0",
+        [
+            _run(0, 0.0),
+            _run(1, entropy=3.0),
+            _run(2, 0.5, 2.0),
+            _run(3, entropy=1.0),
+            _run(4, 1.0, 0.0),
+        ],
+    )
     _write(root / "a" / "seed_1", [_run(0, 0.2), _run(2, 0.4, 1.0), _run(4, 0.6, 1.0)])
     _write(root / "b" / "seed_0", [_run(0, 0.1), _run(2, 0.1), _run(4, 0.1)])
-    _write(root / "b" / "seed_1", [_run(0, 0.1), _run(2, 0.9)])   # killed after step 2
+    _write(root / "b" / "seed_1", [_run(0, 0.1), _run(2, 0.9)])  # killed after step 2
     report = study_report.build_report(study, "x", runs)
     assert [r["status"] for r in report["runs"]] == ["finished"] * 3 + ["unfinished"]
     a = report["arms"]["a"]
-    assert a["final eval/accuracy"]["mean"] == pytest.approx(0.8)        # (1.0 + 0.6) / 2
-    assert a["final eval/accuracy"]["se"] == pytest.approx(0.2)          # |1.0 - 0.6| / 2
+    assert a["final eval/accuracy"]["mean"] == pytest.approx(0.8)  # (1.0 + 0.6) / 2
+    assert a["final eval/accuracy"]["se"] == pytest.approx(0.2)  # |1.0 - 0.6| / 2
     assert a["best eval/accuracy"]["values"] == pytest.approx([1.0, 0.6])
     # Trapezoids over steps 0..4, / 4: (0.5 + 1.5) / 4 = 0.5 and (0.6 + 1.0) / 4 = 0.4.
     assert a["auc eval/accuracy"]["values"] == pytest.approx([0.5, 0.4])
@@ -90,7 +104,7 @@ def test_pairwise_difference_beyond_two_standard_errors():
     b = {"mean": 0.5, "se": 0.1, "n": 3}
     verdict, diff, two_se = study_report.compare(a, b)
     assert verdict == "a>b" and diff == pytest.approx(0.5)
-    assert two_se == pytest.approx(2 * 0.02 ** 0.5)                      # 0.283
+    assert two_se == pytest.approx(2 * 0.02**0.5)  # 0.283
     assert study_report.compare(a, {"mean": 0.8, "se": 0.1, "n": 3})[0] == "unresolved"
 
 
@@ -113,8 +127,13 @@ def test_spec_errors_name_the_problem(tmp_path):
         study_spec.plan(study, "x", str(tmp_path))
 
 
-SHIPPED = ["minimalist_fig4", "raft_vs_grpo", "reinforcepp_vs_grpo", "tricks_norm",
-           "dapo_vs_lite_ppo"]
+SHIPPED = [
+    "minimalist_fig4",
+    "raft_vs_grpo",
+    "reinforcepp_vs_grpo",
+    "tricks_norm",
+    "dapo_vs_lite_ppo",
+]
 
 
 def test_every_shipped_spec_is_checked():

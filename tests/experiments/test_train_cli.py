@@ -1,4 +1,5 @@
 """`python -m experiments.train` end to end at toy size, through the absl entry point."""
+
 import json
 import os
 import re
@@ -11,18 +12,37 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _run(args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    return subprocess.run([sys.executable, "-m", "experiments.train", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1"
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.train", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _train_one_step(model_dir, data, workdir, *extra):
     """One toy training step through the CLI; returns the workdir and the process result."""
-    result = _run([f"--model={model_dir}", f"--data={data}", "--instruction=",
-                   "--prompts_per_step=4", "--group_size=2", "--max_new_tokens=1",
-                   "--max_prompt_tokens=16", "--answer_mode=lenient", "--num_steps=1",
-                   "--eval_prompts=0", f"--workdir={workdir}", *extra])
+    result = _run(
+        [
+            f"--model={model_dir}",
+            f"--data={data}",
+            "--instruction=",
+            "--prompts_per_step=4",
+            "--group_size=2",
+            "--max_new_tokens=1",
+            "--max_prompt_tokens=16",
+            "--answer_mode=lenient",
+            "--num_steps=1",
+            "--eval_prompts=0",
+            f"--workdir={workdir}",
+            *extra,
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return workdir, result
 
@@ -34,16 +54,38 @@ def _library_log_lines(text):
 
 def test_train_cli_runs_two_steps_and_leaves_outputs(toy_model_dir, copy_task_file, tmp_path):
     flagfile = tmp_path / "toy.flags"
-    flagfile.write_text("\n".join([
-        f"--model={toy_model_dir}", f"--data={copy_task_file}", f"--eval_data={copy_task_file}",
-        "--instruction=", "--prompts_per_step=4", "--group_size=2", "--max_new_tokens=1",
-        "--max_prompt_tokens=16", "--answer_mode=lenient", "--num_steps=5",
-        "--checkpoint_every=1", "--eval_prompts=4", "--eval_samples=2",
-        "--learning_rate=0.01", "--mesh=data:1,fsdp:-1,tensor:1"]))
+    flagfile.write_text(
+        "\n".join(
+            [
+                f"--model={toy_model_dir}",
+                f"--data={copy_task_file}",
+                f"--eval_data={copy_task_file}",
+                "--instruction=",
+                "--prompts_per_step=4",
+                "--group_size=2",
+                "--max_new_tokens=1",
+                "--max_prompt_tokens=16",
+                "--answer_mode=lenient",
+                "--num_steps=5",
+                "--checkpoint_every=1",
+                "--eval_prompts=4",
+                "--eval_samples=2",
+                "--learning_rate=0.01",
+                "--mesh=data:1,fsdp:-1,tensor:1",
+            ]
+        )
+    )
     workdir = tmp_path / "run"
     # Command-line flags override the flagfile (--num_steps=2 wins over 5).
-    result = _run([f"--flagfile={flagfile}", f"--workdir={workdir}", "--num_steps=2",
-                   "--algorithm=lite_ppo", "--clip_high=0.28"])
+    result = _run(
+        [
+            f"--flagfile={flagfile}",
+            f"--workdir={workdir}",
+            "--num_steps=2",
+            "--algorithm=lite_ppo",
+            "--clip_high=0.28",
+        ]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     config = json.loads((workdir / "config.json").read_text())
     assert config["run"]["num_steps"] == 2
@@ -74,23 +116,41 @@ def test_train_cli_rejects_unknown_flags_and_bad_knobs(tmp_path):
 def test_the_train_docstring_names_every_preset():
     from experiments import train
     from jaxrl4llm import rl
-    named = set(re.findall(r"[a-z_]+", train.__doc__.split("picks a preset (", 1)[1]
-                           .split(")", 1)[0]))
+
+    named = set(
+        re.findall(r"[a-z_]+", train.__doc__.split("picks a preset (", 1)[1].split(")", 1)[0])
+    )
     assert named == set(rl.PRESETS)
 
 
 def test_evaluate_cli_on_a_trained_checkpoint(toy_model_dir, copy_task_file, tmp_path):
-    workdir, trained = _train_one_step(toy_model_dir, copy_task_file, tmp_path / "run",
-                                       "--verbosity=0")
-    assert _library_log_lines(trained.stderr)   # --verbosity brings the library logs back
+    workdir, trained = _train_one_step(
+        toy_model_dir, copy_task_file, tmp_path / "run", "--verbosity=0"
+    )
+    assert _library_log_lines(trained.stderr)  # --verbosity brings the library logs back
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     out = tmp_path / "eval.json"
     result = subprocess.run(
-        [sys.executable, "-m", "experiments.evaluate", f"--checkpoint={workdir}",
-         f"--data={copy_task_file}", "--instruction=", "--eval_prompts=10", "--eval_samples=4",
-         "--max_new_tokens=1", "--answer_mode=lenient", f"--output={out}",
-         "--mesh=data:1,fsdp:-1,tensor:1"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "experiments.evaluate",
+            f"--checkpoint={workdir}",
+            f"--data={copy_task_file}",
+            "--instruction=",
+            "--eval_prompts=10",
+            "--eval_samples=4",
+            "--max_new_tokens=1",
+            "--answer_mode=lenient",
+            f"--output={out}",
+            "--mesh=data:1,fsdp:-1,tensor:1",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     results = report["results"]
@@ -102,9 +162,21 @@ def test_evaluate_cli_on_a_trained_checkpoint(toy_model_dir, copy_task_file, tmp
     assert "pass@4" in result.stdout
     # --eval_prompts means the same as in training: 0 evaluates nothing (refused here).
     result = subprocess.run(
-        [sys.executable, "-m", "experiments.evaluate", f"--checkpoint={workdir}",
-         f"--data={copy_task_file}", "--eval_prompts=0", f"--output={out}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "experiments.evaluate",
+            f"--checkpoint={workdir}",
+            f"--data={copy_task_file}",
+            "--eval_prompts=0",
+            f"--output={out}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode != 0 and "--eval_prompts=0 evaluates nothing" in result.stderr
 
 
@@ -116,12 +188,22 @@ def test_export_hf_writes_a_folder_transformers_loads(toy_model_dir, copy_task_f
     from jaxrl4llm.models import registry, transformer
     from jaxrl4llm.train.checkpoint import load_trained_policy
 
-    workdir, _ = _train_one_step(toy_model_dir, copy_task_file, tmp_path / "run",
-                                 "--learning_rate=0.05", "--algorithm=reinforce")
+    workdir, _ = _train_one_step(
+        toy_model_dir,
+        copy_task_file,
+        tmp_path / "run",
+        "--learning_rate=0.05",
+        "--algorithm=reinforce",
+    )
     out = tmp_path / "hf"
-    result = subprocess.run([sys.executable, "tools/export_hf.py", str(workdir), str(out)],
-                            cwd=REPO, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    result = subprocess.run(
+        [sys.executable, "tools/export_hf.py", str(workdir), str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     _, config, trained, _ = load_trained_policy(str(workdir))
     _, initial, _ = registry.load_model(toy_model_dir, with_tokenizer=False)
@@ -131,6 +213,7 @@ def test_export_hf_writes_a_folder_transformers_loads(toy_model_dir, copy_task_f
     tokens = np.array([[2, 4, 8, 12, 3]])
     with torch.no_grad():
         expected = torch_model(torch.tensor(tokens)).logits.numpy()
-    logits, _ = transformer.forward(trained, config, tokens, np.arange(5)[None],
-                                    np.ones((1, 5), bool))
+    logits, _ = transformer.forward(
+        trained, config, tokens, np.arange(5)[None], np.ones((1, 5), bool)
+    )
     np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4)

@@ -2,6 +2,7 @@
 and its custom backward), the Pallas splash kernel (interpret mode on CPU), the
 dot_product_attention call, padding masks, GQA, offsets, sliding windows, sharded under a
 mesh."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,7 @@ def _inputs(Tq, S, seed=0, dtype=jnp.float32):
     # Left padding of 0, 4 and S-2 slots; row 1 also has two masked slots in the middle.
     valid = np.arange(S)[None] >= np.array([0, 4, S - 2])[:, None]
     valid[1, 6:8] = False
-    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype),
-            jnp.asarray(valid))
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(valid))
 
 
 def _numpy_attention(q, k, v, valid, offset, window=None):
@@ -52,8 +52,8 @@ def _numpy_attention(q, k, v, valid, offset, window=None):
     return out.reshape(B, Tq, N * H), visible.any(-1)
 
 
-CASES = [(9, 9, 0), (5, 13, 8), (7, 12, 3)]   # self-attention, shared prefix of 8, a cache
-WINDOWS = [None, 3]                             # full causal, a sliding window of 3 slots
+CASES = [(9, 9, 0), (5, 13, 8), (7, 12, 3)]  # self-attention, shared prefix of 8, a cache
+WINDOWS = [None, 3]  # full causal, a sliding window of 3 slots
 _run = jax.jit(A.attention, static_argnames=("offset", "config", "sharding", "window"))
 
 
@@ -62,7 +62,7 @@ _run = jax.jit(A.attention, static_argnames=("offset", "config", "sharding", "wi
 def test_chunked_forward_equals_the_softmax(Tq, S, offset, window):
     q, k, v, valid = _inputs(Tq, S)
     expected, seen = _numpy_attention(q, k, v, valid, offset, window)
-    for blocks in ((4, 4), (3, 5), (64, 64)):   # several blocks, ragged, one block
+    for blocks in ((4, 4), (3, 5), (64, 64)):  # several blocks, ragged, one block
         config = A.AttentionConfig("chunked", *blocks)
         out = _run(q, k, v, valid, offset=offset, config=config, window=window)
         np.testing.assert_allclose(np.asarray(out)[seen], expected[seen], atol=1e-5)
@@ -76,11 +76,14 @@ def test_window_keeps_the_query_and_the_slots_before_it():
     a window at least as long as the keys masks nothing."""
     valid = jnp.ones((1, 6), bool)
     visible = np.asarray(A.visible_mask(valid, 3, 3, window=2))[0]
-    assert visible.tolist() == [[False, False, True, True, False, False],
-                                [False, False, False, True, True, False],
-                                [False, False, False, False, True, True]]
-    np.testing.assert_array_equal(A.visible_mask(valid, 3, 3, window=6),
-                                  A.visible_mask(valid, 3, 3))
+    assert visible.tolist() == [
+        [False, False, True, True, False, False],
+        [False, False, False, True, True, False],
+        [False, False, False, False, True, True],
+    ]
+    np.testing.assert_array_equal(
+        A.visible_mask(valid, 3, 3, window=6), A.visible_mask(valid, 3, 3)
+    )
 
 
 @pytest.mark.parametrize("window", WINDOWS)
@@ -111,9 +114,9 @@ def test_chunked_bfloat16_tracks_float32():
 
 def test_auto_picks_the_reference_for_decode_and_short_contexts():
     config = A.AttentionConfig()
-    assert config.resolve(1, 100_000, 128, jnp.bfloat16) == "reference"      # decode step
+    assert config.resolve(1, 100_000, 128, jnp.bfloat16) == "reference"  # decode step
     assert config.resolve(64, 200, 64, jnp.float32) == "reference"
-    assert config.resolve(4096, 4096, 64, jnp.float32) == "chunked"           # CPU, long
+    assert config.resolve(4096, 4096, 64, jnp.float32) == "chunked"  # CPU, long
     with pytest.raises(ValueError, match="impl"):
         A.AttentionConfig("flash3")
 
@@ -148,16 +151,23 @@ def test_dot_product_attention_call_on_a_mesh_equals_the_softmax(window):
     expected, seen = _numpy_attention(q, k, v, valid, offset, window)
     mesh = parallel.make_mesh("data:1,fsdp:4,tensor:2")
     sharding = parallel.ActivationSharding(mesh)
-    q4 = jnp.concatenate([q, q[:1]])   # 4 rows: split over fsdp=4
+    q4 = jnp.concatenate([q, q[:1]])  # 4 rows: split over fsdp=4
     args = [jnp.concatenate([x, x[:1]]) for x in (k, v, valid)]
     for s in (None, sharding):
-        out = _run(q4, *args, offset=offset, config=A.AttentionConfig("xla"), sharding=s,
-                   window=window)
+        out = _run(
+            q4, *args, offset=offset, config=A.AttentionConfig("xla"), sharding=s, window=window
+        )
         np.testing.assert_allclose(np.asarray(out)[:B][seen], expected[seen], atol=1e-5)
 
 
-CFG = dataclasses.replace(TINY, vocab_size=96, attention_bias=True, qk_norm=True,
-                          tie_word_embeddings=False, model_type="qwen2")
+CFG = dataclasses.replace(
+    TINY,
+    vocab_size=96,
+    attention_bias=True,
+    qk_norm=True,
+    tie_word_embeddings=False,
+    model_type="qwen2",
+)
 
 
 @pytest.mark.parametrize("window", [None, 4])
@@ -176,10 +186,12 @@ def test_model_paths_with_chunked_attention_equal_the_reference(window):
     reference = A.AttentionConfig("reference")
 
     def loss(p, attention):
-        hp, hc = T.hidden_states_shared_prefix(p, cfg, prefix, prefix_mask, rest, rest_mask,
-                                               group=group, attention=attention)
-        return (jnp.sum(jnp.where(rest_mask[..., None], hc, 0.0) ** 2)
-                + jnp.sum(jnp.where(prefix_mask[..., None], hp, 0.0) ** 2))
+        hp, hc = T.hidden_states_shared_prefix(
+            p, cfg, prefix, prefix_mask, rest, rest_mask, group=group, attention=attention
+        )
+        return jnp.sum(jnp.where(rest_mask[..., None], hc, 0.0) ** 2) + jnp.sum(
+            jnp.where(prefix_mask[..., None], hp, 0.0) ** 2
+        )
 
     run = jax.jit(jax.value_and_grad(loss), static_argnums=1)
     (l_ref, g_ref), (l_chunk, g_chunk) = run(params, reference), run(params, chunked)

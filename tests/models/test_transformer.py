@@ -1,5 +1,6 @@
 """The pure decoder: KV cache == full forward (with and without a sliding window), masking,
 remat, bf16, sharded == unsharded."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,9 +16,16 @@ from jaxrl4llm.models import transformer as T
 from jaxrl4llm.models.config import TINY, RopeScaling
 
 # Qwen-style knobs on, untied, so every parameter kind is exercised.
-CFG = dataclasses.replace(TINY, vocab_size=160, intermediate_size=96, attention_bias=True,
-                          qk_norm=True, tie_word_embeddings=False,
-                          rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64), model_type="qwen2")
+CFG = dataclasses.replace(
+    TINY,
+    vocab_size=160,
+    intermediate_size=96,
+    attention_bias=True,
+    qk_norm=True,
+    tie_word_embeddings=False,
+    rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64),
+    model_type="qwen2",
+)
 # The same with a sliding window shorter than the test rows (9 tokens); the windowed full
 # forward itself is compared with transformers' Mistral in tests/models/test_weights.py.
 WINDOWED = dataclasses.replace(CFG, sliding_window=3)
@@ -32,8 +40,9 @@ def _params():
     params = T.init_params(CFG, jax.random.key(0))
     # Non-trivial norms and biases, so a mix-up between them shows.
     rng = np.random.default_rng(1)
-    return jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape, np.float32)
-                        if x.ndim <= 3 else x, params)
+    return jax.tree.map(
+        lambda x: x + 0.1 * rng.standard_normal(x.shape, np.float32) if x.ndim <= 3 else x, params
+    )
 
 
 def _batch(B=3, T_=9, seed=0):
@@ -49,9 +58,11 @@ def test_shapes_axes_and_dtypes():
     params = _params()
     axes = T.param_logical_axes(CFG)
     assert jax.tree.structure(params) == jax.tree.structure(
-        axes, is_leaf=lambda x: isinstance(x, tuple))
-    for x, a in zip(jax.tree.leaves(params), jax.tree.leaves(
-            axes, is_leaf=lambda x: isinstance(x, tuple))):
+        axes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+    for x, a in zip(
+        jax.tree.leaves(params), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    ):
         assert x.ndim == len(a)
     assert params["layers"]["q"].shape == (2, 64, 4, 16)
     tokens, pos, mask = _batch()
@@ -69,8 +80,9 @@ def test_padding_does_not_leak_and_pads_are_finite(cfg):
     # Changing the ids under the pads leaves the real positions' logits unchanged.
     other = jnp.where(mask, tokens, (tokens + 7) % CFG.vocab_size)
     logits2, _ = _fwd(params, cfg, other, pos, mask)
-    np.testing.assert_allclose(np.asarray(logits2)[np.asarray(mask)],
-                               np.asarray(logits)[np.asarray(mask)], atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(logits2)[np.asarray(mask)], np.asarray(logits)[np.asarray(mask)], atol=1e-6
+    )
     # A row alone equals the same row inside the padded batch (its unpadded length).
     n = int(mask[1].sum())
     alone, _ = _fwd(params, cfg, tokens[1:2, -n:], pos[1:2, -n:], mask[1:2, -n:])
@@ -87,13 +99,20 @@ def test_kv_cache_prefill_then_decode_equals_full_forward(cfg):
     assert len(cache.k_BKHS) == len(cache.v_BKSH) == 2 and not cache.mask_BS.any()
     assert cache.k_BKHS[0].shape == (3, 2, 16, 16) and cache.v_BKSH[0].shape == (3, 2, 16, 16)
     assert cache.max_len == 16
-    other = T.init_kv_cache(CFG, 3, 12)   # keys [B, K, H, S], values [B, K, S, H]
+    other = T.init_kv_cache(CFG, 3, 12)  # keys [B, K, H, S], values [B, K, S, H]
     assert other.k_BKHS[1].shape == (3, 2, 16, 12) and other.v_BKSH[1].shape == (3, 2, 12, 16)
     out, cache = step(params, cfg, tokens[:, :5], pos[:, :5], mask[:, :5], cache, 0)
     outs = [out]
     for t in range(5, 9):  # one token at a time, traced cache_index
-        out, cache = step(params, cfg, tokens[:, t:t + 1], pos[:, t:t + 1], mask[:, t:t + 1],
-                          cache, jnp.int32(t))
+        out, cache = step(
+            params,
+            cfg,
+            tokens[:, t : t + 1],
+            pos[:, t : t + 1],
+            mask[:, t : t + 1],
+            cache,
+            jnp.int32(t),
+        )
         outs.append(out)
     inc = jnp.concatenate(outs, axis=1)
     m = np.asarray(mask)
@@ -134,22 +153,30 @@ def test_shared_prefix_equals_the_concatenated_rows(cfg):
     tokens = np.concatenate([np.repeat(prefix, group, 0), rest], 1)
     mask = np.concatenate([np.repeat(prefix_mask, group, 0), rest_mask], 1)
     run = jax.jit(T.hidden_states, static_argnums=1, static_argnames="remat")
-    full, _ = run(params, cfg, jnp.asarray(tokens), T.positions_from_mask(jnp.asarray(mask)),
-                  jnp.asarray(mask))
-    shared = jax.jit(T.hidden_states_shared_prefix, static_argnums=1,
-                     static_argnames=("group", "remat"))
+    full, _ = run(
+        params,
+        cfg,
+        jnp.asarray(tokens),
+        T.positions_from_mask(jnp.asarray(mask)),
+        jnp.asarray(mask),
+    )
+    shared = jax.jit(
+        T.hidden_states_shared_prefix, static_argnums=1, static_argnames=("group", "remat")
+    )
     h_prefix, h_rest = shared(params, cfg, prefix, prefix_mask, rest, rest_mask, group=group)
     full = np.asarray(full)
     for g in range(prefix.shape[0]):  # every row of a block sees the same prefix states
         for r in range(g * group, (g + 1) * group):
-            np.testing.assert_allclose(np.asarray(h_prefix)[g][prefix_mask[g]],
-                                       full[r, :P][prefix_mask[g]], atol=2e-5)
+            np.testing.assert_allclose(
+                np.asarray(h_prefix)[g][prefix_mask[g]], full[r, :P][prefix_mask[g]], atol=2e-5
+            )
     np.testing.assert_allclose(np.asarray(h_rest)[rest_mask], full[:, P:][rest_mask], atol=2e-5)
 
     def loss(p, share):
         if share:
-            _, h = T.hidden_states_shared_prefix(p, cfg, prefix, prefix_mask, rest, rest_mask,
-                                                 group=group, remat=True)
+            _, h = T.hidden_states_shared_prefix(
+                p, cfg, prefix, prefix_mask, rest, rest_mask, group=group, remat=True
+            )
         else:
             h, _ = T.hidden_states(p, cfg, tokens, T.positions_from_mask(mask), mask)
             h = h[:, P:]

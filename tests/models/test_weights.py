@@ -4,6 +4,7 @@ errors.
 Each family is a tiny random transformers model saved with save_pretrained and loaded back
 with our loader; logits are compared on a left-padded batch at the real positions only.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,26 +27,46 @@ from jaxrl4llm.models import weights  # noqa: E402
 from jaxrl4llm.models.attention import AttentionConfig  # noqa: E402
 from jaxrl4llm.models.config import ModelConfig  # noqa: E402
 
-_SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              bos_token_id=1, eos_token_id=2)
+_SMALL = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 FAMILIES = {
     # Llama 3.1-style: llama3 rope scaling whose three frequency bands all occur at head_dim 16.
-    "llama3_untied": (transformers.LlamaConfig, dict(
-        tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=dict(
-            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=64))),
+    "llama3_untied": (
+        transformers.LlamaConfig,
+        dict(
+            tie_word_embeddings=False,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
     "llama_tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True)),
-    "qwen2_bias_tied": (transformers.Qwen2Config, dict(tie_word_embeddings=True,
-                                                       rope_theta=1e6)),
-    "qwen3_qknorm_untied": (transformers.Qwen3Config, dict(tie_word_embeddings=False,
-                                                           head_dim=32)),
+    "qwen2_bias_tied": (transformers.Qwen2Config, dict(tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3_qknorm_untied": (transformers.Qwen3Config, dict(tie_word_embeddings=False, head_dim=32)),
     # Mistral: Llama-shaped with a sliding window, here wider than the 11-token test rows.
-    "mistral_window_untied": (transformers.MistralConfig, dict(
-        tie_word_embeddings=False, sliding_window=16, head_dim=32, rope_theta=1e6)),
+    "mistral_window_untied": (
+        transformers.MistralConfig,
+        dict(tie_word_embeddings=False, sliding_window=16, head_dim=32, rope_theta=1e6),
+    ),
     # A window of 6, shorter than the test rows: later tokens attend to the last 6 only.
-    "mistral_short_window_tied": (transformers.MistralConfig, dict(
-        tie_word_embeddings=True, sliding_window=6, head_dim=16)),
+    "mistral_short_window_tied": (
+        transformers.MistralConfig,
+        dict(tie_word_embeddings=True, sliding_window=6, head_dim=16),
+    ),
 }
 _fwd = jax.jit(T.forward, static_argnums=1, static_argnames="attention")
 
@@ -79,14 +100,28 @@ def _batch(vocab: int = 160):
 
 def _torch_logits(model, tokens, mask, positions) -> np.ndarray:
     with torch.no_grad():
-        return model(input_ids=torch.tensor(tokens), attention_mask=torch.tensor(mask.astype(int)),
-                     position_ids=torch.tensor(positions)).logits.float().numpy()
+        return (
+            model(
+                input_ids=torch.tensor(tokens),
+                attention_mask=torch.tensor(mask.astype(int)),
+                position_ids=torch.tensor(positions),
+            )
+            .logits.float()
+            .numpy()
+        )
 
 
-def _our_logits(params, config, tokens, mask, positions,
-                attention: AttentionConfig = AttentionConfig()) -> np.ndarray:
-    out, _ = _fwd(params, config, jnp.asarray(tokens, jnp.int32),
-                  jnp.asarray(positions, jnp.int32), jnp.asarray(mask), attention=attention)
+def _our_logits(
+    params, config, tokens, mask, positions, attention: AttentionConfig = AttentionConfig()
+) -> np.ndarray:
+    out, _ = _fwd(
+        params,
+        config,
+        jnp.asarray(tokens, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+        jnp.asarray(mask),
+        attention=attention,
+    )
     return np.asarray(out)
 
 
@@ -111,8 +146,10 @@ def test_export_round_trip_reloads_in_transformers(root, tmp_path, family):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     tokens, mask, positions = _batch()
     ours = _our_logits(params, config, tokens, mask, positions)
-    np.testing.assert_array_equal(_torch_logits(reloaded, tokens, mask, positions)[mask],
-                                  _torch_logits(model, tokens, mask, positions)[mask])
+    np.testing.assert_array_equal(
+        _torch_logits(reloaded, tokens, mask, positions)[mask],
+        _torch_logits(model, tokens, mask, positions)[mask],
+    )
     assert np.abs(_torch_logits(reloaded, tokens, mask, positions) - ours)[mask].max() <= 1e-4
     # And our own loader reads the export back bit for bit.
     config2, params2 = weights.load_hf(tmp_path)
@@ -130,8 +167,10 @@ def test_bfloat16_export_and_load(root, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert reloaded.model.embed_tokens.weight.dtype == torch.bfloat16
     _, params2 = weights.load_hf(tmp_path, dtype=jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(params2["layers"]["down"], np.float32),
-                                  np.asarray(params["layers"]["down"], np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(params2["layers"]["down"], np.float32),
+        np.asarray(params["layers"]["down"], np.float32),
+    )
 
 
 def test_multi_file_checkpoint_loads_onto_mesh(root, tmp_path):
@@ -142,22 +181,27 @@ def test_multi_file_checkpoint_loads_onto_mesh(root, tmp_path):
     mesh = parallel.make_mesh("data:1,fsdp:4,tensor:2")
     config, sharded = weights.load_hf(tmp_path, mesh=mesh)
     assert sharded["layers"]["gate"].sharding.spec == jax.sharding.PartitionSpec(
-        None, "fsdp", "tensor")
+        None, "fsdp", "tensor"
+    )
     assert len(sharded["embed"].addressable_shards) == 8
     _, plain = weights.load_hf(tmp_path)
     tokens, mask, positions = _batch()
-    np.testing.assert_allclose(_our_logits(sharded, config, tokens, mask, positions)[mask],
-                               _our_logits(plain, config, tokens, mask, positions)[mask],
-                               atol=2e-5)
+    np.testing.assert_allclose(
+        _our_logits(sharded, config, tokens, mask, positions)[mask],
+        _our_logits(plain, config, tokens, mask, positions)[mask],
+        atol=2e-5,
+    )
 
 
 def _tamper(src: str, dst, edit) -> None:
     """Copies a saved model to dst with its tensors edited by `edit(dict) -> dict`."""
     from safetensors.numpy import load_file, save_file
+
     dst.mkdir(exist_ok=True)
     (dst / "config.json").write_text(open(os.path.join(src, "config.json")).read())
-    save_file(edit(load_file(os.path.join(src, "model.safetensors"))),
-              str(dst / "model.safetensors"))
+    save_file(
+        edit(load_file(os.path.join(src, "model.safetensors"))), str(dst / "model.safetensors")
+    )
 
 
 def test_checkpoint_errors_name_the_tensor(root, tmp_path):
@@ -196,12 +240,14 @@ def test_mistral_sliding_window_equals_transformers_past_the_window(root, impl):
     ref = _torch_logits(model, tokens, mask, positions)
     past = mask & (positions >= config.sliding_window)
     assert past[0].sum() == 18 and past[1].sum() == 13 and past[2].sum() == 5
-    attention = AttentionConfig(impl, 4, 4, 0)   # chunked: 4-slot blocks, a window across them
+    attention = AttentionConfig(impl, 4, 4, 0)  # chunked: 4-slot blocks, a window across them
     err = np.abs(_our_logits(params, config, tokens, mask, positions, attention) - ref)
     full = dataclasses.replace(config, sliding_window=None)
     err_full = np.abs(_our_logits(params, full, tokens, mask, positions, attention) - ref)
-    print(f"{impl}: max |logit error| past the window {err[past].max():.2e} with the window, "
-          f"{err_full[past].max():.2e} without (logit scale {np.abs(ref).max():.2f})")
+    print(
+        f"{impl}: max |logit error| past the window {err[past].max():.2e} with the window, "
+        f"{err_full[past].max():.2e} without (logit scale {np.abs(ref).max():.2f})"
+    )
     assert err[mask].max() <= 1e-4
     assert err_full[mask & ~past].max() <= 1e-4 and err_full[past].max() > 0.1
 
@@ -210,16 +256,28 @@ def test_a_window_at_least_as_long_as_the_rows_changes_nothing(root):
     _, path = _saved_model("mistral_short_window_tied", root)
     config, params = weights.load_hf(path)
     tokens, mask, positions = _long_batch()
-    full = _our_logits(params, dataclasses.replace(config, sliding_window=None), tokens, mask,
-                       positions)
+    full = _our_logits(
+        params, dataclasses.replace(config, sliding_window=None), tokens, mask, positions
+    )
     for window in (24, 100):
-        np.testing.assert_array_equal(_our_logits(
-            params, dataclasses.replace(config, sliding_window=window), tokens, mask,
-            positions), full)
+        np.testing.assert_array_equal(
+            _our_logits(
+                params, dataclasses.replace(config, sliding_window=window), tokens, mask, positions
+            ),
+            full,
+        )
 
 
 def test_sliding_window_below_one_is_a_clear_error():
     with pytest.raises(ValueError, match="sliding_window=0 must be at least 1"):
-        ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
-                    num_heads=1, num_kv_heads=1, head_dim=8, model_type="mistral",
-                    sliding_window=0)
+        ModelConfig(
+            vocab_size=8,
+            hidden_size=8,
+            intermediate_size=8,
+            num_layers=1,
+            num_heads=1,
+            num_kv_heads=1,
+            head_dim=8,
+            model_type="mistral",
+            sliding_window=0,
+        )

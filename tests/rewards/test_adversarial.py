@@ -6,6 +6,7 @@ spaces, ...) in a subprocess under a generous wall-clock bound: linear code fini
 them in seconds; the quadratic regexes it replaced took seconds at 64 KiB and never returned
 at 1 MiB, so the bound tells linear from quadratic without measuring speed.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_every_extractor_is_linear_on_1mib_adversarial_inputs():
     script = os.path.join(ROOT, "tools", "bench_extract.py")
     try:
-        proc = subprocess.run([sys.executable, script, "--check"], capture_output=True,
-                              text=True, timeout=BOUND_S)
+        proc = subprocess.run(
+            [sys.executable, script, "--check"], capture_output=True, text=True, timeout=BOUND_S
+        )
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
         stuck = out.strip().splitlines()[-1] if out.strip() else "(before the first case)"

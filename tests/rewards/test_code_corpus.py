@@ -6,6 +6,7 @@ Families: stdin/stdout problems with several cases each, times program variants 
 trailing whitespace, missing or extra final newlines, debug output on stderr (fine) or on
 stdout (wrong), floating-point output within and beyond 1e-6, wrong answers, crashes, time-outs),
 and assert-style problems (right, wrong, raising, exit(0) before the tests, partly right)."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -50,32 +51,61 @@ def add(name, program, tests, expected):
 
 
 for problem, read, tests, right, wrong, float_like in (
-        ("sum", READ_SUM, SUM, "a + b", "a - b", False),
-        ("divide", READ_DIV, DIVIDE, "a / b", "a // b", True),
-        ("count", READ_COUNT, COUNT, "f'{sum(xs)} {len(xs)}'", "f'{len(xs)} {sum(xs)}'", False),
-        ("yesno", READ_N, YESNO, "'YES' if n % 2 == 0 else 'NO'", "'yes' if n % 2 == 0 else 'no'",
-         False),
-        ("sqrt", "import math\n" + READ_N, SQRT, "math.sqrt(n)", "math.sqrt(n) + 1e-3", True)):
+    ("sum", READ_SUM, SUM, "a + b", "a - b", False),
+    ("divide", READ_DIV, DIVIDE, "a / b", "a // b", True),
+    ("count", READ_COUNT, COUNT, "f'{sum(xs)} {len(xs)}'", "f'{len(xs)} {sum(xs)}'", False),
+    (
+        "yesno",
+        READ_N,
+        YESNO,
+        "'YES' if n % 2 == 0 else 'NO'",
+        "'yes' if n % 2 == 0 else 'no'",
+        False,
+    ),
+    ("sqrt", "import math\n" + READ_N, SQRT, "math.sqrt(n)", "math.sqrt(n) + 1e-3", True),
+):
     add(f"{problem}/right", f"{read}print({right})", tests, "correct")
     add(f"{problem}/trailing_spaces", f"{read}print(str({right}) + '   ')", tests, "correct")
-    add(f"{problem}/no_final_newline", f"{read}import sys\nsys.stdout.write(str({right}))", tests,
-        "correct")
-    add(f"{problem}/extra_blank_lines", f"{read}print({right})\nprint()\nprint()", tests,
-        "correct")
-    add(f"{problem}/crlf", f"{read}import sys\nsys.stdout.write(str({right}) + '\\r\\n')", tests,
-        "correct")
-    add(f"{problem}/debug_on_stderr", f"{read}import sys\nprint('debug', file=sys.stderr)\n"
-        f"print({right})", tests, "correct")
-    add(f"{problem}/debug_on_stdout", f"{read}print('debug:', {right})\nprint({right})", tests,
-        "wrong")
-    add(f"{problem}/leading_debug_line", f"{read}print('reading done')\nprint({right})", tests,
-        "wrong")
+    add(
+        f"{problem}/no_final_newline",
+        f"{read}import sys\nsys.stdout.write(str({right}))",
+        tests,
+        "correct",
+    )
+    add(f"{problem}/extra_blank_lines", f"{read}print({right})\nprint()\nprint()", tests, "correct")
+    add(
+        f"{problem}/crlf",
+        f"{read}import sys\nsys.stdout.write(str({right}) + '\\r\\n')",
+        tests,
+        "correct",
+    )
+    add(
+        f"{problem}/debug_on_stderr",
+        f"{read}import sys\nprint('debug', file=sys.stderr)\nprint({right})",
+        tests,
+        "correct",
+    )
+    add(
+        f"{problem}/debug_on_stdout",
+        f"{read}print('debug:', {right})\nprint({right})",
+        tests,
+        "wrong",
+    )
+    add(
+        f"{problem}/leading_debug_line",
+        f"{read}print('reading done')\nprint({right})",
+        tests,
+        "wrong",
+    )
     add(f"{problem}/wrong", f"{read}print({wrong})", tests, "wrong")
-    add(f"{problem}/crash_after_print", f"{read}print({right})\nraise ValueError('late')",
-        tests, "wrong")
+    add(
+        f"{problem}/crash_after_print",
+        f"{read}print({right})\nraise ValueError('late')",
+        tests,
+        "wrong",
+    )
     add(f"{problem}/crash_before", f"{read}raise ValueError('early')", tests, "wrong")
-    add(f"{problem}/too_slow", f"{read}import time\ntime.sleep(3)\nprint({right})", tests,
-        "wrong")
+    add(f"{problem}/too_slow", f"{read}import time\ntime.sleep(3)\nprint({right})", tests, "wrong")
     add(f"{problem}/nothing", f"{read}pass", tests, "wrong")
     add(f"{problem}/twice", f"{read}print({right})\nprint({right})", tests, "wrong")
     add(f"{problem}/exit_zero_silent", "import sys\nsys.exit(0)", tests, "wrong")
@@ -89,16 +119,33 @@ for problem, read, tests, right, wrong, float_like in (
 add("reverse/right", READ_LINES + "print('\\n'.join(reversed(rows)))", REVERSE_LINES, "correct")
 add("reverse/forward", READ_LINES + "print('\\n'.join(rows))", REVERSE_LINES, "wrong")
 add("reverse/one_line", READ_LINES + "print(' '.join(reversed(rows)))", REVERSE_LINES, "wrong")
-add("reverse/indented", READ_LINES + "print('\\n'.join('  ' + r for r in reversed(rows)))",
-    REVERSE_LINES, "correct")
-add("reverse/blank_line_between", READ_LINES + "print('\\n\\n'.join(reversed(rows)))",
-    REVERSE_LINES, "wrong")
+add(
+    "reverse/indented",
+    READ_LINES + "print('\\n'.join('  ' + r for r in reversed(rows)))",
+    REVERSE_LINES,
+    "correct",
+)
+add(
+    "reverse/blank_line_between",
+    READ_LINES + "print('\\n\\n'.join(reversed(rows)))",
+    REVERSE_LINES,
+    "wrong",
+)
 add("sum/int_as_float", READ_SUM + "print(float(a + b))", SUM, "correct")
 add("sum/big_off_by_one", READ_SUM + "print(a + b + (1 if a == 10 else 0))", SUM, "wrong")
-add("sum/reads_all_stdin", "import sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)",
-    SUM, "correct")
-add("sum/helper_function", "def solve(a, b):\n    return a + b\n\nif __name__ == '__main__':\n"
-    "    print(solve(*map(int, input().split())))", SUM, "correct")
+add(
+    "sum/reads_all_stdin",
+    "import sys\na, b = map(int, sys.stdin.read().split())\nprint(a + b)",
+    SUM,
+    "correct",
+)
+add(
+    "sum/helper_function",
+    "def solve(a, b):\n    return a + b\n\nif __name__ == '__main__':\n"
+    "    print(solve(*map(int, input().split())))",
+    SUM,
+    "correct",
+)
 add("sum/syntax_error", "print(a +)", SUM, "wrong")
 add("sum/infinite_loop", "while True:\n    pass", SUM, "wrong")
 add("sum/memory_bomb", "x = bytearray(10 ** 11)\nprint(3)", SUM, "wrong")
@@ -109,37 +156,64 @@ def asserts(*cases, setup=""):
 
 
 ADD = asserts("assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(0, 0) == 0")
-PALINDROME = asserts("assert is_palindrome('racecar')", "assert not is_palindrome('ab')",
-                     "assert is_palindrome('')")
-FIB = asserts("assert fib(0) == 0", "assert fib(1) == 1", "assert fib(10) == 55",
-              "assert fib(20) == 6765")
-CLOSE = asserts("def check(candidate):\n    assert candidate([1.0, 2.0, 3.9], 0.3) is False\n"
-                "    assert candidate([1.0, 2.8, 3.0], 0.3) is True\n"
-                "check(has_close_elements)")
+PALINDROME = asserts(
+    "assert is_palindrome('racecar')", "assert not is_palindrome('ab')", "assert is_palindrome('')"
+)
+FIB = asserts(
+    "assert fib(0) == 0", "assert fib(1) == 1", "assert fib(10) == 55", "assert fib(20) == 6765"
+)
+CLOSE = asserts(
+    "def check(candidate):\n    assert candidate([1.0, 2.0, 3.9], 0.3) is False\n"
+    "    assert candidate([1.0, 2.8, 3.0], 0.3) is True\n"
+    "check(has_close_elements)"
+)
 for problem, tests, right, wrong in (
-        ("add", ADD, "def add(a, b):\n    return a + b", "def add(a, b):\n    return a * b"),
-        ("palindrome", PALINDROME, "def is_palindrome(s):\n    return s == s[::-1]",
-         "def is_palindrome(s):\n    return s == sorted(s)"),
-        ("fib", FIB, "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b"
-         "\n    return a", "def fib(n):\n    return n"),
-        ("close", CLOSE, "def has_close_elements(xs, t):\n    return any(abs(a - b) < t for i, a in"
-         " enumerate(xs) for b in xs[i + 1:])", "def has_close_elements(xs, t):\n    return True")):
+    ("add", ADD, "def add(a, b):\n    return a + b", "def add(a, b):\n    return a * b"),
+    (
+        "palindrome",
+        PALINDROME,
+        "def is_palindrome(s):\n    return s == s[::-1]",
+        "def is_palindrome(s):\n    return s == sorted(s)",
+    ),
+    (
+        "fib",
+        FIB,
+        "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b"
+        "\n    return a",
+        "def fib(n):\n    return n",
+    ),
+    (
+        "close",
+        CLOSE,
+        "def has_close_elements(xs, t):\n    return any(abs(a - b) < t for i, a in"
+        " enumerate(xs) for b in xs[i + 1:])",
+        "def has_close_elements(xs, t):\n    return True",
+    ),
+):
     add(f"{problem}/right", right, tests, "correct")
     add(f"{problem}/right_with_prints", "print('hello')\n" + right, tests, "correct")
     add(f"{problem}/wrong", wrong, tests, "wrong")
-    add(f"{problem}/raises", right.split("\n")[0] + "\n    raise RuntimeError('no')", tests,
-        "wrong")
+    add(
+        f"{problem}/raises", right.split("\n")[0] + "\n    raise RuntimeError('no')", tests, "wrong"
+    )
     add(f"{problem}/missing_function", "def something_else():\n    pass", tests, "wrong")
     add(f"{problem}/exit_zero_hack", right + "\nimport sys\nsys.exit(0)", tests, "wrong")
     add(f"{problem}/os_exit_hack", "import os\nos._exit(0)", tests, "wrong")
     add(f"{problem}/slow", "import time\ntime.sleep(3)\n" + right, tests, "wrong")
-    add(f"{problem}/main_guard", right + "\nif __name__ == '__main__':\n    pass", tests,
-        "correct")
+    add(f"{problem}/main_guard", right + "\nif __name__ == '__main__':\n    pass", tests, "correct")
 add("add/patches_assert", "import builtins\ndef add(a, b):\n    return 0", ADD, "wrong")
-add("fib/recursive_right", "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)",
-    FIB, "correct")
-add("add/uses_setup", "def add(a, b):\n    return OFFSET + a + b - OFFSET",
-    asserts("assert add(1, 2) == 3", setup="OFFSET = 5"), "correct")
+add(
+    "fib/recursive_right",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)",
+    FIB,
+    "correct",
+)
+add(
+    "add/uses_setup",
+    "def add(a, b):\n    return OFFSET + a + b - OFFSET",
+    asserts("assert add(1, 2) == 3", setup="OFFSET = 5"),
+    "correct",
+)
 
 
 def _verdict(case):
@@ -159,32 +233,47 @@ def test_corpus_agreement():
     assert {e for _, e, _, _ in found} == {"correct", "wrong"}
 
 
-@pytest.mark.parametrize("actual, expected, match", [
-    ("3\n", "3", True), ("3 \n\n", "3\n", True), ("3.0000001\n", "3\n", True),
-    ("1000001\n", "1000000\n", False), ("0.3334\n", "0.333333333\n", False),
-    ("1e-7\n", "0\n", True), ("nan\n", "nan\n", True), ("YES\n", "yes\n", False),
-    ("1 2\n", "1  2\n", True), ("1\n2\n", "1 2\n", False), ("", "\n", True), ("", "0\n", False),
-])
+@pytest.mark.parametrize(
+    "actual, expected, match",
+    [
+        ("3\n", "3", True),
+        ("3 \n\n", "3\n", True),
+        ("3.0000001\n", "3\n", True),
+        ("1000001\n", "1000000\n", False),
+        ("0.3334\n", "0.333333333\n", False),
+        ("1e-7\n", "0\n", True),
+        ("nan\n", "nan\n", True),
+        ("YES\n", "yes\n", False),
+        ("1 2\n", "1  2\n", True),
+        ("1\n2\n", "1 2\n", False),
+        ("", "\n", True),
+        ("", "0\n", False),
+    ],
+)
 def test_outputs_match(actual, expected, match):
     assert outputs_match(actual, expected) is match
 
 
-@pytest.mark.parametrize("completion, code", [
-    ("text\n```python\nprint(1)\n```\n", "print(1)\n"),
-    ("```py\na\n```\n```python\nb\n```", "b\n"),
-    ("```python\nfirst\n```\nthen ```python\ntruncated", "first\n"),
-    ("```\nuntagged\n```", "untagged\n"),
-    ("```cpp\nint main(){}\n```", None),
-    ("```python\nkept\n```\n```bash\nls\n```", "kept\n"),
-    ("no code at all", None),
-    ("```python\n```", ""),
-])
+@pytest.mark.parametrize(
+    "completion, code",
+    [
+        ("text\n```python\nprint(1)\n```\n", "print(1)\n"),
+        ("```py\na\n```\n```python\nb\n```", "b\n"),
+        ("```python\nfirst\n```\nthen ```python\ntruncated", "first\n"),
+        ("```\nuntagged\n```", "untagged\n"),
+        ("```cpp\nint main(){}\n```", None),
+        ("```python\nkept\n```\n```bash\nls\n```", "kept\n"),
+        ("no code at all", None),
+        ("```python\n```", ""),
+    ],
+)
 def test_extract_code(completion, code):
     assert extract_code(completion) == code
 
 
 def test_extract_code_is_linear_on_hostile_fences():
     import time
+
     text = "```python\n" * 50_000 + "x" * 100_000
     start = time.perf_counter()
     extract_code(text)

@@ -1,4 +1,5 @@
 """Answer extraction: pure string functions on untrusted text."""
+
 from __future__ import annotations
 
 import time
@@ -16,19 +17,22 @@ from jaxrl4llm.rewards.extract import (
 from jaxrl4llm.rewards.math_verifier import extract_math_answer, fast_verdict
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("so the answer is \\boxed{42}.", "42"),
-    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
-    ("nested \\boxed{\\frac{\\sqrt{2}}{\\{3\\}}} end", "\\frac{\\sqrt{2}}{\\{3\\}}"),
-    ("first \\boxed{1} then \\boxed{2}", "2"),
-    ("\\boxed{3} and a truncated \\boxed{4", "3"),
-    ("\\fbox{7}", "7"),
-    ("\\boxed 5 is it", "5"),
-    ("$\\boxed{ -0.25 }$", "-0.25"),
-    ("no box here, 17", None),
-    ("\\boxedx{3}", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("so the answer is \\boxed{42}.", "42"),
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+        ("nested \\boxed{\\frac{\\sqrt{2}}{\\{3\\}}} end", "\\frac{\\sqrt{2}}{\\{3\\}}"),
+        ("first \\boxed{1} then \\boxed{2}", "2"),
+        ("\\boxed{3} and a truncated \\boxed{4", "3"),
+        ("\\fbox{7}", "7"),
+        ("\\boxed 5 is it", "5"),
+        ("$\\boxed{ -0.25 }$", "-0.25"),
+        ("no box here, 17", None),
+        ("\\boxedx{3}", None),
+        ("", None),
+    ],
+)
 def test_extract_boxed(text, expected):
     assert extract_boxed(text) == expected
 
@@ -43,13 +47,16 @@ def test_extract_boxed_on_100kb_of_garbage_is_fast_and_finds_nothing_or_the_last
     assert time.perf_counter() - start < 5.0  # linear time; quadratic would take minutes
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("a 3 then 4.5 and finally -12", "-12"),
-    ("total is 1,234.", "1,234"),
-    ("ratio 3/4", "3/4"),
-    ("the answer is −7", "-7"),   # unicode minus
-    ("no digits", None),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("a 3 then 4.5 and finally -12", "-12"),
+        ("total is 1,234.", "1,234"),
+        ("ratio 3/4", "3/4"),
+        ("the answer is −7", "-7"),  # unicode minus
+        ("no digits", None),
+    ],
+)
 def test_extract_last_number(text, expected):
     assert extract_last_number(text) == expected
 
@@ -71,6 +78,7 @@ def test_answer_tag_pairs_tags_like_the_lazy_regex_it_replaces():
     # The quadratic regex is a fine reference on short strings.
     import random
     import re
+
     ref = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
     pieces = ["<answer>", "</answer>", "<ANSWER>", "</Answer>", "x", " 1 ", "\n", "<", "answer>"]
     rng = random.Random(0)
@@ -88,16 +96,19 @@ def test_unicode_normalization():
     assert normalize_answer("1,000") == "1000"
 
 
-@pytest.mark.parametrize("pred,gold,expected", [
-    ("42", "42", (True, "correct")),
-    ("1,000", "1000", (True, "correct")),
-    ("+7", "7", (True, "correct")),
-    ("5.0", "5", (True, "correct")),
-    ("41", "42", (False, "wrong")),
-    ("\\dfrac{1}{2}", "\\frac{1}{2}", (True, "correct")),
-    ("0.5", "\\frac{1}{2}", None),   # needs sympy: goes to the pool
-    ("0.33", "0.333", None),         # unequal decimals: math-verify decides (rounding)
-])
+@pytest.mark.parametrize(
+    "pred,gold,expected",
+    [
+        ("42", "42", (True, "correct")),
+        ("1,000", "1000", (True, "correct")),
+        ("+7", "7", (True, "correct")),
+        ("5.0", "5", (True, "correct")),
+        ("41", "42", (False, "wrong")),
+        ("\\dfrac{1}{2}", "\\frac{1}{2}", (True, "correct")),
+        ("0.5", "\\frac{1}{2}", None),  # needs sympy: goes to the pool
+        ("0.33", "0.333", None),  # unequal decimals: math-verify decides (rounding)
+    ],
+)
 def test_fast_path(pred, gold, expected):
     verdict = fast_verdict(pred, gold)
     assert (None if verdict is None else tuple(verdict)) == expected

@@ -2,6 +2,7 @@
 
 One pool for the whole module (worker start-up is the slow part on a 2-core machine).
 """
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,9 @@ ITEM_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def verifier():
-    with make_reward_fn("math", num_workers=2, item_timeout_s=ITEM_TIMEOUT_S,
-                        batch_timeout_s=60.0) as reward_fn:
+    with make_reward_fn(
+        "math", num_workers=2, item_timeout_s=ITEM_TIMEOUT_S, batch_timeout_s=60.0
+    ) as reward_fn:
         yield reward_fn
 
 
@@ -31,13 +33,13 @@ def _verify(verifier, pairs):
 
 def test_equivalent_forms_are_correct(verifier):
     pairs = [
-        ("\\boxed{0.5}", "\\frac{1}{2}"),              # decimal vs fraction
+        ("\\boxed{0.5}", "\\frac{1}{2}"),  # decimal vs fraction
         ("\\boxed{\\dfrac{3}{4}}", "0.75"),
-        ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}"),          # LaTeX, symbolic
+        ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}"),  # LaTeX, symbolic
         ("\\boxed{x = 5}", "5"),
-        ("\\boxed{½}", "1/2"),                         # unicode vulgar fraction
-        ("\\boxed{π}", "\\pi"),                        # unicode letter
-        ("\\boxed{\\{1, 2\\}}", "\\{2, 1\\}"),         # sets, nested escaped braces
+        ("\\boxed{½}", "1/2"),  # unicode vulgar fraction
+        ("\\boxed{π}", "\\pi"),  # unicode letter
+        ("\\boxed{\\{1, 2\\}}", "\\{2, 1\\}"),  # sets, nested escaped braces
         ("work... \\boxed{3} no wait \\boxed{\\frac{6}{4}}", "1.5"),  # last box counts
         ("#### reasoning \\boxed{10^{10}}", "10000000000"),
     ]
@@ -48,14 +50,19 @@ def test_wrong_missing_and_unparseable_answers(verifier):
     pairs = [
         ("\\boxed{\\frac{1}{3}}", "0.5"),
         ("\\boxed{(1,2)}", "(2,1)"),
-        ("I think it is 5", "5"),                      # no box in the default mode
+        ("I think it is 5", "5"),  # no box in the default mode
         ("\\boxed{}", "5"),
         ("\\boxed{\\frac{}{}}", "5"),
-        ("\\boxed{" + "x" * 2000 + "}", "5"),           # too long for a sympy job
+        ("\\boxed{" + "x" * 2000 + "}", "5"),  # too long for a sympy job
     ]
     assert _verify(verifier, pairs) == [
-        (False, "wrong"), (False, "wrong"), (False, "no_answer"), (False, "no_answer"),
-        (False, "parse_error"), (False, "parse_error")]
+        (False, "wrong"),
+        (False, "wrong"),
+        (False, "no_answer"),
+        (False, "no_answer"),
+        (False, "parse_error"),
+        (False, "parse_error"),
+    ]
 
 
 def test_garbage_completion_of_100kb_never_raises(verifier):
@@ -66,8 +73,12 @@ def test_garbage_completion_of_100kb_never_raises(verifier):
 
 
 def test_power_tower_blow_ups_finish_within_the_timeout(verifier):
-    pairs = [("\\boxed{9^{9^{9^9}}}", "5"), ("\\boxed{99!!!}", "7"),
-             ("\\boxed{(10^{10^{6}})!}", "3"), ("\\boxed{12}", "12")]
+    pairs = [
+        ("\\boxed{9^{9^{9^9}}}", "5"),
+        ("\\boxed{99!!!}", "7"),
+        ("\\boxed{(10^{10^{6}})!}", "3"),
+        ("\\boxed{12}", "12"),
+    ]
     start = time.perf_counter()
     verdicts = _verify(verifier, pairs)
     elapsed = time.perf_counter() - start
@@ -79,15 +90,18 @@ def test_power_tower_blow_ups_finish_within_the_timeout(verifier):
 
 def test_pool_survives_crash_hang_and_error(verifier):
     from jaxrl4llm.rewards.math_verifier import verify_in_worker
+
     pool = verifier.pool
     restarts = pool.stats["restarts"]
-    results = pool.run([
-        (verify_in_worker, ("\\frac{1}{2}", "0.5", 1)),
-        (os._exit, (3,)),              # the test hook: a worker that dies mid-job
-        (time.sleep, (60,)),           # a hang that ignores every inner timeout
-        (int, ("not a number",)),      # a job that raises
-        (verify_in_worker, ("2", "3", 1)),
-    ])
+    results = pool.run(
+        [
+            (verify_in_worker, ("\\frac{1}{2}", "0.5", 1)),
+            (os._exit, (3,)),  # the test hook: a worker that dies mid-job
+            (time.sleep, (60,)),  # a hang that ignores every inner timeout
+            (int, ("not a number",)),  # a job that raises
+            (verify_in_worker, ("2", "3", 1)),
+        ]
+    )
     assert [r.status for r in results] == ["ok", "crash", "timeout", "error", "ok"]
     assert results[0].value == "correct" and results[4].value == "wrong"
     assert pool.stats["restarts"] == restarts + 2
@@ -96,8 +110,9 @@ def test_pool_survives_crash_hang_and_error(verifier):
 
 
 def test_batch_deadline_bounds_a_whole_batch():
-    with VerifierPool(PoolConfig(num_workers=1, item_timeout_s=30.0, batch_timeout_s=1.0,
-                                 preload=())) as pool:
+    with VerifierPool(
+        PoolConfig(num_workers=1, item_timeout_s=30.0, batch_timeout_s=1.0, preload=())
+    ) as pool:
         start = time.perf_counter()
         results = pool.run([(time.sleep, (30,)), (abs, (-1,))])
         assert time.perf_counter() - start < 15

@@ -1,4 +1,5 @@
 """make_reward_fn: routing a mixed batch by record task, options, errors."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,8 +17,13 @@ def test_mixed_batch_routes_by_task():
         Record("q", "", {"task": "knights_knaves", "names": ["Ava"], "solution": [False]}),
         {"prompt": "q", "answer": "#### 7", "metadata": {}},  # plain dict, default task math
     ]
-    completions = ["\\boxed{12}", "\\boxed{13}", "\\boxed{3*4}", "\\boxed{Ava is a knave}",
-                   "no answer"]
+    completions = [
+        "\\boxed{12}",
+        "\\boxed{13}",
+        "\\boxed{3*4}",
+        "\\boxed{Ava is a knave}",
+        "no answer",
+    ]
     with make_reward_fn("auto", scale="pm1", format_penalty=0.25) as reward_fn:
         batch = reward_fn.score(completions, records)
     np.testing.assert_array_equal(batch.rewards, [1, -1, 1, 1, -1.25])
@@ -28,18 +34,25 @@ def test_mixed_batch_routes_by_task():
 
 def test_integer_answers_never_start_the_pool():
     with make_reward_fn("auto") as reward_fn:
-        batch = reward_fn.score(["\\boxed{12}", "\\boxed{1,000}", "no"],
-                                [Record("q", "12", {"task": "arithmetic"}),
-                                 Record("q", "#### 1000", {}), Record("q", "3", {})])
+        batch = reward_fn.score(
+            ["\\boxed{12}", "\\boxed{1,000}", "no"],
+            [
+                Record("q", "12", {"task": "arithmetic"}),
+                Record("q", "#### 1000", {}),
+                Record("q", "3", {}),
+            ],
+        )
         assert reward_fn.pool.worker_pids == []  # decided by the exact-match fast path
     assert batch.reasons == ["correct", "correct", "no_answer"]
 
 
 def test_forced_kind_and_lengths():
     with make_reward_fn("countdown", max_new_tokens=10, overlong_buffer=4) as reward_fn:
-        batch = reward_fn([ "\\boxed{3*4}"] * 2,
-                          [Record("q", "", {"task": "math", "numbers": [3, 4], "target": 12})] * 2,
-                          lengths=[5, 10])
+        batch = reward_fn(
+            ["\\boxed{3*4}"] * 2,
+            [Record("q", "", {"task": "math", "numbers": [3, 4], "target": 12})] * 2,
+            lengths=[5, 10],
+        )
     np.testing.assert_allclose(batch.rewards, [1.0, 0.0])
 
 
@@ -55,11 +68,16 @@ def test_errors_name_the_valid_choices():
             reward_fn.score(["x", "y"], [Record("q", "1", {})])
 
 
-@pytest.mark.parametrize("record,completion", [
-    (Record("q", "", {"task": "countdown", "numbers": [3, 4], "target": 12}), "\\boxed{3*4}"),
-    (Record("q", "", {"task": "knights_knaves", "names": ["Ava"], "solution": [False]}),
-     "\\boxed{Ava is a knave}"),
-])
+@pytest.mark.parametrize(
+    "record,completion",
+    [
+        (Record("q", "", {"task": "countdown", "numbers": [3, 4], "target": 12}), "\\boxed{3*4}"),
+        (
+            Record("q", "", {"task": "knights_knaves", "names": ["Ava"], "solution": [False]}),
+            "\\boxed{Ava is a knave}",
+        ),
+    ],
+)
 def test_every_verifier_runs_in_the_pool_under_its_deadlines(record, completion):
     # A batch deadline too short to start any job: the row fails, it is not scored as wrong.
     with make_reward_fn("auto", scale="pm1", batch_timeout_s=1e-6) as reward_fn:

@@ -1,4 +1,5 @@
 """The sandbox refuses to run without an isolation layer unless told it is unsafe."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,10 +35,13 @@ def test_unshare_server_is_reused_and_runs_share_nothing():
     """One server serves consecutive runs; each run gets a fresh /work, pid namespace and
     IPC namespace, so nothing one run leaves is visible to the next."""
     config = sandbox.SandboxConfig(isolation="unshare")
-    leave = ("import os, signal\nopen('/work/left', 'w').write('x')\n"
-             "if os.fork() == 0:\n    os.setsid()\n    signal.pause()\nprint(os.getpid())")
-    look = ("import os\nprint(os.path.exists('/work/left'), os.getpid(), "
-            "sorted(os.listdir('/work')))")
+    leave = (
+        "import os, signal\nopen('/work/left', 'w').write('x')\n"
+        "if os.fork() == 0:\n    os.setsid()\n    signal.pause()\nprint(os.getpid())"
+    )
+    look = (
+        "import os\nprint(os.path.exists('/work/left'), os.getpid(), sorted(os.listdir('/work')))"
+    )
     first = sandbox.run_program(leave, "", config, "unshare")
     server = sandbox._server()
     second = sandbox.run_program(look, "", config, "unshare")
@@ -51,6 +55,7 @@ def test_unshare_server_failure_is_a_setup_failure(monkeypatch):
     """A server that cannot start answers nothing: the run is setup_failed, not the program's."""
     monkeypatch.setattr(sandbox, "_INIT", "/nonexistent/_sandbox_init.py")
     monkeypatch.setattr(sandbox, "_servers", sandbox.threading.local())
-    execution = sandbox.run_program("print(1)", "", sandbox.SandboxConfig(isolation="unshare"),
-                                    "unshare")
+    execution = sandbox.run_program(
+        "print(1)", "", sandbox.SandboxConfig(isolation="unshare"), "unshare"
+    )
     assert execution.status == "setup_failed" and "server exited" in execution.stderr

@@ -3,6 +3,7 @@ wall limit, and leaves the host as it was (no new files outside the sandbox, no 
 no secret read, no connection made, this test process alive).
 
 The programs run concurrently (threads; each execution is a subprocess) once per module."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -23,8 +24,9 @@ pytestmark = pytest.mark.skipif(LAYER is None, reason="no isolation layer (bwrap
 
 WALL_S = 1.0
 SLACK_S = 4.0  # killing, reaping and 2 shared cores
-CONFIG = sandbox.SandboxConfig(wall_s=WALL_S, cpu_s=1, memory_mb=256, processes=16, file_mb=4,
-                               open_files=32, work_mb=8)
+CONFIG = sandbox.SandboxConfig(
+    wall_s=WALL_S, cpu_s=1, memory_mb=256, processes=16, file_mb=4, open_files=32, work_mb=8
+)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOME = os.path.expanduser("~")
 SECRET = "jaxrl4llm-canary-7f3a9c"
@@ -34,79 +36,88 @@ LISTENER.bind(("127.0.0.1", 0))
 LISTENER.listen(8)
 LISTENER.setblocking(False)
 PORT = LISTENER.getsockname()[1]
-CANARIES = [os.path.join(REPO, "PWNED"), os.path.join(HOME, "PWNED"), "/tmp/PWNED",
-            "/usr/PWNED", "/PWNED"]
+CANARIES = [
+    os.path.join(REPO, "PWNED"),
+    os.path.join(HOME, "PWNED"),
+    "/tmp/PWNED",
+    "/usr/PWNED",
+    "/PWNED",
+]
 WRITE_CANARIES = "\n".join(
-    f"try:\n    open({path!r}, 'w').write('x')\nexcept OSError:\n    pass" for path in CANARIES)
+    f"try:\n    open({path!r}, 'w').write('x')\nexcept OSError:\n    pass" for path in CANARIES
+)
 
 HOSTILE = {
     "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n"
-                 "        pass",
+    "        pass",
     "fork_bomb_detached": f"import os\nfor _ in range(64):\n    try:\n        if os.fork() == 0:"
-                          f"\n            os.setsid()\n            os.execv('/bin/sleep', "
-                          f"['sleep', '{MARKER}'])\n    except OSError:\n        pass\n"
-                          "import time\ntime.sleep(100)",
+    f"\n            os.setsid()\n            os.execv('/bin/sleep', "
+    f"['sleep', '{MARKER}'])\n    except OSError:\n        pass\n"
+    "import time\ntime.sleep(100)",
     "daemon_exits_fast": f"import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:"
-                         f"\n        os.execv('/bin/sleep', ['sleep', '{MARKER}'])\n"
-                         "    os._exit(0)\nprint('bye')",
+    f"\n        os.execv('/bin/sleep', ['sleep', '{MARKER}'])\n"
+    "    os._exit(0)\nprint('bye')",
     "busy_loop": "while True:\n    pass",
     "sleep_forever": "import time\ntime.sleep(1000)",
     "ignore_signals_loop": "import signal\nfor s in (signal.SIGTERM, signal.SIGXCPU, "
-                           "signal.SIGINT, signal.SIGHUP):\n    signal.signal(s, signal.SIG_IGN)\n"
-                           "while True:\n    pass",
+    "signal.SIGINT, signal.SIGHUP):\n    signal.signal(s, signal.SIG_IGN)\n"
+    "while True:\n    pass",
     "memory_bomb_once": "x = bytearray(10 ** 10)\nprint('ok')",
     "memory_bomb_gradual": "chunks = []\nwhile True:\n    chunks.append(bytearray(10 ** 7))",
     "write_10gb": "with open('big', 'wb') as f:\n    for _ in range(10 ** 4):\n"
-                  "        f.write(b'0' * 10 ** 6)",
+    "        f.write(b'0' * 10 ** 6)",
     "fill_tmpfs": "import os\nfor i in range(10 ** 5):\n    with open(f'/tmp/f{i}', 'wb') as f:\n"
-                  "        f.write(b'0' * 60000)",
+    "        f.write(b'0' * 60000)",
     "huge_stdout": "while True:\n    print('x' * 10000)",
     "huge_stderr": "import sys\nwhile True:\n    sys.stderr.write('y' * 10000)",
     "read_ssh_keys": f"import glob\nfor p in glob.glob('{HOME}/.ssh/*') + glob.glob('/root/.ssh/*')"
-                     f" + glob.glob('/home/*/.ssh/*'):\n    print(open(p).read())",
+    f" + glob.glob('/home/*/.ssh/*'):\n    print(open(p).read())",
     "read_repository": f"print(open({os.path.join(REPO, 'pytest.ini')!r}).read())",
     "list_host_folders": f"import os\nfor p in ({REPO!r}, {HOME!r}, '/home', '/etc', '/proc', "
-                         "'/sys', '/work/..', '/var'):\n    try:\n        print(p, os.listdir(p))"
-                         "\n    except OSError:\n        pass",
+    "'/sys', '/work/..', '/var'):\n    try:\n        print(p, os.listdir(p))"
+    "\n    except OSError:\n        pass",
     "write_canaries": WRITE_CANARIES,
     "delete_files": f"import os, shutil\nfor p in ({os.path.join(REPO, 'pytest.ini')!r}, "
-                    f"'/usr/bin/python3', '/bin/sh'):\n    try:\n        os.remove(p)\n"
-                    "    except OSError:\n        pass\nshutil.rmtree('/usr', ignore_errors=True)",
+    f"'/usr/bin/python3', '/bin/sh'):\n    try:\n        os.remove(p)\n"
+    "    except OSError:\n        pass\nshutil.rmtree('/usr', ignore_errors=True)",
     "overwrite_interpreter": "import sys\nopen(sys.executable, 'wb').write(b'')",
     "connect_local_port": f"import socket\nsocket.create_connection(('127.0.0.1', {PORT}), "
-                          "timeout=0.5).sendall(b'leak')",
+    "timeout=0.5).sendall(b'leak')",
     "udp_send": f"import socket\nsocket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'leak',"
-                f" ('127.0.0.1', {PORT}))",
+    f" ('127.0.0.1', {PORT}))",
     "connect_internet": "import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=0.5)",
     "kill_parent": "import os, signal\nos.kill(os.getppid() or 1, signal.SIGKILL)\n"
-                   "import time\ntime.sleep(100)",
+    "import time\ntime.sleep(100)",
     "kill_host_pid": f"import os, signal\nos.kill({os.getpid()}, signal.SIGKILL)",
     "kill_everything": "import os, signal\nos.kill(-1, signal.SIGKILL)\n"
-                       "os.killpg(0, signal.SIGKILL)\nimport time\ntime.sleep(100)",
+    "os.killpg(0, signal.SIGKILL)\nimport time\ntime.sleep(100)",
     "ctypes_segfault": "import ctypes\nctypes.string_at(0)",
     "deep_recursion": "import sys\nsys.setrecursionlimit(10 ** 8)\ndef f(n):\n    return f(n + 1)\n"
-                      "f(0)",
+    "f(0)",
     "zombie_children": "import os, time\nfor _ in range(8):\n    try:\n"
-                       "        if os.fork() == 0:\n            os._exit(0)\n"
-                       "    except OSError:\n        pass\ntime.sleep(100)",
+    "        if os.fork() == 0:\n            os._exit(0)\n"
+    "    except OSError:\n        pass\ntime.sleep(100)",
     "thread_bomb": "import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, "
-                   "args=(100,)).start()",
+    "args=(100,)).start()",
     "open_files_bomb": "files = []\nwhile True:\n    files.append(open('/dev/null'))",
     "environment_exfiltration": "import os\nprint(dict(os.environ))\n"
-                                "print(open('/proc/self/environ').read())",
+    "print(open('/proc/self/environ').read())",
     "escape_chroot": "import os\nos.mkdir('x')\nos.chroot('x')\nos.chdir('../../../..')\n"
-                     "print(os.listdir('.'))",
+    "print(os.listdir('.'))",
     "new_user_namespace": "import ctypes\nlibc = ctypes.CDLL(None)\nassert libc.unshare(0x10000000)"
-                          " == 0\nprint('escaped')",
+    " == 0\nprint('escaped')",
     "mount_host": "import ctypes\nlibc = ctypes.CDLL(None)\nassert libc.mount(b'/', b'/work', None,"
-                  " 4096, None) == 0\nprint('mounted')",
+    " 4096, None) == 0\nprint('mounted')",
     "setuid_root": "import os\nos.setuid(0)\nos.setgid(0)\nopen('/usr/PWNED', 'w')",
     "exit_zero_early": "import sys\nsys.exit(0)",
 }
 # What each must not print (beyond failing its test): a secret, a host listing.
 MUST_NOT_PRINT = {
-    "read_repository": "addopts", "environment_exfiltration": SECRET,
-    "list_host_folders": "pytest.ini", "escape_chroot": "usr", "new_user_namespace": "escaped",
+    "read_repository": "addopts",
+    "environment_exfiltration": SECRET,
+    "list_host_folders": "pytest.ini",
+    "escape_chroot": "usr",
+    "new_user_namespace": "escaped",
     "mount_host": "mounted",
 }
 TESTS = json.dumps({"style": "stdio", "cases": [{"input": "", "output": "expected answer"}]})
@@ -131,8 +142,13 @@ def _run(name: str) -> dict:
     reason, score, detail = run_code_tests(source, TESTS, "all_pass", CONFIG, LAYER, 30.0)
     scored_s = time.monotonic() - start
     execution = sandbox.run_program(source, "", CONFIG, LAYER)
-    return {"reason": reason, "score": score, "detail": detail, "scored_s": scored_s,
-            "execution": execution}
+    return {
+        "reason": reason,
+        "score": score,
+        "detail": detail,
+        "scored_s": scored_s,
+        "execution": execution,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -152,10 +168,14 @@ def results():
             connections.append(LISTENER.accept())
     except BlockingIOError:
         pass
-    host = {"processes": _sandbox_processes(), "connections": connections,
-            "new_home": set(os.listdir(HOME)) - home, "new_repo": set(os.listdir(REPO)) - repo,
-            "new_run_dirs": set(glob.glob(os.path.join(tempfile.gettempdir(),
-                                                       "jaxrl4llm-sandbox-*"))) - run_dirs}
+    host = {
+        "processes": _sandbox_processes(),
+        "connections": connections,
+        "new_home": set(os.listdir(HOME)) - home,
+        "new_repo": set(os.listdir(REPO)) - repo,
+        "new_run_dirs": set(glob.glob(os.path.join(tempfile.gettempdir(), "jaxrl4llm-sandbox-*")))
+        - run_dirs,
+    }
     return found, host
 
 
@@ -186,8 +206,10 @@ def test_host_is_unchanged(results):
 
 def test_runaway_programs_hit_their_limit_not_the_host():
     """The limits, not luck, stop them: the status says which one did."""
-    found = {name: sandbox.run_program(HOSTILE[name], "", CONFIG, LAYER)
-             for name in ("busy_loop", "memory_bomb_once", "write_10gb", "fork_bomb")}
+    found = {
+        name: sandbox.run_program(HOSTILE[name], "", CONFIG, LAYER)
+        for name in ("busy_loop", "memory_bomb_once", "write_10gb", "fork_bomb")
+    }
     assert found["busy_loop"].status in ("timeout", "signal")
     assert "MemoryError" in found["memory_bomb_once"].stderr
     assert found["write_10gb"].status in ("signal", "exit")  # SIGXFSZ / EFBIG
@@ -195,9 +217,11 @@ def test_runaway_programs_hit_their_limit_not_the_host():
 
 
 def test_the_process_limit_holds():
-    counter = ("import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
-               "            time.sleep(2)\n            os._exit(0)\n        n += 1\n"
-               "except OSError:\n    print(n)")
+    counter = (
+        "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+        "            time.sleep(2)\n            os._exit(0)\n        n += 1\n"
+        "except OSError:\n    print(n)"
+    )
     execution = sandbox.run_program(counter, "", CONFIG, LAYER)
     assert execution.status == "ok"
     assert int(execution.stdout) < CONFIG.processes

@@ -1,4 +1,5 @@
 """Reward shaping: scales, the format penalty and DAPO's soft overlong punishment."""
+
 from __future__ import annotations
 
 import numpy as np

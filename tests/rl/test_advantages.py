@@ -1,4 +1,5 @@
 """Closed-form values of the advantage estimators on hand-built batches."""
+
 from __future__ import annotations
 
 import jax
@@ -10,8 +11,9 @@ from jaxrl4llm import rl
 
 EPS = 1e-6
 # Jitted aliases: one compile per shape is far cheaper than first-time eager dispatch on CPU.
-norm = jax.jit(rl.normalized_advantages, static_argnums=1,
-               static_argnames=("mean", "std", "ddof", "eps"))
+norm = jax.jit(
+    rl.normalized_advantages, static_argnums=1, static_argnames=("mean", "std", "ddof", "eps")
+)
 rloo = jax.jit(rl.rloo_advantages, static_argnums=1)
 rpp = jax.jit(rl.reinforce_pp_advantages, static_argnames=("group_size", "baseline", "ddof", "eps"))
 
@@ -61,9 +63,11 @@ def test_batch_statistics_respect_keep_mask():
     keep = jnp.array([True] * 4 + [False] * 4)
     a = norm(r, 4, mean="batch", std="batch", keep_B=keep)
     s = np.sqrt(1.0 / 3.0)
-    np.testing.assert_allclose(_np(a), [0.5 / (s + EPS), -0.5 / (s + EPS), -0.5 / (s + EPS),
-                                        0.5 / (s + EPS), 0, 0, 0, 0],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        _np(a),
+        [0.5 / (s + EPS), -0.5 / (s + EPS), -0.5 / (s + EPS), 0.5 / (s + EPS), 0, 0, 0, 0],
+        rtol=1e-6,
+    )
     # Without the keep mask the 5s and 7 dominate the statistics: different numbers.
     b = norm(r, 4, mean="batch", std="batch")
     assert float(b[0]) < 0
@@ -74,8 +78,9 @@ def test_zero_std_group_is_zero_even_with_batch_mean():
     r = jnp.array([1.0, 0.0, 3.0, 3.0])
     a = norm(r, 2, mean="batch", std="group")
     assert float(a[2]) == 0.0 and float(a[3]) == 0.0
-    np.testing.assert_allclose(_np(a[:2]), np.array([1 - 1.75, 0 - 1.75]) / (np.sqrt(0.5) + EPS),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        _np(a[:2]), np.array([1 - 1.75, 0 - 1.75]) / (np.sqrt(0.5) + EPS), rtol=1e-6
+    )
 
 
 def test_constant_fractional_rewards_give_exact_zero():
@@ -97,14 +102,16 @@ def test_singleton_groups():
 def test_reinforce_is_reward_and_zero_on_rejected():
     r = jnp.array([1.0, -1.0, 0.5])
     np.testing.assert_allclose(_np(rl.reinforce_advantages(r)), [1.0, -1.0, 0.5])
-    np.testing.assert_allclose(_np(rl.reinforce_advantages(r, jnp.array([True, False, True]))),
-                               [1.0, 0.0, 0.5])
+    np.testing.assert_allclose(
+        _np(rl.reinforce_advantages(r, jnp.array([True, False, True]))), [1.0, 0.0, 0.5]
+    )
 
 
 def test_rloo_leave_one_out():
     a = rloo(jnp.array([1.0, 0.0, 0.0, 1.0, 1.0, 0.0]), 3)
-    np.testing.assert_allclose(_np(a), [1 - 0.0, 0 - 0.5, 0 - 0.5, 1 - 0.5, 1 - 0.5, 0 - 1.0],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        _np(a), [1 - 0.0, 0 - 0.5, 0 - 0.5, 1 - 0.5, 1 - 0.5, 0 - 1.0], atol=1e-6
+    )
     with pytest.raises(ValueError, match="group_size >= 2"):
         rloo(jnp.ones(4), 1)
 
@@ -143,8 +150,9 @@ def test_reinforce_pp_with_kl_in_reward():
     vals = np.array([0.85, 0.9, -0.45, -0.3, -0.15])  # returns-to-go on the valid tokens
     a = rpp(jnp.array([1.0, 0.0]), m, kl_BT=kl, kl_coef=0.5)
     w = (vals - vals.mean()) / (vals.std(ddof=1) + EPS)
-    np.testing.assert_allclose(_np(a), [[w[0], w[1], 0.0], [w[2], w[3], w[4]]], rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        _np(a), [[w[0], w[1], 0.0], [w[2], w[3], w[4]]], rtol=1e-5, atol=1e-6
+    )
 
 
 def test_reinforce_pp_baseline_subtracts_group_mean_and_respects_keep():
@@ -161,10 +169,12 @@ def test_reinforce_pp_baseline_subtracts_group_mean_and_respects_keep():
 
 def test_advantages_jit():
     r = jnp.array([1.0, 0.0, 0.0, 1.0])
-    f = jax.jit(rl.normalized_advantages, static_argnums=1,
-                static_argnames=("mean", "std", "ddof", "eps"))
+    f = jax.jit(
+        rl.normalized_advantages, static_argnums=1, static_argnames=("mean", "std", "ddof", "eps")
+    )
     np.testing.assert_allclose(_np(f(r, 2, mean="group", std="group")), _np(norm(r, 2)), rtol=1e-6)
-    g = jax.jit(rl.reinforce_pp_advantages,
-                static_argnames=("group_size", "baseline", "ddof", "eps"))
+    g = jax.jit(
+        rl.reinforce_pp_advantages, static_argnames=("group_size", "baseline", "ddof", "eps")
+    )
     out = g(r, jnp.ones((4, 3)), kl_BT=jnp.zeros((4, 3)), kl_coef=0.1, group_size=2, baseline=True)
     assert out.shape == (4, 3) and np.isfinite(_np(out)).all()

@@ -1,4 +1,5 @@
 """Presets end to end (closed form), validation, gradients on a toy logit model, jit and jaxpr."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +56,10 @@ def np_ppo(r_B, kl_coef=0.01, d=0.1, lam=0.95):
     adv = np.zeros((8, T))
     for i in range(8):
         for t in range(LENS[i]):
-            adv[i, t] = sum(lam ** (s - t) * (r_B[i] * (s == LENS[i] - 1) - kl_coef * d)
-                            for s in range(t, LENS[i]))
+            adv[i, t] = sum(
+                lam ** (s - t) * (r_B[i] * (s == LENS[i] - 1) - kl_coef * d)
+                for s in range(t, LENS[i])
+            )
     v = adv[MASK > 0]
     return np.where(MASK > 0, (adv - v.mean()) / np.sqrt(v.var(ddof=1) + 1e-8), 0.0)
 
@@ -69,12 +72,12 @@ def _expected(name):
     centered = np.r_[0.75, -0.25, -0.25, -0.25, np.zeros(4)]
     if name == "grpo":
         return a_grpo, ones, -a_grpo[:, None] + 0.04 * K3
-    if name == "gspo":   # at ratio 1 the sequence ratio is 1 too: GRPO's advantage, no KL
+    if name == "gspo":  # at ratio 1 the sequence ratio is 1 too: GRPO's advantage, no KL
         return a_grpo, ones, -a_grpo[:, None] + 0 * MASK
     if name == "remax":  # A = r - r(greedy), REINFORCE's token sum per sequence
         a = R - BASELINE
         return a, ones, -a[:, None] + 0 * MASK
-    if name == "dapo":   # GRPO's advantage; the all-correct group is out of the loss
+    if name == "dapo":  # GRPO's advantage; the all-correct group is out of the loss
         return a_grpo, np.r_[ones[:4], np.zeros(4, bool)], -a_grpo[:, None] + 0 * MASK
     if name == "dr_grpo":
         return centered, ones, -centered[:, None] + 0 * MASK
@@ -120,10 +123,17 @@ LOSS_BY_HAND = {"reinforce_rej": 3 / 18, "raft_pp": -12 / 18, "reinforce": -6 / 
 def test_preset_closed_form(name):
     cfg = rl.validate(rl.get_preset(name), G)
     logp = jnp.asarray(LOGP)
-    adv, keep, met = compute_advantages(cfg, jnp.asarray(R), jnp.asarray(R > 0),
-                                        jnp.asarray(MASK), G, logp_BT=logp, ref_logp_BT=logp - 0.1,
-                                        baseline_B=jnp.asarray(BASELINE),
-                                        values_BT=jnp.zeros((8, T)))  # PPO: a zero-head critic
+    adv, keep, met = compute_advantages(
+        cfg,
+        jnp.asarray(R),
+        jnp.asarray(R > 0),
+        jnp.asarray(MASK),
+        G,
+        logp_BT=logp,
+        ref_logp_BT=logp - 0.1,
+        baseline_B=jnp.asarray(BASELINE),
+        values_BT=jnp.zeros((8, T)),
+    )  # PPO: a zero-head critic
     a_want, keep_want, L_want = _expected(name)
     np.testing.assert_array_equal(np.asarray(keep), keep_want)
     np.testing.assert_allclose(np.asarray(adv, np.float64), a_want, rtol=2e-5, atol=2e-6)
@@ -136,10 +146,12 @@ def test_preset_closed_form(name):
     assert float(d) == pytest.approx(float(rl.loss_denominator(cfg, jnp.asarray(MASK), keep)))
     fm = rl.finalize_metrics(m)
     assert fm["policy/frac_rejected"] == pytest.approx(1 - keep_want.mean())
-    assert (fm["policy/ratio_min"] == pytest.approx(1.0)
-            and fm["policy/ratio_max"] == pytest.approx(1.0))
+    assert fm["policy/ratio_min"] == pytest.approx(1.0) and fm["policy/ratio_max"] == pytest.approx(
+        1.0
+    )
     assert rl.finalize_metrics(met)["adv/frac_groups_rejected"] == pytest.approx(
-        {"reinforce_rej": 0.5, "dapo": 0.5}.get(name, 0.0))
+        {"reinforce_rej": 0.5, "dapo": 0.5}.get(name, 0.0)
+    )
 
 
 def test_preset_docstrings_name_a_paper():
@@ -150,7 +162,7 @@ def test_preset_docstrings_name_a_paper():
 
 def test_get_preset_errors_and_overrides():
     with pytest.raises(ValueError, match="valid names: dapo, dr_grpo, grpo"):
-        rl.get_preset("trpo")   # (dapo sorts first)
+        rl.get_preset("trpo")  # (dapo sorts first)
     with pytest.raises(ValueError, match="clip_hi"):
         rl.get_preset("grpo", clip_hi=0.28)
     cfg = rl.get_preset("GRPO", clip_high=0.28, kl_coef=0.0, kl_in=None)
@@ -167,8 +179,11 @@ def test_get_preset_errors_and_overrides():
         ({"std": "none"}, 1, "mean='group' with group_size=1"),
         ({"advantage": "rloo"}, 1, "advantage='rloo' needs group_size >= 2"),
         ({"kl_in": None}, 4, "kl_coef=0.04 but kl_in=None"),
-        ({"advantage": "positives", "kl_in": "reward", "kl_estimator": "k1"}, 4,
-         "kl_in='reward' needs an advantage that takes token rewards"),
+        (
+            {"advantage": "positives", "kl_in": "reward", "kl_estimator": "k1"},
+            4,
+            "kl_in='reward' needs an advantage that takes token rewards",
+        ),
         ({"kl_in": "reward"}, 4, "kl_in='reward' uses kl_estimator 'k1' or 'k2'"),
         ({"rejected_rows": "keep"}, 4, "rejected_rows='keep': choose one of"),
         ({"k3_clamp": 0.0}, 4, "k3_clamp=0.0 must be > 0"),
@@ -177,8 +192,11 @@ def test_get_preset_errors_and_overrides():
         ({"agg": "mean"}, 4, "agg='mean'"),
         ({"objective": "nll"}, 4, "objective='nll'"),
         ({"eps": 0.0}, 4, "eps=0.0"),
-        ({"reject_all_wrong": True, "mean": "none", "std": "none"}, 1,
-         "reject_all_correct/reject_all_wrong"),
+        (
+            {"reject_all_wrong": True, "mean": "none", "std": "none"},
+            1,
+            "reject_all_correct/reject_all_wrong",
+        ),
     ],
 )
 def test_validate_rejects_contradictions(overrides, G, match):
@@ -199,8 +217,9 @@ def test_validate_reward_kl_estimator_and_passes_presets():
 def test_overlong_filter_and_binary_reward():
     cfg = rl.get_preset("dr_grpo", overlong_filter=True, binary_reward=(-1.0, 1.0))
     trunc = jnp.array([False, True, False, False, False, False, False, False])
-    adv, keep, met = compute_advantages(cfg, jnp.asarray(R * 7), jnp.asarray(R > 0),
-                                        jnp.asarray(MASK), G, truncated_B=trunc)
+    adv, keep, met = compute_advantages(
+        cfg, jnp.asarray(R * 7), jnp.asarray(R > 0), jnp.asarray(MASK), G, truncated_B=trunc
+    )
     # rewards replaced by +-1 from `correct`; the truncated row keeps counting in its group's mean.
     np.testing.assert_allclose(np.asarray(adv), [1.5, 0, -0.5, -0.5, 0, 0, 0, 0], atol=1e-6)
     np.testing.assert_array_equal(np.asarray(keep), [1, 0, 1, 1, 1, 1, 1, 1])
@@ -212,28 +231,45 @@ def test_overlong_filter_and_binary_reward():
 def test_missing_inputs_raise():
     cfg = rl.get_preset("grpo")
     with pytest.raises(ValueError, match="needs ref_logp_BT"):
-        policy_loss(cfg, jnp.asarray(LOGP), None, jnp.zeros(8), jnp.asarray(MASK),
-                    jnp.ones(8, bool))
+        policy_loss(
+            cfg, jnp.asarray(LOGP), None, jnp.zeros(8), jnp.asarray(MASK), jnp.ones(8, bool)
+        )
     with pytest.raises(ValueError, match="needs entropy_BT"):
-        policy_loss(rl.get_preset("rloo", entropy_coef=0.01), jnp.asarray(LOGP), None, jnp.zeros(8),
-                    jnp.asarray(MASK), jnp.ones(8, bool))
+        policy_loss(
+            rl.get_preset("rloo", entropy_coef=0.01),
+            jnp.asarray(LOGP),
+            None,
+            jnp.zeros(8),
+            jnp.asarray(MASK),
+            jnp.ones(8, bool),
+        )
     with pytest.raises(ValueError, match="needs logp_BT"):
-        compute_advantages(rl.get_preset("reinforce_pp"), jnp.asarray(R), jnp.asarray(R > 0),
-                           jnp.asarray(MASK), G)
+        compute_advantages(
+            rl.get_preset("reinforce_pp"), jnp.asarray(R), jnp.asarray(R > 0), jnp.asarray(MASK), G
+        )
 
 
 def test_entropy_bonus_and_kl_in_loss_terms():
     ent = jnp.full((8, T), 2.0)
     cfg = rl.get_preset("rloo", entropy_coef=0.01, kl_in="loss", kl_estimator="k2", kl_coef=0.5)
     logp = jnp.asarray(LOGP)
-    s, d, m = policy_loss(cfg, logp, logp, jnp.zeros(8), jnp.asarray(MASK), jnp.ones(8, bool),
-                          ref_logp_BT=logp - 0.2, entropy_BT=ent)
+    s, d, m = policy_loss(
+        cfg,
+        logp,
+        logp,
+        jnp.zeros(8),
+        jnp.asarray(MASK),
+        jnp.ones(8, bool),
+        ref_logp_BT=logp - 0.2,
+        entropy_BT=ent,
+    )
     # A = 0: loss per token = 0.5 * 0.2^2 / 2 - 0.01 * 2 = -0.01.
     assert float(rl.finalize_loss(s, d)) == pytest.approx(-0.01, abs=1e-6)
     assert float(rl.finalize_metrics(m)["policy/entropy"]) == pytest.approx(2.0)
 
 
 # ---- gradients on a toy logit model -------------------------------------------------------
+
 
 def _toy(seed=0, B=6, D=5, V=7):
     rng = np.random.default_rng(seed)  # numpy, not jax.random: no PRNG kernels to compile
@@ -252,8 +288,9 @@ def _toy(seed=0, B=6, D=5, V=7):
 @pytest.mark.parametrize("adv_kind", ["B", "BT"])
 def test_gradient_at_ratio_one_is_minus_A_grad_logp(mode, adv_kind):
     W, logp_fn = _toy()
-    mask = jnp.array([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [0, 0, 0]],
-                     jnp.float32)
+    mask = jnp.array(
+        [[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [0, 0, 0]], jnp.float32
+    )
     keep = jnp.array([True, True, False, True, True, True])
     A = jnp.array([1.0, -0.5, 3.0, 0.25, -2.0, 1.0])
     if adv_kind == "BT":
@@ -269,8 +306,12 @@ def test_gradient_at_ratio_one_is_minus_A_grad_logp(mode, adv_kind):
     w = np.asarray(mask) * np.asarray(keep, np.float32)[:, None]
     n = w.sum(1)
     n_seq = (n > 0).sum()
-    c = {"token-mean": w / w.sum(), "seq-mean-token-mean": w / np.maximum(n, 1)[:, None] / n_seq,
-         "seq-mean-token-sum": w / n_seq, "seq-mean-token-sum-norm": w / (n_seq * T)}[mode]
+    c = {
+        "token-mean": w / w.sum(),
+        "seq-mean-token-mean": w / np.maximum(n, 1)[:, None] / n_seq,
+        "seq-mean-token-sum": w / n_seq,
+        "seq-mean-token-sum-norm": w / (n_seq * T),
+    }[mode]
     A_BT = jnp.broadcast_to(A if A.ndim == 2 else A[:, None], (6, T))
 
     def reference(W):
@@ -290,17 +331,20 @@ def test_clipped_tokens_have_zero_gradient():
     # Old policy far below on row 0 (ratio > 1.2 with A > 0) and far above on row 1 (ratio < 0.8,
     # A < 0).
     old = jax.lax.stop_gradient(lp0) + jnp.array([[-1.0], [1.0]])
-    g = jax.jit(jax.grad(
-        lambda W: policy_loss(cfg, logp_fn(W), old, A, mask, jnp.ones(2, bool))[0]))(W)
+    g = jax.jit(
+        jax.grad(lambda W: policy_loss(cfg, logp_fn(W), old, A, mask, jnp.ones(2, bool))[0])
+    )(W)
     assert float(jnp.abs(g).max()) == 0.0
     _, _, m = policy_loss(cfg, lp0, old, A, mask, jnp.ones(2, bool))
     fm = rl.finalize_metrics(m)
-    assert (fm["policy/clip_frac_high"] == pytest.approx(0.5)
-            and fm["policy/clip_frac_low"] == pytest.approx(0.5))
+    assert fm["policy/clip_frac_high"] == pytest.approx(0.5) and fm[
+        "policy/clip_frac_low"
+    ] == pytest.approx(0.5)
     assert fm["policy/clip_frac"] == pytest.approx(1.0)
 
 
 # ---- jit and jaxpr ------------------------------------------------------------------------
+
 
 def _host_primitives(jaxpr) -> set[str]:
     """Names of host-callback primitives anywhere in a (closed) jaxpr, sub-jaxprs included."""
@@ -326,21 +370,33 @@ def test_entry_points_have_no_host_callbacks(name):
     ent, trunc = jnp.ones((8, T)), jnp.zeros(8, bool)
 
     def step(rewards, correct, mask, lp):
-        adv, keep, _ = rl.compute_advantages(cfg, rewards, correct, mask, G, truncated_B=trunc,
-                                             logp_BT=lp, ref_logp_BT=lp - 0.1, baseline_B=rewards,
-                                             values_BT=lp)
+        adv, keep, _ = rl.compute_advantages(
+            cfg,
+            rewards,
+            correct,
+            mask,
+            G,
+            truncated_B=trunc,
+            logp_BT=lp,
+            ref_logp_BT=lp - 0.1,
+            baseline_B=rewards,
+            values_BT=lp,
+        )
 
         def loss(lp):
-            s, d, m = rl.policy_loss(cfg, lp, lp - 0.05, adv, mask, keep, ref_logp_BT=lp - 0.1,
-                                     entropy_BT=ent)
+            s, d, m = rl.policy_loss(
+                cfg, lp, lp - 0.05, adv, mask, keep, ref_logp_BT=lp - 0.1, entropy_BT=ent
+            )
             return rl.finalize_loss(s, d), m
 
         return jax.grad(loss, has_aux=True)(lp)
 
-    jaxpr = jax.make_jaxpr(step)(jnp.asarray(R), jnp.asarray(R > 0), jnp.asarray(MASK),
-                                 jnp.asarray(LOGP))
+    jaxpr = jax.make_jaxpr(step)(
+        jnp.asarray(R), jnp.asarray(R > 0), jnp.asarray(MASK), jnp.asarray(LOGP)
+    )
     assert len(jaxpr.eqns) > 10
     assert not _host_primitives(jaxpr)
+
 
 def test_host_primitive_check_is_not_vacuous():
     # The check above would see a host callback: prove it on functions that have one.

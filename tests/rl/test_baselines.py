@@ -1,5 +1,6 @@
 """The baseline presets' math (GSPO, ReMax, DAPO), checked against numbers computed here by
 hand / numpy from each paper's formula (never by calling the code's own formula)."""
+
 import math
 
 import jax
@@ -32,17 +33,24 @@ def _gspo_by_hand(adv, eps_low, eps_high):
 @pytest.mark.parametrize("eps", [(3e-4, 4e-4), (0.2, 0.2)])
 def test_gspo_loss_is_the_sequence_level_clipped_objective(adv, eps):
     config = rl.get_preset("gspo", clip_low=eps[0], clip_high=eps[1])
-    loss_sum, denom, metrics = rl.policy_loss(config, jnp.asarray(LOGP), jnp.asarray(OLD),
-                                              jnp.asarray(adv, jnp.float32), jnp.asarray(MASK))
+    loss_sum, denom, metrics = rl.policy_loss(
+        config,
+        jnp.asarray(LOGP),
+        jnp.asarray(OLD),
+        jnp.asarray(adv, jnp.float32),
+        jnp.asarray(MASK),
+    )
     want, s, clipped = _gspo_by_hand(adv, *eps)
     np.testing.assert_allclose(float(loss_sum / denom), want, rtol=1e-5)
     got = rl.finalize_metrics(metrics)
     # The ratio the loss clips is the sequence's, on every one of its tokens.
-    np.testing.assert_allclose([got["policy/ratio_min"], got["policy/ratio_max"]],
-                               [s.min(), s.max()], rtol=1e-5)
+    np.testing.assert_allclose(
+        [got["policy/ratio_min"], got["policy/ratio_max"]], [s.min(), s.max()], rtol=1e-5
+    )
     # Clipped tokens: all 3 of row 0 and both of row 1 count when their row is clipped.
-    np.testing.assert_allclose(got["policy/clip_frac"], (3 * clipped[0] + 2 * clipped[1]) / 5,
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        got["policy/clip_frac"], (3 * clipped[0] + 2 * clipped[1]) / 5, atol=1e-6
+    )
 
 
 def test_gspo_gradient_is_the_length_normalised_sequence_gradient():
@@ -52,8 +60,9 @@ def test_gspo_gradient_is_the_length_normalised_sequence_gradient():
     config = rl.get_preset("gspo", clip_low=0.2, clip_high=0.2)
 
     def loss(logp):
-        loss_sum, denom, _ = rl.policy_loss(config, logp, jnp.asarray(OLD), jnp.asarray(adv),
-                                            jnp.asarray(MASK))
+        loss_sum, denom, _ = rl.policy_loss(
+            config, logp, jnp.asarray(OLD), jnp.asarray(adv), jnp.asarray(MASK)
+        )
         return loss_sum / denom
 
     grad = np.asarray(jax.grad(loss)(jnp.asarray(LOGP)))
@@ -76,15 +85,20 @@ def test_gspo_does_not_clip_a_sequence_for_one_token_far_off():
     token = rl.get_preset("gspo", importance="token", clip_low=0.2, clip_high=0.2)
     seq = rl.get_preset("gspo", clip_low=0.2, clip_high=0.2)
     for config, want in ((token, -(1.2 + math.exp(-0.3) * 2) / 3), (seq, -math.exp(0.1))):
-        loss_sum, denom, _ = rl.policy_loss(config, jnp.asarray(logp), jnp.asarray(old), adv,
-                                            jnp.asarray(mask))
+        loss_sum, denom, _ = rl.policy_loss(
+            config, jnp.asarray(logp), jnp.asarray(old), adv, jnp.asarray(mask)
+        )
         np.testing.assert_allclose(float(loss_sum / denom), want, rtol=1e-5)
 
 
 def test_gspo_preset_and_validation():
     c = rl.get_preset("gspo")
     assert (c.importance, c.clip_low, c.clip_high, c.agg) == (
-        "sequence", 3e-4, 4e-4, "seq-mean-token-mean")
+        "sequence",
+        3e-4,
+        4e-4,
+        "seq-mean-token-mean",
+    )
     assert (c.mean, c.std, c.kl_in) == ("group", "group", None)
     with pytest.raises(ValueError, match="importance='seq'"):
         rl.validate(rl.get_preset("grpo", importance="seq"), 4)
@@ -92,10 +106,11 @@ def test_gspo_preset_and_validation():
 
 # ---- ReMax (Li et al. 2023, arXiv:2310.10505) -----------------------------------------------
 
+
 def test_remax_advantage_is_reward_minus_the_greedy_reward():
     """Algorithm 1: A_i = r(x, y_i) - r(x, y_greedy); two prompts, G = 2."""
     r = jnp.array([1.0, 0.0, 0.5, 1.0])
-    greedy = jnp.array([1.0, 1.0, 0.0, 0.0])   # prompt 0's greedy reward 1, prompt 1's 0
+    greedy = jnp.array([1.0, 1.0, 0.0, 0.0])  # prompt 0's greedy reward 1, prompt 1's 0
     mask = jnp.array([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]], bool)
     config = rl.get_preset("remax")
     adv, keep, _ = rl.compute_advantages(config, r, r > 0.5, mask, 2, baseline_B=greedy)
@@ -109,9 +124,11 @@ def test_remax_advantage_is_reward_minus_the_greedy_reward():
         return s / d
 
     assert float(loss(logp)) == pytest.approx(-(0 * 2 - 1 * 1 + 0.5 * 3 + 1 * 2) / 4)
-    np.testing.assert_allclose(np.asarray(jax.grad(loss)(logp)),
-                               -np.array([[0, 0, 0], [-1, 0, 0], [.5, .5, .5], [1, 1, 0]]) / 4,
-                               atol=1e-7)
+    np.testing.assert_allclose(
+        np.asarray(jax.grad(loss)(logp)),
+        -np.array([[0, 0, 0], [-1, 0, 0], [0.5, 0.5, 0.5], [1, 1, 0]]) / 4,
+        atol=1e-7,
+    )
 
 
 def test_remax_baseline_follows_binary_reward_and_is_required():
@@ -119,8 +136,15 @@ def test_remax_baseline_follows_binary_reward_and_is_required():
     correct = jnp.array([True, False, False, True])
     mask = jnp.ones((4, 2), bool)
     config = rl.get_preset("remax", binary_reward=(-1.0, 1.0))
-    adv, _, _ = rl.compute_advantages(config, r, correct, mask, 2, baseline_B=jnp.zeros(4),
-                                      baseline_correct_B=jnp.array([True, True, False, False]))
+    adv, _, _ = rl.compute_advantages(
+        config,
+        r,
+        correct,
+        mask,
+        2,
+        baseline_B=jnp.zeros(4),
+        baseline_correct_B=jnp.array([True, True, False, False]),
+    )
     # r in {-1, 1}: [1, -1, -1, 1]; greedy [1, 1, -1, -1].
     np.testing.assert_allclose(np.asarray(adv), [0.0, -2.0, 0.0, 2.0])
     with pytest.raises(ValueError, match="advantage='remax' needs baseline_B"):
@@ -136,14 +160,18 @@ def test_remax_kl_in_reward_subtracts_the_kl_to_go():
     logp = jnp.array([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]])
     ref = logp - jnp.array([[0.1, 0.2, 0.3], [0.5, 0.5, 0.0]])
     config = rl.get_preset("remax", kl_in="reward", kl_estimator="k1", kl_coef=0.1)
-    adv, _, _ = rl.compute_advantages(config, r, r > 0, mask, 2, logp_BT=logp, ref_logp_BT=ref,
-                                      baseline_B=jnp.array([0.5, 0.5]))
-    want = [[0.5 - 0.1 * 0.6, 0.5 - 0.1 * 0.5, 0.5 - 0.1 * 0.3],
-            [-0.5 - 0.1 * 1.0, -0.5 - 0.1 * 0.5, 0.0]]
+    adv, _, _ = rl.compute_advantages(
+        config, r, r > 0, mask, 2, logp_BT=logp, ref_logp_BT=ref, baseline_B=jnp.array([0.5, 0.5])
+    )
+    want = [
+        [0.5 - 0.1 * 0.6, 0.5 - 0.1 * 0.5, 0.5 - 0.1 * 0.3],
+        [-0.5 - 0.1 * 1.0, -0.5 - 0.1 * 0.5, 0.0],
+    ]
     np.testing.assert_allclose(np.asarray(adv), want, rtol=1e-5, atol=1e-6)
 
 
 # ---- DAPO (Yu et al. 2025, arXiv:2503.14476) ------------------------------------------------
+
 
 def test_dapo_clip_higher_and_token_mean_by_hand():
     """Eq. 10 with eps_low 0.2, eps_high 0.28, 1 / sum_i |o_i| over all tokens (eq. 12)."""
@@ -167,16 +195,25 @@ def test_dapo_keeps_only_groups_with_both_verdicts():
     trainer when it can)."""
     correct = jnp.array([True, False, True, True, False, False])
     r = correct.astype(jnp.float32)
-    adv, keep, met = rl.compute_advantages(rl.get_preset("dapo"), r, correct,
-                                           jnp.ones((6, 2), bool), 2)
+    adv, keep, met = rl.compute_advantages(
+        rl.get_preset("dapo"), r, correct, jnp.ones((6, 2), bool), 2
+    )
     np.testing.assert_array_equal(np.asarray(keep), [True, True, False, False, False, False])
     # GRPO's advantage of the mixed group: (1 - 0.5) / (std_ddof1 = 0.7071 + 1e-6).
-    np.testing.assert_allclose(np.asarray(adv)[:2], [0.5 / (math.sqrt(0.5) + 1e-6),
-                                                     -0.5 / (math.sqrt(0.5) + 1e-6)], rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(adv)[:2],
+        [0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6)],
+        rtol=1e-5,
+    )
     assert rl.finalize_metrics(met)["adv/frac_groups_rejected"] == pytest.approx(2 / 3)
     c = rl.get_preset("dapo")
     assert (c.dynamic_sampling, c.max_resample_rounds, c.clip_low, c.clip_high, c.kl_in) == (
-        True, 10, 0.2, 0.28, None)
+        True,
+        10,
+        0.2,
+        0.28,
+        None,
+    )
     with pytest.raises(ValueError, match="max_resample_rounds=-1"):
         rl.validate(rl.get_preset("dapo", max_resample_rounds=-1), 4)
     with pytest.raises(ValueError, match="dynamic_sampling .* needs group_size >= 2"):

@@ -1,6 +1,7 @@
 """Sampler-trainer mismatch: its metrics and the IS corrections (rl/correction.py), against
 numpy transcriptions of verl's rollout correction (verl/trainer/ppo/rollout_corr_helper.py)
 and OpenRLHF's PolicyLoss (openrlhf/models/loss.py), and wired through rl.policy_loss."""
+
 from __future__ import annotations
 
 import jax
@@ -26,6 +27,7 @@ def _inputs(seed=0, scale=0.8):
 
 
 # ---- the published formulas, in numpy ------------------------------------------------------
+
 
 def _np_level_log_ratio(old, behaviour, mask, level):
     """verl: log_ratio = old_log_prob - rollout_log_prob; token as is, sequence = masked sum,
@@ -65,12 +67,14 @@ def _openrlhf_weights(kind, old, behaviour, mask, low, high):
 
 
 def _weights(kind, old, behaviour, mask, **kw):
-    w, corrected = rl.is_weights(kind, jnp.asarray(old), jnp.asarray(behaviour),
-                                 jnp.asarray(mask), **kw)
+    w, corrected = rl.is_weights(
+        kind, jnp.asarray(old), jnp.asarray(behaviour), jnp.asarray(mask), **kw
+    )
     return np.asarray(w), np.asarray(corrected)
 
 
 # ---- weights --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("cap", [2.0, 1.3])
@@ -81,7 +85,7 @@ def test_tis_matches_verl(level, cap):
     np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-6)
     raw = np.exp(_np_level_log_ratio(old, behaviour, mask, level))
     np.testing.assert_array_equal(corrected, (raw > cap) & mask)
-    assert corrected.any() and (~corrected & mask).any()   # the inputs exercise both sides
+    assert corrected.any() and (~corrected & mask).any()  # the inputs exercise both sides
 
 
 def test_token_tis_matches_openrlhf_with_a_zero_lower_threshold():
@@ -118,8 +122,9 @@ def test_mis_is_verl_is_weights_inside_its_rejection_mask(level):
 
 def test_token_mis_is_icepop():
     old, behaviour, mask = _inputs(4)
-    np.testing.assert_array_equal(_weights("mis", old, behaviour, mask)[0],
-                                  _weights("icepop", old, behaviour, mask)[0])
+    np.testing.assert_array_equal(
+        _weights("mis", old, behaviour, mask)[0], _weights("icepop", old, behaviour, mask)[0]
+    )
 
 
 def test_geo_mask_is_verl_geometric_rejection():
@@ -137,26 +142,32 @@ def test_geo_mask_is_verl_geometric_rejection():
 
 def test_weights_have_no_gradient_and_survive_extreme_ratios():
     old, behaviour, mask = _inputs(6)
-    old[0, 0] = behaviour[0, 0] + 80.0     # exp would overflow without the +-20 clamp
+    old[0, 0] = behaviour[0, 0] + 80.0  # exp would overflow without the +-20 clamp
     old[1, 0] = behaviour[1, 0] - 80.0
     for kind, kw in [("tis", {"level": "sequence"}), ("mis", {}), ("geo_mask", {})]:
+
         def total(o):
             return rl.is_weights(kind, o, jnp.asarray(behaviour), jnp.asarray(mask), **kw)[0].sum()
 
-        w = np.asarray(rl.is_weights(kind, jnp.asarray(old), jnp.asarray(behaviour),
-                                     jnp.asarray(mask), **kw)[0])
+        w = np.asarray(
+            rl.is_weights(kind, jnp.asarray(old), jnp.asarray(behaviour), jnp.asarray(mask), **kw)[
+                0
+            ]
+        )
         assert np.isfinite(w).all()
         assert not np.asarray(jax.grad(total)(jnp.asarray(old))).any()
 
 
 # ---- metrics ---------------------------------------------------------------------------------
 
+
 def test_mismatch_metrics_by_hand():
     old = np.array([[-1.0, -2.0, -0.5], [-3.0, -1.0, 0.0]], np.float32)
     behaviour = np.array([[-1.2, -0.9, -0.5], [-2.0, -9.0, -4.0]], np.float32)
     mask = np.array([[True, True, True], [True, False, False]])
-    m = rl.finalize_metrics(rl.mismatch_metrics(jnp.asarray(old), jnp.asarray(behaviour),
-                                                jnp.asarray(mask)))
+    m = rl.finalize_metrics(
+        rl.mismatch_metrics(jnp.asarray(old), jnp.asarray(behaviour), jnp.asarray(mask))
+    )
     # |d| on valid tokens: 0.2, 1.1, 0, 1.0; ratios exp(d): 1.22, 0.33, 1, 0.37 -> 2 outside.
     assert m["mismatch/logp_abs_diff_mean"] == pytest.approx((0.2 + 1.1 + 0.0 + 1.0) / 4, 1e-6)
     assert m["mismatch/logp_abs_diff_max"] == pytest.approx(1.1, 1e-6)
@@ -167,8 +178,9 @@ def test_correction_metrics_count_tokens_and_sequences_in_the_loss():
     corrected = np.array([[1, 0, 0], [0, 0, 0], [0, 1, 1], [1, 1, 0]], bool)
     w_is = np.where(corrected, 0.0, 1.0).astype(np.float32)
     weights = np.array([[1, 1, 1], [1, 1, 0], [1, 1, 1], [0, 0, 0]], np.float32)  # row 3 out
-    m = rl.finalize_metrics(rl.correction_metrics(jnp.asarray(w_is), jnp.asarray(corrected),
-                                                  jnp.asarray(weights)))
+    m = rl.finalize_metrics(
+        rl.correction_metrics(jnp.asarray(w_is), jnp.asarray(corrected), jnp.asarray(weights))
+    )
     assert m["is/corrected_token_frac"] == pytest.approx(3 / 8)
     assert m["is/corrected_seq_frac"] == pytest.approx(2 / 3)
     assert m["is/weight_mean"] == pytest.approx(5 / 8)
@@ -176,19 +188,27 @@ def test_correction_metrics_count_tokens_and_sequences_in_the_loss():
 
 # ---- policy_loss -----------------------------------------------------------------------------
 
+
 def _loss_and_grad(config, logp, behaviour, mask, adv):
     def f(lp):
-        loss_sum, denom, metrics = rl.policy_loss(config, lp, None, jnp.asarray(adv),
-                                                  jnp.asarray(mask),
-                                                  behaviour_logp_BT=jnp.asarray(behaviour))
+        loss_sum, denom, metrics = rl.policy_loss(
+            config,
+            lp,
+            None,
+            jnp.asarray(adv),
+            jnp.asarray(mask),
+            behaviour_logp_BT=jnp.asarray(behaviour),
+        )
         return loss_sum, (denom, metrics)
 
     (loss_sum, (denom, metrics)), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(logp))
     return float(loss_sum), float(denom), rl.finalize_metrics(metrics), np.asarray(grad)
 
 
-@pytest.mark.parametrize("kind,kw", [("tis", dict(is_cap=1.5)), ("icepop", {}),
-                                     ("tis", dict(is_level="sequence", is_cap=1.2))])
+@pytest.mark.parametrize(
+    "kind,kw",
+    [("tis", dict(is_cap=1.5)), ("icepop", {}), ("tis", dict(is_level="sequence", is_cap=1.2))],
+)
 def test_policy_loss_weights_the_pg_term_on_policy(kind, kw):
     """On-policy (old_logp None) the ratio is 1, so loss_t = -A w_t and d loss / d logp_t =
     -A w_t on valid tokens, with w from the trainer's own (stop-gradient) logprobs; the
@@ -217,10 +237,15 @@ def test_policy_loss_uses_the_given_old_logprobs_for_the_ratio():
     old, behaviour, mask = _inputs(8)
     adv = np.ones(B, np.float32)
     config = rl.AlgorithmConfig(is_correction="icepop", clip_low=0.9, clip_high=100.0)
-    logp = old + 0.01   # inside the PPO clip: loss_t = -A exp(logp - old) w_t
-    loss_sum, _, _ = rl.policy_loss(config, jnp.asarray(logp), jnp.asarray(old),
-                                    jnp.asarray(adv), jnp.asarray(mask),
-                                    behaviour_logp_BT=jnp.asarray(behaviour))
+    logp = old + 0.01  # inside the PPO clip: loss_t = -A exp(logp - old) w_t
+    loss_sum, _, _ = rl.policy_loss(
+        config,
+        jnp.asarray(logp),
+        jnp.asarray(old),
+        jnp.asarray(adv),
+        jnp.asarray(mask),
+        behaviour_logp_BT=jnp.asarray(behaviour),
+    )
     w = _openrlhf_weights("icepop", old, behaviour, mask, 0.5, 2.0)
     expected = (-np.exp(logp.astype(np.float64) - old) * w * mask).sum()
     assert float(loss_sum) == pytest.approx(expected, rel=1e-5)
@@ -231,24 +256,38 @@ def test_without_correction_the_loss_is_unchanged_and_the_gap_still_logged():
     adv = np.linspace(-1.0, 1.0, B).astype(np.float32)
     plain = rl.AlgorithmConfig()
     a = rl.policy_loss(plain, jnp.asarray(logp), None, jnp.asarray(adv), jnp.asarray(mask))
-    b = rl.policy_loss(plain, jnp.asarray(logp), None, jnp.asarray(adv), jnp.asarray(mask),
-                       behaviour_logp_BT=jnp.asarray(behaviour))
+    b = rl.policy_loss(
+        plain,
+        jnp.asarray(logp),
+        None,
+        jnp.asarray(adv),
+        jnp.asarray(mask),
+        behaviour_logp_BT=jnp.asarray(behaviour),
+    )
     assert float(a[0]) == float(b[0])
     assert "mismatch/logp_abs_diff_mean" in b[2] and "is/corrected_token_frac" not in b[2]
     assert "mismatch/logp_abs_diff_mean" not in a[2]
     with pytest.raises(ValueError, match="behaviour_logp_BT"):
-        rl.policy_loss(rl.AlgorithmConfig(is_correction="tis"), jnp.asarray(logp), None,
-                       jnp.asarray(adv), jnp.asarray(mask))
+        rl.policy_loss(
+            rl.AlgorithmConfig(is_correction="tis"),
+            jnp.asarray(logp),
+            None,
+            jnp.asarray(adv),
+            jnp.asarray(mask),
+        )
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(is_correction="bogus"), "is_correction='bogus'"),
-    (dict(is_level="row"), "is_level='row'"),
-    (dict(is_correction="tis", is_cap=0.0), "is_cap=0.0"),
-    (dict(is_correction="mis", is_lower=2.0, is_upper=1.0), "is_lower=2.0"),
-    (dict(is_correction="icepop", is_level="sequence"), "is_level='sequence' applies"),
-    (dict(is_level="sequence"), "is_level='sequence' applies"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(is_correction="bogus"), "is_correction='bogus'"),
+        (dict(is_level="row"), "is_level='row'"),
+        (dict(is_correction="tis", is_cap=0.0), "is_cap=0.0"),
+        (dict(is_correction="mis", is_lower=2.0, is_upper=1.0), "is_lower=2.0"),
+        (dict(is_correction="icepop", is_level="sequence"), "is_level='sequence' applies"),
+        (dict(is_level="sequence"), "is_level='sequence' applies"),
+    ],
+)
 def test_validate_names_the_knob(overrides, message):
     with pytest.raises(FlagError, match=message):
         rl.validate(rl.get_preset("grpo", **overrides), group_size=4)

@@ -1,4 +1,5 @@
 """`import jaxrl4llm.rl` needs jax and numpy only (the `pip install --no-deps` promise)."""
+
 import os
 import subprocess
 import sys
@@ -7,11 +8,35 @@ import textwrap
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Every other dependency of the package, and the package's own non-math modules.
-BLOCKED = ("transformers", "flax", "optax", "orbax", "grain", "math_verify", "torch", "absl",
-           "tensorboardX", "pyarrow", "sympy", "gguf", "tqdm", "matplotlib", "tokenizers",
-           "huggingface_hub", "safetensors", "jinja2", "psutil", "jaxrl4llm.models",
-           "jaxrl4llm.sampling", "jaxrl4llm.train", "jaxrl4llm.data", "jaxrl4llm.rewards",
-           "jaxrl4llm.eval", "jaxrl4llm.config.cli", "jaxrl4llm.parallel")
+BLOCKED = (
+    "transformers",
+    "flax",
+    "optax",
+    "orbax",
+    "grain",
+    "math_verify",
+    "torch",
+    "absl",
+    "tensorboardX",
+    "pyarrow",
+    "sympy",
+    "gguf",
+    "tqdm",
+    "matplotlib",
+    "tokenizers",
+    "huggingface_hub",
+    "safetensors",
+    "jinja2",
+    "psutil",
+    "jaxrl4llm.models",
+    "jaxrl4llm.sampling",
+    "jaxrl4llm.train",
+    "jaxrl4llm.data",
+    "jaxrl4llm.rewards",
+    "jaxrl4llm.eval",
+    "jaxrl4llm.config.cli",
+    "jaxrl4llm.parallel",
+)
 
 SCRIPT = textwrap.dedent("""
     import importlib.abc, sys
@@ -40,9 +65,14 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_rl_imports_with_only_jax_and_numpy():
-    result = subprocess.run([sys.executable, "-c", SCRIPT.format(blocked=BLOCKED)], cwd=REPO,
-                            capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO))
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(blocked=BLOCKED)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     # GRPO on groups [1, 0] and [1, 1]: +-1/(std 0.7071 + 1e-6) and a flat group at 0.
     assert "ADV [0.7071, -0.7071, 0.0, 0.0]" in result.stdout

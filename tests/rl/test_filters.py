@@ -1,4 +1,5 @@
 """Keep-masks: group rejection, overlong filtering, RAFT positives, rejected-group fraction."""
+
 from __future__ import annotations
 
 import jax
@@ -35,8 +36,9 @@ def test_keep_mask_rejection_variants(rc, rw, want):
 def test_overlong_filter_and_combination():
     trunc = jnp.array([False, False, False, False, True, False])
     np.testing.assert_array_equal(rl.overlong_keep_mask(trunc), [1, 1, 1, 1, 0, 1])
-    keep = rl.keep_mask(CORRECT, 2, reject_all_correct=True, reject_all_wrong=True,
-                        truncated_B=trunc)
+    keep = rl.keep_mask(
+        CORRECT, 2, reject_all_correct=True, reject_all_wrong=True, truncated_B=trunc
+    )
     np.testing.assert_array_equal(keep, [0, 0, 0, 0, 0, 1])
 
 
@@ -65,8 +67,9 @@ def test_raft_positives_pm1_rewards():
 
 
 def test_filters_jit_and_singletons():
-    f = jax.jit(rl.keep_mask, static_argnums=1,
-                static_argnames=("reject_all_correct", "reject_all_wrong"))
+    f = jax.jit(
+        rl.keep_mask, static_argnums=1, static_argnames=("reject_all_correct", "reject_all_wrong")
+    )
     np.testing.assert_array_equal(f(CORRECT, 2, reject_all_correct=True), [0, 0, 1, 1, 1, 1])
     # group_size 1: each row is its own group.
     np.testing.assert_array_equal(rl.keep_mask(CORRECT, 1, reject_all_wrong=True), CORRECT)

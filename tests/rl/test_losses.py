@@ -1,4 +1,5 @@
 """Closed-form values of the per-token losses, KL estimators, entropy and aggregation."""
+
 from __future__ import annotations
 
 import jax
@@ -26,8 +27,9 @@ def _surrogate(ratio, adv, **kw):
 
 
 def test_clipped_surrogate_symmetric_clip():
-    loss, aux = _surrogate([[1.5, 1.1, 0.5, 0.9]], [[1.0, 1.0, -1.0, -1.0]], clip_low=0.2,
-                           clip_high=0.2)
+    loss, aux = _surrogate(
+        [[1.5, 1.1, 0.5, 0.9]], [[1.0, 1.0, -1.0, -1.0]], clip_low=0.2, clip_high=0.2
+    )
     # A>0, rho=1.5: max(-1.5, -1.2) = -1.2 (clipped high); rho=1.1: -1.1;
     # A<0, rho=0.5: max(0.5, 0.8) = 0.8 (clipped low); rho=0.9: max(0.9, 0.9) = 0.9.
     np.testing.assert_allclose(_np(loss), [[-1.2, -1.1, 0.8, 0.9]], rtol=1e-6)
@@ -116,8 +118,12 @@ def test_aggregation_modes(mode, num, den):
 
 @pytest.mark.parametrize(
     "mode,value",
-    [("token-mean", 1.5), ("seq-mean-token-mean", 1.5), ("seq-mean-token-sum", 3.0),
-     ("seq-mean-token-sum-norm", 1.0)],
+    [
+        ("token-mean", 1.5),
+        ("seq-mean-token-mean", 1.5),
+        ("seq-mean-token-sum", 3.0),
+        ("seq-mean-token-sum-norm", 1.0),
+    ],
 )
 def test_aggregation_rejected_row_leaves_numerator_and_denominator(mode, value):
     big = L.at[1].set(1e6)  # garbage on the rejected row
@@ -139,19 +145,32 @@ def test_all_rejected_gives_zero_not_nan():
 
 def test_metrics_combine_and_finalize():
     Metric = rl.Metric
-    a = {"x": Metric.mean(2.0, 4.0), "lo": Metric.min(0.9), "hi": Metric.max(1.1),
-         "n": Metric.sum(3.0), "only_a": Metric.mean(5.0)}
-    b = {"x": Metric.mean(6.0, 4.0), "lo": Metric.min(0.8), "hi": Metric.max(1.05),
-         "n": Metric.sum(4.0)}
+    a = {
+        "x": Metric.mean(2.0, 4.0),
+        "lo": Metric.min(0.9),
+        "hi": Metric.max(1.1),
+        "n": Metric.sum(3.0),
+        "only_a": Metric.mean(5.0),
+    }
+    b = {
+        "x": Metric.mean(6.0, 4.0),
+        "lo": Metric.min(0.8),
+        "hi": Metric.max(1.05),
+        "n": Metric.sum(4.0),
+    }
     m = rl.finalize_metrics(rl.combine_metrics(a, b))
     # mean: (2 + 6) / (4 + 4) tokens
-    assert (m["x"] == pytest.approx(1.0) and m["lo"] == pytest.approx(0.8)
-            and m["hi"] == pytest.approx(1.1))
+    assert (
+        m["x"] == pytest.approx(1.0)
+        and m["lo"] == pytest.approx(0.8)
+        and m["hi"] == pytest.approx(1.1)
+    )
     assert m["n"] == pytest.approx(7.0) and m["only_a"] == pytest.approx(5.0)
-    uneven = rl.finalize_metrics(rl.combine_metrics({"x": Metric.mean(1.0, 1.0)},
-                                                    {"x": Metric.mean(6.0, 3.0)}))
-    assert uneven["x"] == pytest.approx(7 / 4)   # token-weighted, not (1 + 2) / 2
-    assert rl.finalize_metrics({"e": Metric.mean(0.0, 0.0)})["e"] == 0.0   # nothing counted
+    uneven = rl.finalize_metrics(
+        rl.combine_metrics({"x": Metric.mean(1.0, 1.0)}, {"x": Metric.mean(6.0, 3.0)})
+    )
+    assert uneven["x"] == pytest.approx(7 / 4)  # token-weighted, not (1 + 2) / 2
+    assert rl.finalize_metrics({"e": Metric.mean(0.0, 0.0)})["e"] == 0.0  # nothing counted
     assert bool(Metric.mean(0.0, 0.0).is_empty) and not bool(Metric.mean(0.0, 2.0).is_empty)
     assert bool(Metric.min(jnp.inf).is_empty) and bool(Metric.max(-jnp.inf).is_empty)
     assert not bool(Metric.min(0.5).is_empty) and not bool(Metric.sum(0.0).is_empty)
@@ -161,7 +180,8 @@ def test_metrics_combine_and_finalize():
     ident = rl.metrics.identity_metrics(jax.tree.map(jnp.asarray, b))
     merged = jax.jit(rl.combine_metrics)(ident, jax.tree.map(jnp.asarray, b))
     assert {k: float(v) for k, v in rl.finalize_metrics(merged).items()} == pytest.approx(
-        {"x": 1.5, "lo": 0.8, "hi": 1.05, "n": 4.0})
+        {"x": 1.5, "lo": 0.8, "hi": 1.05, "n": 4.0}
+    )
 
 
 def test_losses_jit():

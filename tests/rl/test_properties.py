@@ -1,4 +1,5 @@
 """Hypothesis properties: normalization scopes, rejected rows, exact micro-batch combination."""
+
 from __future__ import annotations
 
 import jax
@@ -46,8 +47,9 @@ def test_group_normalized_mean0_std1_per_group(rg, ddof):
 def test_batch_normalized_mean0_std1_over_kept_rows(rg, keep_groups):
     r, G = rg
     keep = np.repeat(np.array(keep_groups), G)
-    a = np.asarray(_norm(jnp.asarray(r), G, mean="batch", std="batch", keep_B=jnp.asarray(keep)),
-                   np.float64)
+    a = np.asarray(
+        _norm(jnp.asarray(r), G, mean="batch", std="batch", keep_B=jnp.asarray(keep)), np.float64
+    )
     assert np.all(a[~keep] == 0)
     kept = r[keep]
     if kept.size >= 2 and np.ptp(kept) > 0:
@@ -87,6 +89,7 @@ def _cfg(mode):
 
 def _loss_fn(cfg, logp, old, adv, mask, keep, ref, denom):
     """(loss_sum, denominator, metrics, grad of loss_sum / denom w.r.t. logp)."""
+
     def f(lp):
         s, d, m = rl.policy_loss(cfg, lp, old, adv, mask, keep, ref_logp_BT=ref)
         return s / jnp.maximum(denom, 1.0), (s, d, m)
@@ -115,15 +118,20 @@ def test_micro_batches_combine_exactly(d, mode, n_micro):
     s_mb = sum(float(p[0]) for p in parts)
     den_mb = sum(float(p[1]) for p in parts)
     assert den_mb == pytest.approx(float(den))
-    assert float(rl.finalize_loss(s_mb, den_mb)) == pytest.approx(float(rl.finalize_loss(s, den)),
-                                                                  rel=1e-5, abs=1e-6)
+    assert float(rl.finalize_loss(s_mb, den_mb)) == pytest.approx(
+        float(rl.finalize_loss(s, den)), rel=1e-5, abs=1e-6
+    )
     # The documented alternative: the mini-batch denominator, computed once from masks.
     D = rl.loss_denominator(cfg, jnp.asarray(d["mask"]), jnp.asarray(d["keep"]))
     assert float(D) == pytest.approx(float(den))
     # Gradients of loss_sum_k / D summed over micro-batches equal the mini-batch gradient.
     g_full = _run(cfg, d, denom=float(den))[3]
-    g_mb = jnp.concatenate([_run(cfg, d, rows=slice(k * step, (k + 1) * step), denom=float(D))[3]
-                            for k in range(n_micro)])
+    g_mb = jnp.concatenate(
+        [
+            _run(cfg, d, rows=slice(k * step, (k + 1) * step), denom=float(D))[3]
+            for k in range(n_micro)
+        ]
+    )
     np.testing.assert_allclose(np.asarray(g_mb), np.asarray(g_full), rtol=1e-5, atol=1e-7)
     # Metrics merged with combine_metrics equal the whole-batch metrics.
     merged = parts[0][2]
@@ -141,8 +149,12 @@ def test_rejected_rows_contribute_nothing(d, mode):
     cfg = _cfg(mode)
     keep = d["keep"]
     # Garbage on rejected rows (huge log-ratios and advantages) ...
-    s, den, _, g = _run(cfg, d, old=np.where(keep[:, None], d["old"], 50.0).astype(np.float32),
-                        adv=np.where(keep, d["adv"], 1e4).astype(np.float32))
+    s, den, _, g = _run(
+        cfg,
+        d,
+        old=np.where(keep[:, None], d["old"], 50.0).astype(np.float32),
+        adv=np.where(keep, d["adv"], 1e4).astype(np.float32),
+    )
     # ... gives exactly what those rows give when they are simply absent (mask zeroed, all kept).
     s0, den0, _, g0 = _run(cfg, d, mask=d["mask"] * keep[:, None], keep=np.ones(B, bool))
     assert float(den) == pytest.approx(float(den0))
@@ -153,9 +165,12 @@ def test_rejected_rows_contribute_nothing(d, mode):
 
 def test_rejected_rows_equal_dropping_them():
     rng = np.random.default_rng(0)
-    d = dict(mask=np.ones((B, T), np.float32), keep=np.arange(B) % 3 != 0,
-             logp=-rng.uniform(0.1, 3, (B, T)).astype(np.float32),
-             adv=rng.normal(size=B).astype(np.float32))
+    d = dict(
+        mask=np.ones((B, T), np.float32),
+        keep=np.arange(B) % 3 != 0,
+        logp=-rng.uniform(0.1, 3, (B, T)).astype(np.float32),
+        adv=rng.normal(size=B).astype(np.float32),
+    )
     d["old"], d["ref"] = d["logp"] + 0.2, d["logp"] - 0.1
     for mode in rl.AGG_MODES:
         s, den, _, g = _run(_cfg(mode), d)
@@ -171,10 +186,12 @@ def test_clipped_equals_unclipped_at_ratio_one(d, lo, hi, dual):
     lp = jnp.asarray(d["logp"])
     A = jnp.asarray(d["adv"])
     loss, aux = rl.clipped_surrogate(lp, lp, A, clip_low=lo, clip_high=hi, dual_clip=dual)
-    np.testing.assert_allclose(np.asarray(loss), np.broadcast_to(-np.asarray(A)[:, None], lp.shape),
-                               rtol=1e-6)
-    assert not bool(aux["clipped_low"].any() | aux["clipped_high"].any()
-                    | aux["dual_clipped"].any())
+    np.testing.assert_allclose(
+        np.asarray(loss), np.broadcast_to(-np.asarray(A)[:, None], lp.shape), rtol=1e-6
+    )
+    assert not bool(
+        aux["clipped_low"].any() | aux["clipped_high"].any() | aux["dual_clipped"].any()
+    )
 
 
 _rpp = jax.jit(rl.reinforce_pp_advantages, static_argnames=("group_size", "baseline", "ddof"))
@@ -185,9 +202,19 @@ _rpp = jax.jit(rl.reinforce_pp_advantages, static_argnames=("group_size", "basel
 def test_reinforce_pp_whitened_over_valid_tokens(d, ddof, baseline):
     mask, keep = d["mask"], d["keep"]
     r = np.round(d["adv"] * 2) / 2  # a few distinct reward levels
-    a = np.asarray(_rpp(jnp.asarray(r), jnp.asarray(mask), kl_BT=jnp.asarray(d["ref"]),
-                                              kl_coef=0.05, group_size=2, baseline=baseline,
-                                              keep_B=jnp.asarray(keep), ddof=ddof), np.float64)
+    a = np.asarray(
+        _rpp(
+            jnp.asarray(r),
+            jnp.asarray(mask),
+            kl_BT=jnp.asarray(d["ref"]),
+            kl_coef=0.05,
+            group_size=2,
+            baseline=baseline,
+            keep_B=jnp.asarray(keep),
+            ddof=ddof,
+        ),
+        np.float64,
+    )
     w = (mask > 0) & keep[:, None]
     assert np.all(a[~w] == 0)
     v = a[w]

@@ -9,6 +9,7 @@ implementations, transcribed below in torch:
   openrlhf/trainer/ppo_utils/experience_maker.py get_advantages_and_returns (values and
   rewards multiplied by the action mask, then GAE over every position).
 """
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch
 from jaxrl4llm import rl
 
 # ---- the references, transcribed ----------------------------------------------------------
+
 
 def verl_gae(token_level_rewards, values, response_mask, gamma, lam):
     nextvalues, lastgaelam, advantages_reversed = 0, 0, []
@@ -34,7 +36,7 @@ def verl_gae(token_level_rewards, values, response_mask, gamma, lam):
 def verl_masked_whiten(values, mask):
     mean = (values * mask).sum() / mask.sum()
     variance = (((values - mean) ** 2) * mask).sum() / mask.sum()
-    variance = variance * mask.sum() / (mask.sum() - 1)     # unbiased (Bessel)
+    variance = variance * mask.sum() / (mask.sum() - 1)  # unbiased (Bessel)
     return (values - mean) * torch.rsqrt(variance + 1e-8)
 
 
@@ -44,8 +46,9 @@ def verl_value_loss(vpreds, returns, values, response_mask, cliprange_value):
     vf_losses2 = (vpredclipped - returns) ** 2
     clipped_vf_losses = torch.max(vf_losses1, vf_losses2)
     vf_loss = 0.5 * (clipped_vf_losses * response_mask).sum() / response_mask.sum()
-    vf_clipfrac = ((torch.gt(vf_losses2, vf_losses1).float() * response_mask).sum()
-                   / response_mask.sum())
+    vf_clipfrac = (
+        torch.gt(vf_losses2, vf_losses1).float() * response_mask
+    ).sum() / response_mask.sum()
     return vf_loss, vf_clipfrac
 
 
@@ -66,13 +69,14 @@ def openrlhf_gae(values, rewards, action_mask, gamma, lambd):
 def _random_batch(seed, B=6, T=9):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, T + 1, B)
-    mask = np.arange(T)[None, :] < lengths[:, None]          # right-padded completions
+    mask = np.arange(T)[None, :] < lengths[:, None]  # right-padded completions
     token_rewards = rng.normal(size=(B, T)).astype(np.float32) * mask
     values = rng.normal(size=(B, T)).astype(np.float32)
     return token_rewards, values, mask
 
 
 # ---- by hand ------------------------------------------------------------------------------
+
 
 def test_three_token_gae_by_hand():
     """gamma 0.9, lam 0.5, outcome reward 1 at the last token, V = (0.5, 0.2, 0.4):
@@ -109,11 +113,13 @@ def test_three_token_value_loss_by_hand():
     np.testing.assert_allclose(loss_sum / denom, 0.5 * 0.62210225 / 3, rtol=1e-6)
     np.testing.assert_allclose(rl.finalize_metrics(metrics)["critic/clip_frac"], 1 / 3, rtol=1e-6)
     unclipped = rl.value_loss(new, old, ret, mask, value_clip=None)
-    np.testing.assert_allclose(unclipped[0] / unclipped[1], 0.5 * (0.27720225 + 0.1849 + 0.01) / 3,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        unclipped[0] / unclipped[1], 0.5 * (0.27720225 + 0.1849 + 0.01) / 3, rtol=1e-6
+    )
 
 
 # ---- against the references on random inputs ----------------------------------------------
+
 
 @pytest.mark.parametrize("seed,gamma,lam", [(0, 1.0, 0.95), (1, 0.99, 1.0), (2, 0.9, 0.0)])
 def test_gae_matches_verl_and_openrlhf(seed, gamma, lam):
@@ -123,8 +129,9 @@ def test_gae_matches_verl_and_openrlhf(seed, gamma, lam):
     t = lambda x: torch.tensor(np.asarray(x, np.float64))  # noqa: E731
     verl_adv, verl_ret = verl_gae(t(r), t(v), t(mask), gamma, lam)
     orl_adv, orl_ret = openrlhf_gae(t(v), t(r), t(mask), gamma, lam)
-    np.testing.assert_allclose(np.asarray(white)[mask], verl_adv.numpy()[mask], rtol=1e-4,
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(white)[mask], verl_adv.numpy()[mask], rtol=1e-4, atol=1e-5
+    )
     np.testing.assert_allclose(np.asarray(ret)[mask], verl_ret.numpy()[mask], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(adv)[mask], orl_adv.numpy()[mask], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(ret)[mask], orl_ret.numpy()[mask], rtol=1e-5, atol=1e-5)
@@ -141,14 +148,16 @@ def test_value_loss_matches_verl(seed, clip):
     t = lambda x: torch.tensor(np.asarray(x, np.float64))  # noqa: E731
     vf_loss, clipfrac = verl_value_loss(t(new), t(ret), t(old), t(mask), clip)
     np.testing.assert_allclose(loss_sum / denom, vf_loss.item(), rtol=1e-5)
-    np.testing.assert_allclose(rl.finalize_metrics(metrics)["critic/clip_frac"], clipfrac.item(),
-                               rtol=1e-6)
-    assert 0 < clipfrac.item() < 1   # both branches of the max were exercised
+    np.testing.assert_allclose(
+        rl.finalize_metrics(metrics)["critic/clip_frac"], clipfrac.item(), rtol=1e-6
+    )
+    assert 0 < clipfrac.item() < 1  # both branches of the max were exercised
 
 
 def test_value_loss_gradient_is_zero_where_the_clip_binds():
     """Where the clipped error is the larger, the loss is constant in V (its gradient 0)."""
     import jax
+
     ret = np.array([[1.0, 1.0]], np.float32)
     old = np.array([[0.4, 0.4]], np.float32)
     mask = np.ones((1, 2), bool)
@@ -173,7 +182,8 @@ def test_ppo_preset_advantages_are_gae_on_kl_shaped_rewards():
     rewards = np.array([1.0, 0.0, 1.0, 0.0], np.float32)
     config = rl.validate(rl.get_preset("ppo"), 4)
     adv, ret, keep, _ = rl.compute_advantages_and_returns(
-        config, rewards, rewards > 0, mask, 4, logp_BT=logp, ref_logp_BT=ref, values_BT=v)
+        config, rewards, rewards > 0, mask, 4, logp_BT=logp, ref_logp_BT=ref, values_BT=v
+    )
     last = mask.sum(1) - 1
     token = -0.01 * (logp - ref) * mask
     token[np.arange(4), last] += rewards
@@ -183,18 +193,27 @@ def test_ppo_preset_advantages_are_gae_on_kl_shaped_rewards():
     np.testing.assert_allclose(np.asarray(ret)[mask], verl_ret.numpy()[mask], rtol=1e-5, atol=1e-5)
     assert keep.all()
     # Every other estimator has no critic targets.
-    assert rl.compute_advantages_and_returns(rl.get_preset("grpo"), rewards, rewards > 0, mask,
-                                             4)[1] is None
+    assert (
+        rl.compute_advantages_and_returns(rl.get_preset("grpo"), rewards, rewards > 0, mask, 4)[1]
+        is None
+    )
 
 
 def test_gae_without_values_is_a_clear_error():
     with pytest.raises(ValueError, match="values_BT"):
-        rl.compute_advantages(rl.get_preset("ppo", kl_coef=0.0, kl_in=None), np.ones(4),
-                              np.ones(4, bool), np.ones((4, 2), bool), 4)
+        rl.compute_advantages(
+            rl.get_preset("ppo", kl_coef=0.0, kl_in=None),
+            np.ones(4),
+            np.ones(4, bool),
+            np.ones((4, 2), bool),
+            4,
+        )
 
 
-@pytest.mark.parametrize("knob,value,message", [
-    ("gamma", 1.5, "gamma"), ("lam", -0.1, "lam"), ("value_clip", 0.0, "value_clip")])
+@pytest.mark.parametrize(
+    "knob,value,message",
+    [("gamma", 1.5, "gamma"), ("lam", -0.1, "lam"), ("value_clip", 0.0, "value_clip")],
+)
 def test_bad_gae_knobs_name_themselves(knob, value, message):
     with pytest.raises(ValueError, match=message):
         rl.validate(rl.get_preset("ppo", **{knob: value}), 4)

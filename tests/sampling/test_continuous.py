@@ -1,5 +1,6 @@
 """Continuous batching (sampling/continuous.py): the same samples as the compacted sampler,
 whatever the number of slots, the lengths, dropped prompts or greedy rows; less decode work."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,6 +24,7 @@ SAMPLED = SamplingConfig(temperature=1.0, top_k=12)
 @pytest.fixture(scope="module")
 def toy(toy_model_dir):
     from jaxrl4llm.models import registry
+
     config, params, _ = registry.load_model(toy_model_dir)
     return config, params
 
@@ -40,12 +42,21 @@ def _both(config, params, prompts, sampling, slots, **kw):
 
 
 def _assert_same_samples(a, b):
-    for field in ("tokens_BT", "mask_BT", "lengths_B", "truncated_B", "dropped_B",
-                  "prompt_tokens_BP", "prompt_mask_BP"):
-        np.testing.assert_array_equal(np.asarray(getattr(a, field)),
-                                      np.asarray(getattr(b, field)), err_msg=field)
-    np.testing.assert_allclose(np.asarray(b.logprobs_BT), np.asarray(a.logprobs_BT),
-                               atol=1e-5, rtol=0)
+    for field in (
+        "tokens_BT",
+        "mask_BT",
+        "lengths_B",
+        "truncated_B",
+        "dropped_B",
+        "prompt_tokens_BP",
+        "prompt_mask_BP",
+    ):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(a, field)), np.asarray(getattr(b, field)), err_msg=field
+        )
+    np.testing.assert_allclose(
+        np.asarray(b.logprobs_BT), np.asarray(a.logprobs_BT), atol=1e-5, rtol=0
+    )
     assert int(a.num_steps) == int(b.num_steps)
 
 
@@ -69,8 +80,9 @@ def test_dropped_prompts_and_long_rows_with_one_slot(toy):
     """One slot runs every row in turn; a dropped prompt never takes a slot."""
     config, params = toy
     prompts = _prompts(config, [4, 40, 7, 2], seed=1)
-    a, b = _both(config, params, prompts, SAMPLED, slots=1, n=2, max_prompt_len=30,
-                 long_prompts="drop")
+    a, b = _both(
+        config, params, prompts, SAMPLED, slots=1, n=2, max_prompt_len=30, long_prompts="drop"
+    )
     _assert_same_samples(a, b)
     assert np.asarray(b.dropped_B).tolist() == [False] * 2 + [True] * 2 + [False] * 4
     assert np.asarray(b.lengths_B)[2:4].tolist() == [0, 0]
@@ -89,7 +101,7 @@ def test_greedy_last_rows(toy):
     tokens, mask, positions = b.sequences()
     logits, _ = transformer.forward(params, config, tokens, positions, mask)
     P = b.prompt_tokens_BP.shape[1]
-    argmax = np.asarray(logits[:, P - 1:-1].argmax(-1))
+    argmax = np.asarray(logits[:, P - 1 : -1].argmax(-1))
     for r in (2, 5, 8):
         n = int(b.lengths_B[r])
         np.testing.assert_array_equal(np.asarray(b.tokens_BT[r, :n]), argmax[r, :n])
@@ -117,18 +129,21 @@ def test_sliding_window_rows(toy):
 def test_on_a_mesh_and_its_refusal(toy):
     config, params = toy
     mesh = parallel.make_mesh("data:2,fsdp:2,tensor:2")
-    with pytest.raises(FlagError, match="--decode_slots=6 must be a multiple of the "
-                                        "data-parallel size 4"):
+    with pytest.raises(
+        FlagError, match="--decode_slots=6 must be a multiple of the data-parallel size 4"
+    ):
         Sampler(config, mesh=mesh, decode_slots=6)
     assert issubclass(FlagError, UserError)
     smp = Sampler(config, mesh=mesh, stop_ids=STOP, decode_slots=4)
     prompts = _prompts(config, [5, 2, 7, 4], seed=5)
     key = jax.random.key(1)
-    caps = [N, 3, N, 7, 1, N, 12, N]   # per-row caps, placed on the mesh like the rows
-    b = smp.generate(smp.shard_params(params), prompts, SAMPLED, N, key, group_size=2,
-                     row_caps=caps)
-    a = sampler.generate(params, config, prompts, SAMPLED, N, key, n=2, stop_ids=STOP,
-                         row_caps=caps)
+    caps = [N, 3, N, 7, 1, N, 12, N]  # per-row caps, placed on the mesh like the rows
+    b = smp.generate(
+        smp.shard_params(params), prompts, SAMPLED, N, key, group_size=2, row_caps=caps
+    )
+    a = sampler.generate(
+        params, config, prompts, SAMPLED, N, key, n=2, stop_ids=STOP, row_caps=caps
+    )
     _assert_same_samples(a, b)
     assert np.all(np.asarray(b.lengths_B) <= caps)
 
@@ -151,20 +166,25 @@ def test_row_caps_end_rows_early_as_truncated(toy, slots):
     kw = dict(stop_ids=STOP, n=4, pad_id=STOP[0])
     free = sampler.generate(*args, **kw)
     caps = np.random.default_rng(0).integers(1, N + 1, size=24)
-    capped = sampler.generate(*args, row_caps=caps, decode_slots=slots,
-                              max_rows=None if slots else 12, **kw)
+    capped = sampler.generate(
+        *args, row_caps=caps, decode_slots=slots, max_rows=None if slots else 12, **kw
+    )
     free_len = np.asarray(free.lengths_B)
     stopped = ~np.asarray(free.truncated_B)
     want_len = np.minimum(free_len, caps)
     np.testing.assert_array_equal(np.asarray(capped.lengths_B), want_len)
-    np.testing.assert_array_equal(np.asarray(capped.truncated_B),
-                                  ~(stopped & (free_len <= caps)))
+    np.testing.assert_array_equal(np.asarray(capped.truncated_B), ~(stopped & (free_len <= caps)))
     for r in range(24):
         n = want_len[r]
-        np.testing.assert_array_equal(np.asarray(capped.tokens_BT[r, :n]),
-                                      np.asarray(free.tokens_BT[r, :n]))
-        np.testing.assert_allclose(np.asarray(capped.logprobs_BT[r, :n]),
-                                   np.asarray(free.logprobs_BT[r, :n]), atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(
+            np.asarray(capped.tokens_BT[r, :n]), np.asarray(free.tokens_BT[r, :n])
+        )
+        np.testing.assert_allclose(
+            np.asarray(capped.logprobs_BT[r, :n]),
+            np.asarray(free.logprobs_BT[r, :n]),
+            atol=1e-5,
+            rtol=0,
+        )
     # The caps cut rows short of where they would have stopped, and spare others.
     assert np.any(caps < free_len) and np.any(caps > free_len)
     assert int(capped.slot_steps) >= int(want_len.sum() - want_len.size)
@@ -187,7 +207,11 @@ def test_row_caps_same_samples_in_both_decoders(toy):
 
 def test_row_caps_refused(toy):
     config, params = toy
-    with pytest.raises(ValueError, match=r"row_caps must hold len\(prompts\) \* n = 4 ints in "
-                                         r"1..max_new_tokens=8"):
-        sampler.generate(params, config, [[1], [2]], SAMPLED, 8, jax.random.key(0), n=2,
-                         row_caps=[1, 2, 9, 3])
+    with pytest.raises(
+        ValueError,
+        match=r"row_caps must hold len\(prompts\) \* n = 4 ints in "
+        r"1..max_new_tokens=8",
+    ):
+        sampler.generate(
+            params, config, [[1], [2]], SAMPLED, 8, jax.random.key(0), n=2, row_caps=[1, 2, 9, 3]
+        )

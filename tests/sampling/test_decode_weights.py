@@ -4,6 +4,7 @@ Read in the HLO right after SPMD partitioning (hlo_analysis.partitioned_hlo): th
 compiler's final HLO has weight gathers hoisted out of the loop whatever the program asked,
 while the TPU and GPU compilers run them where the partitioner put them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,25 +29,38 @@ ROWS, PROMPT, NEW = 16, 16, 8
 def _lower(mesh_spec: str, num_chunks: int, slots: int = 0):
     mesh = parallel.make_mesh(mesh_spec)
     # Stored as the trainer stores them: bfloat16, laid out by the default rules.
-    structs = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16),
-                           transformer.param_shapes(MODEL), is_leaf=lambda x: type(x) is tuple)
-    shardings = parallel.logical_to_sharding(transformer.param_logical_axes(MODEL), mesh,
-                                             shapes=structs)
-    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                          structs, shardings)
+    structs = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16),
+        transformer.param_shapes(MODEL),
+        is_leaf=lambda x: type(x) is tuple,
+    )
+    shardings = parallel.logical_to_sharding(
+        transformer.param_logical_axes(MODEL), mesh, shapes=structs
+    )
+    params = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), structs, shardings
+    )
 
     def rows(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype,
-                                    sharding=parallel.batch_sharding(mesh, len(shape)))
+        return jax.ShapeDtypeStruct(
+            shape, dtype, sharding=parallel.batch_sharding(mesh, len(shape))
+        )
 
-    inputs = (params, rows((ROWS, PROMPT), jnp.int32), rows((ROWS, PROMPT), bool),
-              rows((ROWS,), bool), rows((ROWS,), jax.random.key(0).dtype),
-              jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    inputs = (
+        params,
+        rows((ROWS, PROMPT), jnp.int32),
+        rows((ROWS, PROMPT), bool),
+        rows((ROWS,), bool),
+        rows((ROWS,), jax.random.key(0).dtype),
+        jax.ShapeDtypeStruct((8,), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
     common = dict(model_config=MODEL, sampling=SamplingConfig(), max_new_tokens=NEW, mesh=mesh)
-    if slots:   # the continuous-batching decoder
+    if slots:  # the continuous-batching decoder
         return mesh, continuous.generate_slots.lower(*inputs, slots=slots, **common)
-    return mesh, sampler.generate_tokens.lower(*inputs, prompt_group=1, num_chunks=num_chunks,
-                                               cache_dtype=jnp.bfloat16, **common)
+    return mesh, sampler.generate_tokens.lower(
+        *inputs, prompt_group=1, num_chunks=num_chunks, cache_dtype=jnp.bfloat16, **common
+    )
 
 
 def _gathered_bytes(mesh) -> int:
@@ -54,10 +68,10 @@ def _gathered_bytes(mesh) -> int:
     split over tensor: the logical axes read directly, not through the sharding code."""
     tensor = mesh.shape["tensor"]
     total = 0
-    for axes, shape in zip(jax.tree.leaves(transformer.param_logical_axes(MODEL),
-                                           is_leaf=lambda x: type(x) is tuple),
-                           jax.tree.leaves(transformer.param_shapes(MODEL),
-                                           is_leaf=lambda x: type(x) is tuple)):
+    for axes, shape in zip(
+        jax.tree.leaves(transformer.param_logical_axes(MODEL), is_leaf=lambda x: type(x) is tuple),
+        jax.tree.leaves(transformer.param_shapes(MODEL), is_leaf=lambda x: type(x) is tuple),
+    ):
         if "embed" not in axes:
             continue
         split = [d for a, d in zip(axes, shape) if a in ("vocab", "heads", "kv_heads", "mlp")]
@@ -65,13 +79,18 @@ def _gathered_bytes(mesh) -> int:
     return total
 
 
-@pytest.mark.parametrize("mesh_spec,num_chunks,slots", [("data:1,fsdp:8,tensor:1", 1, 0),
-                                                        ("data:1,fsdp:4,tensor:2", 2, 0),
-                                                        ("data:1,fsdp:8,tensor:1", 1, 8)])
+@pytest.mark.parametrize(
+    "mesh_spec,num_chunks,slots",
+    [
+        ("data:1,fsdp:8,tensor:1", 1, 0),
+        ("data:1,fsdp:4,tensor:2", 2, 0),
+        ("data:1,fsdp:8,tensor:1", 1, 8),
+    ],
+)
 def test_decode_loop_gathers_no_weight(mesh_spec, num_chunks, slots):
     mesh, lowered = _lower(mesh_spec, num_chunks, slots)
     _, hlo = hlo_analysis.partitioned_hlo(lowered)
-    assert " while(" in hlo   # the decode loop is there
+    assert " while(" in hlo  # the decode loop is there
     repeated = hlo_analysis.loop_invariant_collectives(hlo)
     assert not repeated, [(op.kind, op.result, op.op_name) for op in repeated]
     # The weights are gathered once, before the loops, each exactly once.

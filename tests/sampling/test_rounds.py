@@ -1,6 +1,7 @@
 """Sampling rounds on a fake sampler and verifier: ReMax's greedy row, DAPO's dynamic sampling
 (which groups it keeps, where it stops, what it logs, how rounds of different prompt widths
 join)."""
+
 import types
 
 import jax
@@ -35,11 +36,16 @@ class FakeSampler:
         B = tok.shape[0]
         prompt = np.full((B, W), 7, np.int32)
         out = SampleOutput(
-            tokens_BT=jnp.asarray(tok), logprobs_BT=jnp.zeros((B, T)),
-            mask_BT=jnp.ones((B, T), bool), lengths_B=jnp.full((B,), T, jnp.int32),
+            tokens_BT=jnp.asarray(tok),
+            logprobs_BT=jnp.zeros((B, T)),
+            mask_BT=jnp.ones((B, T), bool),
+            lengths_B=jnp.full((B,), T, jnp.int32),
             truncated_B=jnp.zeros((B,), bool),
-            prompt_tokens_BP=jnp.asarray(prompt), prompt_mask_BP=jnp.ones((B, W), bool),
-            dropped_B=jnp.zeros((B,), bool), num_steps=jnp.int32(T))
+            prompt_tokens_BP=jnp.asarray(prompt),
+            prompt_mask_BP=jnp.ones((B, W), bool),
+            dropped_B=jnp.zeros((B,), bool),
+            num_steps=jnp.int32(T),
+        )
         return Samples(out, [f"{m}:{g}" for m in messages for g in range(n)], layout)
 
 
@@ -52,17 +58,23 @@ class FakeVerifier:
 
     def score(self, texts, records, lengths=None):
         correct = np.array([self.verdicts[r][int(t.split(":")[1])] for t, r in zip(texts, records)])
-        greedy = np.array([int(t.split(":")[1]) == len(self.verdicts[r]) - 1
-                           for t, r in zip(texts, records)])
-        return RewardBatch(rewards=correct + 0.5 * greedy, correct=correct,
-                           reasons=["correct" if c else "wrong" for c in correct])
+        greedy = np.array(
+            [int(t.split(":")[1]) == len(self.verdicts[r]) - 1 for t, r in zip(texts, records)]
+        )
+        return RewardBatch(
+            rewards=correct + 0.5 * greedy,
+            correct=correct,
+            reasons=["correct" if c else "wrong" for c in correct],
+        )
 
 
 def _ctx(verdicts, widths=(4,)):
     return types.SimpleNamespace(
-        sampler=FakeSampler(widths), reward_fn=FakeVerifier(verdicts),
+        sampler=FakeSampler(widths),
+        reward_fn=FakeVerifier(verdicts),
         data=types.SimpleNamespace(messages=lambda r: r),
-        rollout=types.SimpleNamespace(sampling=None, max_new_tokens=T))
+        rollout=types.SimpleNamespace(sampling=None, max_new_tokens=T),
+    )
 
 
 def _rounds(preset, **overrides):
@@ -78,44 +90,61 @@ def test_dynamic_sampling_gathers_groups_with_both_verdicts_and_joins_prompt_wid
     # G = 2; records 0 and 3 have a correct and a wrong sample, 1 and 2 do not.
     verdicts = {0: [True, False], 1: [False, False], 2: [True, True], 3: [False, True]}
     ctx = _ctx(verdicts, widths=(4, 6))
-    rows, metrics = sample_and_score(ctx, None, [0, 1], jax.random.key(0), RowLayout(2),
-                                     _rounds("dapo"), _feed([[2, 3]]))
-    assert [c[0] for c in ctx.sampler.calls] == [[0, 1], [2, 3]]      # a second round, new prompts
+    rows, metrics = sample_and_score(
+        ctx, None, [0, 1], jax.random.key(0), RowLayout(2), _rounds("dapo"), _feed([[2, 3]])
+    )
+    assert [c[0] for c in ctx.sampler.calls] == [[0, 1], [2, 3]]  # a second round, new prompts
     assert rows.samples.texts == ["0:0", "0:1", "3:0", "3:1"]
     np.testing.assert_array_equal(np.asarray(rows.samples.out.tokens_BT)[:, 0], [0, 1, 30, 31])
     np.testing.assert_array_equal(rows.verdicts.correct, [True, False, False, True])
     # Round 1's prompts (width 4) left-padded to round 2's 6: pad id, mask False.
-    prompt, pmask = (np.asarray(x) for x in (rows.samples.out.prompt_tokens_BP,
-                                             rows.samples.out.prompt_mask_BP))
+    prompt, pmask = (
+        np.asarray(x) for x in (rows.samples.out.prompt_tokens_BP, rows.samples.out.prompt_mask_BP)
+    )
     assert prompt.shape == (4, 6)
     np.testing.assert_array_equal(prompt[:2, :2], 0)
     np.testing.assert_array_equal(pmask, [[False, False] + [True] * 4] * 2 + [[True] * 6] * 2)
-    got = finalize_metrics({k: v for k, v in metrics.items()
-                            if k.startswith(("rollout", "reward"))})
-    assert got == pytest.approx({"rollout/rounds": 2.0, "rollout/frac_groups_filtered": 0.5,
-                                 "rollout/groups_short": 0.0, "reward/accuracy_sampled": 4 / 8})
+    got = finalize_metrics(
+        {k: v for k, v in metrics.items() if k.startswith(("rollout", "reward"))}
+    )
+    assert got == pytest.approx(
+        {
+            "rollout/rounds": 2.0,
+            "rollout/frac_groups_filtered": 0.5,
+            "rollout/groups_short": 0.0,
+            "reward/accuracy_sampled": 4 / 8,
+        }
+    )
 
 
 def test_dynamic_sampling_stops_after_the_cap_and_fills_the_batch():
     verdicts = {r: [False, False] for r in range(8)}
     verdicts[5] = [True, False]
     ctx = _ctx(verdicts)
-    rows, metrics = sample_and_score(ctx, None, [0, 1], jax.random.key(0), RowLayout(2),
-                                     _rounds("dapo", max_resample_rounds=2),
-                                     _feed([[2, 3], [4, 5], [6, 7]]))
-    assert len(ctx.sampler.calls) == 3                                # 1 + 2 extra rounds, no more
+    rows, metrics = sample_and_score(
+        ctx,
+        None,
+        [0, 1],
+        jax.random.key(0),
+        RowLayout(2),
+        _rounds("dapo", max_resample_rounds=2),
+        _feed([[2, 3], [4, 5], [6, 7]]),
+    )
+    assert len(ctx.sampler.calls) == 3  # 1 + 2 extra rounds, no more
     # The one group with spread first, then the first group set aside; same P x G shape.
     assert rows.samples.texts == ["5:0", "5:1", "0:0", "0:1"]
     assert np.asarray(rows.samples.out.tokens_BT).shape == (4, T)
     got = finalize_metrics({k: v for k, v in metrics.items() if k.startswith("rollout")})
-    assert got == pytest.approx({"rollout/rounds": 3.0, "rollout/frac_groups_filtered": 5 / 6,
-                                 "rollout/groups_short": 1.0})
+    assert got == pytest.approx(
+        {"rollout/rounds": 3.0, "rollout/frac_groups_filtered": 5 / 6, "rollout/groups_short": 1.0}
+    )
 
 
 def test_dynamic_sampling_without_an_iterator_resamples_the_same_prompts():
     ctx = _ctx({0: [True, True], 1: [False, True]})
-    sample_and_score(ctx, None, [0, 1], jax.random.key(0), RowLayout(2),
-                     _rounds("dapo", max_resample_rounds=1))
+    sample_and_score(
+        ctx, None, [0, 1], jax.random.key(0), RowLayout(2), _rounds("dapo", max_resample_rounds=1)
+    )
     assert [c[0] for c in ctx.sampler.calls] == [[0, 1], [0, 1]]
 
 
@@ -123,10 +152,9 @@ def test_remax_samples_one_greedy_row_per_prompt_and_uses_its_reward_as_baseline
     # G = 2 sampled rows + the greedy row (index 2) per prompt.
     verdicts = {0: [True, False, True], 1: [False, True, False]}
     ctx = _ctx(verdicts)
-    rows, _ = sample_and_score(ctx, None, [0, 1], jax.random.key(0), RowLayout(2),
-                               _rounds("remax"))
-    assert ctx.sampler.calls == [([0, 1], 3, 1)]                      # one call, G + 1 rows
-    assert rows.samples.texts == ["0:0", "0:1", "1:0", "1:1"]         # greedy rows left out
+    rows, _ = sample_and_score(ctx, None, [0, 1], jax.random.key(0), RowLayout(2), _rounds("remax"))
+    assert ctx.sampler.calls == [([0, 1], 3, 1)]  # one call, G + 1 rows
+    assert rows.samples.texts == ["0:0", "0:1", "1:0", "1:1"]  # greedy rows left out
     np.testing.assert_array_equal(np.asarray(rows.samples.out.tokens_BT)[:, 0], [0, 1, 10, 11])
     np.testing.assert_allclose(rows.baseline_B, [1.5, 1.5, 0.5, 0.5])
     np.testing.assert_array_equal(rows.baseline_correct_B, [True, True, False, False])
@@ -136,6 +164,7 @@ def test_remax_samples_one_greedy_row_per_prompt_and_uses_its_reward_as_baseline
 @pytest.mark.parametrize("algorithm", ["dapo", "remax"])
 def test_several_hosts_are_refused_before_anything_loads(algorithm, monkeypatch):
     from jaxrl4llm.train.config import TrainConfig
+
     config = TrainConfig().replace(algorithm=algorithm, mesh="data:1,fsdp:1,tensor:1")
     config.validate(1)
     monkeypatch.setattr(jax, "process_count", lambda: 2)

@@ -1,4 +1,5 @@
 """Sampling strategies: distributions, truncation sets (vs transformers' warpers), logprobs."""
+
 from __future__ import annotations
 
 import jax
@@ -50,8 +51,10 @@ def test_empirical_distribution_matches_softmax_over_temperature(temperature):
     logits = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 1.5], np.float32)
     draws = 20000
     tokens, _ = jax.jit(strategies.sample, static_argnums=2)(
-        jnp.broadcast_to(logits, (draws, logits.size)), _keys(draws, seed=3),
-        SamplingConfig(temperature))
+        jnp.broadcast_to(logits, (draws, logits.size)),
+        _keys(draws, seed=3),
+        SamplingConfig(temperature),
+    )
     counts = np.bincount(np.asarray(tokens), minlength=logits.size)
 
     def p_value(t):
@@ -65,25 +68,34 @@ def test_empirical_distribution_matches_softmax_over_temperature(temperature):
     assert p_value(temperature / 1.2) < 1e-6
 
 
-@pytest.mark.parametrize("config", [
-    SamplingConfig(1.0, top_k=5),
-    SamplingConfig(0.7, top_p=0.8),
-    SamplingConfig(1.0, top_p=0.95),
-    SamplingConfig(1.3, top_k=20, top_p=0.6),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        SamplingConfig(1.0, top_k=5),
+        SamplingConfig(0.7, top_p=0.8),
+        SamplingConfig(1.0, top_p=0.95),
+        SamplingConfig(1.3, top_k=20, top_p=0.6),
+    ],
+)
 def test_truncation_set_matches_transformers_warpers(config):
     rng = np.random.default_rng(0)
-    peaked = rng.normal(size=(24, 300)) * 4.0          # nucleus within the top-64 fast path
-    flat = rng.normal(size=(8, 300)) * 0.05            # nucleus of ~hundreds: exact bisection
+    peaked = rng.normal(size=(24, 300)) * 4.0  # nucleus within the top-64 fast path
+    flat = rng.normal(size=(8, 300)) * 0.05  # nucleus of ~hundreds: exact bisection
     logits = np.concatenate([peaked, flat]).astype(np.float32)
     ours = np.asarray(strategies.allowed_tokens(jnp.asarray(logits), config))
     np.testing.assert_array_equal(ours, _hf_allowed(logits, config))
     if config.top_p < 1.0 and not config.top_k:
-        assert ours[24:].sum(axis=1).min() > strategies.TOP_P_CANDIDATES   # slow path exercised
+        assert ours[24:].sum(axis=1).min() > strategies.TOP_P_CANDIDATES  # slow path exercised
 
 
-@pytest.mark.parametrize("config", [SamplingConfig(1.0, top_k=3), SamplingConfig(1.0, top_p=0.5),
-                                    SamplingConfig(0.5, top_k=10, top_p=0.7)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        SamplingConfig(1.0, top_k=3),
+        SamplingConfig(1.0, top_p=0.5),
+        SamplingConfig(0.5, top_k=10, top_p=0.7),
+    ],
+)
 def test_samples_stay_in_the_truncated_set_and_logprobs_are_untruncated(config):
     rows, vocab = 4096, 40
     logits = jax.random.normal(jax.random.key(5), (8, vocab)) * 2.0
@@ -91,7 +103,7 @@ def test_samples_stay_in_the_truncated_set_and_logprobs_are_untruncated(config):
     tokens, logprobs = jax.jit(strategies.sample, static_argnums=2)(logits_RV, _keys(rows), config)
     allowed = np.asarray(strategies.allowed_tokens(logits_RV, config))
     assert allowed[np.arange(rows), np.asarray(tokens)].all()
-    assert (~allowed).any(axis=1).all()    # the test is not vacuous: something was excluded
+    assert (~allowed).any(axis=1).all()  # the test is not vacuous: something was excluded
     # Every allowed token of row 0 is drawn at some point (the truncation is not too strict).
     row0 = np.asarray(tokens)[::8]
     assert set(row0.tolist()) == set(np.flatnonzero(allowed[0]).tolist())

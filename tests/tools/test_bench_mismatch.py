@@ -1,4 +1,5 @@
 """tools/bench_mismatch.py's statistics of the gap, on values worked out by hand."""
+
 from __future__ import annotations
 
 import os
@@ -21,6 +22,6 @@ def test_gap_stats_by_hand():
     assert s["mismatch/logp_abs_diff_mean"] == pytest.approx(1.025 / 5, rel=1e-4)
     assert s["mismatch/logp_abs_diff_max"] == pytest.approx(1.0, rel=1e-5)
     assert s["abs_diff_over_0.01_frac"] == pytest.approx(2 / 5)
-    assert s["mismatch/ratio_outside_frac"] == pytest.approx(1 / 5)    # exp(1) = 2.7
+    assert s["mismatch/ratio_outside_frac"] == pytest.approx(1 / 5)  # exp(1) = 2.7
     # Geometric means: exp(0.98 / 3) = 1.39 (outside 1%), exp(-0.0025) = 0.9975 (inside).
     assert s["geo_ratio_outside_1pct_frac"] == pytest.approx(0.5)

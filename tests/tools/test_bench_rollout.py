@@ -1,5 +1,6 @@
 """tools/bench_rollout.py: the real-token share of the trainer's mini-batches, each cut to the
 bucket of its own longest row, against shares worked out by hand."""
+
 from __future__ import annotations
 
 import os
@@ -10,8 +11,9 @@ import numpy as np
 
 from jaxrl4llm.sampling.sampler import SampleOutput
 
-TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "tools")
+TOOLS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"
+)
 sys.path.insert(0, TOOLS)
 import bench_rollout  # noqa: E402
 
@@ -22,10 +24,15 @@ def _rollout(lengths, N=64, P=4) -> SampleOutput:
     mask = np.arange(N)[None, :] < lengths[:, None]
     return SampleOutput(
         tokens_BT=jnp.asarray(np.where(mask, 5, 0), jnp.int32),
-        logprobs_BT=jnp.zeros((B, N)), mask_BT=jnp.asarray(mask),
-        lengths_B=jnp.asarray(lengths, jnp.int32), truncated_B=jnp.zeros(B, bool),
-        prompt_tokens_BP=jnp.full((B, P), 7, jnp.int32), prompt_mask_BP=jnp.ones((B, P), bool),
-        dropped_B=jnp.zeros(B, bool), num_steps=jnp.asarray(int(lengths.max()), jnp.int32))
+        logprobs_BT=jnp.zeros((B, N)),
+        mask_BT=jnp.asarray(mask),
+        lengths_B=jnp.asarray(lengths, jnp.int32),
+        truncated_B=jnp.zeros(B, bool),
+        prompt_tokens_BP=jnp.full((B, P), 7, jnp.int32),
+        prompt_mask_BP=jnp.ones((B, P), bool),
+        dropped_B=jnp.zeros(B, bool),
+        num_steps=jnp.asarray(int(lengths.max()), jnp.int32),
+    )
 
 
 def test_minibatch_share_counts_each_minibatch_at_its_own_bucket():
@@ -33,26 +40,40 @@ def test_minibatch_share_counts_each_minibatch_at_its_own_bucket():
     # holding row 2 runs 4 x 24 columns, the other 4 x 16 (buckets are >= 16).
     out = _rollout([3, 5, 19, 2, 4, 6, 7, 1])
     for seed in range(3):
-        share = bench_rollout.minibatch_real_frac(out, group=4, mini_batch=4, ppo_epochs=2,
-                                                  max_new_tokens=64, seed=seed)
+        share = bench_rollout.minibatch_real_frac(
+            out, group=4, mini_batch=4, ppo_epochs=2, max_new_tokens=64, seed=seed
+        )
         assert abs(share - 47 / 160) < 1e-12
     # One mini-batch of all 8 rows: the rollout's own cut, 8 x 24.
-    whole = bench_rollout.minibatch_real_frac(out, group=4, mini_batch=8, ppo_epochs=1,
-                                              max_new_tokens=64)
+    whole = bench_rollout.minibatch_real_frac(
+        out, group=4, mini_batch=8, ppo_epochs=1, max_new_tokens=64
+    )
     assert abs(whole - 47 / 192) < 1e-12
-    assert abs(bench_rollout.waste(np.array([3, 5, 19, 2, 4, 6, 7, 1]), 19, 100, 64)[
-        "update_real_trimmed"] - 47 / 192) < 1e-12
+    assert (
+        abs(
+            bench_rollout.waste(np.array([3, 5, 19, 2, 4, 6, 7, 1]), 19, 100, 64)[
+                "update_real_trimmed"
+            ]
+            - 47 / 192
+        )
+        < 1e-12
+    )
     # 39 decoded tokens past the prefill's first ones, over 50 slot-steps of continuous batching.
-    assert bench_rollout.waste(np.array([3, 5, 19, 2, 4, 6, 7, 1]), 19, 100, 64, 50)[
-        "sampler_useful_continuous"] == 39 / 50
+    assert (
+        bench_rollout.waste(np.array([3, 5, 19, 2, 4, 6, 7, 1]), 19, 100, 64, 50)[
+            "sampler_useful_continuous"
+        ]
+        == 39 / 50
+    )
 
 
 def test_length_mixes_draw_from_the_stored_lengths_and_stretch_the_tail():
-    lengths = np.array([2, 4, 6, 10, 64])   # median 6, 99th percentile 61.84
+    lengths = np.array([2, 4, 6, 10, 64])  # median 6, 99th percentile 61.84
     caps, bound = bench_rollout.mix_caps("step0", 1000, seed=0, lengths=lengths)
     assert bound == 64 and set(caps.tolist()) == {2, 4, 6, 10, 64}
-    np.testing.assert_array_equal(caps, bench_rollout.mix_caps("step0", 1000, seed=0,
-                                                               lengths=lengths)[0])
+    np.testing.assert_array_equal(
+        caps, bench_rollout.mix_caps("step0", 1000, seed=0, lengths=lengths)[0]
+    )
     tail, bound = bench_rollout.mix_caps("tail10", 200_000, seed=1, lengths=lengths)
     # The same median, a 99th percentile ten times the stored one's, cut at the bound.
     assert bound == 1024 and tail.min() >= 1 and tail.max() == 1024

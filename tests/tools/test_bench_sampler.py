@@ -1,5 +1,6 @@
 """tools/bench_sampler.py times the sides in turns, so that a slow spell of a shared machine
 hits every side alike, and keeps each side's best time."""
+
 from __future__ import annotations
 
 import os
@@ -17,9 +18,11 @@ def test_sides_are_timed_in_turns_and_the_best_time_is_kept():
         def run(n):
             calls.append((name, n))
             return next(times[name]), f"{name} output {len(calls)}"
+
         return run
 
-    best = bench_sampler.best_interleaved({"ours": (side("ours"), 64),
-                                           "torch": (side("torch"), 64)}, repeats=2)
+    best = bench_sampler.best_interleaved(
+        {"ours": (side("ours"), 64), "torch": (side("torch"), 64)}, repeats=2
+    )
     assert calls == [("ours", 64), ("torch", 64), ("ours", 64), ("torch", 64)]
     assert best == {"ours": (1.0, "ours output 3"), "torch": (2.0, "torch output 4")}

@@ -1,5 +1,6 @@
 """tools/plan.py on a tiny model and 8 fake devices: every program compiles from abstract
 inputs, its memory is measured and estimated, the update is FSDP-shaped; topologies parse."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,9 @@ from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ARCHITECTURES, TINY
 from jaxrl4llm.train.config import TrainConfig
 
-TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "tools")
+TOOLS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"
+)
 sys.path.insert(0, TOOLS)
 from jaxrl4llm.planner import programs as plan_programs  # noqa: E402
 
@@ -26,7 +28,7 @@ MODEL = dataclasses.replace(TINY, vocab_size=512, num_layers=3)
 
 
 def test_topologies_know_their_devices_and_chips():
-    assert plan.topology("v5p-64").num_devices == 32           # 2 TensorCores per chip
+    assert plan.topology("v5p-64").num_devices == 32  # 2 TensorCores per chip
     assert plan.topology("v5e-256").num_devices == 256
     h100 = plan.topology("8xh100")
     assert h100.num_devices == 8 and h100.chip.hbm_bytes == 80e9
@@ -37,8 +39,9 @@ def test_topologies_know_their_devices_and_chips():
 
 
 def test_architectures_resolve_from_model_paths():
-    assert plan_programs.architecture("/models/Qwen2.5-Math-7B/") is ARCHITECTURES[
-        "qwen2.5-math-7b"]
+    assert (
+        plan_programs.architecture("/models/Qwen2.5-Math-7B/") is ARCHITECTURES["qwen2.5-math-7b"]
+    )
     assert round(ARCHITECTURES["qwen3-8b-base"].num_params / 1e9, 2) == 8.19
     with pytest.raises(ValueError, match="ARCHITECTURES"):
         plan_programs.architecture("/models/unknown-13b")
@@ -46,9 +49,18 @@ def test_architectures_resolve_from_model_paths():
 
 def test_plan_of_a_tiny_run_on_eight_devices(capsys):
     config = TrainConfig().replace(
-        prompts_per_step=8, group_size=4, max_prompt_tokens=16, max_new_tokens=16,
-        mini_batch_size=16, micro_batch_size=8, rollout_micro_batch=16, remat=True,
-        param_dtype="bfloat16", algorithm=rl.get_preset("grpo"), mesh="data:1,fsdp:8,tensor:1")
+        prompts_per_step=8,
+        group_size=4,
+        max_prompt_tokens=16,
+        max_new_tokens=16,
+        mini_batch_size=16,
+        micro_batch_size=8,
+        rollout_micro_batch=16,
+        remat=True,
+        param_dtype="bfloat16",
+        algorithm=rl.get_preset("grpo"),
+        mesh="data:1,fsdp:8,tensor:1",
+    )
     topo = plan.topology("cpu-8")
     result = plan_programs.plan(config, MODEL, topo, jax.devices()[:8])
     rows = {r.program: r for r in result.rows}
@@ -66,8 +78,9 @@ def test_plan_of_a_tiny_run_on_eight_devices(capsys):
     # every fsdp-sharded weight), none in its decode loops; per token it would be once per
     # prefill and decode step of each of the 2 chunks.
     shapes = jax.tree.leaves(transformer.param_shapes(MODEL), is_leaf=lambda x: type(x) is tuple)
-    axes = jax.tree.leaves(transformer.param_logical_axes(MODEL),
-                           is_leaf=lambda x: type(x) is tuple)
+    axes = jax.tree.leaves(
+        transformer.param_logical_axes(MODEL), is_leaf=lambda x: type(x) is tuple
+    )
     sharded = sum(math.prod(s) for s, a in zip(shapes, axes) if "embed" in a)
     rollout = result.rollout
     assert rollout.weight_gathers == pytest.approx(sharded * 2 * 7 / 8)
@@ -76,7 +89,8 @@ def test_plan_of_a_tiny_run_on_eight_devices(capsys):
     per_token, comm_per_token = result.rollout_seconds(per_token=True)
     assert comm_once == rows["rollout"].t_comm and once == rows["rollout"].seconds
     assert comm_per_token == pytest.approx(
-        comm_once + 31 * rollout.weight_gathers / topo.chip.link_bw)
+        comm_once + 31 * rollout.weight_gathers / topo.chip.link_bw
+    )
     plan.print_plan(result, markdown=True)
     plan.print_slot_use(result, 6, 14)
     out = capsys.readouterr().out
@@ -88,9 +102,15 @@ def test_plan_of_a_tiny_run_on_eight_devices(capsys):
 def test_plan_of_a_remax_run_samples_the_greedy_rows_too():
     """ReMax's sampler program has one more row per prompt (greedy), chunked like the sampler's."""
     config = TrainConfig().replace(
-        prompts_per_step=8, group_size=4, max_prompt_tokens=16, max_new_tokens=16,
-        rollout_micro_batch=16, param_dtype="bfloat16", algorithm=rl.get_preset("remax"),
-        mesh="data:1,fsdp:8,tensor:1")
+        prompts_per_step=8,
+        group_size=4,
+        max_prompt_tokens=16,
+        max_new_tokens=16,
+        rollout_micro_batch=16,
+        param_dtype="bfloat16",
+        algorithm=rl.get_preset("remax"),
+        mesh="data:1,fsdp:8,tensor:1",
+    )
     result = plan_programs.plan(config, MODEL, plan.topology("cpu-8"), jax.devices()[:8])
     rows = {r.program: r for r in result.rows}
     assert list(rows) == ["create", "rollout", "logprobs", "update"]
@@ -103,14 +123,18 @@ def test_plan_refuses_a_prompt_and_completion_longer_than_the_context():
     from absl import flags
 
     from jaxrl4llm.config.errors import FlagError
+
     repo = os.path.dirname(TOOLS)
     flagfile = f"--flagfile={repo}/experiments/configs/reinforce_pp_math.flags"
     try:
         flags.FLAGS.unparse_flags()
         flags.FLAGS(["plan", flagfile, "--max_new_tokens=4096", "--topology=cpu-8"])
-        with pytest.raises(FlagError, match=r"1024 \+ --max_new_tokens=4096 = 5120 tokens "
-                                            r"exceed the context of --model=/models/"
-                                            r"Qwen2.5-Math-7B \(4096 positions\)"):
+        with pytest.raises(
+            FlagError,
+            match=r"1024 \+ --max_new_tokens=4096 = 5120 tokens "
+            r"exceed the context of --model=/models/"
+            r"Qwen2.5-Math-7B \(4096 positions\)",
+        ):
             plan.main([])
     finally:
         flags.FLAGS.unparse_flags()
@@ -122,13 +146,27 @@ def test_plan_of_a_ppo_run_plans_the_critic():
     head) stays resident beside the sampler, with the policy's moments (and reference)."""
     model = dataclasses.replace(MODEL, num_layers=1, tie_word_embeddings=False)
     config = TrainConfig().replace(
-        prompts_per_step=4, group_size=4, max_prompt_tokens=16, max_new_tokens=16,
-        mini_batch_size=8, micro_batch_size=4, param_dtype="float32", remat=True,
-        algorithm=rl.get_preset("ppo"), mesh="data:1,fsdp:2,tensor:1")
+        prompts_per_step=4,
+        group_size=4,
+        max_prompt_tokens=16,
+        max_new_tokens=16,
+        mini_batch_size=8,
+        micro_batch_size=4,
+        param_dtype="float32",
+        remat=True,
+        algorithm=rl.get_preset("ppo"),
+        mesh="data:1,fsdp:2,tensor:1",
+    )
     result = plan_programs.plan(config, model, plan.topology("cpu-2"), jax.devices()[:2])
     rows = {r.program: r for r in result.rows}
-    assert list(rows) == ["create", "rollout", "logprobs", "critic values", "update",
-                          "critic update"]
+    assert list(rows) == [
+        "create",
+        "rollout",
+        "logprobs",
+        "critic values",
+        "update",
+        "critic update",
+    ]
     assert (rows["critic values"].calls, rows["critic update"].calls) == (1, 2)
     critic_update = rows["critic update"].collectives
     assert critic_update["all-gather"] > 0 and critic_update["reduce-scatter"] > 0
@@ -143,7 +181,7 @@ def test_plan_of_a_ppo_run_plans_the_critic():
     critic = policy - V * D / 2 + D
     reference = policy if config.needs_reference else 0
     resident = 4 * (2 * policy + reference + 3 * critic)
-    assert rows["rollout"].resident == pytest.approx(resident, abs=64)   # + step counters
+    assert rows["rollout"].resident == pytest.approx(resident, abs=64)  # + step counters
 
 
 def test_plan_refuses_one_host_flags_on_a_multi_host_topology():
@@ -152,21 +190,34 @@ def test_plan_refuses_one_host_flags_on_a_multi_host_topology():
     from absl import flags
 
     from jaxrl4llm.config.errors import FlagError
-    hosts = {name: plan.topology(name).num_hosts
-             for name in ("v5p-8", "v5p-16", "v5p-64", "v5e-8", "v5e-256", "8xh200", "cpu-8")}
-    assert hosts == {"v5p-8": 1, "v5p-16": 2, "v5p-64": 8, "v5e-8": 1, "v5e-256": 64,
-                     "8xh200": 1, "cpu-8": 1}
+
+    hosts = {
+        name: plan.topology(name).num_hosts
+        for name in ("v5p-8", "v5p-16", "v5p-64", "v5e-8", "v5e-256", "8xh200", "cpu-8")
+    }
+    assert hosts == {
+        "v5p-8": 1,
+        "v5p-16": 2,
+        "v5p-64": 8,
+        "v5e-8": 1,
+        "v5e-256": 64,
+        "8xh200": 1,
+        "cpu-8": 1,
+    }
     dapo = TrainConfig().replace(algorithm=rl.get_preset("dapo"), mesh="data:1,fsdp:-1,tensor:1")
     dapo.validate(8, num_hosts=1)
-    with pytest.raises(FlagError, match="run on one host only"):   # the run's own check
+    with pytest.raises(FlagError, match="run on one host only"):  # the run's own check
         dapo.validate(8, num_hosts=2)
     repo = os.path.dirname(TOOLS)
     flagfile = f"--flagfile={repo}/experiments/configs/tricks_or_traps_qwen3_8b_dapo.flags"
     try:
         flags.FLAGS.unparse_flags()
         flags.FLAGS(["plan", flagfile, "--topology=v5p-16"])
-        with pytest.raises(FlagError, match=r"--topology=v5p-16 spans 2 hosts, but "
-                                            r"--dynamic_sampling pick rows on the host"):
+        with pytest.raises(
+            FlagError,
+            match=r"--topology=v5p-16 spans 2 hosts, but "
+            r"--dynamic_sampling pick rows on the host",
+        ):
             plan.main([])
     finally:
         flags.FLAGS.unparse_flags()

@@ -1,6 +1,7 @@
 """tools/plan.py on a scaled-down copy of every shipped flagfile: each one's algorithm and
 settings, a tiny model of its architecture's family, 4 simulated devices, a few rows of 16 +
 16 tokens. Slow (every program of each flagfile is compiled): `pytest -m slow`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,13 +21,19 @@ import plan  # noqa: E402
 FLAGFILES = sorted(glob.glob(os.path.join(REPO, "experiments", "configs", "*.flags")))
 DEVICES = 4
 # What a tiny model keeps of the real architecture: its family's computation and context.
-_FAMILY = ("attention_bias", "qk_norm", "rope_theta", "rope_scaling", "tie_word_embeddings",
-           "max_position_embeddings", "model_type")
+_FAMILY = (
+    "attention_bias",
+    "qk_norm",
+    "rope_theta",
+    "rope_scaling",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+    "model_type",
+)
 
 
 def tiny_like(model_config):
-    return dataclasses.replace(TINY, num_layers=1, **{
-        f: getattr(model_config, f) for f in _FAMILY})
+    return dataclasses.replace(TINY, num_layers=1, **{f: getattr(model_config, f) for f in _FAMILY})
 
 
 def scaled_down(config) -> list[str]:
@@ -38,8 +45,14 @@ def scaled_down(config) -> list[str]:
     B = 2 * G
     mini = B // 2 if config.mini_batch < config.batch_size else B
     micro = max(DEVICES, mini // 2) if config.micro_batch < config.mini_batch else mini
-    out = ["--prompts_per_step=2", f"--mini_batch_size={mini}", f"--micro_batch_size={micro}",
-           "--max_prompt_tokens=16", "--max_new_tokens=16", f"--topology=cpu-{DEVICES}"]
+    out = [
+        "--prompts_per_step=2",
+        f"--mini_batch_size={mini}",
+        f"--micro_batch_size={micro}",
+        "--max_prompt_tokens=16",
+        "--max_new_tokens=16",
+        f"--topology=cpu-{DEVICES}",
+    ]
     if config.rollout.rollout_micro_batch:
         out.append(f"--rollout_micro_batch={G}")
     if config.rollout.decode_slots:

@@ -1,6 +1,7 @@
 """The planner's slot model (jaxrl4llm/planner/slots.py): the lognormal fitted to a
 completion length profile, and the rollout's slot utilisation with a fixed batch and with
 continuous batching."""
+
 from __future__ import annotations
 
 import math
@@ -11,14 +12,18 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "tools"))
+sys.path.insert(
+    0,
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"
+    ),
+)
 from jaxrl4llm.planner import slots as plan_slots  # noqa: E402
 
 
 def test_the_fitted_lognormal_has_the_profiles_mean_and_p99():
     mu, sigma = plan_slots.fit_lognormal(600, 3000)
-    assert math.exp(mu + sigma ** 2 / 2) == pytest.approx(600)
+    assert math.exp(mu + sigma**2 / 2) == pytest.approx(600)
     assert math.exp(statistics.NormalDist(mu, sigma).inv_cdf(0.99)) == pytest.approx(3000)
     draws = np.random.default_rng(1).lognormal(mu, sigma, 2_000_000)
     assert np.mean(draws) == pytest.approx(600, rel=0.01)
@@ -45,10 +50,11 @@ def test_slot_use_matches_the_expected_longest_row_of_a_batch():
     use = plan_slots.slot_use(mean, p99, limit, rows=64 * slots, slots=slots)
     # Lengths ceil(L) cut at the limit: P(length <= k) = P(L <= k) for k < limit.
     mu, sigma = plan_slots.fit_lognormal(mean, p99)
-    cdf = np.array([0.0] + [statistics.NormalDist(mu, sigma).cdf(math.log(k))
-                            for k in range(1, limit)])
+    cdf = np.array(
+        [0.0] + [statistics.NormalDist(mu, sigma).cdf(math.log(k)) for k in range(1, limit)]
+    )
     expected_length = np.sum(1 - cdf)
-    expected_longest = np.sum(1 - cdf ** slots)
+    expected_longest = np.sum(1 - cdf**slots)
     assert use.mean_tokens == pytest.approx(expected_length, rel=0.02)
     assert use.fixed_utilisation == pytest.approx(expected_length / expected_longest, rel=0.03)
     assert use.fixed_steps == pytest.approx(64 * expected_longest, rel=0.03)

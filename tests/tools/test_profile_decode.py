@@ -1,6 +1,7 @@
 """tools/profile_decode.py --trace: every op of the compiled decode loop lands in the category
 its HLO says (dense matmul, attention over the cache, unembedding, vocabulary work, other),
 and nothing outside the loop (the prefill) is counted."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,12 +37,26 @@ def test_shape_helpers():
 
 def test_decode_loop_ops_are_categorized_from_the_compiled_hlo():
     params = transformer.init_params(CONFIG, jax.random.key(0))
-    inputs = (params, jnp.full((B, P), 7, jnp.int32), jnp.ones((B, P), bool),
-              jnp.ones((B,), bool), jax.random.split(jax.random.key(1), B),
-              jnp.full((1,), -1, jnp.int32), jnp.int32(0))
-    hlo = sampler.generate_tokens.lower(
-        *inputs, model_config=CONFIG, sampling=SamplingConfig(temperature=1.0),
-        max_new_tokens=N, compact=False).compile().as_text()
+    inputs = (
+        params,
+        jnp.full((B, P), 7, jnp.int32),
+        jnp.ones((B, P), bool),
+        jnp.ones((B,), bool),
+        jax.random.split(jax.random.key(1), B),
+        jnp.full((1,), -1, jnp.int32),
+        jnp.int32(0),
+    )
+    hlo = (
+        sampler.generate_tokens.lower(
+            *inputs,
+            model_config=CONFIG,
+            sampling=SamplingConfig(temperature=1.0),
+            max_new_tokens=N,
+            compact=False,
+        )
+        .compile()
+        .as_text()
+    )
     categories = profile_decode.categorize_ops(hlo, B, CONFIG.vocab_size)
     found = set(categories.values())
     assert found >= set(profile_decode.CATEGORIES[:4]), found

@@ -13,6 +13,7 @@ term. Two things would turn that noise into a failure:
 - A relative tolerance per element: a near-zero element carries the rounding of the large
   terms it was summed from. assert_trees_close scales the tolerance by the largest magnitude.
 """
+
 from __future__ import annotations
 
 import jax
@@ -29,8 +30,13 @@ def assert_trees_close(actual, expected, rel):
     scale = max(float(np.max(np.abs(x))) for x in jax.tree.leaves(expected))
     assert scale > 0, "comparing all-zero trees tests nothing"
     for (path, b), a in zip(jax.tree.leaves_with_path(actual), jax.tree.leaves(expected)):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=rel * scale,
-                                   err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(b),
+            np.asarray(a),
+            rtol=0,
+            atol=rel * scale,
+            err_msg=jax.tree_util.keystr(path),
+        )
 
 
 def param_step(before, after):

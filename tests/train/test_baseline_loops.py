@@ -1,5 +1,6 @@
 """The baselines' trainer paths on the toy copy task: DAPO's dynamic sampling keeps every
 shape fixed (nothing compiles after the first step) and stops at its cap."""
+
 import jax
 import numpy as np
 import pytest
@@ -26,8 +27,9 @@ def compiles():
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def test_dynamic_sampling_recompiles_nothing_and_stops_at_the_cap(toy_model_dir, copy_task_file,
-                                                                  tmp_path, compiles):
+def test_dynamic_sampling_recompiles_nothing_and_stops_at_the_cap(
+    toy_model_dir, copy_task_file, tmp_path, compiles
+):
     """A one-step run compiles everything; a second run of 3 steps with the same shapes (the
     jit caches live in the process) then compiles nothing, although its steps sample 1 to 3
     rounds: each step's batch is P x G rows whatever the rounds. A random policy copies the
@@ -52,13 +54,16 @@ def test_dynamic_sampling_recompiles_nothing_and_stops_at_the_cap(toy_model_dir,
 
 @pytest.mark.parametrize("preset", ["dapo", "remax"])
 def test_resume_with_extra_rounds_or_greedy_rows_equals_an_uninterrupted_run(
-        preset, toy_model_dir, copy_task_file, tmp_path):
+    preset, toy_model_dir, copy_task_file, tmp_path
+):
     """Dynamic sampling draws extra prompts from the data iterator and ReMax extra greedy rows;
     a run killed and resumed from its checkpoint still reproduces the straight run exactly."""
-    kwargs = dict(num_steps=3, checkpoint_every=1,
-                  algorithm=rl.get_preset(preset, max_resample_rounds=2))
-    straight = loop.run(_config(toy_model_dir, copy_task_file, tmp_path / "a", **kwargs),
-                        devices=_one_device())
+    kwargs = dict(
+        num_steps=3, checkpoint_every=1, algorithm=rl.get_preset(preset, max_resample_rounds=2)
+    )
+    straight = loop.run(
+        _config(toy_model_dir, copy_task_file, tmp_path / "a", **kwargs), devices=_one_device()
+    )
     half = _config(toy_model_dir, copy_task_file, tmp_path / "b", **dict(kwargs, num_steps=1))
     loop.run(half, devices=_one_device())
     resumed = loop.run(half.replace(num_steps=3), devices=_one_device())
@@ -67,9 +72,10 @@ def test_resume_with_extra_rounds_or_greedy_rows_equals_an_uninterrupted_run(
     ma, mb = read_metrics(str(tmp_path / "a")), read_metrics(str(tmp_path / "b"))
     assert [r["step"] for r in mb] == [1, 2, 3]
     keys = ["reward/mean", "policy/loss", "optim/grad_norm"] + (
-        ["rollout/rounds", "reward/accuracy_sampled"] if preset == "dapo" else [])
+        ["rollout/rounds", "reward/accuracy_sampled"] if preset == "dapo" else []
+    )
     for ra, rb in zip(ma, mb):
         for key in keys:
             assert ra[key] == rb[key], key
     if preset == "dapo":
-        assert max(r["rollout/rounds"] for r in ma) > 1   # the resumed steps drew extra prompts
+        assert max(r["rollout/rounds"] for r in ma) > 1  # the resumed steps drew extra prompts

@@ -4,6 +4,7 @@ warning naming the bad one, and a clear error names the folder when none is usab
 Each test saves steps 2 and 4 of a small TrainState, damages step 4 the way a crash, a full
 disk or a bad disk does, and restores.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,10 +19,11 @@ from jaxrl4llm.train import checkpoint, integrity, state
 
 
 def _state(step):
-    params = {"w": jnp.asarray(np.random.default_rng(step).normal(size=(64, 64)), jnp.float32),
-              "b": jnp.full((64,), float(step), jnp.bfloat16)}
-    return state.TrainState.create(params, optax.adam(1e-2), seed=7).replace(
-        step=jnp.int32(step))
+    params = {
+        "w": jnp.asarray(np.random.default_rng(step).normal(size=(64, 64)), jnp.float32),
+        "b": jnp.full((64,), float(step), jnp.bfloat16),
+    }
+    return state.TrainState.create(params, optax.adam(1e-2), seed=7).replace(step=jnp.int32(step))
 
 
 @pytest.fixture
@@ -47,7 +49,7 @@ def _flip_bytes(path):
 
 def _truncate(path):
     data = open_bytes(path)
-    write_bytes(path, data[:len(data) // 2])
+    write_bytes(path, data[: len(data) // 2])
 
 
 def open_bytes(path):
@@ -105,9 +107,11 @@ def test_a_set_aside_bad_step_is_saved_again(saved):
 def test_no_usable_checkpoint_is_a_clear_error(saved):
     for step in ("2", "4"):
         _flip_bytes(_largest_file(saved / step / "state"))
-    with pytest.raises(checkpoint.CheckpointError,
-                       match=rf"No usable checkpoint in {saved}.*step 4: checksum mismatch.*"
-                             r"step 2: checksum mismatch.*delete"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=rf"No usable checkpoint in {saved}.*step 4: checksum mismatch.*"
+        r"step 2: checksum mismatch.*delete",
+    ):
         _restore(saved)
 
 
@@ -116,8 +120,10 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
     ckpt.save(2, _state(2), {})
     bad = _state(4)
     bad = bad.replace(params=dict(bad.params, w=bad.params["w"].at[3, 5].set(jnp.nan)))
-    with pytest.raises(checkpoint.NonFiniteStateError,
-                       match=r"Refusing to save checkpoint 4.*\['w'\].*last good checkpoint is 2"):
+    with pytest.raises(
+        checkpoint.NonFiniteStateError,
+        match=r"Refusing to save checkpoint 4.*\['w'\].*last good checkpoint is 2",
+    ):
         ckpt.save(4, bad, {})
     assert ckpt.latest_step() == 2
     ckpt.close()
@@ -132,14 +138,18 @@ def test_a_full_disk_is_a_clear_error_and_leaves_no_partial_step(tmp_path, monke
 
     def full_disk(step, args):
         os.makedirs(tmp_path / f"{step}.orbax-checkpoint-tmp" / "state")
-        raise ValueError("RESOURCE_EXHAUSTED: Error writing \"opt_state.1.0.count/0\" in OCDBT "
-                         "database: Failed to write 739627008 bytes to file 12: No space left "
-                         "on device [os_error_code='28']")
+        raise ValueError(
+            'RESOURCE_EXHAUSTED: Error writing "opt_state.1.0.count/0" in OCDBT '
+            "database: Failed to write 739627008 bytes to file 12: No space left "
+            "on device [os_error_code='28']"
+        )
 
     monkeypatch.setattr(ckpt._manager, "save", full_disk)
-    with pytest.raises(checkpoint.CheckpointError,
-                       match=rf"checkpoint 4 to {tmp_path}: no space left.*--keep_checkpoints.*"
-                             r"resumes from checkpoint 2"):
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=rf"checkpoint 4 to {tmp_path}: no space left.*--keep_checkpoints.*"
+        r"resumes from checkpoint 2",
+    ):
         ckpt.save(4, _state(4), {})
     assert sorted(os.listdir(tmp_path)) == ["2"]
 
@@ -156,14 +166,25 @@ def test_a_full_disk_is_a_clear_error_and_leaves_no_partial_step(tmp_path, monke
 def test_digests_do_not_depend_on_the_sharding():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     tree = {"w": jnp.arange(64 * 8, dtype=jnp.float32).reshape(64, 8)}
     sharded = jax.device_put(tree, NamedSharding(mesh, P("x")))
     assert integrity.fingerprint(tree).arrays == integrity.fingerprint(sharded).arrays
     mixed = dict(sharded, step=jax.device_put(jnp.int32(3), jax.devices()[0]))
-    assert (integrity.fingerprint(mixed).arrays["['w']"]
-            == integrity.fingerprint(tree).arrays["['w']"])
-    flipped = {"w": tree["w"].at[17, 3].set(jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(tree["w"][17, 3], jnp.uint32) ^ 1, jnp.float32))}
-    assert (integrity.fingerprint(flipped).arrays["['w']"]["digest"]
-            != integrity.fingerprint(tree).arrays["['w']"]["digest"])
+    assert (
+        integrity.fingerprint(mixed).arrays["['w']"] == integrity.fingerprint(tree).arrays["['w']"]
+    )
+    flipped = {
+        "w": tree["w"]
+        .at[17, 3]
+        .set(
+            jax.lax.bitcast_convert_type(
+                jax.lax.bitcast_convert_type(tree["w"][17, 3], jnp.uint32) ^ 1, jnp.float32
+            )
+        )
+    }
+    assert (
+        integrity.fingerprint(flipped).arrays["['w']"]["digest"]
+        != integrity.fingerprint(tree).arrays["['w']"]["digest"]
+    )

@@ -2,6 +2,7 @@
 
 Expected values are computed by hand with numpy over the verified rows only.
 """
+
 from __future__ import annotations
 
 import jax
@@ -13,9 +14,19 @@ from jaxrl4llm import rl
 from jaxrl4llm.train import rollout
 
 G, T = 4, 3
-REWARDS = np.array([1.0, 0.0, 1.0, 0.0,    # group 0: the last row failed (reward 0 = unscored)
-                    1.0, 1.0, 1.0, 0.0],   # group 1: the last row failed; verified rows all correct
-                   np.float32)
+REWARDS = np.array(
+    [
+        1.0,
+        0.0,
+        1.0,
+        0.0,  # group 0: the last row failed (reward 0 = unscored)
+        1.0,
+        1.0,
+        1.0,
+        0.0,
+    ],  # group 1: the last row failed; verified rows all correct
+    np.float32,
+)
 CORRECT = REWARDS > 0
 VALID = np.array([True, True, True, False, True, True, True, False])
 MASK = np.ones((8, T), np.float32)
@@ -33,10 +44,18 @@ def _np_group_normalized(r, valid, ddof=1, eps=1e-6):
 
 
 def _advantages(config, valid=VALID):
-    adv, _, keep, metrics = rollout._advantages(   # (_: PPO's returns, None here)
-        config, jnp.asarray(REWARDS), jnp.asarray(CORRECT), jnp.asarray(MASK),
-        jnp.zeros(8, bool), jnp.zeros(8, bool), jnp.asarray(valid), jnp.zeros((8, T)), None,
-        group_size=G)
+    adv, _, keep, metrics = rollout._advantages(  # (_: PPO's returns, None here)
+        config,
+        jnp.asarray(REWARDS),
+        jnp.asarray(CORRECT),
+        jnp.asarray(MASK),
+        jnp.zeros(8, bool),
+        jnp.zeros(8, bool),
+        jnp.asarray(valid),
+        jnp.zeros((8, T)),
+        None,
+        group_size=G,
+    )
     return adv, keep, metrics
 
 
@@ -44,8 +63,9 @@ def test_failed_rows_leave_the_group_mean_and_std():
     adv, keep, _ = _advantages(rl.presets.grpo())
     np.testing.assert_allclose(adv, _np_group_normalized(REWARDS, VALID), atol=1e-5)
     # group 0 over [1, 0, 1]: mean 2/3, std sqrt(1/3); the failed row's 0 would pull both.
-    np.testing.assert_allclose(adv[:3], [np.sqrt(1 / 3), -2 / np.sqrt(3), np.sqrt(1 / 3)],
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        adv[:3], [np.sqrt(1 / 3), -2 / np.sqrt(3), np.sqrt(1 / 3)], atol=1e-5
+    )
     np.testing.assert_array_equal(keep, VALID)
 
 
@@ -71,8 +91,9 @@ def test_a_failed_row_does_not_enter_the_loss():
     logp, ref_logp = jnp.full((8, T), -1.0), jnp.full((8, T), -1.1)
 
     def loss(logp_BT):
-        total, denom, _ = rl.policy_loss(config, logp_BT, None, adv, jnp.asarray(MASK), keep,
-                                         ref_logp_BT=ref_logp)
+        total, denom, _ = rl.policy_loss(
+            config, logp_BT, None, adv, jnp.asarray(MASK), keep, ref_logp_BT=ref_logp
+        )
         return total / denom
 
     grad = jax.grad(loss)(logp)

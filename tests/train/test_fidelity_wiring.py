@@ -1,5 +1,6 @@
 """How the trainer wires issue 14's conventions: --log_kl_ref loads the reference and logs
 the KL under the KL-in-loss metric name; prompts dropped as too long leave the statistics."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,12 +16,23 @@ from jaxrl4llm.train.state import OptimizerConfig
 def test_log_kl_ref_loads_the_reference_only_when_on(toy_model_dir, copy_task_file, tmp_path):
     def run(name, **algorithm):
         config = TrainConfig().replace(
-            model=toy_model_dir, data=copy_task_file, instruction="", prompts_per_step=8,
-            group_size=4, max_prompt_tokens=16, max_new_tokens=1,
+            model=toy_model_dir,
+            data=copy_task_file,
+            instruction="",
+            prompts_per_step=8,
+            group_size=4,
+            max_prompt_tokens=16,
+            max_new_tokens=1,
             algorithm=rl.get_preset("reinforce", **algorithm),
-            optimizer=OptimizerConfig(learning_rate=1e-2), num_steps=2,
-            mesh="data:1,fsdp:1,tensor:1", eval_prompts=0, checkpoint_every=1000,
-            workdir=str(tmp_path / name), answer_mode="lenient", tensorboard=False)
+            optimizer=OptimizerConfig(learning_rate=1e-2),
+            num_steps=2,
+            mesh="data:1,fsdp:1,tensor:1",
+            eval_prompts=0,
+            checkpoint_every=1000,
+            workdir=str(tmp_path / name),
+            answer_mode="lenient",
+            tensorboard=False,
+        )
         return loop.run(config, devices=jax.devices()[:1]), read_metrics(str(tmp_path / name))
 
     summary, metrics = run("on", log_kl_ref=True)
@@ -40,14 +52,23 @@ def test_dropped_prompts_leave_the_batch_statistics():
     mask = np.ones((12, T), np.float32)
     mask[dropped] = 0.0
     lp = jnp.zeros((12, T))
-    adv, _, keep, _ = rollout._advantages(   # (PPO's returns: None here)
-        rl.get_preset("lite_ppo"), jnp.asarray(rewards), jnp.asarray(rewards > 0),
-        jnp.asarray(mask), jnp.zeros(12, bool), jnp.asarray(dropped), jnp.ones(12, bool), lp, lp,
-        group_size=G)
+    adv, _, keep, _ = rollout._advantages(  # (PPO's returns: None here)
+        rl.get_preset("lite_ppo"),
+        jnp.asarray(rewards),
+        jnp.asarray(rewards > 0),
+        jnp.asarray(mask),
+        jnp.zeros(12, bool),
+        jnp.asarray(dropped),
+        jnp.ones(12, bool),
+        lp,
+        lp,
+        group_size=G,
+    )
     centered = np.r_[0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]
     # With the dropped rows the std would be that of all 12 rewards (0.452 instead of 0.518).
     std = rewards[:8].std(ddof=1)
     assert std == pytest.approx(0.5175, abs=1e-4)
-    np.testing.assert_allclose(np.asarray(adv), np.r_[centered / (std + 1e-6), np.zeros(4)],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(adv), np.r_[centered / (std + 1e-6), np.zeros(4)], rtol=1e-5
+    )
     np.testing.assert_array_equal(np.asarray(keep), ~dropped)

@@ -1,14 +1,16 @@
 """Host memory helpers, each checked in a fresh process against the kernel's own accounts:
 peak RSS equals /proc's high-water mark and grows by an allocation's size; trimming hands
 freed heap pages back (resident memory falls) and keeps live data."""
+
 import json
 import subprocess
 import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                 reason="reads /proc and relies on glibc's malloc_trim")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="reads /proc and relies on glibc's malloc_trim"
+)
 
 PROBE = r"""
 import json
@@ -39,8 +41,9 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def probe():
-    run = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                         timeout=120, check=True)
+    run = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True
+    )
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
@@ -52,11 +55,11 @@ def test_peak_rss_is_the_kernels_high_water_mark_in_gib(probe):
 
 
 def test_peak_rss_grows_by_a_large_allocation(probe):
-    assert probe["peak1"] - probe["hwm0"] > 0.45   # the 0.5 GiB block
+    assert probe["peak1"] - probe["hwm0"] > 0.45  # the 0.5 GiB block
 
 
 def test_trim_returns_freed_heap_pages_and_keeps_live_data(probe):
     assert probe["trimmed"]
     freed_mib = probe["rss_before"] - probe["rss_after"]
-    assert freed_mib > 100, probe     # ~190 MiB of freed objects; without the trim: ~0
+    assert freed_mib > 100, probe  # ~190 MiB of freed objects; without the trim: ~0
     assert probe["kept_intact"]

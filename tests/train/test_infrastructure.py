@@ -1,4 +1,5 @@
 """Metrics writer, checkpoint round trip, optimizer schedule, preemption flag."""
+
 import os
 import signal
 
@@ -32,18 +33,28 @@ def test_metrics_that_counted_nothing_are_not_logged():
     did measure (the rejected fraction, 1) stays."""
     from jaxrl4llm import rl
     from jaxrl4llm.rl.losses import token_metrics
+
     B, T = 4, 6
     zeros_BT = jnp.zeros((B, T))
-    part = token_metrics(zeros_BT, jnp.zeros((B,), bool), ratio_BT=jnp.ones((B, T)),
-                         log_ratio_BT=zeros_BT, entropy_BT=jnp.full((B, T), 2.0),
-                         pg_loss_BT=zeros_BT)
+    part = token_metrics(
+        zeros_BT,
+        jnp.zeros((B,), bool),
+        ratio_BT=jnp.ones((B, T)),
+        log_ratio_BT=zeros_BT,
+        entropy_BT=jnp.full((B, T), 2.0),
+        pg_loss_BT=zeros_BT,
+    )
     host = metrics.to_host_scalars({**part, "time/step_s": jnp.float32(3.0)})
     assert host == {"policy/frac_rejected": 1.0, "time/step_s": 3.0}
     # Merged with a part that kept 2 tokens of entropy 1.0 and 3.0, the mean is theirs alone.
     w_BT = jnp.zeros((B, T)).at[0, :2].set(1.0)
-    kept = token_metrics(w_BT, jnp.array([True, False, False, False]),
-                         ratio_BT=jnp.full((B, T), 1.5), log_ratio_BT=zeros_BT,
-                         entropy_BT=jnp.zeros((B, T)).at[0, :2].set(jnp.array([1.0, 3.0])))
+    kept = token_metrics(
+        w_BT,
+        jnp.array([True, False, False, False]),
+        ratio_BT=jnp.full((B, T), 1.5),
+        log_ratio_BT=zeros_BT,
+        entropy_BT=jnp.zeros((B, T)).at[0, :2].set(jnp.array([1.0, 3.0])),
+    )
     host = metrics.to_host_scalars(rl.combine_metrics(part, kept))
     assert host["policy/entropy"] == pytest.approx(2.0)
     assert host["policy/ratio_min"] == host["policy/ratio_max"] == pytest.approx(1.5)
@@ -58,15 +69,22 @@ def test_console_line_is_ordered_and_short():
 def test_console_line_shows_each_eval_set_and_the_mean_only_over_several():
     one = {"eval/add1/avg@4": 0.5, "eval/add1/pass@4": 1.0, "eval/mean/avg@4": 0.5}
     assert metrics.console_line(6, 12, one) == "step 6/12 | add1 avg@4 0.5"
-    two = {"eval/gsm8k/avg@1": 0.25, "eval/add1/avg@4": 0.75, "eval/mean/avg@1": 0.5,
-           "eval/add1/num_prompts": 32.0}
-    assert (metrics.console_line(6, 12, two)
-            == "step 6/12 | add1 avg@4 0.75 | gsm8k avg@1 0.25 | mean avg@1 0.5")
+    two = {
+        "eval/gsm8k/avg@1": 0.25,
+        "eval/add1/avg@4": 0.75,
+        "eval/mean/avg@1": 0.5,
+        "eval/add1/num_prompts": 32.0,
+    }
+    assert (
+        metrics.console_line(6, 12, two)
+        == "step 6/12 | add1 avg@4 0.75 | gsm8k avg@1 0.25 | mean avg@1 0.5"
+    )
 
 
 def test_learning_rate_schedule_warmup_then_cosine():
-    cfg = state.OptimizerConfig(learning_rate=1e-3, warmup_steps=4, schedule="cosine",
-                                decay_steps=10)
+    cfg = state.OptimizerConfig(
+        learning_rate=1e-3, warmup_steps=4, schedule="cosine", decay_steps=10
+    )
     sched = state.learning_rate_schedule(cfg)
     assert float(sched(0)) == pytest.approx(2.5e-4)
     assert float(sched(4)) == pytest.approx(1e-3)
@@ -78,8 +96,9 @@ def test_learning_rate_schedule_warmup_then_cosine():
 def test_grad_clipping_rescales_to_max_norm():
     def updates(max_grad_norm, grad):
         # eps=1 makes Adam's update depend on the gradient's scale, so clipping is visible.
-        opt = state.make_optimizer(state.OptimizerConfig(learning_rate=1.0, eps=1.0,
-                                                         max_grad_norm=max_grad_norm))
+        opt = state.make_optimizer(
+            state.OptimizerConfig(learning_rate=1.0, eps=1.0, max_grad_norm=max_grad_norm)
+        )
         params = {"w": jnp.zeros(3)}
         return opt.update({"w": grad}, opt.init(params), params)[0]["w"]
 

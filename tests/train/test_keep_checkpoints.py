@@ -1,5 +1,6 @@
 """--keep_checkpoints: only the latest N steps stay on disk; the final step's checkpoint is
 always among them (it is the latest), and a rerun resumes from it."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,7 @@ from jaxrl4llm.train.state import OptimizerConfig
 
 def _state(step):
     params = {"w": jnp.asarray(np.random.default_rng(step).normal(size=(8, 8)), jnp.float32)}
-    return state.TrainState.create(params, optax.adam(1e-2), seed=3).replace(
-        step=jnp.int32(step))
+    return state.TrainState.create(params, optax.adam(1e-2), seed=3).replace(step=jnp.int32(step))
 
 
 def _steps_on_disk(folder):
@@ -33,7 +33,7 @@ def test_keep_one_leaves_the_final_step_and_restores_it(tmp_path):
         if ckpt.should_save(step):
             ckpt.save(step, _state(step), {"iterator": {"index": step}})
             assert _steps_on_disk(tmp_path) == [step]
-    ckpt.save(20, _state(20), {"iterator": {"index": 20}})   # the loop's final save
+    ckpt.save(20, _state(20), {"iterator": {"index": 20}})  # the loop's final save
     ckpt.close()
     assert _steps_on_disk(tmp_path) == [20]
     # A new process (a rerun) restores it and keeps saving with keep=1.
@@ -46,15 +46,29 @@ def test_keep_one_leaves_the_final_step_and_restores_it(tmp_path):
     assert _steps_on_disk(tmp_path) == [24]
 
 
-def test_keep_one_run_ends_with_its_final_checkpoint_and_resumes(toy_model_dir, copy_task_file,
-                                                                 tmp_path):
+def test_keep_one_run_ends_with_its_final_checkpoint_and_resumes(
+    toy_model_dir, copy_task_file, tmp_path
+):
     config = TrainConfig().replace(
-        model=toy_model_dir, data=copy_task_file, instruction="", prompts_per_step=4,
-        group_size=2, max_prompt_tokens=16, max_new_tokens=1,
-        algorithm=rl.get_preset("grpo"), optimizer=OptimizerConfig(learning_rate=1e-2),
-        num_steps=3, checkpoint_every=2, keep_checkpoints=1, mesh="data:1,fsdp:1,tensor:1",
-        eval_prompts=0, workdir=str(tmp_path), answer_mode="lenient", tensorboard=False)
-    loop.run(config, devices=jax.devices()[:1])   # saves 2, then the final 3 (not a multiple)
+        model=toy_model_dir,
+        data=copy_task_file,
+        instruction="",
+        prompts_per_step=4,
+        group_size=2,
+        max_prompt_tokens=16,
+        max_new_tokens=1,
+        algorithm=rl.get_preset("grpo"),
+        optimizer=OptimizerConfig(learning_rate=1e-2),
+        num_steps=3,
+        checkpoint_every=2,
+        keep_checkpoints=1,
+        mesh="data:1,fsdp:1,tensor:1",
+        eval_prompts=0,
+        workdir=str(tmp_path),
+        answer_mode="lenient",
+        tensorboard=False,
+    )
+    loop.run(config, devices=jax.devices()[:1])  # saves 2, then the final 3 (not a multiple)
     assert _steps_on_disk(tmp_path / "checkpoints") == [3]
     result = loop.run(config.replace(num_steps=4), devices=jax.devices()[:1])
     assert result["step"] == 4

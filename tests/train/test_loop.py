@@ -1,4 +1,5 @@
 """The whole training loop on a toy policy: learning, sharding, resume, reference, bad values."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,11 +16,24 @@ from tests.train.float_checks import LINEAR_OPT
 
 
 def _config(model_dir, data, workdir, **overrides):
-    base = dict(model=model_dir, data=data, instruction="", prompts_per_step=8, group_size=4,
-                max_prompt_tokens=16, max_new_tokens=1, algorithm=rl.get_preset("grpo"),
-                optimizer=OptimizerConfig(learning_rate=1e-2), num_steps=4,
-                mesh="data:1,fsdp:1,tensor:1", eval_prompts=0, checkpoint_every=1000,
-                workdir=str(workdir), answer_mode="lenient", tensorboard=False)
+    base = dict(
+        model=model_dir,
+        data=data,
+        instruction="",
+        prompts_per_step=8,
+        group_size=4,
+        max_prompt_tokens=16,
+        max_new_tokens=1,
+        algorithm=rl.get_preset("grpo"),
+        optimizer=OptimizerConfig(learning_rate=1e-2),
+        num_steps=4,
+        mesh="data:1,fsdp:1,tensor:1",
+        eval_prompts=0,
+        checkpoint_every=1000,
+        workdir=str(workdir),
+        answer_mode="lenient",
+        tensorboard=False,
+    )
     base.update(overrides)
     return TrainConfig().replace(**base)
 
@@ -31,8 +45,9 @@ def _one_device():
 def _accuracy(workdir):
     """Per step: the accuracy of the policy's samples (with dynamic sampling, over every sample
     drawn: the batch's own is biased towards groups holding a correct sample)."""
-    return np.array([r.get("reward/accuracy_sampled", r["reward/accuracy"])
-                     for r in read_metrics(str(workdir))])
+    return np.array(
+        [r.get("reward/accuracy_sampled", r["reward/accuracy"]) for r in read_metrics(str(workdir))]
+    )
 
 
 @pytest.mark.parametrize("preset", sorted(rl.PRESETS))
@@ -42,8 +57,9 @@ def test_every_preset_learns_the_copy_task(preset, toy_model_dir, copy_task_file
     Seeded; measured on the CI machine kind (40 steps, lr 1e-2): final accuracy 0.36 (reinforce,
     the noisiest) to 0.88 (grpo), from 0.02-0.04.
     """
-    config = _config(toy_model_dir, copy_task_file, tmp_path, algorithm=rl.get_preset(preset),
-                     num_steps=40)
+    config = _config(
+        toy_model_dir, copy_task_file, tmp_path, algorithm=rl.get_preset(preset), num_steps=40
+    )
     loop.run(config, devices=_one_device())
     accuracy = _accuracy(tmp_path)
     start, end = accuracy[:5].mean(), accuracy[-8:].mean()
@@ -56,14 +72,18 @@ def test_sharded_run_matches_unsharded(toy_model_dir, copy_task_file, tmp_path):
     with the rollout and reference pass in two row chunks there. LINEAR_OPT: with Adam's
     default eps a near-zero gradient's rounding, which differs between the layouts, would move
     a weight by +-lr, and the next steps' samples would then differ (see float_checks)."""
-    one = _config(toy_model_dir, copy_task_file, tmp_path / "one", num_steps=3,
-                  optimizer=LINEAR_OPT)
-    eight = one.replace(workdir=str(tmp_path / "eight"), mesh="data:1,fsdp:4,tensor:2",
-                        rollout_micro_batch=16)
+    one = _config(
+        toy_model_dir, copy_task_file, tmp_path / "one", num_steps=3, optimizer=LINEAR_OPT
+    )
+    eight = one.replace(
+        workdir=str(tmp_path / "eight"), mesh="data:1,fsdp:4,tensor:2", rollout_micro_batch=16
+    )
     loop.run(one, devices=_one_device())
     summary = loop.run(eight)
-    assert summary["state"].params["embed"].sharding.spec[0] is not None or \
-        summary["state"].params["embed"].sharding.spec[1] is not None
+    assert (
+        summary["state"].params["embed"].sharding.spec[0] is not None
+        or summary["state"].params["embed"].sharding.spec[1] is not None
+    )
     a, b = read_metrics(str(tmp_path / "one")), read_metrics(str(tmp_path / "eight"))
     for ra, rb in zip(a, b):
         assert ra["reward/mean"] == rb["reward/mean"]
@@ -71,14 +91,20 @@ def test_sharded_run_matches_unsharded(toy_model_dir, copy_task_file, tmp_path):
         np.testing.assert_allclose(rb["policy/entropy"], ra["policy/entropy"], atol=1e-4)
 
 
-@pytest.mark.parametrize("lora", [{}, dict(lora_rank=4, lora_dropout=0.1)],
-                         ids=["full", "lora"])
+@pytest.mark.parametrize("lora", [{}, dict(lora_rank=4, lora_dropout=0.1)], ids=["full", "lora"])
 def test_resume_equals_an_uninterrupted_run(lora, toy_model_dir, copy_task_file, tmp_path):
     """LoRA: the checkpoint holds the adapters and their optimizer state (not the base)."""
-    kwargs = dict(num_steps=4, checkpoint_every=2, algorithm=rl.get_preset("lite_ppo"),
-                  mini_batch_size=16, ppo_epochs=2, **lora)
-    straight = loop.run(_config(toy_model_dir, copy_task_file, tmp_path / "a", **kwargs),
-                        devices=_one_device())
+    kwargs = dict(
+        num_steps=4,
+        checkpoint_every=2,
+        algorithm=rl.get_preset("lite_ppo"),
+        mini_batch_size=16,
+        ppo_epochs=2,
+        **lora,
+    )
+    straight = loop.run(
+        _config(toy_model_dir, copy_task_file, tmp_path / "a", **kwargs), devices=_one_device()
+    )
     half = _config(toy_model_dir, copy_task_file, tmp_path / "b", **dict(kwargs, num_steps=2))
     loop.run(half, devices=_one_device())
     resumed = loop.run(half.replace(num_steps=4), devices=_one_device())
@@ -96,54 +122,90 @@ def test_resume_equals_an_uninterrupted_run(lora, toy_model_dir, copy_task_file,
 
 
 def test_kl_run_keeps_the_reference_frozen(toy_model_dir, copy_task_file, tmp_path):
-    config = _config(toy_model_dir, copy_task_file, tmp_path,
-                     algorithm=rl.get_preset("grpo", kl_coef=0.1), num_steps=3)
+    config = _config(
+        toy_model_dir,
+        copy_task_file,
+        tmp_path,
+        algorithm=rl.get_preset("grpo", kl_coef=0.1),
+        num_steps=3,
+    )
     summary = loop.run(config, devices=_one_device())
     _, initial, _ = registry.load_model(toy_model_dir, with_tokenizer=False)
-    for ref, init, final in zip(jax.tree.leaves(summary["ref_params"]), jax.tree.leaves(initial),
-                                jax.tree.leaves(summary["state"].params)):
+    for ref, init, final in zip(
+        jax.tree.leaves(summary["ref_params"]),
+        jax.tree.leaves(initial),
+        jax.tree.leaves(summary["state"].params),
+    ):
         np.testing.assert_array_equal(np.asarray(ref), np.asarray(init))
-    moved = [not np.array_equal(np.asarray(i), np.asarray(f)) for i, f in
-             zip(jax.tree.leaves(initial), jax.tree.leaves(summary["state"].params))]
+    moved = [
+        not np.array_equal(np.asarray(i), np.asarray(f))
+        for i, f in zip(jax.tree.leaves(initial), jax.tree.leaves(summary["state"].params))
+    ]
     assert any(moved)
     assert read_metrics(str(tmp_path))[-1]["policy/kl_ref"] > 0
     # No KL term: no reference model is loaded at all.
-    no_kl = _config(toy_model_dir, copy_task_file, tmp_path / "nokl",
-                    algorithm=rl.get_preset("dr_grpo"), num_steps=1)
+    no_kl = _config(
+        toy_model_dir,
+        copy_task_file,
+        tmp_path / "nokl",
+        algorithm=rl.get_preset("dr_grpo"),
+        num_steps=1,
+    )
     assert loop.run(no_kl, devices=_one_device())["ref_params"] is None
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(mini_batch_size=12), "does not divide the batch of 32 rows"),
-    (dict(micro_batch_size=5, mini_batch_size=16), "does not divide the mini-batch of 16"),
-    (dict(group_size=1), "group_size"),
-    (dict(rollout_micro_batch=6), "--rollout_micro_batch=6 must divide the batch of 32"),
-    (dict(mesh="data:1,fsdp:3,tensor:1"), "needs 3 devices but 1 are available"),
-    (dict(max_prompt_tokens=4), "longer than --max_prompt_tokens=4"),
-])
-def test_bad_values_fail_with_a_clear_message(overrides, message, toy_model_dir, copy_task_file,
-                                              tmp_path):
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(mini_batch_size=12), "does not divide the batch of 32 rows"),
+        (dict(micro_batch_size=5, mini_batch_size=16), "does not divide the mini-batch of 16"),
+        (dict(group_size=1), "group_size"),
+        (dict(rollout_micro_batch=6), "--rollout_micro_batch=6 must divide the batch of 32"),
+        (dict(mesh="data:1,fsdp:3,tensor:1"), "needs 3 devices but 1 are available"),
+        (dict(max_prompt_tokens=4), "longer than --max_prompt_tokens=4"),
+    ],
+)
+def test_bad_values_fail_with_a_clear_message(
+    overrides, message, toy_model_dir, copy_task_file, tmp_path
+):
     config = _config(toy_model_dir, copy_task_file, tmp_path, **overrides)
     with pytest.raises(ValueError, match=message):
         loop.run(config, devices=_one_device())
 
 
-def test_a_new_loss_metric_reaches_metrics_jsonl(toy_model_dir, copy_task_file, tmp_path,
-                                                 monkeypatch):
+def test_a_new_loss_metric_reaches_metrics_jsonl(
+    toy_model_dir, copy_task_file, tmp_path, monkeypatch
+):
     """A metric named and reduced where it is computed is logged with no other edit; the
     reward mean and accuracy are logged once."""
     policy_loss = rl.policy_loss
 
     def with_probe(*args, **kwargs):
         loss_sum, denominator, metrics = policy_loss(*args, **kwargs)
-        rows = jnp.float32(args[1].shape[0])     # logp_BT: this micro-batch's rows
-        return loss_sum, denominator, dict(metrics, **{"policy/probe_rows": rl.Metric.sum(rows),
-                                                       "policy/probe_max": rl.Metric.max(rows)})
+        rows = jnp.float32(args[1].shape[0])  # logp_BT: this micro-batch's rows
+        return (
+            loss_sum,
+            denominator,
+            dict(
+                metrics,
+                **{
+                    "policy/probe_rows": rl.Metric.sum(rows),
+                    "policy/probe_max": rl.Metric.max(rows),
+                },
+            ),
+        )
 
     monkeypatch.setattr(rl, "policy_loss", with_probe)
     # A knob value no other test uses: train_step is traced afresh, with the probe.
-    config = _config(toy_model_dir, copy_task_file, tmp_path, num_steps=1, mini_batch_size=16,
-                     micro_batch_size=8, algorithm=rl.get_preset("grpo", clip_high=0.2345))
+    config = _config(
+        toy_model_dir,
+        copy_task_file,
+        tmp_path,
+        num_steps=1,
+        mini_batch_size=16,
+        micro_batch_size=8,
+        algorithm=rl.get_preset("grpo", clip_high=0.2345),
+    )
     loop.run(config, devices=_one_device())
     record = read_metrics(str(tmp_path))[-1]
     # 2 mini-batches x 2 micro-batches of 8 rows: summed over all four, max of each.
@@ -159,8 +221,10 @@ def test_length_classes_give_the_same_run(toy_model_dir, copy_task_file, tmp_pat
     kwargs = dict(num_steps=2, max_new_tokens=40, micro_batch_size=8, optimizer=LINEAR_OPT)
     plain = _config(toy_model_dir, copy_task_file, tmp_path / "plain", **kwargs)
     loop.run(plain, devices=_one_device())
-    loop.run(plain.replace(workdir=str(tmp_path / "classes"), micro_batch_length_classes=3),
-             devices=_one_device())
+    loop.run(
+        plain.replace(workdir=str(tmp_path / "classes"), micro_batch_length_classes=3),
+        devices=_one_device(),
+    )
     a, b = read_metrics(str(tmp_path / "plain")), read_metrics(str(tmp_path / "classes"))
     assert len(a) == len(b) == 2
     for ra, rb in zip(a, b):

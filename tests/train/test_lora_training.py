@@ -1,6 +1,7 @@
 """LoRA in the update: the adapters' gradient is the chain rule of the base weights', the base
 gets no gradient (the compiled update computes none) and no optimizer state, and a run's
 reference is the base itself (no copy)."""
+
 import re
 
 import jax
@@ -25,14 +26,19 @@ GRPO = rl.get_preset("dr_grpo")
 def _random_b(adapters):
     leaves, treedef = jax.tree.flatten(adapters)
     keys = jax.random.split(jax.random.key(7), len(leaves))
-    return jax.tree.unflatten(treedef, [x if x.ndim and float(jnp.abs(x).max()) else
-                                        0.05 * jax.random.normal(k, x.shape)
-                                        for k, x in zip(keys, leaves)])
+    return jax.tree.unflatten(
+        treedef,
+        [
+            x if x.ndim and float(jnp.abs(x).max()) else 0.05 * jax.random.normal(k, x.shape)
+            for k, x in zip(keys, leaves)
+        ],
+    )
 
 
 def _grads(params, batch, **kwargs):
-    return accumulate_gradients(params, batch, model_config=CONFIG, algorithm=GRPO,
-                                num_micro=2, temperature=1.0, **kwargs)
+    return accumulate_gradients(
+        params, batch, model_config=CONFIG, algorithm=GRPO, num_micro=2, temperature=1.0, **kwargs
+    )
 
 
 def test_adapter_gradients_follow_the_chain_rule_of_the_merged_weights():
@@ -50,20 +56,45 @@ def test_adapter_gradients_follow_the_chain_rule_of_the_merged_weights():
         a = np.asarray(adapters["layers"][f"{target}_lora_a"])
         b = np.asarray(adapters["layers"][f"{target}_lora_b"])
         gw = np.asarray(g_full["layers"][target]).reshape(a.shape[0], a.shape[1], b.shape[2])
-        np.testing.assert_allclose(g_lora["layers"][f"{target}_lora_b"],
-                                   s * np.einsum("lir,lio->lro", a, gw), atol=2e-6, rtol=1e-4)
-        np.testing.assert_allclose(g_lora["layers"][f"{target}_lora_a"],
-                                   s * np.einsum("lio,lro->lir", gw, b), atol=2e-6, rtol=1e-4)
+        np.testing.assert_allclose(
+            g_lora["layers"][f"{target}_lora_b"],
+            s * np.einsum("lir,lio->lro", a, gw),
+            atol=2e-6,
+            rtol=1e-4,
+        )
+        np.testing.assert_allclose(
+            g_lora["layers"][f"{target}_lora_a"],
+            s * np.einsum("lio,lro->lir", gw, b),
+            atol=2e-6,
+            rtol=1e-4,
+        )
 
 
 def _weight_gradient_dots(hlo: str) -> list[str]:
     """Dot results shaped like a base weight matrix (per layer, any head split): the shape of
     a weight's gradient; no activation here has one (B*T = 8 * 11 rows)."""
     c = CONFIG
-    D, F, V, N, K, H = (c.hidden_size, c.intermediate_size, c.vocab_size, c.num_heads,
-                        c.num_kv_heads, c.head_dim)
-    shapes = {(D, F), (F, D), (D, N * H), (N * H, D), (D, K * H), (K * H, D), (D, N, H),
-              (N, H, D), (D, K, H), (V, D), (D, V)}
+    D, F, V, N, K, H = (
+        c.hidden_size,
+        c.intermediate_size,
+        c.vocab_size,
+        c.num_heads,
+        c.num_kv_heads,
+        c.head_dim,
+    )
+    shapes = {
+        (D, F),
+        (F, D),
+        (D, N * H),
+        (N * H, D),
+        (D, K * H),
+        (K * H, D),
+        (D, N, H),
+        (N, H, D),
+        (D, K, H),
+        (V, D),
+        (D, V),
+    }
     found = []
     for m in re.finditer(r"= f32\[([\d,]+)\]\{[^}]*\} dot\(", hlo):
         shape = tuple(int(d) for d in m.group(1).split(","))
@@ -76,14 +107,14 @@ def test_the_compiled_update_computes_no_base_gradient_and_keeps_no_base_moments
     base = transformer.init_params(CONFIG, jax.random.key(0))
     adapters = lora_lib.init_adapters(CONFIG, LORA, jax.random.key(1))
     _, batch, _ = _batch()
-    static = dict(model_config=CONFIG, algorithm=GRPO, optimizer=LINEAR_OPT, num_micro=2,
-                  temperature=1.0)
+    static = dict(
+        model_config=CONFIG, algorithm=GRPO, optimizer=LINEAR_OPT, num_micro=2, temperature=1.0
+    )
     full = TrainState.create(base, LINEAR_OPT, 0)
     lora = TrainState.create(adapters, LINEAR_OPT, 0)
     full_hlo = train_step.lower(full, batch, **static).compile().as_text()
-    lora_hlo = train_step.lower(lora, batch, frozen=base, lora=LORA,
-                                **static).compile().as_text()
-    assert _weight_gradient_dots(full_hlo)          # the check sees full fine-tuning's
+    lora_hlo = train_step.lower(lora, batch, frozen=base, lora=LORA, **static).compile().as_text()
+    assert _weight_gradient_dots(full_hlo)  # the check sees full fine-tuning's
     assert not _weight_gradient_dots(lora_hlo)
     # The optimizer state: moments of the adapters only.
     nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
@@ -95,19 +126,26 @@ def test_the_compiled_update_computes_no_base_gradient_and_keeps_no_base_moments
 
 
 def test_a_lora_run_uses_the_base_as_its_reference(toy_model_dir, copy_task_file, tmp_path):
-    config = _config(toy_model_dir, copy_task_file, tmp_path,
-                     algorithm=rl.get_preset("grpo", kl_coef=0.1), lora_rank=4)
+    config = _config(
+        toy_model_dir,
+        copy_task_file,
+        tmp_path,
+        algorithm=rl.get_preset("grpo", kl_coef=0.1),
+        lora_rank=4,
+    )
     models, run = services.setup(config, _one_device())
     try:
-        assert models.ref_params is models.base_params     # the same arrays: no copy
+        assert models.ref_params is models.base_params  # the same arrays: no copy
         assert sorted(models.state.params["layers"]) == sorted(
-            f"{t}_lora_{x}" for t in lora_lib.TARGETS for x in "ab")
+            f"{t}_lora_{x}" for t in lora_lib.TARGETS for x in "ab"
+        )
         # Step 0: the policy is the base model exactly.
         tokens = jnp.asarray([[3, 4, 5, 6]], jnp.int32)
         mask = jnp.ones_like(tokens, bool)
         pos = transformer.positions_from_mask(mask)
         np.testing.assert_array_equal(
             transformer.forward(models.policy_params(), run.model_config, tokens, pos, mask)[0],
-            transformer.forward(models.base_params, run.model_config, tokens, pos, mask)[0])
+            transformer.forward(models.base_params, run.model_config, tokens, pos, mask)[0],
+        )
     finally:
         run.close()

@@ -1,5 +1,6 @@
 """metrics.jsonl survives a torn last line (kill / disk full mid-write); TensorBoard is flushed
 with every JSONL record; restarting truncates to the restored step (everything at 0)."""
+
 from __future__ import annotations
 
 import glob
@@ -63,13 +64,14 @@ def test_the_end_of_run_plot_survives_a_torn_line(tmp_path):
 def _event_tags(directory):
     """Scalar tags in the TensorBoard event files (TFRecord framing, Event protos)."""
     from tensorboardX.proto import event_pb2
+
     tags = []
     for path in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
         data = open(path, "rb").read()
         pos = 0
         while pos + 12 <= len(data):
-            (length,) = struct.unpack("<Q", data[pos:pos + 8])
-            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + length])
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
             tags += [(v.tag, event.step) for v in event.summary.value]
             pos += 12 + length + 4
     return tags
@@ -87,10 +89,20 @@ def test_tensorboard_is_flushed_with_every_record(tmp_path):
 def test_tools_plot_survives_a_torn_line(tmp_path):
     import subprocess
     import sys
+
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     _write_records(tmp_path, [1, 2])
-    proc = subprocess.run([sys.executable, os.path.join(root, "tools", "plot.py"),
-                           str(tmp_path), "--out", str(tmp_path / "p.png")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "tools", "plot.py"),
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "p.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "metrics.jsonl:3" in proc.stderr and (tmp_path / "p.png").exists()

@@ -1,5 +1,6 @@
 """The sampler-trainer gap on a toy model: its float32 bound, and a run that logs it and
 corrects by it (--is_correction)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,11 +29,19 @@ CONFIG = dataclasses.replace(TINY, tie_word_embeddings=False)
 def _gap(sampler_config, trainer_config, seed=0):
     """|trainer logp - sampler logp| on every sampled token, at temperature 1."""
     params = transformer.init_params(CONFIG, jax.random.key(seed))
-    params["unembed"] = params["unembed"] * 15.0     # logits over several nats
+    params["unembed"] = params["unembed"] * 15.0  # logits over several nats
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(3, CONFIG.vocab_size, size=n).tolist() for n in [4, 9, 2, 6]]
-    out = sampler.generate(params, sampler_config, prompts, SamplingConfig(temperature=1.0), 16,
-                           jax.random.key(seed), n=2, stop_ids=())
+    out = sampler.generate(
+        params,
+        sampler_config,
+        prompts,
+        SamplingConfig(temperature=1.0),
+        16,
+        jax.random.key(seed),
+        n=2,
+        stop_ids=(),
+    )
     seqs = Sequences(out.prompt_tokens_BP, out.prompt_mask_BP, out.tokens_BT, out.mask_BT)
     logp, _ = completion_logprobs(params, trainer_config, seqs, 1.0)
     return np.abs(np.asarray(logp) - np.asarray(out.logprobs_BT))[np.asarray(out.mask_BT)]
@@ -50,17 +59,31 @@ def test_a_bfloat16_sampler_is_further_off_than_the_bound():
 
 
 def _config(model_dir, data, workdir, **overrides):
-    base = dict(model=model_dir, data=data, instruction="", prompts_per_step=4, group_size=4,
-                max_prompt_tokens=16, max_new_tokens=2, optimizer=OptimizerConfig(1e-2),
-                num_steps=2, mesh="data:1,fsdp:1,tensor:1", eval_prompts=0,
-                checkpoint_every=1000, workdir=str(workdir), answer_mode="lenient",
-                tensorboard=False, algorithm=rl.AlgorithmConfig(name="grpo"))
+    base = dict(
+        model=model_dir,
+        data=data,
+        instruction="",
+        prompts_per_step=4,
+        group_size=4,
+        max_prompt_tokens=16,
+        max_new_tokens=2,
+        optimizer=OptimizerConfig(1e-2),
+        num_steps=2,
+        mesh="data:1,fsdp:1,tensor:1",
+        eval_prompts=0,
+        checkpoint_every=1000,
+        workdir=str(workdir),
+        answer_mode="lenient",
+        tensorboard=False,
+        algorithm=rl.AlgorithmConfig(name="grpo"),
+    )
     return TrainConfig().replace(**dict(base, **overrides))
 
 
 def test_a_run_logs_the_gap_and_the_corrected_fractions(toy_model_dir, copy_task_file, tmp_path):
-    config = _config(toy_model_dir, copy_task_file, tmp_path, is_correction="icepop",
-                     mini_batch_size=8)   # two updates per rollout: pi_old is recomputed
+    config = _config(
+        toy_model_dir, copy_task_file, tmp_path, is_correction="icepop", mini_batch_size=8
+    )  # two updates per rollout: pi_old is recomputed
     loop.run(config, devices=jax.devices()[:1])
     records = read_metrics(str(tmp_path))
     assert len(records) == 2
@@ -74,8 +97,14 @@ def test_a_run_logs_the_gap_and_the_corrected_fractions(toy_model_dir, copy_task
 
 
 def test_correction_with_the_samplers_pi_old_is_refused(toy_model_dir, copy_task_file, tmp_path):
-    config = _config(toy_model_dir, copy_task_file, tmp_path, is_correction="tis",
-                     mini_batch_size=8, recompute_old_logprobs=False)
+    config = _config(
+        toy_model_dir,
+        copy_task_file,
+        tmp_path,
+        is_correction="tis",
+        mini_batch_size=8,
+        recompute_old_logprobs=False,
+    )
     with pytest.raises(ValueError, match="--is_correction=tis reweights"):
         config.validate(num_devices=1)
     assert not config.replace(is_correction=None).keeps_behaviour_logprobs

@@ -1,6 +1,7 @@
 """Local processes joined by jax.distributed train like one process: two of 2 CPU devices
 each like one 4-device process; four (through experiments.launch, preempted and resubmitted
 after step 1) like one 8-device process."""
+
 import json
 import os
 import signal
@@ -49,11 +50,24 @@ def _config(model_dir, data, workdir):
     # Adam's default eps a near-zero gradient's rounding, which differs between the layouts,
     # would move a weight by +-lr and step 2 would start from another policy.
     return TrainConfig().replace(
-        model=model_dir, data=data, instruction="", prompts_per_step=8, group_size=4,
-        max_prompt_tokens=16, max_new_tokens=1, temperature=0.0,
-        algorithm=rl.get_preset("reinforce"), optimizer=LINEAR_OPT,
-        num_steps=2, mesh="data:2,fsdp:2,tensor:1", eval_prompts=0, checkpoint_every=1,
-        workdir=str(workdir), answer_mode="lenient", tensorboard=False)
+        model=model_dir,
+        data=data,
+        instruction="",
+        prompts_per_step=8,
+        group_size=4,
+        max_prompt_tokens=16,
+        max_new_tokens=1,
+        temperature=0.0,
+        algorithm=rl.get_preset("reinforce"),
+        optimizer=LINEAR_OPT,
+        num_steps=2,
+        mesh="data:2,fsdp:2,tensor:1",
+        eval_prompts=0,
+        checkpoint_every=1,
+        workdir=str(workdir),
+        answer_mode="lenient",
+        tensorboard=False,
+    )
 
 
 def test_two_processes_match_one(toy_model_dir, copy_task_file, tmp_path):
@@ -71,17 +85,24 @@ def test_two_processes_match_one(toy_model_dir, copy_task_file, tmp_path):
     procs = []
     for pid, (out_path, err_path) in zip((0, 1), logs):
         with open(out_path, "w") as out, open(err_path, "w") as err:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(script), str(port), str(pid), str(config_json)],
-                env=env, stdout=out, stderr=err, text=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(script), str(port), str(pid), str(config_json)],
+                    env=env,
+                    stdout=out,
+                    stderr=err,
+                    text=True,
+                )
+            )
     for p in procs:
         p.wait(timeout=600)
     for p, (out_path, err_path) in zip(procs, logs):
         assert p.returncode == 0, err_path.read_text()[-4000:]
         assert "FINAL_STEP 2" in out_path.read_text()
 
-    one = loop.run(_config(toy_model_dir, copy_task_file, tmp_path / "one"),
-                   devices=jax.devices()[:4])
+    one = loop.run(
+        _config(toy_model_dir, copy_task_file, tmp_path / "one"), devices=jax.devices()[:4]
+    )
     assert one["step"] == 2
     a, b = read_metrics(str(tmp_path / "one")), read_metrics(str(tmp_path / "two"))
     assert [r["step"] for r in b] == [1, 2]  # host 0 alone writes the metrics
@@ -93,11 +114,23 @@ def test_two_processes_match_one(toy_model_dir, copy_task_file, tmp_path):
 
 
 # The 4-host run's flags; the 1-process run gets the same values through TrainConfig.replace.
-FOUR_HOSTS = dict(instruction="", prompts_per_step=8, group_size=4, max_prompt_tokens=16,
-                  max_new_tokens=1, temperature=0.0, algorithm="reinforce",
-                  learning_rate=LINEAR_OPT.learning_rate, adam_eps=LINEAR_OPT.eps,
-                  num_steps=3, mesh="data:2,fsdp:4,tensor:1", eval_prompts=0,
-                  checkpoint_every=1, answer_mode="lenient", tensorboard=False)
+FOUR_HOSTS = dict(
+    instruction="",
+    prompts_per_step=8,
+    group_size=4,
+    max_prompt_tokens=16,
+    max_new_tokens=1,
+    temperature=0.0,
+    algorithm="reinforce",
+    learning_rate=LINEAR_OPT.learning_rate,
+    adam_eps=LINEAR_OPT.eps,
+    num_steps=3,
+    mesh="data:2,fsdp:4,tensor:1",
+    eval_prompts=0,
+    checkpoint_every=1,
+    answer_mode="lenient",
+    tensorboard=False,
+)
 
 
 def _children(pid):
@@ -118,36 +151,55 @@ def _children(pid):
 def _wait_for_step(path, step, proc, timeout_s=900):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and proc.poll() is None:
-        if path.exists() and any(json.loads(line)["step"] >= step
-                                 for line in path.read_text().splitlines() if line.strip()):
+        if path.exists() and any(
+            json.loads(line)["step"] >= step
+            for line in path.read_text().splitlines()
+            if line.strip()
+        ):
             return
         time.sleep(0.1)
     raise AssertionError(f"no step {step} in {path} (launcher exit {proc.poll()})")
 
 
 @pytest.mark.slow
-def test_four_processes_preempted_and_resubmitted_match_one(toy_model_dir, copy_task_file,
-                                                            tmp_path):
+def test_four_processes_preempted_and_resubmitted_match_one(
+    toy_model_dir, copy_task_file, tmp_path
+):
     """experiments.launch's local backend: 4 processes of 2 CPU devices each; SIGTERM to
     every worker after step 1, the launcher resubmits (exit 75), the run resumes from its
     checkpoint, and the metrics of steps 1-3 equal a 1-process run on 8 devices."""
     workdir = tmp_path / "four"
-    train_flags = [f"--model={toy_model_dir}", f"--data={copy_task_file}",
-                   f"--workdir={workdir}"] + [
-        f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in FOUR_HOSTS.items()]
+    train_flags = [
+        f"--model={toy_model_dir}",
+        f"--data={copy_task_file}",
+        f"--workdir={workdir}",
+    ] + [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in FOUR_HOSTS.items()]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
     env.pop("XLA_FLAGS", None)
     log = tmp_path / "launcher.out"
     with open(log, "w") as out:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "experiments.launch", "--backend=local", "--num_hosts=4",
-             "--devices_per_process=2", "--max_restarts=1", "--", *train_flags],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "experiments.launch",
+                "--backend=local",
+                "--num_hosts=4",
+                "--devices_per_process=2",
+                "--max_restarts=1",
+                "--",
+                *train_flags,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         _wait_for_step(workdir / "metrics.jsonl", 1, launcher)
         workers = _children(launcher.pid)
         assert len(workers) == 4
-        for pid in workers:   # preempt every host, as a reclaimed slice does
+        for pid in workers:  # preempt every host, as a reclaimed slice does
             os.kill(pid, signal.SIGTERM)
         assert launcher.wait(timeout=900) == 0, log.read_text()[-4000:]
     finally:
@@ -158,11 +210,14 @@ def test_four_processes_preempted_and_resubmitted_match_one(toy_model_dir, copy_
     worker_logs = workdir / "launch" / "logs"
     assert "Resumed from step" in (worker_logs / "worker0.log").read_text()
 
-    one = loop.run(TrainConfig().replace(model=toy_model_dir, data=copy_task_file,
-                                         workdir=str(tmp_path / "one"), **FOUR_HOSTS))
+    one = loop.run(
+        TrainConfig().replace(
+            model=toy_model_dir, data=copy_task_file, workdir=str(tmp_path / "one"), **FOUR_HOSTS
+        )
+    )
     assert one["step"] == 3
     a, b = read_metrics(str(tmp_path / "one")), read_metrics(str(workdir))
-    assert [r["step"] for r in b] == [1, 2, 3]   # each step logged once, by host 0
+    assert [r["step"] for r in b] == [1, 2, 3]  # each step logged once, by host 0
     for ra, rb in zip(a, b):
         assert rb["reward/accuracy"] == pytest.approx(ra["reward/accuracy"])
         np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)

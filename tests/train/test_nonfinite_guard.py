@@ -1,5 +1,6 @@
 """The non-finite update guard: a NaN / inf loss or gradient skips the update, counted, and a
 run that keeps skipping stops with a clear error instead of training (and saving) NaN."""
+
 from __future__ import annotations
 
 import jax
@@ -14,27 +15,49 @@ from jaxrl4llm.train.logprobs import Sequences
 from jaxrl4llm.train.state import OptimizerConfig, TrainState
 from jaxrl4llm.train.step import UpdateBatch, train_step
 
-CONFIG = ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_layers=1,
-                     num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=32,
-                     eos_token_ids=(1,), pad_token_id=0)
+CONFIG = ModelConfig(
+    vocab_size=16,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    max_position_embeddings=32,
+    eos_token_ids=(1,),
+    pad_token_id=0,
+)
 OPT = OptimizerConfig(learning_rate=0.05)
 B, P, T = 4, 3, 3
 
 
 def _batch(advantages) -> UpdateBatch:
     rng = np.random.default_rng(0)
-    seqs = Sequences(prompt_tokens_BP=jnp.asarray(rng.integers(2, 16, (B, P)), jnp.int32),
-                     prompt_mask_BP=jnp.ones((B, P), bool),
-                     completion_tokens_BT=jnp.asarray(rng.integers(2, 16, (B, T)), jnp.int32),
-                     completion_mask_BT=jnp.ones((B, T), bool))
-    return UpdateBatch(seqs=seqs, advantages=jnp.asarray(advantages, jnp.float32),
-                       keep_B=jnp.ones(B, bool), old_logp_BT=None, ref_logp_BT=None)
+    seqs = Sequences(
+        prompt_tokens_BP=jnp.asarray(rng.integers(2, 16, (B, P)), jnp.int32),
+        prompt_mask_BP=jnp.ones((B, P), bool),
+        completion_tokens_BT=jnp.asarray(rng.integers(2, 16, (B, T)), jnp.int32),
+        completion_mask_BT=jnp.ones((B, T), bool),
+    )
+    return UpdateBatch(
+        seqs=seqs,
+        advantages=jnp.asarray(advantages, jnp.float32),
+        keep_B=jnp.ones(B, bool),
+        old_logp_BT=None,
+        ref_logp_BT=None,
+    )
 
 
 def _step(state, batch):
-    return train_step(state, batch, model_config=CONFIG,
-                      algorithm=rl.get_preset("grpo", kl_coef=0.0), optimizer=OPT, num_micro=2,
-                      temperature=1.0)
+    return train_step(
+        state,
+        batch,
+        model_config=CONFIG,
+        algorithm=rl.get_preset("grpo", kl_coef=0.0),
+        optimizer=OPT,
+        num_micro=2,
+        temperature=1.0,
+    )
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])

@@ -1,6 +1,7 @@
 """Partial rollouts (train/partial.py): the carried buffer by hand on a scripted sampler, a
 resumed row continuing its prefix exactly (greedy), and the loop with the flag, killed and
 resumed bit for bit."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,16 @@ from tests.train.test_loop import _config, _one_device
 
 # Scripted rows: record -> for each of its G = 2 rows, the completion length at which it emits
 # its stop token (None: never; it runs to max_new_tokens = 6 and is truncated).
-SCRIPT = {"a": (1, 2), "b": (None, 3), "c": (2, 1), "d": (None, None), "e": (1, 1),
-          "f": (1, 1), "g": (1, 1), "h": (1, 1)}
+SCRIPT = {
+    "a": (1, 2),
+    "b": (None, 3),
+    "c": (2, 1),
+    "d": (None, None),
+    "e": (1, 1),
+    "f": (1, 1),
+    "g": (1, 1),
+    "h": (1, 1),
+}
 RECORDS = "abcdefgh"
 
 
@@ -62,27 +71,47 @@ class ScriptedSampler:
             for i in range(n):
                 tokens[r, i] = _token(record, start + i + 1)
                 logp[r, i] = -0.01 * tokens[r, i]
-        return SampleOutput(tokens, logp, np.arange(budget) < lengths[:, None], lengths,
-                            truncated, np.zeros((B, 1), np.int32), np.ones((B, 1), bool),
-                            np.zeros(B, bool), np.int32(lengths.max()), np.int32(0))
+        return SampleOutput(
+            tokens,
+            logp,
+            np.arange(budget) < lengths[:, None],
+            lengths,
+            truncated,
+            np.zeros((B, 1), np.int32),
+            np.ones((B, 1), bool),
+            np.zeros(B, bool),
+            np.int32(lengths.max()),
+            np.int32(0),
+        )
 
     def decode(self, out, num_rows):
-        return [" ".join(map(str, out.tokens_BT[r, :out.lengths_B[r]])) for r in range(num_rows)]
+        return [" ".join(map(str, out.tokens_BT[r, : out.lengths_B[r]])) for r in range(num_rows)]
 
 
 class Rewards:
     def score(self, texts, records, lengths):
-        return RewardBatch(rewards=np.array([float(r == "a") for r in records], np.float32),
-                           correct=np.array([r == "a" for r in records]),
-                           reasons=["correct" if r == "a" else "wrong" for r in records])
+        return RewardBatch(
+            rewards=np.array([float(r == "a") for r in records], np.float32),
+            correct=np.array([r == "a" for r in records]),
+            reasons=["correct" if r == "a" else "wrong" for r in records],
+        )
 
 
 def _ctx(max_staleness=1):
-    rollout = RolloutConfig(prompts_per_step=2, group_size=2, max_new_tokens=6,
-                            max_prompt_tokens=8, partial_rollout_tokens=2,
-                            max_staleness=max_staleness)
-    return types.SimpleNamespace(rollout=rollout, sampler=ScriptedSampler(), reward_fn=Rewards(),
-                                 data=types.SimpleNamespace(messages=lambda r: r))
+    rollout = RolloutConfig(
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=6,
+        max_prompt_tokens=8,
+        partial_rollout_tokens=2,
+        max_staleness=max_staleness,
+    )
+    return types.SimpleNamespace(
+        rollout=rollout,
+        sampler=ScriptedSampler(),
+        reward_fn=Rewards(),
+        data=types.SimpleNamespace(messages=lambda r: r),
+    )
 
 
 def _supply():
@@ -105,8 +134,7 @@ def test_the_buffer_carries_resumes_and_drops_stale_groups():
     # Step 1, prompts a, b. Round 1: a finishes (1 and 2 tokens); b's rows reach 2 tokens.
     # Round 2 takes c (the iterator's next two: c, d; d waits): b's row 1 stops at 3, its row 0
     # reaches 4; c finishes. Batch: a, c; b carried (age 1); d pending.
-    rows, carried, m = partial.sample_and_score(ctx, None, partial.Carried(), list("ab"), key,
-                                                more)
+    rows, carried, m = partial.sample_and_score(ctx, None, partial.Carried(), list("ab"), key, more)
     tokens, logp, out = _rows(rows)
     assert tokens == [[11], [11, 12], [31, 32], [31]]
     np.testing.assert_allclose(logp[1], [-0.11, -0.12], rtol=1e-6)
@@ -116,8 +144,13 @@ def test_the_buffer_carries_resumes_and_drops_stale_groups():
     assert carried.groups[0].lengths_G.tolist() == [4, 3] and carried.pending == ("d",)
     assert rows.verdicts.rewards.tolist() == [1, 1, 0, 0]
     assert {k: m[k].value for k in m if k.startswith("partial/")} == {
-        "partial/rounds": 1 * 2, "partial/new_groups": 3, "partial/carried_rows": 2,
-        "partial/dropped_rows": 0, "partial/staleness_0": 4, "partial/staleness_1": 0}
+        "partial/rounds": 1 * 2,
+        "partial/new_groups": 3,
+        "partial/carried_rows": 2,
+        "partial/dropped_rows": 0,
+        "partial/staleness_0": 4,
+        "partial/staleness_1": 0,
+    }
 
     # The buffer through the checkpoint's JSON: exactly the same.
     state = json.loads(json.dumps(carried.to_state()))
@@ -136,14 +169,15 @@ def test_the_buffer_carries_resumes_and_drops_stale_groups():
     # b's behaviour logprobs: its parts of step 1 and step 2, concatenated.
     np.testing.assert_allclose(logp[0], [-0.21, -0.22, -0.23, -0.24, -0.25, -0.26], rtol=1e-6)
     assert out.truncated_B.tolist() == [True, False, False, False]
-    assert ctx.sampler.calls[2:] == [[4, 0, 0, 0], [2, 2, 0, 0]]   # d (carried) before e
+    assert ctx.sampler.calls[2:] == [[4, 0, 0, 0], [2, 2, 0, 0]]  # d (carried) before e
     assert [(g.record, g.age) for g in carried2.groups] == [("d", 1)]
     assert carried2.pending == ("f",)
     assert (m["partial/staleness_0"].value, m["partial/staleness_1"].value) == (2, 2)
 
     # With --max_staleness=0 the same step drops d instead of carrying it.
-    rows, carried0, m = partial.sample_and_score(_ctx(max_staleness=0), None, restored,
-                                                 list("ef"), key, _supply())
+    rows, carried0, m = partial.sample_and_score(
+        _ctx(max_staleness=0), None, restored, list("ef"), key, _supply()
+    )
     assert carried0.groups == () and m["partial/dropped_rows"].value == 2
     assert m["partial/carried_rows"].value == 0 and "partial/staleness_1" not in m
 
@@ -152,20 +186,19 @@ def test_a_resumed_row_continues_exactly_like_an_uninterrupted_greedy_decode(toy
     """Parts of 3 tokens, each resumed by prefilling prompt + the tokens so far, give the
     tokens (and logprobs) of one uninterrupted 9-token greedy decode."""
     config, params, tokenizer = registry.load_model(toy_model_dir)
-    sampler = Sampler(config, tokenizer, stop_ids=())   # every row runs its whole budget
+    sampler = Sampler(config, tokenizer, stop_ids=())  # every row runs its whole budget
     prompts = sampler.encode(["copy 3", "copy 1 answer"])
     key = jax.random.key(0)
     whole = jax.device_get(sampler.generate(params, prompts, GREEDY, 9, key))
     prefixes, logps = [[], []], [[], []]
     for _ in range(3):
-        part = jax.device_get(sampler.generate(params, prompts, GREEDY, 3, key,
-                                               prefixes=prefixes))
+        part = jax.device_get(sampler.generate(params, prompts, GREEDY, 3, key, prefixes=prefixes))
         for r in range(2):
             prefixes[r] = prefixes[r] + part.tokens_BT[r].tolist()
             logps[r] = logps[r] + part.logprobs_BT[r].tolist()
     assert prefixes == whole.tokens_BT.tolist()
     np.testing.assert_allclose(logps, whole.logprobs_BT, atol=1e-5)
-    assert len(set(map(tuple, prefixes))) == 2   # the rows differ: the test can fail
+    assert len(set(map(tuple, prefixes))) == 2  # the rows differ: the test can fail
 
 
 @pytest.fixture(scope="module")
@@ -183,32 +216,43 @@ def early_stop_model(tmp_path_factory):
 
 
 def _partial_config(model, data, workdir, **overrides):
-    return _config(model, data, workdir, prompts_per_step=4, group_size=2, max_new_tokens=6,
-                   partial_rollout_tokens=2, max_staleness=2, mini_batch_size=4,
-                   **overrides)
+    return _config(
+        model,
+        data,
+        workdir,
+        prompts_per_step=4,
+        group_size=2,
+        max_new_tokens=6,
+        partial_rollout_tokens=2,
+        max_staleness=2,
+        mini_batch_size=4,
+        **overrides,
+    )
 
 
 def test_a_partial_run_carries_rows_and_counts_them(early_stop_model, copy_task_file, tmp_path):
-    loop.run(_partial_config(early_stop_model, copy_task_file, tmp_path, num_steps=3),
-             devices=_one_device())
+    loop.run(
+        _partial_config(early_stop_model, copy_task_file, tmp_path, num_steps=3),
+        devices=_one_device(),
+    )
     records = read_metrics(str(tmp_path))
-    for r in records:   # every step trains P = 4 full groups, staleness 0..2
+    for r in records:  # every step trains P = 4 full groups, staleness 0..2
         assert sum(r[f"partial/staleness_{k}"] for k in range(3)) == 8
-        assert r["reward/accuracy"] == r["reward/accuracy"]   # scored, not NaN
+        assert r["reward/accuracy"] == r["reward/accuracy"]  # scored, not NaN
     assert any(r["partial/carried_rows"] > 0 for r in records)
     assert any(r["partial/staleness_1"] + r["partial/staleness_2"] > 0 for r in records)
 
 
-def test_a_killed_partial_run_resumes_bit_identically(early_stop_model, copy_task_file,
-                                                      tmp_path):
+def test_a_killed_partial_run_resumes_bit_identically(early_stop_model, copy_task_file, tmp_path):
     """A run killed (kill -9) after logging step 3 but before saving it restarts from
     checkpoint 2, carried rows included, and logs the metrics of a run that never stopped."""
     straight = _partial_config(early_stop_model, copy_task_file, tmp_path / "a", num_steps=4)
     loop.run(straight, devices=_one_device())
-    killed = _partial_config(early_stop_model, copy_task_file, tmp_path / "b", num_steps=3,
-                             checkpoint_every=2)
+    killed = _partial_config(
+        early_stop_model, copy_task_file, tmp_path / "b", num_steps=3, checkpoint_every=2
+    )
     loop.run(killed, devices=_one_device())
-    shutil.rmtree(tmp_path / "b" / "checkpoints" / "3")   # what kill -9 leaves: step 3 logged
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "3")  # what kill -9 leaves: step 3 logged
     saved = json.loads((tmp_path / "b" / "checkpoints" / "2" / "data" / "metadata").read_text())
     assert saved["in_flight"]["groups"], "nothing carried at the checkpoint: the test is weak"
     loop.run(killed.replace(num_steps=4), devices=_one_device())
@@ -219,14 +263,21 @@ def test_a_killed_partial_run_resumes_bit_identically(early_stop_model, copy_tas
         assert {k: ra[k] for k in same} == {k: rb[k] for k in same}
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(partial_rollout_tokens=6), r"--partial_rollout_tokens=6 must be in \[1, "),
-    (dict(partial_rollout_tokens=2, algorithm=rl.get_preset("dapo")),
-     "does not combine with --dynamic_sampling"),
-    (dict(partial_rollout_tokens=2, recompute_old_logprobs=False),
-     "does not combine with --norecompute_old_logprobs"),
-    (dict(max_staleness=3), "--max_staleness=3 applies only to partial rollouts"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(partial_rollout_tokens=6), r"--partial_rollout_tokens=6 must be in \[1, "),
+        (
+            dict(partial_rollout_tokens=2, algorithm=rl.get_preset("dapo")),
+            "does not combine with --dynamic_sampling",
+        ),
+        (
+            dict(partial_rollout_tokens=2, recompute_old_logprobs=False),
+            "does not combine with --norecompute_old_logprobs",
+        ),
+        (dict(max_staleness=3), "--max_staleness=3 applies only to partial rollouts"),
+    ],
+)
 def test_unsupported_partial_settings_are_refused(overrides, message, tmp_path):
     config = _config("unused", "unused", tmp_path, max_new_tokens=6, **overrides)
     with pytest.raises(ValueError, match=message):

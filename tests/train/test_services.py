@@ -1,4 +1,5 @@
 """train.services.setup: what it hands the data layer, before any model load."""
+
 from __future__ import annotations
 
 import jax
@@ -24,8 +25,12 @@ def test_training_data_is_read_at_the_requested_hub_revision(monkeypatch, tmp_pa
 
     monkeypatch.setattr(services, "make_source", fake_source)
     monkeypatch.setattr(services.registry, "load_model", no_model)
-    config = TrainConfig().replace(data="hf:someone/some-data", data_revision="v1.2",
-                                   mesh="data:1,fsdp:1,tensor:1", workdir=str(tmp_path / "w"))
+    config = TrainConfig().replace(
+        data="hf:someone/some-data",
+        data_revision="v1.2",
+        mesh="data:1,fsdp:1,tensor:1",
+        workdir=str(tmp_path / "w"),
+    )
     with pytest.raises(_Stop):
         services.setup(config, jax.devices()[:1])
     assert seen["spec"] == "hf:someone/some-data"

@@ -2,6 +2,7 @@
 creation and after a restore; the compiled update is FSDP (weights all-gathered per layer
 inside the scan, gradients reduce-scattered, no whole-batch activation moved); sharded ==
 unsharded numerics."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,9 +23,18 @@ from jaxrl4llm.train.step import UpdateBatch, accumulate_gradients, train_step
 
 from tests.train.float_checks import LINEAR_OPT, assert_trees_close, param_step
 
-CONFIG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3,
-                     num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=128,
-                     eos_token_ids=(1,), pad_token_id=0)
+CONFIG = ModelConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    eos_token_ids=(1,),
+    pad_token_id=0,
+)
 OPT = OptimizerConfig(learning_rate=1e-2)
 ALGO = dataclasses.replace(rl.get_preset("grpo"), kl_in=None, kl_coef=0.0)
 B, P, T, NUM_MICRO = 32, 12, 20, 2
@@ -47,12 +57,21 @@ def _batch(mesh, group=4):
         prompt_tokens_BP=np.where(prompt_mask, prompts, 0).astype(np.int32),
         prompt_mask_BP=prompt_mask,
         completion_tokens_BT=np.where(comp_mask, rng.integers(2, 256, (B, T)), 0).astype(np.int32),
-        completion_mask_BT=comp_mask)
-    put = (lambda x: jnp.asarray(x)) if mesh is None else (
-        lambda x: jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x))))
+        completion_mask_BT=comp_mask,
+    )
+    put = (
+        (lambda x: jnp.asarray(x))
+        if mesh is None
+        else (lambda x: jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x))))
+    )
     seqs = Sequences(**{k: put(v) for k, v in arrays.items()})
-    return UpdateBatch(seqs=seqs, advantages=put(rng.normal(size=B).astype(np.float32)),
-                       keep_B=put(np.ones(B, bool)), old_logp_BT=None, ref_logp_BT=None)
+    return UpdateBatch(
+        seqs=seqs,
+        advantages=put(rng.normal(size=B).astype(np.float32)),
+        keep_B=put(np.ones(B, bool)),
+        old_logp_BT=None,
+        ref_logp_BT=None,
+    )
 
 
 def _leaf_items(tree):
@@ -61,12 +80,12 @@ def _leaf_items(tree):
 
 def _assert_moments_like_params(state):
     params = _leaf_items(state.params)
-    adam = state.opt_state[1][0]   # chain(clip, adamw): adamw's ScaleByAdamState
+    adam = state.opt_state[1][0]  # chain(clip, adamw): adamw's ScaleByAdamState
     for moments in (adam.mu, adam.nu):
         for path, x in _leaf_items(moments).items():
             assert x.sharding == params[path].sharding, path
     assert adam.count.sharding.spec == jax.sharding.PartitionSpec()
-    assert params["['layers']['gate']"].sharding.spec[1] == "fsdp"   # really sharded
+    assert params["['layers']['gate']"].sharding.spec[1] == "fsdp"  # really sharded
 
 
 def test_optimizer_state_is_born_and_restored_with_its_params_sharding(tmp_path):
@@ -88,9 +107,17 @@ def update_hlo():
     mesh = parallel.make_mesh("data:1,fsdp:8,tensor:1")
     state = create_state(_params(mesh), OPT, seed=0)
     compiled = train_step.lower(
-        state, _batch(mesh), model_config=CONFIG, algorithm=ALGO, optimizer=OPT,
-        num_micro=NUM_MICRO, temperature=1.0, remat=True, prompt_group=1,
-        sharding=parallel.ActivationSharding(mesh)).compile()
+        state,
+        _batch(mesh),
+        model_config=CONFIG,
+        algorithm=ALGO,
+        optimizer=OPT,
+        num_micro=NUM_MICRO,
+        temperature=1.0,
+        remat=True,
+        prompt_group=1,
+        sharding=parallel.ActivationSharding(mesh),
+    ).compile()
     return compiled.as_text()
 
 
@@ -101,12 +128,14 @@ def _layer_weight_bytes():
 
 def test_compiled_update_gathers_weights_per_layer_and_scatters_gradients(update_hlo):
     ops = hlo_analysis.collectives(update_hlo, num_devices=8)
-    per_layer = NUM_MICRO * CONFIG.num_layers   # runs inside the micro-batch and layer loops
+    per_layer = NUM_MICRO * CONFIG.num_layers  # runs inside the micro-batch and layer loops
     weights = _layer_weight_bytes()
-    gathered = sum(o.total_bytes for o in ops if o.kind == "all-gather"
-                   and o.executions == per_layer)
-    scattered = sum(o.total_bytes for o in ops if o.kind == "reduce-scatter"
-                    and o.executions == per_layer)
+    gathered = sum(
+        o.total_bytes for o in ops if o.kind == "all-gather" and o.executions == per_layer
+    )
+    scattered = sum(
+        o.total_bytes for o in ops if o.kind == "reduce-scatter" and o.executions == per_layer
+    )
     # Forward and backward each gather every layer's weights; each micro-batch's weight
     # gradients are reduce-scattered once.
     assert 2 * per_layer * weights <= gathered <= 3 * per_layer * weights
@@ -129,18 +158,31 @@ def test_compiled_update_moves_no_whole_batch_activation(update_hlo):
 
 
 def _sharded_and_unsharded(mesh_spec, run):
-    return [run(mesh, None if mesh is None else parallel.ActivationSharding(mesh))
-            for mesh in (None, parallel.make_mesh(mesh_spec))]
+    return [
+        run(mesh, None if mesh is None else parallel.ActivationSharding(mesh))
+        for mesh in (None, parallel.make_mesh(mesh_spec))
+    ]
 
 
 @pytest.mark.parametrize("mesh_spec", ["data:2,fsdp:2,tensor:2"])
 def test_sharded_gradients_equal_unsharded(mesh_spec):
     """Strided micro-batches of whole prompt groups and sharded params give the single-device
     loss and gradients to float32 tolerance."""
+
     def run(mesh, sharding):
-        fn = jax.jit(lambda p, b: accumulate_gradients(
-            p, b, model_config=CONFIG, algorithm=ALGO, num_micro=NUM_MICRO, temperature=1.0,
-            remat=True, prompt_group=4, sharding=sharding)[:2])
+        fn = jax.jit(
+            lambda p, b: accumulate_gradients(
+                p,
+                b,
+                model_config=CONFIG,
+                algorithm=ALGO,
+                num_micro=NUM_MICRO,
+                temperature=1.0,
+                remat=True,
+                prompt_group=4,
+                sharding=sharding,
+            )[:2]
+        )
         return jax.device_get(fn(_params(mesh), _batch(mesh)))
 
     (loss0, grads0), (loss1, grads1) = _sharded_and_unsharded(mesh_spec, run)
@@ -153,18 +195,28 @@ def test_sharded_update_equals_unsharded(mesh_spec):
     """The whole sharded train_step (micro-batches, constraints, sharded optimizer state)
     gives the single-device update, with an optimizer whose step is proportional to the
     gradient (LINEAR_OPT), so that what is compared is the update and not rounding noise."""
+
     def run(mesh, sharding):
         state = create_state(_params(mesh), LINEAR_OPT, seed=0)
-        before = jax.device_get(state.params)   # train_step may donate the state
-        state, metrics = train_step(state, _batch(mesh), model_config=CONFIG, algorithm=ALGO,
-                                    optimizer=LINEAR_OPT, num_micro=NUM_MICRO,
-                                    temperature=1.0, remat=True, prompt_group=4,
-                                    sharding=sharding)
+        before = jax.device_get(state.params)  # train_step may donate the state
+        state, metrics = train_step(
+            state,
+            _batch(mesh),
+            model_config=CONFIG,
+            algorithm=ALGO,
+            optimizer=LINEAR_OPT,
+            num_micro=NUM_MICRO,
+            temperature=1.0,
+            remat=True,
+            prompt_group=4,
+            sharding=sharding,
+        )
         return param_step(before, state.params), jax.device_get(metrics)
 
     (step0, m0), (step1, m1) = _sharded_and_unsharded(mesh_spec, run)
-    np.testing.assert_allclose(m1["policy/loss"].value, m0["policy/loss"].value, rtol=1e-5,
-                               atol=1e-7)
+    np.testing.assert_allclose(
+        m1["policy/loss"].value, m0["policy/loss"].value, rtol=1e-5, atol=1e-7
+    )
     np.testing.assert_allclose(m1["optim/grad_norm"].value, m0["optim/grad_norm"].value, rtol=1e-4)
     assert m0["optim/skipped_updates"].value == 0
     assert_trees_close(step1, step0, rel=1e-4)

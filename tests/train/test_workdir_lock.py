@@ -1,4 +1,5 @@
 """WorkdirLock: one run per workdir; the holder is named; a dead holder's lock is taken over."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,9 @@ def _hold_in_subprocess(workdir):
 def test_a_second_run_fails_naming_the_holder_then_takes_over_when_it_dies(tmp_path, caplog):
     holder = _hold_in_subprocess(tmp_path)
     try:
-        with pytest.raises(WorkdirInUseError,
-                           match=rf"pid {holder.pid} on host {socket.gethostname()}"):
+        with pytest.raises(
+            WorkdirInUseError, match=rf"pid {holder.pid} on host {socket.gethostname()}"
+        ):
             WorkdirLock(str(tmp_path)).acquire()
     finally:
         holder.send_signal(signal.SIGKILL)  # killed: it never releases

@@ -7,6 +7,7 @@ boxed answers) and easy stdin/stdout code problems (the offline code task, tasks
 Knights and knaves come from reasoning-gym (Xie et al.'s generator, nested and compound
 statements): gym:knights_knaves.
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -38,14 +39,27 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
-def generate_record(task: str, config: Any = None, *, seed: int = 0, split: str = "train",
-                    index: int = 0, test_fraction: float = 0.1) -> Record:
+def generate_record(
+    task: str,
+    config: Any = None,
+    *,
+    seed: int = 0,
+    split: str = "train",
+    index: int = 0,
+    test_fraction: float = 0.1,
+) -> Record:
     """Example `index` of a task's split; the same arguments always give the same record."""
     spec = get_task(task)
     config = spec.config_cls() if config is None else config
-    return make_record(task, spec.generate, config, seed=seed, split=split, index=index,
-                       test_fraction=test_fraction)
+    return make_record(
+        task,
+        spec.generate,
+        config,
+        seed=seed,
+        split=split,
+        index=index,
+        test_fraction=test_fraction,
+    )
 
 
-__all__ = ["TASKS", "Task", "get_task", "generate_record", "split_of", "SPLITS",
-           "canonical_split"]
+__all__ = ["TASKS", "Task", "get_task", "generate_record", "split_of", "SPLITS", "canonical_split"]

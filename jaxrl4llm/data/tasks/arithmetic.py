@@ -1,4 +1,5 @@
 """Arithmetic: "What is 37 + 5?" with an integer answer; the embedded default task."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,9 +14,9 @@ OPERATORS = "+-*/"
 
 @dataclasses.dataclass(frozen=True)
 class ArithmeticConfig:
-    digits: int = 2               # operands are uniform in [0, 10**digits)
+    digits: int = 2  # operands are uniform in [0, 10**digits)
     num_operands: int = 2
-    ops: str = "+-"               # any of + - * / ; '/' only where the result is an integer
+    ops: str = "+-"  # any of + - * / ; '/' only where the result is an integer
     allow_negative: bool = False  # False: redraw when the answer is negative (easier)
 
     def __post_init__(self):
@@ -24,8 +25,10 @@ class ArithmeticConfig:
         if not 2 <= self.num_operands <= 8:
             raise DataError(f"arithmetic num_operands must be in 2..8, got {self.num_operands}")
         if not self.ops or set(self.ops) - set(OPERATORS):
-            raise DataError(f"arithmetic ops must be a non-empty string of {OPERATORS!r}, "
-                            f"got {self.ops!r} (e.g. ops=+-*)")
+            raise DataError(
+                f"arithmetic ops must be a non-empty string of {OPERATORS!r}, "
+                f"got {self.ops!r} (e.g. ops=+-*)"
+            )
 
 
 def evaluate(operands: list[int], operators: list[str]) -> Fraction:
@@ -54,5 +57,6 @@ def generate(config: ArithmeticConfig, rng: random.Random) -> tuple[str, str, di
         if value.denominator != 1 or (value < 0 and not config.allow_negative):
             continue
         expression = " ".join(
-            [str(operands[0])] + [f"{op} {v}" for op, v in zip(operators, operands[1:])])
+            [str(operands[0])] + [f"{op} {v}" for op, v in zip(operators, operands[1:])]
+        )
         return f"What is {expression}?", str(value.numerator), {"expression": expression}

@@ -3,6 +3,7 @@
 Every puzzle is built from a random expression over all its numbers, so it has a solution
 (stored as the record's answer); the verifier accepts any other valid expression too.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,14 +15,16 @@ from jaxrl4llm.data.records import DataError
 
 _MAX_TRIES = 1000
 # The answer format, as the record's instruction (used instead of the default one).
-INSTRUCTION = ("Think step by step, then give the expression (not its value) as the final "
-               "answer within \\boxed{}, e.g. \\boxed{(1 + 2) * 3}.")
+INSTRUCTION = (
+    "Think step by step, then give the expression (not its value) as the final "
+    "answer within \\boxed{}, e.g. \\boxed{(1 + 2) * 3}."
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class CountdownTaskConfig:
-    num_numbers: int = 4   # how many numbers are given (2..6)
-    max_number: int = 99   # numbers are uniform in [1, max_number]
+    num_numbers: int = 4  # how many numbers are given (2..6)
+    max_number: int = 99  # numbers are uniform in [1, max_number]
     min_target: int = 1
     max_target: int = 100
 
@@ -29,16 +32,20 @@ class CountdownTaskConfig:
         if not 2 <= self.num_numbers <= 6:
             raise DataError(f"countdown num_numbers must be in 2..6, got {self.num_numbers}")
         if self.max_number < 1 or not 0 <= self.min_target <= self.max_target:
-            raise DataError("countdown needs max_number >= 1 and 0 <= min_target <= max_target, "
-                            f"got {self.max_number}, {self.min_target}, {self.max_target}")
+            raise DataError(
+                "countdown needs max_number >= 1 and 0 <= min_target <= max_target, "
+                f"got {self.max_number}, {self.min_target}, {self.max_target}"
+            )
 
 
 def _random_solution(numbers: list[int], rng: random.Random) -> tuple[str, Fraction]:
     """Combines all numbers pairwise in random order and with random ops (exact division only)."""
     items = [(str(n), Fraction(n)) for n in numbers]
     while len(items) > 1:
-        (text_a, a), (text_b, b) = items.pop(rng.randrange(len(items))), items.pop(
-            rng.randrange(len(items)))
+        (text_a, a), (text_b, b) = (
+            items.pop(rng.randrange(len(items))),
+            items.pop(rng.randrange(len(items))),
+        )
         op = rng.choice("+-*/")
         if op == "/" and (b == 0 or (a / b).denominator != 1):
             op = "+"
@@ -56,10 +63,17 @@ def generate(config: CountdownTaskConfig, rng: random.Random) -> tuple[str, str,
         solution, value = _random_solution(numbers, rng)
         if value.denominator == 1 and config.min_target <= value <= config.max_target:
             target = int(value)
-            question = (f"Using the numbers {numbers}, create an equation that equals {target}. "
-                        "You can use basic arithmetic operations (+, -, *, /) and each number "
-                        "can only be used once.")
-            return question, solution, {"numbers": numbers, "target": target,
-                                        "instruction": INSTRUCTION}
-    raise DataError(f"countdown: no target in [{config.min_target}, {config.max_target}] after "
-                    f"{_MAX_TRIES} tries with {config}; widen the target range")
+            question = (
+                f"Using the numbers {numbers}, create an equation that equals {target}. "
+                "You can use basic arithmetic operations (+, -, *, /) and each number "
+                "can only be used once."
+            )
+            return (
+                question,
+                solution,
+                {"numbers": numbers, "target": target, "instruction": INSTRUCTION},
+            )
+    raise DataError(
+        f"countdown: no target in [{config.min_target}, {config.max_target}] after "
+        f"{_MAX_TRIES} tries with {config}; widen the target range"
+    )
