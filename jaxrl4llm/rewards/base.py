@@ -58,6 +58,21 @@ class Verifier(Protocol):
         ...
 
 
+class PlansPerCompletion:
+    """For verifiers that decide each completion alone (`plan_one`: a Verdict now, or a Job
+    the pool runs): their batch plan and their in-process check follow from it."""
+
+    def plan_one(self, completion: str, record: Any) -> Verdict | Job:
+        raise NotImplementedError(f"{type(self).__name__} must define plan_one")
+
+    def plan(self, completions: Sequence[str], records: Sequence[Any]) -> list[Verdict | Job]:
+        return [self.plan_one(c, r) for c, r in zip(completions, records)]
+
+    def verify_one(self, completion: str, record: Any) -> Verdict:
+        item = self.plan_one(completion, record)
+        return run_in_process(item) if isinstance(item, Job) else item
+
+
 def verdict_of(value: Any) -> Verdict | None:
     """The Verdict a job returned (a REASONS name or a (reason, score, detail) triple), else
     None (not a verdict: an error of the verifier)."""

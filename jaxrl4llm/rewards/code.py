@@ -25,9 +25,9 @@ import json
 import re
 import secrets
 import time
-from typing import Any, Sequence
+from typing import Any
 
-from jaxrl4llm.rewards.base import Job, Verdict, record_metadata, run_in_process
+from jaxrl4llm.rewards.base import Job, PlansPerCompletion, Verdict, record_metadata
 from jaxrl4llm.rewards.sandbox import SandboxConfig, resolve_isolation, run_program
 
 MODES = ("all_pass", "fraction")
@@ -192,7 +192,7 @@ def run_code_tests(
     return reason, score, failure
 
 
-class CodeVerifier:
+class CodeVerifier(PlansPerCompletion):
     """Runs each completion's last Python block against its record's tests, sandboxed."""
 
     def __init__(self, config: CodeConfig = CodeConfig()):
@@ -234,13 +234,6 @@ class CodeVerifier:
                 self.config.budget_s,
             ),
         )
-
-    def plan(self, completions: Sequence[str], records: Sequence[Any]) -> list[Verdict | Job]:
-        return [self.plan_one(c, r) for c, r in zip(completions, records)]
-
-    def verify_one(self, completion: str, record: Any) -> Verdict:
-        item = self.plan_one(completion, record)
-        return run_in_process(item) if isinstance(item, Job) else item
 
     def answer_key(self, completion: str, record: Any) -> str | None:
         """The program maj@k votes on, whitespace-collapsed."""

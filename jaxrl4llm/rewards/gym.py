@@ -24,10 +24,10 @@ import functools
 import json
 import pickle
 import re
-from typing import Any, Sequence
+from typing import Any
 
 from jaxrl4llm.rewards import extract, hedges
-from jaxrl4llm.rewards.base import Job, Verdict, record_metadata, run_in_process
+from jaxrl4llm.rewards.base import Job, PlansPerCompletion, Verdict, record_metadata
 from jaxrl4llm.rewards.countdown import CountdownConfig, CountdownVerifier
 
 MAX_ANSWER_CHARS = 2000
@@ -66,7 +66,7 @@ def score_gym_answer(answer: str, task: str, config_json: str, entry_pickle: byt
     return "correct" if score >= 1.0 - 1e-9 else "wrong"
 
 
-class GymVerifier:
+class GymVerifier(PlansPerCompletion):
     def __init__(self):
         self.countdown = CountdownVerifier(CountdownConfig(use_all=True))
 
@@ -90,13 +90,6 @@ class GymVerifier:
         ):
             return Verdict(False, "parse_error")
         return Job(score_gym_answer, (answer, task, config_json, entry))
-
-    def plan(self, completions: Sequence[str], records: Sequence[Any]) -> list[Verdict | Job]:
-        return [self.plan_one(c, r) for c, r in zip(completions, records)]
-
-    def verify_one(self, completion: str, record: Any) -> Verdict:
-        item = self.plan_one(completion, record)
-        return run_in_process(item) if isinstance(item, Job) else item
 
     def answer_key(self, completion: str, record: Any) -> str | None:
         """The answer maj@k votes on: whitespace-collapsed, case-folded."""
