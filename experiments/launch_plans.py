@@ -59,7 +59,7 @@ class LaunchOptions:
     namespace: gke: the Kubernetes namespace.
     accelerator: gke: the node selector's accelerator, e.g. tpu-v5p-slice,
         tpu-v5-lite-podslice or nvidia-h100-80gb.
-    topology: gke: the TPU slice topology, e.g. 2x2x2 (empty for GPUs).
+    tpu_topology: gke: the TPU slice topology, e.g. 2x2x2 (empty for GPUs).
     chips_per_host: gke: TPU chips or GPUs each pod requests; slurm: GPUs per node.
     partition: slurm: the partition.
     account: slurm: the account to charge (default: the user's).
@@ -81,7 +81,7 @@ class LaunchOptions:
     image: str = ""
     namespace: str = "default"
     accelerator: str = ""
-    topology: str = ""
+    tpu_topology: str = ""
     chips_per_host: int = 0
     partition: str = ""
     account: str = ""
@@ -321,8 +321,8 @@ def gke_manifest(opts: LaunchOptions, train_args: Sequence[str], tpu: bool) -> s
         if tpu
         else "cloud.google.com/gke-accelerator": opts.accelerator
     }
-    if tpu and opts.topology:
-        selector["cloud.google.com/gke-tpu-topology"] = opts.topology
+    if tpu and opts.tpu_topology:
+        selector["cloud.google.com/gke-tpu-topology"] = opts.tpu_topology
     service = {
         "apiVersion": "v1",
         "kind": "Service",

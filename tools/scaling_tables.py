@@ -87,7 +87,7 @@ def sections(block: str) -> dict[str, str]:
 
 
 def summary_table(topologies: dict[str, str]) -> str:
-    """One row per paper flagfile (quickstart aside), from the flagfile's own values."""
+    """One row per paper flagfile (the CPU quickstarts aside), from the flagfile's own values."""
     lines = [
         "| flagfile | model | algorithm | prompts x samples | mini-batch (rows) | "
         "prompt + completion tokens | learning rate | parameters / compute | planned for |",
@@ -95,7 +95,7 @@ def summary_table(topologies: dict[str, str]) -> str:
     ]
     for path in sorted(glob.glob(os.path.join(CONFIGS, "*.flags"))):
         name = os.path.basename(path)[: -len(".flags")]
-        if name == "quickstart":
+        if name.endswith("quickstart"):  # quickstart, code_quickstart: CPU runs, no paper
             continue
         flags.FLAGS.unparse_flags()
         flags.FLAGS(["scaling_tables", f"--flagfile={path}"])

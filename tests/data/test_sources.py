@@ -139,7 +139,7 @@ def test_synthetic_spec():
 @pytest.mark.parametrize(
     "spec,match",
     [
-        ("synthetic:sudoku", "valid: arithmetic, countdown"),
+        ("synthetic:sudoku", "valid: arithmetic, code, countdown"),
         ("synthetic:arithmetic?level=3", "unknown option 'level=3'; valid: digits"),
         ("synthetic:arithmetic?digits=two", "digits='two' is not a valid int"),
         ("synthetic:arithmetic?allow_negative=maybe", "not a valid bool"),

@@ -92,7 +92,7 @@ def test_arithmetic_default_is_small_and_non_negative():
 def test_bad_knobs_are_clear_errors():
     with pytest.raises(DataError, match="ops"):
         arithmetic.ArithmeticConfig(ops="^")
-    with pytest.raises(DataError, match="valid: arithmetic, countdown"):
+    with pytest.raises(DataError, match="valid: arithmetic, code, countdown"):
         generate_record("sudoku")
     with pytest.raises(DataError, match="unknown split"):
         generate_record("arithmetic", split="dev")

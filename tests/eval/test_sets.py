@@ -176,7 +176,8 @@ def test_paper_flagfiles_name_their_data_and_tables():
         ]
         c = parse("reinforce_pp_knights_knaves")
         assert [s.name for s in c.evaluation.sets] == [f"kk{n}" for n in range(2, 9)]
-        assert all(s.metrics == ("greedy",) for s in c.evaluation.sets)
+        # Logic-RL's evaluation: one sample per puzzle at temperature 1.
+        assert all(s.metrics == ("pass@1",) and s.temperature == 1.0 for s in c.evaluation.sets)
         pytest.importorskip("reasoning_gym")
         from jaxrl4llm.data import make_source
 

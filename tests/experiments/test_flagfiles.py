@@ -548,7 +548,7 @@ def test_grpo_comparator_differs_from_lite_ppo_only_in_normalisation_and_aggrega
 
 def test_dapo_comparator_differs_from_lite_ppo_only_in_the_algorithm(parsed):
     """Tricks-or-Traps' DAPO run: the Lite PPO flagfile with DAPO's algorithm knobs and its soft
-    overlong punishment, nothing else."""
+    overlong punishment, and the row chunks of the one node it runs on; nothing else."""
     a = options.flatten(
         parsed(f"--flagfile={REPO}/experiments/configs/tricks_or_traps_qwen3_8b_lite_ppo.flags")
     )
@@ -564,6 +564,10 @@ def test_dapo_comparator_differs_from_lite_ppo_only_in_the_algorithm(parsed):
         "dynamic_sampling",
         "overlong_buffer",
         "workdir",
+        # Dynamic sampling runs on one host: the DAPO run is planned for one 8xh200 node, not
+        # the v5p-64 slice, with the row chunks that fit it.
+        "rollout_micro_batch",
+        "micro_batch_size",
     }
     assert (b["std"], b["clip_high"], b["overlong_buffer"], b["max_new_tokens"]) == (
         "group",

@@ -95,7 +95,7 @@ def test_gke_manifest_loads_with_the_fields_a_job_needs(tmp_path, accelerator, t
         num_hosts=4,
         image="us-docker.pkg.dev/p/r:1",
         accelerator=accelerator,
-        topology=topology,
+        tpu_topology=topology,
         chips_per_host=4,
         launch_dir=str(tmp_path),
     )

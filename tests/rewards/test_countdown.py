@@ -37,7 +37,7 @@ RECORD = Record("q", "(25 - 5) * 5", {"task": "countdown", "numbers": [25, 5, 5,
     ],
 )
 def test_countdown_verdicts(completion, expected):
-    assert tuple(CountdownVerifier().verify_one(completion, RECORD)) == expected
+    assert tuple(CountdownVerifier().verify_one(completion, RECORD))[:2] == expected
 
 
 def test_exact_fraction_arithmetic_and_use_all():

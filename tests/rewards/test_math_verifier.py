@@ -28,7 +28,7 @@ def verifier():
 def _verify(verifier, pairs):
     completions = [c for c, _ in pairs]
     records = [Record(prompt="q", answer=g, metadata={"task": "math"}) for _, g in pairs]
-    return [tuple(v) for v in verifier.verdicts(completions, records)]
+    return [tuple(v)[:2] for v in verifier.verdicts(completions, records)]
 
 
 def test_equivalent_forms_are_correct(verifier):
