@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections import Counter
 from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence
@@ -58,12 +59,13 @@ class Verifier(Protocol):
         ...
 
 
-class PlansPerCompletion:
+class PlansPerCompletion(abc.ABC):
     """For verifiers that decide each completion alone (`plan_one`: a Verdict now, or a Job
     the pool runs): their batch plan and their in-process check follow from it."""
 
+    @abc.abstractmethod
     def plan_one(self, completion: str, record: Any) -> Verdict | Job:
-        raise NotImplementedError(f"{type(self).__name__} must define plan_one")
+        """The completion's verdict, or the Job that decides it."""
 
     def plan(self, completions: Sequence[str], records: Sequence[Any]) -> list[Verdict | Job]:
         return [self.plan_one(c, r) for c, r in zip(completions, records)]

@@ -30,7 +30,7 @@ from jaxrl4llm.models import registry, transformer, weights
 from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.train.logprobs import Sequences, completion_hidden_states, over_row_chunks
 from jaxrl4llm.train.state import OptimizerConfig, TrainState
-from jaxrl4llm.train.step import UpdateBatch, accumulate, apply_update
+from jaxrl4llm.train.step import UpdateBatch, accumulate, apply_update, mini_batch_denominator
 
 HEAD = "value_head"
 SCORE_WEIGHT, SCORE_BIAS = "score.weight", "score.bias"  # transformers' *ForTokenClassification
@@ -260,9 +260,7 @@ def critic_step(
     """One AdamW update of the critic on a mini-batch's clipped value loss (rl.value_loss,
     aggregated like the policy's loss), accumulated over micro-batches like `train_step`
     and skipped likewise when not finite. Metrics: critic/loss, critic/grad_norm, ..."""
-    denominator = jnp.maximum(
-        rl.loss_denominator(algorithm, batch.seqs.completion_mask_BT, batch.keep_B), 1e-8
-    )
+    denominator = mini_batch_denominator(algorithm, batch)
     grad_fn = jax.value_and_grad(
         functools.partial(
             _micro_loss,

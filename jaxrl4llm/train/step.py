@@ -139,6 +139,13 @@ def _micro_loss(
     return loss_sum / denominator, metric_sums
 
 
+def mini_batch_denominator(algorithm: rl.AlgorithmConfig, batch: UpdateBatch) -> jax.Array:
+    """The whole mini-batch's loss denominator D (rl.loss_denominator, at least 1e-8): every
+    micro-batch divides its loss sum by it, so their losses and gradients add up exactly."""
+    mask_BT, keep_B = batch.seqs.completion_mask_BT, batch.keep_B
+    return jnp.maximum(rl.loss_denominator(algorithm, mask_BT, keep_B), 1e-8)
+
+
 def accumulate_gradients(
     params: Any,
     batch: UpdateBatch,
@@ -162,9 +169,7 @@ def accumulate_gradients(
     `completion_logprobs`); each micro-batch holds whole blocks. With `lora` (enabled),
     `params` are the adapters on the `frozen` base params, and the grads are theirs.
     """
-    denominator = jnp.maximum(
-        rl.loss_denominator(algorithm, batch.seqs.completion_mask_BT, batch.keep_B), 1e-8
-    )
+    denominator = mini_batch_denominator(algorithm, batch)
     grad_fn = jax.value_and_grad(
         functools.partial(
             _micro_loss,
@@ -295,7 +300,7 @@ def accumulate_packed(
     micro-batches that hold rows run."""
     mask_MT, keep_M = batch.seqs.completion_mask_BT, batch.keep_B
     T = mask_MT.shape[1]
-    denominator = jnp.maximum(rl.loss_denominator(algorithm, mask_MT, keep_M), 1e-8)
+    denominator = mini_batch_denominator(algorithm, batch)
     param_axes = adapters.param_axes(None, model_config)  # full fine-tuning only
 
     def micro_loss(params, k):
