@@ -11,7 +11,8 @@ finished run is skipped, an unfinished one (killed, preempted) resumes from its 
 Each run's console output goes to its workdir's train.log. At the end (and with --collect,
 from whatever runs exist) it writes ROOT/report.md, report.json and curves.png
 (experiments/study_report.py says what they hold). --print_commands prints one command per
-run, for a cluster scheduler, and runs nothing.
+run, for a cluster scheduler, and runs nothing. Before anything runs (or prints), the design
+is checked (experiments/study_design.py): arms that are the same arm are refused.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 from absl import flags
 from tqdm.auto import tqdm
 
-from experiments import study_estimate, study_report
+from experiments import study_design, study_estimate, study_report
 from experiments.study_spec import REPO, Run, load_study, plan, select
 from jaxrl4llm.config import cli
 from jaxrl4llm.config.options import require
@@ -182,8 +183,16 @@ def main(argv):
             _ROOT.value or os.path.join("workdirs", "studies", study.name, _SCALE.value)
         )
         runs = plan(study, _SCALE.value, root, arms, seeds)
+    if not _COLLECT.value:  # refuses arms that are the same arm, before any run
+        for line in study_design.check_design(runs, study.path).warnings():
+            print(f"design: {line}", flush=True)
     if _PRINT.value:
-        print(f"# {study.name} ({_SCALE.value}): {len(runs)} runs; run each from {REPO}")
+        print(
+            f"# {study.name} ({_SCALE.value}): {len(runs)} runs ({len(arms)} arms x seeds "
+            f"{', '.join(map(str, seeds))}), paired by seed: the runs of one seed share its "
+            f"prompts and sampling keys in every arm. Run each from {REPO}; then collect "
+            "the report with --collect --root=ROOT."
+        )
         for run in runs:
             print(run.shell())
         return 0

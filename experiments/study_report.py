@@ -10,9 +10,20 @@ Per run (metrics.jsonl, whose records hold `step` and the logged metrics):
   - `final KEY` for the training metrics TRAIN_KEYS: the mean of the last `final_window` steps
     that log KEY (one step's batch is small: this is the end of training, less its noise).
 Per arm: mean and standard error (sample std, ddof 1, / sqrt(n)) over the finished seeds.
-Two arms differ on a quantity when |mean_a - mean_b| > 2 sqrt(se_a^2 + se_b^2); otherwise
-the difference is unresolved. Only finished runs (last step = the run's --num_steps) count;
-missing and unfinished runs are listed.
+Two arms differ on a quantity (unpaired) when |mean_a - mean_b| > 2 sqrt(se_a^2 + se_b^2);
+otherwise the difference is unresolved. Only finished runs (last step = the run's
+--num_steps) count; missing and unfinished runs are listed.
+
+Claims are judged seed by seed: the runs of one seed see the same prompts and sampling keys
+in every arm, so d_s = a_s - b_s removes what the seed alone decides. Per claim: the mean
+paired difference, its 95% bootstrap interval (BOOTSTRAP resamples of the seeds, percentile,
+seeded), the verdict from that interval (">": supported when it lies above 0, contradicted
+below 0; "~": supported when it lies inside (-margin, margin), contradicted when outside),
+the minimum detectable effect with these seeds (a two-sided 5% test with 80% power:
+(z_0.975 + z_0.8) sd(d) / sqrt(n)) and the seeds that would resolve the observed difference
+(seeds_needed); the unpaired 2-s.e. verdict stays beside it. With few seeds the bootstrap
+interval is narrower than the truth (3 seeds have 10 distinct resamples): the minimum
+detectable effect says how far to trust it.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ import itertools
 import json
 import math
 import os
+from statistics import NormalDist
 from typing import Any, Sequence
 
 import numpy as np
@@ -119,6 +131,99 @@ def compare(a: dict | None, b: dict | None) -> tuple[str, float | None, float | 
     return "unresolved", diff, two_se
 
 
+BOOTSTRAP = 10_000
+Z_ALPHA = NormalDist().inv_cdf(0.975)  # two-sided 5%
+Z_POWER = NormalDist().inv_cdf(0.8)  # 80% power
+
+
+def bootstrap_ci(d: Sequence[float], seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of the mean of `d` over BOOTSTRAP resamples (seeded)."""
+    x = np.asarray(d, float)
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), (BOOTSTRAP, len(x)))].mean(axis=1)
+    tail = (1 - level) / 2 * 100
+    lo, hi = np.percentile(means, [tail, 100 - tail])
+    return float(lo), float(hi)
+
+
+def min_detectable_effect(sd: float, n: int) -> float:
+    """The paired difference a two-sided 5% test detects with 80% power from n seeds."""
+    return (Z_ALPHA + Z_POWER) * sd / math.sqrt(n)
+
+
+def seeds_needed(sd: float, effect: float) -> int | None:
+    """Paired seeds for a two-sided 5% test to detect `effect` with 80% power (None: no
+    effect to detect); at least 2, for a standard deviation."""
+    if effect <= 0:
+        return None
+    if sd == 0:
+        return 2
+    return max(2, math.ceil(((Z_ALPHA + Z_POWER) * sd / effect) ** 2))
+
+
+def paired_values(
+    rows: Sequence[dict], a: str, b: str, quantity: str
+) -> dict[int, tuple[float, float]]:
+    """{seed: (a's value, b's value)} over the seeds where both arms finished with a value."""
+    by = {
+        (r["arm"], r["seed"]): r["summary"].get(quantity) for r in rows if r["status"] == "finished"
+    }
+    return {
+        seed: (by[(a, seed)], by[(b, seed)])
+        for (arm, seed) in by
+        if arm == a and by.get((b, seed)) is not None and by[(a, seed)] is not None
+    }
+
+
+def paired_claim(pairs: dict[int, tuple[float, float]], expect: str, margin: float | None) -> dict:
+    """The paired statistics and verdict of one claim (module docstring)."""
+    d = np.array([x - y for x, y in pairs.values()], float)
+    n = len(d)
+    out: dict[str, Any] = {"seeds": sorted(pairs), "n_pairs": n}
+    if n < 2:
+        out["verdict"] = "not measured"
+        out["why"] = f"needs >= 2 seeds finished in both arms (has {n})"
+        return out
+    mean, sd = float(d.mean()), float(d.std(ddof=1))
+    lo, hi = bootstrap_ci(d)
+    mde = min_detectable_effect(sd, n)
+    out.update(mean_difference=mean, sd_difference=sd, ci95=[lo, hi], mde=mde)
+    if expect == "~":
+        out["seeds_needed"] = (
+            None
+            if abs(mean) >= margin
+            else max(2, math.ceil((Z_ALPHA * sd / (margin - abs(mean))) ** 2))
+            if sd
+            else 2
+        )
+        if -margin < lo and hi < margin:
+            out["verdict"], out["why"] = "supported", f"the 95% interval lies within ±{margin:g}"
+        elif hi <= -margin or lo >= margin:
+            out["verdict"], out["why"] = (
+                "contradicted",
+                f"the 95% interval lies outside ±{margin:g}",
+            )
+        else:
+            out["verdict"] = "unresolved"
+            out["why"] = f"the 95% interval [{lo:.3g}, {hi:.3g}] crosses ±{margin:g}"
+        return out
+    out["seeds_needed"] = seeds_needed(sd, abs(mean))
+    sign = 1 if expect == ">" else -1
+    if lo > 0 or hi < 0:
+        agrees = (lo > 0) == (sign > 0)
+        out["verdict"] = "supported" if agrees else "contradicted"
+        out["why"] = f"the 95% interval [{lo:.3g}, {hi:.3g}] excludes 0"
+    else:
+        out["verdict"] = "unresolved"
+        needed = out["seeds_needed"]
+        out["why"] = (
+            f"the 95% interval [{lo:.3g}, {hi:.3g}] includes 0: {n} seeds detect a difference "
+            f"of {mde:.3g} or more, the observed one is {abs(mean):.3g}"
+            + (f" (about {needed} seeds would resolve it)" if needed else "")
+        )
+    return out
+
+
 def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "") -> dict:
     """Everything report.md shows, as JSON: runs' statuses and summaries, arms' statistics,
     significant pairwise differences and the claims' verdicts."""
@@ -172,19 +277,27 @@ def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "
     for c in study.claims:
         q = resolve_quantity(c.quantity, primary, threshold)
         verdict, diff, two_se = compare(arms.get(c.a, {}).get(q), arms.get(c.b, {}).get(q))
-        expected = "a>b" if c.expect == ">" else "a<b"
+        expected = {">": "a>b", "<": "a<b"}.get(c.expect)
         label = {
             "n/a": "not measured (needs >= 2 finished seeds per arm)",
             "unresolved": "unresolved (difference within 2 s.e.)",
         }.get(verdict, "supported" if verdict == expected else "contradicted")
+        if c.expect == "~":
+            label = "-"  # the 2-s.e. test has no equality form
+        paired = paired_claim(paired_values(run_rows, c.a, c.b, q), c.expect, c.margin)
         claims.append(
             {
                 "text": c.text,
+                "source": c.source,
                 "a": c.a,
                 "b": c.b,
                 "quantity": q,
                 "expect": c.expect,
-                "verdict": label,
+                "margin": c.margin,
+                "verdict": paired["verdict"],
+                "why": paired["why"],
+                "paired": paired,
+                "unpaired_verdict": label,
                 "difference": diff,
                 "two_se": two_se,
             }
@@ -284,17 +397,39 @@ def render_markdown(report: dict) -> str:
             "AUC is within 2 standard errors (or an arm has < 2 finished seeds)."
         )
     if report["claims"]:
-        lines += ["", "## Claims (fixed in the spec before the runs)", ""]
+        lines += [
+            "",
+            "## Claims (fixed in the spec before the runs), paired by seed",
+            "",
+            "d = a - b per seed; 95% bootstrap interval of its mean; MDE: the difference "
+            "these seeds detect (5% two-sided, 80% power); seeds: those that would resolve "
+            "the observed difference. Unpaired: the 2-s.e. test on the arms' means.",
+            "",
+            "| claim | source | test | mean d | 95% CI | MDE | seeds | verdict | unpaired |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for c in report["claims"]:
-            diff = (
-                ""
-                if c["difference"] is None
-                else (f"; {c['a']} - {c['b']} = {c['difference']:.3g}, 2 s.e. = {c['two_se']:.3g}")
+            p = c["paired"]
+            test = f"{c['a']} {c['expect']} {c['b']}" + (
+                f" (±{c['margin']:g})" if c["expect"] == "~" else ""
             )
+            if "mean_difference" in p:
+                nums = (
+                    f"{p['mean_difference']:.3g} (n={p['n_pairs']}) | "
+                    f"[{p['ci95'][0]:.3g}, {p['ci95'][1]:.3g}] | {p['mde']:.3g} | "
+                    f"{p['seeds_needed'] if p['seeds_needed'] is not None else '-'}"
+                )
+            else:
+                nums = f"- (n={p['n_pairs']}) | - | - | -"
             lines.append(
-                f"- {c['text']} ({c['a']} {c['expect']} {c['b']} on {c['quantity']}): "
-                f"**{c['verdict']}**{diff}"
+                f"| {c['text']} | {c['source'] or '-'} | {test} on {c['quantity']} | {nums} | "
+                f"**{c['verdict']}** | {c['unpaired_verdict']} |"
             )
+        lines += [""] + [
+            f"- {c['text']}: **{c['verdict']}**: {c['why']}."
+            for c in report["claims"]
+            if c["verdict"] != "supported"
+        ]
     pending = [r for r in report["runs"] if r["status"] != "finished"]
     lines += ["", "## Runs", ""]
     done = len(report["runs"]) - len(pending)

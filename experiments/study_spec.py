@@ -14,15 +14,18 @@
 
     [[arms]]
     name = "reinforce"
+    source = "001_c4334eb67004767e.txt:196"  # the paper text (../shared/papers) defining it
     flags = ["--algorithm=reinforce"]    # every scale
     paper = ["--flagfile=experiments/configs/minimalist_llama32_3b_instruct_reinforce.flags"]
 
     [[claims]]                           # fixed before the runs; judged from the report
     text = "Removing all-wrong groups helps more than removing all-correct ones."
+    source = "001_c4334eb67004767e.txt:203"  # where the paper says it
     a = "rm_all_wrong"
     b = "rm_all_correct"
     quantity = "final"                   # final | best | auc | steps | any report quantity
-    expect = ">"                         # a's mean > b's mean (or "<")
+    expect = ">"                         # a > b (or "<"; or "~": |a - b| < margin)
+    margin = 0.05                        # "~" only: the difference that counts as a match
 
 A run's command line is the scale's flags, then the arm's `flags`, then the arm's flags for
 the scale (a key named after it), then --seed and --workdir: later flags win (absl reads a
@@ -46,6 +49,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUDIES_DIR = os.path.join(REPO, "experiments", "studies")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-+]+$")
 SHORT_QUANTITIES = ("final", "best", "auc", "steps")
+EXPECTS = (">", "<", "~")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +57,7 @@ class Arm:
     name: str
     flags: tuple[str, ...]
     scale_flags: dict[str, tuple[str, ...]]  # extra flags for one scale, by scale name
+    source: str = ""  # where the paper defines the arm ("file:line")
 
     def command_flags(self, scale: str) -> tuple[str, ...]:
         return self.flags + self.scale_flags.get(scale, ())
@@ -74,7 +79,9 @@ class Claim:
     a: str
     b: str
     quantity: str  # a report quantity, or one of SHORT_QUANTITIES (of the primary metric)
-    expect: str  # ">" or "<": a's mean vs b's mean
+    expect: str  # ">" or "<": a vs b; "~": |a - b| < margin
+    source: str = ""  # where the paper says it ("file:line")
+    margin: float | None = None  # "~" only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +109,7 @@ class Run:
     workdir: str
     argv: tuple[str, ...]  # the training command, run from the repository root
     num_steps: int  # its resolved --num_steps: the run is finished at this step
+    arm_flags: tuple[str, ...] = ()  # the arm's own flags at this scale (in argv)
 
     @property
     def label(self) -> str:
@@ -194,7 +202,7 @@ def load_study(name_or_path: str) -> Study:
     for i, a in enumerate(raw.get("arms", [])):
         where = f"{path}: arm {i + 1}"
         arm_name = _name(a.get("name"), f"{where} name")
-        extra = set(a) - {"name", "flags"} - set(scales)
+        extra = set(a) - {"name", "flags", "source"} - set(scales)
         require(
             not extra,
             f"{where} ({arm_name}): unknown keys {sorted(extra)} (a scale's flags "
@@ -205,6 +213,7 @@ def load_study(name_or_path: str) -> Study:
                 arm_name,
                 _strings(a.get("flags", []), f"{where} flags"),
                 {s: _strings(a[s], f"{where} {s}") for s in scales if s in a},
+                str(a.get("source", "")),
             )
         )
     names = [a.name for a in arms]
@@ -219,9 +228,24 @@ def load_study(name_or_path: str) -> Study:
             c.get("a") in names and c.get("b") in names,
             f"{where}: a and b must name arms ({', '.join(names)})",
         )
-        require(c.get("expect") in (">", "<"), f'{where}: expect must be ">" or "<"')
+        require(c.get("expect") in EXPECTS, f'{where}: expect must be ">", "<" or "~"')
+        margin = c.get("margin")
+        require(
+            (c["expect"] == "~") == (margin is not None)
+            and (margin is None or (isinstance(margin, (int, float)) and margin > 0)),
+            f'{where}: expect = "~" needs margin = D > 0 (|a - b| < D counts as a match), '
+            "and only it has one",
+        )
         claims.append(
-            Claim(c.get("text", ""), c["a"], c["b"], c.get("quantity", "final"), c["expect"])
+            Claim(
+                c.get("text", ""),
+                c["a"],
+                c["b"],
+                c.get("quantity", "final"),
+                c["expect"],
+                str(c.get("source", "")),
+                None if margin is None else float(margin),
+            )
         )
     return Study(
         name,
@@ -318,6 +342,7 @@ def plan(
                     workdir,
                     (python, "-m", "experiments.train", *train_flags),
                     num_steps[arm.name],
+                    arm.command_flags(scale),
                 )
             )
     return runs

@@ -40,7 +40,9 @@ from jaxrl4llm.data.tasks import TASKS, generate_record, get_task
 from jaxrl4llm.data.tasks.common import canonical_split
 
 SOURCE_KINDS = ("synthetic", "jsonl", "parquet", "tfds", "hf", "gym")
-SYNTHETIC_OPTIONS = {"n": int, "seed": int, "test_fraction": float}
+SYNTHETIC_OPTIONS = {"n": int, "seed": int, "test_fraction": float, "distinct": bool}
+# distinct=true: scan at most this many indices per wanted question before giving up.
+DISTINCT_SCAN = 200
 DEFAULT_SIZES = {"train": 10_000, "test": 500}
 TFDS_HINT = "pip install -e '.[tfds]'"
 
@@ -56,12 +58,43 @@ class SyntheticSource(Sequence[Record]):
         seed: int,
         num_examples: int,
         test_fraction: float = 0.1,
+        distinct: bool = False,
     ):
         if num_examples < 1:
             raise DataError(f"synthetic:{task}: n must be >= 1, got {num_examples}")
         self.task, self.config, self.split = task, config, canonical_split(split)
         self.seed, self.num_examples, self.test_fraction = seed, num_examples, test_fraction
         self.name = f"synthetic:{task}/{self.split}"
+        # distinct: the examples are the first occurrences of their questions, in index order
+        # (an eval set of N prompts is then N different questions).
+        self._indices = self._distinct_indices() if distinct else None
+
+    def _record(self, index: int) -> Record:
+        return generate_record(
+            self.task,
+            self.config,
+            seed=self.seed,
+            split=self.split,
+            index=index,
+            test_fraction=self.test_fraction,
+        )
+
+    def _distinct_indices(self) -> list[int]:
+        seen: set[str] = set()
+        indices: list[int] = []
+        for index in range(self.num_examples * DISTINCT_SCAN):
+            question = self._record(index).prompt
+            if question not in seen:
+                seen.add(question)
+                indices.append(index)
+                if len(indices) == self.num_examples:
+                    return indices
+        raise DataError(
+            f"{self.name}: only {len(indices)} distinct {self.split} questions in "
+            f"{self.num_examples * DISTINCT_SCAN} draws with {self.config} and "
+            f"test_fraction={self.test_fraction}, fewer than n={self.num_examples}: lower n, "
+            "raise test_fraction (a larger held-out share) or the difficulty knobs"
+        )
 
     def __len__(self) -> int:
         return self.num_examples
@@ -69,14 +102,8 @@ class SyntheticSource(Sequence[Record]):
     def __getitem__(self, index):
         if not -self.num_examples <= index < self.num_examples:
             raise IndexError(index)
-        return generate_record(
-            self.task,
-            self.config,
-            seed=self.seed,
-            split=self.split,
-            index=index % self.num_examples,
-            test_fraction=self.test_fraction,
-        )
+        index %= self.num_examples
+        return self._record(index if self._indices is None else self._indices[index])
 
     def __repr__(self) -> str:
         return f"SyntheticSource({self.name!r}, {self.config}, seed={self.seed}, n={len(self)})"
@@ -106,6 +133,7 @@ def parse_synthetic(spec_body: str, split: str) -> SyntheticSource:
         seed=options.get("seed", 0),
         num_examples=options.get("n", DEFAULT_SIZES[split]),
         test_fraction=options.get("test_fraction", 0.1),
+        distinct=options.get("distinct", False),
     )
 
 

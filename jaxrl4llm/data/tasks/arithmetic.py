@@ -1,4 +1,10 @@
-"""Arithmetic: "What is 37 + 5?" with an integer answer; the embedded default task."""
+"""Arithmetic: "What is 37 + 5?" with an integer answer; the embedded default task.
+
+hard_fraction > 0 mixes in nearly unsolvable problems: that fraction of the examples (drawn
+per example, so deterministic per index) is the product of two hard_digits-digit numbers,
+marked metadata["hard"]. A small model then keeps meeting groups whose samples are all wrong
+throughout training (the Minimalist paper's Figure 4 mechanism: experiments/studies/).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ class ArithmeticConfig:
     num_operands: int = 2
     ops: str = "+-"  # any of + - * / ; '/' only where the result is an integer
     allow_negative: bool = False  # False: redraw when the answer is negative (easier)
+    hard_fraction: float = 0.0  # this fraction of examples: hard_digits x hard_digits products
+    hard_digits: int = 3
 
     def __post_init__(self):
         if not 1 <= self.digits <= 9:
@@ -29,6 +37,10 @@ class ArithmeticConfig:
                 f"arithmetic ops must be a non-empty string of {OPERATORS!r}, "
                 f"got {self.ops!r} (e.g. ops=+-*)"
             )
+        if not 0.0 <= self.hard_fraction <= 1.0:
+            raise DataError(f"arithmetic hard_fraction must be in [0, 1], got {self.hard_fraction}")
+        if not 2 <= self.hard_digits <= 9:
+            raise DataError(f"arithmetic hard_digits must be in 2..9, got {self.hard_digits}")
 
 
 def evaluate(operands: list[int], operators: list[str]) -> Fraction:
@@ -47,6 +59,18 @@ def evaluate(operands: list[int], operators: list[str]) -> Fraction:
 
 
 def generate(config: ArithmeticConfig, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+    # The draw only when mixing, so a plain config's examples stay what they were.
+    if config.hard_fraction > 0:
+        if rng.random() < config.hard_fraction:
+            low, high = 10 ** (config.hard_digits - 1), 10**config.hard_digits - 1
+            a, b = rng.randint(low, high), rng.randint(low, high)
+            return f"What is {a} * {b}?", str(a * b), {"expression": f"{a} * {b}", "hard": True}
+        question, answer, meta = _generate_easy(config, rng)
+        return question, answer, {**meta, "hard": False}
+    return _generate_easy(config, rng)
+
+
+def _generate_easy(config: ArithmeticConfig, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
     high = 10**config.digits - 1
     while True:
         operands = [rng.randint(0, high) for _ in range(config.num_operands)]
