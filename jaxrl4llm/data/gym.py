@@ -29,11 +29,10 @@ import pickle
 import re
 import typing
 from typing import Any, Sequence
-from urllib.parse import unquote
 
 from jaxrl4llm.config.errors import DependencyError
 from jaxrl4llm.data.records import DataError, Record
-from jaxrl4llm.data.rows import convert_option
+from jaxrl4llm.data.rows import convert_option, parse_query_options
 from jaxrl4llm.data.tasks.common import canonical_split, split_of
 
 GYM_HINT = "pip install -e '.[gym]' (the reasoning-gym package)"
@@ -246,13 +245,13 @@ def parse_gym(body: str, split: str) -> GymSource:
             f"{where}: reasoning-gym has no task {task!r}; it has {', '.join(sorted(DATASETS))}"
         )
     kinds = {**_config_kinds(DATASETS[task][1]), **OUR_OPTIONS}
-    values: dict[str, Any] = {}
-    for item in filter(None, query.split("&")):
-        key, eq, text = item.partition("=")
-        key, text = unquote(key), unquote(text)
-        if not eq or key not in kinds:
-            raise DataError(f"{where}: unknown option {item!r}; valid: {', '.join(sorted(kinds))}")
-        values[key] = _convert(text, kinds[key], key, where)
+    values = parse_query_options(
+        query,
+        kinds,
+        lambda text, kind, key: _convert(text, kind, key, where),
+        where,
+        ", ".join(sorted(kinds)),
+    )
     ours = {k: values.pop(k) for k in list(values) if k in OUR_OPTIONS}
     return GymSource(
         task,

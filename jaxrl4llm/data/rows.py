@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
+from urllib.parse import unquote
 
 from jaxrl4llm.data.records import DataError, Record
 from jaxrl4llm.rewards.registry import TASK_VERIFIERS
@@ -49,6 +50,26 @@ def convert_option(value: str, kind: Any, name: str, valid: str) -> Any:
         raise DataError(
             f"option {name}={value!r} is not a valid {kind.__name__}; valid options: {valid}"
         ) from None
+
+
+def parse_query_options(
+    query: str,
+    kinds: Mapping[str, Any],
+    convert: Callable[[str, Any, str], Any],
+    where: str,
+    valid: str,
+) -> dict[str, Any]:
+    """A spec's query 'a=1&b=x' -> {name: convert(value, kinds[name], name)}; names and values
+    are %-decoded ('+' stays literal). An option without '=' or not in `kinds` fails naming
+    the spec (`where`) and the `valid` options."""
+    options: dict[str, Any] = {}
+    for item in filter(None, query.split("&")):
+        key, eq, value = item.partition("=")
+        key, value = unquote(key), unquote(value)
+        if not eq or key not in kinds:
+            raise DataError(f"{where}: unknown option {item!r}; valid: {valid}")
+        options[key] = convert(value, kinds[key], key)
+    return options
 
 
 def pick_field(

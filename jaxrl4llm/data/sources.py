@@ -21,7 +21,6 @@ import glob
 import os
 import typing
 from typing import Any, Mapping, Sequence
-from urllib.parse import unquote
 
 from jaxrl4llm.data.hub import HubSpec, hub_rows
 from jaxrl4llm.data.records import DataError, Record
@@ -33,6 +32,7 @@ from jaxrl4llm.data.rows import (
     convert_option,
     jsonl_rows,
     parquet_rows,
+    parse_query_options,
     pick_field,
     rows_to_records,
 )
@@ -117,13 +117,13 @@ def parse_synthetic(spec_body: str, split: str) -> SyntheticSource:
     knobs = {f.name: hints[f.name] for f in dataclasses.fields(task.config_cls)}
     kinds = {**knobs, **SYNTHETIC_OPTIONS}
     valid = ", ".join(f"{k} ({'bool' if v is bool else v.__name__})" for k, v in kinds.items())
-    options: dict[str, Any] = {}
-    for item in filter(None, query.split("&")):
-        key, eq, value = item.partition("=")
-        key, value = unquote(key), unquote(value)
-        if not eq or key not in kinds:
-            raise DataError(f"synthetic:{name}: unknown option {item!r}; valid: {valid}")
-        options[key] = convert_option(value, kinds[key], key, valid)
+    options = parse_query_options(
+        query,
+        kinds,
+        lambda value, kind, key: convert_option(value, kind, key, valid),
+        f"synthetic:{name}",
+        valid,
+    )
     config = task.config_cls(**{k: v for k, v in options.items() if k in knobs})
     split = canonical_split(split)
     return SyntheticSource(

@@ -7,6 +7,7 @@ carries its row layout (sampling.layout.RowLayout) for every later consumer.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from typing import Any, Sequence
@@ -138,13 +139,54 @@ def _update_batch(
 ) -> tuple[UpdateBatch, dict]:
     """The reference / old-policy logprobs and PPO's values of the trimmed samples `out`,
     then the advantages: the update's batch and the advantage metrics."""
-    layout, verdicts = config.rollout.layout, rows.verdicts
     seqs = Sequences(
         prompt_tokens_BP=out.prompt_tokens_BP,
         prompt_mask_BP=out.prompt_mask_BP,
         completion_tokens_BT=out.tokens_BT,
         completion_mask_BT=out.mask_BT,
     )
+    forced = _teacher_forced(ctx, config, seqs, params, ref_params, critic_params, out)
+    adv = _batch_advantages(ctx, config, rows, out, forced)
+    batch = UpdateBatch(
+        seqs=seqs,
+        advantages=adv.advantages_BT,
+        keep_B=adv.keep_B,
+        old_logp_BT=forced.old_logp_BT,
+        ref_logp_BT=forced.ref_logp_BT,
+        old_values_BT=forced.values_BT,
+        returns_BT=adv.returns_BT,
+        behaviour_logp_BT=(out.logprobs_BT if config.keeps_behaviour_logprobs else None),
+        layout=config.rollout.layout,
+    )
+    return batch, adv.metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherForced:
+    """The teacher-forced passes over a trimmed batch of B rows and T completion columns:
+    ref_logp_BT [B, T] (None when the algorithm has no reference), old_logp_BT [B, T] (None
+    unless pi_old is needed; the sampler's own unless --recompute_old_logprobs),
+    behaviour_logp_BT [B, T] (pi_old, else the sampler's: what the advantages' KL reads),
+    values_BT [B, T] (PPO's critic; else None)."""
+
+    ref_logp_BT: jax.Array | None
+    old_logp_BT: jax.Array | None
+    behaviour_logp_BT: jax.Array
+    values_BT: jax.Array | None
+
+
+def _teacher_forced(
+    ctx: RolloutContext,
+    config: TrainConfig,
+    seqs: Sequences,
+    params: Any,
+    ref_params: Any,
+    critic_params: Any,
+    out: Any,
+) -> TeacherForced:
+    """Runs the passes the algorithm needs, in row chunks that hold whole groups (a group's
+    prompt once when the layout shares it)."""
+    layout = config.rollout.layout
     B = seqs.completion_tokens_BT.shape[0]
     chunks = parallel.num_row_chunks(
         B,
@@ -167,8 +209,31 @@ def _update_batch(
     old_logp = None
     if config.needs_old_logprobs:
         old_logp = logprobs(params) if config.update.recompute_old_logprobs else out.logprobs_BT
-    behaviour_logp = old_logp if old_logp is not None else out.logprobs_BT
-    values = None if critic_params is None else critic.values_jit(critic_params, **passes)
+    return TeacherForced(
+        ref_logp_BT=ref_logp,
+        old_logp_BT=old_logp,
+        behaviour_logp_BT=old_logp if old_logp is not None else out.logprobs_BT,
+        values_BT=None if critic_params is None else critic.values_jit(critic_params, **passes),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchAdvantages:
+    """`_advantages`' results on the global batch: advantages_BT [B, T], returns_BT [B, T]
+    (PPO; else None), keep_B [B] (the rows the group filters keep), the advantage metrics."""
+
+    advantages_BT: jax.Array
+    returns_BT: jax.Array | None
+    keep_B: jax.Array
+    metrics: dict
+
+
+def _batch_advantages(
+    ctx: RolloutContext, config: TrainConfig, rows: Any, out: Any, forced: TeacherForced
+) -> BatchAdvantages:
+    """The rewards, verdicts and ReMax's baseline of this host's rows laid out as the global
+    batch, then the algorithm's advantages (and PPO's returns)."""
+    verdicts = rows.verdicts
     valid = (
         ~verdicts.failed
         if rows.baseline_failed_B is None
@@ -186,24 +251,15 @@ def _update_batch(
         out.truncated_B,
         out.dropped_B,
         _global_rows(ctx, valid),
-        behaviour_logp,
-        ref_logp,
+        forced.behaviour_logp_BT,
+        forced.ref_logp_BT,
         *baseline,
-        values,
-        group_size=layout.group_size,
+        forced.values_BT,
+        group_size=config.rollout.layout.group_size,
     )
-    batch = UpdateBatch(
-        seqs=seqs,
-        advantages=advantages,
-        keep_B=keep_B,
-        old_logp_BT=old_logp,
-        ref_logp_BT=ref_logp,
-        old_values_BT=values,
-        returns_BT=returns,
-        behaviour_logp_BT=(out.logprobs_BT if config.keeps_behaviour_logprobs else None),
-        layout=layout,
+    return BatchAdvantages(
+        advantages_BT=advantages, returns_BT=returns, keep_B=keep_B, metrics=adv_metrics
     )
-    return batch, adv_metrics
 
 
 def _rollout_metrics(

@@ -141,55 +141,13 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
     mesh = parallel.make_mesh(run.mesh, devices)
     workdir = os.path.abspath(run.workdir)
     check_resume(workdir, config)  # a different model / algorithm: refused before any write
-
     # The data first: a bad source fails before the model loads or the workdir is written.
-    source = make_source(
-        config.data.source, split="train", revision=config.data.revision, **config.data.field_names
-    )
-    iterator = make_iterator(
-        source,
-        _prompts_per_host(config, mesh),
-        seed=run.seed,
-        shard_index=jax.process_index(),
-        shard_count=jax.process_count(),
-    )
-    evals = Evaluation(
-        config.evaluation,
-        evaluator.held_out_records(config.data, config.evaluation),
-        evaluator.eval_set_records(config.evaluation.sets, config.data),
-    )
-
-    os.makedirs(workdir, exist_ok=True)
-    if jax.process_index() == 0:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json())
-
-    model_config, params, tokenizer = registry.load_model(
-        config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype)
-    )
-    # Before anything compiles: a prompt + completion longer than the model's context.
-    config.validate_context(model_config.max_position_embeddings)
-    model_config = config.model.compute_config(model_config)  # --compute_dtype
-    lora = config.lora if config.lora.enabled else None
-    if lora is not None:
-        # The base is frozen outside the state (never donated): it is the reference too.
-        ref_params = params if config.needs_reference else None
-        trained = adapters.trainable(lora, model_config, params, run.seed)
-    else:
-        # A separate copy: the policy's buffers are donated to each update.
-        ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
-        trained = params
-    models = Models(
-        state=create_state(trained, config.optimizer, run.seed),
-        critic_state=_create_critic(config, params, model_config, mesh),
-        ref_params=ref_params,
-        base_params=params if lora else None,
-        lora=lora,
-    )
-    del params, trained
+    iterator, evals = _open_data(config, mesh)
+    _write_config(workdir, config)
+    loaded = _load_models(config, mesh)
     reward_fn = RewardFn("auto", config.reward)
     ctx = RolloutContext.create(
-        model_config, tokenizer, reward_fn, mesh, config.data, config.rollout
+        loaded.model_config, loaded.tokenizer, reward_fn, mesh, config.data, config.rollout
     )
     checkpointer = Checkpointer(
         os.path.join(workdir, "checkpoints"), run.checkpoint_every, run.keep_checkpoints
@@ -202,21 +160,12 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
         if config.rollout.partial_rollout_tokens
         else None
     )
-    start = 0
-    if checkpointer.latest_step() is not None:
-        saved, data_state = checkpointer.restore(abstract_like(models.saved()))
-        models = models.restored(saved)
-        # The saved iterator state is host 0's; hosts differ only in their shard index.
-        iterator.set_state(dict(data_state["iterator"], shard_index=jax.process_index()))
-        if in_flight is not None:
-            in_flight.set_state(data_state.get("in_flight"))
-        start = int(models.state.step)
-        tqdm.write(f"Resumed from step {start} in {workdir}")
+    models, start = _restore_latest(loaded.models, checkpointer, iterator, in_flight, workdir)
     writer.truncate_after(start)  # also at 0: a run killed before its first checkpoint
     return models, Services(
         config=config,
         mesh=mesh,
-        model_config=model_config,
+        model_config=loaded.model_config,
         workdir=workdir,
         iterator=iterator,
         ctx=ctx,
@@ -228,6 +177,96 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
         start=start,
         in_flight=in_flight,
     )
+
+
+def _open_data(config: TrainConfig, mesh: Any) -> tuple[Any, Evaluation]:
+    """The training prompts' resumable iterator (this host's shard) and the held-out
+    evaluation's prompts; reading them is what fails on a bad source or split."""
+    source = make_source(
+        config.data.source, split="train", revision=config.data.revision, **config.data.field_names
+    )
+    iterator = make_iterator(
+        source,
+        _prompts_per_host(config, mesh),
+        seed=config.run.seed,
+        shard_index=jax.process_index(),
+        shard_count=jax.process_count(),
+    )
+    evals = Evaluation(
+        config.evaluation,
+        evaluator.held_out_records(config.data, config.evaluation),
+        evaluator.eval_set_records(config.evaluation.sets, config.data),
+    )
+    return iterator, evals
+
+
+def _write_config(workdir: str, config: TrainConfig) -> None:
+    """WORKDIR/config.json: the run's whole config tree (host 0 writes it)."""
+    os.makedirs(workdir, exist_ok=True)
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json())
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModels:
+    """`_load_models`' result: the run's fresh `Models`, the policy's ModelConfig (with
+    --compute_dtype) and the tokenizer."""
+
+    models: Models
+    model_config: Any
+    tokenizer: Any
+
+
+def _load_models(config: TrainConfig, mesh: Any) -> LoadedModels:
+    """Loads the policy onto the mesh, checks the context length against it, and builds the
+    states: the policy's (its params, or LoRA adapters on the frozen base), PPO's critic,
+    and the reference."""
+    model_config, params, tokenizer = registry.load_model(
+        config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype)
+    )
+    # Before anything compiles: a prompt + completion longer than the model's context.
+    config.validate_context(model_config.max_position_embeddings)
+    model_config = config.model.compute_config(model_config)  # --compute_dtype
+    lora = config.lora if config.lora.enabled else None
+    if lora is not None:
+        # The base is frozen outside the state (never donated): it is the reference too.
+        ref_params = params if config.needs_reference else None
+        trained = adapters.trainable(lora, model_config, params, config.run.seed)
+    else:
+        # A separate copy: the policy's buffers are donated to each update.
+        ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
+        trained = params
+    models = Models(
+        state=create_state(trained, config.optimizer, config.run.seed),
+        critic_state=_create_critic(config, params, model_config, mesh),
+        ref_params=ref_params,
+        base_params=params if lora else None,
+        lora=lora,
+    )
+    return LoadedModels(models=models, model_config=model_config, tokenizer=tokenizer)
+
+
+def _restore_latest(
+    models: Models,
+    checkpointer: Checkpointer,
+    iterator: Any,
+    in_flight: partial.InFlight | None,
+    workdir: str,
+) -> tuple[Models, int]:
+    """The models, the iterator and partial rollouts' buffer as the latest checkpoint left
+    them (unchanged when there is none), and the step the run starts at."""
+    if checkpointer.latest_step() is None:
+        return models, 0
+    saved, data_state = checkpointer.restore(abstract_like(models.saved()))
+    models = models.restored(saved)
+    # The saved iterator state is host 0's; hosts differ only in their shard index.
+    iterator.set_state(dict(data_state["iterator"], shard_index=jax.process_index()))
+    if in_flight is not None:
+        in_flight.set_state(data_state.get("in_flight"))
+    start = int(models.state.step)
+    tqdm.write(f"Resumed from step {start} in {workdir}")
+    return models, start
 
 
 def _prompts_per_host(config: TrainConfig, mesh: Any) -> int:
