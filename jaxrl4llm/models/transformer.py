@@ -497,15 +497,27 @@ def forward(
     tokens_BT: jax.Array,
     positions_BT: jax.Array,
     mask_BT: jax.Array,
-    *cache: Any,
-    **options: Any,
+    kv_cache: KVCache | None = None,
+    cache_index: jax.Array | int | None = None,
+    *,
+    remat: bool = False,
+    sharding: Sharding = None,
+    attention: AttentionConfig = AttentionConfig(),
 ) -> tuple[jax.Array, KVCache | None]:
-    """Tokens -> (float32 logits_BTV, updated cache or None): `hidden_states` with the same
-    arguments (`cache`: kv_cache, cache_index; `options`: its keyword options), unembedded."""
+    """Tokens -> (float32 logits_BTV, updated cache or None). See `hidden_states`."""
     h_BTD, new_cache = hidden_states(
-        params, config, tokens_BT, positions_BT, mask_BT, *cache, **options
+        params,
+        config,
+        tokens_BT,
+        positions_BT,
+        mask_BT,
+        kv_cache,
+        cache_index,
+        remat=remat,
+        sharding=sharding,
+        attention=attention,
     )
-    return unembed(params, config, h_BTD, options.get("sharding")), new_cache
+    return unembed(params, config, h_BTD, sharding), new_cache
 
 
 def positions_from_mask(mask_BT: jax.Array) -> jax.Array:
