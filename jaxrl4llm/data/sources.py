@@ -59,6 +59,7 @@ class SyntheticSource(Sequence[Record]):
         num_examples: int,
         test_fraction: float = 0.1,
         distinct: bool = False,
+        exact_size: bool = True,
     ):
         if num_examples < 1:
             raise DataError(f"synthetic:{task}: n must be >= 1, got {num_examples}")
@@ -67,7 +68,11 @@ class SyntheticSource(Sequence[Record]):
         self.name = f"synthetic:{task}/{self.split}"
         # distinct: the examples are the first occurrences of their questions, in index order
         # (an eval set of N prompts is then N different questions).
-        self._indices = self._distinct_indices() if distinct else None
+        # Without an explicit n (exact_size=False) the set is every distinct question found,
+        # at most num_examples.
+        self._indices = self._distinct_indices(exact_size) if distinct else None
+        if self._indices is not None:
+            self.num_examples = len(self._indices)
 
     def _record(self, index: int) -> Record:
         return generate_record(
@@ -79,7 +84,7 @@ class SyntheticSource(Sequence[Record]):
             test_fraction=self.test_fraction,
         )
 
-    def _distinct_indices(self) -> list[int]:
+    def _distinct_indices(self, exact_size: bool) -> list[int]:
         seen: set[str] = set()
         indices: list[int] = []
         for index in range(self.num_examples * DISTINCT_SCAN):
@@ -89,6 +94,8 @@ class SyntheticSource(Sequence[Record]):
                 indices.append(index)
                 if len(indices) == self.num_examples:
                     return indices
+        if not exact_size and indices:
+            return indices
         raise DataError(
             f"{self.name}: only {len(indices)} distinct {self.split} questions in "
             f"{self.num_examples * DISTINCT_SCAN} draws with {self.config} and "
@@ -134,6 +141,7 @@ def parse_synthetic(spec_body: str, split: str) -> SyntheticSource:
         num_examples=options.get("n", DEFAULT_SIZES[split]),
         test_fraction=options.get("test_fraction", 0.1),
         distinct=options.get("distinct", False),
+        exact_size="n" in options,
     )
 
 

@@ -50,3 +50,14 @@ def test_bad_mix_knobs_are_refused():
         parse_synthetic("arithmetic?hard_fraction=1.5", "train")
     with pytest.raises(DataError, match="hard_digits must be in"):
         parse_synthetic("arithmetic?hard_digits=1", "train")
+
+
+def test_distinct_without_n_holds_every_held_out_question_once():
+    # An eval set that asks for more prompts than exist (the default test size is 500) gets
+    # every distinct held-out question, found here independently by a long plain scan.
+    spec = "arithmetic?digits=1&ops=+-*&test_fraction=0.8"
+    distinct = parse_synthetic(spec + "&distinct=true", "test")
+    questions = [distinct[i].prompt for i in range(len(distinct))]
+    assert len(questions) == len(set(questions)) < 500
+    scanned = parse_synthetic(spec + "&n=20000", "test")
+    assert set(questions) == {scanned[i].prompt for i in range(20000)}
