@@ -141,6 +141,40 @@ class TurnStats:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class TurnVerdicts:
+    """The verdicts of multi-turn trajectories (context.RowVerdicts), from their turns:
+    reward = the sum of the replies' rewards, correct = a positive reward, failed = the
+    reply to the last turn timed out or crashed (the trajectory has no verdict and, like an
+    unverified single-turn row, leaves the loss). `stats` carries the turn metrics along
+    when rows are taken or joined."""
+
+    stats: TurnStats
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return self.stats.reward_B
+
+    @property
+    def correct(self) -> np.ndarray:
+        return self.stats.reward_B > 0
+
+    @property
+    def failed(self) -> np.ndarray:
+        return np.isin(self.stats.final_status_B, ("timeout", "crash"))
+
+    def take(self, rows: np.ndarray) -> TurnVerdicts:
+        return TurnVerdicts(self.stats.take(rows))
+
+    def join(self, *others: TurnVerdicts) -> TurnVerdicts:
+        return TurnVerdicts(self.stats.join(*(o.stats for o in others)))
+
+    def metrics(self) -> dict[str, float]:
+        """Counts by the last turn's status (as a reward function's reason counts)."""
+        statuses, counts = np.unique(self.stats.final_status_B.astype(str), return_counts=True)
+        return {f"turn_{s}": float(c) for s, c in zip(statuses, counts) if s}
+
+
 def stop_sequence_array(seqs_per_row: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
     """int32 [B, Q, L]: each row's stop sequences right-aligned, -1 before them and in unused
     entries; Q and L powers of two (few distinct shapes). Empty sequences are ignored."""

@@ -119,7 +119,9 @@ def test_observations_appended_and_cache_matches_a_fresh_forward(toy_policy):
     config, params = toy_policy
     prompts = _prompts(config, (5, 9, 3))
     handler = FakeHandler(done_after=3)
-    out, stats = _run(toy_policy, handler, TurnLimits(max_turns=3, max_observation_tokens=8), prompts)
+    out, stats = _run(
+        toy_policy, handler, TurnLimits(max_turns=3, max_observation_tokens=8), prompts
+    )
     tokens, mask, obs = (np.asarray(x) for x in (out.tokens_BT, out.mask_BT, out.observation_BT))
     lengths, logp = np.asarray(out.lengths_B), np.asarray(out.logprobs_BT)
     multi = 0
@@ -263,3 +265,51 @@ def test_stop_sequence_must_lie_in_the_turn():
         stops,
     )
     assert int(inside.ended_B[0]) == 1 and not bool(inside.live_B[0])
+
+
+def test_rounds_take_rewards_and_turn_metrics_from_the_handler(toy_model_dir):
+    """sample_and_score with a turn-handler factory: one record per row reaches the factory,
+    each row's reward is the sum of its replies' rewards, and the rollout's turn metrics
+    count the batch's turns, tool calls and observation tokens."""
+    import types
+
+    from jaxrl4llm.models import registry
+    from jaxrl4llm.sampling import Sampler
+    from jaxrl4llm.sampling.config import RolloutConfig
+    from jaxrl4llm.sampling.context import RolloutContext
+    from jaxrl4llm.sampling.layout import RowLayout
+    from jaxrl4llm.sampling.rounds import sample_and_score
+    from jaxrl4llm.train.rollout import _turn_metrics
+
+    config, params, tokenizer = registry.load_model(toy_model_dir)
+    made: list = []
+
+    def factory(records):
+        made.append(list(records))
+        return FakeHandler(done_after=2)
+
+    rollout = RolloutConfig(
+        max_new_tokens=16, sampling=SAMPLED, turns=TurnLimits(max_turns=2, max_observation_tokens=3)
+    )
+    ctx = RolloutContext(
+        Sampler(config, tokenizer),
+        reward_fn=None,  # type: ignore[arg-type]  (never called with an environment)
+        data=types.SimpleNamespace(messages=lambda r: [{"role": "user", "content": r}]),
+        rollout=rollout,
+        turn_handlers=factory,
+    )
+    rows, _ = sample_and_score(ctx, params, ["copy 3", "copy 7"], jax.random.key(0), RowLayout(2))
+    assert made == [["copy 3", "copy 3", "copy 7", "copy 7"]]
+    stats = rows.verdicts.stats
+    # Replies give 1 + turn: one turn -> 1, two turns -> 1 + 2.
+    np.testing.assert_allclose(
+        rows.verdicts.rewards, [1.0 if t == 1 else 3.0 for t in stats.turns_B]
+    )
+    assert rows.verdicts.correct.all() and not rows.verdicts.failed.any()
+    lengths = np.asarray(rows.samples.out.lengths_B)
+    m = {k: v.total / v.count for k, v in _turn_metrics(stats, lengths).items()}
+    assert m["turns/mean"] == pytest.approx(stats.turns_B.mean())
+    assert m["tool/observation_token_share"] == pytest.approx(
+        np.asarray(rows.samples.out.observation_BT).sum() / lengths.sum()
+    )
+    assert m["tool/errors"] == (stats.turns_B == 2).sum()  # the second reply is an "error"
