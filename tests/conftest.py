@@ -105,6 +105,15 @@ def toy_model_dir(tmp_path_factory):
     return build_toy_model(tmp_path_factory.mktemp("toy_model"))
 
 
+@pytest.fixture(scope="module")
+def toy_policy(toy_model_dir):
+    """(config, params) of the toy model, loaded once per module."""
+    from jaxrl4llm.models import registry
+
+    config, params, _ = registry.load_model(toy_model_dir)
+    return config, params
+
+
 @pytest.fixture(scope="session")
 def copy_task_file(tmp_path_factory):
     return write_copy_task(tmp_path_factory.mktemp("toy_data") / "copy.jsonl")

@@ -9,6 +9,7 @@ import dataclasses
 from jaxrl4llm.config.options import group
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
+from jaxrl4llm.sampling.turns import TurnLimits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,7 @@ class RolloutConfig:
     decode_slots: Continuous batching: rows decoded at once, a finished row's slot taking the
         next queued row (0 = every row at once, finished rows compacted away); a multiple of
         the data-parallel devices. The same samples either way.
+    turns: Multi-turn rollouts (with an environment): turns and token budgets per trajectory.
     """
 
     prompts_per_step: int = 8
@@ -46,6 +48,7 @@ class RolloutConfig:
     partial_rollout_tokens: int = 0
     max_staleness: int = 2
     decode_slots: int = 0
+    turns: TurnLimits = group(TurnLimits)
 
     @property
     def layout(self) -> RowLayout:

@@ -19,6 +19,7 @@ from jaxrl4llm import parallel
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling.config import RolloutConfig
 from jaxrl4llm.sampling.frontend import Sampler
+from jaxrl4llm.sampling.turns import HandlerFactory
 
 
 class RowVerdicts(Protocol):
@@ -59,12 +60,15 @@ class PromptFormat(Protocol):
 @dataclasses.dataclass(frozen=True)
 class RolloutContext:
     """What stays fixed across rollouts and evaluations: the sampling front-end, the reward
-    function, how records become prompts and how they are sampled."""
+    function, how records become prompts and how they are sampled. With `turn_handlers` (an
+    environment) rollouts are multi-turn (sampling.multiturn, limits rollout.turns) and the
+    trajectories' rewards are their turns' (the reward function is not called)."""
 
     sampler: Sampler
     reward_fn: RewardFunction
     data: PromptFormat
     rollout: RolloutConfig
+    turn_handlers: HandlerFactory | None = None
 
     @classmethod
     def create(
@@ -75,10 +79,11 @@ class RolloutContext:
         mesh: Mesh | None,
         data: PromptFormat,
         rollout: RolloutConfig,
+        turn_handlers: HandlerFactory | None = None,
         **sampler_options: Any,
     ) -> RolloutContext:
         """`sampler_options` go to Sampler (e.g. stop_ids=() to sample exactly
-        max_new_tokens tokens)."""
+        max_new_tokens tokens). `turn_handlers`: see the class."""
         sampler = Sampler(
             model_config,
             tokenizer,
@@ -89,7 +94,7 @@ class RolloutContext:
             decode_slots=rollout.decode_slots,
             **sampler_options,
         )
-        return cls(sampler, reward_fn, data, rollout)
+        return cls(sampler, reward_fn, data, rollout, turn_handlers)
 
     @property
     def sharding(self) -> parallel.ActivationSharding | None:

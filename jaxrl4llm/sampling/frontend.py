@@ -19,20 +19,23 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import buckets, continuous, trim
+from jaxrl4llm.sampling import buckets, continuous, multiturn, trim
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.sampler import LONG_PROMPT_MODES, SampleOutput, generate, host_rows
 from jaxrl4llm.sampling.strategies import SamplingConfig
+from jaxrl4llm.sampling.turns import TurnHandler, TurnLimits
 
 
 @dataclasses.dataclass(frozen=True)
 class Samples:
     """What the front-end returns: the device output, this host's completion texts (one per
-    row, stop token excluded) and the layout of the rows."""
+    row, stop token excluded) and the layout of the rows; multi-turn rollouts also give
+    their turn stats."""
 
     out: SampleOutput
     texts: list[str]
     layout: RowLayout
+    turns: multiturn.TurnStats | None = None
 
     def host(self, x: jax.Array) -> np.ndarray:
         """This host's rows of an output array (one per text), e.g. host(out.lengths_B)."""
@@ -196,21 +199,68 @@ class Sampler:
         chat: bool = True,
         system: str | None = None,
         greedy_last: int = 0,
+        handler: TurnHandler | None = None,
+        limits: TurnLimits = TurnLimits(),
     ) -> Samples:
         """Texts or chat message lists -> `layout.group_size` samples of each, decoded (the
-        last `greedy_last` of each greedily)."""
-        out = self.generate(
+        last `greedy_last` of each greedily). With a turn `handler`, multi-turn trajectories
+        (multiturn.generate_turns: one host, `limits`; texts hold the observations too)."""
+        ids = self.encode(prompts, chat=chat, system=system)
+        turns = None
+        if handler is None:
+            out = self.generate(
+                params,
+                ids,
+                sampling,
+                max_new_tokens,
+                key,
+                group_size=layout.group_size,
+                share_prompts=layout.share_prompts,
+                greedy_last=greedy_last,
+            )
+        else:
+            out, turns = self.generate_turns(
+                params, ids, sampling, max_new_tokens, key, handler, limits, layout, greedy_last
+            )
+        texts = self.decode(out, len(prompts) * layout.group_size)
+        return Samples(out=out, texts=texts, layout=layout, turns=turns)
+
+    def generate_turns(
+        self,
+        params: Any,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        max_new_tokens: int,
+        key: jax.Array,
+        handler: TurnHandler,
+        limits: TurnLimits,
+        layout: RowLayout = RowLayout(),
+        greedy_last: int = 0,
+    ) -> tuple[SampleOutput, multiturn.TurnStats]:
+        """Multi-turn trajectories of each prompt (token ids), answered by `handler`, rows
+        laid out as `generate`'s; see multiturn.generate_turns."""
+        if self.mesh is not None and len(self.mesh.devices.flat) > 1:
+            raise ValueError(
+                "Multi-turn rollouts decode on one device; run them without a mesh of "
+                "several devices (--mesh=data:1,fsdp:1,tensor:1) or with --max_turns=1."
+            )
+        return multiturn.generate_turns(
             params,
-            self.encode(prompts, chat=chat, system=system),
+            self.model_config,
+            prompts,
             sampling,
             max_new_tokens,
             key,
-            group_size=layout.group_size,
+            handler,
+            limits,
+            stop_ids=self.stop_ids,
+            n=layout.group_size,
+            pad_id=self.pad_id,
+            max_prompt_len=self.max_prompt_len,
+            long_prompts=self.long_prompts,
+            min_prompt_bucket=self.min_prompt_bucket,
             share_prompts=layout.share_prompts,
             greedy_last=greedy_last,
-        )
-        return Samples(
-            out=out, texts=self.decode(out, len(prompts) * layout.group_size), layout=layout
         )
 
     def generate_text(

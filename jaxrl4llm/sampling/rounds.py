@@ -30,6 +30,7 @@ import numpy as np
 from jaxrl4llm import parallel
 from jaxrl4llm.rl.algorithms import AlgorithmConfig
 from jaxrl4llm.rl.metrics import Metric
+from jaxrl4llm.sampling import multiturn
 from jaxrl4llm.sampling.context import RolloutContext, RowVerdicts
 from jaxrl4llm.sampling.frontend import Samples
 from jaxrl4llm.sampling.layout import RowLayout
@@ -129,6 +130,12 @@ def _one_round(
     t0 = time.perf_counter()
     greedy = rounds.greedy_baseline
     n = layout.group_size + int(greedy)
+    # An environment answers the turns (and gives the rewards) of this round's rows.
+    turns: dict[str, Any] = {}
+    if ctx.turn_handlers is not None:
+        turns = dict(
+            handler=ctx.turn_handlers(RowLayout(n).repeat(records)), limits=ctx.rollout.turns
+        )
     samples = ctx.sampler.sample(
         params,
         [ctx.data.messages(r) for r in records],
@@ -137,12 +144,17 @@ def _one_round(
         key,
         RowLayout(n, layout.share_prompts),
         greedy_last=int(greedy),
+        **turns,
     )
     jax.block_until_ready(samples.out.tokens_BT)
     t_sample = time.perf_counter() - t0
     t0 = time.perf_counter()
-    lengths = samples.host(samples.out.lengths_B)
-    verdicts = ctx.reward_fn.score(samples.texts, RowLayout(n).repeat(records), lengths=lengths)
+    verdicts: RowVerdicts
+    if samples.turns is not None:
+        verdicts = multiturn.TurnVerdicts(samples.turns)
+    else:
+        lengths = samples.host(samples.out.lengths_B)
+        verdicts = ctx.reward_fn.score(samples.texts, RowLayout(n).repeat(records), lengths=lengths)
     part = ScoredRows(dataclasses.replace(samples, layout=layout), verdicts)
     if greedy or rounds.dynamic_sampling:  # rows are selected on the host
         part = dataclasses.replace(

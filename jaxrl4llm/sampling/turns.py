@@ -19,7 +19,7 @@ pool, so a tool that hangs or crashes costs only its own row).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Protocol, Sequence
+from typing import Any, Callable, Literal, Protocol, Sequence
 
 TurnEnd = Literal["stop", "eos", "length"]
 TurnStatus = Literal["ok", "error", "timeout", "crash"]
@@ -27,7 +27,14 @@ TurnStatus = Literal["ok", "error", "timeout", "crash"]
 
 @dataclasses.dataclass(frozen=True)
 class TurnLimits:
-    """Per-trajectory limits of a multi-turn rollout."""
+    """Per-trajectory limits of a multi-turn rollout.
+
+    max_turns: Model turns per trajectory (1 = single-turn rollouts).
+    max_total_tokens: Completion tokens per trajectory over all turns, the model's and the
+        observations' (0 = --max_new_tokens).
+    max_observation_tokens: One observation (a tool's output, an environment's message) is
+        cut to this many tokens.
+    """
 
     max_turns: int = 1  # model turns per trajectory; 1 = single-turn (today's rollouts)
     # Completion tokens over all turns (model and observation tokens); 0 = the run's
@@ -68,3 +75,8 @@ class TurnHandler(Protocol):
     def poll(self, timeout_s: float) -> list[TurnReply]:
         """The replies ready now; waits up to `timeout_s` seconds when none is."""
         ...
+
+
+# Makes the handler of one rollout: records[i] is the record (prompt) of batch row i (each
+# prompt's record repeated for its group's rows, as the reward function receives them).
+HandlerFactory = Callable[[Sequence[Any]], TurnHandler]

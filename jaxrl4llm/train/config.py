@@ -433,6 +433,19 @@ class TrainConfig:
             f"--decode_slots={r.decode_slots} must be >= 0 (0: every "
             "row at once, finished rows compacted away).",
         )
+        t = r.turns
+        require(t.max_turns >= 1, f"--max_turns={t.max_turns} must be >= 1 (1: single-turn).")
+        require(
+            t.max_total_tokens >= 0 and t.max_observation_tokens >= 0,
+            f"--max_total_tokens={t.max_total_tokens} and --max_observation_tokens="
+            f"{t.max_observation_tokens} must be >= 0 (--max_total_tokens=0: "
+            "--max_new_tokens).",
+        )
+        require(
+            t.max_turns == 1 or r.partial_rollout_tokens == 0,
+            f"--max_turns={t.max_turns} does not combine with --partial_rollout_tokens: "
+            "multi-turn trajectories finish within their step; drop one of them.",
+        )
 
     def _validate_batches(self, num_devices: int, data_parallel: int | None) -> None:
         """Mini-, micro- and rollout micro-batches divide the batch and fill the mesh."""

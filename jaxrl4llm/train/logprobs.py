@@ -30,7 +30,24 @@ class Sequences(flax.struct.PyTreeNode):
     prompt_tokens_BP: jax.Array  # int32, left-padded
     prompt_mask_BP: jax.Array  # bool, real prompt tokens
     completion_tokens_BT: jax.Array  # int32, padded after the stop token
-    completion_mask_BT: jax.Array  # bool, tokens up to and including the first stop token
+    # bool, the model's tokens up to and including the first stop token: the loss mask
+    completion_mask_BT: jax.Array
+    # Multi-turn rollouts: bool, observation tokens between the model's turns (in the
+    # sequence, so the forward pass reads them, but off completion_mask_BT: no loss, KL,
+    # entropy or denominator counts them). None: every real completion token is the model's.
+    observation_mask_BT: jax.Array | None = None
+
+    @property
+    def sequence_mask_BT(self) -> jax.Array:
+        """bool: every real completion token (what the forward pass attends to)."""
+        if self.observation_mask_BT is None:
+            return self.completion_mask_BT
+        return self.completion_mask_BT | self.observation_mask_BT
+
+    def lengths_B(self) -> jax.Array:
+        """int32: each row's completion length, observation tokens included (its last real
+        token is at length - 1; sum(completion_mask_BT) is only the model's tokens)."""
+        return jnp.sum(self.sequence_mask_BT, axis=1, dtype=jnp.int32)
 
 
 def _inputs(seqs: Sequences) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -38,7 +55,7 @@ def _inputs(seqs: Sequences) -> tuple[jax.Array, jax.Array, jax.Array]:
         seqs.prompt_tokens_BP,
         seqs.prompt_mask_BP,
         seqs.completion_tokens_BT,
-        seqs.completion_mask_BT,
+        seqs.sequence_mask_BT,
     )
     return tokens[:, :-1], positions[:, :-1], mask[:, :-1]
 
@@ -171,7 +188,7 @@ def completion_hidden_states(
             seqs.prompt_tokens_BP[::g],
             seqs.prompt_mask_BP[::g],
             seqs.completion_tokens_BT[:, :-1],
-            seqs.completion_mask_BT[:, :-1],
+            seqs.sequence_mask_BT[:, :-1],
             group=g,
             remat=remat,
             sharding=sharding,

@@ -42,7 +42,7 @@ def minibatches(
     mask_BT = batch.seqs.completion_mask_BT
     # Multi-host: the rows are global and not all here; only the rollout's cut applies.
     lengths_B = (
-        np.asarray(jax.device_get(mask_BT.sum(axis=1))) if mask_BT.is_fully_addressable else None
+        np.asarray(jax.device_get(batch.seqs.lengths_B())) if mask_BT.is_fully_addressable else None
     )
     num_classes = config.update.micro_batch_length_classes
     sort = lengths_B is not None and num_micro > 1 and num_classes > 1

@@ -78,7 +78,7 @@ def pack(seqs: Sequences, budget: int, data_parallel: int = 1) -> PackedBatch:
             seqs.prompt_tokens_BP,
             seqs.prompt_mask_BP,
             seqs.completion_tokens_BT,
-            seqs.completion_mask_BT,
+            seqs.sequence_mask_BT,  # observation tokens are in the sequence, off the loss
         )
     )
     M, P = prompt_tokens.shape

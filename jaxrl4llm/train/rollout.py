@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxrl4llm import parallel, rl
 from jaxrl4llm.rl.metrics import Metric
-from jaxrl4llm.sampling import buckets
+from jaxrl4llm.sampling import buckets, multiturn
 from jaxrl4llm.sampling.context import RolloutContext
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.rounds import Rounds, sample_and_score
@@ -144,6 +144,7 @@ def _update_batch(
         prompt_mask_BP=out.prompt_mask_BP,
         completion_tokens_BT=out.tokens_BT,
         completion_mask_BT=out.mask_BT,
+        observation_mask_BT=out.observation_BT,
     )
     forced = _teacher_forced(ctx, config, seqs, params, ref_params, critic_params, out)
     adv = _batch_advantages(ctx, config, rows, out, forced)
@@ -291,7 +292,18 @@ def _rollout_metrics(
         **{f"reward_reason/{k}": Metric.sum(float(v)) for k, v in verdicts.metrics().items()},
         **{k: v for k, v in round_metrics.items() if isinstance(v, Metric)},
     }
+    if isinstance(verdicts, multiturn.TurnVerdicts):
+        host.update(_turn_metrics(verdicts.stats, lengths))
     metrics = metrics_lib.to_host_scalars(metrics_lib.combine_over_hosts(host))
+    if isinstance(verdicts, multiturn.TurnVerdicts):
+        stats = verdicts.stats
+        metrics.update(
+            {
+                "time/decode_s": stats.decode_s,
+                "time/tools_s": stats.tools_s,
+                "time/tool_wait_s": stats.wait_s,
+            }
+        )
     t_sample = round_metrics["time/rollout_s"]
     metrics.update(
         {
@@ -302,3 +314,19 @@ def _rollout_metrics(
         }
     )
     return metrics
+
+
+def _turn_metrics(stats: multiturn.TurnStats, lengths: np.ndarray) -> dict[str, Metric]:
+    """Multi-turn rollouts: turns and tool calls per trajectory, the tools' failures (sums over
+    the batch) and the share of completion tokens that are observations."""
+    return {
+        "turns/mean": Metric.mean(float(stats.turns_B.mean())),
+        "turns/max": Metric.max(float(stats.turns_B.max(initial=0))),
+        "tool/calls": Metric.mean(float(stats.tool_calls_B.mean())),
+        "tool/errors": Metric.sum(float(stats.errors_B.sum())),
+        "tool/timeouts": Metric.sum(float(stats.timeouts_B.sum())),
+        "tool/crashes": Metric.sum(float(stats.crashes_B.sum())),
+        "tool/observation_token_share": Metric.mean(
+            float(stats.observation_tokens_B.sum()), float(max(lengths.sum(), 1.0))
+        ),
+    }

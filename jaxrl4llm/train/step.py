@@ -68,6 +68,7 @@ class UpdateBatch(flax.struct.PyTreeNode):
             seqs=self.seqs.replace(
                 completion_tokens_BT=cut(self.seqs.completion_tokens_BT),
                 completion_mask_BT=cut(self.seqs.completion_mask_BT),
+                observation_mask_BT=cut(self.seqs.observation_mask_BT),
             ),
             advantages=cut(self.advantages) if self.advantages.ndim == 2 else self.advantages,
             old_logp_BT=cut(self.old_logp_BT),
@@ -234,7 +235,7 @@ def accumulate(
 
     def body(carry, micro_batch):
         if length_classes:
-            longest = jnp.max(jnp.sum(micro_batch.seqs.completion_mask_BT, axis=1, dtype=jnp.int32))
+            longest = jnp.max(micro_batch.seqs.lengths_B())  # observation tokens included
             index = jnp.minimum(
                 jnp.searchsorted(jnp.asarray(length_classes, jnp.int32), longest),
                 len(length_classes) - 1,

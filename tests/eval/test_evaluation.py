@@ -114,6 +114,7 @@ def test_draw_and_evaluate_score_each_batch_through_the_trainers_sampling_path()
         reward_fn=Verifier(VERDICTS),
         data=types.SimpleNamespace(messages=lambda r: r),
         rollout=types.SimpleNamespace(sampling=sampled, max_new_tokens=3, share_prompts=True),
+        turn_handlers=None,
     )
     drawn = evaluator.draw(
         ctx, None, [0, 1, 2], greedy=True, samples=2, key=jax.random.key(0), prompts_per_batch=2

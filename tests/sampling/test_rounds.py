@@ -74,6 +74,7 @@ def _ctx(verdicts, widths=(4,)):
         reward_fn=FakeVerifier(verdicts),
         data=types.SimpleNamespace(messages=lambda r: r),
         rollout=types.SimpleNamespace(sampling=None, max_new_tokens=T),
+        turn_handlers=None,
     )
 
 

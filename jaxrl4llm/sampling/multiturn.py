@@ -1,0 +1,660 @@
+"""Multi-turn rollouts: the decode engine that stops a row at its turn end, hands the turn to
+a `turns.TurnHandler` and resumes the row with the reply's observation tokens.
+
+Every row owns a cache row for its whole trajectory: the left-padded prompt at slots [0, P),
+completion token t (a model token or an observation token) at slot P + t, RoPE position
+prompt_len + t. Three compiled programs act on one device state (`TurnState`):
+
+  prefill   all prompts (each group's once, as sampler.generate) and every row's first token;
+  segment   a while loop decoding one token for every live row (continuous.slot_decode_step:
+            per-row write slot and attention mask) until some row ends its turn (EOS, one of
+            its handler's stop sequences, its token budget) or K = SEGMENT_STEPS steps ran;
+  observe   one row's reply: the model turn's last token (sampled, not yet in the cache) and
+            the observation tokens are prefilled as one chunk at that row's position, and the
+            row's next model token is sampled from the chunk's last logits.
+
+The host loop runs a segment, submits the turns that ended in it (handler.submit never
+blocks), takes the replies that are ready (handler.poll: without waiting while some row
+decodes, else up to POLL_S seconds), prefills each reply's observation into its row and runs
+the next segment. A row waiting for its reply is parked: it emits nothing and its step,
+tokens and budget stay as they are while the other rows decode (its slot still computes a
+dropped token each step, as continuous.py's free slots do). The loop ends when no row decodes
+and no reply is due.
+
+A row draws completion token t with fold_in(row_key, t) (t over model and observation
+tokens), so a row whose first turn is its only one samples what sampler.generate samples.
+Observation tokens carry logprob 0 and are off `mask_BT` (the model-token mask).
+
+Limits (turns.TurnLimits): a turn ended by EOS or the budget (max_total_tokens completion
+tokens, model and observation) ends the trajectory; so do a reply with `done`, the
+max_turns-th turn and a budget with no room for a token after the observation. Each
+observation is cut to max_observation_tokens and to the room left. Every turn end is
+submitted, the last one included, and the row finishes when that turn's reply arrives (its
+reward counts; its observation is not appended).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl4llm.models import transformer
+from jaxrl4llm.models.attention import AttentionConfig
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.sampling import buckets, continuous, decode, sampler, strategies
+from jaxrl4llm.sampling.layout import RowLayout
+from jaxrl4llm.sampling.strategies import SamplingConfig
+from jaxrl4llm.sampling.turns import TurnEnd, TurnHandler, TurnLimits, TurnReply
+
+# Decode steps per segment when no row ends its turn: how long a ready reply may wait for
+# the host (one device-to-host sync per segment).
+SEGMENT_STEPS = 16
+# How long the host waits for a reply when every row is parked, per poll.
+POLL_S = 0.05
+# ended_B codes: how this segment's turn of a row ended (0: it did not).
+_ENDS: dict[int, TurnEnd] = {1: "stop", 2: "eos", 3: "length"}
+_MIN_CHUNK = 16
+
+
+class TurnState(flax.struct.PyTreeNode):
+    """The device state of a multi-turn rollout, per row (B rows, N completion slots)."""
+
+    cache: transformer.KVCache  # [B, ...]: prompt at [0, P), completion token t at P + t
+    plen_B: jax.Array  # prompt length: completion token t sits at RoPE position plen + t
+    step_B: jax.Array  # completion tokens so far (the index of the next one)
+    last_B: jax.Array  # token step - 1, not yet in the cache
+    live_B: jax.Array  # decoding (else parked, finished or inactive)
+    keys_B: jax.Array
+    cap_B: jax.Array  # the row's completion budget
+    turn_start_B: jax.Array  # index of the current model turn's first token
+    ended_B: jax.Array  # int32: how the row's turn ended, until the host has submitted it
+    tokens_BT: jax.Array
+    logprobs_BT: jax.Array
+    model_BT: jax.Array  # bool: model tokens (observation tokens are False)
+    slot_steps: jax.Array
+    greedy_B: jax.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnStats:
+    """Per row (this host's rows, numpy) what the turns did, and the rollout's host times.
+
+    reward_B: sum of the replies' rewards. turns_B: model turns. tool_calls_B: replies that
+    called a tool. errors_B / timeouts_B / crashes_B: replies with that status.
+    observation_tokens_B: observation tokens appended. final_status_B: the status of the
+    reply to the row's last turn ("" for a row that never ran, e.g. a dropped prompt).
+    decode_s: wall time in the compiled programs; tools_s: the replies' own seconds (host
+    time of the steps, overlapping decode); wait_s: time the host waited for replies with
+    no row decoding."""
+
+    reward_B: np.ndarray
+    turns_B: np.ndarray
+    tool_calls_B: np.ndarray
+    errors_B: np.ndarray
+    timeouts_B: np.ndarray
+    crashes_B: np.ndarray
+    observation_tokens_B: np.ndarray
+    final_status_B: np.ndarray
+    decode_s: float = 0.0
+    tools_s: float = 0.0
+    wait_s: float = 0.0
+
+    @classmethod
+    def empty(cls, rows: int) -> TurnStats:
+        ints = lambda: np.zeros(rows, np.int32)  # noqa: E731
+        return cls(
+            np.zeros(rows, np.float32), ints(), ints(), ints(), ints(), ints(), ints(),
+            np.full(rows, "", dtype=object),
+        )  # fmt: skip
+
+    _ROWS = (
+        "reward_B",
+        "turns_B",
+        "tool_calls_B",
+        "errors_B",
+        "timeouts_B",
+        "crashes_B",
+        "observation_tokens_B",
+        "final_status_B",
+    )
+
+    def take(self, rows: np.ndarray) -> TurnStats:
+        return dataclasses.replace(self, **{f: getattr(self, f)[rows] for f in self._ROWS})
+
+    def join(self, *others: TurnStats) -> TurnStats:
+        """These rows followed by the others' (times added)."""
+        parts = (self, *others)
+        rows = {f: np.concatenate([getattr(p, f) for p in parts]) for f in self._ROWS}
+        return dataclasses.replace(
+            self,
+            **rows,
+            decode_s=sum(p.decode_s for p in parts),
+            tools_s=sum(p.tools_s for p in parts),
+            wait_s=sum(p.wait_s for p in parts),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnVerdicts:
+    """The verdicts of multi-turn trajectories (context.RowVerdicts), from their turns:
+    reward = the sum of the replies' rewards, correct = a positive reward, failed = the
+    reply to the last turn timed out or crashed (the trajectory has no verdict and, like an
+    unverified single-turn row, leaves the loss). `stats` carries the turn metrics along
+    when rows are taken or joined."""
+
+    stats: TurnStats
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return self.stats.reward_B
+
+    @property
+    def correct(self) -> np.ndarray:
+        return self.stats.reward_B > 0
+
+    @property
+    def failed(self) -> np.ndarray:
+        return np.isin(self.stats.final_status_B, ("timeout", "crash"))
+
+    def take(self, rows: np.ndarray) -> TurnVerdicts:
+        return TurnVerdicts(self.stats.take(rows))
+
+    def join(self, *others: TurnVerdicts) -> TurnVerdicts:
+        return TurnVerdicts(self.stats.join(*(o.stats for o in others)))
+
+    def metrics(self) -> dict[str, float]:
+        """Counts by the last turn's status (as a reward function's reason counts)."""
+        statuses, counts = np.unique(self.stats.final_status_B.astype(str), return_counts=True)
+        return {f"turn_{s}": float(c) for s, c in zip(statuses, counts) if s}
+
+
+def stop_sequence_array(seqs_per_row: Sequence[Sequence[Sequence[int]]]) -> np.ndarray:
+    """int32 [B, Q, L]: each row's stop sequences right-aligned, -1 before them and in unused
+    entries; Q and L powers of two (few distinct shapes). Empty sequences are ignored."""
+    rows = [[tuple(int(t) for t in s) for s in seqs if len(s)] for seqs in seqs_per_row]
+    Q = 1 << max(0, (max((len(r) for r in rows), default=1) - 1).bit_length())
+    L = 1 << max(0, (max((len(s) for r in rows for s in r), default=1) - 1).bit_length())
+    out = np.full((len(rows), Q, L), -1, np.int32)
+    for b, seqs in enumerate(rows):
+        for q, s in enumerate(seqs):
+            out[b, q, L - len(s) :] = s
+    return out
+
+
+def _emit(
+    s: TurnState,
+    emit_B: jax.Array,
+    tok_B: jax.Array,
+    lp_B: jax.Array,
+    stop_ids_S: jax.Array,
+    stop_BQL: jax.Array,
+) -> TurnState:
+    """Rows `emit_B` append model token tok_B at their step; a row whose turn ends with it
+    (EOS, a stop sequence inside the turn, the budget: checked in that order) stops decoding
+    and records how in ended_B."""
+    B, N = s.tokens_BT.shape
+    rows = jnp.arange(B)
+    at_B = jnp.where(emit_B, s.step_B, N)  # N: dropped
+    tokens_BT = s.tokens_BT.at[rows, at_B].set(tok_B, mode="drop")
+    step_B = s.step_B + emit_B.astype(jnp.int32)
+    L = stop_BQL.shape[2]
+    index_BL = step_B[:, None] - L + jnp.arange(L)[None, :]
+    recent_BL = jnp.take_along_axis(tokens_BT, jnp.clip(index_BL, 0, N - 1), axis=1)
+    in_turn_BL = index_BL >= s.turn_start_B[:, None]
+    hit_BQL = (stop_BQL < 0) | ((recent_BL[:, None, :] == stop_BQL) & in_turn_BL[:, None, :])
+    used_BQ = jnp.any(stop_BQL >= 0, axis=2)
+    stop_B = jnp.any(jnp.all(hit_BQL, axis=2) & used_BQ, axis=1)
+    code_B = jnp.where(
+        decode.is_stop(tok_B, stop_ids_S),
+        2,
+        jnp.where(stop_B, 1, jnp.where(step_B >= s.cap_B, 3, 0)),
+    )
+    end_B = emit_B & (code_B > 0)
+    return s.replace(
+        step_B=step_B,
+        last_B=jnp.where(emit_B, tok_B, s.last_B),
+        live_B=s.live_B & ~end_B,
+        ended_B=jnp.where(end_B, code_B, s.ended_B),
+        tokens_BT=tokens_BT,
+        logprobs_BT=s.logprobs_BT.at[rows, at_B].set(lp_B, mode="drop"),
+        model_BT=s.model_BT.at[rows, at_B].set(True, mode="drop"),
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("model_config", "sampling", "max_new_tokens", "chunk", "group")
+)
+def _prefill(
+    params: Any,
+    prompt_BP: jax.Array,
+    prompt_mask_BP: jax.Array,
+    active_B: jax.Array,
+    keys_B: jax.Array,
+    greedy_B: jax.Array | None,
+    stop_ids_S: jax.Array,
+    stop_BQL: jax.Array,
+    pad_id: jax.Array,
+    *,
+    model_config: ModelConfig,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    chunk: int,
+    group: int,
+) -> TurnState:
+    """The prompts in the cache and every active row's first token."""
+    B, P = prompt_BP.shape
+    N = max_new_tokens
+    params = decode.loop_params(params, model_config, None)
+    # Room for an observation chunk written at any position before the budget's end.
+    cache = transformer.init_kv_cache(
+        model_config, B // group, P + N + chunk, decode.cache_dtype_for(params)
+    )
+    logits_BV, cache = decode.prefill(
+        params, model_config, prompt_BP[::group], prompt_mask_BP[::group], cache
+    )
+    if group > 1:
+        logits_BV, cache = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), (logits_BV, cache))
+    first_keys_B = jax.vmap(jax.random.fold_in)(keys_B, jnp.zeros((B,), jnp.uint32))
+    tok_B, lp_B = strategies.sample(logits_BV, first_keys_B, sampling, greedy_B)
+    zeros = jnp.zeros((B,), jnp.int32)
+    state = TurnState(
+        cache=cache,
+        plen_B=jnp.sum(prompt_mask_BP, axis=1, dtype=jnp.int32),
+        step_B=zeros,
+        last_B=jnp.full((B,), pad_id, jnp.int32),
+        live_B=active_B,
+        keys_B=keys_B,
+        cap_B=jnp.full((B,), N, jnp.int32),
+        turn_start_B=zeros,
+        ended_B=zeros,
+        tokens_BT=jnp.full((B, N), pad_id, jnp.int32),
+        logprobs_BT=jnp.zeros((B, N), jnp.float32),
+        model_BT=jnp.zeros((B, N), bool),
+        slot_steps=jnp.array(0, jnp.int32),
+        greedy_B=greedy_B,
+    )
+    return _emit(state, active_B, tok_B, lp_B, stop_ids_S, stop_BQL)
+
+
+def _sample_step(
+    s: TurnState, logits_BV: jax.Array, sampling: SamplingConfig
+) -> tuple[jax.Array, jax.Array]:
+    """Each row's token at its step, drawn with fold_in(row_key, step)."""
+    keys_B = jax.vmap(jax.random.fold_in)(s.keys_B, s.step_B.astype(jnp.uint32))
+    return strategies.sample(logits_BV, keys_B, sampling, s.greedy_B)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("model_config", "sampling", "prompt_len", "max_steps"),
+    donate_argnames=("s",),
+)
+def _segment(
+    params: Any,
+    s: TurnState,
+    stop_ids_S: jax.Array,
+    stop_BQL: jax.Array,
+    *,
+    model_config: ModelConfig,
+    sampling: SamplingConfig,
+    prompt_len: int,
+    max_steps: int,
+) -> TurnState:
+    """Decodes the live rows until one ends its turn or `max_steps` steps ran."""
+    params = decode.loop_params(params, model_config, None)
+    B = s.step_B.shape[0]
+
+    def cond(carry: tuple[TurnState, jax.Array]) -> jax.Array:
+        x, k = carry
+        return jnp.any(x.live_B) & (k < max_steps) & ~jnp.any(x.ended_B > 0)
+
+    def body(carry: tuple[TurnState, jax.Array]) -> tuple[TurnState, jax.Array]:
+        x, k = carry
+        # A parked or finished row feeds its last token again at the same slot: the same
+        # key and value as its own, so its cache row does not change.
+        write_B = jnp.minimum(prompt_len + x.step_B - 1, x.cache.max_len - 1)
+        logits_BV, cache = continuous.slot_decode_step(
+            params, model_config, x.last_B, x.plen_B + x.step_B - 1, write_B, x.cache
+        )
+        tok_B, lp_B = _sample_step(x, logits_BV, sampling)
+        x = x.replace(cache=cache, slot_steps=x.slot_steps + B)
+        return _emit(x, x.live_B, tok_B, lp_B, stop_ids_S, stop_BQL), k + 1
+
+    s, _ = jax.lax.while_loop(cond, body, (s, jnp.array(0, jnp.int32)))
+    return s
+
+
+@functools.partial(
+    jax.jit, static_argnames=("model_config", "sampling", "prompt_len"), donate_argnames=("s",)
+)
+def _observe(
+    params: Any,
+    s: TurnState,
+    row: jax.Array,
+    chunk_C: jax.Array,
+    num_obs: jax.Array,
+    stop_ids_S: jax.Array,
+    stop_BQL: jax.Array,
+    *,
+    model_config: ModelConfig,
+    sampling: SamplingConfig,
+    prompt_len: int,
+) -> TurnState:
+    """Appends `num_obs` observation tokens (chunk_C[1 : 1 + num_obs]; chunk_C[0] is the
+    row's last model token) to row `row`, prefills them into its cache row and samples the
+    row's next model token, which starts its next turn."""
+    params = decode.loop_params(params, model_config, None)
+    B, N = s.tokens_BT.shape
+    C = chunk_C.shape[0]
+    n = s.step_B[row]
+    take_row = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0)  # noqa: E731
+    cache_1 = jax.tree.map(take_row, s.cache)
+    index_C = jnp.arange(C, dtype=jnp.int32)
+    real_C = index_C <= num_obs
+    h_1CD, cache_1 = transformer.hidden_states(
+        params,
+        model_config,
+        chunk_C[None],
+        (s.plen_B[row] + n - 1 + index_C)[None],
+        real_C[None],
+        cache_1,
+        prompt_len + n - 1,
+        # The chunk's offset is traced: the kernels that need a static one do not apply.
+        attention=AttentionConfig(impl="reference"),
+    )
+    assert cache_1 is not None  # hidden_states returns the cache it is given, updated
+    h_11D = jax.lax.dynamic_slice_in_dim(h_1CD, num_obs, 1, axis=1)
+    logits_1V = transformer.unembed(params, model_config, h_11D)[:, 0]
+    cache = jax.tree.map(
+        lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, row, axis=0), s.cache, cache_1
+    )
+    obs_at_C = jnp.where(index_C[1:] <= num_obs, n + index_C[1:] - 1, N)  # N: dropped
+    step_B = s.step_B.at[row].add(num_obs)
+    s = s.replace(
+        cache=cache,
+        step_B=step_B,
+        tokens_BT=s.tokens_BT.at[row, obs_at_C].set(chunk_C[1:], mode="drop"),
+        turn_start_B=s.turn_start_B.at[row].set(step_B[row]),
+        live_B=s.live_B.at[row].set(True),
+    )
+    keys_1 = jax.random.fold_in(s.keys_B[row], step_B[row].astype(jnp.uint32))[None]
+    greedy_1 = None if s.greedy_B is None else s.greedy_B[row][None]
+    tok_1, lp_1 = strategies.sample(logits_1V, keys_1, sampling, greedy_1)
+    emit_B = jnp.arange(B) == row
+    tok_B = jnp.where(emit_B, tok_1[0], 0)
+    lp_B = jnp.where(emit_B, lp_1[0], 0.0)
+    return _emit(s, emit_B, tok_B, lp_B, stop_ids_S, stop_BQL)
+
+
+def chunk_length(num_tokens: int) -> int:
+    """Observation chunk slots for `num_tokens` tokens: a power of two >= 16 (few shapes)."""
+    return max(_MIN_CHUNK, 1 << (num_tokens - 1).bit_length())
+
+
+@dataclasses.dataclass
+class _Row:
+    """The host's record of one row: its turns and the reply it waits for."""
+
+    turns: int = 0
+    waiting: bool = False  # submitted, no reply yet
+    final: bool = False  # the submitted turn is the row's last whatever the reply says
+    finished: bool = False
+    truncated: bool = False
+
+
+class _HostLoop:
+    """The host side of one multi-turn rollout (see the module docstring)."""
+
+    def __init__(self, handler: TurnHandler, limits: TurnLimits, budget: int, rows: int):
+        self.handler, self.limits, self.budget = handler, limits, budget
+        self.rows = [_Row() for _ in range(rows)]
+        self.stats = TurnStats.empty(rows)
+        self.tools_s = 0.0
+        self.wait_s = 0.0
+
+    def submit_ended(self, ended_B: np.ndarray, step_B: np.ndarray, state: TurnState) -> None:
+        """Submits every turn that ended (ended_B > 0) since the last call."""
+        ended = np.flatnonzero(ended_B[: len(self.rows)])
+        tokens_BT, start_B = jax.device_get((state.tokens_BT, state.turn_start_B))
+        for r in ended:
+            how = _ENDS[int(ended_B[r])]
+            row = self.rows[r]
+            row.turns += 1
+            self.stats.turns_B[r] = row.turns
+            row.waiting = True
+            room = self.budget - int(step_B[r]) - 1  # observation tokens that leave a model token
+            row.final = how != "stop" or row.turns >= self.limits.max_turns or room < 0
+            row.truncated = how == "length" or (how == "stop" and room < 0)
+            self.handler.submit(int(r), tokens_BT[r, start_B[r] : step_B[r]].tolist(), how)
+
+    def poll(self, decoding: bool) -> list[TurnReply]:
+        t0 = time.perf_counter()
+        replies = self.handler.poll(0.0 if decoding else POLL_S)
+        if not decoding:
+            self.wait_s += time.perf_counter() - t0
+        return replies
+
+    def take_reply(self, reply: TurnReply, step: int) -> list[int] | None:
+        """Records a reply; the observation tokens to append, or None when the row ends."""
+        r = reply.row
+        if not 0 <= r < len(self.rows) or not self.rows[r].waiting:
+            raise ValueError(
+                f"The turn handler replied for row {r}, which has no turn waiting for a "
+                f"reply (rows 0..{len(self.rows) - 1}); a reply must answer a submitted turn."
+            )
+        row, st = self.rows[r], self.stats
+        row.waiting = False
+        st.reward_B[r] += reply.reward
+        st.tool_calls_B[r] += int(reply.tool_call)
+        st.errors_B[r] += int(reply.status == "error")
+        st.timeouts_B[r] += int(reply.status == "timeout")
+        st.crashes_B[r] += int(reply.status == "crash")
+        st.final_status_B[r] = reply.status
+        self.tools_s += reply.seconds
+        if row.final or reply.done:
+            row.finished = True
+            return None
+        room = self.budget - step - 1
+        obs = [
+            int(t) for t in reply.observation_ids[: min(self.limits.max_observation_tokens, room)]
+        ]
+        st.observation_tokens_B[r] += len(obs)
+        return obs
+
+    @property
+    def due(self) -> bool:
+        return any(row.waiting for row in self.rows)
+
+
+def run(
+    params: Any,
+    model_config: ModelConfig,
+    batch: buckets.PromptBatch,
+    keys_B: jax.Array,
+    greedy_B: np.ndarray | None,
+    handler: TurnHandler,
+    limits: TurnLimits,
+    sampling: SamplingConfig,
+    budget: int,
+    *,
+    stop_ids_S: np.ndarray,
+    pad_id: int,
+    prompt_group: int,
+) -> tuple[dict[str, Any], TurnStats]:
+    """Decodes every active row of `batch` over its turns; (per-row arrays: tokens_BT,
+    logprobs_BT, model_BT, lengths_B, truncated_B, done_B, slot_steps; the turn stats)."""
+    if limits.max_turns < 1 or limits.max_observation_tokens < 0:
+        raise ValueError(
+            f"TurnLimits: max_turns={limits.max_turns} must be >= 1 and "
+            f"max_observation_tokens={limits.max_observation_tokens} >= 0."
+        )
+    B, P = batch.prompt_BP.shape
+    stops = [handler.stop_sequences(r) if batch.active_B[r] else () for r in range(B)]
+    stop_BQL = jnp.asarray(stop_sequence_array(stops))
+    stop_ids = jnp.asarray(stop_ids_S)
+    programs = dict(model_config=model_config, sampling=sampling)
+    host = _HostLoop(handler, limits, budget, batch.num_rows)
+    t0 = time.perf_counter()
+    state = _prefill(
+        params,
+        jnp.asarray(batch.prompt_BP),
+        jnp.asarray(batch.mask_BP),
+        jnp.asarray(batch.active_B),
+        keys_B,
+        None if greedy_B is None else jnp.asarray(greedy_B),
+        stop_ids,
+        stop_BQL,
+        jnp.int32(pad_id),
+        max_new_tokens=budget,
+        chunk=chunk_length(limits.max_observation_tokens + 1),
+        group=prompt_group,
+        **programs,
+    )
+    decode_s = 0.0
+    while True:
+        ended_B, step_B, live_B = jax.device_get((state.ended_B, state.step_B, state.live_B))
+        decode_s += time.perf_counter() - t0
+        if ended_B.any():
+            host.submit_ended(ended_B, step_B, state)
+            state = state.replace(ended_B=jnp.zeros_like(state.ended_B))
+        decoding = bool(live_B.any())
+        if not decoding and not host.due:
+            break
+        t0 = time.perf_counter()
+        if decoding:
+            state = _segment(
+                params,
+                state,
+                stop_ids,
+                stop_BQL,
+                prompt_len=P,
+                max_steps=SEGMENT_STEPS,
+                **programs,
+            )
+            jax.block_until_ready(state.ended_B)
+        decode_s += time.perf_counter() - t0
+        replies = host.poll(decoding)
+        t0 = time.perf_counter()
+        if not replies:
+            continue
+        step_B = np.asarray(jax.device_get(state.step_B))
+        for reply in replies:
+            obs = host.take_reply(reply, int(step_B[reply.row]))
+            if obs is None:
+                continue
+            chunk = np.full(chunk_length(len(obs) + 1), pad_id, np.int32)
+            chunk[0] = jax.device_get(state.last_B[reply.row])
+            chunk[1 : 1 + len(obs)] = obs
+            state = _observe(
+                params,
+                state,
+                jnp.int32(reply.row),
+                jnp.asarray(chunk),
+                jnp.int32(len(obs)),
+                stop_ids,
+                stop_BQL,
+                prompt_len=P,
+                **programs,
+            )
+    tokens_BT, logprobs_BT, model_BT, lengths_B, slot_steps = jax.device_get(
+        (state.tokens_BT, state.logprobs_BT, state.model_BT, state.step_B, state.slot_steps)
+    )
+    truncated_B = np.zeros(B, bool)
+    truncated_B[: batch.num_rows] = [row.truncated for row in host.rows]
+    stats = dataclasses.replace(
+        host.stats, decode_s=decode_s, tools_s=host.tools_s, wait_s=host.wait_s
+    )
+    out = dict(
+        tokens_BT=tokens_BT,
+        logprobs_BT=np.where(model_BT, logprobs_BT, 0.0).astype(np.float32),
+        model_BT=model_BT,
+        lengths_B=lengths_B.astype(np.int32),
+        truncated_B=truncated_B & batch.active_B,
+        slot_steps=np.int32(slot_steps),
+    )
+    return out, stats
+
+
+def generate_turns(
+    params: Any,
+    model_config: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    key: jax.Array,
+    handler: TurnHandler,
+    limits: TurnLimits,
+    *,
+    stop_ids: Sequence[int],
+    n: int = 1,
+    pad_id: int = 0,
+    max_prompt_len: int | None = None,
+    long_prompts: str = "error",
+    min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET,
+    share_prompts: bool = True,
+    greedy_last: int = 0,
+) -> tuple[sampler.SampleOutput, TurnStats]:
+    """`n` multi-turn trajectories of each prompt (token ids), rows laid out as
+    sampler.generate's (row p * n + g: sample g of prompt p; the handler's row indices), with
+    the same per-row keys. The completion budget is limits.max_total_tokens, or
+    `max_new_tokens` when that is 0. One host, no mesh (rows are picked on the host)."""
+    if jax.process_count() > 1:
+        raise ValueError("Multi-turn rollouts run on one host; use one host or --max_turns=1.")
+    budget = limits.max_total_tokens or max_new_tokens
+    if not isinstance(budget, (int, np.integer)) or budget < 1:
+        raise ValueError(f"The completion budget {budget!r} must be a positive int.")
+    limit = (
+        model_config.max_position_embeddings - budget if max_prompt_len is None else max_prompt_len
+    )
+    batch = buckets.prepare_batch(
+        prompts,
+        n=n,
+        max_prompt_len=limit,
+        long_prompts=long_prompts,
+        pad_id=pad_id,
+        vocab_size=model_config.vocab_size,
+        min_prompt_bucket=min_prompt_bucket,
+    )
+    B = batch.prompt_BP.shape[0]
+    keys_B = sampler._row_keys(
+        key, jnp.asarray(batch.prompt_index_B), jnp.asarray(batch.sample_index_B)
+    )
+    greedy_B = (batch.sample_index_B >= n - greedy_last) if greedy_last else None
+    rows, stats = run(
+        params,
+        model_config,
+        batch,
+        keys_B,
+        greedy_B,
+        handler,
+        limits,
+        sampling,
+        int(budget),
+        stop_ids_S=sampler.stop_id_array(stop_ids),
+        pad_id=pad_id,
+        prompt_group=RowLayout(n, share_prompts).prompt_group(B),
+    )
+    N = int(budget)
+    real_BT = np.arange(N)[None, :] < rows["lengths_B"][:, None]
+    keep = slice(0, batch.num_rows)
+    out = sampler.SampleOutput(
+        tokens_BT=jnp.asarray(rows["tokens_BT"][keep]),
+        logprobs_BT=jnp.asarray(rows["logprobs_BT"][keep]),
+        mask_BT=jnp.asarray(rows["model_BT"][keep]),
+        lengths_B=jnp.asarray(rows["lengths_B"][keep]),
+        truncated_B=jnp.asarray(rows["truncated_B"][keep]),
+        prompt_tokens_BP=jnp.asarray(batch.prompt_BP[keep]),
+        prompt_mask_BP=jnp.asarray(batch.mask_BP[keep] & ~batch.dropped_B[keep, None]),
+        dropped_B=jnp.asarray(batch.dropped_B[keep]),
+        num_steps=jnp.int32(max(int(rows["lengths_B"].max(initial=0)), 1)),
+        slot_steps=jnp.asarray(rows["slot_steps"]),
+        observation_BT=jnp.asarray((real_BT & ~rows["model_BT"])[keep]),
+    )
+    return out, stats
