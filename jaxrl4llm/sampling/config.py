@@ -33,6 +33,9 @@ class RolloutConfig:
     decode_slots: Continuous batching: rows decoded at once, a finished row's slot taking the
         next queued row (0 = every row at once, finished rows compacted away); a multiple of
         the data-parallel devices. The same samples either way.
+    env: Environment that answers the model's turns, NAME?key=value&... (verifier,
+        calculator, python, guess; see docs/environments.md); empty: single-turn rollouts
+        scored by the reward function.
     """
 
     prompts_per_step: int = 8
@@ -46,6 +49,7 @@ class RolloutConfig:
     partial_rollout_tokens: int = 0
     max_staleness: int = 2
     decode_slots: int = 0
+    env: str = ""
 
     @property
     def layout(self) -> RowLayout:
