@@ -13,7 +13,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxrl4llm", "jaxrl4llm.config", "jaxrl4llm.parallel"),
     ("jaxrl4llm.rl", "jaxrl4llm.models"),
     ("jaxrl4llm.sampling",),
-    ("jaxrl4llm.rewards", "jaxrl4llm.data"),
+    ("jaxrl4llm.rewards", "jaxrl4llm.data", "jaxrl4llm.envs"),
     ("jaxrl4llm.eval",),
     ("jaxrl4llm.train",),
     ("jaxrl4llm.planner",),  # compiles the step's programs ahead of time

@@ -31,6 +31,7 @@ TASK_VERIFIERS = {
     "knights_knaves": "knights_knaves",
     "gym": "gym",  # a reasoning-gym task (data/gym.py): its own scorer in the pool
     "code": "code",  # a Python program run against tests in the sandbox (code.py)
+    "guess": "math",  # the guessing game (envs/guess.py) scored in one turn: its last number
 }
 # Worker modules a verifier needs, imported when a worker starts (not on its first job,
 # whose item deadline an import of reasoning-gym, ~1.5 s, would eat into).
@@ -134,6 +135,17 @@ class RewardConfig:
         return MathConfig.for_item_deadline(self.item_timeout_s, answer_mode=self.answer_mode)
 
 
+def make_verifiers(config: RewardConfig) -> dict[str, Any]:
+    """verifier name (TASK_VERIFIERS' values) -> the verifier, configured from `config`."""
+    return {
+        "math": MathVerifier(config.math),
+        "countdown": CountdownVerifier(CountdownConfig(use_all=config.countdown_use_all)),
+        "knights_knaves": KnightsKnavesVerifier(),
+        "gym": GymVerifier(),
+        "code": CodeVerifier(config.code),  # its sandbox is checked at the first code row
+    }
+
+
 class RewardFn:
     """score(completions, records, lengths=None) -> RewardBatch. Close it (or use `with`)."""
 
@@ -144,13 +156,7 @@ class RewardFn:
         self.config = config
         self.shaping = config.shaping  # validated now, not at the first step
         self.pool = VerifierPool(config.pool)  # workers start at the first job
-        self.verifiers = {
-            "math": MathVerifier(config.math),
-            "countdown": CountdownVerifier(CountdownConfig(use_all=config.countdown_use_all)),
-            "knights_knaves": KnightsKnavesVerifier(),
-            "gym": GymVerifier(),
-            "code": CodeVerifier(config.code),  # its sandbox is checked at the first code row
-        }
+        self.verifiers = make_verifiers(config)
 
     def __enter__(self) -> RewardFn:
         return self

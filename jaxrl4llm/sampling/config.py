@@ -35,6 +35,9 @@ class RolloutConfig:
         next queued row (0 = every row at once, finished rows compacted away); a multiple of
         the data-parallel devices. The same samples either way.
     turns: Multi-turn rollouts (with an environment): turns and token budgets per trajectory.
+    env: Environment that answers the model's turns, NAME?key=value&... (verifier,
+        calculator, python, guess; see docs/environments.md); empty: single-turn rollouts
+        scored by the reward function.
     """
 
     prompts_per_step: int = 8
@@ -49,6 +52,7 @@ class RolloutConfig:
     max_staleness: int = 2
     decode_slots: int = 0
     turns: TurnLimits = group(TurnLimits)
+    env: str = ""
 
     @property
     def layout(self) -> RowLayout:

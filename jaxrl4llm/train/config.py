@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from jaxrl4llm import parallel, rl
+from jaxrl4llm import envs, parallel, rl
 from jaxrl4llm.config import options
 from jaxrl4llm.config.errors import flag_errors
 from jaxrl4llm.config.options import group, require
@@ -351,6 +351,8 @@ class TrainConfig:
     def _validate_all(self, num_devices: int, data_parallel: int | None, num_hosts: int) -> None:
         self._validate_values()
         self._validate_reward()
+        if self.rollout.env:
+            envs.parse_env(self.rollout.env)  # FlagError naming --env and the valid names
         self._validate_data()
         run, e = self.run, self.evaluation
         require(

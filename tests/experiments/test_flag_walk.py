@@ -55,6 +55,7 @@ FREE_TEXT = {
     "mesh": lambda f: ["data:x"],
     "workdir": lambda f: [str(f)],
     "trackers": lambda f: ["comet", "tensorboard,no_such_tracker"],
+    "env": lambda f: ["no_such_env", "calculator?no_such_option=1"],
 }
 
 

@@ -369,7 +369,9 @@ def test_helpfull_groups_flags_by_sub_config():
 
 DOCS = os.path.join(REPO, "docs", "algorithms.md")
 PAPER_FLAGFILES = sorted(
-    os.path.basename(f) for f in FLAGFILES if not f.endswith("quickstart.flags")
+    os.path.basename(f)
+    for f in FLAGFILES
+    if not f.endswith("quickstart.flags") and not os.path.basename(f).startswith("quickstart")
 )
 
 
@@ -469,6 +471,10 @@ PAPER_EVAL_SETS = {
         for n in ("math500", "olympiadbench", "minerva_math", "aime24", "aime25", "amc23")
     ),
     "reinforce_pp_aime24": "aime25;pass@1;pass@16;t=1.0,aime24;pass@1;t=1.0",
+    # ToRL's Table 1 (the README's tables): five sets, one answer each.
+    "torl": ",".join(
+        f"{n};greedy" for n in ("aime24", "aime25", "math500", "olympiadbench", "amc23")
+    ),
     # Per number of people (the paper's Figure 4), sampled at T = 1 as Logic-RL evaluates.
     "reinforce_pp_knights_knaves": ",".join(
         f"kk{n}=gym:knights_knaves?n_people={n}&n=100;pass@1;t=1.0" for n in range(2, 9)

@@ -3,7 +3,8 @@
 Only what reasoning-gym (the `gym:` source) does not: arithmetic, the embedded quickstart's
 task (core install, integer answers decided without the verifier pool), countdown in
 TinyZero's form (each number at most once, a target reachable from a random expression,
-boxed answers) and easy stdin/stdout code problems (the offline code task, tasks/code.py).
+boxed answers), easy stdin/stdout code problems (the offline code task, tasks/code.py) and
+a number-guessing game played over several turns (tasks/guess.py, with `--env=guess`).
 Knights and knaves come from reasoning-gym (Xie et al.'s generator, nested and compound
 statements): gym:knights_knaves.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from jaxrl4llm.data.records import DataError, Record
-from jaxrl4llm.data.tasks import arithmetic, code, countdown
+from jaxrl4llm.data.tasks import arithmetic, code, countdown, guess
 from jaxrl4llm.data.tasks.common import SPLITS, canonical_split, make_record, split_of
 
 
@@ -26,6 +27,7 @@ TASKS: dict[str, Task] = {
     "arithmetic": Task(arithmetic.ArithmeticConfig, arithmetic.generate),
     "countdown": Task(countdown.CountdownTaskConfig, countdown.generate),
     "code": Task(code.CodeTaskConfig, code.generate),
+    "guess": Task(guess.GuessTaskConfig, guess.generate),
 }
 # Tasks that moved to reasoning-gym: name -> the source to write instead.
 MOVED = {"knights_knaves": "gym:knights_knaves?n_people=3 (pip install -e '.[gym]')"}
