@@ -25,6 +25,7 @@ run's own held-out data) and the sets.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -288,6 +289,7 @@ def run_evaluation(p: Plan, opts: EvaluateOptions) -> tuple[dict[str, float], in
     """The scores (the trainer's evaluation, unprefixed, plus "seconds") and the number of
     --eval_data prompts scored."""
     from jaxrl4llm import parallel
+    from jaxrl4llm.envs import open_env_service
     from jaxrl4llm.eval import evaluator
     from jaxrl4llm.models import registry
     from jaxrl4llm.rewards import RewardFn
@@ -307,9 +309,19 @@ def run_evaluation(p: Plan, opts: EvaluateOptions) -> tuple[dict[str, float], in
             config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype)
         )
     model_config = config.model.compute_config(model_config)  # --compute_dtype
-    with RewardFn("auto", config.reward) as reward_fn:
+    env_service = open_env_service(config.rollout, tokenizer, config.reward)
+    with RewardFn("auto", config.reward) as reward_fn, contextlib.ExitStack() as stack:
+        if env_service is not None:
+            stack.callback(env_service.close)
+        # The run's own environment (--env): a tool-using policy is evaluated with its tools.
         ctx = RolloutContext.create(
-            model_config, tokenizer, reward_fn, mesh, config.data, config.rollout
+            model_config,
+            tokenizer,
+            reward_fn,
+            mesh,
+            config.data,
+            config.rollout,
+            turn_handlers=env_service,
         )
         start = time.perf_counter()
         results = evaluator.evaluate_run(

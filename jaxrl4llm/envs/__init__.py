@@ -12,7 +12,12 @@ exact arithmetic), `python` (ToRL's ```python / ```output, run in the code sandb
 """
 
 from jaxrl4llm.envs.base import Environment, StepResult, VerifierEnvironment, answer_reward
-from jaxrl4llm.envs.handler import EnvService, EnvTurnHandler, stop_token_sequences
+from jaxrl4llm.envs.handler import (
+    EnvService,
+    EnvTurnHandler,
+    open_env_service,
+    stop_token_sequences,
+)
 from jaxrl4llm.envs.registry import ENVIRONMENTS, parse_env, register
 
 __all__ = [
@@ -22,6 +27,7 @@ __all__ = [
     "answer_reward",
     "EnvService",
     "EnvTurnHandler",
+    "open_env_service",
     "stop_token_sequences",
     "ENVIRONMENTS",
     "parse_env",

@@ -27,6 +27,7 @@ from jaxrl4llm.envs.base import Environment
 from jaxrl4llm.envs.runner import EnvRunner, reset_job, step_job
 from jaxrl4llm.rewards.pool import JobResult, PoolConfig
 from jaxrl4llm.rewards.registry import RewardConfig
+from jaxrl4llm.sampling.config import RolloutConfig
 from jaxrl4llm.sampling.turns import TurnEnd, TurnLimits, TurnReply
 
 CHARS_PER_TOKEN = 8  # observations are cut to this many characters per token before tokenizing
@@ -251,3 +252,13 @@ def _with_prompt(record: Any, prompt: str) -> Any:
     if isinstance(record, dict):
         return {**record, "prompt": prompt}
     return dataclasses.replace(record, prompt=prompt)
+
+
+def open_env_service(
+    rollout: RolloutConfig, tokenizer: Any, reward: RewardConfig
+) -> EnvService | None:
+    """The run's environment service (--env, with the turn limits of --max_turns etc.; its
+    workers start now, `close` stops them), or None for single-turn rollouts (no --env)."""
+    if not rollout.env:
+        return None
+    return EnvService(rollout.env, tokenizer, reward, rollout.turns)

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from jaxrl4llm import parallel
 from jaxrl4llm.config import options
 from jaxrl4llm.data import make_iterator, make_source
+from jaxrl4llm.envs import EnvService, open_env_service
 from jaxrl4llm.eval import evaluator
 from jaxrl4llm.eval.config import EvalConfig
 from jaxrl4llm.models import registry
@@ -122,12 +123,15 @@ class Services:
     lr_schedule: Callable[[int], Any]
     start: int  # the step this run starts at (after a resume)
     in_flight: partial.InFlight | None = None  # partial rollouts' carried buffer
+    env_service: EnvService | None = None  # --env: the environment's workers
 
     def close(self) -> None:
         """Whatever happened, what was computed is kept: metrics flushed, pool closed."""
         self.writer.close()
         self.checkpointer.close()
         self.reward_fn.close()
+        if self.env_service is not None:
+            self.env_service.close()
 
 
 def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
@@ -146,8 +150,15 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
     _write_config(workdir, config)
     loaded = _load_models(config, mesh)
     reward_fn = RewardFn("auto", config.reward)
+    env_service = open_env_service(config.rollout, loaded.tokenizer, config.reward)
     ctx = RolloutContext.create(
-        loaded.model_config, loaded.tokenizer, reward_fn, mesh, config.data, config.rollout
+        loaded.model_config,
+        loaded.tokenizer,
+        reward_fn,
+        mesh,
+        config.data,
+        config.rollout,
+        turn_handlers=env_service,
     )
     checkpointer = Checkpointer(
         os.path.join(workdir, "checkpoints"), run.checkpoint_every, run.keep_checkpoints
@@ -176,6 +187,7 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
         lr_schedule=learning_rate_schedule(config.optimizer),
         start=start,
         in_flight=in_flight,
+        env_service=env_service,
     )
 
 
