@@ -174,7 +174,9 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
     if lora is not None:
         # The base is frozen outside the state (never donated): it is the reference too.
         ref_params = params if config.needs_reference else None
-        trained = adapters.trainable(lora, model_config, params, run.seed)
+        trained = adapters.trainable(
+            lora, model_config, params, run.seed, init=config.model.init_adapter
+        )
     else:
         # A separate copy: the policy's buffers are donated to each update.
         ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
