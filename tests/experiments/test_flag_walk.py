@@ -55,6 +55,7 @@ FREE_TEXT = {
     "mesh": lambda f: ["data:x"],
     "workdir": lambda f: [str(f)],
     "trackers": lambda f: ["comet", "tensorboard,no_such_tracker"],
+    "init_adapter": lambda f: [str(f), str(f.parent / "no_such_adapter")],
 }
 
 
