@@ -310,7 +310,6 @@ class TrainConfig:
             flag
             for flag, on in (
                 ("--advantage=remax", a.advantage == "remax"),
-                ("--dynamic_sampling", a.dynamic_sampling),
                 (
                     f"--partial_rollout_tokens={r.partial_rollout_tokens}",
                     r.partial_rollout_tokens > 0,
@@ -420,7 +419,7 @@ class TrainConfig:
             "--recompute_old_logprobs or drop --is_correction.",
         )
         require(
-            not ((a.advantage == "remax" or a.dynamic_sampling) and num_hosts > 1),
+            not (a.advantage == "remax" and num_hosts > 1),
             rounds.ONE_HOST_ONLY,
         )
         self.optimizer.validate()

@@ -189,8 +189,9 @@ def test_plan_of_a_ppo_run_plans_the_critic():
 
 
 def test_plan_refuses_one_host_flags_on_a_multi_host_topology():
-    """A v5p host holds 4 chips (v5p-16: 8 chips, 2 hosts); DAPO's dynamic sampling runs on
-    one host only, so its flagfile plans on one GPU node and is refused on a pod."""
+    """A v5p host holds 4 chips (v5p-16: 8 chips, 2 hosts); ReMax's greedy baselines are
+    picked on one host, so a ReMax run is refused on a pod; DAPO's dynamic sampling runs on
+    several hosts (they agree on when to stop resampling), so its flagfile plans there."""
     from absl import flags
 
     from jaxrl4llm.config.errors import FlagError
@@ -208,19 +209,19 @@ def test_plan_refuses_one_host_flags_on_a_multi_host_topology():
         "8xh200": 1,
         "cpu-8": 1,
     }
+    remax = TrainConfig().replace(algorithm=rl.get_preset("remax"), mesh="data:1,fsdp:-1,tensor:1")
+    remax.validate(8, num_hosts=1)
+    with pytest.raises(FlagError, match="runs on one host only"):  # the run's own check
+        remax.validate(8, num_hosts=2)
     dapo = TrainConfig().replace(algorithm=rl.get_preset("dapo"), mesh="data:1,fsdp:-1,tensor:1")
-    dapo.validate(8, num_hosts=1)
-    with pytest.raises(FlagError, match="run on one host only"):  # the run's own check
-        dapo.validate(8, num_hosts=2)
-    repo = os.path.dirname(TOOLS)
-    flagfile = f"--flagfile={repo}/experiments/configs/tricks_or_traps_qwen3_8b_dapo.flags"
+    assert dapo.validate(8, num_hosts=2).one_host_only == []
     try:
         flags.FLAGS.unparse_flags()
-        flags.FLAGS(["plan", flagfile, "--topology=v5p-16"])
+        flags.FLAGS(["plan", "--algorithm=remax", "--topology=v5p-16"])
         with pytest.raises(
             FlagError,
             match=r"--topology=v5p-16 spans 2 hosts, but "
-            r"--dynamic_sampling pick rows on the host",
+            r"--advantage=remax pick rows on the host",
         ):
             plan.main([])
     finally:
