@@ -17,6 +17,10 @@ with abstract (jax.ShapeDtypeStruct) inputs carrying the run's shardings:
             PPO's value model (--algorithm=ppo): its pass over the rollout, its update on
             each mini-batch; its state stays resident beside every other program
 
+With --lora_rank=R (and --lora_targets) the state is the adapters and their Adam moments, the
+frozen base stays beside it as an argument of every program, and the reference is the base
+itself (no copy): the title line gives the adapters' parameter count.
+
 Per program and device it prints the compiled memory (arguments, temporaries, outputs, the
 state that stays resident beside it), whether that fits the chip with 10% headroom, the hand
 estimate (jaxrl4llm/planner/estimate.py, formulas written out there), the collective bytes per call
@@ -116,7 +120,7 @@ def main(argv):
     if None not in profile:
         with cli.flag_errors():
             slots.fit_lognormal(*profile)
-    config = train.config_from_flags()
+    config = train.config_from_flags().with_init_adapter()  # LoRA settings of --init_adapter
     one_host = config.one_host_only
     require(
         topo.num_hosts == 1 or not one_host,

@@ -147,6 +147,8 @@ def main(argv):
     with open(DOC, encoding="utf-8") as f:
         kept = sections(block(f.read(), PLANS))
     summary = summary_table(topologies)
+    # summary_table parsed each flagfile; absl reads the command line's flags again at exit.
+    flags.FLAGS(sys.argv)
     for name in wanted:  # the document is written after each plan (minutes each), reread
         print(f"planning {name} on {topologies[name]} ...", flush=True)  # to keep its edits
         kept[name] = plan_section(name, topologies[name])

@@ -66,10 +66,10 @@ def export_peft(
         json.dump(adapter_config, f, indent=2)
 
 
-def load_peft(path: str | os.PathLike, config: ModelConfig) -> tuple[Any, LoraConfig]:
-    """(adapters, their LoraConfig) of a PEFT LoRA folder, as numpy arrays; raises ValueError
-    naming what this decoder cannot take (another PEFT type, rsLoRA / DoRA, biases, modules
-    other than q,k,v,o,gate,up,down)."""
+def read_lora_config(path: str | os.PathLike) -> LoraConfig:
+    """The LoraConfig of a PEFT LoRA folder's adapter_config.json; raises ValueError naming
+    what this decoder cannot take (another PEFT type, rsLoRA / DoRA, biases, modules other
+    than q,k,v,o,gate,up,down) and OSError when the file cannot be read."""
     with open(os.path.join(path, ADAPTER_CONFIG), encoding="utf-8") as f:
         c = json.load(f)
     by_module = {m.split(".")[-1]: t for t, m in lora_lib.HF_MODULES.items()}
@@ -89,19 +89,38 @@ def load_peft(path: str | os.PathLike, config: ModelConfig) -> tuple[Any, LoraCo
             f"{c.get('bias')}{', ' + ', '.join(unsupported) if unsupported else ''}."
         )
     targets = tuple(t for t in lora_lib.TARGETS if lora_lib.HF_MODULES[t].split(".")[-1] in modules)
-    lora = LoraConfig(
+    return LoraConfig(
         rank=int(c["r"]),
         alpha=float(c["lora_alpha"]),
         dropout=float(c.get("lora_dropout", 0.0)),
         targets=targets,
     )
+
+
+def load_peft(path: str | os.PathLike, config: ModelConfig) -> tuple[Any, LoraConfig]:
+    """(adapters, their LoraConfig) of a PEFT LoRA folder, as numpy arrays shaped as
+    lora_lib.adapter_shapes(config, ...); raises ValueError naming what this decoder cannot
+    take (read_lora_config) or a tensor missing or shaped for another model."""
+    lora = read_lora_config(path)
     source = weights.SafetensorsSource(str(path))
+    expected, present = lora_lib.adapter_shapes(config, lora)["layers"], source.names()
     layers = {}
-    for t in targets:
-        layers[f"{t}_lora_a"] = np.stack(
-            [source.read(_name(t, i, "lora_A")).T for i in range(config.num_layers)]
-        )
-        layers[f"{t}_lora_b"] = np.stack(
-            [source.read(_name(t, i, "lora_B")).T for i in range(config.num_layers)]
-        )
+    for t in lora.targets:
+        for matrix, ours in (("lora_A", f"{t}_lora_a"), ("lora_B", f"{t}_lora_b")):
+            names = [_name(t, i, matrix) for i in range(config.num_layers)]
+            missing = [n for n in names if n not in present]
+            if missing:
+                raise ValueError(
+                    f"{path}: {ADAPTER_WEIGHTS} lacks {missing[0]} ({len(missing)} of the "
+                    f"{len(names)} {matrix} tensors of {lora_lib.HF_MODULES[t]}): the "
+                    f"adapter is for another model than this {config.num_layers}-layer one."
+                )
+            layers[ours] = np.stack([source.read(n).T for n in names])
+            if layers[ours].shape != expected[ours]:
+                raise ValueError(
+                    f"{path}: {lora_lib.HF_MODULES[t]}.{matrix} is "
+                    f"{list(layers[ours].shape[1:])} per layer (transposed: ours), this "
+                    f"model's rank-{lora.rank} adapter needs {list(expected[ours][1:])}: "
+                    "the adapter is for another model."
+                )
     return {"layers": layers}, lora

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 
 from jaxrl4llm import parallel
+from jaxrl4llm.models import lora as lora_lib
 from jaxrl4llm.models import transformer
 from jaxrl4llm.sampling import buckets
 from jaxrl4llm.train.config import TrainConfig, param_dtype
@@ -108,3 +109,52 @@ class Estimate:
         """Payload bytes of textbook FSDP per update: per micro-batch every weight gathered
         for the forward and again for the backward, and every gradient reduce-scattered."""
         return num_micro * 3 * self.m.num_params * self.s / self.T
+
+
+class LoraEstimate(Estimate):
+    """The estimate of a LoRA run (--lora_rank > 0): the optimizer trains the adapters only.
+
+    Extra symbols: Na adapter parameters, rank x (in + out) per target projection per layer;
+    A = Na s their bytes (replicated: whole on every device). The base (Pb per device) is
+    frozen: an argument of every program, with no gradient and no optimizer state; it is the
+    reference too, so R holds no reference copy.
+
+      create    A + 3 A (adapters and Adam moments out) + R (the base among it)
+      update    3 A (adapters + moments, donated) + Pb (the base) + 4 Na (float32 gradient
+                accumulator) + 4 Np / S (float32 weight shards) + the full update's
+                activations + 2 D V/T 4 (unembedding gathered in float32 and converted: no
+                gradient of its own) + R
+      rollout   the full rollout's + A (the adapters, folded into the gathered weights)
+      logprobs  the full pass's + A
+    """
+
+    def __init__(self, config: TrainConfig, model_config, mesh, **kwargs):
+        super().__init__(config, model_config, mesh, **kwargs)
+        self.Na = adapter_params(model_config, config.lora)
+        self.A = self.Na * self.s
+
+    def create(self, resident: float) -> float:
+        return 4 * self.A + resident
+
+    def update(self, group: int, resident: float, unembed: bool = True) -> float:
+        full = super().update(group, 0.0, unembed)
+        full_state = 3 * self.Pb + 2 * _F32 * self.m.num_params / self.S
+        state = 3 * self.A + self.Pb + _F32 * self.Na + _F32 * self.m.num_params / self.S
+        return full - full_state - 2 * self.DV * _F32 * unembed + state + resident
+
+    def rollout(self, num_chunks: int, resident: float) -> float:
+        return super().rollout(num_chunks, resident) + self.A
+
+    def logprobs(self, num_chunks: int, group: int, resident: float, unembed: bool = True) -> float:
+        return super().logprobs(num_chunks, group, resident, unembed) + self.A
+
+    def textbook_update_collectives(self, num_micro: int) -> float:
+        """Per micro-batch every base weight gathered twice (forward and backward), no
+        gradient of the base to reduce-scatter."""
+        return num_micro * 2 * self.m.num_params * self.s / self.T
+
+
+def adapter_params(model_config, lora) -> int:
+    """Na: rank x (in + out) per target projection per layer (models/lora.py's shapes)."""
+    widths = (lora_lib.in_out(model_config, t) for t in lora.targets)
+    return model_config.num_layers * lora.rank * sum(i + o for i, o in widths)

@@ -5,6 +5,11 @@ allocated; each program is lowered and compiled exactly as the trainer's jit bou
 compile it, then measured: memory_analysis(), the collectives and matmul FLOPs of its HLO.
 The rollout's HLO right after SPMD partitioning also gives its weight gathers: once per call
 before the decode loops (what the sampler does), against once per token inside them.
+
+With LoRA (--lora_rank > 0) the programs are the run's: the state holds the adapters and their
+Adam moments only (replicated), the frozen base params stay beside it (an argument of the
+update, never donated), the policy's passes read the base with the adapters, and the
+reference is the base itself (no second copy).
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl4llm import parallel, rl
+from jaxrl4llm.models import lora as lora_lib
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ARCHITECTURES, ModelConfig
+from jaxrl4llm.models.lora import LoraConfig
 from jaxrl4llm.planner import estimate as plan_estimate
 from jaxrl4llm.planner import hlo_analysis
 from jaxrl4llm.sampling import buckets, decode, sampler
@@ -80,6 +88,7 @@ class Plan:
     rows: list[Row]
     update_vs_textbook: float
     rollout: Rollout
+    trained_params: int  # what the optimizer trains: every parameter, or the LoRA adapters'
 
     def rollout_seconds(self, per_token: bool) -> tuple[float, float]:
         """(rollout roofline time, its communication term) per call, the weights gathered
@@ -127,6 +136,28 @@ def abstract_params(model_config: ModelConfig, mesh, dtype) -> Any:
         shardings,
         is_leaf=lambda x: isinstance(x, tuple),
     )
+
+
+def abstract_adapters(model_config: ModelConfig, lora: LoraConfig, mesh, dtype) -> dict[str, Any]:
+    """LoRA adapters as adapters.trainable lays them out: in the base's dtype, replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(
+        lambda s: _abstract(s, dtype, replicated),
+        lora_lib.adapter_shapes(model_config, lora),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def abstract_policy(base: Any, trained: Any, lora: LoraConfig | None) -> Any:
+    """The params the policy's passes read (adapters.policy): the trained params, or under
+    LoRA the base with the adapter leaves in its layers (lora_lib.combine's tree)."""
+    if lora is None:
+        return trained
+    return {**base, "layers": {**base["layers"], **trained["layers"]}}
+
+
+def _count(tree) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
 
 def _rows(mesh, shape, dtype) -> jax.ShapeDtypeStruct:
@@ -180,14 +211,24 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
     sharding = parallel.ActivationSharding(mesh)
     dp = parallel.data_parallel_size(mesh)
     dtype = param_dtype(c.model.param_dtype)
-    params = abstract_params(model_config, mesh, dtype)
+    base = abstract_params(model_config, mesh, dtype)
+    lora = c.lora if c.lora.enabled else None
+    # What the optimizer trains (the state's params) and what the policy's passes read.
+    trained = abstract_adapters(model_config, lora, mesh, dtype) if lora else base
+    params = abstract_policy(base, trained, lora)
     optimizer = c.optimizer
-    state_shardings = state_lib.state_shardings(params, optimizer)
-    abstract_state = state_lib.abstract_state(params, optimizer, c.run.seed)
-    est = plan_estimate.Estimate(c, model_config, mesh)
+    state_shardings = state_lib.state_shardings(trained, optimizer)
+    abstract_state = state_lib.abstract_state(trained, optimizer, c.run.seed)
+    est = (
+        plan_estimate.LoraEstimate(c, model_config, mesh)
+        if lora
+        else plan_estimate.Estimate(c, model_config, mesh)
+    )
     rows: list[Row] = []
-    state_bytes, param_bytes = _bytes(abstract_state), _bytes(params)
-    ref_bytes = param_bytes if c.needs_reference else 0.0
+    state_bytes, param_bytes = _bytes(abstract_state), _bytes(trained)
+    # LoRA: the frozen base lives outside the state and is the reference (no copy).
+    frozen_bytes = _bytes(base) if lora else 0.0
+    ref_bytes = param_bytes if c.needs_reference and not lora else 0.0
     # PPO: the critic's state (params and Adam moments) lives beside every program.
     critic_state = (
         state_lib.abstract_state(
@@ -204,12 +245,12 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
     create = jax.jit(
         state_lib.TrainState.create, static_argnums=(1, 2), out_shardings=state_shardings
     )
-    m = _measure(create.lower(params, optimizer, c.run.seed).compile(), 0, chip)
+    m = _measure(create.lower(trained, optimizer, c.run.seed).compile(), 0, chip)
     rows.append(
         Row(
             "create",
-            resident=ref_bytes + critic_bytes,
-            estimate=est.create(ref_bytes + critic_bytes),
+            resident=ref_bytes + critic_bytes + frozen_bytes,
+            estimate=est.create(ref_bytes + critic_bytes + frozen_bytes),
             t_hbm=0.0,
             **m,
         )
@@ -230,24 +271,26 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
         chunk = unit * max(1, R // unit) if R and R < Bs else unit
         sample_chunks = -(-Bs // chunk) if R and R < Bs else 1
         Bs = -(-Bs // chunk) * chunk
-    compiled, partitioned = hlo_analysis.partitioned_hlo(
-        sampler.generate_tokens.lower(
-            params,
-            _rows(mesh, (Bs, P), jnp.int32),
-            _rows(mesh, (Bs, P), bool),
-            _rows(mesh, (Bs,), bool),
-            _rows(mesh, (Bs,), key_dtype),
-            jax.ShapeDtypeStruct((8,), jnp.int32),
-            jax.ShapeDtypeStruct((), jnp.int32),
-            model_config=model_config,
-            sampling=c.rollout.sampling,
-            max_new_tokens=N,
-            mesh=mesh,
-            prompt_group=Gs,
-            num_chunks=sample_chunks,
-            cache_dtype=dtype,
-            greedy_B=_rows(mesh, (Bs,), bool) if remax else None,
-        )
+    lowered = sampler.generate_tokens.lower(
+        params,
+        _rows(mesh, (Bs, P), jnp.int32),
+        _rows(mesh, (Bs, P), bool),
+        _rows(mesh, (Bs,), bool),
+        _rows(mesh, (Bs,), key_dtype),
+        jax.ShapeDtypeStruct((8,), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        model_config=model_config,
+        sampling=c.rollout.sampling,
+        max_new_tokens=N,
+        mesh=mesh,
+        prompt_group=Gs,
+        num_chunks=sample_chunks,
+        cache_dtype=dtype,
+        greedy_B=_rows(mesh, (Bs,), bool) if remax else None,
+    )
+    # One device: nothing is partitioned, no collective to read.
+    compiled, partitioned = (
+        hlo_analysis.partitioned_hlo(lowered) if mesh.size > 1 else (lowered.compile(), "")
     )
     m = _measure(compiled, 1, chip, unknown_trip_count=N)
     scope = f"/{decode.WEIGHTS_SCOPE}/"
@@ -307,7 +350,9 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
             num_chunks=num_chunks,
             sharding=sharding,
         ).compile()
-        resident = state_bytes + ref_bytes + critic_bytes - _bytes(critic_state.params)
+        resident = (
+            state_bytes + ref_bytes + critic_bytes + frozen_bytes - _bytes(critic_state.params)
+        )
         rows.append(
             Row(
                 "critic values",
@@ -359,6 +404,8 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
         remat=c.model.remat,
         prompt_group=update_group,
         sharding=sharding,
+        lora=lora,
+        frozen=base if lora else None,
     ).compile()
     m = _measure(compiled, c.updates_per_step, chip)
     rollout_batch = (
@@ -387,7 +434,7 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
             prompt_group=update_group,
             sharding=sharding,
         ).compile()
-        resident = state_bytes + ref_bytes + rollout_batch
+        resident = state_bytes + ref_bytes + rollout_batch + frozen_bytes
         rows.append(
             Row(
                 "critic update",
@@ -406,6 +453,12 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
         f"{c.rollout.max_prompt_tokens}+{N} tokens, mini-batch {M}, "
         f"micro-batch {c.micro_batch}, rollout chunk {B // num_chunks} rows, "
         f"remat {c.model.remat}"
+        + (
+            f"; LoRA rank {lora.rank} on {','.join(lora.targets)}: "
+            f"{_count(trained) / 1e6:.1f}M adapter params, frozen base (also the reference)"
+            if lora
+            else ""
+        )
     )
     return Plan(
         title,
@@ -414,4 +467,5 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
         rows,
         update_bytes / textbook,
         rollout,
+        _count(trained),
     )

@@ -14,7 +14,9 @@ teacher-forced passes, the update) is the same whatever happened here:
   the data iterator, or the same prompts again without one) are sampled until P groups with
   both verdicts are gathered or `max_resample_rounds` extra rounds have run. A batch still
   short is filled with set-aside groups, which the preset's group filters then keep out of
-  the loss.
+  the loss. On several hosts each host keeps and fills its own groups (its block of the
+  global batch), and every round all hosts exchange their counts of kept groups, so they
+  all stop after the same round: every sampler call is a program all hosts run together.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
 ONE_HOST_ONLY = (
-    "--advantage=remax and --dynamic_sampling pick rows on the host and run on one "
-    "host only; use one host, or --nodynamic_sampling / another advantage."
+    "--advantage=remax picks rows on the host and runs on one host only; use one host, "
+    "or another advantage."
 )
 
 
@@ -156,10 +158,10 @@ def _one_round(
         lengths = samples.host(samples.out.lengths_B)
         verdicts = ctx.reward_fn.score(samples.texts, RowLayout(n).repeat(records), lengths=lengths)
     part = ScoredRows(dataclasses.replace(samples, layout=layout), verdicts)
-    if greedy or rounds.dynamic_sampling:  # rows are selected on the host
+    if greedy or rounds.dynamic_sampling:  # rows are selected on the host: this host's
+        out = jax.tree.map(lambda x: x if np.ndim(x) == 0 else samples.host(x), samples.out)
         part = dataclasses.replace(
-            part,
-            samples=dataclasses.replace(samples, out=jax.device_get(samples.out), layout=layout),
+            part, samples=dataclasses.replace(samples, out=out, layout=layout)
         )
     if greedy:  # rows p * n + G are the greedy ones: baselines of the G rows before them
         index_PN = np.arange(len(records) * n).reshape(-1, n)
@@ -181,7 +183,10 @@ def on_device(part: ScoredRows, mesh: Any) -> ScoredRows:
     def put(x):
         if np.ndim(x) == 0 or mesh is None:
             return jnp.asarray(x)
-        return jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x)))
+        sharding = parallel.batch_sharding(mesh, np.ndim(x))
+        if jax.process_count() > 1:  # this host's rows: its block of the global batch
+            return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+        return jax.device_put(x, sharding)
 
     out = jax.tree.map(put, part.samples.out)
     return dataclasses.replace(part, samples=dataclasses.replace(part.samples, out=out))
@@ -193,6 +198,17 @@ def _has_spread(part: ScoredRows, group_size: int) -> np.ndarray:
     correct = (part.verdicts.correct & valid).reshape(-1, group_size)
     wrong = (~part.verdicts.correct & valid).reshape(-1, group_size)
     return correct.any(axis=1) & wrong.any(axis=1)
+
+
+def every_host(values: Sequence[int]) -> np.ndarray:
+    """int64 [hosts, len(values)]: each host's `values`, in process order (a collective:
+    every host calls it at the same point)."""
+    local = np.asarray(values, np.int64)
+    if jax.process_count() == 1:
+        return local[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(local)).reshape(-1, local.size)
 
 
 def sample_and_score(
@@ -212,7 +228,7 @@ def sample_and_score(
     rollout/frac_groups_filtered, rollout/groups_short and reward/accuracy_sampled).
     `next_records()` gives more prompts when dynamic sampling resamples (default: the same)."""
     greedy, dynamic = rounds.greedy_baseline, rounds.dynamic_sampling
-    if (greedy or dynamic) and jax.process_count() > 1:  # TrainConfig.validate says so first
+    if greedy and jax.process_count() > 1:  # TrainConfig.validate says so first
         raise ValueError(ONE_HOST_ONLY)
     sampling = sampling or ctx.rollout.sampling
     G, P = layout.group_size, len(records)
@@ -222,15 +238,18 @@ def sample_and_score(
             "time/rollout_s": t_sample,
             "time/reward_s": t_reward,
         }
-    kept, flat, n_kept, n_groups, n_rounds, n_correct = [], [], 0, 0, 1, 0
+    # Per host: kept groups, rounds, correct rows; `hosts` sums them over the hosts, whose
+    # counts every host receives each round, so all take the same decision to stop.
+    kept, flat, n_kept, n_rounds, n_correct = [], [], 0, 1, 0
     while True:
         n_correct += int(part.verdicts.correct.sum())
         spread_P = _has_spread(part, G)
         rows_PG = np.arange(P * G).reshape(P, G)
         kept.append(_take(part, rows_PG[spread_P].reshape(-1)))
         flat.append(_take(part, rows_PG[~spread_P].reshape(-1)))
-        n_kept, n_groups = n_kept + int(spread_P.sum()), n_groups + P
-        if n_kept >= P or n_rounds > rounds.max_resample_rounds:
+        n_kept += int(spread_P.sum())
+        hosts = every_host([n_kept, n_correct])  # [hosts, 2]
+        if hosts[:, 0].min() >= P or n_rounds > rounds.max_resample_rounds:
             break
         records = next_records() if next_records is not None else records
         part, ts, tr = _one_round(
@@ -239,14 +258,15 @@ def sample_and_score(
         t_sample, t_reward, n_rounds = t_sample + ts, t_reward + tr, n_rounds + 1
     batch = _concat([p for p in kept + flat if p.verdicts.rewards.size], ctx.sampler.pad_id)
     batch = on_device(_take(batch, np.arange(P * G)), ctx.sampler.mesh)  # spread first
+    n_groups = n_rounds * P * len(hosts)  # over every host
     metrics = {
         "time/rollout_s": t_sample,
         "time/reward_s": t_reward,
         "rollout/rounds": Metric.mean(float(n_rounds)),
-        "rollout/frac_groups_filtered": Metric.mean(1.0 - n_kept / n_groups),
-        "rollout/groups_short": Metric.mean(float(max(P - n_kept, 0))),
+        "rollout/frac_groups_filtered": Metric.mean(1.0 - hosts[:, 0].sum() / n_groups),
+        "rollout/groups_short": Metric.mean(float(np.maximum(P - hosts[:, 0], 0).sum())),
         # Over every sample drawn this step: the policy's accuracy, unlike the
         # batch's, which the filter biases towards groups with a correct sample.
-        "reward/accuracy_sampled": Metric.mean(n_correct / (n_groups * G)),
+        "reward/accuracy_sampled": Metric.mean(hosts[:, 1].sum() / (n_groups * G)),
     }
     return batch, metrics

@@ -2,7 +2,8 @@
 
 With --lora_rank > 0 the TrainState's params are the adapters (models/lora.py): the optimizer
 state and the checkpoints hold only them, the base params stay outside the state (never
-donated, never updated) and serve as the reference model too (the adapters off).
+donated, never updated) and serve as the reference model too (the adapters off). They start
+fresh (B zero: the base model exactly) or from a PEFT adapter folder (--init_adapter).
 """
 
 from __future__ import annotations
@@ -10,16 +11,22 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxrl4llm.config.errors import FlagError
 from jaxrl4llm.models import lora as lora_lib
-from jaxrl4llm.models import transformer
+from jaxrl4llm.models import peft_format, transformer
 from jaxrl4llm.models.lora import LoraConfig
 
 
-def trainable(lora: LoraConfig, model_config: Any, base: Any, seed: int) -> Any:
-    """The params the optimizer trains: `base` itself, or fresh adapters in the base's dtype
-    (replicated over the base's mesh, if it has one)."""
+def trainable(
+    lora: LoraConfig, model_config: Any, base: Any, seed: int, init: str | None = None
+) -> Any:
+    """The params the optimizer trains: `base` itself, or adapters in the base's dtype
+    (replicated over the base's mesh, if it has one): fresh, or read from the PEFT adapter
+    folder `init` (--init_adapter), whose rank, alpha and targets must be `lora`'s."""
     if not lora.enabled:
         return base
     dtype = jax.tree.leaves(base)[0].dtype
@@ -29,6 +36,8 @@ def trainable(lora: LoraConfig, model_config: Any, base: Any, seed: int) -> Any:
         if isinstance(sharding, NamedSharding)
         else None
     )
+    if init is not None:
+        return from_peft(init, lora, model_config, dtype, out)
     init = jax.jit(lora_lib.init_adapters, static_argnums=(0, 1, 3), out_shardings=out)
     # A key apart from the run's own (TrainState.rng): the adapters' A at the same seed.
     return init(model_config, lora, jax.random.fold_in(jax.random.key(seed), 0x10AA), dtype)
@@ -49,3 +58,28 @@ def policy(
     if lora is None or not lora.enabled:
         return trained
     return lora_lib.combine(base, trained, lora, dropout_key)
+
+
+def from_peft(path: str, lora: LoraConfig, model_config: Any, dtype: Any, sharding: Any) -> Any:
+    """The adapters of a PEFT folder in `dtype`, placed on `sharding` (None: the default
+    device); a FlagError naming --init_adapter when the folder's adapter is not `lora`'s or
+    does not fit the model."""
+    try:
+        loaded, theirs = peft_format.load_peft(path, model_config)
+    except (OSError, ValueError, KeyError) as exc:
+        raise FlagError(f"--init_adapter: {exc}") from exc
+    if (theirs.rank, theirs.alpha, theirs.targets) != (lora.rank, lora.alpha, lora.targets):
+        raise FlagError(
+            f"--init_adapter={path} holds a rank-{theirs.rank} adapter (alpha {theirs.alpha:g}) "
+            f"on {','.join(theirs.targets)}, the run's is rank {lora.rank} (alpha "
+            f"{lora.alpha:g}) on {','.join(lora.targets)}: leave --lora_rank, --lora_alpha "
+            "and --lora_targets to the file (TrainConfig.with_init_adapter)."
+        )
+
+    def place(x: np.ndarray) -> jax.Array:
+        x = np.asarray(x).astype(dtype)  # every host holds the whole (small) file
+        if sharding is None:
+            return jnp.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+    return jax.tree.map(place, loaded)

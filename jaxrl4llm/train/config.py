@@ -21,11 +21,12 @@ import jax
 
 from jaxrl4llm import envs, parallel, rl
 from jaxrl4llm.config import options
-from jaxrl4llm.config.errors import flag_errors
+from jaxrl4llm.config.errors import FlagError, flag_errors
 from jaxrl4llm.config.options import group, require
 from jaxrl4llm.data import prompts
 from jaxrl4llm.data.config import DataConfig
 from jaxrl4llm.eval.config import EvalConfig
+from jaxrl4llm.models import peft_format
 from jaxrl4llm.models.lora import LoraConfig
 from jaxrl4llm.rewards.code import MODES as CODE_MODES
 from jaxrl4llm.rewards.math_verifier import ANSWER_MODES
@@ -60,12 +61,17 @@ class ModelOptions:
         the parameter dtype); bfloat16 with --param_dtype=float32 is mixed precision: float32
         master weights and optimizer state, bfloat16 matmuls accumulated in float32.
     remat: Rematerialise each layer in the backward pass (less memory, one more forward).
+    init_adapter: A PEFT LoRA adapter folder (adapter_model.safetensors +
+        adapter_config.json) the LoRA adapters start from instead of fresh ones; its rank,
+        alpha and targets are the run's (--lora_rank, --lora_alpha, --lora_targets left at
+        their defaults, or equal to the file's).
     """
 
     name: str = "smollm2-135m-instruct"
     param_dtype: str = "float32"
     compute_dtype: str | None = None
     remat: bool = False
+    init_adapter: str | None = None
 
     def compute_config(self, model_config: Any) -> Any:
         """The loaded model's ModelConfig with this run's --compute_dtype."""
@@ -304,7 +310,6 @@ class TrainConfig:
             flag
             for flag, on in (
                 ("--advantage=remax", a.advantage == "remax"),
-                ("--dynamic_sampling", a.dynamic_sampling),
                 (
                     f"--partial_rollout_tokens={r.partial_rollout_tokens}",
                     r.partial_rollout_tokens > 0,
@@ -333,6 +338,42 @@ class TrainConfig:
                     "them so that their sum is at most the context.",
                 )
         return self
+
+    def with_init_adapter(self) -> "TrainConfig":
+        """This config with --init_adapter's LoRA rank, alpha and targets (a FlagError when
+        one set on the command line differs from the file's); itself without --init_adapter.
+        The run resolves it first (train.loop.run), so its config.json holds the file's."""
+        path = self.model.init_adapter
+        if path is None:
+            return self
+        try:
+            theirs = peft_format.read_lora_config(path)
+        except OSError as exc:
+            raise FlagError(
+                f"--init_adapter={path}: cannot read {peft_format.ADAPTER_CONFIG} there "
+                f"({exc.strerror or exc}); pass a PEFT adapter folder "
+                f"({peft_format.ADAPTER_WEIGHTS} + {peft_format.ADAPTER_CONFIG})."
+            ) from exc
+        except (ValueError, KeyError) as exc:  # KeyError: a config without r / lora_alpha
+            raise FlagError(f"--init_adapter={path}: {exc}") from exc
+        ours, default = self.lora, LoraConfig()
+        for field, flag in (
+            ("rank", "lora_rank"),
+            ("alpha", "lora_alpha"),
+            ("targets", "lora_targets"),
+        ):
+            mine, file_value = getattr(ours, field), getattr(theirs, field)
+            show = lambda v: ",".join(v) if isinstance(v, tuple) else f"{v:g}"  # noqa: E731
+            require(
+                mine in (getattr(default, field), file_value),
+                f"--{flag}={show(mine)} differs from the adapter's {show(file_value)} in "
+                f"--init_adapter={path}; drop --{flag} (the file's is used) or pass "
+                f"--{flag}={show(file_value)}.",
+            )
+        lora = dataclasses.replace(
+            ours, rank=theirs.rank, alpha=theirs.alpha, targets=theirs.targets
+        )
+        return dataclasses.replace(self, lora=lora)
 
     def precision_warnings(self) -> list[str]:
         """What the run should be told at start about its dtypes: bfloat16 parameters at a
@@ -380,11 +421,17 @@ class TrainConfig:
             "--recompute_old_logprobs or drop --is_correction.",
         )
         require(
-            not ((a.advantage == "remax" or a.dynamic_sampling) and num_hosts > 1),
+            not (a.advantage == "remax" and num_hosts > 1),
             rounds.ONE_HOST_ONLY,
         )
         self.optimizer.validate()
         self.lora.validate()
+        require(
+            self.model.init_adapter is None or self.lora.enabled,
+            f"--init_adapter={self.model.init_adapter} starts LoRA adapters, but --lora_rank "
+            "is 0: resolve the adapter's settings first (TrainConfig.with_init_adapter), "
+            "or drop --init_adapter.",
+        )
 
     def _validate_values(self) -> None:
         """Each value on its own: finite numbers, known dtypes, counts >= 1."""

@@ -44,7 +44,8 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
     for the run: a second run on it fails, naming this one.
     """
     devices = jax.devices() if devices is None else list(devices)
-    config.validate(len(devices))  # the run's one check, before the workdir is touched
+    # --init_adapter's LoRA settings, then the run's one check, before the workdir is touched.
+    config = config.with_init_adapter().validate(len(devices))
     with WorkdirLock(config.run.workdir, enabled=jax.process_index() == 0):
         models, services = setup(config, devices)
         preempted = PreemptionFlag()

@@ -19,7 +19,9 @@ allowed and logged:
   --share_prompts;
 - the learning-rate schedule: --learning_rate, --warmup_steps, --lr_schedule, --decay_steps,
   --critic_learning_rate (the Adam moments stay valid; lowering the rate after a spike is a
-  common deliberate change).
+  common deliberate change);
+- where LoRA adapters started: --init_adapter (a resume restores them from the checkpoint;
+  their rank, alpha and targets are still checked).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ RESUMABLE = frozenset(
         "lr_schedule",
         "decay_steps",
         "critic_learning_rate",
+        "init_adapter",
     }
 )
 _FIRST = ("model", "algorithm")  # named first: the usual mistake

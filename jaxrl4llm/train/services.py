@@ -244,7 +244,9 @@ def _load_models(config: TrainConfig, mesh: Any) -> LoadedModels:
     if lora is not None:
         # The base is frozen outside the state (never donated): it is the reference too.
         ref_params = params if config.needs_reference else None
-        trained = adapters.trainable(lora, model_config, params, config.run.seed)
+        trained = adapters.trainable(
+            lora, model_config, params, config.run.seed, init=config.model.init_adapter
+        )
     else:
         # A separate copy: the policy's buffers are donated to each update.
         ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None

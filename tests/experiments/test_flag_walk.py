@@ -56,6 +56,7 @@ FREE_TEXT = {
     "workdir": lambda f: [str(f)],
     "trackers": lambda f: ["comet", "tensorboard,no_such_tracker"],
     "env": lambda f: ["no_such_env", "calculator?no_such_option=1"],
+    "init_adapter": lambda f: [str(f), str(f.parent / "no_such_adapter")],
 }
 
 

@@ -570,8 +570,8 @@ def test_dapo_comparator_differs_from_lite_ppo_only_in_the_algorithm(parsed):
         "dynamic_sampling",
         "overlong_buffer",
         "workdir",
-        # Dynamic sampling runs on one host: the DAPO run is planned for one 8xh200 node, not
-        # the v5p-64 slice, with the row chunks that fit it.
+        # The DAPO run is planned for one 8xh200 node, not the v5p-64 slice, with the row
+        # chunks that fit it.
         "rollout_micro_batch",
         "micro_batch_size",
     }

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-pytest.importorskip("torch", reason="the PEFT round trip runs transformers (torch)")
+torch = pytest.importorskip("torch", reason="the PEFT round trip runs transformers (torch)")
 pytest.importorskip("peft", reason="PEFT is not installed (pip install peft; the 'test' extra)")
 
 import peft  # noqa: E402
@@ -73,3 +73,37 @@ def test_an_unsupported_peft_adapter_is_named(root, tmp_path):  # noqa: F811
     )
     with pytest.raises(ValueError, match="use_dora"):
         peft_format.load_peft(tmp_path, config)
+
+
+def test_a_peft_written_adapter_starts_a_run_with_peft_logits(root, tmp_path):  # noqa: F811
+    """An adapter PEFT itself trained and saved (B random: init_lora_weights=False), given as
+    --init_adapter: the run's rank, alpha and targets are the file's, and its policy's
+    logits are PEFT's on the transformers model."""
+    from jaxrl4llm.train import adapters
+    from jaxrl4llm.train.config import TrainConfig
+
+    model, path = _saved_model("llama3_untied", root)
+    config, base = weights.load_hf(path)
+    torch.manual_seed(3)
+    peft_config = peft.LoraConfig(
+        r=4,
+        lora_alpha=12,
+        target_modules=["k_proj", "o_proj", "gate_proj"],
+        lora_dropout=0.0,
+        init_lora_weights=False,
+    )
+    peft_model = peft.get_peft_model(model, peft_config).eval()
+    try:
+        peft_model.save_pretrained(str(tmp_path / "adapter"))
+        tokens, mask, positions = _batch()
+        theirs = _torch_logits(peft_model, tokens, mask, positions)
+    finally:
+        peft_model.unload()  # the cached base model stays as it was for other tests
+    run = TrainConfig().replace(init_adapter=str(tmp_path / "adapter")).with_init_adapter()
+    assert run.lora == lora_lib.LoraConfig(rank=4, alpha=12.0, targets=("k", "o", "gate"))
+    trained = adapters.trainable(run.lora, config, base, seed=0, init=run.model.init_adapter)
+    policy = adapters.policy(run.lora, base, trained)
+    ours = _our_logits(policy, config, tokens, mask, positions)
+    assert np.abs(ours - _our_logits(base, config, tokens, mask, positions)).max() > 1e-2
+    m = mask.astype(bool)
+    np.testing.assert_allclose(ours[m], theirs[m], atol=2e-4, rtol=2e-4)

@@ -47,20 +47,24 @@ def test_architectures_resolve_from_model_paths():
         plan_programs.architecture("/models/unknown-13b")
 
 
+# GRPO (a KL term) on MODEL: 2 mini-batches of 2 micro-batches, 2 rollout chunks, fsdp:8.
+TINY_RUN = dict(
+    prompts_per_step=8,
+    group_size=4,
+    max_prompt_tokens=16,
+    max_new_tokens=16,
+    mini_batch_size=16,
+    micro_batch_size=8,
+    rollout_micro_batch=16,
+    remat=True,
+    param_dtype="bfloat16",
+    algorithm=rl.get_preset("grpo"),
+    mesh="data:1,fsdp:8,tensor:1",
+)
+
+
 def test_plan_of_a_tiny_run_on_eight_devices(capsys):
-    config = TrainConfig().replace(
-        prompts_per_step=8,
-        group_size=4,
-        max_prompt_tokens=16,
-        max_new_tokens=16,
-        mini_batch_size=16,
-        micro_batch_size=8,
-        rollout_micro_batch=16,
-        remat=True,
-        param_dtype="bfloat16",
-        algorithm=rl.get_preset("grpo"),
-        mesh="data:1,fsdp:8,tensor:1",
-    )
+    config = TrainConfig().replace(**TINY_RUN)
     topo = plan.topology("cpu-8")
     result = plan_programs.plan(config, MODEL, topo, jax.devices()[:8])
     rows = {r.program: r for r in result.rows}
@@ -185,8 +189,9 @@ def test_plan_of_a_ppo_run_plans_the_critic():
 
 
 def test_plan_refuses_one_host_flags_on_a_multi_host_topology():
-    """A v5p host holds 4 chips (v5p-16: 8 chips, 2 hosts); DAPO's dynamic sampling runs on
-    one host only, so its flagfile plans on one GPU node and is refused on a pod."""
+    """A v5p host holds 4 chips (v5p-16: 8 chips, 2 hosts); ReMax's greedy baselines are
+    picked on one host, so a ReMax run is refused on a pod; DAPO's dynamic sampling runs on
+    several hosts (they agree on when to stop resampling), so its flagfile plans there."""
     from absl import flags
 
     from jaxrl4llm.config.errors import FlagError
@@ -204,20 +209,55 @@ def test_plan_refuses_one_host_flags_on_a_multi_host_topology():
         "8xh200": 1,
         "cpu-8": 1,
     }
+    remax = TrainConfig().replace(algorithm=rl.get_preset("remax"), mesh="data:1,fsdp:-1,tensor:1")
+    remax.validate(8, num_hosts=1)
+    with pytest.raises(FlagError, match="runs on one host only"):  # the run's own check
+        remax.validate(8, num_hosts=2)
     dapo = TrainConfig().replace(algorithm=rl.get_preset("dapo"), mesh="data:1,fsdp:-1,tensor:1")
-    dapo.validate(8, num_hosts=1)
-    with pytest.raises(FlagError, match="run on one host only"):  # the run's own check
-        dapo.validate(8, num_hosts=2)
-    repo = os.path.dirname(TOOLS)
-    flagfile = f"--flagfile={repo}/experiments/configs/tricks_or_traps_qwen3_8b_dapo.flags"
+    assert dapo.validate(8, num_hosts=2).one_host_only == []
     try:
         flags.FLAGS.unparse_flags()
-        flags.FLAGS(["plan", flagfile, "--topology=v5p-16"])
+        flags.FLAGS(["plan", "--algorithm=remax", "--topology=v5p-16"])
         with pytest.raises(
             FlagError,
             match=r"--topology=v5p-16 spans 2 hosts, but "
-            r"--dynamic_sampling pick rows on the host",
+            r"--advantage=remax pick rows on the host",
         ):
             plan.main([])
     finally:
         flags.FLAGS.unparse_flags()
+
+
+def test_plan_of_a_lora_run_trains_the_adapters_only():
+    """LoRA rank 4 on every projection of MODEL: the optimizer state holds the adapters'
+    rank x (in + out) per projection per layer and their two Adam moments (replicated), the
+    frozen base is an argument beside it, and with GRPO's KL term no reference copy is kept."""
+    is_tuple = lambda x: type(x) is tuple  # noqa: E731
+    topo, devices = plan.topology("cpu-8"), jax.devices()[:8]
+    full = plan_programs.plan(TrainConfig().replace(**TINY_RUN), MODEL, topo, devices)
+    lora = plan_programs.plan(TrainConfig().replace(**TINY_RUN, lora_rank=4), MODEL, topo, devices)
+    # MODEL: width 64, 4 query heads and 2 KV heads of 16, MLP 128, 3 layers.
+    D, Q, KV, F = 64, 4 * 16, 2 * 16, 128
+    in_out = [(D, Q), (D, KV), (D, KV), (Q, D), (D, F), (D, F), (F, D)]  # q k v o gate up down
+    adapters = 3 * 4 * sum(i + o for i, o in in_out)
+    assert adapters == 3 * 4 * 1024
+    assert lora.trained_params == adapters and full.trained_params == MODEL.num_params
+    assert "LoRA rank 4 on q,k,v,o,gate,up,down: 0.0M adapter params" in lora.title
+    shapes = jax.tree.leaves(transformer.param_shapes(MODEL), is_leaf=is_tuple)
+    axes = jax.tree.leaves(transformer.param_logical_axes(MODEL), is_leaf=is_tuple)
+    shard = 2 * sum(math.prod(s) / (8 if "embed" in a else 1) for s, a in zip(shapes, axes))
+    rows, full_rows = {r.program: r for r in lora.rows}, {r.program: r for r in full.rows}
+    # The state `create` writes: params and two moments, bfloat16 (+ the step, the key and
+    # the optimizer's counters: a few hundred bytes).
+    assert rows["create"].output == pytest.approx(3 * 2 * adapters, abs=512)
+    assert full_rows["create"].output == pytest.approx(3 * shard, abs=512)
+    assert rows["create"].resident == pytest.approx(shard)  # the frozen base beside it
+    # While sampling: the adapters' moments stay resident; the base and the adapters are
+    # the sampler's arguments; no reference copy (full fine-tuning keeps one: `shard`).
+    assert rows["rollout"].resident == pytest.approx(2 * 2 * adapters, abs=512)
+    assert full_rows["rollout"].resident == pytest.approx(2 * shard + shard, abs=512)
+    assert rows["rollout"].args >= shard + 2 * adapters
+    # The update donates the adapters' state (aliased outputs), not the base.
+    assert rows["update"].alias == pytest.approx(3 * 2 * adapters, abs=512)
+    for r in lora.rows:
+        assert 0.2 < r.total / r.estimate < 5, (r.program, r.total, r.estimate)

@@ -20,7 +20,7 @@ from jaxrl4llm.config.errors import FlagError  # noqa: E402
 def test_flagfiles_name_their_topology_in_the_plan_command():
     topologies = scaling_tables.named_topologies()
     assert topologies["reinforce_pp_knights_knaves"] == "8xh100"
-    assert topologies["tricks_or_traps_qwen3_8b_dapo"] == "8xh200"  # one host: dynamic sampling
+    assert topologies["tricks_or_traps_qwen3_8b_dapo"] == "8xh200"  # one GPU node
     assert topologies["minimalist_qwen25_math_7b_grpo"] == "v5p-64"
     assert "quickstart" not in topologies
 

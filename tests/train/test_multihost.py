@@ -35,6 +35,7 @@ parallel.maybe_initialize_distributed(f"127.0.0.1:{port}", num_processes=2, proc
 assert jax.device_count() == 4 and jax.local_device_count() == 2
 summary = loop.run(TrainConfig.from_json(open(config_json).read()))
 print("FINAL_STEP", summary["step"], flush=True)
+print("METRICS", json.dumps({k: float(v) for k, v in summary["metrics"].items()}), flush=True)
 """
 
 
@@ -70,8 +71,9 @@ def _config(model_dir, data, workdir):
     )
 
 
-def test_two_processes_match_one(toy_model_dir, copy_task_file, tmp_path):
-    config = _config(toy_model_dir, copy_task_file, tmp_path / "two")
+def _two_workers(config: TrainConfig, tmp_path) -> list[dict]:
+    """Runs `config` in two local processes of 2 CPU devices each (WORKER); each one's last
+    metrics, after checking that both trained config.run.num_steps steps."""
     config_json = tmp_path / "config.json"
     config_json.write_text(config.to_json())
     script = tmp_path / "worker.py"
@@ -96,10 +98,17 @@ def test_two_processes_match_one(toy_model_dir, copy_task_file, tmp_path):
             )
     for p in procs:
         p.wait(timeout=600)
+    last = []
     for p, (out_path, err_path) in zip(procs, logs):
         assert p.returncode == 0, err_path.read_text()[-4000:]
-        assert "FINAL_STEP 2" in out_path.read_text()
+        out = out_path.read_text()
+        assert f"FINAL_STEP {config.run.num_steps}" in out
+        last.append(json.loads(out.split("METRICS ", 1)[1].splitlines()[0]))
+    return last
 
+
+def test_two_processes_match_one(toy_model_dir, copy_task_file, tmp_path):
+    _two_workers(_config(toy_model_dir, copy_task_file, tmp_path / "two"), tmp_path)
     one = loop.run(
         _config(toy_model_dir, copy_task_file, tmp_path / "one"), devices=jax.devices()[:4]
     )
@@ -223,3 +232,33 @@ def test_four_processes_preempted_and_resubmitted_match_one(
         np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(rb["optim/grad_norm"], ra["optim/grad_norm"], rtol=1e-4)
     assert sorted(os.listdir(workdir / "checkpoints"))[:3] == ["1", "2", "3"]
+
+
+def test_dynamic_sampling_on_two_processes(toy_model_dir, copy_task_file, tmp_path):
+    """DAPO's dynamic sampling across hosts: each host fills its own groups, and every round
+    the hosts exchange their kept counts, so both run the same sampler calls and stop after
+    the same round (a disagreement would hang the collectives). The toy model rarely copies
+    its prompt at temperature 1, so groups lack a correct row and resampling runs to its cap."""
+    config = _config(toy_model_dir, copy_task_file, tmp_path / "dapo").replace(
+        algorithm=rl.get_preset("dapo"),
+        temperature=1.0,
+        max_new_tokens=4,
+        max_resample_rounds=2,
+        optimizer=LINEAR_OPT,
+    )
+    last = _two_workers(config, tmp_path)
+    written = read_metrics(str(tmp_path / "dapo"))  # host 0's
+    assert [r["step"] for r in written] == [1, 2]
+    for name in (
+        "rollout/rounds",
+        "rollout/frac_groups_filtered",
+        "rollout/groups_short",
+        "reward/accuracy_sampled",
+    ):
+        assert last[0][name] == last[1][name] == pytest.approx(written[-1][name]), name
+    for r in written:
+        assert 1 <= r["rollout/rounds"] <= 3
+        # Over both hosts: 8 groups per round, each host short by what it did not keep.
+        kept = (1 - r["rollout/frac_groups_filtered"]) * 8 * r["rollout/rounds"]
+        assert r["rollout/groups_short"] == pytest.approx(max(8 - kept, 0), abs=4)
+    assert any(r["rollout/rounds"] > 1 for r in written)  # resampling ran across hosts
