@@ -6,13 +6,14 @@ to its last real token (tokens inside the completion that are off its mask, e.g.
 observation in a multi-turn trajectory, stay in the sequence as context: a completion's length
 is its last set index + 1, never the mask's sum). A micro-batch is one packed row of L slots
 per data-parallel device, so every device holds the same token budget (L <= N / devices).
-L is the run's row-length bucket that computes the fewest slots for this mini-batch
-(`row_length`: two lengths per octave from the longest sequence's bucket up to N / devices):
-first-fit-decreasing (longest first, ties by row; deterministic) places the sequences into
+L is a row-length bucket (2^k or 1.5 x 2^k, from the longest sequence's bucket up to
+N / devices): of those within two octaves below the smaller of N / devices and the
+mini-batch's tokens per device, the one that computes the fewest slots (`row_length`).
+First-fit-decreasing (longest first, ties by row; deterministic) places the sequences into
 rows of L slots. The device runs only the `num_micro` micro-batches that hold rows, so the
 slots computed are num_micro x devices x L, whatever the mini-batch's padded shape. The
-update's programs depend on (M, T, L) alone: at most 2 log2(N / 16) + 2 row lengths, however
-the lengths vary.
+update's programs depend on (M, T, L) alone: a few row lengths per run (at most
+2 log2(N / 16) + 2 in all), however the lengths vary.
 
 On device (`packed_logprobs`) the rows run with segment ids (block-diagonal causal attention)
 and positions restarting per sequence; `unpack` reads each sequence's completion logprobs back
@@ -98,12 +99,19 @@ def row_lengths(longest: int, cap: int) -> list[int]:
 
 
 def row_length(lengths: np.ndarray, budget: int, data_parallel: int = 1) -> int:
-    """L: of `row_lengths`, the one whose first-fit-decreasing packing of `lengths` computes
-    the fewest slots (micro-batches used x data_parallel x L); ties to the shorter row, whose
-    block-diagonal attention costs less."""
-    best, best_slots = 0, None
-    for L in row_lengths(int(np.max(lengths)), budget // data_parallel):
-        lower_bound = -(-int(np.sum(lengths)) // (data_parallel * L)) * data_parallel * L
+    """L: of the `row_lengths` within two octaves below X = min(budget / data_parallel, the
+    bucket of the mini-batch's tokens per device), the one whose first-fit-decreasing
+    packing of `lengths` computes the fewest slots (micro-batches used x data_parallel x L;
+    ties to the shorter row, whose block-diagonal attention costs less). Rows of at least
+    X / 4 keep micro-batches large (a few per mini-batch, each near the budget), and the
+    choice to a few lengths per run; the longest sequence's bucket when none is that short."""
+    cap = budget // data_parallel
+    candidates = row_lengths(int(np.max(lengths)), cap)
+    total = int(np.sum(lengths))
+    X = min(cap, buckets.two_per_octave(max(-(-total // data_parallel), 1)))
+    best, best_slots = candidates[0], None
+    for L in [L for L in candidates if X <= 4 * L and L <= X] or candidates[:1]:
+        lower_bound = -(-total // (data_parallel * L)) * data_parallel * L
         if best_slots is not None and lower_bound >= best_slots:
             continue
         rows = len(first_fit_decreasing(lengths, L))

@@ -209,3 +209,30 @@ def test_packed_update_on_8_devices_equals_one_device():
     np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-6, atol=1e-6)
     for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(micro_batch_tokens=-1), "--micro_batch_tokens=-1 must be >= 0"),
+        # 128 + 64 = 192 tokens per sequence, 4 data-parallel devices: at least 768.
+        (dict(micro_batch_tokens=767), "--micro_batch_tokens=767 must be 0 .off. or >= 768"),
+        (dict(micro_batch_tokens=768, lora_rank=8), "LoRA .--lora_rank=8. runs on padded"),
+        (
+            dict(micro_batch_tokens=768, micro_batch_length_classes=2),
+            "--micro_batch_length_classes=2 sorts padded micro-batches",
+        ),
+    ],
+)
+def test_micro_batch_tokens_flag_checks(overrides, message):
+    from jaxrl4llm.config.errors import FlagError
+    from jaxrl4llm.train.config import TrainConfig
+
+    base = TrainConfig().replace(
+        max_prompt_tokens=128, max_new_tokens=64, mesh="data:1,fsdp:4,tensor:2"
+    )
+    with pytest.raises(FlagError, match=message):
+        base.replace(**overrides).validate(num_devices=8, num_hosts=1)
+    base.replace(micro_batch_tokens=768).validate(num_devices=8, num_hosts=1)
+    with pytest.raises(FlagError, match="run on one host .this run has 2."):
+        base.replace(micro_batch_tokens=768).validate(num_devices=8, num_hosts=2)
