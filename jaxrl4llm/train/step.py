@@ -11,6 +11,10 @@ shortest of those completion lengths that holds its longest row: one branch of a
 per length, so short micro-batches skip the padded columns (the loss is unchanged: the cut
 columns are off every mask).
 
+With --micro_batch_tokens (`packed`, train/packing.py), `accumulate_packed` runs the
+mini-batch's sequences packed into micro-batches of one row per device instead, and reads
+each sequence's logprobs back into the [M, T] layout: the same loss, term for term.
+
 On a mesh (`sharding`), micro-batch k is rows k, k + num_micro, ... (whole prompt groups
 when prompts are shared), so every micro-batch spans every device; activations are
 constrained to the batch layout and gradients to the params' layout, so the compiled update
