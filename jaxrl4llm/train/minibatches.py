@@ -39,7 +39,8 @@ def minibatches(
     > 1 its rows are also ordered so that each micro-batch holds rows of similar length
     (step.micro_batch_order; rows leave their prompt groups), and each micro-batch runs at
     the first of the length classes that holds it (the update's sum over micro-batches does
-    not depend on the order)."""
+    not depend on the order). With --micro_batch_tokens the mini-batch is packed instead
+    (train/packing.py), uncut."""
     B, M = config.batch_size, config.mini_batch
     num_micro = M // config.micro_batch
     mask_BT = batch.seqs.completion_mask_BT
