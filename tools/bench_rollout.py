@@ -22,7 +22,10 @@ tokens on, temperature --temperature) and prints, over --rollouts rollouts:
                         (train/minibatches.py, rows reshuffled per epoch, each cut to the bucket of
                         its longest row) over --ppo_epochs epochs, with --micro_batch and
                         --length_classes (--micro_batch_length_classes) micro-batches sorted
-                        by length, each run at its length class
+                        by length, each run at its length class; `update_real_packed`: real
+                        (prompt + completion) tokens / slots the packed update computes with
+                        --micro_batch_tokens (train/packing.py: no padding but the packed
+                        rows' tails), the whole batch as one mini-batch
   lengths               min / mean / max completion length
   time_ratio            (--time) wall time of the compacted sampler / the uncompacted one,
                         same prompts and keys (the same samples), measured in the same run
@@ -127,12 +130,14 @@ def minibatch_real_frac(
     micro_batch: int = 0,
     length_classes: int = 1,
     share_prompts: bool = True,
+    micro_batch_tokens: int = 0,
 ) -> float:
     """Real completion tokens / positions the trainer's update computes on this rollout when
     it runs mini-batches of `mini_batch` rows for `ppo_epochs` epochs, in micro-batches of
     `micro_batch` rows run at up to `length_classes` lengths (train/minibatches.py). The rows carry
     the trainer's layout (`share_prompts` is its default); sorting by length moves single
-    rows out of their groups either way."""
+    rows out of their groups either way. `micro_batch_tokens` > 0: the packed update's real
+    (prompt + completion) tokens / slots instead."""
     import jax.numpy as jnp
 
     from jaxrl4llm.sampling.buckets import bucket_completion_length
@@ -159,10 +164,12 @@ def minibatch_real_frac(
         ppo_epochs=ppo_epochs,
         micro_batch_size=micro_batch,
         micro_batch_length_classes=length_classes,
+        micro_batch_tokens=micro_batch_tokens,
         max_new_tokens=max_new_tokens,
     )
     real = columns = 0
-    for _, _, (mb_real, mb_columns) in minibatches(batch, config, jax.random.key(seed), None):
+    for mini in minibatches(batch, config, jax.random.key(seed), None):
+        mb_real, mb_columns = mini.tokens
         real += mb_real
         columns += mb_columns
     return real / columns
@@ -235,6 +242,12 @@ def _parse(argv: Any) -> Any:
         type=int,
         default=1,
         help="--micro_batch_length_classes of the --mini_batch share",
+    )
+    parser.add_argument(
+        "--micro_batch_tokens",
+        type=int,
+        default=4096,
+        help="token budget of the packed update's micro-batches (update_real_packed)",
     )
     parser.add_argument(
         "--decode_slots",
@@ -330,6 +343,9 @@ def main(argv=None) -> int:
         )
         if cont is not None:
             row["rows_identical"] = same_rows(out, cont)
+        row["update_real_packed"] = minibatch_real_frac(
+            out, args.group, rows, 1, new_tokens, micro_batch_tokens=args.micro_batch_tokens
+        )
         if args.mini_batch:
             row["update_real_minibatch"] = minibatch_real_frac(
                 out,
@@ -360,6 +376,7 @@ def main(argv=None) -> int:
             "sampler_useful_continuous",
             "rows_identical",
             "update_real_trimmed",
+            "update_real_packed",
             "update_real_untrimmed",
             "update_real_minibatch",
             "compact_s",

@@ -20,7 +20,9 @@ FLOPs (`step_tflop`) at the best matmul rate measured in the same process (`matm
 1024^3 matmuls in the compute dtype, probed before and after the steps),
 i.e. the fastest this step could run on this machine (`floor_s`; `floor_share` = floor_s /
 step_s). The reference and update passes run each prompt once per group (--no_share_prompts
-runs it once per row, as before).
+runs it once per row, as before). `--micro_batch_tokens=N` also runs our step with the update
+on packed micro-batches of N tokens (train/packing.py) in each round, between our padded step
+and TRL's, and reports both ratios to TRL.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def _child(args) -> dict:
     from jaxrl4llm.models import registry
     from jaxrl4llm.rewards import make_reward_fn
     from jaxrl4llm.sampling.context import RolloutContext
-    from jaxrl4llm.train import host_memory
+    from jaxrl4llm.train import host_memory, packing
     from jaxrl4llm.train.config import TrainConfig, param_dtype
     from jaxrl4llm.train.rollout import rollout
     from jaxrl4llm.train.state import TrainState
@@ -90,7 +92,8 @@ def _child(args) -> dict:
     from tools import bench_sampler
     from tools.bench_trl import step_records, xla_threads
 
-    param_name, _, compute_name = args.child.partition(":")
+    packed_update = args.child.startswith(PACKED)
+    param_name, _, compute_name = args.child.removeprefix(PACKED).partition(":")
     dtype = param_dtype(param_name)
     # The matmul rate is probed before the steps and again after them, and the best is the
     # floor's rate: one probe can land on a slow moment (after the steps it once read 112
@@ -132,6 +135,8 @@ def _child(args) -> dict:
         t_step = time.perf_counter()
         batch, m = rollout(ctx, config, state.params, ref_params, records, jax.random.key(step))
         prompt_group = batch.layout.prompt_group(batch.keep_B.shape[0])
+        real_prompt_tokens = int(batch.seqs.prompt_mask_BP.sum())
+        prompt_columns = int(batch.seqs.prompt_tokens_BP.shape[1])
         host_memory.release_free_memory()  # as the trainer does between rollout and update
         t0 = time.perf_counter()
         static = dict(
@@ -143,6 +148,9 @@ def _child(args) -> dict:
             remat=config.model.remat,
             prompt_group=prompt_group,
         )
+        if packed_update:  # as the trainer does: packed on the host, prompts in the rows
+            static["packed"] = packing.pack(batch.seqs, args.micro_batch_tokens)
+            batch = packing.for_update(batch)
         if step == 0:
             compile_train_step(state, batch, **static)  # as the trainer does
         state, um = train_step(state, batch, **static)
@@ -150,7 +158,7 @@ def _child(args) -> dict:
         update_s = time.perf_counter() - t0
         step_s = time.perf_counter() - t_step
         new_tokens = args.prompts * args.group * args.new_tokens
-        trained = int(batch.seqs.prompt_mask_BP.sum() + batch.seqs.completion_mask_BT.sum())
+        trained = int(real_prompt_tokens + batch.seqs.completion_mask_BT.sum())
         rows.append(
             {
                 "rollout_s": m["time/rollout_s"],
@@ -172,7 +180,7 @@ def _child(args) -> dict:
         model_config,
         args.prompts,
         args.group,
-        int(batch.seqs.prompt_tokens_BP.shape[1]),
+        prompt_columns,
         args.new_tokens,
         remat=config.model.remat,
         share_prompts=config.rollout.share_prompts,
@@ -192,6 +200,9 @@ def _child(args) -> dict:
         device=str(jax.devices()[0].platform),
     )
     return mean
+
+
+PACKED = "packed/"  # a child spec's prefix: our step with the packed update
 
 
 def dtype_list(values: list[str]) -> list[str]:
@@ -269,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="OMP_WAIT_POLICY for the child processes (default: torch's own). "
         "On a loaded machine torch's spinning OpenMP workers slow it "
         "several-fold; PASSIVE keeps its thread count but lets them sleep",
+    )
+    parser.add_argument(
+        "--micro_batch_tokens",
+        type=int,
+        default=0,
+        help="also run our step with the update on packed micro-batches of this many "
+        "tokens (0: only the padded update)",
     )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--hf_dir", default=None, help=argparse.SUPPRESS)
@@ -350,6 +368,25 @@ def print_comparison(ours: list[dict], theirs: list[dict]) -> None:
     )
 
 
+def run_rounds(args: argparse.Namespace, dtype: str, with_trl: bool) -> dict | None:
+    """Each side's fastest of --rounds rounds in turns (ours, ours packed with
+    --micro_batch_tokens, TRL), so the sides see about the same load; None if a run failed."""
+    sides = {"ours": dtype}
+    if args.micro_batch_tokens:
+        sides["packed"] = PACKED + dtype
+    if with_trl:
+        sides["trl"] = f"trl/{dtype}"
+    rounds: dict[str, list] = {side: [] for side in sides}
+    for i in range(args.rounds):
+        if args.rounds > 1:
+            print(f"{dtype}: round {i + 1} of {args.rounds} ({load_average()})", flush=True)
+        for side, child in sides.items():
+            rounds[side].append(run_child(args, child))
+            if rounds[side][-1] is None:
+                return None
+    return {side: fastest(results) for side, results in rounds.items()}
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -373,24 +410,20 @@ def main(argv=None) -> int:
     if args.trl and not with_trl:
         print(bench_trl.TRL_MISSING)
     print(f"before: {load_average()}", flush=True)
-    ours, theirs = [], []
+    ours, packed, theirs = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_train_hf_") as hf_dir:
         args.hf_dir = hf_dir
         if with_trl and run_child(args, "export") is None:
             return 1
         for dtype in dtype_list(args.dtypes):
-            rounds = {"ours": [], "trl": []}
-            for i in range(args.rounds):  # in turns: the two sides see about the same load
-                if args.rounds > 1:
-                    print(f"{dtype}: round {i + 1} of {args.rounds} ({load_average()})", flush=True)
-                rounds["ours"].append(run_child(args, dtype))
-                if with_trl:
-                    rounds["trl"].append(run_child(args, f"trl/{dtype}"))
-                if rounds["ours"][-1] is None or (with_trl and rounds["trl"][-1] is None):
-                    return 1
-            ours.append(fastest(rounds["ours"]))
+            best = run_rounds(args, dtype, with_trl)
+            if best is None:
+                return 1
+            ours.append(best["ours"])
+            if "packed" in best:
+                packed.append(best["packed"])
             if with_trl:
-                theirs.append(fastest(rounds["trl"]))
+                theirs.append(best["trl"])
     print(f"after: {load_average()}")
     print(
         f"GRPO step: {args.prompts} prompts x {args.group} samples x {args.new_tokens} new "
@@ -413,17 +446,22 @@ def main(argv=None) -> int:
             "floor_s",
             "floor_share",
         ),
-        ours,
+        ours + packed,
     )
     if args.rounds > 1:
-        for side, results in (("ours", ours), ("TRL", theirs)):
+        for side, results in (("ours", ours), ("ours", packed), ("TRL", theirs)):
             for r in results:
                 print(
                     f"{side} {r['dtype']}: steps of the {r['rounds']} rounds "
                     + ", ".join(f"{x:.2f}" for x in r["step_s_rounds"])
                     + " s (the fastest is kept)"
                 )
-    for r in ours[1:]:  # same run, same machine load
+    for r, p in zip(ours, packed):  # same run, same machine load
+        print(
+            f"{p['dtype']} / {r['dtype']}: step {p['step_s'] / r['step_s']:.2f}x, update "
+            f"{p['update_s'] / r['update_s']:.2f}x the time"
+        )
+    for r in ours[1:]:
         print(
             f"{r['dtype']} / {ours[0]['dtype']}: step "
             f"{r['step_s'] / ours[0]['step_s']:.2f}x, update "
@@ -449,6 +487,8 @@ def main(argv=None) -> int:
             theirs,
         )
         print_comparison(ours, theirs)
+        if packed:  # today's ratio above, the packed update's here
+            print_comparison(packed, theirs)
     return 0
 
 

@@ -20,7 +20,9 @@ Symbols (per device; "rows" are those one device holds of the slice that runs at
             float32 weight shards) + n b L D 4 (remat checkpoints: one float32 residual per
             layer) + 6 b Lb F/T 4 (the recomputed MLP and its gradients) + 4 b Lb D 4
             + 4 D V/T 4 (unembedding gathered in float32, its gradient, the reduction buffer,
-            a conversion) + R
+            a conversion) + R; with --micro_batch_tokens=Nt (packed micro-batches: one row
+            of Nt / (data x fsdp) tokens per device) b L = b Lb = Nt / (data x fsdp), whatever
+            the rows and lengths (PPO's critic still runs padded rows)
   rollout   Pb + n Wl s / T (every layer gathered once, before the decode loop, in the compute
             dtype: decode.loop_params gathers before any matmul converts)
             + 2 D V/T (c + s) (embedding and unembedding gathered, and converted)
@@ -74,14 +76,35 @@ class Estimate:
             return self.L, self.L
         return self.N - 1 + self.P / group, self.N - 1
 
-    def update(self, group: int, resident: float, unembed: bool = True) -> float:
+    def update(
+        self, group: int, resident: float, unembed: bool = True, packed: bool = True
+    ) -> float:
         """unembed=False: PPO's critic, the same model without the unembedding (its scalar
-        head reads the hidden states: no logits)."""
-        m, b, D = self.m, self.c.micro_batch / self.dp, self.m.hidden_size
-        L, Lb = self._tokens(group)
+        head reads the hidden states: no logits). packed=False: padded micro-batches even
+        with --micro_batch_tokens (the critic's)."""
+        m, D = self.m, self.m.hidden_size
+        bL, bLb = self._update_tokens(group, packed)
         state = 3 * self.Pb + 2 * _F32 * m.num_params / self.S
-        activations = (m.num_layers * b * L * D + 6 * b * Lb * self.F + 4 * b * Lb * D) * _F32
+        activations = (m.num_layers * bL * D + 6 * bLb * self.F + 4 * bLb * D) * _F32
         return state + activations + 4 * self.DV * _F32 * unembed + resident
+
+    def _update_tokens(self, group: int, packed: bool) -> tuple[float, float]:
+        """(b L, b Lb): a device's tokens in one update micro-batch and in its largest block.
+        --micro_batch_tokens=Nt: one packed row of Nt / (data x fsdp) tokens per device (no
+        prompt sharing, no padding), the token budget rather than rows x max length."""
+        budget = self.c.update.micro_batch_tokens
+        if packed and budget:
+            return budget / self.dp, budget / self.dp
+        b = self.c.micro_batch / self.dp
+        L, Lb = self._tokens(group)
+        return b * L, b * Lb
+
+    def packed_micro_batches(self) -> int:
+        """Micro-batches of a packed mini-batch at most (every sequence at --max_prompt_tokens
+        + --max_new_tokens, rows filled), the trip count of the packed update's loop."""
+        r = self.c.rollout
+        tokens = self.c.mini_batch * (r.max_prompt_tokens + r.max_new_tokens)
+        return math.ceil(tokens / self.c.update.micro_batch_tokens)
 
     def rollout(self, num_chunks: int, resident: float) -> float:
         m, s = self.m, self.s

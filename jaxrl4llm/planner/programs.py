@@ -32,7 +32,7 @@ from jaxrl4llm.models.lora import LoraConfig
 from jaxrl4llm.planner import estimate as plan_estimate
 from jaxrl4llm.planner import hlo_analysis
 from jaxrl4llm.sampling import buckets, decode, sampler
-from jaxrl4llm.train import critic, logprobs, step
+from jaxrl4llm.train import critic, logprobs, packing, step
 from jaxrl4llm.train import state as state_lib
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 
@@ -185,6 +185,33 @@ def _measure(compiled, calls: int, chip, unknown_trip_count: int = 1) -> dict:
         t_compute=flops / chip.peak_flops,
         t_comm=summary.get("link", 0.0) / chip.link_bw,
     )
+
+
+def _packed_update(
+    c: TrainConfig, mesh, batch: step.UpdateBatch, est: plan_estimate.Estimate
+) -> tuple[step.UpdateBatch, Any, int]:
+    """(batch, packed, loop trips) of the policy update as the trainer runs it: with
+    --micro_batch_tokens=N the mini-batch's prompts cut to no columns and its sequences in
+    ceil(M / dp) micro-batches of dp rows x N / dp slots (the longest row length), of which
+    `est.packed_micro_batches()` run; else (batch, None, 1)."""
+    N = c.update.micro_batch_tokens
+    if not N:
+        return batch, None, 1
+    dp = parallel.data_parallel_size(mesh)
+    K, M = -(-c.mini_batch // dp), c.mini_batch
+    rows = parallel.ActivationSharding(mesh).named((None, "batch", None), (K, dp, N // dp))
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    slots = _abstract((K, dp, N // dp), jnp.int32, rows)
+    packed = packing.PackedBatch(
+        tokens_KRL=slots,
+        positions_KRL=slots,
+        segments_KRL=slots,
+        targets_KRL=slots,
+        micro_M=_abstract((M,), jnp.int32, whole),
+        start_M=_abstract((M,), jnp.int32, whole),
+        num_micro=_abstract((), jnp.int32, whole),
+    )
+    return packing.for_update(batch), packed, est.packed_micro_batches()
 
 
 def _bytes(tree) -> float:
@@ -393,9 +420,11 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
     )
     layout = c.rollout.layout.shuffled() if c.reshuffles_rows else c.rollout.layout
     update_group = layout.prompt_group(M, num_micro, dp)
+    policy_batch, packed, trips = _packed_update(c, mesh, batch, est)
     compiled = step.train_step.lower(
         abstract_state,
-        batch,
+        policy_batch,
+        packed=packed,
         model_config=model_config,
         algorithm=c.update_algorithm,
         optimizer=optimizer,
@@ -407,7 +436,7 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
         lora=lora,
         frozen=base if lora else None,
     ).compile()
-    m = _measure(compiled, c.updates_per_step, chip)
+    m = _measure(compiled, c.updates_per_step, chip, unknown_trip_count=trips)
     rollout_batch = (
         B
         / dp
@@ -440,7 +469,7 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
                 "critic update",
                 resident=resident,
                 t_hbm=0.0,
-                estimate=est.update(update_group, resident, unembed=False),
+                estimate=est.update(update_group, resident, unembed=False, packed=False),
                 **_measure(compiled, c.updates_per_step, chip),
             )
         )

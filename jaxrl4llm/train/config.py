@@ -89,6 +89,11 @@ class UpdateConfig:
         rows are sorted by length into the micro-batches, and each micro-batch runs at the
         shortest of K lengths (the longest, then halving) that holds its rows: the same
         update on fewer padded positions, for K branches of the compiled update.
+    micro_batch_tokens: Token budget N of a packed micro-batch (0 = off: micro-batches of
+        --micro_batch_size rows). N > 0: the policy update packs each mini-batch's sequences
+        (real prompt + completion tokens, no padding) into micro-batches of one row of at
+        most N / (data x fsdp) tokens per device (train/packing.py): the same update on
+        fewer computed positions. Full fine-tuning, one host.
     ppo_epochs: Passes over each rollout batch.
     recompute_old_logprobs: Recompute pi_old with a teacher-forced pass (else use the
         sampler's logprobs).
@@ -99,6 +104,7 @@ class UpdateConfig:
     mini_batch_size: int = 0
     micro_batch_size: int = 0
     micro_batch_length_classes: int = 1
+    micro_batch_tokens: int = 0
     ppo_epochs: int = 1
     recompute_old_logprobs: bool = True
     max_nonfinite_steps: int = 3
@@ -314,6 +320,10 @@ class TrainConfig:
                     f"--partial_rollout_tokens={r.partial_rollout_tokens}",
                     r.partial_rollout_tokens > 0,
                 ),
+                (
+                    f"--micro_batch_tokens={self.update.micro_batch_tokens}",
+                    self.update.micro_batch_tokens > 0,
+                ),
             )
             if on
         ]
@@ -409,6 +419,7 @@ class TrainConfig:
         prompts.expand(self.data.system_prompt)
         prompts.expand(self.data.instruction, "--instruction")
         self._validate_batches(num_devices, data_parallel)
+        self._validate_packing(num_devices, data_parallel, num_hosts)
         rl.validate(self.algorithm, self.rollout.group_size)
         self._validate_critic()
         self._validate_partial(num_hosts)
@@ -458,6 +469,10 @@ class TrainConfig:
         )
         require(u.ppo_epochs >= 1, "--ppo_epochs must be >= 1.")
         require(
+            u.micro_batch_tokens >= 0,
+            f"--micro_batch_tokens={u.micro_batch_tokens} must be >= 0 (0 = off).",
+        )
+        require(
             u.micro_batch_length_classes >= 1,
             f"--micro_batch_length_classes={u.micro_batch_length_classes} must be >= 1 "
             "(1 = every micro-batch at the mini-batch's longest completion).",
@@ -496,6 +511,11 @@ class TrainConfig:
             "multi-turn trajectories finish within their step; drop one of them.",
         )
 
+    def _data_parallel(self, num_devices: int) -> int:
+        """data x fsdp of --mesh on `num_devices` devices (an abstract mesh: no device used)."""
+        sizes = parallel.MeshSpec.parse(self.run.mesh).resolve(num_devices)
+        return parallel.data_parallel_size(jax.sharding.AbstractMesh(sizes, parallel.MESH_AXES))
+
     def _validate_batches(self, num_devices: int, data_parallel: int | None) -> None:
         """Mini-, micro- and rollout micro-batches divide the batch and fill the mesh."""
         r, run = self.rollout, self.run
@@ -512,10 +532,7 @@ class TrainConfig:
             f"{self.mini_batch} rows; pick a divisor of {self.mini_batch}.",
         )
         if data_parallel is None:
-            sizes = parallel.MeshSpec.parse(run.mesh).resolve(num_devices)
-            data_parallel = parallel.data_parallel_size(
-                jax.sharding.AbstractMesh(sizes, parallel.MESH_AXES)
-            )
+            data_parallel = self._data_parallel(num_devices)
         require(
             self.micro_batch % data_parallel == 0,
             f"The micro-batch of {self.micro_batch} rows cannot be split over the "
@@ -534,6 +551,39 @@ class TrainConfig:
             f"--decode_slots={r.decode_slots} must be a multiple of the {data_parallel} "
             f"data-parallel devices of --mesh={run.mesh} (each decodes as many slots), "
             "or 0.",
+        )
+
+    def _validate_packing(
+        self, num_devices: int, data_parallel: int | None, num_hosts: int
+    ) -> None:
+        """--micro_batch_tokens: every sequence fits one device's row; what packing excludes."""
+        N, r = self.update.micro_batch_tokens, self.rollout
+        if N == 0:
+            return
+        dp = data_parallel or self._data_parallel(num_devices)
+        longest = r.max_prompt_tokens + r.max_new_tokens
+        require(
+            N >= dp * longest,
+            f"--micro_batch_tokens={N} must be 0 (off) or >= {dp * longest}: each of the "
+            f"{dp} data-parallel devices of --mesh={self.run.mesh} packs rows of "
+            f"N / {dp} tokens, and the longest sequence is --max_prompt_tokens="
+            f"{r.max_prompt_tokens} + --max_new_tokens={r.max_new_tokens} = {longest} tokens.",
+        )
+        require(
+            not self.lora.enabled,
+            f"--micro_batch_tokens={N} packs the full fine-tuning update; LoRA "
+            f"(--lora_rank={self.lora.rank}) runs on padded micro-batches: drop one.",
+        )
+        require(
+            self.update.micro_batch_length_classes == 1,
+            f"--micro_batch_length_classes={self.update.micro_batch_length_classes} sorts "
+            f"padded micro-batches by length; with --micro_batch_tokens={N} the update packs "
+            "its sequences instead: drop one.",
+        )
+        require(
+            num_hosts == 1,
+            f"--micro_batch_tokens={N} packs each mini-batch on the host, which needs all "
+            f"of its rows: run on one host (this run has {num_hosts}) or set it to 0.",
         )
 
     def _validate_critic(self) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 
 from jaxrl4llm import parallel
 from jaxrl4llm.sampling import buckets
+from jaxrl4llm.train import packing
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.step import UpdateBatch, length_classes, micro_batch_order
 
@@ -18,11 +19,13 @@ class MiniBatch(NamedTuple):
     """One optimizer update's rows. `length_classes`: the completion lengths its
     micro-batches may run at (() = the mini-batch's own length); `tokens`: (real completion
     tokens, completion positions the update computes), None where rows are not all on this
-    host."""
+    host; `packed` (--micro_batch_tokens): its sequences packed, and `tokens` then counts
+    real prompt + completion tokens against the packed slots the update computes."""
 
     batch: UpdateBatch
     length_classes: tuple[int, ...]
     tokens: tuple[int, int] | None
+    packed: packing.PackedBatch | None = None
 
 
 def minibatches(
@@ -36,7 +39,8 @@ def minibatches(
     > 1 its rows are also ordered so that each micro-batch holds rows of similar length
     (step.micro_batch_order; rows leave their prompt groups), and each micro-batch runs at
     the first of the length classes that holds it (the update's sum over micro-batches does
-    not depend on the order)."""
+    not depend on the order). With --micro_batch_tokens the mini-batch is packed instead
+    (train/packing.py), uncut."""
     B, M = config.batch_size, config.mini_batch
     num_micro = M // config.micro_batch
     mask_BT = batch.seqs.completion_mask_BT
@@ -68,6 +72,9 @@ def minibatches(
             )
             if lengths_B is None:
                 yield MiniBatch(mini_batch, (), None)
+                continue
+            if config.update.micro_batch_tokens:
+                yield _packed(mini_batch, config.update.micro_batch_tokens, mesh)
                 continue
             yield _cut_to_length(mini_batch, lengths_B[rows], config, num_micro, sort)
 
@@ -102,3 +109,19 @@ def _cut_to_length(
     return MiniBatch(
         mini_batch, classes, (int(lengths.sum()), int(runs_at.sum()) * (rows // num_micro))
     )
+
+
+def _packed(mini_batch: UpdateBatch, budget: int, mesh: Any) -> MiniBatch:
+    """The mini-batch with its sequences packed (not cut: the packed rows hold no padding,
+    and the uncut [M, T] layout keeps the update's programs few)."""
+    if mesh is None:
+        packed = packing.pack(mini_batch.seqs, budget)
+    else:
+        packed = packing.pack(mini_batch.seqs, budget, parallel.data_parallel_size(mesh))
+        sharding = parallel.ActivationSharding(mesh)
+        # [K, R, L]: each micro-batch's rows over the data-parallel devices, one row each.
+        packed = jax.tree.map(
+            lambda x: jax.device_put(x, sharding.named((None, "batch", None)[: x.ndim], x.shape)),
+            packed,
+        )
+    return MiniBatch(mini_batch, (), packing.real_share(packed), packed)

@@ -1,14 +1,19 @@
 """Sequence packing for the update (--micro_batch_tokens=N): a mini-batch's (prompt,
 completion) sequences concatenated into packed rows, micro-batches formed by a token budget.
 
-The host packs (`pack`): each sequence is its real prompt tokens followed by its real
-completion tokens; first-fit-decreasing (longest first, ties by row; deterministic) places
-them into rows of L = prompt columns + completion columns slots (every sequence fits one
-row), and R rows form a micro-batch of R x L <= N tokens (R a multiple of the data-parallel
-size, so every device holds the same token budget). Shapes depend only on (M, P, T, N): the
-packed update compiles no more programs than the padded one. A mini-batch needs at most
-ceil(M / R) micro-batches (a row holds at least one sequence); the device runs only the
-`num_micro` that hold rows.
+The host packs (`pack`): each sequence is its real prompt tokens followed by its completion up
+to its last real token (tokens inside the completion that are off its mask, e.g. a tool's
+observation in a multi-turn trajectory, stay in the sequence as context: a completion's length
+is its last set index + 1, never the mask's sum). A micro-batch is one packed row of L slots
+per data-parallel device, so every device holds the same token budget (L <= N / devices).
+L is a row-length bucket (2^k or 1.5 x 2^k, from the longest sequence's bucket up to
+N / devices): of those within two octaves below the smaller of N / devices and the
+mini-batch's tokens per device, the one that computes the fewest slots (`row_length`).
+First-fit-decreasing (longest first, ties by row; deterministic) places the sequences into
+rows of L slots. The device runs only the `num_micro` micro-batches that hold rows, so the
+slots computed are num_micro x devices x L, whatever the mini-batch's padded shape. The
+update's programs depend on (M, T, L) alone: a few row lengths per run (at most
+2 log2(N / 16) + 2 in all), however the lengths vary.
 
 On device (`packed_logprobs`) the rows run with segment ids (block-diagonal causal attention)
 and positions restarting per sequence; `unpack` reads each sequence's completion logprobs back
@@ -26,11 +31,15 @@ import numpy as np
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
+from jaxrl4llm.sampling import buckets
 from jaxrl4llm.train.logprobs import Sequences, logprobs_from_hidden
+
+MIN_ROW_LENGTH = 16
 
 
 class PackedBatch(flax.struct.PyTreeNode):
-    """A mini-batch's sequences packed: K = ceil(M / R) micro-batches of R rows x L slots."""
+    """A mini-batch's sequences packed: up to K micro-batches of R rows (one per
+    data-parallel device) x L slots; K = ceil(M / R), enough for one sequence per row."""
 
     tokens_KRL: jax.Array  # int32: the packed tokens, 0 past the row's last sequence
     positions_KRL: jax.Array  # int32: RoPE positions, restarting at each sequence
@@ -42,36 +51,79 @@ class PackedBatch(flax.struct.PyTreeNode):
     num_micro: jax.Array  # int32 scalar: micro-batches that hold rows (the rest are empty)
 
 
+def completion_lengths(mask_BT: np.ndarray) -> np.ndarray:
+    """Host side: each row's completion length, its last real token's index + 1 (0 for an
+    empty row); tokens off the mask before it (an observation inside a multi-turn
+    completion) count."""
+    mask_BT = np.asarray(mask_BT, bool)
+    T = mask_BT.shape[1]
+    last_from_end = np.argmax(mask_BT[:, ::-1], axis=1)
+    return np.where(mask_BT.any(axis=1), T - last_from_end, 0)
+
+
 def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Bins (lists of item indices, each summing to <= capacity): items longest first (ties by
     index), each into the first bin with room, else a new bin."""
-    order = np.argsort(-np.asarray(lengths), kind="stable")
+    lengths = np.asarray(lengths)
+    order = np.argsort(-lengths, kind="stable")
     bins: list[list[int]] = []
-    room: list[int] = []
+    room = np.zeros(len(lengths), np.int64)  # room[b] for the bins opened so far
     for i in order:
         n = int(lengths[i])
         if n > capacity:
             raise ValueError(f"A sequence of {n} tokens does not fit a packed row of {capacity}.")
-        for b, free in enumerate(room):
-            if n <= free:
-                bins[b].append(int(i))
-                room[b] -= n
-                break
+        fits = np.flatnonzero(room[: len(bins)] >= n)
+        if fits.size:
+            bins[fits[0]].append(int(i))
+            room[fits[0]] -= n
         else:
+            room[len(bins)] = capacity - n
             bins.append([int(i)])
-            room.append(capacity - n)
     return bins
 
 
-def rows_per_micro_batch(budget: int, row_length: int, data_parallel: int) -> int:
-    """R: packed rows of `row_length` slots per micro-batch within `budget` tokens, a multiple
-    of `data_parallel` (at least one row per device)."""
-    return max(data_parallel, budget // row_length // data_parallel * data_parallel)
+def row_lengths(longest: int, cap: int) -> list[int]:
+    """The row lengths a mini-batch whose longest sequence has `longest` tokens may pack
+    into: 2^k and 1.5 * 2^k from the bucket of `longest` (at least MIN_ROW_LENGTH) below
+    `cap`, then `cap` itself (the per-device budget, which the config check keeps >= every
+    sequence)."""
+    if longest > cap:
+        raise ValueError(
+            f"A sequence of {longest} tokens does not fit the per-device budget of {cap}."
+        )
+    lengths, L = [], buckets.two_per_octave(max(longest, MIN_ROW_LENGTH, 1))
+    while L < cap:
+        lengths.append(L)
+        L = buckets.two_per_octave(L + 1)
+    return lengths + [cap]
+
+
+def row_length(lengths: np.ndarray, budget: int, data_parallel: int = 1) -> int:
+    """L: of the `row_lengths` within two octaves below X = min(budget / data_parallel, the
+    bucket of the mini-batch's tokens per device), the one whose first-fit-decreasing
+    packing of `lengths` computes the fewest slots (micro-batches used x data_parallel x L;
+    ties to the shorter row, whose block-diagonal attention costs less). Rows of at least
+    X / 4 keep micro-batches large (a few per mini-batch, each near the budget), and the
+    choice to a few lengths per run; the longest sequence's bucket when none is that short."""
+    cap = budget // data_parallel
+    candidates = row_lengths(int(np.max(lengths)), cap)
+    total = int(np.sum(lengths))
+    X = min(cap, buckets.two_per_octave(max(-(-total // data_parallel), 1)))
+    best, best_slots = candidates[0], None
+    for L in [L for L in candidates if X <= 4 * L and L <= X] or candidates[:1]:
+        lower_bound = -(-total // (data_parallel * L)) * data_parallel * L
+        if best_slots is not None and lower_bound >= best_slots:
+            continue
+        rows = len(first_fit_decreasing(lengths, L))
+        slots = -(-rows // data_parallel) * data_parallel * L
+        if best_slots is None or slots < best_slots:
+            best, best_slots = L, slots
+    return best
 
 
 def pack(seqs: Sequences, budget: int, data_parallel: int = 1) -> PackedBatch:
-    """Host side: the mini-batch `seqs` (all rows on this host) packed into micro-batches of at
-    most `budget` tokens (see the module docstring)."""
+    """Host side: the mini-batch `seqs` (all rows on this host) packed into micro-batches of
+    `data_parallel` rows of `row_length` slots, at most `budget` tokens (module docstring)."""
     prompt_tokens, prompt_mask, comp_tokens, comp_mask = (
         np.asarray(jax.device_get(x))
         for x in (
@@ -81,19 +133,18 @@ def pack(seqs: Sequences, budget: int, data_parallel: int = 1) -> PackedBatch:
             seqs.sequence_mask_BT,  # observation tokens are in the sequence, off the loss
         )
     )
-    M, P = prompt_tokens.shape
-    L = P + comp_tokens.shape[1]
-    R = rows_per_micro_batch(budget, L, data_parallel)
+    M = prompt_tokens.shape[0]
+    prompt_len, comp_len = prompt_mask.sum(axis=1), completion_lengths(comp_mask)
+    R = data_parallel
+    L = row_length(prompt_len + comp_len, budget, R)
     K = -(-M // R)
-    prompt_len = prompt_mask.sum(axis=1)
-    comp_len = comp_mask.sum(axis=1)
     tokens, positions, segments, targets = (np.zeros((K * R, L), np.int32) for _ in range(4))
     micro, start = np.zeros(M, np.int32), np.zeros(M, np.int32)
     bins = first_fit_decreasing(prompt_len + comp_len, L)
     for b, rows in enumerate(bins):
         col = 0
         for segment, m in enumerate(rows, start=1):
-            seq = np.concatenate([prompt_tokens[m][prompt_mask[m]], comp_tokens[m][comp_mask[m]]])
+            seq = np.concatenate([prompt_tokens[m][prompt_mask[m]], comp_tokens[m][: comp_len[m]]])
             n = len(seq)
             tokens[b, col : col + n] = seq
             targets[b, col : col + n - 1] = seq[1:]
@@ -111,6 +162,20 @@ def pack(seqs: Sequences, budget: int, data_parallel: int = 1) -> PackedBatch:
         micro_M=jnp.asarray(micro),
         start_M=jnp.asarray(start),
         num_micro=jnp.asarray(-(-len(bins) // R), jnp.int32),
+    )
+
+
+def for_update(batch: Any) -> Any:
+    """The step.UpdateBatch the packed update takes beside its PackedBatch: the prompts cut
+    to no columns (the packed rows hold them), so the compiled update does not depend on
+    the rollout's prompt bucket."""
+    seqs = batch.seqs
+    M = seqs.prompt_tokens_BP.shape[0]
+    return batch.replace(
+        seqs=seqs.replace(
+            prompt_tokens_BP=jnp.zeros((M, 0), seqs.prompt_tokens_BP.dtype),
+            prompt_mask_BP=jnp.zeros((M, 0), bool),
+        )
     )
 
 

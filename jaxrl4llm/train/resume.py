@@ -15,8 +15,8 @@ allowed and logged:
 - the verifier pool's resources: --reward_workers, --item_timeout_s, --batch_timeout_s,
   --memory_limit_mb;
 - memory / speed knobs that compute the same update: --micro_batch_size,
-  --micro_batch_length_classes, --rollout_micro_batch, --decode_slots, --remat,
-  --share_prompts;
+  --micro_batch_length_classes, --micro_batch_tokens, --rollout_micro_batch, --decode_slots,
+  --remat, --share_prompts;
 - the learning-rate schedule: --learning_rate, --warmup_steps, --lr_schedule, --decay_steps,
   --critic_learning_rate (the Adam moments stay valid; lowering the rate after a spike is a
   common deliberate change);
@@ -56,6 +56,7 @@ RESUMABLE = frozenset(
         "memory_limit_mb",
         "micro_batch_size",
         "micro_batch_length_classes",
+        "micro_batch_tokens",
         "rollout_micro_batch",
         "decode_slots",
         "remat",

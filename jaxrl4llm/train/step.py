@@ -11,6 +11,10 @@ shortest of those completion lengths that holds its longest row: one branch of a
 per length, so short micro-batches skip the padded columns (the loss is unchanged: the cut
 columns are off every mask).
 
+With --micro_batch_tokens (`packed`, train/packing.py), `accumulate_packed` runs the
+mini-batch's sequences packed into micro-batches of one row per device instead, and reads
+each sequence's logprobs back into the [M, T] layout: the same loss, term for term.
+
 On a mesh (`sharding`), micro-batch k is rows k, k + num_micro, ... (whole prompt groups
 when prompts are shared), so every micro-batch spans every device; activations are
 constrained to the batch layout and gradients to the params' layout, so the compiled update
@@ -298,7 +302,8 @@ def accumulate_packed(
     into the mini-batch's [M, T] layout and takes the padded update's loss over its own rows
     (the others off the mask), divided by the whole mini-batch's denominator: the padded
     update's loss, gradient and metrics, summed in another order. Only the `num_micro`
-    micro-batches that hold rows run."""
+    micro-batches that hold rows run; each is one packed row per data-parallel device
+    (its rows constrained to the batch axes: equal token budgets per device)."""
     mask_MT, keep_M = batch.seqs.completion_mask_BT, batch.keep_B
     T = mask_MT.shape[1]
     denominator = mini_batch_denominator(algorithm, batch)
@@ -357,78 +362,81 @@ def train_step(
     state: TrainState,
     batch: UpdateBatch,
     *,
+    optimizer: OptimizerConfig,
+    packed: PackedBatch | None = None,
+    **options: Any,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer update on a mini-batch; the old state is donated (updated in place).
+
+    `options` are `policy_gradients`' keywords. Every static argument is a frozen config
+    (hashable by value), so separate runs in one process share the compiled program. With
+    `sharding`, the new state keeps the layout of the params' logical axes (the layout
+    `state.create_state` gives it). An update whose loss or gradient is not finite is
+    skipped: the state comes back unchanged and `optim/skipped_updates` counts it (the loop
+    stops a run that keeps skipping).
+    """
+    loss, grads, metrics = policy_gradients(state.params, batch, packed, **options)
+    new_state, update_metrics = apply_update(
+        state,
+        loss,
+        grads,
+        optimizer=optimizer,
+        param_axes=adapters.param_axes(options.get("lora"), options["model_config"]),
+        sharding=options.get("sharding"),
+        loss_name="policy/loss",
+        prefix="optim",
+    )
+    return new_state, dict(metrics, **update_metrics)
+
+
+def policy_gradients(
+    params: Any,
+    batch: UpdateBatch,
+    packed: PackedBatch | None,
+    *,
     model_config: Any,
     algorithm: rl.AlgorithmConfig,
-    optimizer: OptimizerConfig,
     num_micro: int,
     temperature: float,
     remat: bool = False,
     prompt_group: int = 1,
     sharding: parallel.ActivationSharding | None = None,
     length_classes: tuple[int, ...] = (),
-    packed: PackedBatch | None = None,
     lora: LoraConfig | None = None,
     frozen: Any = None,
     dropout_key: jax.Array | None = None,
-) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One optimizer update on a mini-batch; the old state is donated (updated in place).
-
-    Every static argument is a frozen config (hashable by value), so separate runs in one
-    process share the compiled program. With `sharding`, the new state keeps the layout of
-    the params' logical axes (the layout `state.create_state` gives it). An update whose
-    loss or gradient is not finite is skipped: the state comes back unchanged
-    and `optim/skipped_updates` counts it (the loop stops a run that keeps skipping).
-    `packed` (--micro_batch_tokens): the mini-batch's sequences packed into token-budget
-    micro-batches (`accumulate_packed`; num_micro, prompt_group and length_classes unused;
-    full fine-tuning only).
-
-    LoRA (`lora` enabled): state.params are the adapters, `frozen` the base params (not
-    donated, not updated: no gradient and no optimizer state of theirs), `dropout_key` the
-    key of --lora_dropout (None when it is 0).
-    """
-    if packed is not None:
-        if frozen is not None:
-            raise ValueError(
-                "Packed micro-batches train the full parameters; LoRA adapters "
-                "run on padded micro-batches."
-            )
-        loss, grads, metrics = accumulate_packed(
-            state.params,
+) -> tuple[jax.Array, Any, dict]:
+    """(loss, grads, metrics) of the policy on a mini-batch. `packed` (--micro_batch_tokens):
+    its sequences packed into token-budget micro-batches (`accumulate_packed`; num_micro,
+    prompt_group and length_classes unused; full fine-tuning only). LoRA (`lora` enabled):
+    `params` are the adapters, `frozen` the base params (not donated, not updated: no
+    gradient and no optimizer state of theirs), `dropout_key` the key of --lora_dropout
+    (None when it is 0)."""
+    common = dict(
+        model_config=model_config,
+        algorithm=algorithm,
+        temperature=temperature,
+        remat=remat,
+        sharding=sharding,
+    )
+    if packed is None:
+        return accumulate_gradients(
+            params,
             batch,
-            packed,
-            model_config=model_config,
-            algorithm=algorithm,
-            temperature=temperature,
-            remat=remat,
-            sharding=sharding,
-        )
-    else:
-        loss, grads, metrics = accumulate_gradients(
-            state.params,
-            batch,
-            model_config=model_config,
-            algorithm=algorithm,
             num_micro=num_micro,
-            temperature=temperature,
-            remat=remat,
             prompt_group=prompt_group,
-            sharding=sharding,
             length_classes=length_classes,
             frozen=frozen,
             lora=lora,
             dropout_key=dropout_key,
+            **common,
         )
-    new_state, update_metrics = apply_update(
-        state,
-        loss,
-        grads,
-        optimizer=optimizer,
-        param_axes=adapters.param_axes(lora, model_config),
-        sharding=sharding,
-        loss_name="policy/loss",
-        prefix="optim",
-    )
-    return new_state, dict(metrics, **update_metrics)
+    if frozen is not None:
+        raise ValueError(
+            "Packed micro-batches train the full parameters; LoRA adapters "
+            "run on padded micro-batches."
+        )
+    return accumulate_packed(params, batch, packed, **common)
 
 
 def apply_update(

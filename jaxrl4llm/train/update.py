@@ -10,9 +10,10 @@ import jax
 
 from jaxrl4llm import parallel
 from jaxrl4llm.rl.metrics import Metric, combine_metrics
-from jaxrl4llm.train import critic
+from jaxrl4llm.train import critic, packing
 from jaxrl4llm.train import metrics as metrics_lib
 from jaxrl4llm.train.minibatches import minibatches
+from jaxrl4llm.train.packing import PackedBatch
 from jaxrl4llm.train.services import Models, Services
 from jaxrl4llm.train.step import UpdateBatch, compile_train_step, train_step
 
@@ -59,7 +60,7 @@ class Updater:
         metrics: dict[str, Metric] = {}
         real_tokens, update_columns = 0, 0  # completion tokens / positions the update runs
         dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffling's
-        for index, (mini_batch, classes, tokens) in enumerate(
+        for index, (mini_batch, classes, tokens, packed) in enumerate(
             minibatches(batch, config, key, self.services.mesh)
         ):
             if tokens is not None:
@@ -77,6 +78,7 @@ class Updater:
                     prompt_group,
                     classes,
                     jax.random.fold_in(dropout_key, index),
+                    packed,
                 )
                 metrics = combine_metrics(metrics, m)
             if models.critic_state is not None:
@@ -101,13 +103,18 @@ class Updater:
         prompt_group: int,
         classes: tuple[int, ...],
         key: jax.Array,
+        packed: PackedBatch | None = None,
     ) -> tuple[Models, dict[str, Metric]]:
-        signature = (prompt_group, classes, tuple(x.shape for x in jax.tree.leaves(mini_batch)))
+        if packed is not None:  # the packed rows hold the prompts
+            mini_batch = packing.for_update(mini_batch)
+        shapes = tuple(x.shape for x in jax.tree.leaves((mini_batch, packed)))
+        signature = (prompt_group, classes, shapes)
         lora = self.services.config.lora
         # LoRA: the frozen base beside the state; --lora_dropout's key (fresh each update).
         inputs = dict(
             frozen=models.base_params,
             dropout_key=key if lora.enabled and lora.dropout > 0 else None,
+            packed=packed,
         )
         if signature not in self.compiled:
             compile_train_step(

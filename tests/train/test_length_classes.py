@@ -116,7 +116,7 @@ def test_sorted_micro_batches_at_their_length_classes_give_the_full_gradient(agg
         temperature=1.0,
     )
     rollout_batch = padded.trimmed(bucket_completion_length(60, N))  # as the rollout cuts it
-    ((mb, classes, (real, computed)),) = minibatches.minibatches(
+    ((mb, classes, (real, computed), _),) = minibatches.minibatches(
         rollout_batch, config, jax.random.key(0), None
     )
     assert classes == (16, 32, 64) and real == LENGTHS.sum()
@@ -151,7 +151,7 @@ def test_each_micro_batch_runs_at_its_class_on_device():
         transformer.init_params(CONFIG, jax.random.key(0)),
         transformer.init_params(CONFIG, jax.random.key(1)),
     ).trimmed(64)
-    ((mb, classes, (_, computed)),) = minibatches.minibatches(
+    ((mb, classes, (_, computed), _),) = minibatches.minibatches(
         batch, config, jax.random.key(0), None
     )
 

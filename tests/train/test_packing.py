@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrl4llm import rl
+from jaxrl4llm import parallel, rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.train import packing
@@ -44,9 +44,28 @@ def test_first_fit_decreasing_by_hand():
     ]
     with pytest.raises(ValueError, match="does not fit a packed row of 4"):
         packing.first_fit_decreasing(np.array([5]), 4)
-    assert packing.rows_per_micro_batch(100, 18, 1) == 5
-    assert packing.rows_per_micro_batch(100, 18, 4) == 4
-    assert packing.rows_per_micro_batch(10, 18, 2) == 2  # one row per device at least
+
+
+def test_row_lengths_and_the_fewest_slots_by_hand():
+    # Two per octave from the longest sequence's bucket (at least 16), then the cap itself.
+    assert packing.row_lengths(18, 100) == [24, 32, 48, 64, 96, 100]
+    assert packing.row_lengths(5, 20) == [16, 20]
+    assert packing.row_lengths(18, 18) == [18]
+    with pytest.raises(ValueError, match="does not fit the per-device budget of 18"):
+        packing.row_lengths(19, 18)
+    # 40 + 30 + 30 + 20 = 120 tokens: rows of 48 -> [40] [30] [30] [20] = 192 slots; 64 ->
+    # [40 20] [30 30] = 128; 96 -> [40 30 20] [30] = 192; 100 -> the same, 200.
+    lengths = np.array([30, 40, 20, 30])
+    assert packing.row_length(lengths, budget=100) == 64
+    # Two devices: a micro-batch is two rows; rows of 48 -> 4 rows = 2 micro-batches (192
+    # slots); rows of 50 (the cap 100 / 2) -> 3 rows = 2 micro-batches, 200 slots.
+    assert packing.row_length(lengths, budget=100, data_parallel=2) == 48
+
+
+def test_completion_lengths_count_masked_off_tokens_inside_a_completion():
+    # Row 1: a multi-turn completion whose tokens 2-3 (an observation) are off the mask.
+    mask = np.array([[1, 1, 0, 0, 0], [1, 1, 0, 0, 1], [0, 0, 0, 0, 0]], bool)
+    np.testing.assert_array_equal(packing.completion_lengths(mask), [2, 5, 0])
 
 
 def _batch(seed=0):
@@ -86,22 +105,23 @@ def _batch(seed=0):
 
 def test_pack_lays_sequences_out_by_hand():
     _, batch = _batch()
-    packed = packing.pack(batch.seqs, budget=2 * (P + T))  # rows of 18 slots, 2 per micro
-    lengths = PROMPT_LEN + COMP_LEN  # 18 3 11 6 7 13 11 4
-    # FFD into 18 slots, longest first (0 5 2 6 4 3 7 1): [0] [5 7] [2 4] [6 3] [1]: 5 rows,
-    # 3 micro-batches of 2 rows used.
-    assert packed.tokens_KRL.shape == (4, 2, 18) and int(packed.num_micro) == 3
-    segments = np.asarray(packed.segments_KRL).reshape(8, 18)
-    assert [(segments[r] > 0).sum() for r in range(5)] == [18, 17, 18, 17, 3]
-    assert (segments[5:] == 0).all()
-    assert packing.real_share(packed) == (lengths.sum(), 3 * 2 * 18)
-    # Row 7 (3 prompt tokens, 1 completion token) follows row 5 (13 tokens) in packed row 1:
-    # its completion token is predicted at slot 13 + 3 - 1 of micro-batch 0's row 1.
-    assert int(packed.micro_M[7]) == 0 and int(packed.start_M[7]) == 18 + 15
-    assert int(packed.micro_M[1]) == 2 and int(packed.start_M[1]) == 1
-    tokens = np.asarray(packed.tokens_KRL).reshape(8, 18)
+    packed = packing.pack(batch.seqs, budget=36)
+    lengths = PROMPT_LEN + COMP_LEN  # 18 3 11 6 7 13 11 4 (73)
+    # Row lengths 24, 32, 36. FFD into 24 slots, longest first (0 5 2 6 4 3 7 1):
+    # [0 3] [5 2] [6 4 7] [1]: 4 rows = 96 slots; 32 and 36 cannot do better than 3 rows
+    # (96, 108), so the shorter row wins. One row per micro-batch (one device).
+    assert packed.tokens_KRL.shape == (8, 1, 24) and int(packed.num_micro) == 4
+    segments = np.asarray(packed.segments_KRL).reshape(8, 24)
+    assert [(segments[r] > 0).sum() for r in range(4)] == [24, 24, 22, 3]
+    assert (segments[4:] == 0).all()
+    assert packing.real_share(packed) == (lengths.sum(), 4 * 24)
+    # Row 7 (3 prompt tokens, 1 completion token) follows rows 6 and 4 (11 + 7 tokens) in
+    # packed row 2: its completion token is predicted at slot 18 + 3 - 1.
+    assert int(packed.micro_M[7]) == 2 and int(packed.start_M[7]) == 20
+    assert int(packed.micro_M[1]) == 3 and int(packed.start_M[1]) == 1
+    tokens = np.asarray(packed.tokens_KRL).reshape(8, 24)
     np.testing.assert_array_equal(
-        tokens[1, 13:17],
+        tokens[2, 18:22],
         np.concatenate(
             [
                 np.asarray(batch.seqs.prompt_tokens_BP)[7, -3:],
@@ -110,9 +130,31 @@ def test_pack_lays_sequences_out_by_hand():
         ),
     )
     np.testing.assert_array_equal(
-        np.asarray(packed.positions_KRL).reshape(8, 18)[1, 11:18], [11, 12, 0, 1, 2, 3, 0]
+        np.asarray(packed.positions_KRL).reshape(8, 24)[2, 9:23],
+        [9, 10, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 0],
     )
-    np.testing.assert_array_equal(segments[1, 11:18], [1, 1, 2, 2, 2, 2, 0])
+    np.testing.assert_array_equal(segments[2, 9:23], [1, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 0])
+    # Two data-parallel devices: rows of at most 36 / 2 = 18 slots, two per micro-batch:
+    # [0] [5 7] [2 4] [6 3] [1] (FFD into 18), 5 rows in 3 micro-batches.
+    packed = packing.pack(batch.seqs, budget=36, data_parallel=2)
+    assert packed.tokens_KRL.shape == (4, 2, 18) and int(packed.num_micro) == 3
+    assert int(packed.micro_M[7]) == 0 and int(packed.start_M[7]) == 18 + 13 + 3 - 1
+
+
+def test_pack_keeps_masked_off_tokens_inside_a_completion():
+    _, batch = _batch()
+    mask = np.asarray(batch.seqs.completion_mask_BT).copy()
+    mask[0, 3:5] = False  # row 0: 12 tokens, an observation at 3-4 off the loss mask
+    seqs = batch.seqs.replace(completion_mask_BT=jnp.asarray(mask))
+    packed = packing.pack(seqs, budget=36)
+    row = int(packed.micro_M[0])
+    segments = np.asarray(packed.segments_KRL)[row, 0]
+    own = segments == segments[int(packed.start_M[0])]
+    assert own.sum() == PROMPT_LEN[0] + COMP_LEN[0]  # the observation stays in the sequence
+    np.testing.assert_array_equal(
+        np.asarray(packed.tokens_KRL)[row, 0][own][PROMPT_LEN[0] :],
+        np.asarray(batch.seqs.completion_tokens_BT)[0],
+    )
 
 
 @pytest.mark.parametrize("agg", rl.AGG_MODES)
@@ -140,3 +182,57 @@ def test_packed_update_equals_the_padded_update(agg):
     assert float(expected["policy/clip_frac"]) > 0
     for key in expected:
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-6, atol=1e-6, err_msg=key)
+
+
+def test_packed_update_on_8_devices_equals_one_device():
+    """data x fsdp = 2 x 4: a micro-batch is 8 packed rows, one per device; the sharded
+    packed update equals the padded update on one device."""
+    params, batch = _batch()
+    algorithm = dataclasses.replace(rl.get_preset("grpo"), agg="token-mean", kl_coef=0.1)
+    loss_ref, grads_ref, _ = accumulate_gradients(
+        params, batch, model_config=CONFIG, algorithm=algorithm, num_micro=1, temperature=1.0
+    )
+    mesh = parallel.make_mesh("data:2,fsdp:4,tensor:1")
+    sharding = parallel.ActivationSharding(mesh)
+    packed = packing.pack(batch.seqs, budget=8 * 24, data_parallel=8)
+    assert packed.tokens_KRL.shape[1] == 8  # one row of 24 slots per device
+    sharded_params = parallel.shard_pytree(params, transformer.param_logical_axes(CONFIG), mesh)
+    sharded_batch = jax.tree.map(
+        lambda x: jax.device_put(x, parallel.batch_sharding(mesh, x.ndim)), batch
+    )
+    loss, grads, _ = jax.jit(
+        lambda p, b, k: accumulate_packed(
+            p, b, k, model_config=CONFIG, algorithm=algorithm, temperature=1.0, sharding=sharding
+        )
+    )(sharded_params, sharded_batch, packed)
+    assert len(jax.tree.leaves(grads)[0].sharding.device_set) == 8
+    np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-6, atol=1e-6)
+    for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(micro_batch_tokens=-1), "--micro_batch_tokens=-1 must be >= 0"),
+        # 128 + 64 = 192 tokens per sequence, 4 data-parallel devices: at least 768.
+        (dict(micro_batch_tokens=767), "--micro_batch_tokens=767 must be 0 .off. or >= 768"),
+        (dict(micro_batch_tokens=768, lora_rank=8), "LoRA .--lora_rank=8. runs on padded"),
+        (
+            dict(micro_batch_tokens=768, micro_batch_length_classes=2),
+            "--micro_batch_length_classes=2 sorts padded micro-batches",
+        ),
+    ],
+)
+def test_micro_batch_tokens_flag_checks(overrides, message):
+    from jaxrl4llm.config.errors import FlagError
+    from jaxrl4llm.train.config import TrainConfig
+
+    base = TrainConfig().replace(
+        max_prompt_tokens=128, max_new_tokens=64, mesh="data:1,fsdp:4,tensor:2"
+    )
+    with pytest.raises(FlagError, match=message):
+        base.replace(**overrides).validate(num_devices=8, num_hosts=1)
+    base.replace(micro_batch_tokens=768).validate(num_devices=8, num_hosts=1)
+    with pytest.raises(FlagError, match="run on one host .this run has 2."):
+        base.replace(micro_batch_tokens=768).validate(num_devices=8, num_hosts=2)

@@ -164,7 +164,7 @@ def test_each_minibatch_runs_on_its_own_longest_completion():
     padded = _update_batch(out, params, ref_params, row_ids)
     rollout_batch = padded.trimmed(bucket_completion_length(19, N))  # as the rollout cuts it
     seen, columns = [], []
-    for mb, classes, (real, computed) in minibatches.minibatches(
+    for mb, classes, (real, computed), _ in minibatches.minibatches(
         rollout_batch, config, jax.random.key(3), None
     ):
         rows = np.rint((np.asarray(mb.advantages) + 0.4) * 8).astype(int)
