@@ -348,20 +348,19 @@ def _prefill_pending(
     valid_J = q_J < queue.num_queued
     row_J = queue.order_Q[jnp.minimum(q_J, B - 1)]
     cache = transformer.init_kv_cache(model_config, R // group, s.slots.cache.max_len, cache_dtype)
-    logits_JV, cache = decode.prefill(
+    keys_J = queue.row_keys_B[row_J]
+    greedy_J = None if queue.greedy_B is None else queue.greedy_B[row_J]
+    tok_J, lp_J, cache = decode.prefill_first_tokens(
         params,
         model_config,
         prompt_BP[row_J[::group]],
         prompt_mask_BP[row_J[::group]],
         cache,
+        keys_J,
+        sampling,
+        greedy_J,
         sharding,
     )
-    if group > 1:
-        logits_JV, cache = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), (logits_JV, cache))
-    keys_J = queue.row_keys_B[row_J]
-    greedy_J = None if queue.greedy_B is None else queue.greedy_B[row_J]
-    first_keys_J = jax.vmap(jax.random.fold_in)(keys_J, jnp.zeros((R,), jnp.uint32))
-    tok_J, lp_J = strategies.sample(logits_JV, first_keys_J, sampling, greedy_J)
     stop_J = decode.is_stop(tok_J, stop_ids_S)
     cap_J = queue.caps_B[row_J]
     out_J = jnp.where(valid_J, row_J, B)  # B: past the queue, dropped

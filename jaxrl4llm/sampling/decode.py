@@ -63,6 +63,31 @@ def prefill(
     return transformer.unembed(params, model_config, h_BPD[:, -1:], sharding)[:, 0], new_cache
 
 
+def prefill_first_tokens(
+    params: Any,
+    model_config: ModelConfig,
+    prompt_GP: jax.Array,
+    prompt_mask_GP: jax.Array,
+    cache: transformer.KVCache,
+    keys_B: jax.Array,
+    sampling: SamplingConfig,
+    greedy_B: jax.Array | None,
+    sharding: parallel.ActivationSharding | None = None,
+) -> tuple[jax.Array, jax.Array, transformer.KVCache]:
+    """Prefills each group's prompt once (G prompts, cache of G rows) for B = G * g rows
+    (rows [i*g, (i+1)*g) continue prompt i), copies its cache rows and logits to its g rows
+    and samples every row's first completion token with fold_in(row_key, 0): returns
+    (tokens [B], logprobs [B], the cache of B rows)."""
+    B = keys_B.shape[0]
+    group = B // prompt_GP.shape[0]
+    logits_BV, cache = prefill(params, model_config, prompt_GP, prompt_mask_GP, cache, sharding)
+    if group > 1:
+        logits_BV, cache = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), (logits_BV, cache))
+    first_keys_B = jax.vmap(jax.random.fold_in)(keys_B, jnp.zeros((B,), jnp.uint32))
+    tok_B, lp_B = strategies.sample(logits_BV, first_keys_B, sampling, greedy_B)
+    return tok_B, lp_B, cache
+
+
 # The named scope of the weights' layout change before the loops: its collectives are the
 # once-per-call weight gathers (tools/plan.py finds them by it in the HLO's metadata).
 WEIGHTS_SCOPE = "decode_weights"

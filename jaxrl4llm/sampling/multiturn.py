@@ -256,13 +256,16 @@ def _prefill(
     cache = transformer.init_kv_cache(
         model_config, B // group, P + N + chunk, decode.cache_dtype_for(params)
     )
-    logits_BV, cache = decode.prefill(
-        params, model_config, prompt_BP[::group], prompt_mask_BP[::group], cache
+    tok_B, lp_B, cache = decode.prefill_first_tokens(
+        params,
+        model_config,
+        prompt_BP[::group],
+        prompt_mask_BP[::group],
+        cache,
+        keys_B,
+        sampling,
+        greedy_B,
     )
-    if group > 1:
-        logits_BV, cache = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), (logits_BV, cache))
-    first_keys_B = jax.vmap(jax.random.fold_in)(keys_B, jnp.zeros((B,), jnp.uint32))
-    tok_B, lp_B = strategies.sample(logits_BV, first_keys_B, sampling, greedy_B)
     zeros = jnp.zeros((B,), jnp.int32)
     state = TurnState(
         cache=cache,
@@ -610,36 +613,32 @@ def generate_turns(
     budget = limits.max_total_tokens or max_new_tokens
     if not isinstance(budget, (int, np.integer)) or budget < 1:
         raise ValueError(f"The completion budget {budget!r} must be a positive int.")
-    limit = (
-        model_config.max_position_embeddings - budget if max_prompt_len is None else max_prompt_len
-    )
-    batch = buckets.prepare_batch(
+    inputs = sampler.prompt_rows(
         prompts,
-        n=n,
-        max_prompt_len=limit,
+        model_config,
+        key,
+        RowLayout(n, share_prompts),
+        max_new_tokens=int(budget),
+        max_prompt_len=max_prompt_len,
         long_prompts=long_prompts,
         pad_id=pad_id,
-        vocab_size=model_config.vocab_size,
         min_prompt_bucket=min_prompt_bucket,
+        greedy_last=greedy_last,
     )
-    B = batch.prompt_BP.shape[0]
-    keys_B = sampler._row_keys(
-        key, jnp.asarray(batch.prompt_index_B), jnp.asarray(batch.sample_index_B)
-    )
-    greedy_B = (batch.sample_index_B >= n - greedy_last) if greedy_last else None
+    batch = inputs.batch
     rows, stats = run(
         params,
         model_config,
         batch,
-        keys_B,
-        greedy_B,
+        inputs.keys_B,
+        inputs.greedy_B,
         handler,
         limits,
         sampling,
         int(budget),
         stop_ids_S=sampler.stop_id_array(stop_ids),
         pad_id=pad_id,
-        prompt_group=RowLayout(n, share_prompts).prompt_group(B),
+        prompt_group=inputs.prompt_group,
     )
     N = int(budget)
     real_BT = np.arange(N)[None, :] < rows["lengths_B"][:, None]

@@ -23,9 +23,10 @@ fold_in(row_key[r], step), so a row's samples do not depend on the rest of the b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import flax.struct
 import jax
@@ -36,7 +37,7 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import buckets, continuous, decode, strategies, trim
+from jaxrl4llm.sampling import buckets, continuous, decode, trim
 from jaxrl4llm.sampling.decode import cache_dtype_for as _cache_dtype
 from jaxrl4llm.sampling.decode import decode_step, prefill  # noqa: F401  (re-exported)
 from jaxrl4llm.sampling.layout import RowLayout, prompt_completion_rows
@@ -242,15 +243,19 @@ def _generate_rows(
     N = max_new_tokens
     g = prompt_group
     cache = transformer.init_kv_cache(model_config, B // g, P + N - 1, cache_dtype)
-    logits_BV, cache = prefill(
-        params, model_config, prompt_BP[::g], prompt_mask_BP[::g], cache, sharding
+    tok_B, lp_B, cache = decode.prefill_first_tokens(
+        params,
+        model_config,
+        prompt_BP[::g],
+        prompt_mask_BP[::g],
+        cache,
+        row_keys_B,
+        sampling,
+        greedy_B,
+        sharding,
     )
-    if g > 1:
-        logits_BV, cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0), (logits_BV, cache))
     if sharding is not None:
         cache = jax.lax.with_sharding_constraint(cache, _cache_sharding(sharding, cache))
-    keys_B = jax.vmap(jax.random.fold_in)(row_keys_B, jnp.zeros((B,), jnp.uint32))
-    tok_B, lp_B = strategies.sample(logits_BV, keys_B, sampling, greedy_B)
 
     tok_B = jnp.where(active_B, tok_B, pad_id)
     done_B = ~active_B | decode.is_stop(tok_B, stop_ids_S)
@@ -302,6 +307,88 @@ def _row_keys(key: jax.Array, prompt_index_B: jax.Array, sample_index_B: jax.Arr
     """Key of sample g of prompt p: fold_in(fold_in(key, p), g), whatever else is batched."""
     return jax.vmap(lambda p, g: jax.random.fold_in(jax.random.fold_in(key, p), g))(
         prompt_index_B, sample_index_B
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRows:
+    """The host side of a sampler call: the prompt block, each row's key and the greedy
+    rows (bool [B], or None), and the rows per prompt prefill (RowLayout.prompt_group)."""
+
+    batch: buckets.PromptBatch
+    keys_B: jax.Array
+    greedy_B: np.ndarray | None
+    prompt_group: int
+
+
+def prompt_rows(
+    prompts: Sequence[Sequence[int]],
+    model_config: ModelConfig,
+    key: jax.Array,
+    layout: RowLayout,
+    *,
+    max_new_tokens: int,
+    max_prompt_len: int | None,
+    long_prompts: str,
+    pad_id: int,
+    min_prompt_bucket: int,
+    greedy_last: int = 0,
+    batch_multiple: int = 1,
+    multihost: bool = False,
+    row_keys: jax.Array | None = None,
+) -> PromptRows:
+    """The rows of `layout.group_size` samples of each prompt (buckets.prepare_batch) under
+    the prompt limit (max_prompt_len, by default the context left after max_new_tokens),
+    keyed fold_in(fold_in(key, p), g) unless `row_keys` gives the real rows' keys, the last
+    `greedy_last` samples of each prompt greedy. `multihost`: prompts are this host's, so
+    its prompt indices are offset by its share and every host picks the same prompt bucket."""
+    n = layout.group_size
+    limit = (
+        model_config.max_position_embeddings - max_new_tokens
+        if max_prompt_len is None
+        else max_prompt_len
+    )
+    if limit < 1:
+        raise ValueError(
+            f"No room for a prompt: --max_new_tokens={max_new_tokens} leaves "
+            f"{limit} prompt tokens; lower --max_new_tokens or set "
+            "--max_prompt_tokens."
+        )
+    if multihost:
+        min_prompt_bucket = max(min_prompt_bucket, _global_max_prompt_len(prompts, limit))
+    batch = buckets.prepare_batch(
+        prompts,
+        n=n,
+        max_prompt_len=limit,
+        long_prompts=long_prompts,
+        pad_id=pad_id,
+        vocab_size=model_config.vocab_size,
+        batch_multiple=batch_multiple,
+        min_prompt_bucket=min_prompt_bucket,
+    )
+    B = batch.prompt_BP.shape[0]
+    # Prompt indices are global (offset by this host's share) so no two hosts draw alike.
+    prompt_index_B = batch.prompt_index_B + (jax.process_index() * len(prompts) if multihost else 0)
+    if row_keys is None:
+        keys_B = _row_keys(key, jnp.asarray(prompt_index_B), jnp.asarray(batch.sample_index_B))
+    else:
+        if len(row_keys) != batch.num_rows:
+            raise ValueError(
+                f"row_keys has {len(row_keys)} keys; expected len(prompts) * n = {batch.num_rows}."
+            )
+        extra = _row_keys(
+            key,
+            jnp.asarray(prompt_index_B[batch.num_rows :]),
+            jnp.asarray(batch.sample_index_B[batch.num_rows :]),
+        )
+        keys_B = jnp.concatenate([row_keys, extra]) if B > batch.num_rows else row_keys
+    return PromptRows(
+        batch=batch,
+        keys_B=keys_B,
+        greedy_B=(batch.sample_index_B >= n - greedy_last) if greedy_last else None,
+        # prepare_batch lays each prompt's n samples out as consecutive rows (batch padding
+        # rows are all alike): with whole groups the prompt is prefilled once per group.
+        prompt_group=layout.prompt_group(B),
     )
 
 
@@ -373,134 +460,84 @@ def generate(
         raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}.")
     stop_S = stop_id_array(model_config.eos_token_ids if stop_ids is None else stop_ids)
     pad = pad_id if pad_id is not None else (model_config.pad_token_id or 0)
-    limit = (
-        model_config.max_position_embeddings - max_new_tokens
-        if max_prompt_len is None
-        else max_prompt_len
-    )
-    if limit < 1:
-        raise ValueError(
-            f"No room for a prompt: --max_new_tokens={max_new_tokens} leaves "
-            f"{limit} prompt tokens; lower --max_new_tokens or set "
-            "--max_prompt_tokens."
-        )
     multiple = 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
     multihost = mesh is not None and jax.process_count() > 1
     if multihost:
         # Each host passes its own prompts; every host must build the same shapes.
         multiple = max(1, multiple // jax.process_count())
-        min_prompt_bucket = max(min_prompt_bucket, _global_max_prompt_len(prompts, limit))
     chunk = None
     if max_rows and max_rows < len(prompts) * n * jax.process_count():
         # Rows per chunk on this host: whole prompts (n rows) on whole data-parallel shards.
         unit = math.lcm(n, multiple)
         chunk = unit * max(1, max_rows // jax.process_count() // unit)
         multiple = chunk
-    batch = buckets.prepare_batch(
+    rows = prompt_rows(
         prompts,
-        n=n,
-        max_prompt_len=limit,
+        model_config,
+        key,
+        RowLayout(n, share_prompts),
+        max_new_tokens=max_new_tokens,
+        max_prompt_len=max_prompt_len,
         long_prompts=long_prompts,
         pad_id=pad,
-        vocab_size=model_config.vocab_size,
-        batch_multiple=multiple,
         min_prompt_bucket=min_prompt_bucket,
+        greedy_last=greedy_last,
+        batch_multiple=multiple,
+        multihost=multihost,
+        row_keys=row_keys,
     )
+    batch = rows.batch
     B = batch.prompt_BP.shape[0]
     num_chunks = B // chunk if chunk else 1
-    # Prompt indices are global (offset by this host's share) so no two hosts draw alike.
-    prompt_index_B = batch.prompt_index_B + (jax.process_index() * len(prompts) if multihost else 0)
-    if row_keys is None:
-        keys_B = _row_keys(key, jnp.asarray(prompt_index_B), jnp.asarray(batch.sample_index_B))
-    else:
-        if len(row_keys) != batch.num_rows:
-            raise ValueError(
-                f"row_keys has {len(row_keys)} keys; expected len(prompts) * n = {batch.num_rows}."
-            )
-        extra = _row_keys(
-            key,
-            jnp.asarray(prompt_index_B[batch.num_rows :]),
-            jnp.asarray(batch.sample_index_B[batch.num_rows :]),
-        )
-        keys_B = jnp.concatenate([row_keys, extra]) if B > batch.num_rows else row_keys
-    inputs = (batch.prompt_BP, batch.mask_BP, batch.active_B, keys_B)
-    if multihost:  # host-local rows -> one global batch, hosts' blocks in process order
-        assert mesh is not None  # multihost implies a mesh
-        inputs = inputs[:3] + (np.asarray(jax.random.key_data(keys_B)),)
-        inputs = tuple(
-            jax.make_array_from_process_local_data(
-                parallel.batch_sharding(mesh, np.ndim(x), rules), np.asarray(x)
-            )
-            for x in inputs
-        )
-        inputs = inputs[:3] + (_wrap_keys(inputs[3]),)
-    elif mesh is not None:
-        inputs = tuple(
-            jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x), rules)) for x in inputs
-        )
-    # prepare_batch lays each prompt's n samples out as consecutive rows (batch padding rows
-    # are all alike): with whole groups the prompt is prefilled once per group.
-    prompt_group = RowLayout(n, share_prompts).prompt_group(B)
 
-    def place(x_B: np.ndarray) -> Any:
-        """A per-row host array as the sampler's batch-sharded input."""
+    def place(x: Any) -> Any:
+        """A per-row host array (rows first) as the sampler's batch-sharded input."""
         if multihost:
             assert mesh is not None  # multihost implies a mesh
             return jax.make_array_from_process_local_data(
-                parallel.batch_sharding(mesh, 1, rules), x_B
+                parallel.batch_sharding(mesh, np.ndim(x), rules), np.asarray(x)
             )
         if mesh is not None:
-            return jax.device_put(x_B, parallel.batch_sharding(mesh, 1, rules))
-        return x_B
+            return jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x), rules))
+        return x
 
-    greedy_B = None
-    if greedy_last:
-        greedy_B = place(np.asarray(batch.sample_index_B) >= n - greedy_last)
+    # Across hosts the keys travel as their raw data (host-local rows -> one global batch,
+    # hosts' blocks in process order).
+    keys_B = (
+        _wrap_keys(place(np.asarray(jax.random.key_data(rows.keys_B))))
+        if multihost
+        else place(rows.keys_B)
+    )
+    inputs = (place(batch.prompt_BP), place(batch.mask_BP), place(batch.active_B), keys_B)
+    greedy_B = None if rows.greedy_B is None else place(rows.greedy_B)
     caps_B = None
     if row_caps is not None:  # batch padding rows (inactive) take the full limit
         caps_B = np.full(B, max_new_tokens, np.int32)
         caps_B[: batch.num_rows] = row_caps
         caps_B = place(caps_B)
-    if decode_slots:
-        slots = continuous.generate_slots(
-            params,
-            *inputs,
-            stop_S,
-            np.int32(pad),
-            model_config=model_config,
-            sampling=sampling,
-            max_new_tokens=int(max_new_tokens),
-            slots=decode_slots,
-            mesh=mesh,
-            rules=rules,
-            greedy_B=greedy_B,
-            row_caps_B=caps_B,
-            prompt_group=prompt_group,
-        )
-        out = _slot_sample_output(slots, *inputs[:3])
-    else:
-        out = generate_tokens(
-            params,
-            *inputs,
-            stop_S,
-            np.int32(pad),
-            model_config=model_config,
-            sampling=sampling,
-            max_new_tokens=int(max_new_tokens),
-            mesh=mesh,
-            rules=rules,
-            prompt_group=prompt_group,
-            num_chunks=num_chunks,
-            greedy_B=greedy_B,
-            compact=compact,
-            row_caps_B=caps_B,
-        )
+    decode_rows: Callable[..., Any] = (
+        functools.partial(continuous.generate_slots, slots=decode_slots)
+        if decode_slots
+        else functools.partial(generate_tokens, num_chunks=num_chunks, compact=compact)
+    )
+    raw = decode_rows(
+        params,
+        *inputs,
+        stop_S,
+        np.int32(pad),
+        model_config=model_config,
+        sampling=sampling,
+        max_new_tokens=int(max_new_tokens),
+        mesh=mesh,
+        rules=rules,
+        greedy_B=greedy_B,
+        row_caps_B=caps_B,
+        prompt_group=rows.prompt_group,
+    )
+    out: SampleOutput = _slot_sample_output(raw, *inputs[:3]) if decode_slots else raw
     if multihost:
-        assert mesh is not None  # multihost implies a mesh
         # Rows stay global (each host's block keeps its padding rows: see host_rows).
-        dropped_B = jax.make_array_from_process_local_data(
-            parallel.batch_sharding(mesh, 1, rules), batch.dropped_B
-        )
+        dropped_B = place(batch.dropped_B)
         return out.replace(
             dropped_B=dropped_B, prompt_mask_BP=_and_not(out.prompt_mask_BP, dropped_B)
         )

@@ -38,9 +38,9 @@ def trainable(
     )
     if init is not None:
         return from_peft(init, lora, model_config, dtype, out)
-    init = jax.jit(lora_lib.init_adapters, static_argnums=(0, 1, 3), out_shardings=out)
+    make = jax.jit(lora_lib.init_adapters, static_argnums=(0, 1, 3), out_shardings=out)
     # A key apart from the run's own (TrainState.rng): the adapters' A at the same seed.
-    return init(model_config, lora, jax.random.fold_in(jax.random.key(seed), 0x10AA), dtype)
+    return make(model_config, lora, jax.random.fold_in(jax.random.key(seed), 0x10AA), dtype)
 
 
 def param_axes(lora: LoraConfig | None, model_config: Any) -> Any:
