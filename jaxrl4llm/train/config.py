@@ -401,6 +401,7 @@ class TrainConfig:
 
     def _validate_all(self, num_devices: int, data_parallel: int | None, num_hosts: int) -> None:
         self._validate_values()
+        self._validate_turns()
         self._validate_reward()
         if self.rollout.env:
             envs.parse_env(self.rollout.env)  # FlagError naming --env and the valid names
@@ -497,6 +498,10 @@ class TrainConfig:
             f"--decode_slots={r.decode_slots} must be >= 0 (0: every "
             "row at once, finished rows compacted away).",
         )
+
+    def _validate_turns(self) -> None:
+        """Multi-turn rollouts' limits (--max_turns, --max_total_tokens, ...)."""
+        r = self.rollout
         t = r.turns
         require(t.max_turns >= 1, f"--max_turns={t.max_turns} must be >= 1 (1: single-turn).")
         require(
