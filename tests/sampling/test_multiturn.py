@@ -91,7 +91,7 @@ class FakeHandler:
         return out
 
 
-def _run(toy_policy, handler, limits, prompts, n=2, budget=24, sampling=SAMPLED, seed=7, mesh=None):
+def _run(toy_policy, handler, limits, prompts, n=2, budget=24, sampling=SAMPLED, seed=7, **kw):
     config, params = toy_policy
     return multiturn.generate_turns(
         params,
@@ -105,7 +105,7 @@ def _run(toy_policy, handler, limits, prompts, n=2, budget=24, sampling=SAMPLED,
         stop_ids=EOS,
         n=n,
         pad_id=0,
-        mesh=mesh,
+        **kw,
     )
 
 
@@ -184,12 +184,14 @@ def test_a_mesh_samples_what_one_device_samples(toy_policy, monkeypatch):
     """On 8 devices (rows over data x fsdp, kv heads over tensor) the trajectories are the
     one-device ones: tokens, masks, observations, lengths, turns and rewards exactly, the
     logprobs to float rounding; rows that took an observation are among them (their
-    observation prefilled into a sharded cache row)."""
+    observation prefilled into a sharded cache row), and a greedy row of each prompt."""
     config, params = toy_policy
     mesh = parallel.make_mesh("data:2,fsdp:2,tensor:2")
     prompts = _prompts(config, (5, 9, 3), seed=6)
     limits = TurnLimits(max_turns=3, max_observation_tokens=8)
-    one, one_stats = _run(toy_policy, FakeHandler(done_after=3), limits, prompts)
+    one, one_stats = _run(
+        toy_policy, FakeHandler(done_after=3), limits, prompts, n=3, greedy_last=1
+    )
     caches = []
     segment = multiturn._segment
 
@@ -207,10 +209,11 @@ def test_a_mesh_samples_what_one_device_samples(toy_policy, monkeypatch):
         jax.random.key(7),
         FakeHandler(done_after=3),
         limits,
-        RowLayout(2),
+        RowLayout(3),
+        greedy_last=1,
     )
-    # The cache the segments decode on: 8 rows (6 padded to the data-parallel size 4) split
-    # over data x fsdp, the 2 kv heads over tensor.
+    # The cache the segments decode on: 12 rows (9 padded to a multiple of the data-parallel
+    # size 4) split over data x fsdp, the 2 kv heads over tensor.
     assert caches and all(
         c.is_equivalent_to(NamedSharding(mesh, P(("data", "fsdp"), "tensor")), 4) for c in caches
     )
