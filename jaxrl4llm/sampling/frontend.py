@@ -238,12 +238,7 @@ class Sampler:
         greedy_last: int = 0,
     ) -> tuple[SampleOutput, multiturn.TurnStats]:
         """Multi-turn trajectories of each prompt (token ids), answered by `handler`, rows
-        laid out as `generate`'s; see multiturn.generate_turns."""
-        if self.mesh is not None and len(self.mesh.devices.flat) > 1:
-            raise ValueError(
-                "Multi-turn rollouts decode on one device; run them without a mesh of "
-                "several devices (--mesh=data:1,fsdp:1,tensor:1) or with --max_turns=1."
-            )
+        laid out as `generate`'s, on the sampler's mesh; see multiturn.generate_turns."""
         return multiturn.generate_turns(
             params,
             self.model_config,
@@ -261,6 +256,8 @@ class Sampler:
             min_prompt_bucket=self.min_prompt_bucket,
             share_prompts=layout.share_prompts,
             greedy_last=greedy_last,
+            mesh=self.mesh,
+            rules=self.rules,
         )
 
     def generate_text(

@@ -3,7 +3,7 @@ a `turns.TurnHandler` and resumes the row with the reply's observation tokens.
 
 Every row owns a cache row for its whole trajectory: the left-padded prompt at slots [0, P),
 completion token t (a model token or an observation token) at slot P + t, RoPE position
-prompt_len + t. Three compiled programs act on one device state (`TurnState`):
+prompt_len + t. Three compiled programs act on one device-side state (`TurnState`):
 
   prefill   all prompts (each group's once, as sampler.generate) and every row's first token;
   segment   a while loop decoding one token for every live row (continuous.slot_decode_step:
@@ -25,6 +25,12 @@ A row draws completion token t with fold_in(row_key, t) (t over model and observ
 tokens), so a row whose first turn is its only one samples what sampler.generate samples.
 Observation tokens carry logprob 0 and are off `mask_BT` (the model-token mask).
 
+On a mesh (one host) the rows are split over the data-parallel devices and the cache as the
+single-turn sampler's (`_laid_out`); the weights are laid out once per rollout
+(decode.loop_params), and `observe` reads and writes its row with selects (`_row_access`),
+so no program gathers the cache. The samples are the one-device ones. Several hosts are
+refused (MULTIHOST).
+
 Limits (turns.TurnLimits): a turn ended by EOS or the budget (max_total_tokens completion
 tokens, model and observation) ends the trajectory; so do a reply with `done`, the
 max_turns-th turn and a budget with no room for a token after the observation. Each
@@ -38,13 +44,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.attention import AttentionConfig
 from jaxrl4llm.models.config import ModelConfig
@@ -61,6 +69,13 @@ POLL_S = 0.05
 # ended_B codes: how this segment's turn of a row ended (0: it did not).
 _ENDS: dict[int, TurnEnd] = {1: "stop", 2: "eos", 3: "length"}
 _MIN_CHUNK = 16
+# Why several hosts are refused: each host's loop would issue its own observation programs.
+MULTIHOST = (
+    "Multi-turn rollouts run on one host: the host loop starts a compiled program for each "
+    "reply when it arrives, and on several hosts every process must start the same programs "
+    "in the same order, which replies arriving at different times on different hosts do "
+    "not give. Run on one host (a mesh of its devices works) or with --max_turns=1."
+)
 
 
 class TurnState(flax.struct.PyTreeNode):
@@ -80,6 +95,20 @@ class TurnState(flax.struct.PyTreeNode):
     model_BT: jax.Array  # bool: model tokens (observation tokens are False)
     slot_steps: jax.Array
     greedy_B: jax.Array | None = None
+
+
+def _laid_out(s: TurnState, sharding: parallel.ActivationSharding | None) -> TurnState:
+    """The state in its one layout on a mesh: rows over the data-parallel devices, the cache
+    as the single-turn sampler's (sampler.cache_sharding: kv heads over tensor). Every program
+    returns it so, so the next one takes it as it is (no resharding, one compile)."""
+    if sharding is None:
+        return s
+    cache = jax.lax.with_sharding_constraint(s.cache, sampler.cache_sharding(sharding, s.cache))
+    rows = jax.tree.map(
+        lambda x: x if x.ndim == 0 else sharding.constrain(x, ("batch",) + (None,) * (x.ndim - 1)),
+        s.replace(cache=None),
+    )
+    return rows.replace(cache=cache)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,11 +257,17 @@ def _emit(
     )
 
 
+# The weights the three programs compute with (decode.loop_params), made once per rollout: on
+# a mesh the FSDP shards are gathered here, not in every segment and observation.
+_decode_weights = jax.jit(decode.loop_params, static_argnums=(1, 2))
+
+
 @functools.partial(
-    jax.jit, static_argnames=("model_config", "sampling", "max_new_tokens", "chunk", "group")
+    jax.jit,
+    static_argnames=("model_config", "sampling", "max_new_tokens", "chunk", "group", "sharding"),
 )
 def _prefill(
-    params: Any,
+    weights: Any,
     prompt_BP: jax.Array,
     prompt_mask_BP: jax.Array,
     active_B: jax.Array,
@@ -247,17 +282,17 @@ def _prefill(
     max_new_tokens: int,
     chunk: int,
     group: int,
+    sharding: parallel.ActivationSharding | None,
 ) -> TurnState:
     """The prompts in the cache and every active row's first token."""
     B, P = prompt_BP.shape
     N = max_new_tokens
-    params = decode.loop_params(params, model_config, None)
     # Room for an observation chunk written at any position before the budget's end.
     cache = transformer.init_kv_cache(
-        model_config, B // group, P + N + chunk, decode.cache_dtype_for(params)
+        model_config, B // group, P + N + chunk, decode.cache_dtype_for(weights)
     )
     tok_B, lp_B, cache = decode.prefill_first_tokens(
-        params,
+        weights,
         model_config,
         prompt_BP[::group],
         prompt_mask_BP[::group],
@@ -265,6 +300,7 @@ def _prefill(
         keys_B,
         sampling,
         greedy_B,
+        sharding,
     )
     zeros = jnp.zeros((B,), jnp.int32)
     state = TurnState(
@@ -283,7 +319,7 @@ def _prefill(
         slot_steps=jnp.array(0, jnp.int32),
         greedy_B=greedy_B,
     )
-    return _emit(state, active_B, tok_B, lp_B, stop_ids_S, stop_BQL)
+    return _laid_out(_emit(state, active_B, tok_B, lp_B, stop_ids_S, stop_BQL), sharding)
 
 
 def _sample_step(
@@ -296,11 +332,11 @@ def _sample_step(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model_config", "sampling", "prompt_len", "max_steps"),
+    static_argnames=("model_config", "sampling", "prompt_len", "max_steps", "sharding"),
     donate_argnames=("s",),
 )
 def _segment(
-    params: Any,
+    weights: Any,
     s: TurnState,
     stop_ids_S: jax.Array,
     stop_BQL: jax.Array,
@@ -309,9 +345,9 @@ def _segment(
     sampling: SamplingConfig,
     prompt_len: int,
     max_steps: int,
+    sharding: parallel.ActivationSharding | None,
 ) -> TurnState:
     """Decodes the live rows until one ends its turn or `max_steps` steps ran."""
-    params = decode.loop_params(params, model_config, None)
     B = s.step_B.shape[0]
 
     def cond(carry: tuple[TurnState, jax.Array]) -> jax.Array:
@@ -324,21 +360,51 @@ def _segment(
         # key and value as its own, so its cache row does not change.
         write_B = jnp.minimum(prompt_len + x.step_B - 1, x.cache.max_len - 1)
         logits_BV, cache = continuous.slot_decode_step(
-            params, model_config, x.last_B, x.plen_B + x.step_B - 1, write_B, x.cache
+            weights, model_config, x.last_B, x.plen_B + x.step_B - 1, write_B, x.cache, sharding
         )
         tok_B, lp_B = _sample_step(x, logits_BV, sampling)
         x = x.replace(cache=cache, slot_steps=x.slot_steps + B)
-        return _emit(x, x.live_B, tok_B, lp_B, stop_ids_S, stop_BQL), k + 1
+        return _laid_out(_emit(x, x.live_B, tok_B, lp_B, stop_ids_S, stop_BQL), sharding), k + 1
 
     s, _ = jax.lax.while_loop(cond, body, (s, jnp.array(0, jnp.int32)))
     return s
 
 
+def _row_access(
+    B: int, row: jax.Array, sharded: bool
+) -> tuple[Callable[[jax.Array], jax.Array], Callable[[jax.Array, jax.Array], jax.Array]]:
+    """(take, put): read row `row` of a [B, ...] array as [1, ...], and write it back.
+
+    On one device a dynamic slice. With rows sharded over devices, a slice at a traced row
+    would make the partitioner gather the whole array (the KV cache) onto every device; a
+    select instead reads the row on the device that holds it and sums it over the batch (one
+    row's bytes all-reduced: exact, the other rows add zeros) and writes it back with a
+    select (no collective)."""
+    if not sharded:
+        return (
+            lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0),
+            lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, row, axis=0),
+        )
+    pick_B = jnp.arange(B) == row
+
+    def pick(x: jax.Array) -> jax.Array:
+        return pick_B.reshape((B,) + (1,) * (x.ndim - 1))
+
+    def take(x: jax.Array) -> jax.Array:
+        if x.dtype == jnp.bool_:
+            return jnp.any(pick(x) & x, axis=0, keepdims=True)
+        return jnp.sum(jnp.where(pick(x), x, 0), axis=0, keepdims=True, dtype=x.dtype)
+
+    return take, lambda x, r: jnp.where(pick(x), r, x)
+
+
 @functools.partial(
-    jax.jit, static_argnames=("model_config", "sampling", "prompt_len"), donate_argnames=("s",)
+    jax.jit,
+    static_argnames=("model_config", "sampling", "prompt_len", "sharding"),
+    donate_argnames=("s",),
 )
 def _observe(
-    params: Any,
+    weights: Any,
     s: TurnState,
     row: jax.Array,
     chunk_C: jax.Array,
@@ -349,20 +415,20 @@ def _observe(
     model_config: ModelConfig,
     sampling: SamplingConfig,
     prompt_len: int,
+    sharding: parallel.ActivationSharding | None,
 ) -> TurnState:
     """Appends `num_obs` observation tokens (chunk_C[1 : 1 + num_obs]; chunk_C[0] is the
     row's last model token) to row `row`, prefills them into its cache row and samples the
     row's next model token, which starts its next turn."""
-    params = decode.loop_params(params, model_config, None)
     B, N = s.tokens_BT.shape
     C = chunk_C.shape[0]
     n = s.step_B[row]
-    take_row = lambda x: jax.lax.dynamic_slice_in_dim(x, row, 1, axis=0)  # noqa: E731
+    take_row, put_row = _row_access(B, row, sharding is not None)
     cache_1 = jax.tree.map(take_row, s.cache)
     index_C = jnp.arange(C, dtype=jnp.int32)
     real_C = index_C <= num_obs
     h_1CD, cache_1 = transformer.hidden_states(
-        params,
+        weights,
         model_config,
         chunk_C[None],
         (s.plen_B[row] + n - 1 + index_C)[None],
@@ -371,13 +437,12 @@ def _observe(
         prompt_len + n - 1,
         # The chunk's offset is traced: the kernels that need a static one do not apply.
         attention=AttentionConfig(impl="reference"),
+        sharding=sharding,
     )
     assert cache_1 is not None  # hidden_states returns the cache it is given, updated
     h_11D = jax.lax.dynamic_slice_in_dim(h_1CD, num_obs, 1, axis=1)
-    logits_1V = transformer.unembed(params, model_config, h_11D)[:, 0]
-    cache = jax.tree.map(
-        lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r, row, axis=0), s.cache, cache_1
-    )
+    logits_1V = transformer.unembed(weights, model_config, h_11D, sharding)[:, 0]
+    cache = jax.tree.map(put_row, s.cache, cache_1)
     obs_at_C = jnp.where(index_C[1:] <= num_obs, n + index_C[1:] - 1, N)  # N: dropped
     step_B = s.step_B.at[row].add(num_obs)
     s = s.replace(
@@ -393,7 +458,7 @@ def _observe(
     emit_B = jnp.arange(B) == row
     tok_B = jnp.where(emit_B, tok_1[0], 0)
     lp_B = jnp.where(emit_B, lp_1[0], 0.0)
-    return _emit(s, emit_B, tok_B, lp_B, stop_ids_S, stop_BQL)
+    return _laid_out(_emit(s, emit_B, tok_B, lp_B, stop_ids_S, stop_BQL), sharding)
 
 
 def chunk_length(num_tokens: int) -> int:
@@ -490,9 +555,13 @@ def run(
     stop_ids_S: np.ndarray,
     pad_id: int,
     prompt_group: int,
+    mesh: Mesh | None = None,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
 ) -> tuple[dict[str, Any], TurnStats]:
     """Decodes every active row of `batch` over its turns; (per-row arrays: tokens_BT,
-    logprobs_BT, model_BT, lengths_B, truncated_B, done_B, slot_steps; the turn stats)."""
+    logprobs_BT, model_BT, lengths_B, truncated_B, done_B, slot_steps; the turn stats).
+    With a mesh (one host), params are placed on it and the rows (a multiple of the
+    data-parallel size) are split over its data-parallel devices."""
     if limits.max_turns < 1 or limits.max_observation_tokens < 0:
         raise ValueError(
             f"TurnLimits: max_turns={limits.max_turns} must be >= 1 and "
@@ -502,16 +571,19 @@ def run(
     stops = [handler.stop_sequences(r) if batch.active_B[r] else () for r in range(B)]
     stop_BQL = jnp.asarray(stop_sequence_array(stops))
     stop_ids = jnp.asarray(stop_ids_S)
-    programs = dict(model_config=model_config, sampling=sampling)
+    sharding = None if mesh is None else parallel.ActivationSharding(mesh, rules)
+    programs = dict(model_config=model_config, sampling=sampling, sharding=sharding)
     host = _HostLoop(handler, limits, budget, batch.num_rows)
+    place = functools.partial(sampler.place_rows, mesh=mesh, rules=rules)
     t0 = time.perf_counter()
+    weights = _decode_weights(params, model_config, sharding)
     state = _prefill(
-        params,
-        jnp.asarray(batch.prompt_BP),
-        jnp.asarray(batch.mask_BP),
-        jnp.asarray(batch.active_B),
-        keys_B,
-        None if greedy_B is None else jnp.asarray(greedy_B),
+        weights,
+        place(jnp.asarray(batch.prompt_BP)),
+        place(jnp.asarray(batch.mask_BP)),
+        place(jnp.asarray(batch.active_B)),
+        place(keys_B),
+        None if greedy_B is None else place(jnp.asarray(greedy_B)),
         stop_ids,
         stop_BQL,
         jnp.int32(pad_id),
@@ -526,14 +598,16 @@ def run(
         decode_s += time.perf_counter() - t0
         if ended_B.any():
             host.submit_ended(ended_B, step_B, state)
-            state = state.replace(ended_B=jnp.zeros_like(state.ended_B))
+            state = state.replace(
+                ended_B=jax.device_put(np.zeros_like(ended_B), state.ended_B.sharding)
+            )
         decoding = bool(live_B.any())
         if not decoding and not host.due:
             break
         t0 = time.perf_counter()
         if decoding:
             state = _segment(
-                params,
+                weights,
                 state,
                 stop_ids,
                 stop_BQL,
@@ -556,7 +630,7 @@ def run(
             chunk[0] = jax.device_get(state.last_B[reply.row])
             chunk[1 : 1 + len(obs)] = obs
             state = _observe(
-                params,
+                weights,
                 state,
                 jnp.int32(reply.row),
                 jnp.asarray(chunk),
@@ -603,16 +677,21 @@ def generate_turns(
     min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET,
     share_prompts: bool = True,
     greedy_last: int = 0,
+    mesh: Mesh | None = None,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
 ) -> tuple[sampler.SampleOutput, TurnStats]:
     """`n` multi-turn trajectories of each prompt (token ids), rows laid out as
     sampler.generate's (row p * n + g: sample g of prompt p; the handler's row indices), with
     the same per-row keys. The completion budget is limits.max_total_tokens, or
-    `max_new_tokens` when that is 0. One host, no mesh (rows are picked on the host)."""
+    `max_new_tokens` when that is 0. With a mesh of one host's devices (params placed on
+    it), the rows are split over its data-parallel devices and the cache as the single-turn
+    sampler's; the samples are the same as on one device. One host only: see MULTIHOST."""
     if jax.process_count() > 1:
-        raise ValueError("Multi-turn rollouts run on one host; use one host or --max_turns=1.")
+        raise ValueError(MULTIHOST)
     budget = limits.max_total_tokens or max_new_tokens
     if not isinstance(budget, (int, np.integer)) or budget < 1:
         raise ValueError(f"The completion budget {budget!r} must be a positive int.")
+    multiple = 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
     inputs = sampler.prompt_rows(
         prompts,
         model_config,
@@ -624,6 +703,7 @@ def generate_turns(
         pad_id=pad_id,
         min_prompt_bucket=min_prompt_bucket,
         greedy_last=greedy_last,
+        batch_multiple=multiple,
     )
     batch = inputs.batch
     rows, stats = run(
@@ -639,6 +719,8 @@ def generate_turns(
         stop_ids_S=sampler.stop_id_array(stop_ids),
         pad_id=pad_id,
         prompt_group=inputs.prompt_group,
+        mesh=mesh,
+        rules=rules,
     )
     N = int(budget)
     real_BT = np.arange(N)[None, :] < rows["lengths_B"][:, None]

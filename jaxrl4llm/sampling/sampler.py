@@ -109,7 +109,7 @@ class SampleOutput(flax.struct.PyTreeNode):
         )
 
 
-def _cache_sharding(
+def cache_sharding(
     sharding: parallel.ActivationSharding, cache: transformer.KVCache
 ) -> transformer.KVCache:
     """The cache's tree with a sharding at every leaf (`replace` swaps all three fields)."""
@@ -255,7 +255,7 @@ def _generate_rows(
         sharding,
     )
     if sharding is not None:
-        cache = jax.lax.with_sharding_constraint(cache, _cache_sharding(sharding, cache))
+        cache = jax.lax.with_sharding_constraint(cache, cache_sharding(sharding, cache))
 
     tok_B = jnp.where(active_B, tok_B, pad_id)
     done_B = ~active_B | decode.is_stop(tok_B, stop_ids_S)
@@ -392,6 +392,26 @@ def prompt_rows(
     )
 
 
+def place_rows(
+    x: Any,
+    *,
+    mesh: Mesh | None,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+    multihost: bool = False,
+) -> Any:
+    """A per-row host array (rows first) as a sampler's batch-sharded input (rows over the
+    data-parallel devices; `multihost`: this host's rows of the global batch); unchanged
+    without a mesh."""
+    if multihost:
+        assert mesh is not None  # multihost implies a mesh
+        return jax.make_array_from_process_local_data(
+            parallel.batch_sharding(mesh, np.ndim(x), rules), np.asarray(x)
+        )
+    if mesh is not None:
+        return jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x), rules))
+    return x
+
+
 def generate(
     params: Any,
     model_config: ModelConfig,
@@ -490,16 +510,7 @@ def generate(
     B = batch.prompt_BP.shape[0]
     num_chunks = B // chunk if chunk else 1
 
-    def place(x: Any) -> Any:
-        """A per-row host array (rows first) as the sampler's batch-sharded input."""
-        if multihost:
-            assert mesh is not None  # multihost implies a mesh
-            return jax.make_array_from_process_local_data(
-                parallel.batch_sharding(mesh, np.ndim(x), rules), np.asarray(x)
-            )
-        if mesh is not None:
-            return jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x), rules))
-        return x
+    place = functools.partial(place_rows, mesh=mesh, rules=rules, multihost=multihost)
 
     # Across hosts the keys travel as their raw data (host-local rows -> one global batch,
     # hosts' blocks in process order).

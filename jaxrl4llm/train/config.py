@@ -405,6 +405,13 @@ class TrainConfig:
         self._validate_reward()
         if self.rollout.env:
             envs.parse_env(self.rollout.env)  # FlagError naming --env and the valid names
+            require(
+                num_hosts == 1,
+                f"--env={self.rollout.env} runs multi-turn rollouts, which run on one host "
+                f"(this run has {num_hosts}): their host loop starts a program for each "
+                "reply as it arrives, and the hosts of one run cannot start them in the same "
+                "order. Run on one host (a mesh of its devices works) or drop --env.",
+            )
         self._validate_data()
         run, e = self.run, self.evaluation
         require(

@@ -12,11 +12,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jaxrl4llm import parallel
+from jaxrl4llm.config.errors import FlagError
 from jaxrl4llm.models import transformer
-from jaxrl4llm.sampling import multiturn, sampler
+from jaxrl4llm.sampling import Sampler, multiturn, sampler
+from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.sampling.turns import TurnLimits, TurnReply
+from jaxrl4llm.train.config import TrainConfig
 
 EOS = (3,)
 SAMPLED = SamplingConfig(temperature=1.0, top_k=12)
@@ -85,7 +91,7 @@ class FakeHandler:
         return out
 
 
-def _run(toy_policy, handler, limits, prompts, n=2, budget=24, sampling=SAMPLED, seed=7):
+def _run(toy_policy, handler, limits, prompts, n=2, budget=24, sampling=SAMPLED, seed=7, **kw):
     config, params = toy_policy
     return multiturn.generate_turns(
         params,
@@ -99,6 +105,7 @@ def _run(toy_policy, handler, limits, prompts, n=2, budget=24, sampling=SAMPLED,
         stop_ids=EOS,
         n=n,
         pad_id=0,
+        **kw,
     )
 
 
@@ -171,6 +178,68 @@ def test_single_turn_samples_what_generate_samples(toy_policy):
     np.testing.assert_allclose(np.asarray(out.logprobs_BT), np.asarray(ref.logprobs_BT), atol=1e-5)
     assert not np.asarray(out.observation_BT).any()
     assert (stats.turns_B == 1).all() and int(out.num_steps) == int(ref.num_steps)
+
+
+def test_a_mesh_samples_what_one_device_samples(toy_policy, monkeypatch):
+    """On 8 devices (rows over data x fsdp, kv heads over tensor) the trajectories are the
+    one-device ones: tokens, masks, observations, lengths, turns and rewards exactly, the
+    logprobs to float rounding; rows that took an observation are among them (their
+    observation prefilled into a sharded cache row), and a greedy row of each prompt."""
+    config, params = toy_policy
+    mesh = parallel.make_mesh("data:2,fsdp:2,tensor:2")
+    prompts = _prompts(config, (5, 9, 3), seed=6)
+    limits = TurnLimits(max_turns=3, max_observation_tokens=8)
+    one, one_stats = _run(
+        toy_policy, FakeHandler(done_after=3), limits, prompts, n=3, greedy_last=1
+    )
+    caches = []
+    segment = multiturn._segment
+
+    def watch(weights, s, *args, **kwargs):
+        caches.append(s.cache.k_BKHS[0].sharding)
+        return segment(weights, s, *args, **kwargs)
+
+    monkeypatch.setattr(multiturn, "_segment", watch)
+    smp = Sampler(config, mesh=mesh, stop_ids=EOS, pad_id=0)
+    many, many_stats = smp.generate_turns(
+        smp.shard_params(params),
+        prompts,
+        SAMPLED,
+        24,
+        jax.random.key(7),
+        FakeHandler(done_after=3),
+        limits,
+        RowLayout(3),
+        greedy_last=1,
+    )
+    # The cache the segments decode on: 12 rows (9 padded to a multiple of the data-parallel
+    # size 4) split over data x fsdp, the 2 kv heads over tensor.
+    assert caches and all(
+        c.is_equivalent_to(NamedSharding(mesh, P(("data", "fsdp"), "tensor")), 4) for c in caches
+    )
+    obs = np.asarray(one.observation_BT)
+    assert obs.any(axis=1).sum() >= 2, "some rows should take an observation"
+    for field in ("tokens_BT", "mask_BT", "observation_BT", "lengths_B", "truncated_B"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(many, field)), np.asarray(getattr(one, field)), err_msg=field
+        )
+    np.testing.assert_allclose(np.asarray(many.logprobs_BT), np.asarray(one.logprobs_BT), atol=1e-5)
+    for field in ("turns_B", "reward_B", "observation_tokens_B", "tool_calls_B"):
+        np.testing.assert_array_equal(getattr(many_stats, field), getattr(one_stats, field))
+
+
+def test_several_hosts_are_refused_naming_why(toy_policy, monkeypatch):
+    config, _ = toy_policy
+    base = TrainConfig().replace(env="calculator", mesh="data:1,fsdp:-1,tensor:1")
+    base.validate(8, num_hosts=1)
+    with pytest.raises(
+        FlagError,
+        match=r"--env=calculator runs multi-turn rollouts, which run on one host \(this run has 2",
+    ):
+        base.validate(8, num_hosts=2)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="same programs in the same order"):
+        _run(toy_policy, FakeHandler(), TurnLimits(), _prompts(config, (3,)))
 
 
 def test_slow_tool_does_not_stall_the_other_rows(toy_policy):
