@@ -26,6 +26,12 @@ tokens on, temperature --temperature) and prints, over --rollouts rollouts:
                         (prompt + completion) tokens / slots the packed update computes with
                         --micro_batch_tokens (train/packing.py: no padding but the packed
                         rows' tails), the whole batch as one mini-batch
+  logprob real          real tokens / token positions the rollout's teacher-forced passes
+                        (reference, old logprobs, PPO's values) compute, each counted as
+                        that pass runs them (see `logprob_real_fracs`): `logprob_real` padded
+                        ([prompt bucket + completion bucket] rows, each group's prompt once),
+                        `logprob_real_packed` with --micro_batch_tokens (train/packing.py),
+                        `logprob_positions_packed` the packed slots / the padded positions
   lengths               min / mean / max completion length
   time_ratio            (--time) wall time of the compacted sampler / the uncompacted one,
                         same prompts and keys (the same samples), measured in the same run
@@ -175,6 +181,35 @@ def minibatch_real_frac(
     return real / columns
 
 
+def logprob_real_fracs(out: Any, group: int, max_new_tokens: int, budget: int) -> dict[str, float]:
+    """The teacher-forced passes of the rollout `out` (train/rollout.py), padded and packed:
+    real tokens / token positions each computes. Padded: rows of the trainer's prompt block P
+    (the bucket of the longest prompt) + the bucketed longest completion T, each group's
+    prompt run once (the default layout): real = one prompt per group + the completions,
+    positions = groups x P + rows x T. Packed (`budget` = --micro_batch_tokens): the whole
+    batch packed (packing.pack, one device), each prompt run once per sequence:
+    packing.real_share. The trainer runs the passes packed where `logprob_positions_packed`
+    (packed slots / padded positions) is below 1 (train/rollout.py)."""
+    from jaxrl4llm.sampling.buckets import bucket_completion_length, bucket_prompt_length
+    from jaxrl4llm.train import packing
+    from jaxrl4llm.train.logprobs import Sequences
+
+    out = out.trimmed(bucket_completion_length(int(out.num_steps), max_new_tokens))
+    rows, T = out.tokens_BT.shape
+    prompt_len = np.asarray(out.prompt_mask_BP).sum(axis=1)
+    real = int(prompt_len[::group].sum()) + int(np.asarray(out.lengths_B).sum())
+    positions = rows // group * bucket_prompt_length(int(prompt_len.max())) + rows * T
+    packed = packing.pack(
+        Sequences(out.prompt_tokens_BP, out.prompt_mask_BP, out.tokens_BT, out.mask_BT), budget
+    )
+    packed_real, slots = packing.real_share(packed)
+    return {
+        "logprob_real": real / positions,
+        "logprob_real_packed": packed_real / slots,
+        "logprob_positions_packed": slots / positions,
+    }
+
+
 def same_rows(a: Any, b: Any) -> float:
     """The share of rows two samplers gave the same tokens (and length). Both draw each row
     from the same key, but float32 sums over other batch shapes can tip a near-tie draw of
@@ -247,7 +282,8 @@ def _parse(argv: Any) -> Any:
         "--micro_batch_tokens",
         type=int,
         default=4096,
-        help="token budget of the packed update's micro-batches (update_real_packed)",
+        help="token budget of the packed update's and teacher-forced passes' micro-batches "
+        "(update_real_packed, logprob_real_packed)",
     )
     parser.add_argument(
         "--decode_slots",
@@ -346,6 +382,7 @@ def main(argv=None) -> int:
         row["update_real_packed"] = minibatch_real_frac(
             out, args.group, rows, 1, new_tokens, micro_batch_tokens=args.micro_batch_tokens
         )
+        row.update(logprob_real_fracs(out, args.group, new_tokens, args.micro_batch_tokens))
         if args.mini_batch:
             row["update_real_minibatch"] = minibatch_real_frac(
                 out,
@@ -379,6 +416,9 @@ def main(argv=None) -> int:
             "update_real_packed",
             "update_real_untrimmed",
             "update_real_minibatch",
+            "logprob_real",
+            "logprob_real_packed",
+            "logprob_positions_packed",
             "compact_s",
             "continuous_s",
             "time_ratio",

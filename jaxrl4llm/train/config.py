@@ -93,7 +93,9 @@ class UpdateConfig:
         --micro_batch_size rows). N > 0: the policy update packs each mini-batch's sequences
         (real prompt + completion tokens, no padding) into micro-batches of one row of at
         most N / (data x fsdp) tokens per device (train/packing.py): the same update on
-        fewer computed positions. Full fine-tuning, one host.
+        fewer computed positions; the rollout's reference, old-logprob and value passes
+        run packed too where that computes fewer positions than their padded rows (which
+        run a group's prompt once). Full fine-tuning, one host.
     ppo_epochs: Passes over each rollout batch.
     recompute_old_logprobs: Recompute pi_old with a teacher-forced pass (else use the
         sampler's logprobs).

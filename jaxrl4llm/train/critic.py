@@ -28,6 +28,7 @@ import numpy as np
 from jaxrl4llm import parallel, rl
 from jaxrl4llm.models import registry, transformer, weights
 from jaxrl4llm.rl.metrics import Metric
+from jaxrl4llm.train import packing
 from jaxrl4llm.train.logprobs import Sequences, completion_hidden_states, over_row_chunks
 from jaxrl4llm.train.state import OptimizerConfig, TrainState
 from jaxrl4llm.train.step import UpdateBatch, accumulate, apply_update, mini_batch_denominator
@@ -174,6 +175,11 @@ def completion_values(
     h_BTD = completion_hidden_states(
         backbone, model_config, seqs, remat=remat, prompt_group=prompt_group, sharding=sharding
     )
+    return _head(critic_params, h_BTD)
+
+
+def _head(critic_params: Any, h_BTD: jax.Array) -> jax.Array:
+    """V = h . w, float32, at every position of the final hidden states h_BTD."""
     head = critic_params[HEAD].astype(h_BTD.dtype)
     return jnp.einsum("btd,d->bt", h_BTD, head, preferred_element_type=jnp.float32)
 
@@ -196,6 +202,28 @@ def values_jit(
         return jnp.where(seqs.completion_mask_BT, v_BT, 0.0)
 
     return over_row_chunks(values, seqs, num_chunks, prompt_group, sharding)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sharding"))
+def packed_values_jit(
+    critic_params: Any,
+    config: Any,
+    packed: packing.PackedBatch,
+    mask_MT: jax.Array,
+    sharding: parallel.ActivationSharding | None = None,
+) -> jax.Array:
+    """`values_jit`'s values [M, T] (0 off `mask_MT`) of the sequences `packed` holds,
+    computed on the packed rows (--micro_batch_tokens, train/packing.py)."""
+    backbone = transformer.cast_for_compute(critic_params["backbone"], config)
+    return packing.read_back(
+        lambda k: _head(
+            critic_params,
+            packing.packed_hidden_states(backbone, config, packed, k, sharding=sharding),
+        ),
+        packed,
+        mask_MT,
+        sharding,
+    )
 
 
 def _micro_loss(

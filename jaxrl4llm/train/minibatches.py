@@ -114,14 +114,5 @@ def _cut_to_length(
 def _packed(mini_batch: UpdateBatch, budget: int, mesh: Any) -> MiniBatch:
     """The mini-batch with its sequences packed (not cut: the packed rows hold no padding,
     and the uncut [M, T] layout keeps the update's programs few)."""
-    if mesh is None:
-        packed = packing.pack(mini_batch.seqs, budget)
-    else:
-        packed = packing.pack(mini_batch.seqs, budget, parallel.data_parallel_size(mesh))
-        sharding = parallel.ActivationSharding(mesh)
-        # [K, R, L]: each micro-batch's rows over the data-parallel devices, one row each.
-        packed = jax.tree.map(
-            lambda x: jax.device_put(x, sharding.named((None, "batch", None)[: x.ndim], x.shape)),
-            packed,
-        )
+    packed = packing.pack_on_mesh(mini_batch.seqs, budget, mesh)
     return MiniBatch(mini_batch, (), packing.real_share(packed), packed)

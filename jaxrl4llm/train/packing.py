@@ -18,11 +18,17 @@ update's programs depend on (M, T, L) alone: a few row lengths per run (at most
 On device (`packed_logprobs`) the rows run with segment ids (block-diagonal causal attention)
 and positions restarting per sequence; `unpack` reads each sequence's completion logprobs back
 into the mini-batch's [M, T] layout, where the loss is the padded update's, term for term.
+
+The rollout's teacher-forced passes (reference and old logprobs: `logprobs_jit`; PPO's values:
+critic.packed_values_jit) run the whole batch packed the same way (`pack_on_mesh`), one
+micro-batch after another, and `read_back` lays their per-slot values out as the padded
+passes' [B, T] arrays.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import flax.struct
 import jax
@@ -165,6 +171,20 @@ def pack(seqs: Sequences, budget: int, data_parallel: int = 1) -> PackedBatch:
     )
 
 
+def pack_on_mesh(seqs: Sequences, budget: int, mesh: Any) -> PackedBatch:
+    """`pack` with one row per data-parallel device of `mesh` (None: one device), each
+    micro-batch's rows placed over those devices (equal token budgets per device)."""
+    if mesh is None:
+        return pack(seqs, budget)
+    packed = pack(seqs, budget, parallel.data_parallel_size(mesh))
+    sharding = parallel.ActivationSharding(mesh)
+    # [K, R, L]: each micro-batch's rows over the data-parallel devices, one row each.
+    return jax.tree.map(
+        lambda x: jax.device_put(x, sharding.named((None, "batch", None)[: x.ndim], x.shape)),
+        packed,
+    )
+
+
 def for_update(batch: Any) -> Any:
     """The step.UpdateBatch the packed update takes beside its PackedBatch: the prompts cut
     to no columns (the packed rows hold them), so the compiled update does not depend on
@@ -199,6 +219,22 @@ def packed_logprobs(
     """(logp_RL, entropy_RL) float32 of micro-batch k: at each slot, the logprob of the next
     token of its row and the entropy of that prediction (the sampler's definition)."""
     params = transformer.cast_for_compute(params, config)
+    h_RLD = packed_hidden_states(params, config, packed, k, remat=remat, sharding=sharding)
+    targets = parallel.constrain(packed.targets_KRL[k], ("batch", None), sharding)
+    return logprobs_from_hidden(params, config, h_RLD, targets, temperature, sharding=sharding)
+
+
+def packed_hidden_states(
+    params: Any,
+    config: Any,
+    packed: PackedBatch,
+    k: jax.Array,
+    *,
+    remat: bool = False,
+    sharding: parallel.ActivationSharding | None = None,
+) -> jax.Array:
+    """h_RLD of micro-batch k (`params` already cast for compute): the last layer's hidden
+    state (after the final norm) at each slot, the state that predicts the slot's target."""
     take = lambda x: parallel.constrain(x[k], ("batch", None), sharding)  # noqa: E731
     segments = take(packed.segments_KRL)
     h_RLD, _ = transformer.hidden_states(
@@ -211,9 +247,47 @@ def packed_logprobs(
         sharding=sharding,
         segment_ids_BT=segments,
     )
-    h_RLD = parallel.constrain(h_RLD, transformer.H_AXES, sharding)
-    return logprobs_from_hidden(
-        params, config, h_RLD, take(packed.targets_KRL), temperature, sharding=sharding
+    return parallel.constrain(h_RLD, transformer.H_AXES, sharding)
+
+
+def read_back(
+    per_micro: Callable[[jax.Array], jax.Array],
+    packed: PackedBatch,
+    mask_MT: jax.Array,
+    sharding: parallel.ActivationSharding | None = None,
+) -> jax.Array:
+    """[M, T] float32, 0 off `mask_MT`: `per_micro(k)` (micro-batch k's [R, L] values, one
+    per slot) read back per sequence, over the micro-batches that hold rows, one at a time
+    (activations sized by the token budget)."""
+    M, T = mask_MT.shape
+    rows = lambda x: parallel.constrain(x, ("batch", None), sharding)  # noqa: E731
+
+    def body(k: jax.Array, out_MT: jax.Array) -> jax.Array:
+        mine_M1 = (packed.micro_M == k)[:, None]
+        return rows(jnp.where(mine_M1, unpack(per_micro(k), packed.start_M, T), out_MT))
+
+    out_MT = jax.lax.fori_loop(0, packed.num_micro, body, rows(jnp.zeros((M, T), jnp.float32)))
+    return jnp.where(mask_MT, out_MT, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "temperature", "sharding"))
+def logprobs_jit(
+    params: Any,
+    config: Any,
+    packed: PackedBatch,
+    mask_MT: jax.Array,
+    temperature: float,
+    sharding: parallel.ActivationSharding | None = None,
+) -> jax.Array:
+    """The rollout's old-policy or reference logprobs [M, T] of the sequences `packed` holds,
+    0 off `mask_MT` (the completion mask): logprobs.completion_logprobs_jit's values, computed
+    on the packed rows. Its programs depend on (K, R, L, M, T) alone."""
+    params = transformer.cast_for_compute(params, config)  # once, not once per micro-batch
+    return read_back(
+        lambda k: packed_logprobs(params, config, packed, k, temperature, sharding=sharding)[0],
+        packed,
+        mask_MT,
+        sharding,
     )
 
 

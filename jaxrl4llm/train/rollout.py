@@ -22,7 +22,7 @@ from jaxrl4llm.sampling import buckets, multiturn
 from jaxrl4llm.sampling.context import RolloutContext
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.rounds import Rounds, sample_and_score
-from jaxrl4llm.train import critic
+from jaxrl4llm.train import critic, packing
 from jaxrl4llm.train import metrics as metrics_lib
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs_jit
@@ -119,10 +119,14 @@ def rollout(
             int(rows.samples.out.num_steps), config.rollout.max_new_tokens
         )
     )
-    batch, adv_metrics = _update_batch(ctx, config, params, ref_params, critic_params, rows, out)
+    batch, adv_metrics, packed_tokens = _update_batch(
+        ctx, config, params, ref_params, critic_params, rows, out
+    )
     jax.block_until_ready(batch)
     t_logprobs = time.perf_counter() - t0
     metrics = _rollout_metrics(rows, out, config.rollout.layout, round_metrics, t_logprobs)
+    if packed_tokens is not None:  # the packed passes' share: prompt + completion tokens
+        metrics["response/logprob_real_frac"] = packed_tokens[0] / max(packed_tokens[1], 1)
     # Computed on the global batch already (identical on every host).
     metrics.update(metrics_lib.to_host_scalars(adv_metrics))
     return batch, metrics
@@ -136,9 +140,10 @@ def _update_batch(
     critic_params: Any,
     rows: Any,
     out: Any,
-) -> tuple[UpdateBatch, dict]:
+) -> tuple[UpdateBatch, dict, tuple[int, int] | None]:
     """The reference / old-policy logprobs and PPO's values of the trimmed samples `out`,
-    then the advantages: the update's batch and the advantage metrics."""
+    then the advantages: the update's batch, the advantage metrics and (packed passes) the
+    real tokens and slots they computed."""
     seqs = Sequences(
         prompt_tokens_BP=out.prompt_tokens_BP,
         prompt_mask_BP=out.prompt_mask_BP,
@@ -159,7 +164,7 @@ def _update_batch(
         behaviour_logp_BT=(out.logprobs_BT if config.keeps_behaviour_logprobs else None),
         layout=config.rollout.layout,
     )
-    return batch, adv.metrics
+    return batch, adv.metrics, forced.packed_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,12 +173,15 @@ class TeacherForced:
     ref_logp_BT [B, T] (None when the algorithm has no reference), old_logp_BT [B, T] (None
     unless pi_old is needed; the sampler's own unless --recompute_old_logprobs),
     behaviour_logp_BT [B, T] (pi_old, else the sampler's: what the advantages' KL reads),
-    values_BT [B, T] (PPO's critic; else None)."""
+    values_BT [B, T] (PPO's critic; else None), packed_tokens (when the passes ran packed,
+    --micro_batch_tokens: real prompt + completion tokens and the packed slots each pass
+    computed; else None)."""
 
     ref_logp_BT: jax.Array | None
     old_logp_BT: jax.Array | None
     behaviour_logp_BT: jax.Array
     values_BT: jax.Array | None
+    packed_tokens: tuple[int, int] | None = None
 
 
 def _teacher_forced(
@@ -186,7 +194,39 @@ def _teacher_forced(
     out: Any,
 ) -> TeacherForced:
     """Runs the passes the algorithm needs, in row chunks that hold whole groups (a group's
-    prompt once when the layout shares it)."""
+    prompt once when the layout shares it) or, with --micro_batch_tokens, on the batch's
+    sequences packed (train/packing.py) where that computes fewer token positions: packed
+    rows run each prompt once per sequence, so long prompts shared by a group can cost more
+    packed than the padding they save."""
+    recompute = config.needs_old_logprobs and config.update.recompute_old_logprobs
+    budget = config.update.micro_batch_tokens
+    logprobs, values, positions = _padded_passes(ctx, config, seqs)
+    packed_tokens = None
+    if budget and (config.needs_reference or recompute or critic_params is not None):
+        packed = packing.pack_on_mesh(seqs, budget, ctx.sampler.mesh)
+        real, slots = packing.real_share(packed)
+        if slots < positions:
+            logprobs, values = _packed_passes(ctx, config, seqs, packed)
+            packed_tokens = (real, slots)
+    ref_logp = logprobs(ref_params) if config.needs_reference else None
+    old_logp = None
+    if config.needs_old_logprobs:
+        old_logp = logprobs(params) if recompute else out.logprobs_BT
+    return TeacherForced(
+        ref_logp_BT=ref_logp,
+        old_logp_BT=old_logp,
+        behaviour_logp_BT=old_logp if old_logp is not None else out.logprobs_BT,
+        values_BT=None if critic_params is None else values(critic_params),
+        packed_tokens=packed_tokens,
+    )
+
+
+def _padded_passes(
+    ctx: RolloutContext, config: TrainConfig, seqs: Sequences
+) -> tuple[Any, Any, int]:
+    """(logprobs(params), values(critic_params)) -> [B, T], 0 off the completion mask: the
+    padded passes over the [B, prompt + completion] rows, in row chunks of whole groups;
+    and the token positions each computes (B / prompt group prompts, B completions)."""
     layout = config.rollout.layout
     B = seqs.completion_tokens_BT.shape[0]
     chunks = parallel.num_row_chunks(
@@ -196,26 +236,36 @@ def _teacher_forced(
     )
     mesh = ctx.sampler.mesh
     data_parallel = 1 if mesh is None else parallel.data_parallel_size(mesh)
+    group = layout.prompt_group(B, chunks, data_parallel)
     passes = dict(
         config=ctx.sampler.model_config,
         seqs=seqs,
-        prompt_group=layout.prompt_group(B, chunks, data_parallel),
+        prompt_group=group,
         num_chunks=chunks,
         sharding=ctx.sharding,
     )
     logprobs = functools.partial(
         completion_logprobs_jit, temperature=config.rollout.sampling.effective_temperature, **passes
     )
-    ref_logp = logprobs(ref_params) if config.needs_reference else None
-    old_logp = None
-    if config.needs_old_logprobs:
-        old_logp = logprobs(params) if config.update.recompute_old_logprobs else out.logprobs_BT
-    return TeacherForced(
-        ref_logp_BT=ref_logp,
-        old_logp_BT=old_logp,
-        behaviour_logp_BT=old_logp if old_logp is not None else out.logprobs_BT,
-        values_BT=None if critic_params is None else critic.values_jit(critic_params, **passes),
+    P, T = seqs.prompt_tokens_BP.shape[1], seqs.completion_tokens_BT.shape[1]
+    return logprobs, functools.partial(critic.values_jit, **passes), B // group * P + B * T
+
+
+def _packed_passes(
+    ctx: RolloutContext, config: TrainConfig, seqs: Sequences, packed: packing.PackedBatch
+) -> tuple[Any, Any]:
+    """`_padded_passes`' two functions, run on the batch's sequences `packed`: micro-batches
+    of one packed row per data-parallel device, read back into the [B, T] layout."""
+    passes = dict(
+        config=ctx.sampler.model_config,
+        packed=packed,
+        mask_MT=seqs.completion_mask_BT,
+        sharding=ctx.sharding,
     )
+    logprobs = functools.partial(
+        packing.logprobs_jit, temperature=config.rollout.sampling.effective_temperature, **passes
+    )
+    return logprobs, functools.partial(critic.packed_values_jit, **passes)
 
 
 @dataclasses.dataclass(frozen=True)
