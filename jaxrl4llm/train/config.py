@@ -367,6 +367,7 @@ class TrainConfig:
         e.sets  # raises on a malformed --eval_sets, naming the item
         prompts.expand(self.data.system_prompt)
         prompts.expand(self.data.instruction, "--instruction")
+        prompts.example_turns(self.data.example)
         self._validate_batches(num_devices, data_parallel)
         rl.validate(self.algorithm, self.rollout.group_size)
         self._validate_critic()
