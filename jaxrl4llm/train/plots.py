@@ -28,8 +28,7 @@ WHEN_VARYING: tuple[Panel, ...] = (
     ("clip fraction", ("policy/clip_frac",)),
     # mean |trainer logp - sampler logp| per token (rl.correction.mismatch_metrics)
     ("sampler-trainer gap", ("mismatch/logp_abs_diff_mean",)),
-    # runs with an environment (--env): tool calls per trajectory
-    ("tool calls", ("tool/calls",)),
+    ("tool calls per trajectory", ("tool/calls",)),
 )
 
 

@@ -49,7 +49,9 @@ def test_a_varying_sampler_trainer_gap_gets_its_panel():
 
 
 def test_a_varying_tool_call_rate_gets_its_panel_and_a_single_turn_run_none():
-    assert _titles(_records(**{"tool/calls": [0.5, 0.75, 1.0]})) == ALWAYS + ["tool calls"]
+    assert _titles(_records(**{"tool/calls": [0.5, 0.75, 1.0]})) == ALWAYS + [
+        "tool calls per trajectory"
+    ]
     assert _titles(_records(**{"tool/calls": [0.0, 0.0, 0.0]})) == ALWAYS
 
 
