@@ -77,6 +77,7 @@ SHOWN = (
     "eval_sets",
     "instruction",
     "system_prompt",
+    "example",
     "answer_mode",
     "max_prompt_tokens",
     "max_new_tokens",

@@ -15,7 +15,11 @@ min-max over them, a single value when they agree. The figures:
   eval step, then the first step at which it reaches its maximum;
 - the mean completion length (response/length_mean) at the first and the last step;
 - the peak resident memory (memory/peak_rss_gib) when logged;
-- the disk the workdir uses (all its files: checkpoints, metrics, TensorBoard events).
+- the disk the workdir uses (all its files: checkpoints, metrics, TensorBoard events);
+- with an environment (--env; only when tool/calls is logged): tool calls and model turns per
+  trajectory and the observation token share at the first and the last step, and the mean
+  per step of the time in the compiled decode programs, in the tools' own steps (overlapping
+  decode) and waiting for tools with no row decoding.
 """
 
 from __future__ import annotations
@@ -39,12 +43,34 @@ def _column(records: list[dict[str, Any]], key: str) -> list[tuple[int, float]]:
     return [(r["step"], r[key]) for r in records if r.get(key) is not None]
 
 
+# (figure, metric) logged every step: the first and the last value are reported.
+FIRST_LAST = {
+    "reward": "reward/mean",
+    "length": "response/length_mean",
+    "calls": "tool/calls",
+    "turns": "turns/mean",
+    "observation_share": "tool/observation_token_share",
+}
+# (figure, metric): the mean over steps is reported.
+MEANS = {
+    "step_s": "time/step_s",
+    "decode_s": "time/decode_s",
+    "tools_s": "time/tools_s",
+    "tool_wait_s": "time/tool_wait_s",
+}
+
+
 def figures(workdir: str) -> dict[str, Any]:
     """One workdir's figures; a figure the run did not log is None."""
     records = read_metrics(workdir)
-    reward = _column(records, "reward/mean")
-    length = _column(records, "response/length_mean")
-    step_s = [v for _, v in _column(records, "time/step_s")]
+    out: dict[str, Any] = {}
+    for name, key in FIRST_LAST.items():
+        column = _column(records, key)
+        out[f"{name}_first"] = column[0][1] if column else None
+        out[f"{name}_last"] = column[-1][1] if column else None
+    for name, key in MEANS.items():
+        values = [v for _, v in _column(records, key)]
+        out[name] = sum(values) / len(values) if values else None
     rss = [v for _, v in _column(records, "memory/peak_rss_gib")]
     accuracy = dict(_column(records, "eval/accuracy"))  # a step's last value wins
     eval_path = os.path.join(workdir, "eval.json")
@@ -61,20 +87,16 @@ def figures(workdir: str) -> dict[str, Any]:
     ]
     start = os.path.join(workdir, "config.json")
     return {
+        **out,
         "wall_min": (max(ends) - os.path.getmtime(start)) / 60
         if ends and os.path.exists(start)
         else None,
         "steps": max((r["step"] for r in records), default=0),
-        "step_s": sum(step_s) / len(step_s) if step_s else None,
-        "reward_first": reward[0][1] if reward else None,
-        "reward_last": reward[-1][1] if reward else None,
         "accuracy": dict(sorted(accuracy.items())),
         "best_accuracy": best,
         "first_step_at_best": min(s for s, v in accuracy.items() if v == best)
         if accuracy
         else None,
-        "length_first": length[0][1] if length else None,
-        "length_last": length[-1][1] if length else None,
         "peak_rss_gib": max(rss) if rss else None,
         "disk_gb": folder_bytes(workdir) / 1e9,
     }
@@ -89,6 +111,13 @@ def span(values: Sequence[float | None], fmt: str, unit: str = "") -> str:
     low, high = format(min(known), fmt), format(max(known), fmt)
     text = (low if low == high else f"{low}-{high}") + unit
     return text if len(known) == len(values) else f"{text} ({len(known)} of {len(values)} runs)"
+
+
+def first_to_last(runs: Sequence[dict[str, Any]], name: str, fmt: str) -> str:
+    """'A at the first step -> B at the last' of figure `name` (ranges over several runs)."""
+    first = span([run[f"{name}_first"] for run in runs], fmt)
+    last = span([run[f"{name}_last"] for run in runs], fmt)
+    return f"{first} at the first step -> {last} at the last"
 
 
 def report(runs: Sequence[dict[str, Any]]) -> list[str]:
@@ -109,21 +138,35 @@ def report(runs: Sequence[dict[str, Any]]) -> list[str]:
         f"wall time: {span(each('wall_min'), '.1f', ' min')}",
         f"steps: {span(each('steps'), 'd')}",
         f"time per step: {span(each('step_s'), '.1f', ' s')} (mean of time/step_s)",
-        (
-            f"train reward (reward/mean): {span(each('reward_first'), '.2f')} at the first step "
-            f"-> {span(each('reward_last'), '.2f')} at the last"
-        ),
+        f"train reward (reward/mean): {first_to_last(runs, 'reward', '.2f')}",
         f"greedy eval accuracy (eval/accuracy): {accuracy}",
         (
             f"max eval accuracy: {span(each('best_accuracy'), '.1%')}, first reached at step "
             f"{span(each('first_step_at_best'), 'd')}"
         ),
-        (
-            f"completion length (tokens): {span(each('length_first'), '.0f')} at the first step "
-            f"-> {span(each('length_last'), '.0f')} at the last"
-        ),
+        f"completion length (tokens): {first_to_last(runs, 'length', '.0f')}",
         f"peak RSS: {span(each('peak_rss_gib'), '.2f', ' GiB')}",
         f"workdir disk: {span(each('disk_gb'), '.2f', ' GB')}",
+    ] + (tool_lines(runs) if any(run["calls_first"] is not None for run in runs) else [])
+
+
+def tool_lines(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """The environment's figures (a run with --env)."""
+
+    def mean(name: str) -> str:
+        return span([run[name] for run in runs], ".1f", " s")
+
+    return [
+        f"tool calls per trajectory (tool/calls): {first_to_last(runs, 'calls', '.2f')}",
+        f"model turns per trajectory (turns/mean): {first_to_last(runs, 'turns', '.2f')}",
+        (
+            "observation token share (tool/observation_token_share): "
+            f"{first_to_last(runs, 'observation_share', '.1%')}"
+        ),
+        (
+            f"time per step in decode: {mean('decode_s')}, in the tools: {mean('tools_s')} "
+            f"(overlapping decode), waiting for tools: {mean('tool_wait_s')}"
+        ),
     ]
 
 

@@ -27,6 +27,8 @@ class DataConfig:
         task's answer format, else the boxed-answer instruction of the Minimalist paper;
         empty: none; @NAME: a named prompt).
     system_prompt: Optional system turn (@minimalist, @logic_rl: the papers' prompts).
+    example: A worked example before each question, after the system turn: @NAME (@calculator:
+        a calculator call, its output and the answer) or a JSON file of chat messages.
     """
 
     source: str = "synthetic:arithmetic"
@@ -35,6 +37,7 @@ class DataConfig:
     answer_field: str | None = None
     instruction: str | None = None
     system_prompt: str | None = None
+    example: str | None = None
 
     @property
     def field_names(self) -> dict[str, str]:
@@ -50,5 +53,8 @@ class DataConfig:
             else prompts.expand(self.instruction, "--instruction")
         )
         return record_messages(
-            record, instruction=instruction, system=prompts.expand(self.system_prompt)
+            record,
+            instruction=instruction,
+            system=prompts.expand(self.system_prompt),
+            example=prompts.example_turns(self.example),
         )

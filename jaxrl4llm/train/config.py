@@ -428,6 +428,7 @@ class TrainConfig:
         e.sets  # raises on a malformed --eval_sets, naming the item
         prompts.expand(self.data.system_prompt)
         prompts.expand(self.data.instruction, "--instruction")
+        prompts.example_turns(self.data.example)
         self._validate_batches(num_devices, data_parallel)
         self._validate_packing(num_devices, data_parallel, num_hosts)
         rl.validate(self.algorithm, self.rollout.group_size)

@@ -1,10 +1,10 @@
 """Training curves of one or more runs, overlaid, in one PNG (matplotlib, headless).
 
 The panels are those a person reads a run by: reward, accuracy (train and held-out),
-completion length and entropy always; the KL to the reference, the clip fraction and the
-sampler-trainer gap only when a run logged them and they vary (a run without a KL term, or
-with one update per rollout, whose clip fraction is always 0, would show an empty or flat
-panel).
+completion length and entropy always; the KL to the reference, the clip fraction, the
+sampler-trainer gap and the tool calls per trajectory only when a run logged them and they
+vary (a run without a KL term, or with one update per rollout, whose clip fraction is always
+0, would show an empty or flat panel).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ WHEN_VARYING: tuple[Panel, ...] = (
     ("clip fraction", ("policy/clip_frac",)),
     # mean |trainer logp - sampler logp| per token (rl.correction.mismatch_metrics)
     ("sampler-trainer gap", ("mismatch/logp_abs_diff_mean",)),
+    ("tool calls per trajectory", ("tool/calls",)),
 )
 
 

@@ -49,6 +49,7 @@ FREE_TEXT = {
     "answer_field": lambda f: ["no_such_column"],
     "instruction": lambda f: ["@no_such_prompt"],
     "system_prompt": lambda f: ["@no_such_prompt"],
+    "example": lambda f: ["@no_such_example", str(f)],  # a_file is not JSON
     "critic_model": lambda f: [str(f.parent / "no_such_model")],
     "eval_data": lambda f: ["no_such_scheme:x"],
     "eval_sets": lambda f: ["math500;bogus@3"],

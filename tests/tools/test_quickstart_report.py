@@ -116,3 +116,41 @@ def test_a_folder_without_metrics_is_exit_2(tmp_path, capsys):
 
     assert cli.exit_code(quickstart_report.main, [str(tmp_path)]) == 2  # as cli.run maps it
     assert "metrics.jsonl" in capsys.readouterr().err
+
+
+def test_a_run_with_an_environment_adds_its_tool_figures(tmp_path):
+    tools = [
+        # (calls, turns, observation share, decode s, tools s, wait s) per step
+        (0.5, 1.5, 0.10, 30.0, 2.0, 0.5),
+        (0.75, 1.75, 0.15, 40.0, 3.0, 1.5),
+        (1.0, 2.0, 0.20, 20.0, 4.0, 1.0),
+    ]
+    records = [{"step": 0, "eval/accuracy": 0.5}] + [
+        _train(
+            i + 1,
+            0.25 * (i + 1),
+            30.0,
+            60.0,
+            **{
+                "tool/calls": calls,
+                "turns/mean": turns,
+                "tool/observation_token_share": share,
+                "time/decode_s": decode,
+                "time/tools_s": tools_s,
+                "time/tool_wait_s": wait,
+            },
+        )
+        for i, (calls, turns, share, decode, tools_s, wait) in enumerate(tools)
+    ]
+    run = quickstart_report.figures(_workdir(tmp_path / "t", records, 600, 1000))
+    lines = quickstart_report.report([run])
+    assert lines[-4:] == [
+        "tool calls per trajectory (tool/calls): 0.50 at the first step -> 1.00 at the last",
+        "model turns per trajectory (turns/mean): 1.50 at the first step -> 2.00 at the last",
+        "observation token share (tool/observation_token_share): 10.0% at the first step -> "
+        "20.0% at the last",
+        # means over the 3 steps: (30 + 40 + 20) / 3, (2 + 3 + 4) / 3, (0.5 + 1.5 + 1) / 3
+        "time per step in decode: 30.0 s, in the tools: 3.0 s (overlapping decode), waiting for "
+        "tools: 1.0 s",
+    ]
+    assert lines[4] == "train reward (reward/mean): 0.25 at the first step -> 0.75 at the last"

@@ -48,6 +48,13 @@ def test_a_varying_sampler_trainer_gap_gets_its_panel():
     ]
 
 
+def test_a_varying_tool_call_rate_gets_its_panel_and_a_single_turn_run_none():
+    assert _titles(_records(**{"tool/calls": [0.5, 0.75, 1.0]})) == ALWAYS + [
+        "tool calls per trajectory"
+    ]
+    assert _titles(_records(**{"tool/calls": [0.0, 0.0, 0.0]})) == ALWAYS
+
+
 def test_missing_and_non_finite_values_do_not_count_as_variation():
     # One logged value (the others absent or NaN read back as None / nan) is constant.
     assert _titles(_records(**{"policy/kl_ref": [0.02, None, float("nan")]})) == ALWAYS
