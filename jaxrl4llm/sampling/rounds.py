@@ -119,6 +119,25 @@ def _concat(parts: Sequence[ScoredRows], pad_id: int) -> ScoredRows:
     return ScoredRows(Samples(out, texts, parts[0].samples.layout), verdicts, *base)
 
 
+def _reset_messages(ctx: RolloutContext, handler: Any, messages: list, n: int) -> list:
+    """The groups' prompts after the environments' `reset`s (the handler's optional
+    `prompt_records`: a reset may write the first observation, which is then the prompt). The
+    rows of a group share one prompt, so they must agree."""
+    rewritten = getattr(handler, "prompt_records", None)
+    if rewritten is None:
+        return messages
+    rows = [ctx.data.messages(r) for r in rewritten()]
+    for g in range(len(messages)):
+        group = rows[g * n : (g + 1) * n]
+        if any(m != group[0] for m in group):
+            raise ValueError(
+                f"the environment's reset gave the {n} rows of prompt {g} different prompts; "
+                "a group shares one prompt: make the prompt reset returns depend on the record "
+                "alone"
+            )
+    return rows[::n]
+
+
 def _one_round(
     ctx: RolloutContext,
     params: Any,
@@ -134,13 +153,14 @@ def _one_round(
     n = layout.group_size + int(greedy)
     # An environment answers the turns (and gives the rewards) of this round's rows.
     turns: dict[str, Any] = {}
+    messages = [ctx.data.messages(r) for r in records]
     if ctx.turn_handlers is not None:
-        turns = dict(
-            handler=ctx.turn_handlers(RowLayout(n).repeat(records)), limits=ctx.rollout.turns
-        )
+        handler = ctx.turn_handlers(RowLayout(n).repeat(records))
+        messages = _reset_messages(ctx, handler, messages, n)
+        turns = dict(handler=handler, limits=ctx.rollout.turns)
     samples = ctx.sampler.sample(
         params,
-        [ctx.data.messages(r) for r in records],
+        messages,
         sampling,
         ctx.rollout.max_new_tokens,
         key,

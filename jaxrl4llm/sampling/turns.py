@@ -57,7 +57,12 @@ class TurnReply:
 
 
 class TurnHandler(Protocol):
-    """Answers model turns for the rows of one rollout (rows are indices into its batch)."""
+    """Answers model turns for the rows of one rollout (rows are indices into its batch).
+
+    A handler may also have `prompt_records() -> list` (one record per row): the records with
+    the prompt its environments' resets wrote; the rollout then samples from those prompts
+    (envs.EnvTurnHandler has it).
+    """
 
     def stop_sequences(self, row: int) -> Sequence[Sequence[int]]:
         """Token-id sequences that end a model turn of `row` besides EOS (may be empty)."""

@@ -176,3 +176,35 @@ def test_remax_on_several_hosts_is_refused_before_anything_loads(monkeypatch):
     dapo.validate(1)
     with pytest.raises(ValueError, match="runs on one host only"):
         remax.validate(1)
+
+
+class PromptingHandler:
+    """A turn handler whose environments' resets rewrite each record's prompt."""
+
+    def __init__(self, records, same_in_group=True):
+        self.records, self.same = list(records), same_in_group
+
+    def prompt_records(self):
+        return [100 + r + (0 if self.same else i) for i, r in enumerate(self.records)]
+
+
+class TurnSampler(FakeSampler):
+    def sample(
+        self, params, messages, sampling, max_new_tokens, key, layout, greedy_last=0, **turns
+    ):
+        self.turns = turns
+        return super().sample(params, messages, sampling, max_new_tokens, key, layout, greedy_last)
+
+
+def test_prompts_written_by_the_environments_resets_are_sampled():
+    ctx = _ctx({1: [1, 0], 2: [0, 1]})
+    ctx.sampler = TurnSampler((4,))
+    ctx.rollout.turns = "limits"
+    ctx.turn_handlers = PromptingHandler
+    sample_and_score(ctx, None, [1, 2], jax.random.key(0), RowLayout(2), _rounds("grpo"))
+    # One prompt per group (rows 0-1 are record 1's, rows 2-3 record 2's), as reset wrote it.
+    assert ctx.sampler.calls[0][0] == [101, 102]
+    assert ctx.sampler.turns["limits"] == "limits"
+    ctx.turn_handlers = lambda records: PromptingHandler(records, same_in_group=False)
+    with pytest.raises(ValueError, match="rows of prompt 0 different prompts"):
+        sample_and_score(ctx, None, [1, 2], jax.random.key(0), RowLayout(2), _rounds("grpo"))
