@@ -50,7 +50,7 @@ class LaunchOptions:
     dry_run: Print the files and commands, run nothing.
     launch_dir: Where the generated files and the local logs go (default: WORKDIR/launch,
         or launch/NAME when the workdir is a gs:// path).
-    env: Extra environment of every host, KEY=VALUE,KEY=VALUE.
+    env_vars: Extra environment variables of every host, KEY=VALUE,KEY=VALUE.
     python: The Python interpreter on the hosts (default: python3; local: this one).
     repo_dir: The repository's folder on the hosts (tpu-vm, slurm; gke: the image's workdir).
     zone: tpu-vm: the TPU's zone.
@@ -73,7 +73,7 @@ class LaunchOptions:
     max_restarts: int = 3
     dry_run: bool = False
     launch_dir: str | None = None
-    env: str = ""
+    env_vars: str = ""
     python: str = ""
     repo_dir: str = "~/jaxrl4llm"
     zone: str = ""
@@ -171,8 +171,8 @@ def parse_env(text: str) -> tuple[tuple[str, str], ...]:
             pairs[-1][1] += "," + item
         else:
             raise ValueError(
-                f"--env={text!r} must start with KEY=VALUE (e.g. "
-                "--env=TF_CPP_MIN_LOG_LEVEL=1,XLA_FLAGS=--xla_dump_to=/tmp/hlo)."
+                f"--env_vars={text!r} must start with KEY=VALUE (e.g. "
+                "--env_vars=TF_CPP_MIN_LOG_LEVEL=1,XLA_FLAGS=--xla_dump_to=/tmp/hlo)."
             )
     return tuple((k, v) for k, v in pairs)
 
@@ -191,7 +191,7 @@ def _train_argv(opts: LaunchOptions, train_args: Sequence[str]) -> tuple[str, ..
 
 def _base_env(platform: str, opts: LaunchOptions) -> tuple[tuple[str, str], ...]:
     # Unbuffered: a host's log shows each step as it ends, also when the job is killed.
-    return (("JAX_PLATFORMS", platform), ("PYTHONUNBUFFERED", "1")) + parse_env(opts.env)
+    return (("JAX_PLATFORMS", platform), ("PYTHONUNBUFFERED", "1")) + parse_env(opts.env_vars)
 
 
 def make_plan(opts: LaunchOptions, train_args: Sequence[str], module: str = TRAIN_MODULE) -> Plan:
@@ -234,7 +234,7 @@ def _local(opts: LaunchOptions, train_args: list[str], workdir: str, module: str
         ("XLA_FLAGS", f"--xla_force_host_platform_device_count={opts.devices_per_process}"),
         ("JAX_COORDINATOR_ADDRESS", f"127.0.0.1:{port}"),
         ("JAX_NUM_PROCESSES", str(opts.num_hosts)),
-    ) + parse_env(opts.env)
+    ) + parse_env(opts.env_vars)
     processes = tuple(
         Process(argv, env + (("JAX_PROCESS_ID", str(i)),), os.path.join(logs, f"worker{i}.log"))
         for i in range(opts.num_hosts)

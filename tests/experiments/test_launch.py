@@ -244,7 +244,7 @@ def _local_launch(tmp_path, codes, max_restarts):
         num_hosts=3,
         devices_per_process=2,
         max_restarts=max_restarts,
-        env=f"FAKE_STATE={tmp_path},FAKE_CODES={codes},PYTHONPATH={tmp_path}",
+        env_vars=f"FAKE_STATE={tmp_path},FAKE_CODES={codes},PYTHONPATH={tmp_path}",
         python=sys.executable,
     )
     plan = make_plan(
