@@ -10,7 +10,7 @@ is an ordinary `python -m experiments.train` run in ROOT/ARM/seed_S, one after a
 finished run is skipped, an unfinished one (killed, preempted) resumes from its checkpoint.
 Each run's console output goes to its workdir's train.log. At the end (and with --collect,
 from whatever runs exist) it writes ROOT/report.md, report.json and curves.png
-(experiments/study_report.py says what they hold). --print_commands prints one command per
+(experiments/study_stats.py says what they hold). --print_commands prints one command per
 run, for a cluster scheduler, and runs nothing. Before anything runs (or prints), the design
 is checked (experiments/study_design.py): arms that are the same arm are refused.
 """
@@ -27,7 +27,7 @@ import time
 from absl import flags
 from tqdm.auto import tqdm
 
-from experiments import study_design, study_estimate, study_report
+from experiments import study_design, study_estimate, study_report, study_stats
 from experiments.study_spec import REPO, Run, load_study, plan, select
 from jaxrl4llm.config import cli
 from jaxrl4llm.config.options import require
@@ -131,7 +131,7 @@ def run_all(runs: list[Run], keep_going: bool, cache_dir: str, prune: bool = Fal
     failed = []
     bar = tqdm(total=len(runs), desc="study", unit="run", dynamic_ncols=True)
     for run in runs:
-        status, last = study_report.run_status(run.workdir, run.num_steps)
+        status, last = study_stats.run_status(run.workdir, run.num_steps)
         if status == "finished":
             bar.write(f"{run.label}: finished earlier (step {last}), skipped")
             bar.update(1)
@@ -141,7 +141,7 @@ def run_all(runs: list[Run], keep_going: bool, cache_dir: str, prune: bool = Fal
         bar.write(f"{run.label}: training{resume}, log {run.workdir}/train.log")
         t0 = time.time()
         code, log_path = train(run, cache_dir)
-        status, last = study_report.run_status(run.workdir, run.num_steps)
+        status, last = study_stats.run_status(run.workdir, run.num_steps)
         minutes = (time.time() - t0) / 60
         if _STOPPED or code == EXIT_PREEMPTED:  # the runner's SIGTERM, or the run's own
             bar.write(
@@ -211,7 +211,7 @@ def main(argv):
     ]
     collect += [f"--arms={_ARMS.value}"] * bool(_ARMS.value)
     collect += [f"--seeds={_SEEDS.value}"] * bool(_SEEDS.value)
-    report = study_report.build_report(
+    report = study_stats.build_report(
         study, _SCALE.value, runs, " ".join(shlex.quote(c) for c in collect)
     )
     paths = study_report.write_report(report, root)

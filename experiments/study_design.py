@@ -29,7 +29,7 @@ import numpy as np
 
 from experiments.study_spec import Run, resolve_config
 from jaxrl4llm.config.errors import UserError
-from jaxrl4llm.rl import algorithms, losses
+from jaxrl4llm.rl import algorithm_config, algorithms, losses
 
 NUM_BATCHES = 4
 PROMPTS = 8  # groups per random batch (the arm's group size)
@@ -114,7 +114,7 @@ def random_batches(group_size: int, seed: int = 0) -> list[dict[str, np.ndarray]
 
 
 def update_weights(
-    algorithm: algorithms.AlgorithmConfig, group_size: int, batch: dict[str, np.ndarray]
+    algorithm: algorithm_config.AlgorithmConfig, group_size: int, batch: dict[str, np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray]:
     """(policy-gradient weights [B, T], regulariser weights [B, T]) of one batch."""
     b = {k: jnp.asarray(v) for k, v in batch.items()}
@@ -138,7 +138,7 @@ def fingerprint(config: Any, batches: Sequence[dict[str, np.ndarray]]) -> Finger
     """`config`: a resolved TrainConfig."""
     alg = config.algorithm
     group_size = config.rollout.group_size
-    defaults = algorithms.AlgorithmConfig()
+    defaults = algorithm_config.AlgorithmConfig()
     rest = dataclasses.replace(
         config,
         algorithm=dataclasses.replace(alg, **{f: getattr(defaults, f) for f in WEIGHT_FIELDS}),

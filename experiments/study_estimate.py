@@ -25,7 +25,7 @@ import os
 import shutil
 from collections.abc import Sequence
 
-from experiments import study_report
+from experiments import study_stats
 from experiments.study_spec import Run, resolve_config
 from jaxrl4llm.config.errors import UserError
 from jaxrl4llm.models.config import ARCHITECTURES, PRESETS, ModelConfig
@@ -93,7 +93,7 @@ def folder_bytes(folder: str) -> int:
 
 def estimate_run(run: Run, config: TrainConfig) -> RunEstimate:
     """`run`'s steps left and checkpoints; `config` is its resolved TrainConfig."""
-    status, last = study_report.run_status(run.workdir, run.num_steps)
+    status, last = study_stats.run_status(run.workdir, run.num_steps)
     num_params = model_num_params(config.model.name)
     saves = _saves(run.num_steps, config.run.checkpoint_every)
     keep = config.run.keep_checkpoints

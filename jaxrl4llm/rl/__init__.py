@@ -13,7 +13,7 @@ advantages read the reward. Masks are bool or {0,1} float [B, T]; ``keep_B`` is 
 
 Public API (stable):
 
-Presets (presets.py) and the two entry points (algorithms.py)
+Presets (presets.py), the config (algorithm_config.py) and the two entry points (algorithms.py)
     AlgorithmConfig(...)                       frozen dataclass of every knob (hashable: a static
                                                jit arg)
     get_preset(name, **overrides) -> AlgorithmConfig
@@ -112,6 +112,7 @@ from __future__ import annotations
 
 from jaxrl4llm.rl import (
     advantages,
+    algorithm_config,
     algorithms,
     correction,
     filters,
@@ -131,13 +132,12 @@ from jaxrl4llm.rl.advantages import (
     token_rewards,
     whiten,
 )
+from jaxrl4llm.rl.algorithm_config import AlgorithmConfig, validate
 from jaxrl4llm.rl.algorithms import (
-    AlgorithmConfig,
     compute_advantages,
     compute_advantages_and_returns,
     loss_denominator,
     policy_loss,
-    validate,
 )
 from jaxrl4llm.rl.correction import (
     CORRECTIONS,
@@ -174,6 +174,7 @@ from jaxrl4llm.rl.value import gae_advantages, masked_whiten, ppo_advantages, va
 
 __all__ = [
     "advantages",
+    "algorithm_config",
     "algorithms",
     "filters",
     "losses",

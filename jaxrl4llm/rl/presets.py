@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxrl4llm.rl.algorithms import AlgorithmConfig
+from jaxrl4llm.rl.algorithm_config import AlgorithmConfig
 
 
 def grpo() -> AlgorithmConfig:

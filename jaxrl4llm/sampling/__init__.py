@@ -7,7 +7,8 @@ out = sampler.generate(params, prompt_ids, SamplingConfig(1.0), 256, key, group_
 
 from jaxrl4llm.sampling.frontend import Sampler, Samples
 from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.sampling.sampler import SampleOutput, generate, generate_tokens
+from jaxrl4llm.sampling.sample_output import SampleOutput
+from jaxrl4llm.sampling.sampler import generate, generate_tokens
 from jaxrl4llm.sampling.strategies import GREEDY, SamplingConfig
 
 __all__ = [

@@ -21,7 +21,9 @@ from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import buckets, continuous, multiturn, trim
 from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.sampling.sampler import LONG_PROMPT_MODES, SampleOutput, generate, host_rows
+from jaxrl4llm.sampling.row_io import host_rows
+from jaxrl4llm.sampling.sample_output import SampleOutput
+from jaxrl4llm.sampling.sampler import LONG_PROMPT_MODES, generate
 from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.sampling.turns import TurnHandler, TurnLimits
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm import parallel
-from jaxrl4llm.rl.algorithms import AlgorithmConfig
+from jaxrl4llm.rl.algorithm_config import AlgorithmConfig
 from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.sampling import multiturn
 from jaxrl4llm.sampling.context import RolloutContext, RowVerdicts

@@ -19,16 +19,17 @@ activations are sized by one chunk.
 Logprobs are log_softmax(logits / temperature) at the sampled token, before top-k / top-p
 truncation (temperature 1 for greedy); see strategies.py. Row r draws with
 fold_in(row_key[r], step), so a row's samples do not depend on the rest of the batch.
+
+`generate`, the host entry, lays the rows out (row_io.py) and runs this program or
+continuous.py's; both return a `SampleOutput` (sample_output.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any, Callable, Sequence
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,76 +38,15 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import buckets, continuous, decode, trim
+from jaxrl4llm.sampling import buckets, continuous, decode
 from jaxrl4llm.sampling.decode import cache_dtype_for as _cache_dtype
 from jaxrl4llm.sampling.decode import decode_step, prefill  # noqa: F401  (re-exported)
-from jaxrl4llm.sampling.layout import RowLayout, prompt_completion_rows
+from jaxrl4llm.sampling.layout import RowLayout
+from jaxrl4llm.sampling.row_io import place_rows, prompt_rows
+from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
 LONG_PROMPT_MODES = buckets.LONG_PROMPT_MODES
-
-
-class SampleOutput(flax.struct.PyTreeNode):
-    """Completions of B = num_prompts * n rows (row p * n + g is sample g of prompt p).
-
-    tokens_BT      int32 completion tokens; pad_id after the first stop token.
-    logprobs_BT    float32 log_softmax(logits / temperature)[token] (0 where mask is False).
-    mask_BT        bool: the model's tokens, up to and including the first stop token.
-    lengths_B      int32 number of completion tokens (sum of mask_BT; in a multi-turn
-                   rollout, model and observation tokens).
-    truncated_B    bool: hit max_new_tokens (or its row cap) without emitting a stop token.
-    prompt_tokens_BP / prompt_mask_BP   the left-padded prompt block the completions follow;
-                   concatenated with tokens_BT / mask_BT they give the teacher-forced input.
-    dropped_B      bool: the prompt was longer than the limit and skipped (long_prompts="drop");
-                   such rows have no completion (mask all False).
-    num_steps      int32 scalar: decode steps run (<= max_new_tokens; = the longest row).
-    slot_steps     int32 scalar: rows computed, summed over the decode steps (finished rows
-                   are compacted away, see decode.py): the decode loop's work.
-    observation_BT bool or None: multi-turn rollouts (multiturn.py): the observation tokens
-                   appended between model turns: in the sequence, off mask_BT (no logprob,
-                   off the loss). None: single-turn (every real token is the model's).
-    """
-
-    tokens_BT: jax.Array
-    logprobs_BT: jax.Array
-    mask_BT: jax.Array
-    lengths_B: jax.Array
-    truncated_B: jax.Array
-    prompt_tokens_BP: jax.Array
-    prompt_mask_BP: jax.Array
-    dropped_B: jax.Array
-    num_steps: jax.Array
-    slot_steps: jax.Array | None = None
-    observation_BT: jax.Array | None = None
-
-    @property
-    def num_dropped(self) -> int:
-        return int(np.sum(np.asarray(self.dropped_B)))
-
-    def trimmed(self, length: int) -> "SampleOutput":
-        """The first `length` completion columns (>= every row's length: nothing real is cut),
-        so teacher-forced passes run on the batch's own longest completion, not
-        max_new_tokens (see buckets.bucket_completion_length)."""
-        return self.replace(
-            tokens_BT=trim.cut_columns(self.tokens_BT, length),
-            logprobs_BT=trim.cut_columns(self.logprobs_BT, length),
-            mask_BT=trim.cut_columns(self.mask_BT, length),
-            observation_BT=trim.cut_columns(self.observation_BT, length),
-        )
-
-    @property
-    def sequence_mask_BT(self) -> jax.Array:
-        """bool: every real completion token, the model's and the observations'."""
-        if self.observation_BT is None:
-            return self.mask_BT
-        return self.mask_BT | self.observation_BT
-
-    def sequences(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """(tokens, mask, positions) of prompt + completion, [B, P + T], for a teacher-forced
-        forward whose logits at column P - 1 + t predict completion token t."""
-        return prompt_completion_rows(
-            self.prompt_tokens_BP, self.prompt_mask_BP, self.tokens_BT, self.sequence_mask_BT
-        )
 
 
 def cache_sharding(
@@ -302,116 +242,6 @@ def _generate_rows(
     )
 
 
-@jax.jit
-def _row_keys(key: jax.Array, prompt_index_B: jax.Array, sample_index_B: jax.Array) -> jax.Array:
-    """Key of sample g of prompt p: fold_in(fold_in(key, p), g), whatever else is batched."""
-    return jax.vmap(lambda p, g: jax.random.fold_in(jax.random.fold_in(key, p), g))(
-        prompt_index_B, sample_index_B
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptRows:
-    """The host side of a sampler call: the prompt block, each row's key and the greedy
-    rows (bool [B], or None), and the rows per prompt prefill (RowLayout.prompt_group)."""
-
-    batch: buckets.PromptBatch
-    keys_B: jax.Array
-    greedy_B: np.ndarray | None
-    prompt_group: int
-
-
-def prompt_rows(
-    prompts: Sequence[Sequence[int]],
-    model_config: ModelConfig,
-    key: jax.Array,
-    layout: RowLayout,
-    *,
-    max_new_tokens: int,
-    max_prompt_len: int | None,
-    long_prompts: str,
-    pad_id: int,
-    min_prompt_bucket: int,
-    greedy_last: int = 0,
-    batch_multiple: int = 1,
-    multihost: bool = False,
-    row_keys: jax.Array | None = None,
-) -> PromptRows:
-    """The rows of `layout.group_size` samples of each prompt (buckets.prepare_batch) under
-    the prompt limit (max_prompt_len, by default the context left after max_new_tokens),
-    keyed fold_in(fold_in(key, p), g) unless `row_keys` gives the real rows' keys, the last
-    `greedy_last` samples of each prompt greedy. `multihost`: prompts are this host's, so
-    its prompt indices are offset by its share and every host picks the same prompt bucket."""
-    n = layout.group_size
-    limit = (
-        model_config.max_position_embeddings - max_new_tokens
-        if max_prompt_len is None
-        else max_prompt_len
-    )
-    if limit < 1:
-        raise ValueError(
-            f"No room for a prompt: --max_new_tokens={max_new_tokens} leaves "
-            f"{limit} prompt tokens; lower --max_new_tokens or set "
-            "--max_prompt_tokens."
-        )
-    if multihost:
-        min_prompt_bucket = max(min_prompt_bucket, _global_max_prompt_len(prompts, limit))
-    batch = buckets.prepare_batch(
-        prompts,
-        n=n,
-        max_prompt_len=limit,
-        long_prompts=long_prompts,
-        pad_id=pad_id,
-        vocab_size=model_config.vocab_size,
-        batch_multiple=batch_multiple,
-        min_prompt_bucket=min_prompt_bucket,
-    )
-    B = batch.prompt_BP.shape[0]
-    # Prompt indices are global (offset by this host's share) so no two hosts draw alike.
-    prompt_index_B = batch.prompt_index_B + (jax.process_index() * len(prompts) if multihost else 0)
-    if row_keys is None:
-        keys_B = _row_keys(key, jnp.asarray(prompt_index_B), jnp.asarray(batch.sample_index_B))
-    else:
-        if len(row_keys) != batch.num_rows:
-            raise ValueError(
-                f"row_keys has {len(row_keys)} keys; expected len(prompts) * n = {batch.num_rows}."
-            )
-        extra = _row_keys(
-            key,
-            jnp.asarray(prompt_index_B[batch.num_rows :]),
-            jnp.asarray(batch.sample_index_B[batch.num_rows :]),
-        )
-        keys_B = jnp.concatenate([row_keys, extra]) if B > batch.num_rows else row_keys
-    return PromptRows(
-        batch=batch,
-        keys_B=keys_B,
-        greedy_B=(batch.sample_index_B >= n - greedy_last) if greedy_last else None,
-        # prepare_batch lays each prompt's n samples out as consecutive rows (batch padding
-        # rows are all alike): with whole groups the prompt is prefilled once per group.
-        prompt_group=layout.prompt_group(B),
-    )
-
-
-def place_rows(
-    x: Any,
-    *,
-    mesh: Mesh | None,
-    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
-    multihost: bool = False,
-) -> Any:
-    """A per-row host array (rows first) as a sampler's batch-sharded input (rows over the
-    data-parallel devices; `multihost`: this host's rows of the global batch); unchanged
-    without a mesh."""
-    if multihost:
-        assert mesh is not None  # multihost implies a mesh
-        return jax.make_array_from_process_local_data(
-            parallel.batch_sharding(mesh, np.ndim(x), rules), np.asarray(x)
-        )
-    if mesh is not None:
-        return jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x), rules))
-    return x
-
-
 def generate(
     params: Any,
     model_config: ModelConfig,
@@ -585,27 +415,3 @@ def _slot_sample_output(
 @jax.jit
 def _and_not(mask_BP: jax.Array, dropped_B: jax.Array) -> jax.Array:
     return mask_BP & ~dropped_B[:, None]
-
-
-def _global_max_prompt_len(prompts: Sequence[Sequence[int]], limit: int) -> int:
-    """The longest kept prompt over all hosts (so every host picks the same bucket)."""
-    from jax.experimental import multihost_utils
-
-    local = max((len(p) for p in prompts if len(p) <= limit), default=1)
-    return int(np.max(multihost_utils.process_allgather(np.int32(local))))
-
-
-def host_rows(x: jax.Array, num_rows: int) -> np.ndarray:
-    """This host's first `num_rows` rows of a sampler output array, as numpy.
-
-    One process: `generate` already returns exactly its rows. Several: the global batch is
-    the hosts' equal-sized blocks in process order, padding rows at the end of each block.
-    """
-    if jax.process_count() == 1:
-        return np.asarray(jax.device_get(x))[:num_rows]
-    from jax.experimental import multihost_utils
-
-    full = np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    block = full.shape[0] // jax.process_count()
-    start = jax.process_index() * block
-    return full[start : start + num_rows]

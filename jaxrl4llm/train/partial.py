@@ -46,7 +46,7 @@ from jaxrl4llm.sampling import buckets
 from jaxrl4llm.sampling.context import RolloutContext
 from jaxrl4llm.sampling.frontend import Samples
 from jaxrl4llm.sampling.rounds import ScoredRows, on_device
-from jaxrl4llm.sampling.sampler import SampleOutput
+from jaxrl4llm.sampling.sample_output import SampleOutput
 
 ONE_HOST_ONLY = (
     "--partial_rollout_tokens picks rows on the host and runs on one host only; "

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from experiments import study_report, study_spec
+from experiments import study_report, study_spec, study_stats
 
 SPEC = """
 name = "hand"
@@ -76,7 +76,7 @@ def test_report_numbers_by_hand(tmp_path):
     _write(root / "a" / "seed_1", [_run(0, 0.2), _run(2, 0.4, 1.0), _run(4, 0.6, 1.0)])
     _write(root / "b" / "seed_0", [_run(0, 0.1), _run(2, 0.1), _run(4, 0.1)])
     _write(root / "b" / "seed_1", [_run(0, 0.1), _run(2, 0.9)])  # killed after step 2
-    report = study_report.build_report(study, "x", runs)
+    report = study_stats.build_report(study, "x", runs)
     assert [r["status"] for r in report["runs"]] == ["finished"] * 3 + ["unfinished"]
     a = report["arms"]["a"]
     assert a["final eval/accuracy"]["mean"] == pytest.approx(0.8)  # (1.0 + 0.6) / 2
@@ -103,10 +103,10 @@ def test_report_numbers_by_hand(tmp_path):
 def test_pairwise_difference_beyond_two_standard_errors():
     a = {"mean": 1.0, "se": 0.1, "n": 3}
     b = {"mean": 0.5, "se": 0.1, "n": 3}
-    verdict, diff, two_se = study_report.compare(a, b)
+    verdict, diff, two_se = study_stats.compare(a, b)
     assert verdict == "a>b" and diff == pytest.approx(0.5)
     assert two_se == pytest.approx(2 * 0.02**0.5)  # 0.283
-    assert study_report.compare(a, {"mean": 0.8, "se": 0.1, "n": 3})[0] == "unresolved"
+    assert study_stats.compare(a, {"mean": 0.8, "se": 0.1, "n": 3})[0] == "unresolved"
 
 
 def test_spec_errors_name_the_problem(tmp_path):
@@ -158,25 +158,25 @@ Z = 1.959964 + 0.841621  # z_0.975 + z_0.8, from a normal table
 def test_bootstrap_interval_by_hand():
     # Two values: a resample's mean is 0, 0.5 or 1 with probabilities 1/4, 1/2, 1/4, so the
     # 2.5th and 97.5th percentiles of 10,000 resamples are 0 and 1.
-    assert study_report.bootstrap_ci([0.0, 1.0]) == (0.0, 1.0)
-    assert study_report.bootstrap_ci([0.3, 0.3, 0.3]) == pytest.approx((0.3, 0.3))
+    assert study_stats.bootstrap_ci([0.0, 1.0]) == (0.0, 1.0)
+    assert study_stats.bootstrap_ci([0.3, 0.3, 0.3]) == pytest.approx((0.3, 0.3))
     # Seeded: the same interval every time.
     d = [0.1, -0.05, 0.2, 0.07]
-    assert study_report.bootstrap_ci(d) == study_report.bootstrap_ci(d)
+    assert study_stats.bootstrap_ci(d) == study_stats.bootstrap_ci(d)
 
 
 def test_detectable_effect_and_seeds_needed_by_hand():
-    assert study_report.min_detectable_effect(0.1, 4) == pytest.approx(Z * 0.1 / 2, rel=1e-5)
+    assert study_stats.min_detectable_effect(0.1, 4) == pytest.approx(Z * 0.1 / 2, rel=1e-5)
     # (2.8016 x 0.1 / 0.05)^2 = 31.4 -> 32 seeds.
-    assert study_report.seeds_needed(0.1, 0.05) == 32
-    assert study_report.seeds_needed(0.0, 0.05) == 2
-    assert study_report.seeds_needed(0.1, 0.0) is None
+    assert study_stats.seeds_needed(0.1, 0.05) == 32
+    assert study_stats.seeds_needed(0.0, 0.05) == 2
+    assert study_stats.seeds_needed(0.1, 0.0) is None
 
 
 def test_paired_verdicts_on_synthetic_results():
     seeds = [0.1, 0.5, 0.9]  # a large seed effect, shared by both arms of a seed
     up = {s: (v + 0.02 + 0.001 * s, v) for s, v in enumerate(seeds)}
-    c = study_report.paired_claim(up, ">", None)
+    c = study_stats.paired_claim(up, ">", None)
     assert c["verdict"] == "supported" and c["mean_difference"] == pytest.approx(0.021)
     sd = float(np.std([0.02, 0.021, 0.022], ddof=1))
     assert c["sd_difference"] == pytest.approx(sd)
@@ -185,23 +185,23 @@ def test_paired_verdicts_on_synthetic_results():
     se = float(np.std(seeds, ddof=1)) / 3**0.5
     a = {"mean": float(np.mean(seeds)) + 0.021, "se": se, "n": 3}
     b = {"mean": float(np.mean(seeds)), "se": se, "n": 3}
-    assert study_report.compare(a, b)[0] == "unresolved"
-    assert study_report.paired_claim(up, "<", None)["verdict"] == "contradicted"
+    assert study_stats.compare(a, b)[0] == "unresolved"
+    assert study_stats.paired_claim(up, "<", None)["verdict"] == "contradicted"
     noisy = {0: (0.5, 0.4), 1: (0.4, 0.5), 2: (0.52, 0.5)}
-    c = study_report.paired_claim(noisy, ">", None)
+    c = study_stats.paired_claim(noisy, ">", None)
     assert c["verdict"] == "unresolved" and "includes 0" in c["why"]
     sd = float(np.std([0.1, -0.1, 0.02], ddof=1))
     assert c["seeds_needed"] == int(np.ceil((Z * sd / (0.02 / 3)) ** 2))
-    assert study_report.paired_claim({0: (1.0, 0.0)}, ">", None)["verdict"] == "not measured"
+    assert study_stats.paired_claim({0: (1.0, 0.0)}, ">", None)["verdict"] == "not measured"
 
 
 def test_equivalence_claims_use_the_margin():
     close = {0: (0.50, 0.49), 1: (0.40, 0.41), 2: (0.60, 0.60)}
-    assert study_report.paired_claim(close, "~", 0.05)["verdict"] == "supported"
+    assert study_stats.paired_claim(close, "~", 0.05)["verdict"] == "supported"
     far = {0: (0.70, 0.49), 1: (0.60, 0.41), 2: (0.80, 0.60)}
-    assert study_report.paired_claim(far, "~", 0.05)["verdict"] == "contradicted"
+    assert study_stats.paired_claim(far, "~", 0.05)["verdict"] == "contradicted"
     wide = {0: (0.60, 0.49), 1: (0.35, 0.41), 2: (0.62, 0.60)}
-    c = study_report.paired_claim(wide, "~", 0.05)
+    c = study_stats.paired_claim(wide, "~", 0.05)
     assert c["verdict"] == "unresolved" and "crosses" in c["why"]
 
 

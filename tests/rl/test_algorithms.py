@@ -418,3 +418,22 @@ def test_policy_loss_keep_none_means_all_rows():
     s0, d0, _ = rl.policy_loss(cfg, lp, lp + 0.1, A, m)
     s1, d1, _ = rl.policy_loss(cfg, lp, lp + 0.1, A, m, jnp.ones(8, bool))
     assert (float(s0), float(d0)) == (float(s1), float(d1)) and float(d0) == MASK.sum()
+
+
+# Every public name of jaxrl4llm.rl.algorithms (a public API: configs and code outside this
+# repository import them from there), written out by hand rather than read from the module.
+ALGORITHMS_NAMES = (
+    "ADVANTAGES IMPORTANCE KL_PLACES OBJECTIVES REJECTED_ROWS SEQUENCE_ADVANTAGES AlgorithmConfig "
+    "compute_advantages compute_advantages_and_returns loss_denominator policy_loss validate"
+).split()
+
+
+@pytest.mark.parametrize("name", ALGORITHMS_NAMES)
+def test_algorithms_names_import_from_rl_algorithms(name):
+    """`from jaxrl4llm.rl.algorithms import X` works for each, and where jaxrl4llm.rl
+    exports X too it is the same object."""
+    namespace: dict = {}
+    exec(f"from jaxrl4llm.rl.algorithms import {name}", namespace)
+    assert namespace[name] is getattr(rl.algorithms, name)
+    if hasattr(rl, name):
+        assert getattr(rl, name) is namespace[name]

@@ -1,7 +1,7 @@
-"""Multi-turn rollouts (sampling/multiturn.py) with a fake turn handler: observations land where
-the replies put them, the cache stays consistent with a fresh forward over the whole
-sequence, a slow tool does not hold the other rows, the limits hold, and a single turn samples
-what sampler.generate samples."""
+"""Multi-turn rollouts (sampling/multiturn.py, turn_programs.py) with a fake turn handler:
+observations land where the replies put them, the cache stays consistent with a fresh forward
+over the whole sequence, a slow tool does not hold the other rows, the limits hold, and a
+single turn samples what sampler.generate samples."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrl4llm import parallel
 from jaxrl4llm.config.errors import FlagError
 from jaxrl4llm.models import transformer
-from jaxrl4llm.sampling import Sampler, multiturn, sampler
+from jaxrl4llm.sampling import Sampler, multiturn, sampler, turn_programs
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.sampling.turns import TurnLimits, TurnReply
@@ -193,13 +193,13 @@ def test_a_mesh_samples_what_one_device_samples(toy_policy, monkeypatch):
         toy_policy, FakeHandler(done_after=3), limits, prompts, n=3, greedy_last=1
     )
     caches = []
-    segment = multiturn._segment
+    segment = turn_programs.segment
 
     def watch(weights, s, *args, **kwargs):
         caches.append(s.cache.k_BKHS[0].sharding)
         return segment(weights, s, *args, **kwargs)
 
-    monkeypatch.setattr(multiturn, "_segment", watch)
+    monkeypatch.setattr(turn_programs, "segment", watch)
     smp = Sampler(config, mesh=mesh, stop_ids=EOS, pad_id=0)
     many, many_stats = smp.generate_turns(
         smp.shard_params(params),
@@ -297,7 +297,7 @@ def test_max_turns_budget_and_observation_cut(toy_policy):
 
 
 def test_stop_sequence_array_right_aligns():
-    a = multiturn.stop_sequence_array([[(5,), (6, 7, 8)], [], [(9, 9)]])
+    a = turn_programs.stop_sequence_array([[(5,), (6, 7, 8)], [], [(9, 9)]])
     assert a.shape == (3, 2, 4)
     assert a[0].tolist() == [[-1, -1, -1, 5], [-1, 6, 7, 8]]
     assert (a[1] == -1).all() and a[2, 0].tolist() == [-1, -1, 9, 9]
@@ -306,7 +306,7 @@ def test_stop_sequence_array_right_aligns():
 def test_stop_sequence_must_lie_in_the_turn():
     """A stop sequence that straddles the observation and the model's turn does not end it."""
     B, N = 1, 8
-    s = multiturn.TurnState(
+    s = turn_programs.TurnState(
         cache=None,
         plen_B=jnp.zeros(B, jnp.int32),
         step_B=jnp.array([3], jnp.int32),
@@ -321,11 +321,11 @@ def test_stop_sequence_must_lie_in_the_turn():
         model_BT=jnp.zeros((B, N), bool),
         slot_steps=jnp.int32(0),
     )
-    stops = jnp.asarray(multiturn.stop_sequence_array([[(12, 13)]]))
+    stops = jnp.asarray(turn_programs.stop_sequence_array([[(12, 13)]]))
     eos = jnp.full((8,), -1, jnp.int32)
-    after = multiturn._emit(s, jnp.ones(B, bool), jnp.array([13]), jnp.zeros(B), eos, stops)
+    after = turn_programs._emit(s, jnp.ones(B, bool), jnp.array([13]), jnp.zeros(B), eos, stops)
     assert int(after.ended_B[0]) == 0 and bool(after.live_B[0])
-    inside = multiturn._emit(
+    inside = turn_programs._emit(
         s.replace(turn_start_B=jnp.array([2], jnp.int32)),
         jnp.ones(B, bool),
         jnp.array([13]),

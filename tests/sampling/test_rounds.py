@@ -15,7 +15,7 @@ from jaxrl4llm.rl.metrics import finalize_metrics
 from jaxrl4llm.sampling.frontend import Samples
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.rounds import Rounds, sample_and_score
-from jaxrl4llm.sampling.sampler import SampleOutput
+from jaxrl4llm.sampling.sample_output import SampleOutput
 
 T = 3
 

@@ -9,7 +9,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl4llm.sampling.sampler import SampleOutput
+from jaxrl4llm.sampling.sample_output import SampleOutput
 
 TOOLS = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"

@@ -17,7 +17,7 @@ from jaxrl4llm import rl
 from jaxrl4llm.models import registry
 from jaxrl4llm.rewards.base import RewardBatch
 from jaxrl4llm.sampling.frontend import Sampler
-from jaxrl4llm.sampling.sampler import SampleOutput
+from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.sampling.strategies import GREEDY
 from jaxrl4llm.train import loop, partial
 from jaxrl4llm.train.config import RolloutConfig

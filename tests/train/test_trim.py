@@ -13,7 +13,7 @@ from jaxrl4llm import rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling.buckets import bucket_completion_length
-from jaxrl4llm.sampling.sampler import SampleOutput
+from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs_jit
 from jaxrl4llm.train.step import UpdateBatch, accumulate_gradients

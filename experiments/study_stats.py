@@ -1,0 +1,314 @@
+"""A study's statistics from its runs' workdirs: per run, per arm, pairwise and per claim, as the
+dict that report.json holds (`build_report`; study_report.py renders it).
+
+Per run (metrics.jsonl, whose records hold `step` and the logged metrics):
+  - `final METRIC` / `best METRIC` for every eval metric (`eval/...` but `.../num_prompts`):
+    the value at the last eval step, the largest value over the eval steps (step 0 included);
+  - `auc PRIMARY`: the area under the primary metric's eval curve (trapezoids over steps)
+    divided by the steps it spans: the mean score over training, in the metric's units;
+  - `steps PRIMARY>=T`: the first eval step whose primary score is >= the threshold T (runs
+    that never reach it are left out of the mean and counted in `reached`);
+  - `final KEY` for the training metrics TRAIN_KEYS: the mean of the last `final_window` steps
+    that log KEY (one step's batch is small: this is the end of training, less its noise).
+Per arm: mean and standard error (sample std, ddof 1, / sqrt(n)) over the finished seeds.
+Two arms differ on a quantity (unpaired) when |mean_a - mean_b| > 2 sqrt(se_a^2 + se_b^2);
+otherwise the difference is unresolved. Only finished runs (last step = the run's
+--num_steps) count; missing and unfinished runs are listed.
+
+Claims are judged seed by seed: the runs of one seed see the same prompts and sampling keys
+in every arm, so d_s = a_s - b_s removes what the seed alone decides. Per claim: the mean
+paired difference, its 95% bootstrap interval (BOOTSTRAP resamples of the seeds, percentile,
+seeded), the verdict from that interval (">": supported when it lies above 0, contradicted
+below 0; "~": supported when it lies inside (-margin, margin), contradicted when outside),
+the minimum detectable effect with these seeds (a two-sided 5% test with 80% power:
+(z_0.975 + z_0.8) sd(d) / sqrt(n)) and the seeds that would resolve the observed difference
+(seeds_needed); the unpaired 2-s.e. verdict stays beside it. With few seeds the bootstrap
+interval is narrower than the truth (3 seeds have 10 distinct resamples): the minimum
+detectable effect says how far to trust it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from statistics import NormalDist
+from typing import Any, Sequence
+
+import numpy as np
+
+from experiments.study_spec import REPO, SHORT_QUANTITIES, Run, Study
+from jaxrl4llm.train.metrics import read_metrics
+
+TRAIN_KEYS = (
+    "reward/mean",
+    "reward/accuracy",
+    "policy/entropy",
+    "policy/kl_ref",
+    "response/length_mean",
+)
+
+
+def curve(records: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the records that log `key` with a value."""
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    steps, values = zip(*points) if points else ((), ())
+    return np.asarray(steps, float), np.asarray(values, float)
+
+
+def run_status(workdir: str, num_steps: int) -> tuple[str, int]:
+    """("finished" | "unfinished" | "missing", last logged step): finished when the metrics
+    reach `num_steps` (the spec's, so a spec run longer later resumes its runs)."""
+    if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+        return "missing", 0
+    last = max((r.get("step", 0) for r in read_metrics(workdir)), default=0)
+    return ("finished" if last >= num_steps else "unfinished"), last
+
+
+def run_summary(
+    records: Sequence[dict], primary: str, threshold: float | None, final_window: int
+) -> dict[str, float | None]:
+    """The per-run quantities named in the module docstring."""
+    out: dict[str, float | None] = {}
+    eval_keys = sorted(
+        {
+            k
+            for r in records
+            for k, v in r.items()
+            if k.startswith("eval/") and not k.endswith("/num_prompts") and v is not None
+        }
+    )
+    for key in eval_keys:
+        _, values = curve(records, key)
+        out[f"final {key}"] = float(values[-1])
+        out[f"best {key}"] = float(values.max())
+    steps, values = curve(records, primary)
+    if len(values):
+        span = steps[-1] - steps[0]
+        area = float(np.sum((values[1:] + values[:-1]) / 2 * np.diff(steps)))
+        out[f"auc {primary}"] = area / span if span > 0 else float(values[0])
+    if threshold is not None and len(values):
+        hit = np.nonzero(values >= threshold)[0]
+        out[f"steps {primary}>={threshold:g}"] = float(steps[hit[0]]) if len(hit) else None
+    for key in TRAIN_KEYS:
+        _, values = curve([r for r in records if r["step"] > 0], key)
+        if len(values):
+            out[f"final {key}"] = float(values[-final_window:].mean())
+    return out
+
+
+def mean_se(values: Sequence[float]) -> dict[str, Any]:
+    x = np.asarray(values, float)
+    n = len(x)
+    mean = float(x.mean()) if n else None
+    se = float(x.std(ddof=1) / math.sqrt(n)) if n >= 2 else None
+    return {"mean": mean, "se": se, "n": n, "values": [float(v) for v in x]}
+
+
+def resolve_quantity(quantity: str, primary: str, threshold: float | None) -> str:
+    """A claim's short quantity ("final", "best", "auc", "steps") -> its report name."""
+    if quantity == "steps":
+        return f"steps {primary}>={threshold:g}"
+    return f"{quantity} {primary}" if quantity in SHORT_QUANTITIES else quantity
+
+
+def compare(a: dict | None, b: dict | None) -> tuple[str, float | None, float | None]:
+    """("a>b" | "a<b" | "unresolved" | "n/a", difference of means, 2 s.e. of the difference)."""
+    if not a or not b or a["se"] is None or b["se"] is None:
+        return "n/a", None, None
+    diff = a["mean"] - b["mean"]
+    two_se = 2 * math.sqrt(a["se"] ** 2 + b["se"] ** 2)
+    if abs(diff) > two_se:
+        return ("a>b" if diff > 0 else "a<b"), diff, two_se
+    return "unresolved", diff, two_se
+
+
+BOOTSTRAP = 10_000
+Z_ALPHA = NormalDist().inv_cdf(0.975)  # two-sided 5%
+Z_POWER = NormalDist().inv_cdf(0.8)  # 80% power
+
+
+def bootstrap_ci(d: Sequence[float], seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile interval of the mean of `d` over BOOTSTRAP resamples (seeded)."""
+    x = np.asarray(d, float)
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), (BOOTSTRAP, len(x)))].mean(axis=1)
+    tail = (1 - level) / 2 * 100
+    lo, hi = np.percentile(means, [tail, 100 - tail])
+    return float(lo), float(hi)
+
+
+def min_detectable_effect(sd: float, n: int) -> float:
+    """The paired difference a two-sided 5% test detects with 80% power from n seeds."""
+    return (Z_ALPHA + Z_POWER) * sd / math.sqrt(n)
+
+
+def seeds_needed(sd: float, effect: float) -> int | None:
+    """Paired seeds for a two-sided 5% test to detect `effect` with 80% power (None: no
+    effect to detect); at least 2, for a standard deviation."""
+    if effect <= 0:
+        return None
+    if sd == 0:
+        return 2
+    return max(2, math.ceil(((Z_ALPHA + Z_POWER) * sd / effect) ** 2))
+
+
+def paired_values(
+    rows: Sequence[dict], a: str, b: str, quantity: str
+) -> dict[int, tuple[float, float]]:
+    """{seed: (a's value, b's value)} over the seeds where both arms finished with a value."""
+    by = {
+        (r["arm"], r["seed"]): r["summary"].get(quantity) for r in rows if r["status"] == "finished"
+    }
+    return {
+        seed: (by[(a, seed)], by[(b, seed)])
+        for (arm, seed) in by
+        if arm == a and by.get((b, seed)) is not None and by[(a, seed)] is not None
+    }
+
+
+def paired_claim(pairs: dict[int, tuple[float, float]], expect: str, margin: float | None) -> dict:
+    """The paired statistics and verdict of one claim (module docstring)."""
+    d = np.array([x - y for x, y in pairs.values()], float)
+    n = len(d)
+    out: dict[str, Any] = {"seeds": sorted(pairs), "n_pairs": n}
+    if n < 2:
+        out["verdict"] = "not measured"
+        out["why"] = f"needs >= 2 seeds finished in both arms (has {n})"
+        return out
+    mean, sd = float(d.mean()), float(d.std(ddof=1))
+    lo, hi = bootstrap_ci(d)
+    mde = min_detectable_effect(sd, n)
+    out.update(mean_difference=mean, sd_difference=sd, ci95=[lo, hi], mde=mde)
+    if expect == "~":
+        out["seeds_needed"] = (
+            None
+            if abs(mean) >= margin
+            else max(2, math.ceil((Z_ALPHA * sd / (margin - abs(mean))) ** 2))
+            if sd
+            else 2
+        )
+        if -margin < lo and hi < margin:
+            out["verdict"], out["why"] = "supported", f"the 95% interval lies within ±{margin:g}"
+        elif hi <= -margin or lo >= margin:
+            out["verdict"], out["why"] = (
+                "contradicted",
+                f"the 95% interval lies outside ±{margin:g}",
+            )
+        else:
+            out["verdict"] = "unresolved"
+            out["why"] = f"the 95% interval [{lo:.3g}, {hi:.3g}] crosses ±{margin:g}"
+        return out
+    out["seeds_needed"] = seeds_needed(sd, abs(mean))
+    sign = 1 if expect == ">" else -1
+    if lo > 0 or hi < 0:
+        agrees = (lo > 0) == (sign > 0)
+        out["verdict"] = "supported" if agrees else "contradicted"
+        out["why"] = f"the 95% interval [{lo:.3g}, {hi:.3g}] excludes 0"
+    else:
+        out["verdict"] = "unresolved"
+        needed = out["seeds_needed"]
+        out["why"] = (
+            f"the 95% interval [{lo:.3g}, {hi:.3g}] includes 0: {n} seeds detect a difference "
+            f"of {mde:.3g} or more, the observed one is {abs(mean):.3g}"
+            + (f" (about {needed} seeds would resolve it)" if needed else "")
+        )
+    return out
+
+
+def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "") -> dict:
+    """Everything report.md shows, as JSON: runs' statuses and summaries, arms' statistics,
+    significant pairwise differences and the claims' verdicts."""
+    s = study.scale(scale)
+    primary, threshold = s.primary_metric, s.threshold
+    run_rows, per_arm = [], {}
+    for run in runs:
+        status, last = run_status(run.workdir, run.num_steps)
+        row = {
+            "arm": run.arm,
+            "seed": run.seed,
+            "workdir": run.workdir,
+            "status": status,
+            "last_step": last,
+            "num_steps": run.num_steps,
+        }
+        if status == "finished":
+            records = [r for r in read_metrics(run.workdir) if r["step"] <= run.num_steps]
+            row["summary"] = run_summary(records, primary, threshold, study.final_window)
+            per_arm.setdefault(run.arm, []).append(row["summary"])
+        run_rows.append(row)
+    arm_names = list(dict.fromkeys(r.arm for r in runs))
+    arms = {}
+    for name in arm_names:
+        summaries = per_arm.get(name, [])
+        quantities = sorted({q for sm in summaries for q in sm})
+        arms[name] = {
+            q: mean_se([sm[q] for sm in summaries if sm.get(q) is not None]) for q in quantities
+        }
+        for q in quantities:
+            if q.startswith("steps "):
+                arms[name][q]["reached"] = f"{arms[name][q]['n']}/{len(summaries)}"
+        arms[name]["_finished"] = len(summaries)
+    headline = [resolve_quantity(q, primary, threshold) for q in ("final", "best", "auc")]
+    differences = []
+    for q in headline:
+        for a, b in itertools.combinations(arm_names, 2):
+            verdict, diff, two_se = compare(arms[a].get(q), arms[b].get(q))
+            if verdict in ("a>b", "a<b"):
+                hi, lo = (a, b) if verdict == "a>b" else (b, a)
+                differences.append(
+                    {
+                        "quantity": q,
+                        "higher": hi,
+                        "lower": lo,
+                        "difference": abs(diff),
+                        "two_se": two_se,
+                    }
+                )
+    claims = []
+    for c in study.claims:
+        q = resolve_quantity(c.quantity, primary, threshold)
+        verdict, diff, two_se = compare(arms.get(c.a, {}).get(q), arms.get(c.b, {}).get(q))
+        expected = {">": "a>b", "<": "a<b"}.get(c.expect)
+        label = {
+            "n/a": "not measured (needs >= 2 finished seeds per arm)",
+            "unresolved": "unresolved (difference within 2 s.e.)",
+        }.get(verdict, "supported" if verdict == expected else "contradicted")
+        if c.expect == "~":
+            label = "-"  # the 2-s.e. test has no equality form
+        paired = paired_claim(paired_values(run_rows, c.a, c.b, q), c.expect, c.margin)
+        claims.append(
+            {
+                "text": c.text,
+                "source": c.source,
+                "a": c.a,
+                "b": c.b,
+                "quantity": q,
+                "expect": c.expect,
+                "margin": c.margin,
+                "verdict": paired["verdict"],
+                "why": paired["why"],
+                "paired": paired,
+                "unpaired_verdict": label,
+                "difference": diff,
+                "two_se": two_se,
+            }
+        )
+    spec = os.path.abspath(study.path)
+    if spec.startswith(REPO + os.sep):
+        spec = os.path.relpath(spec, REPO)
+    return {
+        "study": study.name,
+        "spec": spec,
+        "scale": scale,
+        "description": study.description,
+        "note": s.note,
+        "command": command,
+        "primary_metric": primary,
+        "threshold": threshold,
+        "final_window": study.final_window,
+        "runs": run_rows,
+        "arms": arms,
+        "differences": differences,
+        "claims": claims,
+    }
