@@ -13,6 +13,7 @@ from jaxrl4llm.models import lora as lora_lib
 from jaxrl4llm.models import transformer
 from jaxrl4llm.train import services
 from jaxrl4llm.train.adapters import trainable
+from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.state import OptimizerConfig, TrainState
 from jaxrl4llm.train.step import accumulate_gradients, train_step
 
@@ -193,3 +194,10 @@ def test_a_bfloat16_base_trains_float32_adapters_by_adams_step():
         TrainState.create(as_bf16, opt, 0), batch, frozen=base, lora=LORA, **static
     )
     np.testing.assert_array_equal(np.asarray(state_bf16.params["layers"]["q_lora_b"]), b0_bf16)
+
+
+def test_a_lora_run_over_a_bfloat16_base_is_not_warned_about_rounding():
+    """The bfloat16 base is frozen and the adapters are float32: no update rounds away."""
+    warned = TrainConfig().replace(param_dtype="bfloat16", learning_rate=1e-6)
+    assert len(warned.precision_warnings()) == 1
+    assert not warned.replace(lora_rank=8).precision_warnings()
