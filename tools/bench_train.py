@@ -22,7 +22,10 @@ i.e. the fastest this step could run on this machine (`floor_s`; `floor_share` =
 step_s). The reference and update passes run each prompt once per group (--no_share_prompts
 runs it once per row, as before). `--micro_batch_tokens=N` also runs our step with the update
 on packed micro-batches of N tokens (train/packing.py) in each round, between our padded step
-and TRL's, and reports both ratios to TRL.
+and TRL's, and reports both ratios to TRL. `--lora_rank=R` also runs our step with rank-R LoRA
+adapters on the frozen base (`--lora_targets`, all seven projections by default) in each round,
+in its own process, and prints full fine-tuning against LoRA: step time, update time and peak
+RSS, and the LoRA / full ratios.
 """
 
 from __future__ import annotations
@@ -78,7 +81,6 @@ def step_tflop(
 
 def _child(args) -> dict:
     import jax
-    import jax.numpy as jnp
 
     from jaxrl4llm.data import make_source
     from jaxrl4llm.models import registry
@@ -87,7 +89,6 @@ def _child(args) -> dict:
     from jaxrl4llm.train import host_memory, packing
     from jaxrl4llm.train.config import TrainConfig, param_dtype
     from jaxrl4llm.train.rollout import rollout
-    from jaxrl4llm.train.state import TrainState
     from jaxrl4llm.train.step import compile_train_step, train_step
     from tools import bench_sampler
     from tools.bench_trl import step_records, xla_threads
@@ -120,9 +121,10 @@ def _child(args) -> dict:
         kl_in="loss" if args.kl_coef > 0 else None,
     )
     model_config = config.model.compute_config(model_config)  # as the trainer does
-    # The reference weights are a second copy only when the KL term needs them.
-    ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
-    state = TrainState.create(params, config.optimizer, seed=0)
+    config = lora_config(args, config)
+    # The reference weights are a second copy only when the KL term needs them (LoRA: the
+    # base itself, as the trainer does).
+    state, policy, ref_params, lora_static = trained_state(config, model_config, params)
     source = make_source("synthetic:arithmetic", split="train")
     reward_fn = make_reward_fn("auto", answer_mode="lenient")
     # No stop tokens: every completion is exactly --new_tokens long.
@@ -133,7 +135,7 @@ def _child(args) -> dict:
     for step in range(1 + args.repeats):  # step 0 compiles
         records = step_records(source, step, args.prompts)
         t_step = time.perf_counter()
-        batch, m = rollout(ctx, config, state.params, ref_params, records, jax.random.key(step))
+        batch, m = rollout(ctx, config, policy(state), ref_params, records, jax.random.key(step))
         prompt_group = batch.layout.prompt_group(batch.keep_B.shape[0])
         real_prompt_tokens = int(batch.seqs.prompt_mask_BP.sum())
         prompt_columns = int(batch.seqs.prompt_tokens_BP.shape[1])
@@ -147,6 +149,7 @@ def _child(args) -> dict:
             temperature=config.rollout.sampling.effective_temperature,
             remat=config.model.remat,
             prompt_group=prompt_group,
+            **lora_static,
         )
         if packed_update:  # as the trainer does: packed on the host, prompts in the rows
             static["packed"] = packing.pack(batch.seqs, args.micro_batch_tokens)
@@ -188,7 +191,7 @@ def _child(args) -> dict:
     )
     floor_s = sum(tflop.values()) * 1e3 / peak_gflops
     mean.update(
-        dtype=args.child,
+        dtype=f"lora{args.lora_rank}/{args.child}" if args.lora_child else args.child,
         compile_step_s=rows[0]["step_s"],
         load_s=load_s,
         peak_rss_gib=peak_rss,
@@ -203,6 +206,55 @@ def _child(args) -> dict:
 
 
 PACKED = "packed/"  # a child spec's prefix: our step with the packed update
+LORA = "lora/"  # a side's prefix: our step with --lora_rank adapters (run_child)
+
+
+def lora_config(args: argparse.Namespace, config):
+    """The child's TrainConfig, with --lora_rank / --lora_targets in the LoRA child."""
+    if not args.lora_child:
+        return config
+    return config.replace(lora_rank=args.lora_rank, lora_targets=tuple(args.lora_targets))
+
+
+def trained_state(config, model_config, params):
+    """(TrainState, state -> the params the sampler reads, the reference params, train_step's
+    LoRA keywords), as the trainer sets them up (train/services.py): full fine-tuning trains
+    `params` (the reference a copy), LoRA trains adapters on the frozen base (the reference)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxrl4llm.train import adapters
+    from jaxrl4llm.train.state import TrainState
+
+    lora = config.lora
+    if not lora.enabled:
+        ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
+        return (
+            TrainState.create(params, config.optimizer, seed=0),
+            lambda s: s.params,
+            ref_params,
+            {},
+        )
+    trained = adapters.trainable(lora, model_config, params, seed=0)
+    state = TrainState.create(trained, config.optimizer, seed=0)
+    ref_params = params if config.needs_reference else None
+    return (
+        state,
+        lambda s: adapters.policy(lora, params, s.params),
+        ref_params,
+        dict(frozen=params, lora=lora),
+    )
+
+
+def lora_targets(value: str) -> list[str]:
+    """--lora_targets: "all" or comma-separated projections -> their names."""
+    from jaxrl4llm.models.lora import TARGETS
+
+    names = list(TARGETS) if value == "all" else [t for t in value.split(",") if t]
+    unknown = [t for t in names if t not in TARGETS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{value!r}: give all or some of {','.join(TARGETS)}")
+    return names
 
 
 def dtype_list(values: list[str]) -> list[str]:
@@ -215,7 +267,18 @@ def child_flags(args: argparse.Namespace) -> list[str]:
     flags = [
         f"--{k}={v}"
         for k, v in vars(args).items()
-        if k not in ("dtypes", "child", "remat", "share_prompts", "trl", "rounds", "debug")
+        if k
+        not in (
+            "dtypes",
+            "child",
+            "remat",
+            "share_prompts",
+            "trl",
+            "rounds",
+            "debug",
+            "lora_child",
+            "lora_targets",
+        )
         and v is not None
     ]
     return (
@@ -223,6 +286,7 @@ def child_flags(args: argparse.Namespace) -> list[str]:
         + ([] if args.remat else ["--no_remat"])
         + ([] if args.share_prompts else ["--no_share_prompts"])
         + ["--debug"] * args.debug
+        + [f"--lora_targets={','.join(args.lora_targets)}"]
     )
 
 
@@ -288,14 +352,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run our step with the update on packed micro-batches of this many "
         "tokens (0: only the padded update)",
     )
+    parser.add_argument(
+        "--lora_rank",
+        type=int,
+        default=0,
+        help="also run our step with LoRA adapters of this rank on the frozen base, in "
+        "its own process, and compare it with full fine-tuning (0: off)",
+    )
+    parser.add_argument(
+        "--lora_targets",
+        type=lora_targets,
+        default="all",
+        help="projections the LoRA run adapts: all, or some of q,k,v,o,gate,up,down",
+    )
+    parser.add_argument("--lora_child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--hf_dir", default=None, help=argparse.SUPPRESS)
     return parser
 
 
 def run_child(args: argparse.Namespace, child: str) -> dict | None:
-    """Runs this script as `--child=CHILD` (its own process: its own peak RSS)."""
-    cmd = [sys.executable, os.path.abspath(__file__), f"--child={child}"] + child_flags(args)
+    """Runs this script as `--child=CHILD` (its own process: its own peak RSS); a CHILD of
+    LORA + dtype runs our step with --lora_rank adapters (`--child=dtype --lora_child`)."""
+    lora = child.startswith(LORA)
+    cmd = [sys.executable, os.path.abspath(__file__), f"--child={child.removeprefix(LORA)}"]
+    cmd += child_flags(args) + ["--lora_child"] * lora
     env = dict(os.environ)
     if args.omp_wait_policy:
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy
@@ -368,10 +449,30 @@ def print_comparison(ours: list[dict], theirs: list[dict]) -> None:
     )
 
 
+def print_lora_comparison(full: list[dict], lora: list[dict]) -> None:
+    """Full fine-tuning against LoRA per dtype (the same rounds: about the same load)."""
+    rows = []
+    for f, a in zip(full, lora):
+        row = {"dtype": f["dtype"], "lora": a["dtype"].partition("/")[0]}
+        for key, name in (
+            ("step_s", "step_s"),
+            ("update_s", "update_s"),
+            ("peak_rss_gib", "rss_gib"),
+        ):
+            row.update(
+                {f"full_{name}": f[key], f"lora_{name}": a[key], f"{name}_ratio": a[key] / f[key]}
+            )
+        rows.append(row)
+    print("full fine-tuning vs LoRA (ratio = LoRA / full)")
+    print_table(tuple(rows[0]), rows)
+
+
 def run_rounds(args: argparse.Namespace, dtype: str, with_trl: bool) -> dict | None:
     """Each side's fastest of --rounds rounds in turns (ours, ours packed with
     --micro_batch_tokens, TRL), so the sides see about the same load; None if a run failed."""
     sides = {"ours": dtype}
+    if args.lora_rank:
+        sides["lora"] = LORA + dtype
     if args.micro_batch_tokens:
         sides["packed"] = PACKED + dtype
     if with_trl:
@@ -410,7 +511,7 @@ def main(argv=None) -> int:
     if args.trl and not with_trl:
         print(bench_trl.TRL_MISSING)
     print(f"before: {load_average()}", flush=True)
-    ours, packed, theirs = [], [], []
+    ours, packed, theirs, lora = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_train_hf_") as hf_dir:
         args.hf_dir = hf_dir
         if with_trl and run_child(args, "export") is None:
@@ -422,6 +523,8 @@ def main(argv=None) -> int:
             ours.append(best["ours"])
             if "packed" in best:
                 packed.append(best["packed"])
+            if "lora" in best:
+                lora.append(best["lora"])
             if with_trl:
                 theirs.append(best["trl"])
     print(f"after: {load_average()}")
@@ -446,16 +549,18 @@ def main(argv=None) -> int:
             "floor_s",
             "floor_share",
         ),
-        ours + packed,
+        ours + lora + packed,
     )
     if args.rounds > 1:
-        for side, results in (("ours", ours), ("ours", packed), ("TRL", theirs)):
+        for side, results in (("ours", ours), ("ours", lora), ("ours", packed), ("TRL", theirs)):
             for r in results:
                 print(
                     f"{side} {r['dtype']}: steps of the {r['rounds']} rounds "
                     + ", ".join(f"{x:.2f}" for x in r["step_s_rounds"])
                     + " s (the fastest is kept)"
                 )
+    if lora:
+        print_lora_comparison(ours, lora)
     for r, p in zip(ours, packed):  # same run, same machine load
         print(
             f"{p['dtype']} / {r['dtype']}: step {p['step_s'] / r['step_s']:.2f}x, update "

@@ -11,8 +11,15 @@ leaves the model exactly as it was. `combine(base, adapters, config)` is the par
 forward reads (the base leaves plus the adapter leaves, B pre-scaled): the transformer adds
 x A B wherever a layer has "NAME_lora_a"; gradients taken with respect to the adapters only
 never compute one for the base. `fold` / `merge` fold the adapters into the weights
-(W + scale * A B): the sampler does so inside its program (decode.loop_params, which copies
-the weights anyway), and an export to a full HF folder does too.
+(W + scale * A B, summed in float32): the sampler does so inside its program
+(decode.loop_params, which copies the weights anyway), and an export to a full HF folder does
+too.
+
+Adapters are float32 whatever the base's dtype (as PEFT keeps them over a bfloat16 base): in
+bfloat16 an Adam step of ~lr rounds away unless it is ~1/256 of the entry. A pass computes
+with them in the dtype their weight computes in (`in_weight_dtype`, which
+transformer.cast_for_compute applies), so the adapter matmuls run at the base's precision and,
+the cast being differentiated, their gradients come back float32.
 
 With dropout (training only), `combine` is given a key and the adapters' input x is dropped
 per element with probability `dropout` (as in PEFT: dropout(x) A B; the base path is not).
@@ -116,20 +123,17 @@ def adapter_logical_axes(config: ModelConfig, lora: LoraConfig) -> Params:
     )
 
 
-def init_adapters(
-    config: ModelConfig, lora: LoraConfig, key: jax.Array, dtype: Any = jnp.float32
-) -> Params:
-    """Fresh adapters: A uniform(+-1 / sqrt(in)) (PEFT's kaiming_uniform(a=sqrt(5))), B zero."""
+def init_adapters(config: ModelConfig, lora: LoraConfig, key: jax.Array) -> Params:
+    """Fresh float32 adapters: A uniform(+-1 / sqrt(in)) (PEFT's kaiming_uniform(a=sqrt(5))),
+    B zero."""
     shapes = adapter_shapes(config, lora)["layers"]
     keys = jax.random.split(key, len(lora.targets))
     layers = {}
     for k, t in zip(keys, lora.targets):
         a_shape = shapes[f"{t}_lora_a"]
         bound = 1.0 / math.sqrt(a_shape[1])
-        layers[f"{t}_lora_a"] = jax.random.uniform(k, a_shape, jnp.float32, -bound, bound).astype(
-            dtype
-        )
-        layers[f"{t}_lora_b"] = jnp.zeros(shapes[f"{t}_lora_b"], dtype)
+        layers[f"{t}_lora_a"] = jax.random.uniform(k, a_shape, jnp.float32, -bound, bound)
+        layers[f"{t}_lora_b"] = jnp.zeros(shapes[f"{t}_lora_b"], jnp.float32)
     return {"layers": layers}
 
 
@@ -152,6 +156,21 @@ def combine(
 def has_adapters(params: Params) -> bool:
     layers = params.get("layers", {})
     return isinstance(layers, dict) and any(name.endswith("_lora_a") for name in layers)
+
+
+def in_weight_dtype(params: Params) -> Params:
+    """Params read by the forward with every adapter leaf in the dtype of the weight it
+    adapts (float32 adapters on a bfloat16 weight compute in bfloat16; under `grad` the cast
+    is differentiated, so the adapters' gradients stay float32)."""
+    if not has_adapters(params):
+        return params
+    layers = params["layers"]
+    cast = {
+        name: w.astype(layers[name.rsplit("_lora_", 1)[0]].dtype)
+        for name, w in layers.items()
+        if name.endswith(("_lora_a", "_lora_b"))
+    }
+    return {**params, "layers": {**layers, **cast}}
 
 
 def fold(params: Params) -> Params:

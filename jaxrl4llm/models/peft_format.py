@@ -36,13 +36,13 @@ def export_peft(
     path: str | os.PathLike,
     base_model: str | None = None,
 ) -> None:
-    """Writes `path`/adapter_model.safetensors + adapter_config.json (float32 unless the
-    adapters are bfloat16) that peft.PeftModel.from_pretrained loads onto the base model."""
+    """Writes `path`/adapter_model.safetensors (float32 tensors, as the adapters train) +
+    adapter_config.json, which peft.PeftModel.from_pretrained loads onto the base model."""
     os.makedirs(path, exist_ok=True)
     tensors = {}
     for t in lora.targets:
-        a = np.asarray(adapters["layers"][f"{t}_lora_a"])  # [L, in, r]
-        b = np.asarray(adapters["layers"][f"{t}_lora_b"])  # [L, r, out]
+        a = np.asarray(adapters["layers"][f"{t}_lora_a"], np.float32)  # [L, in, r]
+        b = np.asarray(adapters["layers"][f"{t}_lora_b"], np.float32)  # [L, r, out]
         for i in range(config.num_layers):
             tensors[_name(t, i, "lora_A")] = np.ascontiguousarray(a[i].T)
             tensors[_name(t, i, "lora_B")] = np.ascontiguousarray(b[i].T)

@@ -124,23 +124,25 @@ def _init_params(config: ModelConfig, key: jax.Array, dtype: Any) -> Params:
 
 
 def cast_for_compute(params: Params, config: ModelConfig) -> Params:
-    """The params a pass computes with: matrices in `config.compute_dtype` (None: unchanged).
+    """The params a pass computes with: matrices in `config.compute_dtype` (None: unchanged),
+    LoRA adapters in the dtype of the weight they adapt (lora.in_weight_dtype).
 
     Called at the start of each pass, inside jit (and inside the loss under `grad`, so the
     gradients of float32 master params come back float32). Norm scales and biases keep their
     dtype: they are tiny and the norms run in float32 anyway. Matmuls then take bfloat16
     operands with float32 accumulation, and logits / log-softmax stay float32 (`_dot`).
     """
-    if config.compute_dtype is None:
-        return params
-    dtype = jnp.dtype(config.compute_dtype)
+    if config.compute_dtype is not None:
+        dtype = jnp.dtype(config.compute_dtype)
 
-    def cast(path, w):
-        small = str(getattr(path[-1], "key", "")).endswith(("norm", "bias"))
-        floating = jnp.issubdtype(w.dtype, jnp.floating)  # not a LoRA dropout key
-        return w if small or not floating or w.dtype == dtype else w.astype(dtype)
+        def cast(path, w):
+            small = str(getattr(path[-1], "key", "")).endswith(("norm", "bias"))
+            floating = jnp.issubdtype(w.dtype, jnp.floating)  # not a LoRA dropout key
+            return w if small or not floating or w.dtype == dtype else w.astype(dtype)
 
-    return jax.tree_util.tree_map_with_path(cast, params)
+        params = jax.tree_util.tree_map_with_path(cast, params)
+    # LoRA adapters are float32 whatever the base's dtype; they compute in their weight's.
+    return lora.in_weight_dtype(params)
 
 
 # ----------------------------------------------------------------------------- building blocks

@@ -138,9 +138,9 @@ class LoraEstimate(Estimate):
     """The estimate of a LoRA run (--lora_rank > 0): the optimizer trains the adapters only.
 
     Extra symbols: Na adapter parameters, rank x (in + out) per target projection per layer;
-    A = Na s their bytes (replicated: whole on every device). The base (Pb per device) is
-    frozen: an argument of every program, with no gradient and no optimizer state; it is the
-    reference too, so R holds no reference copy.
+    A = 4 Na their bytes (float32 whatever the base's dtype; replicated: whole on every
+    device). The base (Pb per device) is frozen: an argument of every program, with no
+    gradient and no optimizer state; it is the reference too, so R holds no reference copy.
 
       create    A + 3 A (adapters and Adam moments out) + R (the base among it)
       update    3 A (adapters + moments, donated) + Pb (the base) + 4 Na (float32 gradient
@@ -154,7 +154,7 @@ class LoraEstimate(Estimate):
     def __init__(self, config: TrainConfig, model_config, mesh, **kwargs):
         super().__init__(config, model_config, mesh, **kwargs)
         self.Na = adapter_params(model_config, config.lora)
-        self.A = self.Na * self.s
+        self.A = self.Na * _F32
 
     def create(self, resident: float) -> float:
         return 4 * self.A + resident

@@ -138,11 +138,11 @@ def abstract_params(model_config: ModelConfig, mesh, dtype) -> Any:
     )
 
 
-def abstract_adapters(model_config: ModelConfig, lora: LoraConfig, mesh, dtype) -> dict[str, Any]:
-    """LoRA adapters as adapters.trainable lays them out: in the base's dtype, replicated."""
+def abstract_adapters(model_config: ModelConfig, lora: LoraConfig, mesh) -> dict[str, Any]:
+    """LoRA adapters as adapters.trainable lays them out: float32, replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.tree.map(
-        lambda s: _abstract(s, dtype, replicated),
+        lambda s: _abstract(s, jnp.float32, replicated),
         lora_lib.adapter_shapes(model_config, lora),
         is_leaf=lambda x: isinstance(x, tuple),
     )
@@ -241,7 +241,7 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
     base = abstract_params(model_config, mesh, dtype)
     lora = c.lora if c.lora.enabled else None
     # What the optimizer trains (the state's params) and what the policy's passes read.
-    trained = abstract_adapters(model_config, lora, mesh, dtype) if lora else base
+    trained = abstract_adapters(model_config, lora, mesh) if lora else base
     params = abstract_policy(base, trained, lora)
     optimizer = c.optimizer
     state_shardings = state_lib.state_shardings(trained, optimizer)

@@ -3,7 +3,9 @@
 With --lora_rank > 0 the TrainState's params are the adapters (models/lora.py): the optimizer
 state and the checkpoints hold only them, the base params stay outside the state (never
 donated, never updated) and serve as the reference model too (the adapters off). They start
-fresh (B zero: the base model exactly) or from a PEFT adapter folder (--init_adapter).
+fresh (B zero: the base model exactly) or from a PEFT adapter folder (--init_adapter), and are
+float32 whatever the base's dtype (their gradients and Adam moments too): the passes compute
+with them in the base's dtype (models/lora.py).
 """
 
 from __future__ import annotations
@@ -24,12 +26,11 @@ from jaxrl4llm.models.lora import LoraConfig
 def trainable(
     lora: LoraConfig, model_config: Any, base: Any, seed: int, init: str | None = None
 ) -> Any:
-    """The params the optimizer trains: `base` itself, or adapters in the base's dtype
-    (replicated over the base's mesh, if it has one): fresh, or read from the PEFT adapter
-    folder `init` (--init_adapter), whose rank, alpha and targets must be `lora`'s."""
+    """The params the optimizer trains: `base` itself, or float32 adapters (replicated over
+    the base's mesh, if it has one): fresh, or read from the PEFT adapter folder `init`
+    (--init_adapter), whose rank, alpha and targets must be `lora`'s."""
     if not lora.enabled:
         return base
-    dtype = jax.tree.leaves(base)[0].dtype
     sharding = getattr(jax.tree.leaves(base)[0], "sharding", None)
     out = (
         NamedSharding(sharding.mesh, PartitionSpec())
@@ -37,10 +38,10 @@ def trainable(
         else None
     )
     if init is not None:
-        return from_peft(init, lora, model_config, dtype, out)
-    make = jax.jit(lora_lib.init_adapters, static_argnums=(0, 1, 3), out_shardings=out)
+        return from_peft(init, lora, model_config, out)
+    make = jax.jit(lora_lib.init_adapters, static_argnums=(0, 1), out_shardings=out)
     # A key apart from the run's own (TrainState.rng): the adapters' A at the same seed.
-    return make(model_config, lora, jax.random.fold_in(jax.random.key(seed), 0x10AA), dtype)
+    return make(model_config, lora, jax.random.fold_in(jax.random.key(seed), 0x10AA))
 
 
 def param_axes(lora: LoraConfig | None, model_config: Any) -> Any:
@@ -60,8 +61,8 @@ def policy(
     return lora_lib.combine(base, trained, lora, dropout_key)
 
 
-def from_peft(path: str, lora: LoraConfig, model_config: Any, dtype: Any, sharding: Any) -> Any:
-    """The adapters of a PEFT folder in `dtype`, placed on `sharding` (None: the default
+def from_peft(path: str, lora: LoraConfig, model_config: Any, sharding: Any) -> Any:
+    """The adapters of a PEFT folder in float32, placed on `sharding` (None: the default
     device); a FlagError naming --init_adapter when the folder's adapter is not `lora`'s or
     does not fit the model."""
     try:
@@ -77,7 +78,7 @@ def from_peft(path: str, lora: LoraConfig, model_config: Any, dtype: Any, shardi
         )
 
     def place(x: np.ndarray) -> jax.Array:
-        x = np.asarray(x).astype(dtype)  # every host holds the whole (small) file
+        x = np.asarray(x).astype(np.float32)  # every host holds the whole (small) file
         if sharding is None:
             return jnp.asarray(x)
         return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])

@@ -390,9 +390,11 @@ class TrainConfig:
     def precision_warnings(self) -> list[str]:
         """What the run should be told at start about its dtypes: bfloat16 parameters at a
         small learning rate lose most updates to rounding (bf16 keeps 8 bits of mantissa, so
-        a step smaller than ~1/256 of a weight rounds away)."""
+        a step smaller than ~1/256 of a weight rounds away). LoRA trains float32 adapters on
+        the frozen base, whatever its dtype: nothing to tell."""
         lr = self.optimizer.learning_rate
-        if self.model.param_dtype == "bfloat16" and lr < BF16_MIN_LEARNING_RATE:
+        bf16_trained = self.model.param_dtype == "bfloat16" and not self.lora.enabled
+        if bf16_trained and lr < BF16_MIN_LEARNING_RATE:
             return [
                 f"--param_dtype=bfloat16 with --learning_rate={lr:g} (< "
                 f"{BF16_MIN_LEARNING_RATE:g}): most updates round away in bfloat16 "

@@ -55,6 +55,19 @@ def test_fresh_adapters_leave_the_logits_identical(base):
     np.testing.assert_array_equal(_logits(lora.combine(base, adapters, ALL)), _logits(base))
 
 
+def test_fresh_adapters_are_float32_and_leave_a_bfloat16_base_identical():
+    """A bfloat16 base: the adapters stay float32 (master weights), the passes compute with
+    them in bfloat16 (cast_for_compute), and step 0's logits are the base's bit for bit."""
+    base = transformer.init_params(CFG, jax.random.key(0), dtype=jnp.bfloat16)
+    adapters = lora.init_adapters(CFG, ALL, jax.random.key(1))
+    assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype(jnp.float32)}
+    params = transformer.cast_for_compute(lora.combine(base, adapters, ALL), CFG)
+    assert {params["layers"][f"{t}_lora_{m}"].dtype for t in lora.TARGETS for m in "ab"} == {
+        jnp.dtype(jnp.bfloat16)
+    }
+    np.testing.assert_array_equal(_logits(params), _logits(base))
+
+
 def test_adapter_path_equals_merged_weights(base):
     adapters = _random_b(lora.init_adapters(CFG, ALL, jax.random.key(1)))
     unmerged = _logits(lora.combine(base, adapters, ALL))
@@ -79,6 +92,18 @@ def test_merge_is_w_plus_scaled_a_b_in_numpy(base):
     np.testing.assert_allclose(
         np.asarray(merged["o"][0]).reshape(16, 16), w + 2.0 * a @ b, atol=1e-6
     )
+
+
+def test_merge_onto_a_bfloat16_base_sums_in_float32():
+    """W + scale * A B from the float32 adapters, rounded once to the weight's bfloat16."""
+    base = transformer.init_params(CFG, jax.random.key(0), dtype=jnp.bfloat16)
+    adapters = _random_b(lora.init_adapters(CFG, ALL, jax.random.key(1)))
+    merged = lora.merge(base, adapters, ALL)["layers"]["up"]
+    assert merged.dtype == jnp.bfloat16
+    a, b = np.asarray(adapters["layers"]["up_lora_a"]), np.asarray(adapters["layers"]["up_lora_b"])
+    w = np.asarray(base["layers"]["up"], np.float32)  # [L, D, F]
+    expected = (w + 2.0 * np.einsum("lir,lro->lio", a, b)).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(merged), expected)
 
 
 def test_a_subset_of_targets_adapts_only_those(base):

@@ -52,6 +52,38 @@ def test_child_flags_round_trip():
     assert child.kl_coef == 0.04 and child.hf_dir is None
 
 
+def _child_result(step: float, **values) -> dict:
+    """What a child process reports (zeros but the step, `values` and what the tables read)."""
+    zero = (
+        "rollout_s",
+        "reference_s",
+        "update_s",
+        "sample_tok_s",
+        "update_tok_s",
+        "compile_step_s",
+        "step_tflop",
+        "matmul_gflops",
+        "floor_s",
+        "verify_s",
+    )
+    return {
+        "dtype": "float32",
+        "step_s": step,
+        "reward_s": 0.5,
+        "peak_rss_gib": step / 10,
+        "floor_share": 1 / step,
+        "device": "cpu",
+        "xla_threads": 2,
+        "trl": "1",
+        "torch": "2",
+        "torch_threads": 2,
+        "omp_wait_policy": None,
+        "mean_new_tokens": 8.0,
+        **{k: 0.0 for k in zero},
+        **values,
+    }
+
+
 def test_rounds_alternate_the_sides_and_keep_each_sides_fastest(monkeypatch, capsys):
     calls = []
     steps = {"float32": [5.0, 3.0], "trl/float32": [9.0, 11.0]}
@@ -60,36 +92,7 @@ def test_rounds_alternate_the_sides_and_keep_each_sides_fastest(monkeypatch, cap
         calls.append(child)
         if child == "export":
             return {"hf_dir": args.hf_dir}
-        step = steps[child].pop(0)
-        return {
-            "dtype": "float32",
-            "step_s": step,
-            "reward_s": 0.5,
-            "peak_rss_gib": step / 10,
-            "floor_share": 1 / step,
-            "device": "cpu",
-            "xla_threads": 2,
-            "trl": "1",
-            "torch": "2",
-            "torch_threads": 2,
-            "omp_wait_policy": None,
-            "mean_new_tokens": 8.0,
-            **{
-                k: 0.0
-                for k in (
-                    "rollout_s",
-                    "reference_s",
-                    "update_s",
-                    "sample_tok_s",
-                    "update_tok_s",
-                    "compile_step_s",
-                    "step_tflop",
-                    "matmul_gflops",
-                    "floor_s",
-                    "verify_s",
-                )
-            },
-        }
+        return _child_result(steps[child].pop(0))
 
     monkeypatch.setattr(bench_train, "run_child", fake_child)
     from tools import bench_trl  # the module main() imports (repo root put on sys.path by it)
@@ -116,3 +119,60 @@ def test_zero_rounds_is_a_usage_error():
 
     with pytest.raises(FlagError, match="--rounds=0"):  # exit 2, one line, via cli.run
         bench_train.main(["--rounds=0"])
+
+
+def test_lora_rank_adds_a_lora_side_and_its_ratios_to_full(monkeypatch, capsys):
+    """--lora_rank=16: each round runs our full step, then the LoRA one (its own process);
+    the comparison table gives both sides' step, update and peak RSS and LoRA / full."""
+    calls = []
+    # (step, update, peak RSS) of each side's two rounds: the fastest step is kept.
+    figures = {
+        "float32": [(4.0, 2.0, 1.0), (5.0, 9.0, 9.0)],
+        "lora/float32": [(6.0, 1.0, 2.0), (3.0, 0.5, 0.8)],
+    }
+
+    def fake_child(args, child):
+        calls.append(child)
+        step, update, rss = figures[child].pop(0)
+        dtype = "lora16/float32" if child.startswith(bench_train.LORA) else "float32"
+        return _child_result(step, dtype=dtype, update_s=update, peak_rss_gib=rss)
+
+    monkeypatch.setattr(bench_train, "run_child", fake_child)
+    assert bench_train.main(["--dtypes=float32", "--no_trl", "--rounds=2", "--lora_rank=16"]) == 0
+    assert calls == ["float32", "lora/float32"] * 2
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in line.split("|")] for line in out.splitlines() if "|" in line]
+    assert ["lora16/float32", "0.00", "0.50", "0.00", "0.50", "3.00"] == rows[2][:6]  # its stages
+    cells = next(r for r in rows if r[:2] == ["float32", "lora16"])
+    assert cells == [
+        "float32",
+        "lora16",
+        "4.00",
+        "3.00",
+        "0.75",
+        "2.00",
+        "0.50",
+        "0.25",
+        "1.00",
+        "0.80",
+        "0.80",
+    ]
+
+
+def test_the_lora_child_gets_the_rank_and_targets():
+    from jaxrl4llm.config.errors import FlagError
+    from jaxrl4llm.models.lora import LoraConfig
+    from jaxrl4llm.train.config import TrainConfig
+
+    parser = bench_train.build_parser()
+    args = parser.parse_args(["--lora_rank=16", "--lora_targets=q,v", "--no_trl"])
+    flags = bench_train.child_flags(args)
+    full = parser.parse_args(flags + ["--child=float32"])
+    lora = parser.parse_args(flags + ["--child=float32", "--lora_child"])
+    assert not bench_train.lora_config(full, TrainConfig()).lora.enabled
+    assert bench_train.lora_config(lora, TrainConfig()).lora == LoraConfig(
+        rank=16, targets=("q", "v")
+    )
+    assert parser.parse_args([]).lora_targets == ["q", "k", "v", "o", "gate", "up", "down"]
+    with pytest.raises(FlagError, match="qkv"):
+        parser.parse_args(["--lora_targets=qkv"])

@@ -91,9 +91,14 @@ def test_sharded_run_matches_unsharded(toy_model_dir, copy_task_file, tmp_path):
         np.testing.assert_allclose(rb["policy/entropy"], ra["policy/entropy"], atol=1e-4)
 
 
-@pytest.mark.parametrize("lora", [{}, dict(lora_rank=4, lora_dropout=0.1)], ids=["full", "lora"])
+@pytest.mark.parametrize(
+    "lora",
+    [{}, dict(lora_rank=4, lora_dropout=0.1), dict(lora_rank=4, param_dtype="bfloat16")],
+    ids=["full", "lora", "lora-bf16-base"],
+)
 def test_resume_equals_an_uninterrupted_run(lora, toy_model_dir, copy_task_file, tmp_path):
-    """LoRA: the checkpoint holds the adapters and their optimizer state (not the base)."""
+    """LoRA: the checkpoint holds the adapters and their optimizer state (not the base),
+    float32 whatever the base's dtype."""
     kwargs = dict(
         num_steps=4,
         checkpoint_every=2,
@@ -112,6 +117,10 @@ def test_resume_equals_an_uninterrupted_run(lora, toy_model_dir, copy_task_file,
     if lora:
         assert set(resumed["state"].params) == {"layers"}
         assert all("_lora_" in name for name in resumed["state"].params["layers"])
+        floats = [
+            x for x in jax.tree.leaves(resumed["state"]) if jnp.issubdtype(x.dtype, jnp.floating)
+        ]
+        assert {x.dtype for x in floats} == {jnp.dtype(jnp.float32)}
     for x, y in zip(jax.tree.leaves(straight["state"]), jax.tree.leaves(resumed["state"])):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     ma, mb = read_metrics(str(tmp_path / "a")), read_metrics(str(tmp_path / "b"))

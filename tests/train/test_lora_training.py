@@ -12,7 +12,9 @@ from jaxrl4llm import rl
 from jaxrl4llm.models import lora as lora_lib
 from jaxrl4llm.models import transformer
 from jaxrl4llm.train import services
-from jaxrl4llm.train.state import TrainState
+from jaxrl4llm.train.adapters import trainable
+from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.state import OptimizerConfig, TrainState
 from jaxrl4llm.train.step import accumulate_gradients, train_step
 
 from tests.train.float_checks import LINEAR_OPT
@@ -149,3 +151,53 @@ def test_a_lora_run_uses_the_base_as_its_reference(toy_model_dir, copy_task_file
         )
     finally:
         run.close()
+
+
+def test_a_bfloat16_base_trains_float32_adapters_by_adams_step():
+    """Over a bfloat16 base the adapters, their gradients and Adam moments are float32, and a
+    step of lr = 1e-5 moves B by numpy's float32 Adam step (bias-corrected first step: lr g /
+    (|g| + eps)); bfloat16 adapters (|B| in [0.05, 0.1]: an ulp of 2.4e-4 to 4.9e-4) round
+    the same step away entirely."""
+    base = jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16), transformer.init_params(CONFIG, jax.random.key(0))
+    )
+    fresh = trainable(LORA, CONFIG, base, seed=0)
+    assert {x.dtype for x in jax.tree.leaves(fresh)} == {jnp.dtype(jnp.float32)}
+    u = np.random.default_rng(3).uniform(-1, 1, fresh["layers"]["q_lora_b"].shape)
+    b0 = (np.sign(u) * (0.05 + 0.05 * np.abs(u))).astype(np.float32)
+    trained = {"layers": {**fresh["layers"], "q_lora_b": jnp.asarray(b0)}}
+    _, batch, _ = _batch()
+    opt = OptimizerConfig(learning_rate=1e-5, max_grad_norm=0.0)
+    static = dict(model_config=CONFIG, algorithm=GRPO, optimizer=opt, num_micro=2, temperature=1.0)
+
+    _, grads, _ = _grads(trained, batch, frozen=base, lora=LORA)
+    assert {x.dtype for x in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+    as_bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), trained)
+    state, _ = train_step(  # donates the state: `trained` is gone after this
+        TrainState.create(trained, opt, 0), batch, frozen=base, lora=LORA, **static
+    )
+    floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert len(floats) == 3 * len(jax.tree.leaves(trained))  # the adapters and 2 moments
+    assert {x.dtype for x in floats} == {jnp.dtype(jnp.float32)}
+
+    g = np.asarray(grads["layers"]["q_lora_b"], np.float32)
+    m, v = (1 - opt.b1) * g, (1 - opt.b2) * g * g
+    m_hat, v_hat = m / (1 - opt.b1), v / (1 - opt.b2)
+    step = -np.float32(opt.learning_rate) * m_hat / (np.sqrt(v_hat) + np.float32(opt.eps))
+    assert np.median(np.abs(step)) > 0.9 * opt.learning_rate  # ~ lr * sign(g)
+    np.testing.assert_allclose(
+        np.asarray(state.params["layers"]["q_lora_b"]), b0 + step, rtol=0, atol=2e-8
+    )
+
+    b0_bf16 = np.asarray(as_bf16["layers"]["q_lora_b"])
+    state_bf16, _ = train_step(
+        TrainState.create(as_bf16, opt, 0), batch, frozen=base, lora=LORA, **static
+    )
+    np.testing.assert_array_equal(np.asarray(state_bf16.params["layers"]["q_lora_b"]), b0_bf16)
+
+
+def test_a_lora_run_over_a_bfloat16_base_is_not_warned_about_rounding():
+    """The bfloat16 base is frozen and the adapters are float32: no update rounds away."""
+    warned = TrainConfig().replace(param_dtype="bfloat16", learning_rate=1e-6)
+    assert len(warned.precision_warnings()) == 1
+    assert not warned.replace(lora_rank=8).precision_warnings()
