@@ -12,7 +12,7 @@ per length, so short micro-batches skip the padded columns (the loss is unchange
 columns are off every mask).
 
 With --micro_batch_tokens (`packed`, train/packing.py), `accumulate_packed` runs the
-mini-batch's sequences packed into micro-batches of one row per device instead, and reads
+mini-batch's sequences packed into micro-batches of R rows per device instead, and reads
 each sequence's logprobs back into the [M, T] layout: the same loss, term for term.
 
 On a mesh (`sharding`), micro-batch k is rows k, k + num_micro, ... (whole prompt groups
@@ -302,7 +302,7 @@ def accumulate_packed(
     into the mini-batch's [M, T] layout and takes the padded update's loss over its own rows
     (the others off the mask), divided by the whole mini-batch's denominator: the padded
     update's loss, gradient and metrics, summed in another order. Only the `num_micro`
-    micro-batches that hold rows run; each is one packed row per data-parallel device
+    micro-batches that hold rows run; each is R packed rows per data-parallel device
     (its rows constrained to the batch axes: equal token budgets per device)."""
     mask_MT, keep_M = batch.seqs.completion_mask_BT, batch.keep_B
     T = mask_MT.shape[1]
