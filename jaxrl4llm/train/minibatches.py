@@ -150,7 +150,5 @@ def _packed_or_padded(
     )
     ratio = packing.packed_flops(packed, flops) / padded_flops
     if ratio < 1:
-        return MiniBatch(
-            mini_batch, (), packing.real_share(packed), PackingChoice(packed, ratio)
-        )
+        return MiniBatch(mini_batch, (), packing.real_share(packed), PackingChoice(packed, ratio))
     return padded._replace(packing=PackingChoice(None, ratio))

@@ -177,7 +177,7 @@ def units(
     """The units of `groups` for rows of `length` slots: a group of several rows whose
     prompt has >= 2 tokens shares its prompt (split into sub-groups, each with its own
     prefix, where it does not fit one row); every other row is a unit of its own."""
-    out = []
+    out: list[Unit] = []
     for rows in groups:
         p = int(prompt_len[rows[0]])
         if len(rows) == 1 or p < 2:
@@ -185,9 +185,7 @@ def units(
             continue
         member = 1 + comp_len[rows]  # the prompt's last token + the completion
         for part in first_fit_decreasing(member, length - (p - 1)):
-            out.append(
-                Unit(p - 1, tuple(rows[i] for i in part), p - 1 + int(member[part].sum()))
-            )
+            out.append(Unit(p - 1, tuple(rows[i] for i in part), p - 1 + int(member[part].sum())))
     return out
 
 
@@ -253,9 +251,7 @@ def pack(
     )
     M = prompt_tokens.shape[0]
     prompt_len, comp_len = prompt_mask.sum(axis=1), completion_lengths(comp_mask)
-    groups = (
-        prompt_groups(prompt_tokens, prompt_mask) if share_prompts else [[m] for m in range(M)]
-    )
+    groups = prompt_groups(prompt_tokens, prompt_mask) if share_prompts else [[m] for m in range(M)]
     chosen = plan(groups, prompt_len, comp_len, budget, data_parallel, flops)
     L, R = chosen.length, data_parallel * chosen.rows_per_device
     K = -(-M // R)
@@ -264,7 +260,9 @@ def pack(
     )
     micro, start = np.zeros(M, np.int32), np.zeros(M, np.int32)
 
-    def put(row: int, col: int, seq: np.ndarray, first_position: int, segment: int, prefix: int):
+    def put(
+        row: int, col: int, seq: np.ndarray, first_position: int, segment: int, prefix: int
+    ) -> None:
         n = len(seq)
         tokens[row, col : col + n] = seq
         targets[row, col : col + n - 1] = seq[1:]

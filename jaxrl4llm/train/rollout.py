@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -229,7 +229,7 @@ def _teacher_forced(
 
 def _padded_passes(
     ctx: RolloutContext, config: TrainConfig, seqs: Sequences
-) -> tuple[Any, Any, int]:
+) -> tuple[Any, Any, Callable[[packing.SlotFlops], float]]:
     """(logprobs(params), values(critic_params)) -> [B, T], 0 off the completion mask: the
     padded passes over the [B, prompt + completion] rows, in row chunks of whole groups;
     and a function of packing.SlotFlops giving each pass's modelled FLOPs."""

@@ -97,8 +97,9 @@ class Updater:
         if update_columns:
             host["response/update_real_frac"] = real_tokens / update_columns
         if choices:
-            host["response/update_packed"] = sum(c.batch is not None for c in choices) / len(choices)
-            host["response/update_flops_ratio"] = sum(c.flops_ratio for c in choices) / len(choices)
+            n = len(choices)
+            host["response/update_packed"] = sum(c.batch is not None for c in choices) / n
+            host["response/update_flops_ratio"] = sum(c.flops_ratio for c in choices) / n
         host["time/update_s"] = time.perf_counter() - t0
         host["optim/learning_rate"] = float(
             self.services.lr_schedule((step + 1) * config.updates_per_step - 1)
