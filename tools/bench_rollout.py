@@ -132,18 +132,21 @@ def waste(
 
 def _update_batch(out: Any, group: int, max_new_tokens: int, share_prompts: bool = True) -> Any:
     """The rollout `out` as the update's batch (step.UpdateBatch), cut to the bucket of its
-    longest completion as the trainer cuts it."""
+    longest completion as the trainer cuts it, its prompt block to the bucket of its longest
+    prompt (the bench's samplers share one larger prompt bucket)."""
     import jax.numpy as jnp
 
-    from jaxrl4llm.sampling.buckets import bucket_completion_length
+    from jaxrl4llm.sampling.buckets import bucket_completion_length, bucket_prompt_length
     from jaxrl4llm.sampling.layout import RowLayout
     from jaxrl4llm.train.logprobs import Sequences
     from jaxrl4llm.train.step import UpdateBatch
 
     rows = out.tokens_BT.shape[0]
     out = out.trimmed(bucket_completion_length(int(out.num_steps), max_new_tokens))
+    P = bucket_prompt_length(int(np.asarray(out.prompt_mask_BP).sum(axis=1).max()))
+    prompt_tokens, prompt_mask = out.prompt_tokens_BP[:, -P:], out.prompt_mask_BP[:, -P:]
     return UpdateBatch(
-        seqs=Sequences(out.prompt_tokens_BP, out.prompt_mask_BP, out.tokens_BT, out.mask_BT),
+        seqs=Sequences(prompt_tokens, prompt_mask, out.tokens_BT, out.mask_BT),
         advantages=jnp.zeros(rows),
         keep_B=jnp.ones(rows, bool),
         old_logp_BT=None,
@@ -218,7 +221,7 @@ def packed_update_fracs(
 
 
 def logprob_real_fracs(
-    out: Any, group: int, max_new_tokens: int, budget: int, model_config: Any
+    out: Any, group: int, max_new_tokens: int, budget: int, flops: Any
 ) -> dict[str, float]:
     """The teacher-forced passes of the rollout `out` (train/rollout.py), padded and packed:
     real tokens / token positions each computes. Padded: rows of the trainer's prompt block P
@@ -227,7 +230,8 @@ def logprob_real_fracs(
     positions = groups x P + rows x T. Packed (`budget` = --micro_batch_tokens): the whole
     batch packed (packing.pack, one device, a group's prompt once per row):
     packing.real_share. The trainer runs the passes packed where `logprob_flops_packed`
-    (modelled FLOPs on `model_config`, packed / padded) is below 1 (train/rollout.py)."""
+    (modelled FLOPs, packing.SlotFlops `flops`: packed / padded) is below 1
+    (train/rollout.py)."""
     from jaxrl4llm.sampling.buckets import bucket_completion_length, bucket_prompt_length
     from jaxrl4llm.train import packing
     from jaxrl4llm.train.logprobs import Sequences
@@ -238,7 +242,6 @@ def logprob_real_fracs(
     real = int(prompt_len[::group].sum()) + int(np.asarray(out.lengths_B).sum())
     P = bucket_prompt_length(int(prompt_len.max()))
     positions = rows // group * P + rows * T
-    flops = packing.SlotFlops.of(model_config)
     packed = packing.pack(
         Sequences(out.prompt_tokens_BP, out.prompt_mask_BP, out.tokens_BT, out.mask_BT),
         budget,
@@ -365,7 +368,10 @@ def main(argv=None) -> int:
     from jaxrl4llm.sampling.frontend import Sampler
     from jaxrl4llm.sampling.strategies import SamplingConfig
 
+    from jaxrl4llm.train.packing import SlotFlops
+
     model_config, params, tokenizer, full_config = _load_model(args)
+    full_flops = SlotFlops.of(full_config)
     forced = args.length_mix != "natural"
     rows = args.prompts * args.group
     new_tokens = args.new_tokens or (mix_caps(args.length_mix, 1, 0)[1] if forced else 256)
@@ -426,7 +432,7 @@ def main(argv=None) -> int:
             row["rows_identical"] = same_rows(out, cont)
         budget = args.micro_batch_tokens
         row.update(packed_update_fracs(out, args.group, new_tokens, budget, full_config))
-        row.update(logprob_real_fracs(out, args.group, new_tokens, budget, full_config))
+        row.update(logprob_real_fracs(out, args.group, new_tokens, budget, full_flops))
         if args.mini_batch:
             row["update_real_minibatch"] = minibatch_real_frac(
                 out,

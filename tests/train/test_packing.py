@@ -377,6 +377,37 @@ def test_packed_update_on_8_devices_equals_one_device():
         np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), atol=1e-6)
 
 
+def _choice(batch, budget):
+    """The trainer's mini-batch of the whole batch (train/minibatches.py) with
+    --micro_batch_tokens=budget on the toy model."""
+    from jaxrl4llm.sampling.layout import RowLayout
+    from jaxrl4llm.train.config import TrainConfig
+    from jaxrl4llm.train.minibatches import minibatches
+
+    config = TrainConfig().replace(
+        prompts_per_step=2, group_size=4, micro_batch_tokens=budget, max_new_tokens=T
+    )
+    batch = batch.replace(layout=RowLayout(4))
+    (mini,) = minibatches(batch, config, jax.random.key(0), None, CONFIG)
+    return mini
+
+
+def test_the_update_packs_only_where_that_models_fewer_flops():
+    # Mixed lengths: packed (3 rows of 24, each group's prompt once per row) below the
+    # padded update (2 prompts of 6 columns + 8 rows x 12 completion columns).
+    _, batch = _batch(groups=GROUPS)
+    mini = _choice(batch, 24)
+    assert mini.packing.batch is not None and mini.packing.flops_ratio < 1
+    assert mini.tokens == packing.real_share(mini.packing.batch)
+    # Every completion 12 tokens: nothing to remove but the prompt block's padding, and each
+    # group (5 + 4 x 13 tokens) splits over rows of 24, its prompt copied into each: the
+    # padded update runs, cut to its 12 columns, with the ratio it won by.
+    full = jnp.ones_like(batch.seqs.completion_mask_BT)
+    mini = _choice(batch.replace(seqs=batch.seqs.replace(completion_mask_BT=full)), 24)
+    assert mini.packing.batch is None and mini.packing.flops_ratio > 1
+    assert mini.tokens == (M * T, M * T)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
