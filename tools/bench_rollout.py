@@ -367,7 +367,6 @@ def main(argv=None) -> int:
     from jaxrl4llm.data.config import DataConfig
     from jaxrl4llm.sampling.frontend import Sampler
     from jaxrl4llm.sampling.strategies import SamplingConfig
-
     from jaxrl4llm.train.packing import SlotFlops
 
     model_config, params, tokenizer, full_config = _load_model(args)
