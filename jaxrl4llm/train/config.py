@@ -95,7 +95,7 @@ class UpdateConfig:
         into micro-batches of rows of at most N / (data x fsdp) tokens per device in all
         (train/packing.py): the same update, run packed where that models fewer FLOPs than
         the padded update; the rollout's reference, old-logprob and value passes likewise.
-        Full fine-tuning, one host.
+        Full fine-tuning or LoRA, one host.
     ppo_epochs: Passes over each rollout batch.
     recompute_old_logprobs: Recompute pi_old with a teacher-forced pass (else use the
         sampler's logprobs).
@@ -583,11 +583,6 @@ class TrainConfig:
             f"{dp} data-parallel devices of --mesh={self.run.mesh} packs rows of "
             f"N / {dp} tokens, and the longest sequence is --max_prompt_tokens="
             f"{r.max_prompt_tokens} + --max_new_tokens={r.max_new_tokens} = {longest} tokens.",
-        )
-        require(
-            not self.lora.enabled,
-            f"--micro_batch_tokens={N} packs the full fine-tuning update; LoRA "
-            f"(--lora_rank={self.lora.rank}) runs on padded micro-batches: drop one.",
         )
         require(
             self.update.micro_batch_length_classes == 1,

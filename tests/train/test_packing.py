@@ -349,6 +349,31 @@ def test_packed_update_equals_the_padded_update(agg, share_prompts):
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-6, atol=1e-6, err_msg=key)
 
 
+def test_packed_lora_update_equals_the_padded_lora_update():
+    """LoRA adapters (B random, so every adapter gets a gradient) on the frozen base, shared
+    prompts packed into rows of 24: the padded LoRA update's loss and adapter gradients."""
+    from jaxrl4llm.models import lora as lora_lib
+
+    from tests.train.test_lora_training import LORA, _random_b
+
+    base, batch = _batch(groups=GROUPS)
+    adapters = _random_b(lora_lib.init_adapters(CONFIG, LORA, jax.random.key(1)))
+    algorithm = dataclasses.replace(rl.get_preset("grpo"), agg="seq-mean-token-mean", kl_coef=0.1)
+    common = dict(model_config=CONFIG, algorithm=algorithm, temperature=1.0)
+    loss_ref, grads_ref, _ = accumulate_gradients(
+        adapters, batch, num_micro=1, frozen=base, lora=LORA, **common
+    )
+    packed = packing.pack(batch.seqs, budget=24, flops=packing.SlotFlops.of(CONFIG))
+    loss, grads, _ = jax.jit(
+        lambda a, f, b, k: accumulate_packed(a, b, k, frozen=f, lora=LORA, **common)
+    )(adapters, base, batch, packed)
+    assert jax.tree.structure(grads) == jax.tree.structure(adapters)
+    np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-6, atol=1e-6)
+    for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), atol=1e-6)
+    assert min(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads_ref)) > 1e-4
+
+
 def test_packed_update_on_8_devices_equals_one_device():
     """data x fsdp = 2 x 4: a micro-batch is 8 packed rows, one per device (shared prompts);
     the sharded packed update equals the padded update on one device."""
@@ -414,7 +439,6 @@ def test_the_update_packs_only_where_that_models_fewer_flops():
         (dict(micro_batch_tokens=-1), "--micro_batch_tokens=-1 must be >= 0"),
         # 128 + 64 = 192 tokens per sequence, 4 data-parallel devices: at least 768.
         (dict(micro_batch_tokens=767), "--micro_batch_tokens=767 must be 0 .off. or >= 768"),
-        (dict(micro_batch_tokens=768, lora_rank=8), "LoRA .--lora_rank=8. runs on padded"),
         (
             dict(micro_batch_tokens=768, micro_batch_length_classes=2),
             "--micro_batch_length_classes=2 sorts padded micro-batches",
@@ -431,5 +455,6 @@ def test_micro_batch_tokens_flag_checks(overrides, message):
     with pytest.raises(FlagError, match=message):
         base.replace(**overrides).validate(num_devices=8, num_hosts=1)
     base.replace(micro_batch_tokens=768).validate(num_devices=8, num_hosts=1)
+    base.replace(micro_batch_tokens=768, lora_rank=8).validate(num_devices=8, num_hosts=1)
     with pytest.raises(FlagError, match="run on one host .this run has 2."):
         base.replace(micro_batch_tokens=768).validate(num_devices=8, num_hosts=2)
