@@ -25,13 +25,17 @@ tokens on, temperature --temperature) and prints, over --rollouts rollouts:
                         by length, each run at its length class; `update_real_packed`: real
                         (prompt + completion) tokens / slots the packed update computes with
                         --micro_batch_tokens (train/packing.py: no padding but the packed
-                        rows' tails), the whole batch as one mini-batch
+                        rows' tails, a group's prompt once per row), the whole batch as one
+                        mini-batch; `update_flops_packed`: its modelled FLOPs / the padded
+                        update's (packing.SlotFlops on the full model; below 1: the trainer
+                        packs)
   logprob real          real tokens / token positions the rollout's teacher-forced passes
                         (reference, old logprobs, PPO's values) compute, each counted as
                         that pass runs them (see `logprob_real_fracs`): `logprob_real` padded
                         ([prompt bucket + completion bucket] rows, each group's prompt once),
                         `logprob_real_packed` with --micro_batch_tokens (train/packing.py),
-                        `logprob_positions_packed` the packed slots / the padded positions
+                        `logprob_flops_packed` the packed passes' modelled FLOPs / the
+                        padded passes' (below 1: the trainer packs them)
   lengths               min / mean / max completion length
   time_ratio            (--time) wall time of the compacted sampler / the uncompacted one,
                         same prompts and keys (the same samples), measured in the same run
@@ -126,6 +130,31 @@ def waste(
     }
 
 
+def _update_batch(out: Any, group: int, max_new_tokens: int, share_prompts: bool = True) -> Any:
+    """The rollout `out` as the update's batch (step.UpdateBatch), cut to the bucket of its
+    longest completion as the trainer cuts it, its prompt block to the bucket of its longest
+    prompt (the bench's samplers share one larger prompt bucket)."""
+    import jax.numpy as jnp
+
+    from jaxrl4llm.sampling.buckets import bucket_completion_length, bucket_prompt_length
+    from jaxrl4llm.sampling.layout import RowLayout
+    from jaxrl4llm.train.logprobs import Sequences
+    from jaxrl4llm.train.step import UpdateBatch
+
+    rows = out.tokens_BT.shape[0]
+    out = out.trimmed(bucket_completion_length(int(out.num_steps), max_new_tokens))
+    P = bucket_prompt_length(int(np.asarray(out.prompt_mask_BP).sum(axis=1).max()))
+    prompt_tokens, prompt_mask = out.prompt_tokens_BP[:, -P:], out.prompt_mask_BP[:, -P:]
+    return UpdateBatch(
+        seqs=Sequences(prompt_tokens, prompt_mask, out.tokens_BT, out.mask_BT),
+        advantages=jnp.zeros(rows),
+        keep_B=jnp.ones(rows, bool),
+        old_logp_BT=None,
+        ref_logp_BT=None,
+        layout=RowLayout(group, share_prompts),
+    )
+
+
 def minibatch_real_frac(
     out,
     group: int,
@@ -136,33 +165,17 @@ def minibatch_real_frac(
     micro_batch: int = 0,
     length_classes: int = 1,
     share_prompts: bool = True,
-    micro_batch_tokens: int = 0,
 ) -> float:
     """Real completion tokens / positions the trainer's update computes on this rollout when
     it runs mini-batches of `mini_batch` rows for `ppo_epochs` epochs, in micro-batches of
     `micro_batch` rows run at up to `length_classes` lengths (train/minibatches.py). The rows carry
     the trainer's layout (`share_prompts` is its default); sorting by length moves single
-    rows out of their groups either way. `micro_batch_tokens` > 0: the packed update's real
-    (prompt + completion) tokens / slots instead."""
-    import jax.numpy as jnp
-
-    from jaxrl4llm.sampling.buckets import bucket_completion_length
-    from jaxrl4llm.sampling.layout import RowLayout
+    rows out of their groups either way."""
     from jaxrl4llm.train.config import TrainConfig
-    from jaxrl4llm.train.logprobs import Sequences
     from jaxrl4llm.train.minibatches import minibatches
-    from jaxrl4llm.train.step import UpdateBatch
 
     rows = out.tokens_BT.shape[0]
-    out = out.trimmed(bucket_completion_length(int(out.num_steps), max_new_tokens))
-    batch = UpdateBatch(
-        seqs=Sequences(out.prompt_tokens_BP, out.prompt_mask_BP, out.tokens_BT, out.mask_BT),
-        advantages=jnp.zeros(rows),
-        keep_B=jnp.ones(rows, bool),
-        old_logp_BT=None,
-        ref_logp_BT=None,
-        layout=RowLayout(group, share_prompts),
-    )
+    batch = _update_batch(out, group, max_new_tokens, share_prompts)
     config = TrainConfig().replace(
         prompts_per_step=rows // group,
         group_size=group,
@@ -170,7 +183,6 @@ def minibatch_real_frac(
         ppo_epochs=ppo_epochs,
         micro_batch_size=micro_batch,
         micro_batch_length_classes=length_classes,
-        micro_batch_tokens=micro_batch_tokens,
         max_new_tokens=max_new_tokens,
     )
     real = columns = 0
@@ -181,15 +193,45 @@ def minibatch_real_frac(
     return real / columns
 
 
-def logprob_real_fracs(out: Any, group: int, max_new_tokens: int, budget: int) -> dict[str, float]:
+def packed_update_fracs(
+    out: Any, group: int, max_new_tokens: int, budget: int, model_config: Any
+) -> dict[str, float]:
+    """The packed update on the rollout `out`, the whole batch as one mini-batch, as the
+    trainer forms it (train/minibatches.py, shared prompts): `update_real_packed`, real
+    (prompt + completion) tokens / packed slots, and `update_flops_packed`, its modelled
+    FLOPs on `model_config` / the padded update's (the trainer packs below 1)."""
+    from jaxrl4llm.train import packing
+    from jaxrl4llm.train.config import TrainConfig
+    from jaxrl4llm.train.minibatches import minibatches
+
+    rows = out.tokens_BT.shape[0]
+    batch = _update_batch(out, group, max_new_tokens)
+    config = TrainConfig().replace(
+        prompts_per_step=rows // group,
+        group_size=group,
+        micro_batch_tokens=budget,
+        max_new_tokens=max_new_tokens,
+    )
+    ((_, _, _, choice),) = minibatches(batch, config, jax.random.key(0), None, model_config)
+    packed = choice.batch or packing.pack(
+        batch.seqs, budget, flops=packing.SlotFlops.of(model_config)
+    )  # the padded update was cheaper: the packing it was compared with
+    real, slots = packing.real_share(packed)
+    return {"update_real_packed": real / slots, "update_flops_packed": choice.flops_ratio}
+
+
+def logprob_real_fracs(
+    out: Any, group: int, max_new_tokens: int, budget: int, flops: Any
+) -> dict[str, float]:
     """The teacher-forced passes of the rollout `out` (train/rollout.py), padded and packed:
     real tokens / token positions each computes. Padded: rows of the trainer's prompt block P
     (the bucket of the longest prompt) + the bucketed longest completion T, each group's
     prompt run once (the default layout): real = one prompt per group + the completions,
     positions = groups x P + rows x T. Packed (`budget` = --micro_batch_tokens): the whole
-    batch packed (packing.pack, one device), each prompt run once per sequence:
-    packing.real_share. The trainer runs the passes packed where `logprob_positions_packed`
-    (packed slots / padded positions) is below 1 (train/rollout.py)."""
+    batch packed (packing.pack, one device, a group's prompt once per row):
+    packing.real_share. The trainer runs the passes packed where `logprob_flops_packed`
+    (modelled FLOPs, packing.SlotFlops `flops`: packed / padded) is below 1
+    (train/rollout.py)."""
     from jaxrl4llm.sampling.buckets import bucket_completion_length, bucket_prompt_length
     from jaxrl4llm.train import packing
     from jaxrl4llm.train.logprobs import Sequences
@@ -198,15 +240,19 @@ def logprob_real_fracs(out: Any, group: int, max_new_tokens: int, budget: int) -
     rows, T = out.tokens_BT.shape
     prompt_len = np.asarray(out.prompt_mask_BP).sum(axis=1)
     real = int(prompt_len[::group].sum()) + int(np.asarray(out.lengths_B).sum())
-    positions = rows // group * bucket_prompt_length(int(prompt_len.max())) + rows * T
+    P = bucket_prompt_length(int(prompt_len.max()))
+    positions = rows // group * P + rows * T
     packed = packing.pack(
-        Sequences(out.prompt_tokens_BP, out.prompt_mask_BP, out.tokens_BT, out.mask_BT), budget
+        Sequences(out.prompt_tokens_BP, out.prompt_mask_BP, out.tokens_BT, out.mask_BT),
+        budget,
+        flops=flops,
     )
     packed_real, slots = packing.real_share(packed)
     return {
         "logprob_real": real / positions,
         "logprob_real_packed": packed_real / slots,
-        "logprob_positions_packed": slots / positions,
+        "logprob_flops_packed": packing.packed_flops(packed, flops)
+        / flops.padded(rows, P, T, group),
     }
 
 
@@ -301,16 +347,18 @@ def _parse(argv: Any) -> Any:
     return parser.parse_args(argv)
 
 
-def _load_model(args: Any) -> tuple[Any, Any, Any]:
-    """(config, params, tokenizer) of --model, cut to its first --layers layers if given."""
+def _load_model(args: Any) -> tuple[Any, Any, Any, Any]:
+    """(config, params, tokenizer, the full model's config) of --model, cut to its first
+    --layers layers if given (the FLOP ratios are modelled on the full model)."""
     from jaxrl4llm.models import registry
     from jaxrl4llm.train.config import param_dtype
 
     model_config, params, tokenizer = registry.load_model(args.model, dtype=param_dtype(args.dtype))
+    full_config = model_config
     if args.layers:
         model_config = dataclasses.replace(model_config, num_layers=args.layers)
         params = {**params, "layers": jax.tree.map(lambda w: w[: args.layers], params["layers"])}
-    return model_config, params, tokenizer
+    return model_config, params, tokenizer, full_config
 
 
 def main(argv=None) -> int:
@@ -319,8 +367,10 @@ def main(argv=None) -> int:
     from jaxrl4llm.data.config import DataConfig
     from jaxrl4llm.sampling.frontend import Sampler
     from jaxrl4llm.sampling.strategies import SamplingConfig
+    from jaxrl4llm.train.packing import SlotFlops
 
-    model_config, params, tokenizer = _load_model(args)
+    model_config, params, tokenizer, full_config = _load_model(args)
+    full_flops = SlotFlops.of(full_config)
     forced = args.length_mix != "natural"
     rows = args.prompts * args.group
     new_tokens = args.new_tokens or (mix_caps(args.length_mix, 1, 0)[1] if forced else 256)
@@ -379,10 +429,9 @@ def main(argv=None) -> int:
         )
         if cont is not None:
             row["rows_identical"] = same_rows(out, cont)
-        row["update_real_packed"] = minibatch_real_frac(
-            out, args.group, rows, 1, new_tokens, micro_batch_tokens=args.micro_batch_tokens
-        )
-        row.update(logprob_real_fracs(out, args.group, new_tokens, args.micro_batch_tokens))
+        budget = args.micro_batch_tokens
+        row.update(packed_update_fracs(out, args.group, new_tokens, budget, full_config))
+        row.update(logprob_real_fracs(out, args.group, new_tokens, budget, full_flops))
         if args.mini_batch:
             row["update_real_minibatch"] = minibatch_real_frac(
                 out,
@@ -414,11 +463,12 @@ def main(argv=None) -> int:
             "rows_identical",
             "update_real_trimmed",
             "update_real_packed",
+            "update_flops_packed",
             "update_real_untrimmed",
             "update_real_minibatch",
             "logprob_real",
             "logprob_real_packed",
-            "logprob_positions_packed",
+            "logprob_flops_packed",
             "compact_s",
             "continuous_s",
             "time_ratio",

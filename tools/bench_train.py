@@ -21,11 +21,13 @@ FLOPs (`step_tflop`) at the best matmul rate measured in the same process (`matm
 i.e. the fastest this step could run on this machine (`floor_s`; `floor_share` = floor_s /
 step_s). The reference and update passes run each prompt once per group (--no_share_prompts
 runs it once per row, as before). `--micro_batch_tokens=N` also runs our step with the update
-on packed micro-batches of N tokens (train/packing.py) in each round, between our padded step
-and TRL's, and reports both ratios to TRL. `--lora_rank=R` also runs our step with rank-R LoRA
-adapters on the frozen base (`--lora_targets`, all seven projections by default) in each round,
-in its own process, and prints full fine-tuning against LoRA: step time, update time and peak
-RSS, and the LoRA / full ratios.
+on packed micro-batches of N tokens (train/packing.py: a group's prompt once per row, rows
+chosen by modelled FLOPs) in each round, between our padded step and TRL's, and reports both
+ratios to TRL and the packed update's modelled FLOPs / the padded update's
+(`update_flops_packed`; the trainer itself packs only below 1). `--lora_rank=R` also runs our
+step with rank-R LoRA adapters on the frozen base (`--lora_targets`, all seven projections by
+default) in each round, in its own process, and prints full fine-tuning against LoRA: step
+time, update time and peak RSS, and the LoRA / full ratios.
 """
 
 from __future__ import annotations
@@ -151,8 +153,19 @@ def _child(args) -> dict:
             prompt_group=prompt_group,
             **lora_static,
         )
+        flops_ratio = {}
         if packed_update:  # as the trainer does: packed on the host, prompts in the rows
-            static["packed"] = packing.pack(batch.seqs, args.micro_batch_tokens)
+            flops = packing.SlotFlops.of(model_config)
+            static["packed"] = packing.pack(
+                batch.seqs,
+                args.micro_batch_tokens,
+                flops=flops,
+                share_prompts=batch.layout.share_prompts,
+            )
+            rows_, completion = batch.seqs.completion_tokens_BT.shape
+            flops_ratio["update_flops_packed"] = packing.packed_flops(
+                static["packed"], flops
+            ) / flops.padded(rows_, prompt_columns, completion, prompt_group)
             batch = packing.for_update(batch)
         if step == 0:
             compile_train_step(state, batch, **static)  # as the trainer does
@@ -171,6 +184,7 @@ def _child(args) -> dict:
                 "step_s": step_s,
                 "sample_tok_s": new_tokens / m["time/rollout_s"],
                 "update_tok_s": trained / update_s,
+                **flops_ratio,
             }
         )
     reward_fn.close()
@@ -564,7 +578,8 @@ def main(argv=None) -> int:
     for r, p in zip(ours, packed):  # same run, same machine load
         print(
             f"{p['dtype']} / {r['dtype']}: step {p['step_s'] / r['step_s']:.2f}x, update "
-            f"{p['update_s'] / r['update_s']:.2f}x the time"
+            f"{p['update_s'] / r['update_s']:.2f}x the time; modelled update FLOPs "
+            f"{p['update_flops_packed']:.3f}x"
         )
     for r in ours[1:]:
         print(

@@ -7,7 +7,10 @@ sliding window of W (Mistral) also s > t + offset - W: the query and the W - 1 s
 it, as transformers' sliding-window mask keeps them. Packed rows (several sequences in one
 row) pass int32 segment ids as key_valid_BS (0: no token; segments are contiguous): a query
 then also needs the key's segment to be its own, the segment at its own slot t + offset, so
-attention is block-diagonal causal. One rule covers the three uses:
+attention is block-diagonal causal. Packed rows whose sequences share a prompt also pass each
+query's prefix segment (`query_prefix_BT`, self-attention only): the segment holding its
+group's prompt, which it sees beside its own (its own id where it has none). One rule covers
+the three uses:
 self-attention (offset 0), a KV cache (offset = the first new slot) and a shared prefix
 (keys = prefix ++ row, offset = prefix length). Rows are a left-padded prompt followed by
 contiguous real tokens, so a distance in slots is a distance in real tokens (RoPE positions)
@@ -20,7 +23,8 @@ between any two real tokens, and the window counts real tokens.
              backward pass, so forward and backward hold one [bq, bk] block of scores and
              O(T * H) state; remat-friendly. The default on CPU and wherever no kernel fits.
   splash     the Pallas TPU splash-attention kernel (causal mask with an offset, segment ids
-             for padding), per device under shard_map.
+             for padding), per device under shard_map. Its segment ids are equality only:
+             prefix segments run the chunked path instead ("auto") or are refused.
   cudnn      jax.nn.dot_product_attention's cuDNN flash kernel on GPU (bf16/fp16), per device
              under shard_map. "xla" runs the same call with XLA's implementation (tests).
 """
@@ -92,31 +96,47 @@ def is_segmented(key_valid_BS: jax.Array) -> bool:
     return key_valid_BS.dtype != jnp.bool_
 
 
-def query_segments(key_valid_BS: jax.Array, num_queries: int, offset: Any) -> jax.Array:
-    """int32 [B, T]: each query's segment, the segment id at its own slot t + offset (all 1
-    for a bool mask: one segment per row)."""
+def query_segments(
+    key_valid_BS: jax.Array,
+    num_queries: int,
+    offset: Any,
+    query_prefix_BT: jax.Array | None = None,
+) -> jax.Array:
+    """int32 [B, T, 2]: each query's (own segment, prefix segment). Its own is the segment id
+    at its slot t + offset (1 for a bool mask: one segment per row); its prefix segment is
+    `query_prefix_BT`'s (its own where that is None)."""
     if not is_segmented(key_valid_BS):
-        return jnp.ones((key_valid_BS.shape[0], num_queries), jnp.int32)
-    return lax.dynamic_slice_in_dim(key_valid_BS.astype(jnp.int32), offset, num_queries, 1)
+        ones_BT = jnp.ones((key_valid_BS.shape[0], num_queries), jnp.int32)
+        return jnp.stack([ones_BT, ones_BT], axis=-1)
+    own_BT = lax.dynamic_slice_in_dim(key_valid_BS.astype(jnp.int32), offset, num_queries, 1)
+    prefix_BT = own_BT if query_prefix_BT is None else query_prefix_BT.astype(jnp.int32)
+    return jnp.stack([own_BT, prefix_BT], axis=-1)
 
 
-def _same_segment(key_segments, query_segments):
-    """bool [..., T, S]: key s is real (segment >= 1) and in query t's segment."""
-    k, q = key_segments[..., None, :], query_segments[..., :, None]
-    return (k > 0) & (k == q)
+def _same_segment(key_segments, query_ids):
+    """bool [..., T, S]: key s is real (segment >= 1) and in query t's own segment or its
+    prefix segment (query_ids [..., T, 2], see `query_segments`)."""
+    k = key_segments[..., None, :]
+    own, prefix = query_ids[..., :, 0:1], query_ids[..., :, 1:2]
+    return (k > 0) & ((k == own) | (k == prefix))
 
 
 def visible_mask(
-    key_valid_BS: jax.Array, num_queries: int, offset: Any, window: int | None = None
+    key_valid_BS: jax.Array,
+    num_queries: int,
+    offset: Any,
+    window: int | None = None,
+    query_prefix_BT: jax.Array | None = None,
 ) -> jax.Array:
     """bool [B, T, S]: query t sees key s iff key_valid[b, s] (segment ids: the key is in the
-    query's segment), s <= t + offset and (with a sliding window W) s > t + offset - W."""
+    query's segment or its prefix segment), s <= t + offset and (with a sliding window W)
+    s > t + offset - W."""
     S = key_valid_BS.shape[1]
     causal_TS = _causal(jnp.arange(S), jnp.arange(num_queries) + offset, window)
     if not is_segmented(key_valid_BS):
         return causal_TS[None] & key_valid_BS[:, None, :]
     return causal_TS[None] & _same_segment(
-        key_valid_BS, query_segments(key_valid_BS, num_queries, offset)
+        key_valid_BS, query_segments(key_valid_BS, num_queries, offset, query_prefix_BT)
     )
 
 
@@ -129,10 +149,12 @@ def attention(
     config: AttentionConfig = AttentionConfig(),
     sharding: parallel.ActivationSharding | None = None,
     window: int | None = None,
+    query_prefix_BT: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of queries [B, T, N, H] over keys [B, K, H, S] / values [B, K, S, H];
     q heads n*G .. n*G+G-1 share kv head n. Returns [B, T, N*H] float32. `window`: the
-    sliding window W (None: full causal attention), static.
+    sliding window W (None: full causal attention), static. `query_prefix_BT` (segment ids
+    only): each query's prefix segment, which it sees beside its own (module docstring).
 
     Matmuls run in the keys' dtype with float32 accumulation; softmax is float32.
     """
@@ -141,14 +163,23 @@ def attention(
     q_BKGTH = (q_BTNH.reshape(B, T, K, N // K, H) * (H**-0.5)).transpose(0, 2, 3, 1, 4)
     q_BKGTH = q_BKGTH.astype(k_BKHS.dtype)
     impl = config.resolve(T, S, H, k_BKHS.dtype)
+    if query_prefix_BT is not None and impl == "splash":
+        if config.impl == "splash":
+            raise ValueError(
+                "attention impl 'splash' takes segment ids by equality only; packed rows "
+                "with shared prompts (query_prefix_BT) need impl 'auto' or 'chunked'."
+            )
+        impl = "chunked"
     if impl == "reference":
-        out = _reference(q_BKGTH, k_BKHS, v_BKSH, visible_mask(key_valid_BS, T, offset, window))
+        visible_BTS = visible_mask(key_valid_BS, T, offset, window, query_prefix_BT)
+        out = _reference(q_BKGTH, k_BKHS, v_BKSH, visible_BTS)
     elif impl == "chunked":
         out = _chunked(
             q_BKGTH,
             k_BKHS,
             v_BKSH,
             key_valid_BS,
+            query_segments(key_valid_BS, T, jnp.asarray(offset, jnp.int32), query_prefix_BT),
             jnp.asarray(offset, jnp.int32),
             min(config.block_q, T),
             min(config.block_k, S),
@@ -162,7 +193,16 @@ def attention(
             )
         kernel = _splash if impl == "splash" else functools.partial(_dot_product, impl=impl)
         out = _per_device(
-            kernel, q_BKGTH, k_BKHS, v_BKSH, key_valid_BS, offset, window, config, sharding
+            kernel,
+            q_BKGTH,
+            k_BKHS,
+            v_BKSH,
+            key_valid_BS,
+            offset,
+            window,
+            config,
+            sharding,
+            query_prefix_BT,
         )
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
 
@@ -216,10 +256,10 @@ def _block_scores(q_blk, k_blk, valid_blk, qseg_blk, t0, s0, offset, window):
     return jnp.where((valid_blk >= 0)[:, None, None, None, :], s, _PADDED)
 
 
-def _blocked_inputs(q, k, v, key_valid_BS, offset, bq, bk):
-    T = q.shape[3]
+def _blocked_inputs(q, k, v, key_valid_BS, query_ids_BT2, bq, bk):
+    # Block-padding queries: segments 0, so they see no key.
     valid = _pad_to(key_valid_BS.astype(jnp.int32), 1, bk, value=-1)
-    qseg = _pad_to(query_segments(key_valid_BS, T, offset), 1, bq)
+    qseg = _pad_to(query_ids_BT2, 1, bq)
     return (
         _split_blocks(_pad_to(q, 3, bq), 3, bq),
         _split_blocks(_pad_to(k, 3, bk), 3, bk),
@@ -229,10 +269,10 @@ def _blocked_inputs(q, k, v, key_valid_BS, offset, bq, bk):
     )
 
 
-def _flash_forward(q, k, v, key_valid_BS, offset, bq, bk, window):
+def _flash_forward(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window):
     """(out [B, K, G, T, H] f32, logsumexp [B, K, G, T] f32)."""
     T = q.shape[3]
-    q_n, k_n, v_n, valid_n, qseg_n = _blocked_inputs(q, k, v, key_valid_BS, offset, bq, bk)
+    q_n, k_n, v_n, valid_n, qseg_n = _blocked_inputs(q, k, v, key_valid_BS, query_ids, bq, bk)
     starts_k = jnp.arange(k_n.shape[0]) * bk
 
     def query_block(args):
@@ -263,24 +303,24 @@ def _flash_forward(q, k, v, key_valid_BS, offset, bq, bk, window):
     return _merge_blocks(out_n, 3)[:, :, :, :T], _merge_blocks(lse_n, 3)[..., :T]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _chunked(q, k, v, key_valid_BS, offset, bq, bk, window):
-    return _flash_forward(q, k, v, key_valid_BS, offset, bq, bk, window)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _chunked(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window):
+    return _flash_forward(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window)[0]
 
 
-def _chunked_fwd(q, k, v, key_valid_BS, offset, bq, bk, window):
-    out, lse = _flash_forward(q, k, v, key_valid_BS, offset, bq, bk, window)
-    return out, (q, k, v, key_valid_BS, offset, out, lse)
+def _chunked_fwd(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window):
+    out, lse = _flash_forward(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window)
+    return out, (q, k, v, key_valid_BS, query_ids, offset, out, lse)
 
 
 def _chunked_bwd(bq, bk, window, residuals, dout):
     """Flash-attention backward: per (key block, query block) pair, recompute the
     probabilities from the saved logsumexp; dq accumulates over key blocks, dk / dv over
     query blocks."""
-    q, k, v, key_valid_BS, offset, out, lse = residuals
+    q, k, v, key_valid_BS, query_ids, offset, out, lse = residuals
     T, S = q.shape[3], k.shape[3]
     delta = jnp.sum(dout * out, axis=-1)  # [B, K, G, T]
-    q_n, k_n, v_n, valid_n, qseg_n = _blocked_inputs(q, k, v, key_valid_BS, offset, bq, bk)
+    q_n, k_n, v_n, valid_n, qseg_n = _blocked_inputs(q, k, v, key_valid_BS, query_ids, bq, bk)
     do_n = _split_blocks(_pad_to(dout, 3, bq), 3, bq).astype(v.dtype)
     lse_n = _split_blocks(_pad_to(lse, 3, bq), 3, bq)
     delta_n = _split_blocks(_pad_to(delta, 3, bq), 3, bq)
@@ -319,7 +359,7 @@ def _chunked_bwd(bq, bk, window, residuals, dout):
     dq = _merge_blocks(dq_n, 3)[:, :, :, :T].astype(q.dtype)
     dk = _merge_blocks(dk_n, 3)[..., :S].astype(k.dtype)
     dv = _merge_blocks(dv_n, 2)[:, :, :S].astype(v.dtype)
-    return dq, dk, dv, None, None
+    return dq, dk, dv, None, None, None
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -338,13 +378,15 @@ def _per_device(
     window: int | None,
     config: AttentionConfig,
     sharding: parallel.ActivationSharding | None,
+    query_prefix_BT: jax.Array | None = None,
 ):
     """Runs a per-device kernel; on a mesh under shard_map over batch rows and kv heads
     (a Pallas or cuDNN custom call is opaque to the SPMD partitioner, which would otherwise
     gather every operand onto each device)."""
     run = functools.partial(kernel, offset=offset, window=window, config=config)
+    rows = (key_valid_BS,) if query_prefix_BT is None else (key_valid_BS, query_prefix_BT)
     if sharding is None:
-        return run(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS)
+        return run(q_BKGTH, k_BKHS, v_BKSH, *rows)
     B, K = k_BKHS.shape[:2]
     batch = sharding.spec(("batch",), (B,))[0]
     heads = sharding.spec(("kv_heads",), (K,))[0]
@@ -352,10 +394,10 @@ def _per_device(
     return jax.shard_map(
         run,
         mesh=sharding.mesh,
-        in_specs=(P(batch, heads), P(batch, heads), P(batch, heads), P(batch)),
+        in_specs=(P(batch, heads), P(batch, heads), P(batch, heads)) + (P(batch),) * len(rows),
         out_specs=P(batch, heads),
         check_vma=False,
-    )(q_BKGTH, k_BKHS, v_BKSH, key_valid_BS)
+    )(q_BKGTH, k_BKHS, v_BKSH, *rows)
 
 
 def _query_segments(key_valid_BS, T: int, offset: int, Tp: int) -> jax.Array:
@@ -415,6 +457,7 @@ def _dot_product(
     k_BKHS,
     v_BKSH,
     key_valid_BS,
+    query_prefix_BT=None,
     *,
     offset: int,
     window: int | None,
@@ -424,7 +467,7 @@ def _dot_product(
     del config
     B, K, G, T, H = q_BKGTH.shape
     q_BTNH = q_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
-    visible_B1TS = visible_mask(key_valid_BS, T, offset, window)[:, None]
+    visible_B1TS = visible_mask(key_valid_BS, T, offset, window, query_prefix_BT)[:, None]
     out_BTNH = jax.nn.dot_product_attention(
         q_BTNH,
         k_BKHS.transpose(0, 3, 1, 2),

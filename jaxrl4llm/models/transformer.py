@@ -217,10 +217,12 @@ def _layer(
     kv_fn,
     sharding: Sharding = None,
     attention: AttentionConfig = AttentionConfig(),
+    query_prefix_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, Any]:
     """One pre-norm decoder block. `kv_fn(k_BKHT, v_BKTH)` -> (keys_BKHS, values_BKSH,
     key_valid_BS, offset, aux) picks the attended keys: the new ones (no cache), the updated
-    cache layer or a shared prefix ++ the new ones; query t sits at key slot t + offset."""
+    cache layer or a shared prefix ++ the new ones; query t sits at key slot t + offset.
+    `query_prefix_BT`: packed rows' prefix segments (attention.attention)."""
     c = config
     act = functools.partial(parallel.constrain, sharding=sharding)
     h_BTD = act(h_BTD, H_AXES)
@@ -248,6 +250,7 @@ def _layer(
         attention,
         sharding,
         window=c.sliding_window,
+        query_prefix_BT=query_prefix_BT,
     )
     attn_BTM = act(attn_BTM, ("batch", "length", "heads"))
     # One [N*H, D] matrix (a free reshape): as "btnh,nhd" XLA transposed o every call.
@@ -297,6 +300,7 @@ def hidden_states(
     sharding: Sharding = None,
     attention: AttentionConfig = AttentionConfig(),
     segment_ids_BT: jax.Array | None = None,
+    prefix_ids_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Runs the decoder stack; returns (h_BTD after the final norm, in the params' dtype;
     the updated cache or None).
@@ -315,10 +319,14 @@ def hidden_states(
     `segment_ids_BT` (no cache): packed rows, several sequences per row; int32 ids, 0 where
     there is no token, each sequence's tokens contiguous with one id. Query i then also needs
     key j in its own segment (block-diagonal causal attention); positions_BT restart per
-    segment (the caller's).
+    segment (the caller's). `prefix_ids_BT` (with segment ids): each token's prefix segment,
+    which it also sees: a completion packed after its group's shared prompt passes the
+    prompt's id (its positions continue from the prompt's), every other token its own id.
     """
     B, T = tokens_BT.shape
     mask_BT = mask_BT.astype(bool)
+    if prefix_ids_BT is not None and segment_ids_BT is None:
+        raise ValueError("hidden_states: prefix_ids_BT needs segment_ids_BT (packed rows).")
     if segment_ids_BT is not None and kv_cache is not None:
         raise ValueError(
             "hidden_states: segment_ids_BT (packed rows) is for teacher-forced "
@@ -330,7 +338,13 @@ def hidden_states(
     layers = params["layers"]
     stacked = not isinstance(layers, (tuple, list))
     layer = functools.partial(
-        _layer, config, cos_BTF=cos_BTF, sin_BTF=sin_BTF, sharding=sharding, attention=attention
+        _layer,
+        config,
+        cos_BTF=cos_BTF,
+        sin_BTF=sin_BTF,
+        sharding=sharding,
+        attention=attention,
+        query_prefix_BT=prefix_ids_BT,
     )
 
     if kv_cache is None:

@@ -206,6 +206,7 @@ def _packed_update(
         tokens_KRL=slots,
         positions_KRL=slots,
         segments_KRL=slots,
+        prefixes_KRL=slots,
         targets_KRL=slots,
         micro_M=_abstract((M,), jnp.int32, whole),
         start_M=_abstract((M,), jnp.int32, whole),

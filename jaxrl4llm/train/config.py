@@ -91,11 +91,11 @@ class UpdateConfig:
         update on fewer padded positions, for K branches of the compiled update.
     micro_batch_tokens: Token budget N of a packed micro-batch (0 = off: micro-batches of
         --micro_batch_size rows). N > 0: the policy update packs each mini-batch's sequences
-        (real prompt + completion tokens, no padding) into micro-batches of one row of at
-        most N / (data x fsdp) tokens per device (train/packing.py): the same update on
-        fewer computed positions; the rollout's reference, old-logprob and value passes
-        run packed too where that computes fewer positions than their padded rows (which
-        run a group's prompt once). Full fine-tuning, one host.
+        (real prompt + completion tokens, no padding; a group's shared prompt once per row)
+        into micro-batches of rows of at most N / (data x fsdp) tokens per device in all
+        (train/packing.py): the same update, run packed where that models fewer FLOPs than
+        the padded update; the rollout's reference, old-logprob and value passes likewise.
+        Full fine-tuning or LoRA, one host.
     ppo_epochs: Passes over each rollout batch.
     recompute_old_logprobs: Recompute pi_old with a teacher-forced pass (else use the
         sampler's logprobs).
@@ -585,11 +585,6 @@ class TrainConfig:
             f"{dp} data-parallel devices of --mesh={self.run.mesh} packs rows of "
             f"N / {dp} tokens, and the longest sequence is --max_prompt_tokens="
             f"{r.max_prompt_tokens} + --max_new_tokens={r.max_new_tokens} = {longest} tokens.",
-        )
-        require(
-            not self.lora.enabled,
-            f"--micro_batch_tokens={N} packs the full fine-tuning update; LoRA "
-            f"(--lora_rank={self.lora.rank}) runs on padded micro-batches: drop one.",
         )
         require(
             self.update.micro_batch_length_classes == 1,

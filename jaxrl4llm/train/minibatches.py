@@ -15,21 +15,29 @@ from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.step import UpdateBatch, length_classes, micro_batch_order
 
 
+class PackingChoice(NamedTuple):
+    """--micro_batch_tokens: the packed mini-batch where its plan's modelled FLOPs are below
+    the padded update's (else None: it runs padded) and that FLOP ratio (packed / padded)."""
+
+    batch: packing.PackedBatch | None
+    flops_ratio: float
+
+
 class MiniBatch(NamedTuple):
     """One optimizer update's rows. `length_classes`: the completion lengths its
     micro-batches may run at (() = the mini-batch's own length); `tokens`: (real completion
     tokens, completion positions the update computes), None where rows are not all on this
-    host; `packed` (--micro_batch_tokens): its sequences packed, and `tokens` then counts
-    real prompt + completion tokens against the packed slots the update computes."""
+    host; `packing` (--micro_batch_tokens): the packing choice, and where it packed, `tokens`
+    counts real prompt + completion tokens against the packed slots the update computes."""
 
     batch: UpdateBatch
     length_classes: tuple[int, ...]
     tokens: tuple[int, int] | None
-    packed: packing.PackedBatch | None = None
+    packing: PackingChoice | None = None
 
 
 def minibatches(
-    batch: UpdateBatch, config: TrainConfig, key: jax.Array, mesh: Any
+    batch: UpdateBatch, config: TrainConfig, key: jax.Array, mesh: Any, model_config: Any = None
 ) -> Iterator[MiniBatch]:
     """Yields every PPO epoch's mini-batches (rows reshuffled per epoch when split).
 
@@ -40,7 +48,8 @@ def minibatches(
     (step.micro_batch_order; rows leave their prompt groups), and each micro-batch runs at
     the first of the length classes that holds it (the update's sum over micro-batches does
     not depend on the order). With --micro_batch_tokens the mini-batch is packed instead
-    (train/packing.py), uncut."""
+    (train/packing.py), uncut, where that models fewer FLOPs on `model_config` than its
+    padded update."""
     B, M = config.batch_size, config.mini_batch
     num_micro = M // config.micro_batch
     mask_BT = batch.seqs.completion_mask_BT
@@ -73,10 +82,11 @@ def minibatches(
             if lengths_B is None:
                 yield MiniBatch(mini_batch, (), None)
                 continue
+            padded = _cut_to_length(mini_batch, lengths_B[rows], config, num_micro, sort)
             if config.update.micro_batch_tokens:
-                yield _packed(mini_batch, config.update.micro_batch_tokens, mesh)
+                yield _packed_or_padded(mini_batch, padded, config, num_micro, mesh, model_config)
                 continue
-            yield _cut_to_length(mini_batch, lengths_B[rows], config, num_micro, sort)
+            yield padded
 
 
 def _take_rows(batch: UpdateBatch, rows: np.ndarray, layout: Any, mesh: Any) -> UpdateBatch:
@@ -111,8 +121,34 @@ def _cut_to_length(
     )
 
 
-def _packed(mini_batch: UpdateBatch, budget: int, mesh: Any) -> MiniBatch:
+def _packed_or_padded(
+    mini_batch: UpdateBatch,
+    padded: MiniBatch,
+    config: TrainConfig,
+    num_micro: int,
+    mesh: Any,
+    model_config: Any,
+) -> MiniBatch:
     """The mini-batch with its sequences packed (not cut: the packed rows hold no padding,
-    and the uncut [M, T] layout keeps the update's programs few)."""
-    packed = packing.pack_on_mesh(mini_batch.seqs, budget, mesh)
-    return MiniBatch(mini_batch, (), packing.real_share(packed), packed)
+    and the uncut [M, T] layout keeps the update's programs few) where its modelled FLOPs
+    are below the `padded` update's (the cut mini-batch, each group's prompt once where the
+    update shares it); else `padded`. Both carry the choice and the FLOP ratio."""
+    flops = packing.SlotFlops.of(model_config)
+    layout = mini_batch.layout
+    packed = packing.pack_on_mesh(
+        mini_batch.seqs,
+        config.update.micro_batch_tokens,
+        mesh,
+        flops=flops,
+        share_prompts=layout.share_prompts,
+    )
+    seqs = padded.batch.seqs
+    M, T = seqs.completion_tokens_BT.shape
+    data_parallel = 1 if mesh is None else parallel.data_parallel_size(mesh)
+    padded_flops = flops.padded(
+        M, seqs.prompt_tokens_BP.shape[1], T, layout.prompt_group(M, num_micro, data_parallel)
+    )
+    ratio = packing.packed_flops(packed, flops) / padded_flops
+    if ratio < 1:
+        return MiniBatch(mini_batch, (), packing.real_share(packed), PackingChoice(packed, ratio))
+    return padded._replace(packing=PackingChoice(None, ratio))

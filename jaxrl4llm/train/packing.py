@@ -1,23 +1,32 @@
 """Sequence packing for the update (--micro_batch_tokens=N): a mini-batch's (prompt,
 completion) sequences concatenated into packed rows, micro-batches formed by a token budget.
 
-The host packs (`pack`): each sequence is its real prompt tokens followed by its completion up
-to its last real token (tokens inside the completion that are off its mask, e.g. a tool's
+The host packs (`pack`). A sequence is its real prompt tokens followed by its completion up to
+its last real token (tokens inside the completion that are off its mask, e.g. a tool's
 observation in a multi-turn trajectory, stay in the sequence as context: a completion's length
-is its last set index + 1, never the mask's sum). A micro-batch is one packed row of L slots
-per data-parallel device, so every device holds the same token budget (L <= N / devices).
-L is a row-length bucket (2^k or 1.5 x 2^k, from the longest sequence's bucket up to
-N / devices): of those within two octaves below the smaller of N / devices and the
-mini-batch's tokens per device, the one that computes the fewest slots (`row_length`).
-First-fit-decreasing (longest first, ties by row; deterministic) places the sequences into
-rows of L slots. The device runs only the `num_micro` micro-batches that hold rows, so the
-slots computed are num_micro x devices x L, whatever the mini-batch's padded shape. The
-update's programs depend on (M, T, L) alone: a few row lengths per run (at most
-2 log2(N / 16) + 2 in all), however the lengths vary.
+is its last set index + 1, never the mask's sum). With shared prompts (the layout's
+share_prompts, the default) the rows whose real prompt tokens are equal form a group, packed
+as one unit: the prompt less its last token once (a prefix segment), then one segment per
+completion holding the prompt's last token and the completion, its positions continuing from
+the prompt's. A completion's segment sees its group's prefix segment and, causally, itself
+(attention.py's prefix segments): the padded shared-prefix forward's attention and positions
+exactly, and each completion's first token is predicted in its own segment. A group longer
+than a row is split by first-fit-decreasing into sub-groups, each with its own copy of the
+prefix (still exact). Without shared prompts each sequence is its own unit.
 
-On device (`packed_logprobs`) the rows run with segment ids (block-diagonal causal attention)
-and positions restarting per sequence; `unpack` reads each sequence's completion logprobs back
-into the mini-batch's [M, T] layout, where the loss is the padded update's, term for term.
+A micro-batch is R rows of L slots on each data-parallel device ([devices x R, L]; R x L <=
+N / devices, R a power of two, L a row-length bucket: 2^k or 1.5 x 2^k from the longest
+sequence's bucket up to N / devices). First-fit-decreasing (longest first, ties by order;
+deterministic) places the units into rows of L. (R, L) is the plan with the fewest modelled
+FLOPs (`SlotFlops`: matmul FLOPs per slot and attention score FLOPs, L^2 per row), and
+within 5% of those the fewest micro-batches (each also reads every weight once). The device
+runs only the `num_micro` micro-batches that hold rows. The update's programs depend on
+(M, T, R, L) alone: a few per run, however the lengths vary.
+
+On device (`packed_logprobs`) the rows run with segment and prefix ids; `unpack` reads each
+sequence's completion logprobs back into the mini-batch's [M, T] layout, where the loss is the
+padded update's, term for term. The update and the rollout's teacher-forced passes run packed
+only where the packed plan's modelled FLOPs are below the padded plan's (`SlotFlops.padded`).
 
 The rollout's teacher-forced passes (reference and old logprobs: `logprobs_jit`; PPO's values:
 critic.packed_values_jit) run the whole batch packed the same way (`pack_on_mesh`), one
@@ -27,6 +36,7 @@ passes' [B, T] arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -41,20 +51,67 @@ from jaxrl4llm.sampling import buckets
 from jaxrl4llm.train.logprobs import Sequences, logprobs_from_hidden
 
 MIN_ROW_LENGTH = 16
+# Plans within this factor of the fewest modelled FLOPs: the one with the fewest micro-batches.
+NEAR_FEWEST_FLOPS = 1.05
 
 
 class PackedBatch(flax.struct.PyTreeNode):
-    """A mini-batch's sequences packed: up to K micro-batches of R rows (one per
-    data-parallel device) x L slots; K = ceil(M / R), enough for one sequence per row."""
+    """A mini-batch's sequences packed: K micro-batches of R rows (R / data-parallel devices
+    rows per device) x L slots; K = ceil(M / R), enough for one sequence per row."""
 
     tokens_KRL: jax.Array  # int32: the packed tokens, 0 past the row's last sequence
-    positions_KRL: jax.Array  # int32: RoPE positions, restarting at each sequence
-    segments_KRL: jax.Array  # int32: 1, 2, ... per sequence in its row; 0: no token
-    targets_KRL: jax.Array  # int32: the token each slot predicts (the next one in its row)
+    positions_KRL: jax.Array  # int32: RoPE positions, restarting at each unit
+    segments_KRL: jax.Array  # int32: 1, 2, ... per segment in its row; 0: no token
+    prefixes_KRL: jax.Array  # int32: the segment a slot also sees (its group's shared
+    #                                prompt; its own segment where it has none)
+    targets_KRL: jax.Array  # int32: the token each slot predicts (the next one in its segment)
     micro_M: jax.Array  # int32: the micro-batch of mini-batch row m
     start_M: jax.Array  # int32: flat slot in that micro-batch's [R * L] that predicts
     #                           row m's completion token 0
     num_micro: jax.Array  # int32 scalar: micro-batches that hold rows (the rest are empty)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotFlops:
+    """Modelled forward matmul FLOPs (transformer.flops_per_token): per token through the
+    decoder layers, per unembedded position, per attended (query, key) pair. The backward
+    pass multiplies every plan's count alike, so forward FLOPs compare plans."""
+
+    layers: float
+    unembed: float
+    pair: float
+
+    @classmethod
+    def of(cls, config: Any) -> SlotFlops:
+        return cls(*transformer.flops_per_token(config))
+
+    def packed(self, rows: int, length: int) -> float:
+        """`rows` packed rows of `length` slots: every slot unembedded, attention over the
+        whole row (block-diagonal, computed in full)."""
+        return rows * (length * (self.layers + self.unembed) + length * length * self.pair)
+
+    def padded(self, rows: int, prompt: int, completion: int, prompt_group: int) -> float:
+        """The padded pass over `rows` rows of a `prompt`-column prompt block and a
+        `completion`-column completion (logprobs.completion_hidden_states): with
+        `prompt_group` > 1 each group's prompt once, its completions attending to prompt +
+        completion keys; else each row's prompt + completion less its last token."""
+        P, T = prompt, completion
+        unembedded = rows * T * self.unembed
+        if prompt_group > 1:
+            prompts = rows // prompt_group * (P * self.layers + P * P * self.pair)
+            return prompts + rows * T * (self.layers + (P + T) * self.pair) + unembedded
+        n = P + T - 1
+        return rows * (n * self.layers + n * n * self.pair) + unembedded
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """What first-fit-decreasing places in a row: a shared prompt's first `prefix` tokens
+    (0: none) and the sequences of `members` (mini-batch rows), `size` slots in all."""
+
+    prefix: int
+    members: tuple[int, ...]
+    size: int
 
 
 def completion_lengths(mask_BT: np.ndarray) -> np.ndarray:
@@ -104,32 +161,85 @@ def row_lengths(longest: int, cap: int) -> list[int]:
     return lengths + [cap]
 
 
-def row_length(lengths: np.ndarray, budget: int, data_parallel: int = 1) -> int:
-    """L: of the `row_lengths` within two octaves below X = min(budget / data_parallel, the
-    bucket of the mini-batch's tokens per device), the one whose first-fit-decreasing
-    packing of `lengths` computes the fewest slots (micro-batches used x data_parallel x L;
-    ties to the shorter row, whose block-diagonal attention costs less). Rows of at least
-    X / 4 keep micro-batches large (a few per mini-batch, each near the budget), and the
-    choice to a few lengths per run; the longest sequence's bucket when none is that short."""
-    cap = budget // data_parallel
-    candidates = row_lengths(int(np.max(lengths)), cap)
-    total = int(np.sum(lengths))
-    X = min(cap, buckets.two_per_octave(max(-(-total // data_parallel), 1)))
-    best, best_slots = candidates[0], None
-    for L in [L for L in candidates if X <= 4 * L and L <= X] or candidates[:1]:
-        lower_bound = -(-total // (data_parallel * L)) * data_parallel * L
-        if best_slots is not None and lower_bound >= best_slots:
+def prompt_groups(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray) -> list[list[int]]:
+    """Host side: the rows whose real prompt tokens are equal, in order of first appearance
+    (equal prompts have equal keys and values, so one copy serves every row of a group)."""
+    groups: dict[bytes, list[int]] = {}
+    for m in range(prompt_tokens_BP.shape[0]):
+        key = np.asarray(prompt_tokens_BP[m][prompt_mask_BP[m]], np.int64).tobytes()
+        groups.setdefault(key, []).append(m)
+    return list(groups.values())
+
+
+def units(
+    groups: list[list[int]], prompt_len: np.ndarray, comp_len: np.ndarray, length: int
+) -> list[Unit]:
+    """The units of `groups` for rows of `length` slots: a group of several rows whose
+    prompt has >= 2 tokens shares its prompt (split into sub-groups, each with its own
+    prefix, where it does not fit one row); every other row is a unit of its own."""
+    out: list[Unit] = []
+    for rows in groups:
+        p = int(prompt_len[rows[0]])
+        if len(rows) == 1 or p < 2:
+            out.extend(Unit(0, (m,), int(prompt_len[m] + comp_len[m])) for m in rows)
             continue
-        rows = len(first_fit_decreasing(lengths, L))
-        slots = -(-rows // data_parallel) * data_parallel * L
-        if best_slots is None or slots < best_slots:
-            best, best_slots = L, slots
-    return best
+        member = 1 + comp_len[rows]  # the prompt's last token + the completion
+        for part in first_fit_decreasing(member, length - (p - 1)):
+            out.append(Unit(p - 1, tuple(rows[i] for i in part), p - 1 + int(member[part].sum())))
+    return out
 
 
-def pack(seqs: Sequences, budget: int, data_parallel: int = 1) -> PackedBatch:
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A packing: rows of `length` slots, `rows_per_device` of them per device in a
+    micro-batch, `rows` (lists of unit indices into `units`), modelled `flops`."""
+
+    length: int
+    rows_per_device: int
+    units: list[Unit]
+    rows: list[list[int]]
+    num_micro: int
+    flops: float
+
+
+def plan(
+    groups: list[list[int]],
+    prompt_len: np.ndarray,
+    comp_len: np.ndarray,
+    budget: int,
+    data_parallel: int,
+    flops: SlotFlops,
+) -> Plan:
+    """The (R, L) packing with the fewest modelled FLOPs; within NEAR_FEWEST_FLOPS of
+    those, the fewest micro-batches, then the fewest FLOPs, then the shorter row."""
+    cap = budget // data_parallel
+    plans = []
+    for L in row_lengths(int(np.max(prompt_len + comp_len)), cap):
+        unit_list = units(groups, prompt_len, comp_len, L)
+        rows = first_fit_decreasing(np.array([u.size for u in unit_list]), L)
+        R = 1
+        while R * L <= cap:
+            per_micro = data_parallel * R
+            num_micro = -(-len(rows) // per_micro)
+            cost = flops.packed(num_micro * per_micro, L)
+            plans.append(Plan(L, R, unit_list, rows, num_micro, cost))
+            R *= 2
+    fewest = min(p.flops for p in plans)
+    near = [p for p in plans if p.flops <= NEAR_FEWEST_FLOPS * fewest]
+    return min(near, key=lambda p: (p.num_micro, p.flops, p.length))
+
+
+def pack(
+    seqs: Sequences,
+    budget: int,
+    data_parallel: int = 1,
+    *,
+    flops: SlotFlops,
+    share_prompts: bool = True,
+) -> PackedBatch:
     """Host side: the mini-batch `seqs` (all rows on this host) packed into micro-batches of
-    `data_parallel` rows of `row_length` slots, at most `budget` tokens (module docstring)."""
+    `data_parallel` x R rows of L slots, at most `budget` tokens, by `plan` (module
+    docstring); `share_prompts`: rows with equal prompts share one copy of it."""
     prompt_tokens, prompt_mask, comp_tokens, comp_mask = (
         np.asarray(jax.device_get(x))
         for x in (
@@ -141,44 +251,72 @@ def pack(seqs: Sequences, budget: int, data_parallel: int = 1) -> PackedBatch:
     )
     M = prompt_tokens.shape[0]
     prompt_len, comp_len = prompt_mask.sum(axis=1), completion_lengths(comp_mask)
-    R = data_parallel
-    L = row_length(prompt_len + comp_len, budget, R)
+    groups = prompt_groups(prompt_tokens, prompt_mask) if share_prompts else [[m] for m in range(M)]
+    chosen = plan(groups, prompt_len, comp_len, budget, data_parallel, flops)
+    L, R = chosen.length, data_parallel * chosen.rows_per_device
     K = -(-M // R)
-    tokens, positions, segments, targets = (np.zeros((K * R, L), np.int32) for _ in range(4))
+    tokens, positions, segments, prefixes, targets = (
+        np.zeros((K * R, L), np.int32) for _ in range(5)
+    )
     micro, start = np.zeros(M, np.int32), np.zeros(M, np.int32)
-    bins = first_fit_decreasing(prompt_len + comp_len, L)
-    for b, rows in enumerate(bins):
-        col = 0
-        for segment, m in enumerate(rows, start=1):
-            seq = np.concatenate([prompt_tokens[m][prompt_mask[m]], comp_tokens[m][: comp_len[m]]])
-            n = len(seq)
-            tokens[b, col : col + n] = seq
-            targets[b, col : col + n - 1] = seq[1:]
-            positions[b, col : col + n] = np.arange(n)
-            segments[b, col : col + n] = segment
-            micro[m] = b // R
-            start[m] = (b % R) * L + col + prompt_len[m] - 1
-            col += n
+
+    def put(
+        row: int, col: int, seq: np.ndarray, first_position: int, segment: int, prefix: int
+    ) -> None:
+        n = len(seq)
+        tokens[row, col : col + n] = seq
+        targets[row, col : col + n - 1] = seq[1:]
+        positions[row, col : col + n] = first_position + np.arange(n)
+        segments[row, col : col + n] = segment
+        prefixes[row, col : col + n] = prefix
+
+    for b, unit_indices in enumerate(chosen.rows):
+        col, segment = 0, 0
+        for unit in (chosen.units[u] for u in unit_indices):
+            prompt = prompt_tokens[unit.members[0]][prompt_mask[unit.members[0]]]
+            # The shared prompt less its last token; every member's segment sees it.
+            if unit.prefix:
+                segment += 1
+                put(b, col, prompt[:-1], 0, segment, segment)
+                col += unit.prefix
+            shared = segment if unit.prefix else 0
+            for m in unit.members:
+                segment += 1
+                own = prompt[unit.prefix :]  # the prompt's last token, or all of it
+                seq = np.concatenate([own, comp_tokens[m][: comp_len[m]]])
+                put(b, col, seq, unit.prefix, segment, shared or segment)
+                micro[m] = b // R
+                start[m] = (b % R) * L + col + len(own) - 1
+                col += len(seq)
     shape = (K, R, L)
     return PackedBatch(
         tokens_KRL=jnp.asarray(tokens.reshape(shape)),
         positions_KRL=jnp.asarray(positions.reshape(shape)),
         segments_KRL=jnp.asarray(segments.reshape(shape)),
+        prefixes_KRL=jnp.asarray(prefixes.reshape(shape)),
         targets_KRL=jnp.asarray(targets.reshape(shape)),
         micro_M=jnp.asarray(micro),
         start_M=jnp.asarray(start),
-        num_micro=jnp.asarray(-(-len(bins) // R), jnp.int32),
+        num_micro=jnp.asarray(chosen.num_micro, jnp.int32),
     )
 
 
-def pack_on_mesh(seqs: Sequences, budget: int, mesh: Any) -> PackedBatch:
-    """`pack` with one row per data-parallel device of `mesh` (None: one device), each
-    micro-batch's rows placed over those devices (equal token budgets per device)."""
+def pack_on_mesh(
+    seqs: Sequences, budget: int, mesh: Any, *, flops: SlotFlops, share_prompts: bool = True
+) -> PackedBatch:
+    """`pack` for the data-parallel devices of `mesh` (None: one device), each micro-batch's
+    rows placed over those devices, R each (equal token budgets per device)."""
     if mesh is None:
-        return pack(seqs, budget)
-    packed = pack(seqs, budget, parallel.data_parallel_size(mesh))
+        return pack(seqs, budget, flops=flops, share_prompts=share_prompts)
+    packed = pack(
+        seqs,
+        budget,
+        parallel.data_parallel_size(mesh),
+        flops=flops,
+        share_prompts=share_prompts,
+    )
     sharding = parallel.ActivationSharding(mesh)
-    # [K, R, L]: each micro-batch's rows over the data-parallel devices, one row each.
+    # [K, R, L]: each micro-batch's rows over the data-parallel devices.
     return jax.tree.map(
         lambda x: jax.device_put(x, sharding.named((None, "batch", None)[: x.ndim], x.shape)),
         packed,
@@ -204,6 +342,12 @@ def real_share(packed: PackedBatch) -> tuple[int, int]:
     segments = np.asarray(jax.device_get(packed.segments_KRL))
     used = int(jax.device_get(packed.num_micro))
     return int((segments > 0).sum()), used * segments.shape[1] * segments.shape[2]
+
+
+def packed_flops(packed: PackedBatch, flops: SlotFlops) -> float:
+    """The modelled forward FLOPs of the micro-batches that hold rows."""
+    _, R, L = packed.segments_KRL.shape
+    return flops.packed(int(jax.device_get(packed.num_micro)) * R, L)
 
 
 def packed_logprobs(
@@ -246,6 +390,7 @@ def packed_hidden_states(
         remat=remat,
         sharding=sharding,
         segment_ids_BT=segments,
+        prefix_ids_BT=take(packed.prefixes_KRL),
     )
     return parallel.constrain(h_RLD, transformer.H_AXES, sharding)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -195,17 +195,23 @@ def _teacher_forced(
 ) -> TeacherForced:
     """Runs the passes the algorithm needs, in row chunks that hold whole groups (a group's
     prompt once when the layout shares it) or, with --micro_batch_tokens, on the batch's
-    sequences packed (train/packing.py) where that computes fewer token positions: packed
-    rows run each prompt once per sequence, so long prompts shared by a group can cost more
-    packed than the padding they save."""
+    sequences packed (train/packing.py) where the packed plan's modelled FLOPs are below the
+    padded passes' (packing.SlotFlops: matmuls per token and attention per row)."""
     recompute = config.needs_old_logprobs and config.update.recompute_old_logprobs
     budget = config.update.micro_batch_tokens
-    logprobs, values, positions = _padded_passes(ctx, config, seqs)
+    logprobs, values, padded_flops = _padded_passes(ctx, config, seqs)
     packed_tokens = None
     if budget and (config.needs_reference or recompute or critic_params is not None):
-        packed = packing.pack_on_mesh(seqs, budget, ctx.sampler.mesh)
+        flops = packing.SlotFlops.of(ctx.sampler.model_config)
+        packed = packing.pack_on_mesh(
+            seqs,
+            budget,
+            ctx.sampler.mesh,
+            flops=flops,
+            share_prompts=config.rollout.layout.share_prompts,
+        )
         real, slots = packing.real_share(packed)
-        if slots < positions:
+        if packing.packed_flops(packed, flops) < padded_flops(flops):
             logprobs, values = _packed_passes(ctx, config, seqs, packed)
             packed_tokens = (real, slots)
     ref_logp = logprobs(ref_params) if config.needs_reference else None
@@ -223,10 +229,10 @@ def _teacher_forced(
 
 def _padded_passes(
     ctx: RolloutContext, config: TrainConfig, seqs: Sequences
-) -> tuple[Any, Any, int]:
+) -> tuple[Any, Any, Callable[[packing.SlotFlops], float]]:
     """(logprobs(params), values(critic_params)) -> [B, T], 0 off the completion mask: the
     padded passes over the [B, prompt + completion] rows, in row chunks of whole groups;
-    and the token positions each computes (B / prompt group prompts, B completions)."""
+    and a function of packing.SlotFlops giving each pass's modelled FLOPs."""
     layout = config.rollout.layout
     B = seqs.completion_tokens_BT.shape[0]
     chunks = parallel.num_row_chunks(
@@ -248,14 +254,18 @@ def _padded_passes(
         completion_logprobs_jit, temperature=config.rollout.sampling.effective_temperature, **passes
     )
     P, T = seqs.prompt_tokens_BP.shape[1], seqs.completion_tokens_BT.shape[1]
-    return logprobs, functools.partial(critic.values_jit, **passes), B // group * P + B * T
+    return (
+        logprobs,
+        functools.partial(critic.values_jit, **passes),
+        lambda flops: flops.padded(B, P, T, group),
+    )
 
 
 def _packed_passes(
     ctx: RolloutContext, config: TrainConfig, seqs: Sequences, packed: packing.PackedBatch
 ) -> tuple[Any, Any]:
     """`_padded_passes`' two functions, run on the batch's sequences `packed`: micro-batches
-    of one packed row per data-parallel device, read back into the [B, T] layout."""
+    of packed rows over the data-parallel devices, read back into the [B, T] layout."""
     passes = dict(
         config=ctx.sampler.model_config,
         packed=packed,

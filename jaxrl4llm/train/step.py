@@ -12,7 +12,7 @@ per length, so short micro-batches skip the padded columns (the loss is unchange
 columns are off every mask).
 
 With --micro_batch_tokens (`packed`, train/packing.py), `accumulate_packed` runs the
-mini-batch's sequences packed into micro-batches of one row per device instead, and reads
+mini-batch's sequences packed into micro-batches of R rows per device instead, and reads
 each sequence's logprobs back into the [M, T] layout: the same loss, term for term.
 
 On a mesh (`sharding`), micro-batch k is rows k, k + num_micro, ... (whole prompt groups
@@ -296,22 +296,28 @@ def accumulate_packed(
     temperature: float,
     remat: bool = False,
     sharding: parallel.ActivationSharding | None = None,
+    frozen: Any = None,
+    lora: LoraConfig | None = None,
+    dropout_key: jax.Array | None = None,
 ) -> tuple[jax.Array, Any, dict]:
     """(loss, grads, metrics) of a mini-batch whose sequences are packed (`packing.pack`):
     micro-batch k runs its packed rows, reads each of its sequences' completion logprobs back
     into the mini-batch's [M, T] layout and takes the padded update's loss over its own rows
     (the others off the mask), divided by the whole mini-batch's denominator: the padded
     update's loss, gradient and metrics, summed in another order. Only the `num_micro`
-    micro-batches that hold rows run; each is one packed row per data-parallel device
-    (its rows constrained to the batch axes: equal token budgets per device)."""
+    micro-batches that hold rows run; each is R packed rows per data-parallel device
+    (its rows constrained to the batch axes: equal token budgets per device). With `lora`
+    (enabled), `params` are the adapters on the `frozen` base, as in `accumulate_gradients`
+    (--lora_dropout draws its masks over the packed rows' shape)."""
     mask_MT, keep_M = batch.seqs.completion_mask_BT, batch.keep_B
     T = mask_MT.shape[1]
     denominator = mini_batch_denominator(algorithm, batch)
-    param_axes = adapters.param_axes(None, model_config)  # full fine-tuning only
+    param_axes = adapters.param_axes(lora, model_config)
 
     def micro_loss(params, k):
+        policy = adapters.policy(lora, frozen, params, dropout_key)
         logp_RL, entropy_RL = packed_logprobs(
-            params, model_config, packed, k, temperature, remat=remat, sharding=sharding
+            policy, model_config, packed, k, temperature, remat=remat, sharding=sharding
         )
         mine_M = packed.micro_M == k
         logp_MT = unpack(logp_RL, packed.start_M, T)
@@ -408,7 +414,7 @@ def policy_gradients(
 ) -> tuple[jax.Array, Any, dict]:
     """(loss, grads, metrics) of the policy on a mini-batch. `packed` (--micro_batch_tokens):
     its sequences packed into token-budget micro-batches (`accumulate_packed`; num_micro,
-    prompt_group and length_classes unused; full fine-tuning only). LoRA (`lora` enabled):
+    prompt_group and length_classes unused). LoRA (`lora` enabled):
     `params` are the adapters, `frozen` the base params (not donated, not updated: no
     gradient and no optimizer state of theirs), `dropout_key` the key of --lora_dropout
     (None when it is 0)."""
@@ -419,6 +425,7 @@ def policy_gradients(
         remat=remat,
         sharding=sharding,
     )
+    adapter = dict(frozen=frozen, lora=lora, dropout_key=dropout_key)
     if packed is None:
         return accumulate_gradients(
             params,
@@ -426,17 +433,10 @@ def policy_gradients(
             num_micro=num_micro,
             prompt_group=prompt_group,
             length_classes=length_classes,
-            frozen=frozen,
-            lora=lora,
-            dropout_key=dropout_key,
+            **adapter,
             **common,
         )
-    if frozen is not None:
-        raise ValueError(
-            "Packed micro-batches train the full parameters; LoRA adapters "
-            "run on padded micro-batches."
-        )
-    return accumulate_packed(params, batch, packed, **common)
+    return accumulate_packed(params, batch, packed, **adapter, **common)
 
 
 def apply_update(

@@ -54,18 +54,24 @@ class Updater:
         self, models: Models, batch: UpdateBatch, step: int, key: jax.Array
     ) -> tuple[Models, dict[str, float]]:
         """All of a step's optimizer updates; returns the new models and the update's
-        metrics (optim/*, policy/*, critic/*, response/update_real_frac, time/update_s)."""
+        metrics (optim/*, policy/*, critic/*, response/update_real_frac, time/update_s; with
+        --micro_batch_tokens response/update_packed, the share of mini-batches that ran
+        packed, and response/update_flops_ratio, their modelled packed / padded FLOPs)."""
         config = self.services.config
         t0 = time.perf_counter()
         metrics: dict[str, Metric] = {}
         real_tokens, update_columns = 0, 0  # completion tokens / positions the update runs
+        choices = []  # --micro_batch_tokens: each mini-batch's packing choice
         dropout_key = jax.random.fold_in(key, 1 << 20)  # apart from the shuffling's
-        for index, (mini_batch, classes, tokens, packed) in enumerate(
-            minibatches(batch, config, key, self.services.mesh)
+        for index, (mini_batch, classes, tokens, choice) in enumerate(
+            minibatches(batch, config, key, self.services.mesh, self.services.model_config)
         ):
             if tokens is not None:
                 real_tokens += tokens[0]
                 update_columns += tokens[1]
+            packed = None if choice is None else choice.batch
+            if choice is not None:
+                choices.append(choice)
             # Rows still in their groups run each group's prompt once.
             prompt_group = mini_batch.layout.prompt_group(
                 mini_batch.keep_B.shape[0], self.num_micro, self.data_parallel
@@ -90,6 +96,10 @@ class Updater:
         host = metrics_lib.to_host_scalars(metrics)  # waits for the updates
         if update_columns:
             host["response/update_real_frac"] = real_tokens / update_columns
+        if choices:
+            n = len(choices)
+            host["response/update_packed"] = sum(c.batch is not None for c in choices) / n
+            host["response/update_flops_ratio"] = sum(c.flops_ratio for c in choices) / n
         host["time/update_s"] = time.perf_counter() - t0
         host["optim/learning_rate"] = float(
             self.services.lr_schedule((step + 1) * config.updates_per_step - 1)

@@ -70,15 +70,21 @@ def test_minibatch_share_counts_each_minibatch_at_its_own_bucket():
 def test_logprob_pass_shares_padded_and_packed_by_hand():
     # Prompts of 4 tokens (block 16, the minimum bucket), completions 47 tokens, bucket 24.
     # Padded: 2 groups' prompts + 47 = 55 real tokens over 2 x 16 + 8 x 24 = 224 positions.
-    # Packed at 64: sequences 7 9 23 6 8 10 11 5 (79 tokens); rows of 24 take them in 4 rows
-    # by first-fit-decreasing ([23] [11 10] [9 8 7] [6 5]), 96 slots; 32, 48 and 64 cannot
-    # do better (at least 3, 2 and 2 rows).
+    # Packed at 64, FLOPs counting slots: the 8 rows share one prompt (equal tokens), a
+    # prefix of 3 + members (last prompt token + completion) 4 6 20 3 5 7 8 2. Rows of 32
+    # leave 29 for members: [20 8] [7 6 5 4 3 2], units of 31 and 30 in 2 rows, both in one
+    # micro-batch (R = 2): 64 slots, as few as one row of 64, and shorter. Real tokens: the
+    # prefix twice + 55 = 61.
+    from jaxrl4llm.train.packing import SlotFlops
+
     out = _rollout([3, 5, 19, 2, 4, 6, 7, 1])
-    shares = bench_rollout.logprob_real_fracs(out, group=4, max_new_tokens=64, budget=64)
+    shares = bench_rollout.logprob_real_fracs(
+        out, group=4, max_new_tokens=64, budget=64, flops=SlotFlops(1.0, 0.0, 0.0)
+    )
     assert shares == {
         "logprob_real": 55 / 224,
-        "logprob_real_packed": 79 / 96,
-        "logprob_positions_packed": 96 / 224,
+        "logprob_real_packed": 61 / 64,
+        "logprob_flops_packed": 64 / 224,
     }
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrl4llm import parallel, rl
-from jaxrl4llm.models import transformer
+from jaxrl4llm.models import attention, transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.train import packing
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs_jit
@@ -32,6 +32,8 @@ P, T = 6, 12
 PROMPT_LEN = np.array([6, 2, 4, 3, 5, 2, 6, 3])
 COMP_LEN = np.array([12, 1, 7, 3, 2, 11, 5, 1])  # mixed: 1 to 12 tokens
 M = PROMPT_LEN.size
+# Modelled FLOPs that count slots only (no attention term): the plan with the fewest slots.
+SLOTS = packing.SlotFlops(layers=1.0, unembed=0.0, pair=0.0)
 
 
 def test_first_fit_decreasing_by_hand():
@@ -53,13 +55,76 @@ def test_row_lengths_and_the_fewest_slots_by_hand():
     assert packing.row_lengths(18, 18) == [18]
     with pytest.raises(ValueError, match="does not fit the per-device budget of 18"):
         packing.row_lengths(19, 18)
-    # 40 + 30 + 30 + 20 = 120 tokens: rows of 48 -> [40] [30] [30] [20] = 192 slots; 64 ->
-    # [40 20] [30 30] = 128; 96 -> [40 30 20] [30] = 192; 100 -> the same, 200.
-    lengths = np.array([30, 40, 20, 30])
-    assert packing.row_length(lengths, budget=100) == 64
-    # Two devices: a micro-batch is two rows; rows of 48 -> 4 rows = 2 micro-batches (192
-    # slots); rows of 50 (the cap 100 / 2) -> 3 rows = 2 micro-batches, 200 slots.
-    assert packing.row_length(lengths, budget=100, data_parallel=2) == 48
+
+
+def _plan(lengths, budget, flops, data_parallel=1):
+    """(L, R, micro-batches) of the plan for single sequences of `lengths` (no prompt)."""
+    lengths = np.asarray(lengths)
+    chosen = packing.plan(
+        [[m] for m in range(lengths.size)],
+        np.zeros_like(lengths),
+        lengths,
+        budget,
+        data_parallel,
+        flops,
+    )
+    return chosen.length, chosen.rows_per_device, chosen.num_micro
+
+
+def test_plan_counts_slots_and_attention_by_hand():
+    # 40 + 30 + 30 + 20 = 120 tokens: rows of 48 -> [40] [30] [30] [20] = 192 slots (R 1 or
+    # 2); 64 -> [40 20] [30 30] = 128; 96 -> [40 30 20] [30] = 192; 100 -> 200.
+    assert _plan([30, 40, 20, 30], 100, SLOTS) == (64, 1, 2)
+    # Two devices, rows of at most 50: 48 -> 4 rows = 2 micro-batches (192 slots); 50 ->
+    # [40] [30] [30 20] = 3 rows, 2 micro-batches of 2 rows = 200.
+    assert _plan([30, 40, 20, 30], 100, SLOTS, data_parallel=2) == (48, 1, 2)
+    # 24 + 4 x 8 = 56 tokens, budget 64. Rows of 24: [24] [8 8 8] [8] (R = 1: 72 slots in
+    # 3 micro-batches; R = 2: 96); 32: [24 8] [8 8 8] (R = 2: 64 slots in one micro-batch);
+    # 48: 2 rows, 96; 64: one row, 64 slots. Slots alone: 64 in one micro-batch, the
+    # shorter row: (32, 2).
+    assert _plan([24, 8, 8, 8, 8], 64, SLOTS) == (32, 2, 1)
+    # One FLOP per attended pair too: 24 x 1: 72 + 3 x 576 = 1800; 32 x 2: 64 + 2 x 1024 =
+    # 2112; 64: 64 + 4096. Rows of 24 win, and nothing is within 5% of them.
+    assert _plan([24, 8, 8, 8, 8], 64, packing.SlotFlops(1.0, 0.0, 1.0)) == (24, 1, 3)
+    # Eight sequences of 8, budget 64: rows of 16 (2 each), 4 per micro-batch = 64 slots in
+    # one micro-batch, as few as one row of 64 and shorter.
+    assert _plan([8] * 8, 64, SLOTS) == (16, 4, 1)
+
+
+def test_units_share_a_prompt_and_split_a_group_that_does_not_fit():
+    # Rows 0-2 share a 5-token prompt: the prefix holds 4 tokens, each member its prompt's
+    # last token + its completion (5, 3, 7 tokens). Rows of 16 leave 12 for members: FFD
+    # [7 5] [3]. Row 3 is alone: one unit of 3 + 3 tokens.
+    units = packing.units(
+        [[0, 1, 2], [3]], np.array([5, 5, 5, 3]), np.array([4, 2, 6, 3]), length=16
+    )
+    assert units == [
+        packing.Unit(4, (2, 0), 16),
+        packing.Unit(4, (1,), 7),
+        packing.Unit(0, (3,), 6),
+    ]
+    # A one-token prompt has nothing to share.
+    assert packing.units([[0, 1]], np.array([1, 1]), np.array([3, 4]), 16) == [
+        packing.Unit(0, (0,), 4),
+        packing.Unit(0, (1,), 5),
+    ]
+
+
+def test_prompt_groups_are_rows_with_equal_real_prompt_tokens():
+    tokens = np.array([[0, 5, 6], [7, 5, 6], [0, 5, 6], [0, 0, 6]])
+    mask = np.array([[0, 1, 1], [0, 1, 1], [0, 1, 1], [0, 0, 1]], bool)
+    assert packing.prompt_groups(tokens, mask) == [[0, 1, 2], [3]]
+
+
+def test_padded_flops_by_hand():
+    flops = packing.SlotFlops(layers=2.0, unembed=3.0, pair=1.0)
+    # Groups of 2 sharing a 4-column prompt, 3 completion columns, 4 rows: 2 prompts x
+    # (4 x 2 + 16) + 4 rows x 3 x (2 + 7) + 12 x 3 unembedded.
+    assert flops.padded(4, 4, 3, prompt_group=2) == 2 * 24 + 4 * 3 * 9 + 36
+    # Unshared: 4 rows of 4 + 3 - 1 = 6 columns: 4 x (12 + 36) + 36.
+    assert flops.padded(4, 4, 3, prompt_group=1) == 4 * 48 + 36
+    # Packed: 2 rows of 8 slots: 2 x (8 x 5 + 64).
+    assert flops.packed(2, 8) == 2 * 104
 
 
 def test_completion_lengths_count_masked_off_tokens_inside_a_completion():
@@ -68,14 +133,20 @@ def test_completion_lengths_count_masked_off_tokens_inside_a_completion():
     np.testing.assert_array_equal(packing.completion_lengths(mask), [2, 5, 0])
 
 
-def _batch(seed=0):
+def _batch(seed=0, groups=None):
+    """Mixed lengths; `groups`: (first row, rows) blocks whose rows take the first row's
+    prompt (as a rollout's groups share one)."""
     rng = np.random.default_rng(seed)
-    prompt_mask = np.arange(P)[None, :] >= (P - PROMPT_LEN)[:, None]
+    prompt_len = PROMPT_LEN.copy()
+    for first, rows in groups or ():
+        prompt_len[first : first + rows] = prompt_len[first]
+    prompt_mask = np.arange(P)[None, :] >= (P - prompt_len)[:, None]
     comp_mask = np.arange(T)[None, :] < COMP_LEN[:, None]
+    prompt_tokens = np.where(prompt_mask, rng.integers(2, 48, (M, P)), 0)
+    for first, rows in groups or ():
+        prompt_tokens[first : first + rows] = prompt_tokens[first]
     seqs = Sequences(
-        prompt_tokens_BP=jnp.asarray(
-            np.where(prompt_mask, rng.integers(2, 48, (M, P)), 0), jnp.int32
-        ),
+        prompt_tokens_BP=jnp.asarray(prompt_tokens, jnp.int32),
         prompt_mask_BP=jnp.asarray(prompt_mask),
         completion_tokens_BT=jnp.asarray(
             np.where(comp_mask, rng.integers(2, 48, (M, T)), 0), jnp.int32
@@ -105,11 +176,10 @@ def _batch(seed=0):
 
 def test_pack_lays_sequences_out_by_hand():
     _, batch = _batch()
-    packed = packing.pack(batch.seqs, budget=36)
+    packed = packing.pack(batch.seqs, budget=24, flops=SLOTS)
     lengths = PROMPT_LEN + COMP_LEN  # 18 3 11 6 7 13 11 4 (73)
-    # Row lengths 24, 32, 36. FFD into 24 slots, longest first (0 5 2 6 4 3 7 1):
-    # [0 3] [5 2] [6 4 7] [1]: 4 rows = 96 slots; 32 and 36 cannot do better than 3 rows
-    # (96, 108), so the shorter row wins. One row per micro-batch (one device).
+    # Rows of 24 (the budget), FFD longest first (0 5 2 6 4 3 7 1): [0 3] [5 2] [6 4 7] [1]:
+    # 4 rows = 96 slots, one row per micro-batch (one device).
     assert packed.tokens_KRL.shape == (8, 1, 24) and int(packed.num_micro) == 4
     segments = np.asarray(packed.segments_KRL).reshape(8, 24)
     assert [(segments[r] > 0).sum() for r in range(4)] == [24, 24, 22, 3]
@@ -136,7 +206,7 @@ def test_pack_lays_sequences_out_by_hand():
     np.testing.assert_array_equal(segments[2, 9:23], [1, 1, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 0])
     # Two data-parallel devices: rows of at most 36 / 2 = 18 slots, two per micro-batch:
     # [0] [5 7] [2 4] [6 3] [1] (FFD into 18), 5 rows in 3 micro-batches.
-    packed = packing.pack(batch.seqs, budget=36, data_parallel=2)
+    packed = packing.pack(batch.seqs, budget=36, data_parallel=2, flops=SLOTS)
     assert packed.tokens_KRL.shape == (4, 2, 18) and int(packed.num_micro) == 3
     assert int(packed.micro_M[7]) == 0 and int(packed.start_M[7]) == 18 + 13 + 3 - 1
 
@@ -146,7 +216,7 @@ def test_pack_keeps_masked_off_tokens_inside_a_completion():
     mask = np.asarray(batch.seqs.completion_mask_BT).copy()
     mask[0, 3:5] = False  # row 0: 12 tokens, an observation at 3-4 off the loss mask
     seqs = batch.seqs.replace(completion_mask_BT=jnp.asarray(mask))
-    packed = packing.pack(seqs, budget=36)
+    packed = packing.pack(seqs, budget=36, flops=SLOTS)
     row = int(packed.micro_M[0])
     segments = np.asarray(packed.segments_KRL)[row, 0]
     own = segments == segments[int(packed.start_M[0])]
@@ -157,9 +227,101 @@ def test_pack_keeps_masked_off_tokens_inside_a_completion():
     )
 
 
-@pytest.mark.parametrize("agg", rl.AGG_MODES)
-def test_packed_update_equals_the_padded_update(agg):
-    params, batch = _batch()
+# Two groups of 4 rows sharing a prompt: rows 0-3 (6 tokens), rows 4-7 (5 tokens).
+GROUPS = ((0, 4), (4, 4))
+
+
+def test_shared_prompts_lay_out_by_hand():
+    _, batch = _batch(groups=GROUPS)
+    packed = packing.pack(batch.seqs, budget=24, flops=SLOTS)
+    # Group 0: a prefix of 5 tokens, members (last prompt token + completion) of 13 2 8 4
+    # tokens; rows of 24 leave 19: FFD [13 4 2] [8], units of 24 and 13. Group 1: a prefix
+    # of 4, members 3 12 6 2 into 20: [12 6 2] [3], units of 24 and 7. Rows (FFD of units):
+    # [rows 0 3 1] [rows 5 6 7] [row 2, row 4].
+    assert packed.tokens_KRL.shape == (8, 1, 24) and int(packed.num_micro) == 3
+    segments = np.asarray(packed.segments_KRL)[:, 0]
+    prefixes = np.asarray(packed.prefixes_KRL)[:, 0]
+    positions = np.asarray(packed.positions_KRL)[:, 0]
+    np.testing.assert_array_equal(segments[0], [1] * 5 + [2] * 13 + [3] * 4 + [4] * 2)
+    np.testing.assert_array_equal(prefixes[0], [1] * 24)  # every member sees the prefix
+    np.testing.assert_array_equal(
+        positions[0], list(range(18)) + [5, 6, 7, 8] + [5, 6]
+    )  # members continue from the prompt's last token (position 5)
+    np.testing.assert_array_equal(segments[2], [1] * 5 + [2] * 8 + [3] * 4 + [4] * 3 + [0] * 4)
+    np.testing.assert_array_equal(prefixes[2], [1] * 13 + [3] * 7 + [0] * 4)
+    np.testing.assert_array_equal(positions[2][13:20], [0, 1, 2, 3, 4, 5, 6])
+    np.testing.assert_array_equal(np.asarray(packed.micro_M), [0, 0, 2, 0, 2, 1, 1, 1])
+    np.testing.assert_array_equal(np.asarray(packed.start_M)[[0, 3, 1, 2, 4]], [5, 18, 22, 5, 17])
+    prompt0 = np.asarray(batch.seqs.prompt_tokens_BP)[0]
+    tokens = np.asarray(packed.tokens_KRL)[:, 0]
+    np.testing.assert_array_equal(tokens[0, :5], prompt0[:5])  # the prefix once
+    np.testing.assert_array_equal(tokens[0, [5, 18, 22]], [prompt0[5]] * 3)  # in each member
+    np.testing.assert_array_equal(
+        tokens[0, 19:22], np.asarray(batch.seqs.completion_tokens_BT)[3, :3]
+    )
+    # Real tokens: each group's prefix twice (split) + each member's token + completions.
+    assert packing.real_share(packed) == (2 * 5 + 2 * 4 + 8 + COMP_LEN.sum(), 3 * 24)
+
+
+def test_a_shared_prompt_mask_by_hand():
+    """A packed row: a prefix of 3 tokens (segment 1), two members of 2 tokens that see it
+    (segments 2, 3), a sequence of its own (segment 4), one empty slot."""
+    segments = jnp.asarray([[1, 1, 1, 2, 2, 3, 3, 4, 4, 0]], jnp.int32)
+    prefixes = jnp.asarray([[1, 1, 1, 1, 1, 1, 1, 4, 4, 0]], jnp.int32)
+    visible = np.asarray(attention.visible_mask(segments, 10, 0, query_prefix_BT=prefixes))
+    expected = np.array(
+        [
+            [1, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0, 0, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 1, 1, 1, 0, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 1, 0, 0, 0, 0],  # member 2 skips member 1
+            [1, 1, 1, 0, 0, 1, 1, 0, 0, 0],
+            [0, 0, 0, 0, 0, 0, 0, 1, 0, 0],
+            [0, 0, 0, 0, 0, 0, 0, 1, 1, 0],
+            [0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        ],
+        bool,
+    )
+    np.testing.assert_array_equal(visible[0], expected)
+    # The chunked online softmax (blocks of 4, with its custom backward) and XLA's
+    # dot_product_attention take the same mask: outputs and gradients equal the reference's.
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (1, 10, 4, 8))  # [B, T, N, H]
+    k = jax.random.normal(keys[1], (1, 2, 8, 10))  # [B, K, H, S]
+    v = jax.random.normal(keys[2], (1, 2, 10, 8))  # [B, K, S, H]
+
+    def run(impl):
+        config = attention.AttentionConfig(impl=impl, block_q=4, block_k=4)
+
+        def f(q, k, v):
+            out = attention.attention(q, k, v, segments, 0, config, query_prefix_BT=prefixes)
+            return jnp.sum(jnp.sin(out[0, :9])), out  # the empty slot's output is unused
+
+        (_, out), grads = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return out[0, :9], grads
+
+    out_ref, grads_ref = run("reference")
+    for impl in ("chunked", "xla"):
+        out, grads = run(impl)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(out_ref), atol=1e-5, err_msg=impl)
+        for g, g_ref in zip(grads, grads_ref):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), atol=1e-5, err_msg=impl)
+    with pytest.raises(ValueError, match="impl 'splash' takes segment ids by equality only"):
+        attention.attention(
+            q, k, v, segments, 0, attention.AttentionConfig(impl="splash"), query_prefix_BT=prefixes
+        )
+
+
+@pytest.mark.parametrize(
+    "agg, share_prompts",
+    [(agg, True) for agg in rl.AGG_MODES] + [("token-mean", False)],
+)
+def test_packed_update_equals_the_padded_update(agg, share_prompts):
+    """Two groups of 4 sharing prompts, packed into rows of 24 (each group split over two
+    rows, test_shared_prompts_lay_out_by_hand); without shared prompts, a sequence each."""
+    params, batch = _batch(groups=GROUPS)
     # k3 KL to the reference in the loss, clipping on: every term of the loss enters.
     algorithm = dataclasses.replace(
         rl.get_preset("grpo", clip_low=0.02, clip_high=0.02), agg=agg, kl_coef=0.1
@@ -167,7 +329,10 @@ def test_packed_update_equals_the_padded_update(agg):
     loss_ref, grads_ref, metrics_ref = accumulate_gradients(
         params, batch, model_config=CONFIG, algorithm=algorithm, num_micro=1, temperature=0.9
     )
-    packed = packing.pack(batch.seqs, budget=2 * (P + T))
+    packed = packing.pack(
+        batch.seqs, budget=24, flops=packing.SlotFlops.of(CONFIG), share_prompts=share_prompts
+    )
+    assert int(packed.num_micro) == (3 if share_prompts else 4)
     loss, grads, metrics = jax.jit(
         lambda p, b, k: accumulate_packed(
             p, b, k, model_config=CONFIG, algorithm=algorithm, temperature=0.9
@@ -184,18 +349,44 @@ def test_packed_update_equals_the_padded_update(agg):
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-6, atol=1e-6, err_msg=key)
 
 
+def test_packed_lora_update_equals_the_padded_lora_update():
+    """LoRA adapters (B random, so every adapter gets a gradient) on the frozen base, shared
+    prompts packed into rows of 24: the padded LoRA update's loss and adapter gradients."""
+    from jaxrl4llm.models import lora as lora_lib
+
+    from tests.train.test_lora_training import LORA, _random_b
+
+    base, batch = _batch(groups=GROUPS)
+    adapters = _random_b(lora_lib.init_adapters(CONFIG, LORA, jax.random.key(1)))
+    algorithm = dataclasses.replace(rl.get_preset("grpo"), agg="seq-mean-token-mean", kl_coef=0.1)
+    common = dict(model_config=CONFIG, algorithm=algorithm, temperature=1.0)
+    loss_ref, grads_ref, _ = accumulate_gradients(
+        adapters, batch, num_micro=1, frozen=base, lora=LORA, **common
+    )
+    packed = packing.pack(batch.seqs, budget=24, flops=packing.SlotFlops.of(CONFIG))
+    loss, grads, _ = jax.jit(
+        lambda a, f, b, k: accumulate_packed(a, b, k, frozen=f, lora=LORA, **common)
+    )(adapters, base, batch, packed)
+    assert jax.tree.structure(grads) == jax.tree.structure(adapters)
+    np.testing.assert_allclose(float(loss), float(loss_ref), rtol=1e-6, atol=1e-6)
+    for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), atol=1e-6)
+    assert min(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads_ref)) > 1e-4
+
+
 def test_packed_update_on_8_devices_equals_one_device():
-    """data x fsdp = 2 x 4: a micro-batch is 8 packed rows, one per device; the sharded
-    packed update equals the padded update on one device."""
-    params, batch = _batch()
+    """data x fsdp = 2 x 4: a micro-batch is 8 packed rows, one per device (shared prompts);
+    the sharded packed update equals the padded update on one device."""
+    params, batch = _batch(groups=GROUPS)
     algorithm = dataclasses.replace(rl.get_preset("grpo"), agg="token-mean", kl_coef=0.1)
     loss_ref, grads_ref, _ = accumulate_gradients(
         params, batch, model_config=CONFIG, algorithm=algorithm, num_micro=1, temperature=1.0
     )
     mesh = parallel.make_mesh("data:2,fsdp:4,tensor:1")
     sharding = parallel.ActivationSharding(mesh)
-    packed = packing.pack(batch.seqs, budget=8 * 24, data_parallel=8)
+    packed = packing.pack(batch.seqs, budget=8 * 24, data_parallel=8, flops=SLOTS)
     assert packed.tokens_KRL.shape[1] == 8  # one row of 24 slots per device
+    assert (np.asarray(packed.prefixes_KRL) != np.asarray(packed.segments_KRL)).any()
     sharded_params = parallel.shard_pytree(params, transformer.param_logical_axes(CONFIG), mesh)
     sharded_batch = jax.tree.map(
         lambda x: jax.device_put(x, parallel.batch_sharding(mesh, x.ndim)), batch
@@ -211,13 +402,43 @@ def test_packed_update_on_8_devices_equals_one_device():
         np.testing.assert_allclose(np.asarray(g), np.asarray(g_ref), atol=1e-6)
 
 
+def _choice(batch, budget):
+    """The trainer's mini-batch of the whole batch (train/minibatches.py) with
+    --micro_batch_tokens=budget on the toy model."""
+    from jaxrl4llm.sampling.layout import RowLayout
+    from jaxrl4llm.train.config import TrainConfig
+    from jaxrl4llm.train.minibatches import minibatches
+
+    config = TrainConfig().replace(
+        prompts_per_step=2, group_size=4, micro_batch_tokens=budget, max_new_tokens=T
+    )
+    batch = batch.replace(layout=RowLayout(4))
+    (mini,) = minibatches(batch, config, jax.random.key(0), None, CONFIG)
+    return mini
+
+
+def test_the_update_packs_only_where_that_models_fewer_flops():
+    # Mixed lengths: packed (3 rows of 24, each group's prompt once per row) below the
+    # padded update (2 prompts of 6 columns + 8 rows x 12 completion columns).
+    _, batch = _batch(groups=GROUPS)
+    mini = _choice(batch, 24)
+    assert mini.packing.batch is not None and mini.packing.flops_ratio < 1
+    assert mini.tokens == packing.real_share(mini.packing.batch)
+    # Every completion 12 tokens: nothing to remove but the prompt block's padding, and each
+    # group (5 + 4 x 13 tokens) splits over rows of 24, its prompt copied into each: the
+    # padded update runs, cut to its 12 columns, with the ratio it won by.
+    full = jnp.ones_like(batch.seqs.completion_mask_BT)
+    mini = _choice(batch.replace(seqs=batch.seqs.replace(completion_mask_BT=full)), 24)
+    assert mini.packing.batch is None and mini.packing.flops_ratio > 1
+    assert mini.tokens == (M * T, M * T)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
         (dict(micro_batch_tokens=-1), "--micro_batch_tokens=-1 must be >= 0"),
         # 128 + 64 = 192 tokens per sequence, 4 data-parallel devices: at least 768.
         (dict(micro_batch_tokens=767), "--micro_batch_tokens=767 must be 0 .off. or >= 768"),
-        (dict(micro_batch_tokens=768, lora_rank=8), "LoRA .--lora_rank=8. runs on padded"),
         (
             dict(micro_batch_tokens=768, micro_batch_length_classes=2),
             "--micro_batch_length_classes=2 sorts padded micro-batches",
@@ -234,5 +455,6 @@ def test_micro_batch_tokens_flag_checks(overrides, message):
     with pytest.raises(FlagError, match=message):
         base.replace(**overrides).validate(num_devices=8, num_hosts=1)
     base.replace(micro_batch_tokens=768).validate(num_devices=8, num_hosts=1)
+    base.replace(micro_batch_tokens=768, lora_rank=8).validate(num_devices=8, num_hosts=1)
     with pytest.raises(FlagError, match="run on one host .this run has 2."):
         base.replace(micro_batch_tokens=768).validate(num_devices=8, num_hosts=2)

@@ -50,6 +50,9 @@ def test_packed_run_equals_the_padded_run(toy_model_dir, copy_task_file, tmp_pat
         np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(rb["optim/grad_norm"], ra["optim/grad_norm"], rtol=1e-4)
         assert rb["response/update_real_frac"] > ra["response/update_real_frac"]
+        # The packed plan modelled fewer FLOPs than the padded update: it ran packed.
+        assert rb["response/update_packed"] == 1 and rb["response/update_flops_ratio"] < 1
+        assert "response/update_packed" not in ra
         # GRPO's reference pass ran on the packed rows too.
         assert rb["response/logprob_real_frac"] > ra["response/logprob_real_frac"]
 
