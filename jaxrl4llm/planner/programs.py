@@ -203,11 +203,7 @@ def _packed_update(
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     slots = _abstract((K, dp, N // dp), jnp.int32, rows)
     packed = packing.PackedBatch(
-        tokens_KRL=slots,
-        positions_KRL=slots,
-        segments_KRL=slots,
-        prefixes_KRL=slots,
-        targets_KRL=slots,
+        **dict.fromkeys(packing.SLOT_FIELDS, slots),
         micro_M=_abstract((M,), jnp.int32, whole),
         start_M=_abstract((M,), jnp.int32, whole),
         num_micro=_abstract((), jnp.int32, whole),

@@ -55,6 +55,10 @@ MIN_ROW_LENGTH = 16
 NEAR_FEWEST_FLOPS = 1.05
 
 
+# PackedBatch's [K, R, L] slot arrays.
+SLOT_FIELDS = ("tokens_KRL", "positions_KRL", "segments_KRL", "prefixes_KRL", "targets_KRL")
+
+
 class PackedBatch(flax.struct.PyTreeNode):
     """A mini-batch's sequences packed: K micro-batches of R rows (R / data-parallel devices
     rows per device) x L slots; K = ceil(M / R), enough for one sequence per row."""
@@ -229,18 +233,9 @@ def plan(
     return min(near, key=lambda p: (p.num_micro, p.flops, p.length))
 
 
-def pack(
-    seqs: Sequences,
-    budget: int,
-    data_parallel: int = 1,
-    *,
-    flops: SlotFlops,
-    share_prompts: bool = True,
-) -> PackedBatch:
-    """Host side: the mini-batch `seqs` (all rows on this host) packed into micro-batches of
-    `data_parallel` x R rows of L slots, at most `budget` tokens, by `plan` (module
-    docstring); `share_prompts`: rows with equal prompts share one copy of it."""
-    prompt_tokens, prompt_mask, comp_tokens, comp_mask = (
+def _host_sequences(seqs: Sequences) -> tuple[np.ndarray, ...]:
+    """Host copies of the prompt tokens and mask, completion tokens and sequence mask."""
+    return tuple(
         np.asarray(jax.device_get(x))
         for x in (
             seqs.prompt_tokens_BP,
@@ -249,12 +244,20 @@ def pack(
             seqs.sequence_mask_BT,  # observation tokens are in the sequence, off the loss
         )
     )
-    M = prompt_tokens.shape[0]
-    prompt_len, comp_len = prompt_mask.sum(axis=1), completion_lengths(comp_mask)
-    groups = prompt_groups(prompt_tokens, prompt_mask) if share_prompts else [[m] for m in range(M)]
-    chosen = plan(groups, prompt_len, comp_len, budget, data_parallel, flops)
-    L, R = chosen.length, data_parallel * chosen.rows_per_device
-    K = -(-M // R)
+
+
+def _lay_out(
+    chosen: Plan,
+    prompt_tokens: np.ndarray,
+    prompt_mask: np.ndarray,
+    comp_tokens: np.ndarray,
+    comp_len: np.ndarray,
+    R: int,
+    K: int,
+) -> tuple[np.ndarray, ...]:
+    """The plan's rows written out: tokens, positions, segments, prefixes, targets [K * R, L],
+    and each mini-batch row's micro-batch and first-prediction slot [M]."""
+    L, M = chosen.length, prompt_tokens.shape[0]
     tokens, positions, segments, prefixes, targets = (
         np.zeros((K * R, L), np.int32) for _ in range(5)
     )
@@ -288,7 +291,31 @@ def pack(
                 micro[m] = b // R
                 start[m] = (b % R) * L + col + len(own) - 1
                 col += len(seq)
-    shape = (K, R, L)
+    return tokens, positions, segments, prefixes, targets, micro, start
+
+
+def pack(
+    seqs: Sequences,
+    budget: int,
+    data_parallel: int = 1,
+    *,
+    flops: SlotFlops,
+    share_prompts: bool = True,
+) -> PackedBatch:
+    """Host side: the mini-batch `seqs` (all rows on this host) packed into micro-batches of
+    `data_parallel` x R rows of L slots, at most `budget` tokens, by `plan` (module
+    docstring); `share_prompts`: rows with equal prompts share one copy of it."""
+    prompt_tokens, prompt_mask, comp_tokens, comp_mask = _host_sequences(seqs)
+    M = prompt_tokens.shape[0]
+    prompt_len, comp_len = prompt_mask.sum(axis=1), completion_lengths(comp_mask)
+    groups = prompt_groups(prompt_tokens, prompt_mask) if share_prompts else [[m] for m in range(M)]
+    chosen = plan(groups, prompt_len, comp_len, budget, data_parallel, flops)
+    R = data_parallel * chosen.rows_per_device
+    K = -(-M // R)
+    tokens, positions, segments, prefixes, targets, micro, start = _lay_out(
+        chosen, prompt_tokens, prompt_mask, comp_tokens, comp_len, R, K
+    )
+    shape = (K, R, chosen.length)
     return PackedBatch(
         tokens_KRL=jnp.asarray(tokens.reshape(shape)),
         positions_KRL=jnp.asarray(positions.reshape(shape)),
