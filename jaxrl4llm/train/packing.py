@@ -235,15 +235,13 @@ def plan(
 
 def _host_sequences(seqs: Sequences) -> tuple[np.ndarray, ...]:
     """Host copies of the prompt tokens and mask, completion tokens and sequence mask."""
-    return tuple(
-        np.asarray(jax.device_get(x))
-        for x in (
-            seqs.prompt_tokens_BP,
-            seqs.prompt_mask_BP,
-            seqs.completion_tokens_BT,
-            seqs.sequence_mask_BT,  # observation tokens are in the sequence, off the loss
-        )
+    arrays = (
+        seqs.prompt_tokens_BP,
+        seqs.prompt_mask_BP,
+        seqs.completion_tokens_BT,
+        seqs.sequence_mask_BT,  # observation tokens are in the sequence, off the loss
     )
+    return tuple(np.asarray(x) for x in jax.device_get(arrays))  # one transfer for all four
 
 
 def _lay_out(
