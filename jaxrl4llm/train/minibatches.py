@@ -82,11 +82,13 @@ def minibatches(
             if lengths_B is None:
                 yield MiniBatch(mini_batch, (), None)
                 continue
-            padded = _cut_to_length(mini_batch, lengths_B[rows], config, num_micro, sort)
+            lengths = lengths_B[rows]
             if config.update.micro_batch_tokens:
-                yield _packed_or_padded(mini_batch, padded, config, num_micro, mesh, model_config)
+                yield _packed_or_padded(
+                    mini_batch, lengths, config, num_micro, sort, mesh, model_config
+                )
                 continue
-            yield padded
+            yield _cut_to_length(mini_batch, lengths, config, num_micro, sort)
 
 
 def _take_rows(batch: UpdateBatch, rows: np.ndarray, layout: Any, mesh: Any) -> UpdateBatch:
@@ -103,10 +105,8 @@ def _cut_to_length(
 ) -> MiniBatch:
     """The mini-batch cut to its longest completion (bucketed), with its length classes and
     (real tokens, computed positions)."""
-    mini_batch = mini_batch.trimmed(
-        buckets.bucket_completion_length(int(lengths.max()), config.rollout.max_new_tokens)
-    )
-    T = mini_batch.seqs.completion_mask_BT.shape[1]
+    T = _cut_length(mini_batch, lengths, config)
+    mini_batch = mini_batch.trimmed(T)
     classes = length_classes(T, config.update.micro_batch_length_classes) if sort else ()
     # Micro-batch k holds the rows k, k + num_micro, ... (step.accumulate).
     longest_k = lengths.reshape(-1, num_micro).max(axis=0)
@@ -121,18 +121,27 @@ def _cut_to_length(
     )
 
 
+def _cut_length(mini_batch: UpdateBatch, lengths: np.ndarray, config: TrainConfig) -> int:
+    """The completion columns a padded update of these rows runs: the longest row, bucketed,
+    at most the batch's own width."""
+    longest = buckets.bucket_completion_length(int(lengths.max()), config.rollout.max_new_tokens)
+    return min(longest, mini_batch.seqs.completion_mask_BT.shape[1])
+
+
 def _packed_or_padded(
     mini_batch: UpdateBatch,
-    padded: MiniBatch,
+    lengths: np.ndarray,
     config: TrainConfig,
     num_micro: int,
+    sort: bool,
     mesh: Any,
     model_config: Any,
 ) -> MiniBatch:
     """The mini-batch with its sequences packed (not cut: the packed rows hold no padding,
     and the uncut [M, T] layout keeps the update's programs few) where its modelled FLOPs
-    are below the `padded` update's (the cut mini-batch, each group's prompt once where the
-    update shares it); else `padded`. Both carry the choice and the FLOP ratio."""
+    are below the padded update's (the mini-batch cut to its longest completion, each
+    group's prompt once where the update shares it); else the padded one, cut only then.
+    Both carry the choice and the FLOP ratio."""
     flops = packing.SlotFlops.of(model_config)
     layout = mini_batch.layout
     packed = packing.pack_on_mesh(
@@ -142,8 +151,8 @@ def _packed_or_padded(
         flops=flops,
         share_prompts=layout.share_prompts,
     )
-    seqs = padded.batch.seqs
-    M, T = seqs.completion_tokens_BT.shape
+    seqs = mini_batch.seqs
+    M, T = seqs.completion_tokens_BT.shape[0], _cut_length(mini_batch, lengths, config)
     data_parallel = 1 if mesh is None else parallel.data_parallel_size(mesh)
     padded_flops = flops.padded(
         M, seqs.prompt_tokens_BP.shape[1], T, layout.prompt_group(M, num_micro, data_parallel)
@@ -151,4 +160,5 @@ def _packed_or_padded(
     ratio = packing.packed_flops(packed, flops) / padded_flops
     if ratio < 1:
         return MiniBatch(mini_batch, (), packing.real_share(packed), PackingChoice(packed, ratio))
+    padded = _cut_to_length(mini_batch, lengths, config, num_micro, sort)
     return padded._replace(packing=PackingChoice(None, ratio))
