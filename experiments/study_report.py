@@ -134,6 +134,7 @@ def render_markdown(report: dict) -> str:
     lines += ["", "## Runs", ""]
     done = len(report["runs"]) - len(pending)
     lines.append(f"{done} of {len(report['runs'])} runs finished.")
+    lines += _cost_lines(report["runs"])
     for r in pending:
         where = (
             f"logged up to step {r['last_step']} of {r['num_steps']}: running, stopped or failed"
@@ -143,6 +144,27 @@ def render_markdown(report: dict) -> str:
         lines.append(f"- {r['arm']} seed {r['seed']}: {r['status']} ({where})")
     lines += ["", "![curves](curves.png)", ""]
     return "\n".join(lines)
+
+
+def _cost_lines(runs: list[dict]) -> list[str]:
+    """The runs' summed step time (per arm and in all) and the disk their workdirs use now."""
+    costs = [r for r in runs if "cost" in r]
+    if not costs:
+        return []
+    hours = sum(r["cost"]["step_time_s"] for r in costs) / 3600
+    disk_gb = sum(r["cost"]["disk_bytes"] for r in costs) / 1e9
+    per_arm: dict[str, list[float]] = {}
+    for r in costs:
+        if r["status"] == "finished":
+            per_arm.setdefault(r["arm"], []).append(r["cost"]["step_time_s"] / 60)
+    arms = "; ".join(f"{a} {np.mean(m):.1f}" for a, m in per_arm.items())
+    return [
+        "",
+        f"Cost: {hours:.2f} h of training steps over {len(costs)} runs (`time/step_s` summed: "
+        "evals after step 0 included; start-up, compilation before the first step and the "
+        f"step-0 eval not). Minutes a finished run, per arm: {arms or '-'}. Disk: "
+        f"{disk_gb:.2f} GB in the runs' workdirs now (checkpoints included where kept).",
+    ]
 
 
 def plot_curves(report: dict, out: str) -> str:

@@ -97,6 +97,21 @@ def run_summary(
     return out
 
 
+def run_cost(workdir: str, records: Sequence[dict]) -> dict[str, float]:
+    """What a run has cost so far: `step_time_s`, the summed wall time of its logged steps
+    (`time/step_s`: an eval at a later step is inside its step's time; start-up, compilation
+    before the first step and the step-0 eval are not), and `disk_bytes`, its workdir's
+    size now (checkpoints included while they exist)."""
+    step_time = sum(float(r.get("time/step_s") or 0.0) for r in records if r.get("step", 0) > 0)
+    disk = 0
+    for folder, _, files in os.walk(workdir):
+        for name in files:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                disk += os.path.getsize(path)
+    return {"step_time_s": step_time, "disk_bytes": float(disk)}
+
+
 def mean_se(values: Sequence[float]) -> dict[str, Any]:
     x = np.asarray(values, float)
     n = len(x)
@@ -232,8 +247,10 @@ def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "
             "last_step": last,
             "num_steps": run.num_steps,
         }
-        if status == "finished":
+        if status != "missing":
             records = [r for r in read_metrics(run.workdir) if r["step"] <= run.num_steps]
+            row["cost"] = run_cost(run.workdir, records)
+        if status == "finished":
             row["summary"] = run_summary(records, primary, threshold, study.final_window)
             per_arm.setdefault(run.arm, []).append(row["summary"])
         run_rows.append(row)

@@ -212,3 +212,34 @@ def test_every_shipped_claim_cites_its_source():
         for item in (*study.claims, *study.arms):
             file, _, line = item.source.partition(":")
             assert file in papers and line.isdigit(), (name, item)
+
+
+def test_report_counts_step_time_and_disk_by_hand(tmp_path):
+    spec = tmp_path / "hand.toml"
+    spec.write_text(SPEC)
+    study = study_spec.load_study(str(spec))
+    runs = study_spec.plan(study, "x", str(tmp_path / "root"))
+    root = tmp_path / "root"
+    # a/0 finished: steps of 60 + 90 + 30 + 120 s (step 0 has no step time): 5 minutes.
+    timed = [
+        {**_run(s, 0.5), "time/step_s": t} if t else _run(s, 0.5)
+        for s, t in [(0, None), (1, 60.0), (2, 90.0), (3, 30.0), (4, 120.0)]
+    ]
+    _write(root / "a" / "seed_0", timed)
+    (root / "a" / "seed_0" / "checkpoints").mkdir()
+    (root / "a" / "seed_0" / "checkpoints" / "blob").write_bytes(b"x" * 1_000_000)
+    # b/1 killed after step 2 (600 s): counted in the total, not in the per-arm minutes.
+    _write(root / "b" / "seed_1", [_run(0, 0.1), {**_run(2, 0.2), "time/step_s": 600.0}])
+    report = study_stats.build_report(study, "x", runs)
+    costs = {(r["arm"], r["seed"]): r.get("cost") for r in report["runs"]}
+    assert costs[("a", 0)]["step_time_s"] == 300.0
+    metrics_bytes = os.path.getsize(root / "a" / "seed_0" / "metrics.jsonl")
+    assert costs[("a", 0)]["disk_bytes"] == 1_000_000 + metrics_bytes
+    assert costs[("a", 1)] is None and costs[("b", 0)] is None  # never started
+    assert costs[("b", 1)]["step_time_s"] == 600.0
+    md = study_report.render_markdown(report)
+    # 300 + 600 s = 0.25 h over the 2 runs that exist; a finished run of arm a: 5.0 min.
+    assert "Cost: 0.25 h of training steps over 2 runs" in md
+    assert "Minutes a finished run, per arm: a 5.0." in md
+    disk = 1_000_000 + metrics_bytes + os.path.getsize(root / "b" / "seed_1" / "metrics.jsonl")
+    assert f"Disk: {disk / 1e9:.2f} GB" in md
