@@ -3,6 +3,7 @@ or a paper's table over named sets.
 
     python -m experiments.evaluate --checkpoint=workdirs/quickstart
     python -m experiments.evaluate --checkpoint=workdirs/quickstart --eval_samples=8
+    python -m experiments.evaluate --checkpoint=workdirs/quickstart --samples_out=samples.jsonl
     python -m experiments.evaluate --flagfile=experiments/configs/quickstart.flags
     python -m experiments.evaluate --checkpoint=WORKDIR --eval_prompts=0 \
         --eval_sets='math500;avg@16;t=1.0,minerva_math;avg@16;t=1.0,olympiadbench;avg@16;t=1.0'
@@ -20,7 +21,8 @@ with its own protocol, so a run's final checkpoint scores what the run logged at
 It prints the scores (one row per named set plus their mean) and writes them with the settings
 to a JSON, never over a run's own files: --output, else WORKDIR/eval/STEP-WHAT.json for a
 checkpoint, else workdirs/eval/MODEL-WHAT.json, WHAT naming the data (the split alone for the
-run's own held-out data) and the sets.
+run's own held-out data) and the sets. --samples_out=PATH also writes every completion (its
+prompt, text, answer key and verdict) as JSON Lines (keys: jaxrl4llm/eval/samples.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import json
 import os
 import re
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from absl import flags
 
@@ -40,6 +42,9 @@ from jaxrl4llm.config import cli, options
 from jaxrl4llm.config.errors import FlagError
 from jaxrl4llm.config.options import require
 from jaxrl4llm.train.config import TrainConfig
+
+if TYPE_CHECKING:
+    from jaxrl4llm.eval.samples import SamplesWriter, Sink
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +58,9 @@ class EvaluateOptions:
     batch_prompts: Prompts per sampler call.
     output: JSON path (default: WORKDIR/eval/STEP-WHAT.json for a checkpoint, else
         workdirs/eval/MODEL-WHAT.json).
+    samples_out: JSON Lines path: one record per completion (set, prompt, completion, answer
+        key, verdict, tokens; keys in jaxrl4llm/eval/samples.py), written as each batch is
+        scored (default: none).
     """
 
     checkpoint: str | None = None
@@ -60,6 +68,7 @@ class EvaluateOptions:
     split: str = "test"
     batch_prompts: int = 16
     output: str | None = None
+    samples_out: str | None = None
 
 
 for _name in cli.define_flags(EvaluateOptions) + _train.FLAG_NAMES:
@@ -254,8 +263,10 @@ def evaluate_command(opts: EvaluateOptions, given: dict[str, Any]) -> int:
     check(p)
     output = output_path(opts, p)
     checkpoint = f" checkpoint {p.step}" if p.checkpoint else ""
-    print(f"Evaluating {p.name}{checkpoint}\n{settings_header(p, opts.split)}", flush=True)
-    results, num_records = run_evaluation(p, opts)
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(open_samples_out(opts.samples_out)) if opts.samples_out else None
+        print(f"Evaluating {p.name}{checkpoint}\n{settings_header(p, opts.split)}", flush=True)
+        results, num_records = run_evaluation(p, opts, sink)
     config, sets = p.config, p.config.evaluation.sets
     report = {
         "model": p.name,
@@ -270,6 +281,8 @@ def evaluate_command(opts: EvaluateOptions, given: dict[str, Any]) -> int:
         report["data"] = config.evaluation.eval_data or config.data.source
     if sets:
         report["eval_sets"] = {s.name: dataclasses.asdict(s) for s in sets}
+    if opts.samples_out:
+        report["samples_out"] = opts.samples_out
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
     with open(output, "w") as f:
         json.dump(report, f, indent=2, sort_keys=True, default=str)
@@ -282,13 +295,29 @@ def evaluate_command(opts: EvaluateOptions, given: dict[str, Any]) -> int:
     if sets:
         print(f"\n{p.name}{checkpoint} ({opts.split} splits)")
         print(table(results, [s.name for s in sets]))
-    print(f"wrote {output}")
+    print(f"wrote {output}" + (f" and {opts.samples_out}" if opts.samples_out else ""))
     return 0
 
 
-def run_evaluation(p: Plan, opts: EvaluateOptions) -> tuple[dict[str, float], int]:
+def open_samples_out(path: str) -> SamplesWriter:
+    """The --samples_out writer (eval.samples.SamplesWriter; its folder created), opened
+    before any model loads, so a path that cannot be written stops the command first."""
+    from jaxrl4llm.eval.samples import SamplesWriter
+
+    try:
+        return SamplesWriter(path)
+    except OSError as exc:
+        raise FlagError(
+            f"--samples_out={path} cannot be written ({exc.strerror or exc}): pass a file "
+            "path in a folder you can write to, or drop --samples_out."
+        ) from exc
+
+
+def run_evaluation(
+    p: Plan, opts: EvaluateOptions, sink: Sink | None = None
+) -> tuple[dict[str, float], int]:
     """The scores (the trainer's evaluation, unprefixed, plus "seconds") and the number of
-    --eval_data prompts scored."""
+    --eval_data prompts scored; `sink` receives every completion's record."""
     from jaxrl4llm import parallel
     from jaxrl4llm.envs import open_env_service
     from jaxrl4llm.eval import evaluator
@@ -336,6 +365,7 @@ def run_evaluation(p: Plan, opts: EvaluateOptions) -> tuple[dict[str, float], in
             prompts_per_batch=opts.batch_prompts,
             prefix="",
             progress=True,
+            sink=sink,
         )
     results["seconds"] = time.perf_counter() - start
     return results, len(records)

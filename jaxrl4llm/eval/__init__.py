@@ -5,6 +5,7 @@
     protocols.py   avg@k, unbiased pass@k, maj@k over a [prompts, K] table (pure numpy)
     evaluator.py   draws and scores completions (sampling.rounds, the trainer's entry point)
                    and reports the protocols: evaluate, evaluate_sets, evaluate_run, eval_key
+    samples.py     the per-sample records a `sink` of the evaluator receives (--samples_out)
 
 This package imports nothing from train/ (tests/test_layers.py).
 """

@@ -6,7 +6,9 @@ eval/sets.py) and `eval_key` (the key of the eval after a given step). Completio
 and scored by the trainer's own entry point (sampling.rounds.sample_and_score); the
 statistics over them are eval/protocols.py's. maj@k votes on each task's own final answer
 (the reward function's answer_keys: the math answer, the countdown expression, the
-knights-and-knaves claims, the reasoning-gym answer).
+knights-and-knaves claims, the reasoning-gym answer). An optional `sink` receives every
+completion's record (eval/samples.py: prompt, completion, answer key, verdict) as it is
+scored; the trainer passes none.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from jaxrl4llm.data.config import DataConfig
 from jaxrl4llm.eval import sets as eval_sets
 from jaxrl4llm.eval.config import EvalConfig
 from jaxrl4llm.eval.protocols import majority_correct, set_metrics, summarize
+from jaxrl4llm.eval.samples import HELD_OUT, Sink, sample_records
 from jaxrl4llm.sampling.context import RolloutContext
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.rounds import ScoredRows, sample_and_score
@@ -66,6 +69,11 @@ def _scored_groups(
     return rows
 
 
+def _answer_keys(ctx: RolloutContext, rows: ScoredRows, batch: list[Any]) -> list[str | None]:
+    """Each row's answer key (the one maj@k votes on)."""
+    return ctx.reward_fn.answer_keys(rows.samples.texts, rows.samples.layout.repeat(batch))
+
+
 def draw(
     ctx: RolloutContext,
     params: Any,
@@ -76,22 +84,30 @@ def draw(
     key: jax.Array,
     prompts_per_batch: int = 16,
     progress: bool = False,
-    desc: str = "eval",
+    set_name: str = HELD_OUT,
+    sink: Sink | None = None,
 ) -> Drawn:
     """Greedy completions (if `greedy`) and `samples` sampled completions of every record,
-    scored, with each sample's answer key."""
+    scored, with each sample's answer key. `sink` (optional) receives each scored batch's
+    per-sample records (eval/samples.py), named `set_name`, as they arrive."""
     greedy_P, table, answers = [], [], []
     chunks = range(0, len(records), prompts_per_batch)
+    desc = "eval" if set_name == HELD_OUT else f"eval {set_name}"
     for start in tqdm(chunks, desc=desc, disable=not progress, leave=False):
         batch = list(records[start : start + prompts_per_batch])
         if greedy:
             rows = _scored_groups(ctx, params, batch, key, 1, GREEDY)
             greedy_P.extend(rows.verdicts.correct.tolist())
+            if sink is not None:
+                keys = _answer_keys(ctx, rows, batch)
+                sink(sample_records(ctx, batch, rows, keys, set_name, start, greedy=True))
         if samples:
             rows = _scored_groups(ctx, params, batch, jax.random.fold_in(key, start), samples)
             table.extend(rows.verdicts.correct.reshape(len(batch), samples))
-            keys = ctx.reward_fn.answer_keys(rows.samples.texts, rows.samples.layout.repeat(batch))
+            keys = _answer_keys(ctx, rows, batch)
             answers.extend(keys[i * samples : (i + 1) * samples] for i in range(len(batch)))
+            if sink is not None:
+                sink(sample_records(ctx, batch, rows, keys, set_name, start, greedy=False))
     correct = np.array(table, dtype=bool).reshape(len(records), samples)
     return Drawn(np.array(greedy_P, dtype=bool) if greedy else None, correct, answers)
 
@@ -106,8 +122,10 @@ def evaluate(
     prompts_per_batch: int = 16,
     prefix: str = "eval/",
     progress: bool = False,
+    sink: Sink | None = None,
 ) -> dict[str, float]:
-    """Greedy accuracy, and with `samples` = k > 1 also avg@k / pass@k / maj@k, over `records`.
+    """Greedy accuracy, and with `samples` = k > 1 also avg@k / pass@k / maj@k, over `records`
+    (`sink`: see `draw`).
 
     The trainer's periodic eval and experiments/evaluate.py both call this, with the rollout's
     context (sampling front-end, reward function, prompt format, max_new_tokens).
@@ -125,6 +143,7 @@ def evaluate(
         key=key,
         prompts_per_batch=prompts_per_batch,
         progress=progress,
+        sink=sink,
     )
     out = {f"{prefix}accuracy": float(np.mean(drawn.greedy_P))}
     if k:
@@ -175,9 +194,10 @@ def evaluate_sets(
     prompts_per_batch: int = 16,
     prefix: str = "eval/",
     progress: bool = False,
+    sink: Sink | None = None,
 ) -> dict[str, float]:
     """`{prefix}NAME/METRIC` for every set and metric, `{prefix}mean/METRIC` over the sets,
-    and `{prefix}NAME/num_prompts`."""
+    and `{prefix}NAME/num_prompts` (`sink`: see `draw`, each record named by its set)."""
     out: dict[str, float] = {}
     for i, (eval_set, set_records) in enumerate(zip(sets, records)):
         if not set_records:
@@ -191,7 +211,8 @@ def evaluate_sets(
             key=jax.random.fold_in(key, i),
             prompts_per_batch=prompts_per_batch,
             progress=progress,
-            desc=f"eval {eval_set.name}",
+            set_name=eval_set.name,
+            sink=sink,
         )
         metrics = set_metrics(eval_set.metrics, drawn.greedy_P, drawn.correct_PK, drawn.answers_PK)
         out.update({f"{prefix}{eval_set.name}/{m}": v for m, v in metrics.items()})
@@ -211,9 +232,11 @@ def evaluate_run(
     prompts_per_batch: int = 16,
     prefix: str = "eval/",
     progress: bool = False,
+    sink: Sink | None = None,
 ) -> dict[str, float]:
     """A run's evaluation: `evaluate` over the held-out `records` (none: skipped) and
-    `evaluate_sets` over the named sets (with `key` folded with 1)."""
+    `evaluate_sets` over the named sets (with `key` folded with 1); `sink` (optional)
+    receives every completion's record (eval/samples.py) as it is scored."""
     results = (
         evaluate(
             ctx,
@@ -224,6 +247,7 @@ def evaluate_run(
             prefix=prefix,
             prompts_per_batch=prompts_per_batch,
             progress=progress,
+            sink=sink,
         )
         if records
         else {}
@@ -239,6 +263,7 @@ def evaluate_run(
                 key=jax.random.fold_in(key, 1),
                 progress=progress,
                 prompts_per_batch=prompts_per_batch,
+                sink=sink,
             )
         )
     return results
