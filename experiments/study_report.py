@@ -96,6 +96,7 @@ def render_markdown(report: dict) -> str:
             "None: every pairwise difference of the primary metric's final, best and "
             "AUC is within 2 standard errors (or an arm has < 2 finished seeds)."
         )
+    lines += _identical_lines(report.get("identical", []))
     if report["claims"]:
         lines += [
             "",
@@ -144,6 +145,31 @@ def render_markdown(report: dict) -> str:
         lines.append(f"- {r['arm']} seed {r['seed']}: {r['status']} ({where})")
     lines += ["", "![curves](curves.png)", ""]
     return "\n".join(lines)
+
+
+def _identical_lines(identical: list[dict]) -> list[str]:
+    """Arms that ran identical steps in some seed: their difference there is 0 by
+    construction (the option separating them never acted), not by measurement."""
+    if not identical:
+        return []
+    lines = [
+        "",
+        "## Arms that ran identical steps",
+        "",
+        "Same seed, every logged metric but timings equal at every step: the option that "
+        "separates the arms never acted on the batches they drew.",
+        "",
+    ]
+    for pair in identical:
+        steps = pair["first_divergence"]
+        same = [str(s) for s, step in steps.items() if step is None]
+        apart = [f"seed {s} from step {step}" for s, step in steps.items() if step is not None]
+        lines.append(
+            f"- {pair['a']} = {pair['b']} in seed{'s' * (len(same) > 1)} {', '.join(same)}"
+            + (f"; they differ in {', '.join(apart)}" if apart else "")
+            + "."
+        )
+    return lines
 
 
 def _cost_lines(runs: list[dict]) -> list[str]:

@@ -112,6 +112,37 @@ def run_cost(workdir: str, records: Sequence[dict]) -> dict[str, float]:
     return {"step_time_s": step_time, "disk_bytes": float(disk)}
 
 
+# Metrics that differ between two runs of the same computation (timing, memory, speed).
+UNTRAINED_PREFIXES = ("time/", "memory/", "throughput/")
+
+
+def first_divergence(records_a: Sequence[dict], records_b: Sequence[dict]) -> int | None:
+    """The first step at which two runs logged different metrics (timings, memory and
+    throughput aside), None when every step's metrics are equal: arms whose options never
+    acted on the batches they saw run identical steps under one seed's prompts and keys."""
+
+    def by_step(records: Sequence[dict]) -> dict[int, dict]:
+        return {
+            r["step"]: {k: v for k, v in r.items() if not k.startswith(UNTRAINED_PREFIXES)}
+            for r in records
+        }
+
+    a, b = by_step(records_a), by_step(records_b)
+    return next((step for step in sorted(set(a) | set(b)) if a.get(step) != b.get(step)), None)
+
+
+def identical_arms(records: dict[tuple[str, int], Sequence[dict]], arms: Sequence[str]) -> list:
+    """Pairs of arms that ran identical steps in at least one seed finished in both: for each,
+    {"a", "b", "first_divergence": {seed: step or None (identical throughout)}}."""
+    out = []
+    for a, b in itertools.combinations(arms, 2):
+        seeds = sorted(s for (arm, s) in records if arm == a and (b, s) in records)
+        steps = {s: first_divergence(records[(a, s)], records[(b, s)]) for s in seeds}
+        if any(step is None for step in steps.values()):
+            out.append({"a": a, "b": b, "first_divergence": steps})
+    return out
+
+
 def mean_se(values: Sequence[float]) -> dict[str, Any]:
     x = np.asarray(values, float)
     n = len(x)
@@ -236,7 +267,7 @@ def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "
     significant pairwise differences and the claims' verdicts."""
     s = study.scale(scale)
     primary, threshold = s.primary_metric, s.threshold
-    run_rows, per_arm = [], {}
+    run_rows, per_arm, finished_records = [], {}, {}
     for run in runs:
         status, last = run_status(run.workdir, run.num_steps)
         row = {
@@ -251,6 +282,7 @@ def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "
             records = [r for r in read_metrics(run.workdir) if r["step"] <= run.num_steps]
             row["cost"] = run_cost(run.workdir, records)
         if status == "finished":
+            finished_records[(run.arm, run.seed)] = records
             row["summary"] = run_summary(records, primary, threshold, study.final_window)
             per_arm.setdefault(run.arm, []).append(row["summary"])
         run_rows.append(row)
@@ -327,5 +359,6 @@ def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "
         "runs": run_rows,
         "arms": arms,
         "differences": differences,
+        "identical": identical_arms(finished_records, arm_names),
         "claims": claims,
     }

@@ -243,3 +243,27 @@ def test_report_counts_step_time_and_disk_by_hand(tmp_path):
     assert "Minutes a finished run, per arm: a 5.0." in md
     disk = 1_000_000 + metrics_bytes + os.path.getsize(root / "b" / "seed_1" / "metrics.jsonl")
     assert f"Disk: {disk / 1e9:.2f} GB" in md
+
+
+def test_report_names_arms_that_ran_identical_steps(tmp_path):
+    spec = tmp_path / "hand.toml"
+    spec.write_text(SPEC)
+    study = study_spec.load_study(str(spec))
+    runs = study_spec.plan(study, "x", str(tmp_path / "root"))
+    root = tmp_path / "root"
+    steps = [_run(0, 0.1), _run(1, entropy=2.0), _run(2, 0.3, 1.5), _run(4, 0.5, 1.0)]
+    timed = lambda rows, t: [{**r, "time/step_s": t, "memory/peak_rss_gib": t} for r in rows]  # noqa: E731
+    # Seed 0: the same metrics, different timings and memory: identical steps.
+    _write(root / "a" / "seed_0", timed(steps, 10.0))
+    _write(root / "b" / "seed_0", timed(steps, 99.0))
+    # Seed 1: equal until step 2's entropy differs.
+    _write(root / "a" / "seed_1", steps)
+    _write(root / "b" / "seed_1", steps[:2] + [_run(2, 0.3, 1.25), _run(4, 0.5, 1.0)])
+    report = study_stats.build_report(study, "x", runs)
+    assert report["identical"] == [{"a": "a", "b": "b", "first_divergence": {0: None, 1: 2}}]
+    md = study_report.render_markdown(report)
+    assert "- a = b in seed 0; they differ in seed 1 from step 2." in md
+    # Different in every seed: no entry.
+    _write(root / "a" / "seed_9", steps)
+    assert study_stats.first_divergence(steps, steps[:3]) == 4
+    assert study_stats.first_divergence(steps, list(reversed(steps))) is None
