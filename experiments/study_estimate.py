@@ -13,7 +13,8 @@ Without --prune_checkpoints every run's checkpoints stay, so the study needs the
 with it only the run in progress holds checkpoints.
 
 Time: the steps left times a per-step time: the mean time/step_s of the runs already in the
-study root (the same arm's when it has some, else any arm's), else CPU_SECONDS_PER_PARAM_TOKEN
+study root (the same arm's when it has some, else any selected arm's, else any run's in the
+root: a process given some --arms sees the others'), else CPU_SECONDS_PER_PARAM_TOKEN
 x parameters x rows per step x tokens per row, a 2-core CPU's rate measured on the
 quickstart (an accelerator is far faster: the estimate then only bounds it).
 """
@@ -21,6 +22,7 @@ quickstart (an accelerator is far faster: the estimate then only bounds it).
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import shutil
 from collections.abc import Sequence
@@ -126,12 +128,17 @@ def seconds_per_step(
     run: Run, config: TrainConfig, num_params: int | None, runs: Sequence[Run]
 ) -> tuple[float | None, str]:
     """(seconds per step, where the number comes from) for `run`: see the module docstring."""
-    for source in ([r for r in runs if r.arm == run.arm], runs):
+    # The root's other runs too: a study process given some --arms sees the others' steps.
+    root_runs = sorted(
+        glob.glob(os.path.join(os.path.dirname(os.path.dirname(run.workdir)), "*", "seed_*"))
+    )
+    sources = ([r.workdir for r in runs if r.arm == run.arm], [r.workdir for r in runs], root_runs)
+    for source in sources:
         times = [
             rec["time/step_s"]
-            for r in source
-            if os.path.exists(os.path.join(r.workdir, "metrics.jsonl"))
-            for rec in read_metrics(r.workdir)
+            for workdir in source
+            if os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+            for rec in read_metrics(workdir)
             if rec.get("time/step_s") is not None
         ]
         if times:

@@ -181,3 +181,18 @@ def test_the_study_command_exits_2_before_any_run(spec, tmp_path, monkeypatch, c
         flags.FLAGS.unparse_flags()
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("Error: Not enough disk for study toy")
+
+
+def test_a_process_given_some_arms_uses_the_other_arms_step_times(spec, toy_params, tmp_path):
+    root = tmp_path / "root"
+    runs = plan(spec, "toy", str(root))
+    # a/seed_0 logged 10 s and 50 s; the process below is given arm b only.
+    first = runs[0]
+    os.makedirs(first.workdir)
+    with open(os.path.join(first.workdir, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 1, "time/step_s": 10.0}) + "\n")
+        f.write(json.dumps({"step": 2, "time/step_s": 50.0}) + "\n")
+    only_b = [r for r in runs if r.arm == "b"]
+    config = study_estimate.resolve_config(only_b[0].argv[3:], "r")
+    per_step, source = study_estimate.seconds_per_step(only_b[0], config, toy_params, only_b)
+    assert (per_step, source) == (30.0, "mean time/step_s of 2 logged steps")
