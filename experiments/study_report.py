@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 
-from experiments.study_stats import TRAIN_KEYS, curve, resolve_quantity
+from experiments.study_stats import MANY_SEEDS, TRAIN_KEYS, curve, resolve_quantity
 from jaxrl4llm.train import plots
 from jaxrl4llm.train.metrics import read_metrics
 
@@ -118,7 +118,7 @@ def render_markdown(report: dict) -> str:
                 nums = (
                     f"{p['mean_difference']:.3g} (n={p['n_pairs']}) | "
                     f"[{p['ci95'][0]:.3g}, {p['ci95'][1]:.3g}] | {p['mde']:.3g} | "
-                    f"{p['seeds_needed'] if p['seeds_needed'] is not None else '-'}"
+                    f"{_seeds_cell(p['seeds_needed'])}"
                 )
             else:
                 nums = f"- (n={p['n_pairs']}) | - | - | -"
@@ -145,6 +145,12 @@ def render_markdown(report: dict) -> str:
         lines.append(f"- {r['arm']} seed {r['seed']}: {r['status']} ({where})")
     lines += ["", "![curves](curves.png)", ""]
     return "\n".join(lines)
+
+
+def _seeds_cell(needed: int | None) -> str:
+    if needed is None:
+        return "-"
+    return f"> {MANY_SEEDS:,}" if needed > MANY_SEEDS else str(needed)
 
 
 def _identical_lines(identical: list[dict]) -> list[str]:

@@ -199,6 +199,15 @@ def seeds_needed(sd: float, effect: float) -> int | None:
     return max(2, math.ceil(((Z_ALPHA + Z_POWER) * sd / effect) ** 2))
 
 
+# Beyond this many seeds the observed difference is, for a study, indistinguishable from 0.
+MANY_SEEDS = 10_000
+
+
+def seeds_phrase(needed: int) -> str:
+    """ "about N seeds", or "more than 10,000 seeds" for a difference near 0."""
+    return f"more than {MANY_SEEDS:,} seeds" if needed > MANY_SEEDS else f"about {needed} seeds"
+
+
 def paired_values(
     rows: Sequence[dict], a: str, b: str, quantity: str
 ) -> dict[int, tuple[float, float]]:
@@ -257,7 +266,7 @@ def paired_claim(pairs: dict[int, tuple[float, float]], expect: str, margin: flo
         out["why"] = (
             f"the 95% interval [{lo:.3g}, {hi:.3g}] includes 0: {n} seeds detect a difference "
             f"of {mde:.3g} or more, the observed one is {abs(mean):.3g}"
-            + (f" (about {needed} seeds would resolve it)" if needed else "")
+            + (f" ({seeds_phrase(needed)} would resolve it)" if needed else "")
         )
     return out
 

@@ -192,7 +192,16 @@ def test_paired_verdicts_on_synthetic_results():
     assert c["verdict"] == "unresolved" and "includes 0" in c["why"]
     sd = float(np.std([0.1, -0.1, 0.02], ddof=1))
     assert c["seeds_needed"] == int(np.ceil((Z * sd / (0.02 / 3)) ** 2))
+    assert f"(about {c['seeds_needed']} seeds would resolve it)" in c["why"]
     assert study_stats.paired_claim({0: (1.0, 0.0)}, ">", None)["verdict"] == "not measured"
+    # A mean difference of 1e-4 against an s.d. of 0.1: (Z 0.1 / 1e-4)^2, about 7.8 million.
+    near_zero = {0: (0.6001, 0.5), 1: (0.4001, 0.5), 2: (0.5001, 0.5)}
+    c = study_stats.paired_claim(near_zero, ">", None)
+    d = np.array([x - y for x, y in near_zero.values()])
+    # (Z is a table's 6 decimals: equal to a relative 1e-5.)
+    assert c["seeds_needed"] == pytest.approx((Z * np.std(d, ddof=1) / d.mean()) ** 2, rel=1e-5)
+    assert c["seeds_needed"] > 10_000
+    assert "(more than 10,000 seeds would resolve it)" in c["why"]
 
 
 def test_equivalence_claims_use_the_margin():
