@@ -223,12 +223,16 @@ def test_every_shipped_claim_cites_its_source():
             assert file in papers and line.isdigit(), (name, item)
 
 
-def test_report_counts_step_time_and_disk_by_hand(tmp_path):
+def _hand_study(tmp_path):
+    """SPEC's study, its runs at scale x under tmp_path/root, and that root."""
     spec = tmp_path / "hand.toml"
     spec.write_text(SPEC)
     study = study_spec.load_study(str(spec))
-    runs = study_spec.plan(study, "x", str(tmp_path / "root"))
-    root = tmp_path / "root"
+    return study, study_spec.plan(study, "x", str(tmp_path / "root")), tmp_path / "root"
+
+
+def test_report_counts_step_time_and_disk_by_hand(tmp_path):
+    study, runs, root = _hand_study(tmp_path)
     # a/0 finished: steps of 60 + 90 + 30 + 120 s (step 0 has no step time): 5 minutes.
     timed = [
         {**_run(s, 0.5), "time/step_s": t} if t else _run(s, 0.5)
@@ -255,11 +259,7 @@ def test_report_counts_step_time_and_disk_by_hand(tmp_path):
 
 
 def test_report_names_arms_that_ran_identical_steps(tmp_path):
-    spec = tmp_path / "hand.toml"
-    spec.write_text(SPEC)
-    study = study_spec.load_study(str(spec))
-    runs = study_spec.plan(study, "x", str(tmp_path / "root"))
-    root = tmp_path / "root"
+    study, runs, root = _hand_study(tmp_path)
     steps = [_run(0, 0.1), _run(1, entropy=2.0), _run(2, 0.3, 1.5), _run(4, 0.5, 1.0)]
     timed = lambda rows, t: [{**r, "time/step_s": t, "memory/peak_rss_gib": t} for r in rows]  # noqa: E731
     # Seed 0: the same metrics, different timings and memory: identical steps.
