@@ -83,16 +83,6 @@ def _saves(num_steps: int, every: int) -> int:
     return num_steps // every + (1 if num_steps % every else 0)
 
 
-def folder_bytes(folder: str) -> int:
-    """Bytes of the files under `folder` (links not followed; 0 when it does not exist)."""
-    return sum(
-        os.path.getsize(os.path.join(root, name))
-        for root, _, names in os.walk(folder)
-        for name in names
-        if not os.path.islink(os.path.join(root, name))
-    )
-
-
 def estimate_run(run: Run, config: TrainConfig) -> RunEstimate:
     """`run`'s steps left and checkpoints; `config` is its resolved TrainConfig."""
     status, last = study_stats.run_status(run.workdir, run.num_steps)
@@ -107,7 +97,7 @@ def estimate_run(run: Run, config: TrainConfig) -> RunEstimate:
         checkpoint_bytes=None if num_params is None else checkpoint_bytes(config, num_params),
         kept=min(keep, saves),
         peak=min(keep + 1, saves),
-        existing_bytes=folder_bytes(os.path.join(run.workdir, "checkpoints")),
+        existing_bytes=study_stats.folder_bytes(os.path.join(run.workdir, "checkpoints")),
     )
 
 

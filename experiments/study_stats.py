@@ -103,13 +103,17 @@ def run_cost(workdir: str, records: Sequence[dict]) -> dict[str, float]:
     before the first step and the step-0 eval are not), and `disk_bytes`, its workdir's
     size now (checkpoints included while they exist)."""
     step_time = sum(float(r.get("time/step_s") or 0.0) for r in records if r.get("step", 0) > 0)
-    disk = 0
-    for folder, _, files in os.walk(workdir):
-        for name in files:
-            path = os.path.join(folder, name)
-            if not os.path.islink(path):
-                disk += os.path.getsize(path)
-    return {"step_time_s": step_time, "disk_bytes": float(disk)}
+    return {"step_time_s": step_time, "disk_bytes": float(folder_bytes(workdir))}
+
+
+def folder_bytes(folder: str) -> int:
+    """Bytes of the files under `folder` (links not followed; 0 when it does not exist)."""
+    return sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(folder)
+        for name in names
+        if not os.path.islink(os.path.join(root, name))
+    )
 
 
 # Metrics that differ between two runs of the same computation (timing, memory, speed).
