@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments.study_estimate import folder_bytes  # noqa: E402
+from experiments.study_stats import folder_bytes  # noqa: E402
 from jaxrl4llm.config import cli
 from jaxrl4llm.train.metrics import read_metrics  # noqa: E402
 
