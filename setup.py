@@ -20,6 +20,7 @@ INSTALL_REQUIRES = [
     "math-verify>=0.9.0",  # the math answer verifier
     "absl-py>=2.5.1",  # flags and the app entry points
     "numpy>=2.4",
+    "scipy>=1.17.1",  # Student's t quantiles for study verdicts from few seeds (jax needs it too)
     "grain>=0.2.18",  # deterministic, checkpointable data iteration
     "pyarrow>=26.0.1",  # Parquet prompt sources
     "tensorboardX>=2.6.5",  # TensorBoard event files without TensorFlow

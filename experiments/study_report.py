@@ -102,12 +102,16 @@ def render_markdown(report: dict) -> str:
             "",
             "## Claims (fixed in the spec before the runs), paired by seed",
             "",
-            "d = a - b per seed; 95% bootstrap interval of its mean; MDE: the difference "
-            "these seeds detect (5% two-sided, 80% power); seeds: those that would resolve "
-            "the observed difference. Unpaired: the 2-s.e. test on the arms' means.",
+            "d = a - b per seed; 95% intervals of its mean, percentile bootstrap and "
+            "Student's t; the verdict needs both to exclude 0 (with 2 or 3 seeds the "
+            "bootstrap interval is about the range of the seeds' differences, which holds "
+            "the mean far less than 95% of the time); MDE: the difference these seeds detect "
+            "(paired t test, 5% two-sided, 80% power); seeds: those that would resolve the "
+            "observed difference. Unpaired: the 2-s.e. test on the arms' means.",
             "",
-            "| claim | source | test | mean d | 95% CI | MDE | seeds | verdict | unpaired |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| claim | source | test | mean d | 95% CI bootstrap | 95% CI t | MDE | seeds "
+            "| verdict | unpaired |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for c in report["claims"]:
             p = c["paired"]
@@ -117,11 +121,12 @@ def render_markdown(report: dict) -> str:
             if "mean_difference" in p:
                 nums = (
                     f"{p['mean_difference']:.3g} (n={p['n_pairs']}) | "
-                    f"[{p['ci95'][0]:.3g}, {p['ci95'][1]:.3g}] | {p['mde']:.3g} | "
+                    f"[{p['ci95'][0]:.3g}, {p['ci95'][1]:.3g}] | "
+                    f"[{p['ci95_t'][0]:.3g}, {p['ci95_t'][1]:.3g}] | {p['mde']:.3g} | "
                     f"{_seeds_cell(p['seeds_needed'])}"
                 )
             else:
-                nums = f"- (n={p['n_pairs']}) | - | - | -"
+                nums = f"- (n={p['n_pairs']}) | - | - | - | -"
             lines.append(
                 f"| {c['text']} | {c['source'] or '-'} | {test} on {c['quantity']} | {nums} | "
                 f"**{c['verdict']}** | {c['unpaired_verdict']} |"

@@ -153,6 +153,8 @@ def test_shipped_specs_resolve_at_every_scale(name):
 # ---- paired statistics: against numbers computed by hand -----------------------------------
 
 Z = 1.959964 + 0.841621  # z_0.975 + z_0.8, from a normal table
+# Student's t quantiles from a t table: {n seeds: (t_0.975,n-1, t_0.8,n-1)}.
+T_TABLE = {2: (12.7062, 1.3764), 3: (4.3027, 1.0607), 4: (3.1824, 0.9785)}
 
 
 def test_bootstrap_interval_by_hand():
@@ -165,10 +167,24 @@ def test_bootstrap_interval_by_hand():
     assert study_stats.bootstrap_ci(d) == study_stats.bootstrap_ci(d)
 
 
+def test_t_interval_by_hand():
+    # d = 0.05, 0.08: mean 0.065, sd 0.03 / sqrt(2) = 0.021213; half-width 12.7062 x 0.021213
+    # / sqrt(2) = 0.19059.
+    lo, hi = study_stats.t_interval([0.05, 0.08])
+    assert (lo, hi) == pytest.approx((0.065 - 0.19059, 0.065 + 0.19059), abs=1e-4)
+    # d = 0.02, 0.021, 0.022: sd 0.001, half-width 4.3027 x 0.001 / sqrt(3) = 0.0024842.
+    lo, hi = study_stats.t_interval([0.02, 0.021, 0.022])
+    assert (lo, hi) == pytest.approx((0.021 - 0.0024842, 0.021 + 0.0024842), abs=1e-6)
+
+
 def test_detectable_effect_and_seeds_needed_by_hand():
-    assert study_stats.min_detectable_effect(0.1, 4) == pytest.approx(Z * 0.1 / 2, rel=1e-5)
-    # (2.8016 x 0.1 / 0.05)^2 = 31.4 -> 32 seeds.
-    assert study_stats.seeds_needed(0.1, 0.05) == 32
+    for n, (t_alpha, t_power) in T_TABLE.items():
+        mde = (t_alpha + t_power) * 0.1 / n**0.5
+        assert study_stats.min_detectable_effect(0.1, n) == pytest.approx(mde, rel=1e-4)
+    # sd 0.1, effect 0.05: z alone says (2.8016 x 0.1 / 0.05)^2 = 31.4 -> 32 seeds; with t
+    # (table: t_0.975,32 = 2.0369, t_0.8,32 = 0.8530 at 33 seeds; 2.0345, 0.8526 at 34):
+    # 2.8899 x 0.1 / sqrt(33) = 0.05031 > 0.05, 2.8871 x 0.1 / sqrt(34) = 0.04951 -> 34.
+    assert study_stats.seeds_needed(0.1, 0.05) == 34
     assert study_stats.seeds_needed(0.0, 0.05) == 2
     assert study_stats.seeds_needed(0.1, 0.0) is None
 
@@ -180,7 +196,7 @@ def test_paired_verdicts_on_synthetic_results():
     assert c["verdict"] == "supported" and c["mean_difference"] == pytest.approx(0.021)
     sd = float(np.std([0.02, 0.021, 0.022], ddof=1))
     assert c["sd_difference"] == pytest.approx(sd)
-    assert c["mde"] == pytest.approx(Z * sd / 3**0.5, rel=1e-5)
+    assert c["mde"] == pytest.approx(sum(T_TABLE[3]) * sd / 3**0.5, rel=1e-4)
     # Unpaired, the same numbers are within 2 s.e. (the seeds' spread swamps 0.02).
     se = float(np.std(seeds, ddof=1)) / 3**0.5
     a = {"mean": float(np.mean(seeds)) + 0.021, "se": se, "n": 3}
@@ -189,10 +205,15 @@ def test_paired_verdicts_on_synthetic_results():
     assert study_stats.paired_claim(up, "<", None)["verdict"] == "contradicted"
     noisy = {0: (0.5, 0.4), 1: (0.4, 0.5), 2: (0.52, 0.5)}
     c = study_stats.paired_claim(noisy, ">", None)
-    assert c["verdict"] == "unresolved" and "includes 0" in c["why"]
+    assert c["verdict"] == "unresolved" and "including 0" in c["why"]
     sd = float(np.std([0.1, -0.1, 0.02], ddof=1))
-    assert c["seeds_needed"] == int(np.ceil((Z * sd / (0.02 / 3)) ** 2))
-    assert f"(about {c['seeds_needed']} seeds would resolve it)" in c["why"]
+    n = c["seeds_needed"]
+    # The fewest seeds whose detectable effect reaches the observed 0.02 / 3 (the MDE is
+    # checked against the t table above), a little above the normal approximation's count.
+    mde = study_stats.min_detectable_effect
+    assert mde(sd, n) <= 0.02 / 3 < mde(sd, n - 1)
+    assert np.ceil((Z * sd / (0.02 / 3)) ** 2) <= n <= 1.01 * (Z * sd / (0.02 / 3)) ** 2 + 3
+    assert f"(about {n} seeds would resolve it)" in c["why"]
     assert study_stats.paired_claim({0: (1.0, 0.0)}, ">", None)["verdict"] == "not measured"
     # A mean difference of 1e-4 against an s.d. of 0.1: (Z 0.1 / 1e-4)^2, about 7.8 million.
     near_zero = {0: (0.6001, 0.5), 1: (0.4001, 0.5), 2: (0.5001, 0.5)}
@@ -202,6 +223,16 @@ def test_paired_verdicts_on_synthetic_results():
     assert c["seeds_needed"] == pytest.approx((Z * np.std(d, ddof=1) / d.mean()) ** 2, rel=1e-5)
     assert c["seeds_needed"] > 10_000
     assert "(more than 10,000 seeds would resolve it)" in c["why"]
+
+
+def test_two_seeds_that_agree_do_not_settle_a_claim():
+    # d = 0.05, 0.08: the bootstrap interval is their range [0.05, 0.08], which excludes 0,
+    # but the t interval (0.065 ± 0.191, by hand above) does not: unresolved.
+    two = {0: (0.50, 0.45), 1: (0.60, 0.52)}
+    c = study_stats.paired_claim(two, ">", None)
+    assert c["ci95"] == pytest.approx([0.05, 0.08])
+    assert c["ci95_t"] == pytest.approx([0.065 - 0.19059, 0.065 + 0.19059], abs=1e-4)
+    assert c["verdict"] == "unresolved"
 
 
 def test_equivalence_claims_use_the_margin():
