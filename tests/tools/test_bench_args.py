@@ -163,14 +163,15 @@ def test_the_lora_child_gets_the_rank_and_targets():
     from jaxrl4llm.config.errors import FlagError
     from jaxrl4llm.models.lora import LoraConfig
     from jaxrl4llm.train.config import TrainConfig
+    from tools import bench_train_ours  # our side's module (repo root on sys.path)
 
     parser = bench_train.build_parser()
     args = parser.parse_args(["--lora_rank=16", "--lora_targets=q,v", "--no_trl"])
     flags = bench_train.child_flags(args)
     full = parser.parse_args(flags + ["--child=float32"])
     lora = parser.parse_args(flags + ["--child=float32", "--lora_child"])
-    assert not bench_train.lora_config(full, TrainConfig()).lora.enabled
-    assert bench_train.lora_config(lora, TrainConfig()).lora == LoraConfig(
+    assert not bench_train_ours.lora_config(full, TrainConfig()).lora.enabled
+    assert bench_train_ours.lora_config(lora, TrainConfig()).lora == LoraConfig(
         rank=16, targets=("q", "v")
     )
     assert parser.parse_args([]).lora_targets == ["q", "k", "v", "o", "gate", "up", "down"]
