@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     if args.trace:
         return trace_main(args)
 
-    from jaxrl4llm.models import registry, transformer
+    from jaxrl4llm.models import kv_cache, registry, transformer, unembedding
     from jaxrl4llm.sampling import decode, sampler, strategies
     from jaxrl4llm.train.config import param_dtype
     from tools.bench_forward import _best_time
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     config, params, _ = registry.load_model(args.model, dtype=dtype, with_tokenizer=False)
     params = transformer.unstack_layers(params)
     B, S, V = args.batch, args.context, config.vocab_size
-    cache = transformer.init_kv_cache(config, B, S, sampler._cache_dtype(params))
+    cache = kv_cache.init_kv_cache(config, B, S, sampler._cache_dtype(params))
     cache = cache.replace(mask_BS=jnp.ones((B, S), bool))
     token_B = jnp.full((B,), 100, jnp.int32)
     position_B = jnp.full((B,), S // 2, jnp.int32)
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     parts = {
         "step": (step, (params, token_B, position_B, cache, index, keys_B)),
         "layers": (layers, (params, token_B, position_B, cache, index)),
-        "unembed": (lambda p, h: transformer.unembed(p, config, h), (params, h_B1D)),
+        "unembed": (lambda p, h: unembedding.unembed(p, config, h), (params, h_B1D)),
         "sample": (lambda lg, k: strategies.sample(lg, k, sampling), (logits_BV, keys_B)),
     }
     gflops = measure_matmul_gflops(dtype)

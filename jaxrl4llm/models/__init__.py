@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from jaxrl4llm.models.config import PRESETS, ModelConfig, RopeScaling
+from jaxrl4llm.models.kv_cache import KVCache, init_kv_cache
 from jaxrl4llm.models.transformer import (
-    KVCache,
     Params,
     forward,
     hidden_states,
-    init_kv_cache,
     init_params,
     param_logical_axes,
     positions_from_mask,
-    unembed,
 )
+from jaxrl4llm.models.unembedding import unembed
 
 __all__ = [
     "PRESETS",

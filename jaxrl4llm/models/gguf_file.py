@@ -2,7 +2,7 @@
 
 Tensors are dequantized one at a time (Q4_0/Q4_1/Q8_0/... via `gguf.quants.dequantize`), and
 llama.cpp's row permutation of the Llama q/k projections (it stores RoPE pairs interleaved)
-is undone so the rotate-half RoPE of transformer.py applies.
+is undone so the rotate-half RoPE of decoder_layer.py applies.
 """
 
 from __future__ import annotations

@@ -16,66 +16,22 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from jaxrl4llm import parallel
-from jaxrl4llm.models import attention as attn_lib
 from jaxrl4llm.models import lora, schema
 from jaxrl4llm.models.attention import AttentionConfig
 from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.decoder_layer import H_AXES, Sharding, _layer, _rope_tables, rms_norm
+from jaxrl4llm.models.kv_cache import KVCache
+from jaxrl4llm.models.unembedding import unembed
 
 Params = dict[str, Any]
 
 _F32 = jnp.float32
-Sharding = parallel.ActivationSharding | None
-
-# Logical axes of activations: rows over the data-parallel axes, the model width whole,
-# heads / MLP / vocabulary over tensor (see parallel.ActivationSharding).
-H_AXES = ("batch", "length", None)
-_Q_AXES = ("batch", "length", "heads", None)
-_KV_AXES = ("batch", "length", "kv_heads", None)
-_MLP_AXES = ("batch", "length", "mlp")
-LOGITS_AXES = ("batch", "length", "vocab")
-
-
-class KVCache(flax.struct.PyTreeNode):
-    """Keys [B, K, H, S] and values [B, K, S, H] for S cache slots, one array per layer;
-    `mask_BS` marks slots holding real tokens.
-
-    Per-layer buffers (not one stacked [L, ...] array) let a decode loop update each layer in
-    place and read it without slicing a copy out of the stack. The layouts make both attention
-    einsums plain row-major matmuls over the cache as stored: scores [G, H] @ [H, S], outputs
-    [G, S] @ [S, H] (no per-step transpose; a transposed-operand dot is ~5x slower on CPU).
-    """
-
-    k_BKHS: tuple[jax.Array, ...]
-    v_BKSH: tuple[jax.Array, ...]
-    mask_BS: jax.Array
-
-    @property
-    def max_len(self) -> int:
-        return self.mask_BS.shape[1]
-
-
-K_CACHE_LOGICAL_AXES = ("batch", "kv_heads", "head_dim", "length")
-V_CACHE_LOGICAL_AXES = ("batch", "kv_heads", "length", "head_dim")
-
-
-def init_kv_cache(
-    config: ModelConfig, batch_size: int, max_len: int, dtype: Any = jnp.float32
-) -> KVCache:
-    """An empty cache: zeros, and no slot marked as holding a token."""
-    B, K, S, H = batch_size, config.num_kv_heads, max_len, config.head_dim
-    L = config.num_layers
-    return KVCache(
-        k_BKHS=tuple(jnp.zeros((B, K, H, S), dtype) for _ in range(L)),
-        v_BKSH=tuple(jnp.zeros((B, K, S, H), dtype) for _ in range(L)),
-        mask_BS=jnp.zeros((batch_size, max_len), bool),
-    )
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -143,124 +99,6 @@ def cast_for_compute(params: Params, config: ModelConfig) -> Params:
         params = jax.tree_util.tree_map_with_path(cast, params)
     # LoRA adapters are float32 whatever the base's dtype; they compute in their weight's.
     return lora.in_weight_dtype(params)
-
-
-# ----------------------------------------------------------------------------- building blocks
-
-
-def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """einsum in the weights' dtype, accumulated and returned in float32."""
-    return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=_F32)
-
-
-def _project(spec: str, x: jax.Array, lp: Params, name: str) -> jax.Array:
-    """x times the layer's projection `name` (`_dot(spec, ...)`), plus its LoRA adapter
-    x A B when the layer has one (models/lora.py; B carries the alpha / rank scale). The
-    adapter's input is dropped out when the layer carries a dropout key (training only)."""
-    y = _dot(spec, x, lp[name])
-    if f"{name}_lora_a" not in lp:
-        return y
-    if lora.DROPOUT_KEY in lp:
-        key = jax.random.fold_in(
-            jax.random.wrap_key_data(lp[lora.DROPOUT_KEY]), lora.TARGETS.index(name)
-        )
-        keep = lp[lora.DROPOUT_KEEP]
-        x = jnp.where(jax.random.uniform(key, x.shape) < keep, x.astype(_F32) / keep, 0.0)
-    xa = _dot("...i,ir->...r", x, lp[f"{name}_lora_a"])
-    return y + _dot("...r,ro->...o", xa, lp[f"{name}_lora_b"]).reshape(y.shape)
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    x = x.astype(_F32)
-    x = x * lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
-    return x * scale.astype(_F32)
-
-
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies [H/2] (float32, as transformers computes them), llama3-scaled."""
-    h = config.head_dim
-    inv = 1.0 / (np.float32(config.rope_theta) ** (np.arange(0, h, 2, dtype=np.float32) / h))
-    inv = inv.astype(np.float32)
-    s = config.rope_scaling
-    if s is None:
-        return inv
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    wavelen = 2 * np.pi / inv
-    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def _rope_tables(config: ModelConfig, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
-    freqs_BTF = positions_BT.astype(_F32)[..., None] * jnp.asarray(rope_inv_freq(config))
-    return jnp.cos(freqs_BTF), jnp.sin(freqs_BTF)
-
-
-def _apply_rope(x_BTNH: jax.Array, cos_BTF: jax.Array, sin_BTF: jax.Array) -> jax.Array:
-    """Rotates the two halves of each head (the HF "rotate_half" layout)."""
-    x1, x2 = jnp.split(x_BTNH.astype(_F32), 2, axis=-1)
-    cos, sin = cos_BTF[:, :, None, :], sin_BTF[:, :, None, :]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
-def _layer(
-    config: ModelConfig,
-    h_BTD: jax.Array,
-    lp: Params,
-    cos_BTF: jax.Array,
-    sin_BTF: jax.Array,
-    kv_fn,
-    sharding: Sharding = None,
-    attention: AttentionConfig = AttentionConfig(),
-    query_prefix_BT: jax.Array | None = None,
-) -> tuple[jax.Array, Any]:
-    """One pre-norm decoder block. `kv_fn(k_BKHT, v_BKTH)` -> (keys_BKHS, values_BKSH,
-    key_valid_BS, offset, aux) picks the attended keys: the new ones (no cache), the updated
-    cache layer or a shared prefix ++ the new ones; query t sits at key slot t + offset.
-    `query_prefix_BT`: packed rows' prefix segments (attention.attention)."""
-    c = config
-    act = functools.partial(parallel.constrain, sharding=sharding)
-    h_BTD = act(h_BTD, H_AXES)
-    x_BTD = rms_norm(h_BTD, lp["attn_norm"], c.rms_norm_eps)
-    q = act(_project("btd,dnh->btnh", x_BTD, lp, "q"), _Q_AXES)
-    k = act(_project("btd,dkh->btkh", x_BTD, lp, "k"), _KV_AXES)
-    v = act(_project("btd,dkh->btkh", x_BTD, lp, "v"), _KV_AXES)
-    if c.attention_bias:
-        q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
-    if c.qk_norm:
-        q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
-    dtype = lp["q"].dtype
-    q = _apply_rope(q, cos_BTF, sin_BTF)
-    k = _apply_rope(k, cos_BTF, sin_BTF)
-    keys, values, key_valid_BS, offset, aux = kv_fn(
-        k.transpose(0, 2, 3, 1), jnp.swapaxes(v.astype(dtype), 1, 2)
-    )
-    attn_BTM = attn_lib.attention(
-        q.astype(dtype),
-        keys,
-        values,
-        key_valid_BS,
-        offset,
-        attention,
-        sharding,
-        window=c.sliding_window,
-        query_prefix_BT=query_prefix_BT,
-    )
-    attn_BTM = act(attn_BTM, ("batch", "length", "heads"))
-    # One [N*H, D] matrix (a free reshape): as "btnh,nhd" XLA transposed o every call.
-    lp_o = {**lp, "o": lp["o"].reshape(-1, lp["o"].shape[-1])}
-    h_BTD = act(h_BTD + _project("btm,md->btd", attn_BTM, lp_o, "o"), H_AXES)
-    x_BTD = rms_norm(h_BTD, lp["mlp_norm"], c.rms_norm_eps)
-    gate = act(_project("btd,df->btf", x_BTD, lp, "gate"), _MLP_AXES)
-    up = act(_project("btd,df->btf", x_BTD, lp, "up"), _MLP_AXES)
-    h_BTD = act(h_BTD + _project("btf,fd->btd", jax.nn.silu(gate) * up, lp, "down"), H_AXES)
-    return h_BTD, aux
 
 
 # ----------------------------------------------------------------------------- the model
@@ -487,24 +325,6 @@ def hidden_states_shared_prefix(
         rms_norm(hp_GPD, params["final_norm"], eps).astype(dtype),
         rms_norm(hc_BTD, params["final_norm"], eps).astype(dtype),
     )
-
-
-def unembedding_matrix(
-    params: Params, config: ModelConfig, sharding: Sharding = None
-) -> tuple[str, jax.Array]:
-    """(einsum spec, the unembedding weight) laid out for the matmul: the model width whole,
-    the vocabulary over tensor. Gathered once, it can serve many chunks of positions."""
-    if config.tie_word_embeddings:
-        return "btd,vd->btv", parallel.constrain(params["embed"], ("vocab", None), sharding)
-    return "btd,dv->btv", parallel.constrain(params["unembed"], (None, "vocab"), sharding)
-
-
-def unembed(
-    params: Params, config: ModelConfig, h_BTD: jax.Array, sharding: Sharding = None
-) -> jax.Array:
-    """Final-normed hidden states -> float32 logits [B, T, V]."""
-    spec, w = unembedding_matrix(params, config, sharding)
-    return parallel.constrain(_dot(spec, h_BTD, w), LOGITS_AXES, sharding)
 
 
 def forward(

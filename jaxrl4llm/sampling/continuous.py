@@ -46,7 +46,7 @@ from jax.sharding import Mesh
 
 from jaxrl4llm import parallel
 from jaxrl4llm.config.errors import FlagError
-from jaxrl4llm.models import transformer
+from jaxrl4llm.models import decoder_layer, kv_cache, transformer, unembedding
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import decode, strategies
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -90,7 +90,7 @@ def refill_rows(slots: int, multiple: int = 1) -> int:
 class Slots(flax.struct.PyTreeNode):
     """Rows in decode slots (_S), or prefilled rows waiting for a slot (the pending block)."""
 
-    cache: transformer.KVCache  # [S, ...]: a slot's prompt at [0, P), its completion from P
+    cache: kv_cache.KVCache  # [S, ...]: a slot's prompt at [0, P), its completion from P
     row_S: jax.Array  # the row a slot decodes (stale once the slot is free)
     step_S: jax.Array  # that row's index of the completion token produced next
     last_S: jax.Array  # the token produced at step - 1 (fed in this step)
@@ -153,9 +153,9 @@ def slot_decode_step(
     token_S: jax.Array,
     position_S: jax.Array,
     write_S: jax.Array,
-    cache: transformer.KVCache,
+    cache: kv_cache.KVCache,
     sharding: parallel.ActivationSharding | None = None,
-) -> tuple[jax.Array, transformer.KVCache]:
+) -> tuple[jax.Array, kv_cache.KVCache]:
     """decode.decode_step with a cache slot per row: row i's token goes to slot write_S[i]
     and attends to its row's filled slots up to it (and, with a sliding window W, only the
     last W). Returns (next-token logits [S, V], cache). params["layers"]: per-layer dicts."""
@@ -169,7 +169,7 @@ def slot_decode_step(
         valid_SL &= key_L[None, :] > write_S[:, None] - window
     # The per-row causal and window rules are in valid_SL: the query sits past every slot.
     layer_config = dataclasses.replace(model_config, sliding_window=None)
-    cos, sin = transformer._rope_tables(model_config, position_S[:, None])
+    cos, sin = decoder_layer._rope_tables(model_config, position_S[:, None])
     h = transformer._embed(params, token_S[:, None], sharding)
     ks, vs = [], []
     for lp, k_cache, v_cache in zip(params["layers"], cache.k_BKHS, cache.v_BKSH):
@@ -179,14 +179,14 @@ def slot_decode_step(
             v_new = v_cache.at[slot_n, :, write_S, :].set(v_SK1H[:, :, 0].astype(v_cache.dtype))
             return k_new, v_new, valid_SL, L - 1, (k_new, v_new)
 
-        h, (k_new, v_new) = transformer._layer(layer_config, h, lp, cos, sin, kv_fn, sharding)
+        h, (k_new, v_new) = decoder_layer._layer(layer_config, h, lp, cos, sin, kv_fn, sharding)
         ks.append(k_new)
         vs.append(v_new)
-    h = transformer.rms_norm(h, params["final_norm"], model_config.rms_norm_eps)
-    logits_SV = transformer.unembed(
+    h = decoder_layer.rms_norm(h, params["final_norm"], model_config.rms_norm_eps)
+    logits_SV = unembedding.unembed(
         params, model_config, h.astype(params["embed"].dtype), sharding
     )[:, 0]
-    return logits_SV, transformer.KVCache(k_BKHS=tuple(ks), v_BKSH=tuple(vs), mask_BS=mask_SL)
+    return logits_SV, kv_cache.KVCache(k_BKHS=tuple(ks), v_BKSH=tuple(vs), mask_BS=mask_SL)
 
 
 @functools.partial(
@@ -280,7 +280,7 @@ def generate_slots(
 
     def free_slots(n: int) -> Slots:
         return Slots(
-            cache=transformer.init_kv_cache(model_config, n, P + N - 1, cache_dtype),
+            cache=kv_cache.init_kv_cache(model_config, n, P + N - 1, cache_dtype),
             row_S=jnp.zeros((n,), jnp.int32),
             step_S=jnp.ones((n,), jnp.int32),
             last_S=jnp.full((n,), pad_id, jnp.int32),
@@ -347,7 +347,7 @@ def _prefill_pending(
     q_J = s.next_row + jnp.arange(R, dtype=jnp.int32)
     valid_J = q_J < queue.num_queued
     row_J = queue.order_Q[jnp.minimum(q_J, B - 1)]
-    cache = transformer.init_kv_cache(model_config, R // group, s.slots.cache.max_len, cache_dtype)
+    cache = kv_cache.init_kv_cache(model_config, R // group, s.slots.cache.max_len, cache_dtype)
     keys_J = queue.row_keys_B[row_J]
     greedy_J = None if queue.greedy_B is None else queue.greedy_B[row_J]
     tok_J, lp_J, cache = decode.prefill_first_tokens(

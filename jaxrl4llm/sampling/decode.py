@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl4llm import parallel
-from jaxrl4llm.models import lora, transformer
+from jaxrl4llm.models import kv_cache, lora, transformer, unembedding
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import strategies
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -50,9 +50,9 @@ def prefill(
     model_config: ModelConfig,
     prompt_BP: jax.Array,
     prompt_mask_BP: jax.Array,
-    cache: transformer.KVCache,
+    cache: kv_cache.KVCache,
     sharding: parallel.ActivationSharding | None = None,
-) -> tuple[jax.Array, transformer.KVCache]:
+) -> tuple[jax.Array, kv_cache.KVCache]:
     """Writes the left-padded prompt block into cache slots [0, P); returns the logits of each
     row's last prompt token [B, V] (only that column is unembedded) and the cache."""
     positions_BP = transformer.positions_from_mask(prompt_mask_BP)
@@ -60,7 +60,7 @@ def prefill(
         params, model_config, prompt_BP, positions_BP, prompt_mask_BP, cache, 0, sharding=sharding
     )
     assert new_cache is not None  # hidden_states returns the cache it is given, updated
-    return transformer.unembed(params, model_config, h_BPD[:, -1:], sharding)[:, 0], new_cache
+    return unembedding.unembed(params, model_config, h_BPD[:, -1:], sharding)[:, 0], new_cache
 
 
 def prefill_first_tokens(
@@ -68,12 +68,12 @@ def prefill_first_tokens(
     model_config: ModelConfig,
     prompt_GP: jax.Array,
     prompt_mask_GP: jax.Array,
-    cache: transformer.KVCache,
+    cache: kv_cache.KVCache,
     keys_B: jax.Array,
     sampling: SamplingConfig,
     greedy_B: jax.Array | None,
     sharding: parallel.ActivationSharding | None = None,
-) -> tuple[jax.Array, jax.Array, transformer.KVCache]:
+) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
     """Prefills each group's prompt once (G prompts, cache of G rows) for B = G * g rows
     (rows [i*g, (i+1)*g) continue prompt i), copies its cache rows and logits to its g rows
     and samples every row's first completion token with fold_in(row_key, 0): returns
@@ -131,10 +131,10 @@ def decode_step(
     model_config: ModelConfig,
     token_B: jax.Array,
     position_B: jax.Array,
-    cache: transformer.KVCache,
+    cache: kv_cache.KVCache,
     cache_index: jax.Array,
     sharding: parallel.ActivationSharding | None = None,
-) -> tuple[jax.Array, transformer.KVCache]:
+) -> tuple[jax.Array, kv_cache.KVCache]:
     """Feeds one token per row at slot `cache_index`; returns (next-token logits [B, V], cache)."""
     B = token_B.shape[0]
     h_B1D, new_cache = transformer.hidden_states(
@@ -148,7 +148,7 @@ def decode_step(
         sharding=sharding,
     )
     assert new_cache is not None  # hidden_states returns the cache it is given, updated
-    return transformer.unembed(params, model_config, h_B1D, sharding)[:, 0], new_cache
+    return unembedding.unembed(params, model_config, h_B1D, sharding)[:, 0], new_cache
 
 
 def is_stop(tokens_B: jax.Array, stop_ids_S: jax.Array) -> jax.Array:
@@ -159,7 +159,7 @@ class LoopState(flax.struct.PyTreeNode):
     """Per slot (_S, the current level's batch) and per row (_R, the block's B rows)."""
 
     step: jax.Array  # index of the completion token produced next
-    cache: transformer.KVCache  # [S, ...] rows of the live slots
+    cache: kv_cache.KVCache  # [S, ...] rows of the live slots
     last_S: jax.Array  # the token produced at step - 1 (fed in this step)
     position_S: jax.Array  # its RoPE position
     done_S: jax.Array  # emitted a stop token (or an inactive row)

@@ -5,7 +5,7 @@ One compiled program per shape bucket (batch, prompt length, max_new_tokens, sam
   prefill  one forward over the [B, P] prompt block writes cache slots [0, P) and gives the
            logits of each row's last prompt token (only that position is unembedded);
   decode   a while loop feeds one token per step into the preallocated cache (per layer,
-           P + max_new_tokens - 1 slots; see transformer.KVCache) and stops when every row
+           P + max_new_tokens - 1 slots; see kv_cache.KVCache) and stops when every row
            has emitted a stop token or max_new_tokens tokens exist (the cache is then full);
            finished rows are compacted away in levels of halving batches (decode.py).
 
@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl4llm import parallel
-from jaxrl4llm.models import transformer
+from jaxrl4llm.models import kv_cache
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import buckets, continuous, decode
 from jaxrl4llm.sampling.decode import cache_dtype_for as _cache_dtype
@@ -50,11 +50,11 @@ LONG_PROMPT_MODES = buckets.LONG_PROMPT_MODES
 
 
 def cache_sharding(
-    sharding: parallel.ActivationSharding, cache: transformer.KVCache
-) -> transformer.KVCache:
+    sharding: parallel.ActivationSharding, cache: kv_cache.KVCache
+) -> kv_cache.KVCache:
     """The cache's tree with a sharding at every leaf (`replace` swaps all three fields)."""
-    k = sharding.named(transformer.K_CACHE_LOGICAL_AXES, cache.k_BKHS[0].shape)
-    v = sharding.named(transformer.V_CACHE_LOGICAL_AXES, cache.v_BKSH[0].shape)
+    k = sharding.named(kv_cache.K_CACHE_LOGICAL_AXES, cache.k_BKHS[0].shape)
+    v = sharding.named(kv_cache.V_CACHE_LOGICAL_AXES, cache.v_BKSH[0].shape)
     layers = len(cache.k_BKHS)
     return cache.replace(
         k_BKHS=(k,) * layers,
@@ -182,7 +182,7 @@ def _generate_rows(
     B, P = prompt_BP.shape
     N = max_new_tokens
     g = prompt_group
-    cache = transformer.init_kv_cache(model_config, B // g, P + N - 1, cache_dtype)
+    cache = kv_cache.init_kv_cache(model_config, B // g, P + N - 1, cache_dtype)
     tok_B, lp_B, cache = decode.prefill_first_tokens(
         params,
         model_config,

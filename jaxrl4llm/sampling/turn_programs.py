@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm import parallel
-from jaxrl4llm.models import transformer
+from jaxrl4llm.models import kv_cache, transformer, unembedding
 from jaxrl4llm.models.attention import AttentionConfig
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import continuous, decode, sampler, strategies
@@ -46,7 +46,7 @@ _MIN_CHUNK = 16
 class TurnState(flax.struct.PyTreeNode):
     """The device state of a multi-turn rollout, per row (B rows, N completion slots)."""
 
-    cache: transformer.KVCache  # [B, ...]: prompt at [0, P), completion token t at P + t
+    cache: kv_cache.KVCache  # [B, ...]: prompt at [0, P), completion token t at P + t
     plen_B: jax.Array  # prompt length: completion token t sits at RoPE position plen + t
     step_B: jax.Array  # completion tokens so far (the index of the next one)
     last_B: jax.Array  # token step - 1, not yet in the cache
@@ -160,7 +160,7 @@ def prefill(
     B, P = prompt_BP.shape
     N = max_new_tokens
     # Room for an observation chunk written at any position before the budget's end.
-    cache = transformer.init_kv_cache(
+    cache = kv_cache.init_kv_cache(
         model_config, B // group, P + N + chunk, decode.cache_dtype_for(weights)
     )
     tok_B, lp_B, cache = decode.prefill_first_tokens(
@@ -313,7 +313,7 @@ def observe(
     )
     assert cache_1 is not None  # hidden_states returns the cache it is given, updated
     h_11D = jax.lax.dynamic_slice_in_dim(h_1CD, num_obs, 1, axis=1)
-    logits_1V = transformer.unembed(weights, model_config, h_11D, sharding)[:, 0]
+    logits_1V = unembedding.unembed(weights, model_config, h_11D, sharding)[:, 0]
     cache = jax.tree.map(put_row, s.cache, cache_1)
     obs_at_C = jnp.where(index_C[1:] <= num_obs, n + index_C[1:] - 1, N)  # N: dropped
     step_B = s.step_B.at[row].add(num_obs)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl4llm import parallel
-from jaxrl4llm.models import transformer
+from jaxrl4llm.models import decoder_layer, transformer, unembedding
 from jaxrl4llm.sampling.layout import prompt_completion_rows
 
 Sharding = parallel.ActivationSharding | None
@@ -132,7 +132,7 @@ def logprobs_from_hidden(
 ) -> tuple[jax.Array, jax.Array]:
     """(logp_BT, entropy_BT) float32 of `targets_BT` under the final hidden states h_BTD
     (`params` already cast for compute), unembedded in chunks (see `completion_logprobs`)."""
-    spec, w = transformer.unembedding_matrix(params, config, sharding)
+    spec, w = unembedding.unembedding_matrix(params, config, sharding)
     V = config.vocab_size
     chunked = functools.partial(
         _chunked_logprobs,
@@ -200,7 +200,7 @@ def completion_hidden_states(
             params, config, tokens, positions, mask, remat=remat, sharding=sharding
         )
         h_BTD = hidden_BLD[:, num_prompt - 1 :]
-    return parallel.constrain(h_BTD, transformer.H_AXES, sharding)
+    return parallel.constrain(h_BTD, decoder_layer.H_AXES, sharding)
 
 
 def _chunked_logprobs(

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm import parallel
-from jaxrl4llm.models import transformer
+from jaxrl4llm.models import decoder_layer, transformer
 from jaxrl4llm.sampling import buckets
 from jaxrl4llm.train.logprobs import Sequences, logprobs_from_hidden
 
@@ -417,7 +417,7 @@ def packed_hidden_states(
         segment_ids_BT=segments,
         prefix_ids_BT=take(packed.prefixes_KRL),
     )
-    return parallel.constrain(h_RLD, transformer.H_AXES, sharding)
+    return parallel.constrain(h_RLD, decoder_layer.H_AXES, sharding)
 
 
 def read_back(

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrl4llm.models import attention as A
+from jaxrl4llm.models import kv_cache
 from jaxrl4llm.models import transformer as T
 from jaxrl4llm.models.config import TINY
 
@@ -120,5 +121,5 @@ def test_segment_ids_refuse_a_kv_cache():
     ids = jnp.ones((1, 2), jnp.int32)
     with pytest.raises(ValueError, match="segment_ids_BT"):
         T.hidden_states(
-            params, CFG, ids, ids, ids > 0, T.init_kv_cache(CFG, 1, 4), 0, segment_ids_BT=ids
+            params, CFG, ids, ids, ids > 0, kv_cache.init_kv_cache(CFG, 1, 4), 0, segment_ids_BT=ids
         )

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxrl4llm import parallel
+from jaxrl4llm.models import decoder_layer, kv_cache
 from jaxrl4llm.models import transformer as T
 from jaxrl4llm.models.config import TINY, RopeScaling
 
@@ -95,11 +96,11 @@ def test_kv_cache_prefill_then_decode_equals_full_forward(cfg):
     tokens, pos, mask = _batch()
     full, _ = _fwd(params, cfg, tokens, pos, mask)
     step = _fwd
-    cache = T.init_kv_cache(CFG, 3, 16)
+    cache = kv_cache.init_kv_cache(CFG, 3, 16)
     assert len(cache.k_BKHS) == len(cache.v_BKSH) == 2 and not cache.mask_BS.any()
     assert cache.k_BKHS[0].shape == (3, 2, 16, 16) and cache.v_BKSH[0].shape == (3, 2, 16, 16)
     assert cache.max_len == 16
-    other = T.init_kv_cache(CFG, 3, 12)  # keys [B, K, H, S], values [B, K, S, H]
+    other = kv_cache.init_kv_cache(CFG, 3, 12)  # keys [B, K, H, S], values [B, K, S, H]
     assert other.k_BKHS[1].shape == (3, 2, 16, 12) and other.v_BKSH[1].shape == (3, 2, 12, 16)
     out, cache = step(params, cfg, tokens[:, :5], pos[:, :5], mask[:, :5], cache, 0)
     outs = [out]
@@ -131,7 +132,7 @@ def test_unstacked_layers_equal_stacked():
     out, _ = _fwd(flat, CFG, tokens, pos, mask)
     m = np.asarray(mask)
     np.testing.assert_allclose(np.asarray(out)[m], np.asarray(ref)[m], atol=2e-5)
-    out_c, _ = _fwd(flat, CFG, tokens, pos, mask, T.init_kv_cache(CFG, 3, 12), 0)
+    out_c, _ = _fwd(flat, CFG, tokens, pos, mask, kv_cache.init_kv_cache(CFG, 3, 12), 0)
     np.testing.assert_allclose(np.asarray(out_c)[m], np.asarray(ref)[m], atol=2e-5)
 
 
@@ -192,9 +193,9 @@ def test_shared_prefix_equals_the_concatenated_rows(cfg):
 def test_cache_without_index_is_a_clear_error():
     tokens, pos, mask = _batch()
     with pytest.raises(ValueError, match="cache_index"):
-        _fwd(_params(), CFG, tokens, pos, mask, T.init_kv_cache(CFG, 3, 16))
+        _fwd(_params(), CFG, tokens, pos, mask, kv_cache.init_kv_cache(CFG, 3, 16))
     with pytest.raises(ValueError, match="longer cache"):
-        T.forward(_params(), CFG, tokens, pos, mask, T.init_kv_cache(CFG, 3, 16), 8)
+        T.forward(_params(), CFG, tokens, pos, mask, kv_cache.init_kv_cache(CFG, 3, 16), 8)
 
 
 def test_remat_gives_same_values_and_gradients():
@@ -226,8 +227,8 @@ def test_bfloat16_params_track_float32():
 
 
 def test_llama3_rope_scaling_changes_low_frequencies_only():
-    plain = T.rope_inv_freq(dataclasses.replace(CFG, rope_scaling=None))
-    scaled = T.rope_inv_freq(CFG)
+    plain = decoder_layer.rope_inv_freq(dataclasses.replace(CFG, rope_scaling=None))
+    scaled = decoder_layer.rope_inv_freq(CFG)
     assert scaled[0] == plain[0]  # highest frequency kept
     np.testing.assert_allclose(scaled[-1], plain[-1] / 8.0, rtol=1e-6)  # lowest divided by factor
 
@@ -245,6 +246,6 @@ def test_sharded_forward_equals_unsharded():
     m = np.asarray(mask)
     np.testing.assert_allclose(np.asarray(out)[m], np.asarray(ref)[m], atol=2e-5)
     # And the cached path: prefill on the mesh equals the plain prefill.
-    cache = T.init_kv_cache(CFG, 3, 12)
+    cache = kv_cache.init_kv_cache(CFG, 3, 12)
     out_c, cache = fwd(sharded, CFG, tokens, pos, mask, cache, 0)
     np.testing.assert_allclose(np.asarray(out_c)[m], np.asarray(ref)[m], atol=2e-5)

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl4llm import parallel
 from jaxrl4llm.config.errors import FlagError
-from jaxrl4llm.models import transformer
+from jaxrl4llm.models import transformer, unembedding
 from jaxrl4llm.sampling import Sampler, multiturn, sampler, turn_programs
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -115,7 +115,7 @@ def _fresh_logprobs(config, params, prompt, completion, temperature):
     ids = np.asarray(list(prompt) + list(completion), np.int32)[None]
     positions = np.arange(ids.shape[1], dtype=np.int32)[None]
     h, _ = transformer.hidden_states(params, config, ids, positions, np.ones_like(ids, bool))
-    logits = np.asarray(transformer.unembed(params, config, h)[0], np.float64) / temperature
+    logits = np.asarray(unembedding.unembed(params, config, h)[0], np.float64) / temperature
     top = logits.max(-1, keepdims=True)
     logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
     P = len(prompt)

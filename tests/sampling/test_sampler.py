@@ -13,7 +13,7 @@ import pytest
 from scipy import stats
 
 from jaxrl4llm import parallel
-from jaxrl4llm.models import transformer
+from jaxrl4llm.models import kv_cache, transformer
 from jaxrl4llm.models.config import TINY
 from jaxrl4llm.sampling import Sampler, buckets, sampler
 from jaxrl4llm.sampling.strategies import GREEDY, SamplingConfig
@@ -105,7 +105,7 @@ def test_cache_parity_with_mixed_left_padding(tiny, window):
 
     @jax.jit
     def incremental(params):
-        cache = transformer.init_kv_cache(config, 4, P + steps - 1)
+        cache = kv_cache.init_kv_cache(config, 4, P + steps - 1)
         logits, cache = sampler.prefill(params, config, batch.prompt_BP, batch.mask_BP, cache)
         out = [logits]
         pos_B = batch.mask_BP.sum(1)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl4llm import rl
-from jaxrl4llm.models import transformer
+from jaxrl4llm.models import transformer, unembedding
 from jaxrl4llm.rl.losses import AGG_MODES
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.train import step
@@ -84,7 +84,7 @@ def _row_logprobs(params, config, prompt, ids):
     seq = jnp.asarray(list(prompt) + list(ids), jnp.int32)[None]
     pos = jnp.arange(seq.shape[1], dtype=jnp.int32)[None]
     h, _ = transformer.hidden_states(params, config, seq, pos, jnp.ones(seq.shape, bool))
-    logits = transformer.unembed(params, config, h)[0].astype(jnp.float32)
+    logits = unembedding.unembed(params, config, h)[0].astype(jnp.float32)
     logits = logits[len(prompt) - 1 : -1]
     logz = jax.scipy.special.logsumexp(logits, axis=-1)
     logp_all = logits - logz[:, None]

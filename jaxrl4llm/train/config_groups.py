@@ -1,0 +1,128 @@
+"""TrainConfig's own groups: the policy model's options, the update's batching, PPO's
+critic and the run (length, devices, outputs, seed). The groups that layers below the trainer
+read live with them (DataConfig, RolloutConfig, EvalConfig); train/config.py mounts them all
+as TrainConfig's fields and their flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxrl4llm.train import trackers
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """Which policy to train and how its parameters are held.
+
+    name: Registered model name (smollm2-135m-instruct is embedded), Hugging Face model folder
+        or .gguf file.
+    param_dtype: Parameter dtype.
+    compute_dtype: Dtype the sampler, teacher-forced passes and update compute in (default:
+        the parameter dtype); bfloat16 with --param_dtype=float32 is mixed precision: float32
+        master weights and optimizer state, bfloat16 matmuls accumulated in float32.
+    remat: Rematerialise each layer in the backward pass (less memory, one more forward).
+    init_adapter: A PEFT LoRA adapter folder (adapter_model.safetensors +
+        adapter_config.json) the LoRA adapters start from instead of fresh ones; its rank,
+        alpha and targets are the run's (--lora_rank, --lora_alpha, --lora_targets left at
+        their defaults, or equal to the file's).
+    """
+
+    name: str = "smollm2-135m-instruct"
+    param_dtype: str = "float32"
+    compute_dtype: str | None = None
+    remat: bool = False
+    init_adapter: str | None = None
+
+    def compute_config(self, model_config: Any) -> Any:
+        """The loaded model's ModelConfig with this run's --compute_dtype."""
+        return dataclasses.replace(model_config, compute_dtype=self.compute_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """How a rollout batch becomes optimizer updates.
+
+    mini_batch_size: Rows per optimizer update (0 = the whole batch).
+    micro_batch_size: Rows per gradient-accumulation slice (0 = the mini-batch).
+    micro_batch_length_classes: Completion lengths a micro-batch may run at. 1: every
+        micro-batch at the mini-batch's longest completion (bucketed). K > 1: the mini-batch's
+        rows are sorted by length into the micro-batches, and each micro-batch runs at the
+        shortest of K lengths (the longest, then halving) that holds its rows: the same
+        update on fewer padded positions, for K branches of the compiled update.
+    micro_batch_tokens: Token budget N of a packed micro-batch (0 = off: micro-batches of
+        --micro_batch_size rows). N > 0: the policy update packs each mini-batch's sequences
+        (real prompt + completion tokens, no padding; a group's shared prompt once per row)
+        into micro-batches of rows of at most N / (data x fsdp) tokens per device in all
+        (train/packing.py): the same update, run packed where that models fewer FLOPs than
+        the padded update; the rollout's reference, old-logprob and value passes likewise.
+        Full fine-tuning or LoRA, one host.
+    ppo_epochs: Passes over each rollout batch.
+    recompute_old_logprobs: Recompute pi_old with a teacher-forced pass (else use the
+        sampler's logprobs).
+    max_nonfinite_steps: Consecutive steps whose every update had a NaN / inf loss or
+        gradient (skipped, the state kept) after which the run stops with an error.
+    """
+
+    mini_batch_size: int = 0
+    micro_batch_size: int = 0
+    micro_batch_length_classes: int = 1
+    micro_batch_tokens: int = 0
+    ppo_epochs: int = 1
+    recompute_old_logprobs: bool = True
+    max_nonfinite_steps: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticOptions:
+    """PPO's critic (algorithms with advantage=gae, e.g. --algorithm=ppo).
+
+    model: The critic's starting weights: an HF folder / GGUF / registered name of the
+        policy's family (a folder exported by tools/export_hf.py holds its value head); none =
+        the policy's weights with a zero head.
+    learning_rate: The critic's AdamW learning rate (none = 10 x --learning_rate); its
+        warm-up, schedule and clipping are the policy's.
+    warmup_steps: First steps that update only the critic (the policy is not updated).
+    """
+
+    model: str | None = None
+    learning_rate: float | None = None
+    warmup_steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Length, devices, outputs and seed of a run.
+
+    num_steps: Training steps (rollouts).
+    mesh: Device mesh, e.g. data:1,fsdp:-1,tensor:1 (-1: the remaining devices).
+    checkpoint_every: Steps between checkpoints.
+    keep_checkpoints: Checkpoints to keep.
+    workdir: Output folder; a run resumes from its checkpoints.
+    seed: Random seed.
+    trackers: Where metrics go beside metrics.jsonl, comma-separated: tensorboard, wandb,
+        mlflow (empty: none). wandb and mlflow are optional extras; both work offline.
+    tensorboard: Keep tensorboard in --trackers (--notensorboard drops it).
+    distributed: Call jax.distributed.initialize (multi-host; cluster auto-detection).
+    """
+
+    num_steps: int = 20
+    mesh: str = "data:1,fsdp:-1,tensor:1"
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+    workdir: str = "workdirs/run"
+    seed: int = 0
+    trackers: str = "tensorboard"
+    tensorboard: bool = True
+    distributed: bool = False
+
+    @property
+    def tracker_names(self) -> tuple[str, ...]:
+        """The trackers this run writes to (--trackers, less tensorboard with
+        --notensorboard)."""
+        return tuple(
+            n for n in trackers.parse(self.trackers) if n != "tensorboard" or self.tensorboard
+        )
