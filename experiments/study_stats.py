@@ -36,7 +36,7 @@ import itertools
 import math
 import os
 from statistics import NormalDist
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 from scipy import stats as scipy_stats
@@ -211,16 +211,10 @@ def min_detectable_effect(sd: float, n: int) -> float:
 
 def seeds_needed(sd: float, effect: float) -> int | None:
     """Paired seeds for a two-sided 5% t test to detect `effect` with 80% power (None: no
-    effect to detect): the fewest n >= 2 whose min_detectable_effect is <= effect. The normal
-    approximation (z for t) is a lower bound to start from; past MANY_SEEDS it is returned as is."""
+    effect to detect): the fewest n >= 2 whose min_detectable_effect is <= effect."""
     if effect <= 0:
         return None
-    if sd == 0:
-        return 2
-    n = max(2, math.ceil(((Z_ALPHA + Z_POWER) * sd / effect) ** 2))
-    while n <= MANY_SEEDS and min_detectable_effect(sd, n) > effect:
-        n += 1
-    return n
+    return _fewest_seeds(lambda n: min_detectable_effect(sd, n), effect, Z_ALPHA + Z_POWER, sd)
 
 
 def _equivalence_seeds(sd: float, room: float) -> int | None:
@@ -228,10 +222,17 @@ def _equivalence_seeds(sd: float, room: float) -> int | None:
     between the observed |mean| and the margin (None: no room)."""
     if room <= 0:
         return None
+    return _fewest_seeds(lambda n: t_quantile(0.975, n) * sd / math.sqrt(n), room, Z_ALPHA, sd)
+
+
+def _fewest_seeds(width: Callable[[int], float], target: float, z: float, sd: float) -> int:
+    """The fewest n >= 2 with width(n) <= target, where width(n) is a t multiple of
+    sd / sqrt(n): the normal approximation (z sd / target)^2 is a lower bound to start from;
+    past MANY_SEEDS it is returned as is."""
     if sd == 0:
         return 2
-    n = max(2, math.ceil((Z_ALPHA * sd / room) ** 2))
-    while n <= MANY_SEEDS and t_quantile(0.975, n) * sd / math.sqrt(n) > room:
+    n = max(2, math.ceil((z * sd / target) ** 2))
+    while n <= MANY_SEEDS and width(n) > target:
         n += 1
     return n
 
