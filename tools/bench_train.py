@@ -15,6 +15,9 @@ side's fastest step kept; tools/bench_trl.py: same weights, prompts,
 reward, group, forced token count, one optimizer step over the same rows, torch given XLA's
 thread count); the last table is ours / TRL per dtype (target <= 0.75). On a loaded machine
 pass --omp_wait_policy=PASSIVE: torch's spinning OpenMP workers otherwise slow it several-fold.
+The ratio depends on the host's vector instructions (torch's MKL and oneDNN kernels gain more
+from AVX-512 than XLA's): the first line names the CPU and its extensions, and
+`--cpu_isa=AVX2` caps both sides at AVX2 to reproduce an AVX2-only host's comparison.
 Prints seconds per stage, tokens/s and peak RSS, and the compute floor: the step's matmul
 FLOPs (`step_tflop`) at the best matmul rate measured in the same process (`matmul_gflops`:
 1024^3 matmuls in the compute dtype, probed before and after the steps),
@@ -46,6 +49,57 @@ from jaxrl4llm.config import cli
 from tools import bench_train_ours, bench_train_report
 
 LORA = "lora/"  # a side's prefix: our step with --lora_rank adapters (run_child)
+
+# --cpu_isa: the widest vector instructions each library may use, by the library's own
+# switch. torch's elementwise kernels (ATen), its oneDNN and MKL kernels, and XLA's generated
+# code each read their own; a cap reproduces a smaller host's comparison on a bigger one.
+ISA_CAPS = {
+    "AVX2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "xla": "AVX2",
+    },
+    "AVX512": {
+        "ATEN_CPU_CAPABILITY": "avx512",
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+        "xla": "AVX512",
+    },
+}
+
+
+def isa_env(isa: str | None, environ: dict[str, str]) -> dict[str, str]:
+    """`environ` with every library's vector ISA capped at `isa` (None: unchanged)."""
+    if isa is None:
+        return dict(environ)
+    caps = dict(ISA_CAPS[isa])
+    xla_isa = caps.pop("xla")
+    xla_flags = " ".join(
+        [f for f in environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_cpu_max_isa")]
+        + [f"--xla_cpu_max_isa={xla_isa}"]
+    )
+    return {**environ, **caps, "XLA_FLAGS": xla_flags}
+
+
+def cpu_description(cpuinfo: str | None = None) -> str:
+    """The host's CPU model and the vector extensions that decide torch's and XLA's kernels
+    (the ratio to TRL differs between AVX2-only and AVX-512 hosts of one machine kind)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return "cpu unknown"
+    fields = dict(
+        (k.strip(), v.strip())
+        for k, _, v in (line.partition(":") for line in cpuinfo.splitlines())
+        if k.strip() in ("model name", "flags")
+    )
+    flags = set(fields.get("flags", "").split())
+    shown = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    have = [f for f in shown if f in flags] or ["no avx2"]
+    return f"{fields.get('model name', 'cpu unknown')} ({', '.join(have)})"
 
 
 def lora_targets(value: str) -> list[str]:
@@ -148,6 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
         "several-fold; PASSIVE keeps its thread count but lets them sleep",
     )
     parser.add_argument(
+        "--cpu_isa",
+        choices=tuple(ISA_CAPS),
+        default=None,
+        help="cap both sides' vector instructions (torch's ATen, oneDNN and MKL kernels, "
+        "XLA's generated code) at this ISA, e.g. AVX2 on an AVX-512 host to reproduce an "
+        "AVX2-only host's comparison (default: the host's own)",
+    )
+    parser.add_argument(
         "--micro_batch_tokens",
         type=int,
         default=0,
@@ -179,7 +241,7 @@ def run_child(args: argparse.Namespace, child: str) -> dict | None:
     lora = child.startswith(LORA)
     cmd = [sys.executable, os.path.abspath(__file__), f"--child={child.removeprefix(LORA)}"]
     cmd += child_flags(args) + ["--lora_child"] * lora
-    env = dict(os.environ)
+    env = isa_env(args.cpu_isa, dict(os.environ))
     if args.omp_wait_policy:
         env["OMP_WAIT_POLICY"] = args.omp_wait_policy
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -253,6 +315,7 @@ def main(argv=None) -> int:
     with_trl = args.trl and bench_trl.trl_available()
     if args.trl and not with_trl:
         print(bench_trl.TRL_MISSING)
+    print(f"cpu: {cpu_description()}; vector ISA cap: {args.cpu_isa or 'none'}")
     print(f"before: {load_average()}", flush=True)
     ours, packed, theirs, lora = [], [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_train_hf_") as hf_dir:

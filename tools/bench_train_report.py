@@ -27,7 +27,8 @@ def print_comparison(ours: list[dict], theirs: list[dict]) -> None:
     print(
         f"ours vs TRL {theirs[0]['trl']} GRPOTrainer (torch {theirs[0]['torch']}, threads: "
         f"XLA {ours[0]['xla_threads']}, torch {theirs[0]['torch_threads']}, OMP_WAIT_POLICY "
-        f"{theirs[0]['omp_wait_policy']}); TRL's completions: "
+        f"{theirs[0]['omp_wait_policy']}, torch CPU kernels "
+        f"{theirs[0].get('torch_cpu_capability', '?')}); TRL's completions: "
         f"{theirs[0]['mean_new_tokens']:.1f} tokens on average"
     )
     rows = [

@@ -226,4 +226,5 @@ def run_trl(args: Any, dtype: str, hf_dir: str) -> dict[str, Any]:
         "trl": trl.__version__,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
         "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }

@@ -177,3 +177,24 @@ def test_the_lora_child_gets_the_rank_and_targets():
     assert parser.parse_args([]).lora_targets == ["q", "k", "v", "o", "gate", "up", "down"]
     with pytest.raises(FlagError, match="qkv"):
         parser.parse_args(["--lora_targets=qkv"])
+
+
+def test_cpu_isa_caps_every_library_and_replaces_an_earlier_xla_cap():
+    environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_cpu_max_isa=SSE4_2"}
+    env = bench_train.isa_env("AVX2", environ)
+    assert env["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert env["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert env["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2 --xla_cpu_max_isa=AVX2"
+    assert bench_train.isa_env(None, environ) == environ
+    args = bench_train.build_parser().parse_args(["--cpu_isa=AVX2"])
+    assert "--cpu_isa=AVX2" in bench_train.child_flags(args)
+
+
+def test_cpu_description_names_the_model_and_its_vector_extensions():
+    cpuinfo = (
+        "processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu sse avx avx2 avx512f avx512bw\n"
+        "processor\t: 1\nmodel name\t: Some Xeon\nflags\t\t: fpu sse avx avx2 avx512f avx512bw\n"
+    )
+    assert bench_train.cpu_description(cpuinfo) == "Some Xeon (avx2, avx512f)"
+    assert bench_train.cpu_description("model name : Old\nflags : sse avx\n") == "Old (no avx2)"
