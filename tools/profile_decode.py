@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         return trace_main(args)
 
     from jaxrl4llm.models import kv_cache, registry, transformer, unembedding
-    from jaxrl4llm.sampling import decode, sampler, strategies
+    from jaxrl4llm.sampling import decode, strategies
     from jaxrl4llm.train.config import param_dtype
     from tools.bench_forward import _best_time
     from tools.bench_sampler import measure_bandwidth_gbs, measure_matmul_gflops
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     config, params, _ = registry.load_model(args.model, dtype=dtype, with_tokenizer=False)
     params = transformer.unstack_layers(params)
     B, S, V = args.batch, args.context, config.vocab_size
-    cache = kv_cache.init_kv_cache(config, B, S, sampler._cache_dtype(params))
+    cache = kv_cache.init_kv_cache(config, B, S, decode.cache_dtype_for(params))
     cache = cache.replace(mask_BS=jnp.ones((B, S), bool))
     token_B = jnp.full((B,), 100, jnp.int32)
     position_B = jnp.full((B,), S // 2, jnp.int32)
@@ -310,7 +310,7 @@ def trace_main(args) -> int:
     import tempfile
 
     from jaxrl4llm.models import registry
-    from jaxrl4llm.sampling import sampler, strategies
+    from jaxrl4llm.sampling import decode, sampler, strategies
     from jaxrl4llm.train.config import param_dtype
     from tools.bench_forward import _best_time
     from tools.bench_sampler import measure_bandwidth_gbs, measure_matmul_gflops
@@ -377,7 +377,7 @@ def trace_main(args) -> int:
     dense_flop = 2 * L * sum(m * k * n for m, k, n in layer_shapes)
     unembed_flop = 2 * B * D * V
     # Each step reads every slot of the cache (masked slots too), in the cache's dtype.
-    cache_bytes = 2 * L * B * Nk * S * Hd * jnp.dtype(sampler._cache_dtype(params)).itemsize
+    cache_bytes = 2 * L * B * Nk * S * Hd * jnp.dtype(decode.cache_dtype_for(params)).itemsize
     print(
         f"{args.model} {args.dtype}, batch {B}, {N - 1} decode steps at contexts {P}..{S} "
         f"(cache {S} slots), T={args.temperature}; measured here: matmul {gflops:.0f} GFLOP/s, "

@@ -1,7 +1,7 @@
 """One pre-norm decoder layer and its parts: RMS norm, RoPE, the projections (with their
 LoRA adapters) and the activations' logical axes.
 
-Matmuls take the weights' dtype and accumulate in float32 (`_dot`); norms and RoPE run in
+Matmuls take the weights' dtype and accumulate in float32 (`dot`); norms and RoPE run in
 float32. `transformer` stacks these layers into the model's passes; the sampler's slot decoder
 (`sampling.continuous`) runs them one token at a time.
 """
@@ -35,16 +35,16 @@ _KV_AXES = ("batch", "length", "kv_heads", None)
 _MLP_AXES = ("batch", "length", "mlp")
 
 
-def _dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def dot(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """einsum in the weights' dtype, accumulated and returned in float32."""
     return jnp.einsum(spec, x.astype(w.dtype), w, preferred_element_type=_F32)
 
 
 def _project(spec: str, x: jax.Array, lp: Params, name: str) -> jax.Array:
-    """x times the layer's projection `name` (`_dot(spec, ...)`), plus its LoRA adapter
+    """x times the layer's projection `name` (`dot(spec, ...)`), plus its LoRA adapter
     x A B when the layer has one (models/lora.py; B carries the alpha / rank scale). The
     adapter's input is dropped out when the layer carries a dropout key (training only)."""
-    y = _dot(spec, x, lp[name])
+    y = dot(spec, x, lp[name])
     if f"{name}_lora_a" not in lp:
         return y
     if lora.DROPOUT_KEY in lp:
@@ -53,8 +53,8 @@ def _project(spec: str, x: jax.Array, lp: Params, name: str) -> jax.Array:
         )
         keep = lp[lora.DROPOUT_KEEP]
         x = jnp.where(jax.random.uniform(key, x.shape) < keep, x.astype(_F32) / keep, 0.0)
-    xa = _dot("...i,ir->...r", x, lp[f"{name}_lora_a"])
-    return y + _dot("...r,ro->...o", xa, lp[f"{name}_lora_b"]).reshape(y.shape)
+    xa = dot("...i,ir->...r", x, lp[f"{name}_lora_a"])
+    return y + dot("...r,ro->...o", xa, lp[f"{name}_lora_b"]).reshape(y.shape)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -83,7 +83,7 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def _rope_tables(config: ModelConfig, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+def rope_tables(config: ModelConfig, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
     freqs_BTF = positions_BT.astype(_F32)[..., None] * jnp.asarray(rope_inv_freq(config))
     return jnp.cos(freqs_BTF), jnp.sin(freqs_BTF)
 
@@ -95,7 +95,7 @@ def _apply_rope(x_BTNH: jax.Array, cos_BTF: jax.Array, sin_BTF: jax.Array) -> ja
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _layer(
+def apply_layer(
     config: ModelConfig,
     h_BTD: jax.Array,
     lp: Params,

@@ -25,7 +25,7 @@ from jaxrl4llm import parallel
 from jaxrl4llm.models import lora, schema
 from jaxrl4llm.models.attention import AttentionConfig
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.models.decoder_layer import H_AXES, Sharding, _layer, _rope_tables, rms_norm
+from jaxrl4llm.models.decoder_layer import H_AXES, Sharding, apply_layer, rms_norm, rope_tables
 from jaxrl4llm.models.kv_cache import KVCache
 from jaxrl4llm.models.unembedding import unembed
 
@@ -47,7 +47,7 @@ def param_shapes(config: ModelConfig) -> Params:
     return schema.param_shapes(config)
 
 
-def _is_shape(x: Any) -> bool:
+def is_shape(x: Any) -> bool:
     return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
 
 
@@ -63,7 +63,7 @@ def init_params(config: ModelConfig, key: jax.Array, dtype: Any = jnp.float32) -
 @jax.jit(static_argnums=(0, 2))
 def _init_params(config: ModelConfig, key: jax.Array, dtype: Any) -> Params:
     shapes = param_shapes(config)
-    leaves, treedef = jax.tree.flatten_with_path(shapes, is_leaf=_is_shape)
+    leaves, treedef = jax.tree.flatten_with_path(shapes, is_leaf=is_shape)
     names = [path[-1].key for path, _ in leaves]
     random = [not n.endswith(("norm", "bias")) for n in names]
     sizes = [int(np.prod(shape)) if r else 0 for (_, shape), r in zip(leaves, random)]
@@ -86,7 +86,7 @@ def cast_for_compute(params: Params, config: ModelConfig) -> Params:
     Called at the start of each pass, inside jit (and inside the loss under `grad`, so the
     gradients of float32 master params come back float32). Norm scales and biases keep their
     dtype: they are tiny and the norms run in float32 anyway. Matmuls then take bfloat16
-    operands with float32 accumulation, and logits / log-softmax stay float32 (`_dot`).
+    operands with float32 accumulation, and logits / log-softmax stay float32 (`dot`).
     """
     if config.compute_dtype is not None:
         dtype = jnp.dtype(config.compute_dtype)
@@ -171,12 +171,12 @@ def hidden_states(
             "passes; it cannot be combined with a kv_cache."
         )
     key_valid_BT = mask_BT if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
-    cos_BTF, sin_BTF = _rope_tables(config, positions_BT)
-    h_BTD = _embed(params, tokens_BT, sharding)
+    cos_BTF, sin_BTF = rope_tables(config, positions_BT)
+    h_BTD = embed_tokens(params, tokens_BT, sharding)
     layers = params["layers"]
     stacked = not isinstance(layers, (tuple, list))
     layer = functools.partial(
-        _layer,
+        apply_layer,
         config,
         cos_BTF=cos_BTF,
         sin_BTF=sin_BTF,
@@ -239,7 +239,7 @@ def hidden_states(
     return h_BTD.astype(params["embed"].dtype), new_cache
 
 
-def _embed(params: Params, tokens_BT: jax.Array, sharding: Sharding) -> jax.Array:
+def embed_tokens(params: Params, tokens_BT: jax.Array, sharding: Sharding) -> jax.Array:
     """Token embeddings [B, T, D] float32, rows over the data-parallel axes."""
     h_BTD = jnp.take(params["embed"], tokens_BT, axis=0).astype(_F32)
     return parallel.constrain(h_BTD, H_AXES, sharding)
@@ -288,12 +288,12 @@ def hidden_states_shared_prefix(
     positions_BT = jnp.maximum(
         prefix_len_B[:, None] + jnp.cumsum(mask_BT.astype(jnp.int32), axis=1) - 1, 0
     )
-    cos_p, sin_p = _rope_tables(config, positions_GP)
-    cos_c, sin_c = _rope_tables(config, positions_BT)
+    cos_p, sin_p = rope_tables(config, positions_GP)
+    cos_c, sin_c = rope_tables(config, positions_BT)
     # A row's token t (key slot P + t) sees its block's real prefix tokens and its own real
     # tokens <= t.
     key_valid_BS = jnp.concatenate([jnp.repeat(prefix_mask_GP, group, axis=0), mask_BT], axis=1)
-    layer = functools.partial(_layer, config, sharding=sharding, attention=attention)
+    layer = functools.partial(apply_layer, config, sharding=sharding, attention=attention)
     rows = functools.partial(
         parallel.constrain, logical_axes=("batch", "kv_heads"), sharding=sharding
     )
@@ -318,7 +318,10 @@ def hidden_states_shared_prefix(
 
     if remat:
         body = jax.checkpoint(body, prevent_cse=False)
-    carry = (_embed(params, prefix_tokens_GP, sharding), _embed(params, tokens_BT, sharding))
+    carry = (
+        embed_tokens(params, prefix_tokens_GP, sharding),
+        embed_tokens(params, tokens_BT, sharding),
+    )
     (hp_GPD, hc_BTD), _ = lax.scan(body, carry, layers)
     eps, dtype = config.rms_norm_eps, params["embed"].dtype
     return (

@@ -7,7 +7,7 @@ import jax
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.models.decoder_layer import Params, Sharding, _dot
+from jaxrl4llm.models.decoder_layer import Params, Sharding, dot
 
 # Logits' logical axes: rows over the data-parallel axes, the vocabulary over tensor.
 LOGITS_AXES = ("batch", "length", "vocab")
@@ -28,4 +28,4 @@ def unembed(
 ) -> jax.Array:
     """Final-normed hidden states -> float32 logits [B, T, V]."""
     spec, w = unembedding_matrix(params, config, sharding)
-    return parallel.constrain(_dot(spec, h_BTD, w), LOGITS_AXES, sharding)
+    return parallel.constrain(dot(spec, h_BTD, w), LOGITS_AXES, sharding)

@@ -117,7 +117,7 @@ def load_params(
             shapes=jax.tree.map(
                 lambda s: jax.ShapeDtypeStruct(s, dtype),
                 schema.param_shapes(config),
-                is_leaf=transformer._is_shape,
+                is_leaf=transformer.is_shape,
             ),
         )
     params: dict[str, Any] = {"layers": {}}

@@ -169,8 +169,8 @@ def slot_decode_step(
         valid_SL &= key_L[None, :] > write_S[:, None] - window
     # The per-row causal and window rules are in valid_SL: the query sits past every slot.
     layer_config = dataclasses.replace(model_config, sliding_window=None)
-    cos, sin = decoder_layer._rope_tables(model_config, position_S[:, None])
-    h = transformer._embed(params, token_S[:, None], sharding)
+    cos, sin = decoder_layer.rope_tables(model_config, position_S[:, None])
+    h = transformer.embed_tokens(params, token_S[:, None], sharding)
     ks, vs = [], []
     for lp, k_cache, v_cache in zip(params["layers"], cache.k_BKHS, cache.v_BKSH):
 
@@ -179,7 +179,9 @@ def slot_decode_step(
             v_new = v_cache.at[slot_n, :, write_S, :].set(v_SK1H[:, :, 0].astype(v_cache.dtype))
             return k_new, v_new, valid_SL, L - 1, (k_new, v_new)
 
-        h, (k_new, v_new) = decoder_layer._layer(layer_config, h, lp, cos, sin, kv_fn, sharding)
+        h, (k_new, v_new) = decoder_layer.apply_layer(
+            layer_config, h, lp, cos, sin, kv_fn, sharding
+        )
         ks.append(k_new)
         vs.append(v_new)
     h = decoder_layer.rms_norm(h, params["final_norm"], model_config.rms_norm_eps)
