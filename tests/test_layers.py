@@ -36,9 +36,17 @@ def _modules() -> dict[str, pathlib.Path]:
 
 
 def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
-    """The project modules `path` imports (at module level or inside functions)."""
+    """The project modules `path` imports at run time (at module level or inside functions;
+    not under `if TYPE_CHECKING:`, which only the type checker follows)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in (
+            "TYPE_CHECKING",
+            "typing.TYPE_CHECKING",
+        ):
+            node.body = []
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -108,3 +116,15 @@ def test_modules_import_each_other_without_new_cycles():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_type_checking_imports_are_not_run_time_imports(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import jaxrl4llm.rl\n"
+        "if TYPE_CHECKING:\n"
+        "    from jaxrl4llm.train.config import TrainConfig\n"
+    )
+    modules = {"jaxrl4llm.rl": source, "jaxrl4llm.train.config": source}
+    assert _imports(source, modules) == {"jaxrl4llm.rl"}

@@ -2,15 +2,15 @@
 agree (batch sizes and the mesh, packing, multi-turn, PPO's critic, partial rollouts, data,
 reward), each failing with a FlagError that names the flag and the fix.
 
-`config` is the TrainConfig (train/config.py, which calls `validate_all`; typed Any here, as
-that module imports this one).
+`config` is the TrainConfig (train/config.py, which calls `validate_all`; imported here for
+the type checker only, as that module imports this one at run time).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -25,8 +25,13 @@ from jaxrl4llm.sampling.config import RolloutConfig
 from jaxrl4llm.train import partial, trackers
 from jaxrl4llm.train.config_groups import DTYPES
 
+if TYPE_CHECKING:
+    from jaxrl4llm.train.config import TrainConfig
 
-def validate_all(config: Any, num_devices: int, data_parallel: int | None, num_hosts: int) -> None:
+
+def validate_all(
+    config: TrainConfig, num_devices: int, data_parallel: int | None, num_hosts: int
+) -> None:
     """Every check of `config` (TrainConfig.validate: `num_hosts` resolved, inside
     flag_errors)."""
     _validate_values(config)
@@ -83,7 +88,7 @@ def validate_all(config: Any, num_devices: int, data_parallel: int | None, num_h
     )
 
 
-def _validate_values(config: Any) -> None:
+def _validate_values(config: TrainConfig) -> None:
     """Each value on its own: finite numbers, known dtypes, counts >= 1."""
     r, u, run = config.rollout, config.update, config.run
     for name, value in options.flatten(config).items():  # nan / inf slip through float()
@@ -138,7 +143,7 @@ def _validate_values(config: Any) -> None:
     )
 
 
-def _validate_turns(config: Any) -> None:
+def _validate_turns(config: TrainConfig) -> None:
     """Multi-turn rollouts' limits (--max_turns, --max_total_tokens, ...)."""
     r = config.rollout
     t = r.turns
@@ -156,13 +161,13 @@ def _validate_turns(config: Any) -> None:
     )
 
 
-def _data_parallel(config: Any, num_devices: int) -> int:
+def _data_parallel(config: TrainConfig, num_devices: int) -> int:
     """data x fsdp of --mesh on `num_devices` devices (an abstract mesh: no device used)."""
     sizes = parallel.MeshSpec.parse(config.run.mesh).resolve(num_devices)
     return parallel.data_parallel_size(jax.sharding.AbstractMesh(sizes, parallel.MESH_AXES))
 
 
-def _validate_batches(config: Any, num_devices: int, data_parallel: int | None) -> None:
+def _validate_batches(config: TrainConfig, num_devices: int, data_parallel: int | None) -> None:
     """Mini-, micro- and rollout micro-batches divide the batch and fill the mesh."""
     r, run = config.rollout, config.run
     B = config.batch_size
@@ -201,7 +206,7 @@ def _validate_batches(config: Any, num_devices: int, data_parallel: int | None) 
 
 
 def _validate_packing(
-    config: Any, num_devices: int, data_parallel: int | None, num_hosts: int
+    config: TrainConfig, num_devices: int, data_parallel: int | None, num_hosts: int
 ) -> None:
     """--micro_batch_tokens: every sequence fits one device's row; what packing excludes."""
     N, r = config.update.micro_batch_tokens, config.rollout
@@ -229,7 +234,7 @@ def _validate_packing(
     )
 
 
-def _validate_critic(config: Any) -> None:
+def _validate_critic(config: TrainConfig) -> None:
     c = config.critic
     require(c.warmup_steps >= 0, f"--critic_warmup_steps={c.warmup_steps} must be >= 0.")
     require(
@@ -245,7 +250,7 @@ def _validate_critic(config: Any) -> None:
     )
 
 
-def _validate_partial(config: Any, num_hosts: int) -> None:
+def _validate_partial(config: TrainConfig, num_hosts: int) -> None:
     """Partial rollouts: the budget, the staleness bound and what they do not combine with."""
     r, a = config.rollout, config.algorithm
     N, K = r.partial_rollout_tokens, r.max_staleness
@@ -281,7 +286,7 @@ def _validate_partial(config: Any, num_hosts: int) -> None:
     require(num_hosts == 1, partial.ONE_HOST_ONLY)
 
 
-def _validate_data(config: Any) -> None:
+def _validate_data(config: TrainConfig) -> None:
     """Flags that a data source would ignore (the source itself is read, and checked, by
     the trainer before the model loads)."""
     d = config.data
@@ -307,7 +312,7 @@ def _validate_data(config: Any) -> None:
     )
 
 
-def _validate_reward(config: Any) -> None:
+def _validate_reward(config: TrainConfig) -> None:
     """The reward flags that rewards.shaping and the verifier pool would otherwise refuse
     only when the reward function is built, after the model has loaded."""
     w, r = config.reward, config.rollout
