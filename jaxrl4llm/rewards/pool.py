@@ -120,6 +120,17 @@ def _shutdown_all(workers: list[_Worker]) -> None:
     workers.clear()
 
 
+class _Batch:
+    """The state of one `run` call: each job's pickled payload and result, the jobs not yet
+    dispatched, and the batch deadline."""
+
+    def __init__(self, payloads: list[bytes], deadline: float):
+        self.payloads = payloads
+        self.deadline = deadline
+        self.results: list[JobResult | None] = [None] * len(payloads)
+        self.pending: deque[int] = deque(range(len(payloads)))
+
+
 class VerifierPool:
     """Lazily started, reusable worker pool; `close()` it or use it as a context manager."""
 
@@ -151,94 +162,120 @@ class VerifierPool:
 
     def run(self, jobs: Sequence[tuple[Callable[..., Any], tuple]]) -> list[JobResult]:
         """Runs every job; returns one JobResult per job, in order. Never raises for a job."""
-        results: list[JobResult | None] = [None] * len(jobs)
         if not jobs:
             return []
         payloads = [pickle.dumps((fn, tuple(args))) for fn, args in jobs]
         self.stats["jobs"] += len(jobs)
         while len(self._workers) < self.config.num_workers:
             self._workers.append(_Worker(self.config))
-        pending = deque(range(len(jobs)))
-        deadline = time.monotonic() + self.config.batch_timeout_s
-
-        def finish(index: int, result: JobResult) -> None:
-            results[index] = result
-            if result.status == "timeout":
-                self.stats["timeouts"] += 1
-            elif result.status == "crash":
-                self.stats["crashes"] += 1
-
+        batch = _Batch(payloads, deadline=time.monotonic() + self.config.batch_timeout_s)
         while True:
             now = time.monotonic()
-            for worker in self._workers:
-                if worker.ready and worker.job is None and pending:
-                    index = pending.popleft()
-                    self._next_job_id += 1
-                    try:
-                        worker.conn.send((self._next_job_id, payloads[index]))
-                        worker.job = (self._next_job_id, index, now)
-                    except OSError:  # died while idle: retry the job on a fresh worker
-                        pending.appendleft(index)
-                        self._replace(worker)
-            busy = [w for w in self._workers if w.job is not None]
-            if not pending and not busy:
+            self._dispatch(batch, now)
+            if not batch.pending and all(w.job is None for w in self._workers):
                 break
-            wake = [deadline]
-            wake += [w.job[2] + self.config.item_timeout_s for w in busy]
-            wake += [w.started + self.config.start_timeout_s for w in self._workers if not w.ready]
-            ready = wait([w.conn for w in self._workers], timeout=max(0.0, min(wake) - now))
-            for conn in ready:
-                worker = next(w for w in self._workers if w.conn is conn)
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):  # the worker died
-                    if worker.job is not None:
-                        finish(
-                            worker.job[1],
-                            JobResult("crash", f"verifier worker {worker.exit_description()}"),
-                        )
-                    elif not worker.ready:
-                        self._consecutive_start_failures += 1
-                    self._replace(worker)
-                    continue
-                if message[0] == "ready":
-                    worker.ready = True
-                    self._consecutive_start_failures = 0
-                elif worker.job is not None and message[0] == worker.job[0]:
-                    finish(worker.job[1], JobResult(message[1], message[2]))
-                    worker.job = None
+            self._receive_messages(batch, timeout=max(0.0, self._next_wake(batch) - now))
             now = time.monotonic()
-            for worker in list(self._workers):
-                if worker.job is not None and now - worker.job[2] >= self.config.item_timeout_s:
-                    finish(
-                        worker.job[1],
-                        JobResult("timeout", f"item deadline ({self.config.item_timeout_s:g} s)"),
-                    )
-                    self._replace(worker)
-                elif not worker.ready and now - worker.started >= self.config.start_timeout_s:
-                    self._consecutive_start_failures += 1
-                    self._replace(worker)
+            self._replace_overdue_workers(batch, now)
             if self._consecutive_start_failures >= 2 * self.config.num_workers:
-                # Workers cannot start at all (bad environment): fail the jobs, not training.
-                for worker in list(self._workers):
-                    if worker.job is not None:
-                        pending.append(worker.job[1])
-                        self._replace(worker)
-                for index in pending:
-                    finish(
-                        index,
-                        JobResult(
-                            "crash", "verifier workers failed to start; see their stderr above"
-                        ),
-                    )
+                self._fail_unstartable_batch(batch)
+                break
+            if now >= batch.deadline:
+                self._expire_batch(batch)
+                break
+        return [r if r is not None else JobResult("crash", "lost") for r in batch.results]
+
+    def _finish(self, batch: _Batch, index: int, result: JobResult) -> None:
+        batch.results[index] = result
+        if result.status == "timeout":
+            self.stats["timeouts"] += 1
+        elif result.status == "crash":
+            self.stats["crashes"] += 1
+
+    def _dispatch(self, batch: _Batch, now: float) -> None:
+        """Hands the next pending job to each ready, idle worker."""
+        for worker in self._workers:
+            if worker.ready and worker.job is None and batch.pending:
+                index = batch.pending.popleft()
+                self._next_job_id += 1
+                try:
+                    worker.conn.send((self._next_job_id, batch.payloads[index]))
+                    worker.job = (self._next_job_id, index, now)
+                except OSError:  # died while idle: retry the job on a fresh worker
+                    batch.pending.appendleft(index)
+                    self._replace(worker)
+
+    def _next_wake(self, batch: _Batch) -> float:
+        """The earliest deadline: the batch's, a running job's, or a starting worker's."""
+        wake = [batch.deadline]
+        wake += [w.job[2] + self.config.item_timeout_s for w in self._workers if w.job is not None]
+        wake += [w.started + self.config.start_timeout_s for w in self._workers if not w.ready]
+        return min(wake)
+
+    def _receive_messages(self, batch: _Batch, timeout: float) -> None:
+        """Waits up to `timeout` s, then takes one message (or death) from each worker with one."""
+        ready = wait([w.conn for w in self._workers], timeout=timeout)
+        for conn in ready:
+            worker = next(w for w in self._workers if w.conn is conn)
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                self._handle_dead_worker(batch, worker)
+                continue
+            if message[0] == "ready":
+                worker.ready = True
                 self._consecutive_start_failures = 0
-                break
-            if now >= deadline:
-                for worker in list(self._workers):
-                    if worker.job is not None:
-                        finish(worker.job[1], JobResult("timeout", "batch deadline"))
-                        self._replace(worker)
-                for index in pending:
-                    finish(index, JobResult("timeout", "not started before the batch deadline"))
-                break
-        return [r if r is not None else JobResult("crash", "lost") for r in results]
+            elif worker.job is not None and message[0] == worker.job[0]:
+                self._finish(batch, worker.job[1], JobResult(message[1], message[2]))
+                worker.job = None
+
+    def _handle_dead_worker(self, batch: _Batch, worker: _Worker) -> None:
+        """A worker died: its job (if any) crashed; one that never got ready failed to start."""
+        if worker.job is not None:
+            self._finish(
+                batch,
+                worker.job[1],
+                JobResult("crash", f"verifier worker {worker.exit_description()}"),
+            )
+        elif not worker.ready:
+            self._consecutive_start_failures += 1
+        self._replace(worker)
+
+    def _replace_overdue_workers(self, batch: _Batch, now: float) -> None:
+        """Replaces workers past their job's item deadline or their start deadline."""
+        for worker in list(self._workers):
+            if worker.job is not None and now - worker.job[2] >= self.config.item_timeout_s:
+                self._finish(
+                    batch,
+                    worker.job[1],
+                    JobResult("timeout", f"item deadline ({self.config.item_timeout_s:g} s)"),
+                )
+                self._replace(worker)
+            elif not worker.ready and now - worker.started >= self.config.start_timeout_s:
+                self._consecutive_start_failures += 1
+                self._replace(worker)
+
+    def _fail_unstartable_batch(self, batch: _Batch) -> None:
+        """Workers cannot start at all (bad environment): fail the jobs, not training."""
+        for worker in list(self._workers):
+            if worker.job is not None:
+                batch.pending.append(worker.job[1])
+                self._replace(worker)
+        for index in batch.pending:
+            self._finish(
+                batch,
+                index,
+                JobResult("crash", "verifier workers failed to start; see their stderr above"),
+            )
+        self._consecutive_start_failures = 0
+
+    def _expire_batch(self, batch: _Batch) -> None:
+        """The batch deadline passed: kills the running jobs, reports the rest as not started."""
+        for worker in list(self._workers):
+            if worker.job is not None:
+                self._finish(batch, worker.job[1], JobResult("timeout", "batch deadline"))
+                self._replace(worker)
+        for index in batch.pending:
+            self._finish(
+                batch, index, JobResult("timeout", "not started before the batch deadline")
+            )
