@@ -38,109 +38,149 @@ def _fmt(stat: dict | None, digits: int = 3) -> str:
 
 
 def render_markdown(report: dict) -> str:
-    primary, threshold = report["primary_metric"], report["threshold"]
-    arms = report["arms"]
+    lines = _header_lines(report)
+    lines += _arms_table_lines(report)
+    lines += _other_evals_lines(report["arms"], report["primary_metric"])
+    lines += _differences_lines(report["differences"])
+    lines += _identical_lines(report.get("identical", []))
+    lines += _claims_lines(report["claims"])
+    lines += _runs_lines(report["runs"])
+    lines += ["", "![curves](curves.png)", ""]
+    return "\n".join(lines)
+
+
+def _header_lines(report: dict) -> list[str]:
+    """The title, the study's description, spec and command, and what the tables hold."""
     lines = [f"# Study `{report['study']}` (scale `{report['scale']}`)", ""]
     if report["description"]:
         lines += [report["description"], ""]
     lines += [f"Spec: `{report['spec']}`." + (f" {report['note']}" if report["note"] else "")]
     if report["command"]:
         lines += ["", f"Collected with `{report['command']}`."]
-    lines += [
+    return lines + [
         "",
         "Mean ± standard error over finished seeds. Training metrics: mean of the "
         f"last {report['final_window']} steps. AUC: mean eval score over training. ",
         "",
     ]
+
+
+def _arms_table_lines(report: dict) -> list[str]:
+    """Per arm: the primary metric's headline quantities and the final training metrics."""
+    primary, threshold = report["primary_metric"], report["threshold"]
     head = [resolve_quantity(q, primary, threshold) for q in ("final", "best", "auc")]
     if threshold is not None:
         head.append(resolve_quantity("steps", primary, threshold))
     head += [f"final {k}" for k in TRAIN_KEYS]
-    lines += ["| arm | seeds | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
-    for name, stats in arms.items():
+    lines = ["| arm | seeds | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
+    for name, stats in report["arms"].items():
         lines.append(
             f"| {name} | {stats['_finished']} | "
             + " | ".join(_fmt(stats.get(q)) for q in head)
             + " |"
         )
+    return lines
+
+
+def _other_evals_lines(arms: dict, primary: str) -> list[str]:
+    """Per arm: final / best of the eval metrics other than the primary one."""
     others = sorted(
         {q.split(" ", 1)[1] for st in arms.values() for q in st if q.startswith("final eval/")}
         - {primary}
     )
-    if others:
-        lines += [
-            "",
-            "Other eval metrics (final / best):",
-            "",
-            "| arm | " + " | ".join(others) + " |",
-            "|---|" + "---|" * len(others),
-        ]
-        for name, stats in arms.items():
-            lines.append(
-                f"| {name} | "
-                + " | ".join(
-                    f"{_fmt(stats.get('final ' + k))} / {_fmt(stats.get('best ' + k))}"
-                    for k in others
-                )
-                + " |"
-            )
-    lines += ["", "## Differences beyond 2 s.e.", ""]
-    if report["differences"]:
-        lines += [
-            f"- {d['quantity']}: **{d['higher']}** > {d['lower']} by "
-            f"{d['difference']:.3g} (2 s.e. = {d['two_se']:.3g})"
-            for d in report["differences"]
-        ]
-    else:
+    if not others:
+        return []
+    lines = [
+        "",
+        "Other eval metrics (final / best):",
+        "",
+        "| arm | " + " | ".join(others) + " |",
+        "|---|" + "---|" * len(others),
+    ]
+    for name, stats in arms.items():
         lines.append(
+            f"| {name} | "
+            + " | ".join(
+                f"{_fmt(stats.get('final ' + k))} / {_fmt(stats.get('best ' + k))}" for k in others
+            )
+            + " |"
+        )
+    return lines
+
+
+def _differences_lines(differences: list[dict]) -> list[str]:
+    lines = ["", "## Differences beyond 2 s.e.", ""]
+    if not differences:
+        return lines + [
             "None: every pairwise difference of the primary metric's final, best and "
             "AUC is within 2 standard errors (or an arm has < 2 finished seeds)."
-        )
-    lines += _identical_lines(report.get("identical", []))
-    if report["claims"]:
-        lines += [
-            "",
-            "## Claims (fixed in the spec before the runs), paired by seed",
-            "",
-            "d = a - b per seed; 95% intervals of its mean, percentile bootstrap and "
-            "Student's t; the verdict needs both to exclude 0 (with 2 or 3 seeds the "
-            "bootstrap interval is about the range of the seeds' differences, which holds "
-            "the mean far less than 95% of the time); MDE: the difference these seeds detect "
-            "(paired t test, 5% two-sided, 80% power); seeds: those that would resolve the "
-            "observed difference. Unpaired: the 2-s.e. test on the arms' means.",
-            "",
-            "| claim | source | test | mean d | 95% CI bootstrap | 95% CI t | MDE | seeds "
-            "| verdict | unpaired |",
-            "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for c in report["claims"]:
-            p = c["paired"]
-            test = f"{c['a']} {c['expect']} {c['b']}" + (
-                f" (±{c['margin']:g})" if c["expect"] == "~" else ""
-            )
-            if "mean_difference" in p:
-                nums = (
-                    f"{p['mean_difference']:.3g} (n={p['n_pairs']}) | "
-                    f"[{p['ci95'][0]:.3g}, {p['ci95'][1]:.3g}] | "
-                    f"[{p['ci95_t'][0]:.3g}, {p['ci95_t'][1]:.3g}] | {p['mde']:.3g} | "
-                    f"{_seeds_cell(p['seeds_needed'])}"
-                )
-            else:
-                nums = f"- (n={p['n_pairs']}) | - | - | - | -"
-            lines.append(
-                f"| {c['text']} | {c['source'] or '-'} | {test} on {c['quantity']} | {nums} | "
-                f"**{c['verdict']}** | {c['unpaired_verdict']} |"
-            )
-        lines += [""] + [
+    return lines + [
+        f"- {d['quantity']}: **{d['higher']}** > {d['lower']} by "
+        f"{d['difference']:.3g} (2 s.e. = {d['two_se']:.3g})"
+        for d in differences
+    ]
+
+
+def _claims_lines(claims: list[dict]) -> list[str]:
+    """The claims' table (paired verdicts, unpaired beside them) and why each claim that is
+    not supported is not."""
+    if not claims:
+        return []
+    lines = [
+        "",
+        "## Claims (fixed in the spec before the runs), paired by seed",
+        "",
+        "d = a - b per seed; 95% intervals of its mean, percentile bootstrap and "
+        "Student's t; the verdict needs both to exclude 0 (with 2 or 3 seeds the "
+        "bootstrap interval is about the range of the seeds' differences, which holds "
+        "the mean far less than 95% of the time); MDE: the difference these seeds detect "
+        "(paired t test, 5% two-sided, 80% power); seeds: those that would resolve the "
+        "observed difference. Unpaired: the 2-s.e. test on the arms' means.",
+        "",
+        "| claim | source | test | mean d | 95% CI bootstrap | 95% CI t | MDE | seeds "
+        "| verdict | unpaired |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [_claim_row(c) for c in claims]
+    return (
+        lines
+        + [""]
+        + [
             f"- {c['text']}: **{c['verdict']}**: {c['why']}."
-            for c in report["claims"]
+            for c in claims
             if c["verdict"] != "supported"
         ]
-    pending = [r for r in report["runs"] if r["status"] != "finished"]
-    lines += ["", "## Runs", ""]
-    done = len(report["runs"]) - len(pending)
-    lines.append(f"{done} of {len(report['runs'])} runs finished.")
-    lines += _cost_lines(report["runs"])
+    )
+
+
+def _claim_row(c: dict) -> str:
+    p = c["paired"]
+    test = f"{c['a']} {c['expect']} {c['b']}" + (
+        f" (±{c['margin']:g})" if c["expect"] == "~" else ""
+    )
+    if "mean_difference" in p:
+        nums = (
+            f"{p['mean_difference']:.3g} (n={p['n_pairs']}) | "
+            f"[{p['ci95'][0]:.3g}, {p['ci95'][1]:.3g}] | "
+            f"[{p['ci95_t'][0]:.3g}, {p['ci95_t'][1]:.3g}] | {p['mde']:.3g} | "
+            f"{_seeds_cell(p['seeds_needed'])}"
+        )
+    else:
+        nums = f"- (n={p['n_pairs']}) | - | - | - | -"
+    return (
+        f"| {c['text']} | {c['source'] or '-'} | {test} on {c['quantity']} | {nums} | "
+        f"**{c['verdict']}** | {c['unpaired_verdict']} |"
+    )
+
+
+def _runs_lines(runs: list[dict]) -> list[str]:
+    """How many runs finished, what they cost, and where each other one stands."""
+    pending = [r for r in runs if r["status"] != "finished"]
+    lines = ["", "## Runs", ""]
+    done = len(runs) - len(pending)
+    lines.append(f"{done} of {len(runs)} runs finished.")
+    lines += _cost_lines(runs)
     for r in pending:
         where = (
             f"logged up to step {r['last_step']} of {r['num_steps']}: running, stopped or failed"
@@ -148,8 +188,7 @@ def render_markdown(report: dict) -> str:
             else "not started"
         )
         lines.append(f"- {r['arm']} seed {r['seed']}: {r['status']} ({where})")
-    lines += ["", "![curves](curves.png)", ""]
-    return "\n".join(lines)
+    return lines
 
 
 def _seeds_cell(needed: int | None) -> str:

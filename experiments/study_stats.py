@@ -41,7 +41,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from scipy import stats as scipy_stats
 
-from experiments.study_spec import REPO, SHORT_QUANTITIES, Run, Study
+from experiments.study_spec import REPO, SHORT_QUANTITIES, Claim, Run, Study
 from jaxrl4llm.train.metrics import read_metrics
 
 TRAIN_KEYS = (
@@ -303,46 +303,45 @@ def paired_claim(pairs: dict[int, tuple[float, float]], expect: str, margin: flo
     return out
 
 
-def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "") -> dict:
-    """Everything report.md shows, as JSON: runs' statuses and summaries, arms' statistics,
-    significant pairwise differences and the claims' verdicts."""
-    s = study.scale(scale)
-    primary, threshold = s.primary_metric, s.threshold
-    run_rows, per_arm, finished_records = [], {}, {}
-    for run in runs:
-        status, last = run_status(run.workdir, run.num_steps)
-        row = {
-            "arm": run.arm,
-            "seed": run.seed,
-            "workdir": run.workdir,
-            "status": status,
-            "last_step": last,
-            "num_steps": run.num_steps,
-        }
-        if status != "missing":
-            records = [r for r in read_metrics(run.workdir) if r["step"] <= run.num_steps]
-            row["cost"] = run_cost(run.workdir, records)
-        if status == "finished":
-            finished_records[(run.arm, run.seed)] = records
-            row["summary"] = run_summary(records, primary, threshold, study.final_window)
-            per_arm.setdefault(run.arm, []).append(row["summary"])
-        run_rows.append(row)
-    arm_names = list(dict.fromkeys(r.arm for r in runs))
-    arms = {}
-    for name in arm_names:
-        summaries = per_arm.get(name, [])
-        quantities = sorted({q for sm in summaries for q in sm})
-        arms[name] = {
-            q: mean_se([sm[q] for sm in summaries if sm.get(q) is not None]) for q in quantities
-        }
-        for q in quantities:
-            if q.startswith("steps "):
-                arms[name][q]["reached"] = f"{arms[name][q]['n']}/{len(summaries)}"
-        arms[name]["_finished"] = len(summaries)
-    headline = [resolve_quantity(q, primary, threshold) for q in ("final", "best", "auc")]
+def _run_row(
+    run: Run, primary: str, threshold: float | None, final_window: int
+) -> tuple[dict, list[dict] | None]:
+    """One run's report row, and its metrics records when it finished (else None)."""
+    status, last = run_status(run.workdir, run.num_steps)
+    row = {
+        "arm": run.arm,
+        "seed": run.seed,
+        "workdir": run.workdir,
+        "status": status,
+        "last_step": last,
+        "num_steps": run.num_steps,
+    }
+    if status == "missing":
+        return row, None
+    records = [r for r in read_metrics(run.workdir) if r["step"] <= run.num_steps]
+    row["cost"] = run_cost(run.workdir, records)
+    if status != "finished":
+        return row, None
+    row["summary"] = run_summary(records, primary, threshold, final_window)
+    return row, records
+
+
+def _arm_stats(summaries: Sequence[dict]) -> dict:
+    """An arm's mean and s.e. of every quantity over its finished runs' summaries."""
+    quantities = sorted({q for sm in summaries for q in sm})
+    stats = {q: mean_se([sm[q] for sm in summaries if sm.get(q) is not None]) for q in quantities}
+    for q in quantities:
+        if q.startswith("steps "):
+            stats[q]["reached"] = f"{stats[q]['n']}/{len(summaries)}"
+    stats["_finished"] = len(summaries)
+    return stats
+
+
+def _differences(arms: dict, headline: Sequence[str]) -> list[dict]:
+    """The pairs of arms whose headline quantities differ beyond 2 s.e."""
     differences = []
     for q in headline:
-        for a, b in itertools.combinations(arm_names, 2):
+        for a, b in itertools.combinations(arms, 2):
             verdict, diff, two_se = compare(arms[a].get(q), arms[b].get(q))
             if verdict in ("a>b", "a<b"):
                 hi, lo = (a, b) if verdict == "a>b" else (b, a)
@@ -355,35 +354,59 @@ def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "
                         "two_se": two_se,
                     }
                 )
-    claims = []
-    for c in study.claims:
-        q = resolve_quantity(c.quantity, primary, threshold)
-        verdict, diff, two_se = compare(arms.get(c.a, {}).get(q), arms.get(c.b, {}).get(q))
-        expected = {">": "a>b", "<": "a<b"}.get(c.expect)
-        label = {
-            "n/a": "not measured (needs >= 2 finished seeds per arm)",
-            "unresolved": "unresolved (difference within 2 s.e.)",
-        }.get(verdict, "supported" if verdict == expected else "contradicted")
-        if c.expect == "~":
-            label = "-"  # the 2-s.e. test has no equality form
-        paired = paired_claim(paired_values(run_rows, c.a, c.b, q), c.expect, c.margin)
-        claims.append(
-            {
-                "text": c.text,
-                "source": c.source,
-                "a": c.a,
-                "b": c.b,
-                "quantity": q,
-                "expect": c.expect,
-                "margin": c.margin,
-                "verdict": paired["verdict"],
-                "why": paired["why"],
-                "paired": paired,
-                "unpaired_verdict": label,
-                "difference": diff,
-                "two_se": two_se,
-            }
-        )
+    return differences
+
+
+UNPAIRED_LABELS = {
+    "n/a": "not measured (needs >= 2 finished seeds per arm)",
+    "unresolved": "unresolved (difference within 2 s.e.)",
+}
+
+
+def _claim_row(claim: Claim, q: str, arms: dict, run_rows: Sequence[dict]) -> dict:
+    """A claim's paired verdict on quantity `q`, with the unpaired 2-s.e. one beside it."""
+    verdict, diff, two_se = compare(arms.get(claim.a, {}).get(q), arms.get(claim.b, {}).get(q))
+    expected = {">": "a>b", "<": "a<b"}.get(claim.expect)
+    label = UNPAIRED_LABELS.get(verdict, "supported" if verdict == expected else "contradicted")
+    if claim.expect == "~":
+        label = "-"  # the 2-s.e. test has no equality form
+    paired = paired_claim(paired_values(run_rows, claim.a, claim.b, q), claim.expect, claim.margin)
+    return {
+        "text": claim.text,
+        "source": claim.source,
+        "a": claim.a,
+        "b": claim.b,
+        "quantity": q,
+        "expect": claim.expect,
+        "margin": claim.margin,
+        "verdict": paired["verdict"],
+        "why": paired["why"],
+        "paired": paired,
+        "unpaired_verdict": label,
+        "difference": diff,
+        "two_se": two_se,
+    }
+
+
+def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "") -> dict:
+    """Everything report.md shows, as JSON: runs' statuses and summaries, arms' statistics,
+    significant pairwise differences and the claims' verdicts."""
+    s = study.scale(scale)
+    primary, threshold = s.primary_metric, s.threshold
+    run_rows, per_arm, finished_records = [], {}, {}
+    for run in runs:
+        row, records = _run_row(run, primary, threshold, study.final_window)
+        if records is not None:
+            finished_records[(run.arm, run.seed)] = records
+            per_arm.setdefault(run.arm, []).append(row["summary"])
+        run_rows.append(row)
+    arm_names = list(dict.fromkeys(r.arm for r in runs))
+    arms = {name: _arm_stats(per_arm.get(name, [])) for name in arm_names}
+    headline = [resolve_quantity(q, primary, threshold) for q in ("final", "best", "auc")]
+    claims = [
+        _claim_row(c, resolve_quantity(c.quantity, primary, threshold), arms, run_rows)
+        for c in study.claims
+    ]
     spec = os.path.abspath(study.path)
     if spec.startswith(REPO + os.sep):
         spec = os.path.relpath(spec, REPO)
@@ -399,7 +422,7 @@ def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "
         "final_window": study.final_window,
         "runs": run_rows,
         "arms": arms,
-        "differences": differences,
+        "differences": _differences(arms, headline),
         "identical": identical_arms(finished_records, arm_names),
         "claims": claims,
     }

@@ -28,6 +28,7 @@ instead of the one that happened to run in it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -179,7 +180,19 @@ def best_interleaved(runs: dict, repeats: int) -> dict:
     return best
 
 
-def main(argv=None):
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """The settings benchmarked (every dtype x batch x mode) and how each is timed."""
+
+    dtypes: list[str]
+    batches: list[int]
+    modes: list[str]
+    new_tokens: int
+    repeats: int
+    with_torch: bool  # also time transformers' generate
+
+
+def parse_grid(argv=None) -> Grid:
     parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="bfloat16 only, 32 new tokens")
     parser.add_argument("--batches", default="8,32,128")
@@ -191,18 +204,101 @@ def main(argv=None):
     )
     parser.add_argument("--no_torch", action="store_true")
     args = parser.parse_args(argv)
-    dtypes = (args.dtypes or ("bfloat16" if args.quick else "float32,bfloat16")).split(",")
-    new_tokens = args.new_tokens or (32 if args.quick else 128)
-    repeats = args.repeats or (1 if args.quick else 2)
-    batches = [int(b) for b in args.batches.split(",")]
-    modes = args.modes.split(",")
-    for mode in modes:
+    grid = Grid(
+        dtypes=(args.dtypes or ("bfloat16" if args.quick else "float32,bfloat16")).split(","),
+        new_tokens=args.new_tokens or (32 if args.quick else 128),
+        repeats=args.repeats or (1 if args.quick else 2),
+        batches=[int(b) for b in args.batches.split(",")],
+        modes=args.modes.split(","),
+        with_torch=not args.no_torch,
+    )
+    for mode in grid.modes:
         if mode not in MODES:
             parser.error(f"--modes: unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    return grid
 
+
+def load_torch_reference(params32, config):
+    """transformers' LlamaForCausalLM with our float32 weights, or None without torch."""
+    try:
+        import tempfile
+
+        import torch
+        import transformers
+
+        from jaxrl4llm.models import weights
+
+        folder = tempfile.mkdtemp(prefix="bench_sampler_")
+        weights.export_hf(params32, config, folder)
+        torch_model = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+        print(
+            f"torch {torch.__version__}; threads: XLA {xla_threads()}, torch "
+            f"{xla_threads()} (set before each generate)"
+        )
+        return torch_model
+    except ImportError:
+        print("torch/transformers not installed: skipping the reference")
+        return None
+
+
+def time_setting(smp, params, prompts, mode, dtype_name, torch_model, tokenizer, grid) -> dict:
+    """best_interleaved's {side: (best seconds, tokens)} of ours (N new tokens and 1) and, with
+    torch_model, transformers' generate, for one batch of prompts; every side warmed up first."""
+    strategy, torch_kwargs = MODES[mode]
+    ours_run = ours_runner(smp, params, prompts, strategy)
+    runs = {"ours": (ours_run, grid.new_tokens), "ours_prefill": (ours_run, 1)}
+    if torch_model is not None:
+        import torch
+
+        tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+        runs["torch"] = (
+            torch_runner(torch_model.to(tdtype), tokenizer, prompts, torch_kwargs),
+            grid.new_tokens,
+        )
+    for run, n in runs.values():  # compile / warm up every side first
+        run(n if run is ours_run else 2)
+    return best_interleaved(runs, grid.repeats)
+
+
+def decode_ceilings(config, batch, ctx, wbytes, itemsize, bandwidth, gflops):
+    """(bandwidth roof, FLOP roof) in tokens/s of a decode step at mean context `ctx`."""
+    kv_bytes = (
+        2 * config.num_layers * batch * ctx * config.num_kv_heads * config.head_dim * itemsize
+    )
+    roofline_tps = batch / ((wbytes + kv_bytes) / (bandwidth * 1e9))
+    # Matmul FLOPs per step: 2 per weight (the input embedding is a gather) + attention.
+    dense = config.num_params - (
+        config.vocab_size * config.hidden_size if not config.tie_word_embeddings else 0
+    )
+    flops = 2 * batch * dense + 4 * batch * ctx * config.num_layers * (
+        config.num_heads * config.head_dim
+    )
+    return roofline_tps, batch / (flops / (gflops * 1e9))
+
+
+def torch_columns(best, ours, batch, mode, grid):
+    """(torch tok/s, mean length of the prefix both greedy decodes share; None sampling)."""
+    import torch
+
+    t_torch, ref = best["torch"]
+    torch_tps = batch * grid.new_tokens / t_torch
+    print(
+        f"  (threads: XLA {xla_threads()}, torch {torch.get_num_threads()}; "
+        f"{grid.repeats} turns of ours / ours prefill / torch)"
+    )
+    # Mean length of the prefix on which both greedy decodes agree (float rounding
+    # differences flip near-ties, after which the continuations differ).
+    if mode != "greedy":
+        return torch_tps, None
+    same = np.cumprod(ref == ours, axis=1).sum(axis=1)
+    return torch_tps, float(np.mean(same))
+
+
+def main(argv=None):
+    grid = parse_grid(argv)
     path = registry.resolve("smollm2-135m-instruct")
     bandwidth = measure_bandwidth_gbs()
-    gflops = {d: measure_matmul_gflops(getattr(jnp, d)) for d in dtypes}
+    gflops = {d: measure_matmul_gflops(getattr(jnp, d)) for d in grid.dtypes}
     print(
         f"devices: {jax.devices()}  cpu cores: {os.cpu_count()}  "
         f"measured read bandwidth: {bandwidth:.1f} GB/s  matmul GFLOP/s: "
@@ -211,28 +307,11 @@ def main(argv=None):
     config, params32, tokenizer = registry.load_model(path)
     smp = Sampler(config, tokenizer, stop_ids=())  # no stops: exactly N tokens per row
     chats = smp.encode(QUESTIONS)
-    torch_model = None
-    if not args.no_torch:
-        try:
-            import tempfile
-
-            import torch
-            import transformers
-
-            from jaxrl4llm.models import weights
-
-            folder = tempfile.mkdtemp(prefix="bench_sampler_")
-            weights.export_hf(params32, config, folder)
-            torch_model = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
-            print(
-                f"torch {torch.__version__}; threads: XLA {xla_threads()}, torch "
-                f"{xla_threads()} (set before each generate)"
-            )
-        except ImportError:
-            print("torch/transformers not installed: skipping the reference")
+    torch_model = load_torch_reference(params32, config) if grid.with_torch else None
 
     rows = []
-    for dtype_name in dtypes:
+    new_tokens = grid.new_tokens
+    for dtype_name in grid.dtypes:
         dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype_name]
         params = jax.tree.map(lambda x: x.astype(dtype), params32)
         itemsize = jnp.dtype(dtype).itemsize
@@ -240,59 +319,21 @@ def main(argv=None):
         wbytes = param_bytes(params) - (
             0 if config.tie_word_embeddings else config.vocab_size * config.hidden_size * itemsize
         )
-        for batch, mode in itertools.product(batches, modes):
-            strategy, torch_kwargs = MODES[mode]
+        for batch, mode in itertools.product(grid.batches, grid.modes):
             prompts = [chats[i % len(chats)] for i in range(batch)]
-            ours_run = ours_runner(smp, params, prompts, strategy)
-            runs = {"ours": (ours_run, new_tokens), "ours_prefill": (ours_run, 1)}
-            if torch_model is not None:
-                import torch
-
-                tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-                runs["torch"] = (
-                    torch_runner(torch_model.to(tdtype), tokenizer, prompts, torch_kwargs),
-                    new_tokens,
-                )
-            for run, n in runs.values():  # compile / warm up every side first
-                run(n if run is ours_run else 2)
-            best = best_interleaved(runs, repeats)
+            best = time_setting(
+                smp, params, prompts, mode, dtype_name, torch_model, tokenizer, grid
+            )
             (t_full, ours), (t_prefill, _) = best["ours"], best["ours_prefill"]
             ours_tps = batch * new_tokens / t_full
             decode_tps = batch * (new_tokens - 1) / max(t_full - t_prefill, 1e-9)
             ctx = np.mean([len(p) for p in prompts]) + new_tokens / 2
-            kv_bytes = (
-                2
-                * config.num_layers
-                * batch
-                * ctx
-                * config.num_kv_heads
-                * config.head_dim
-                * itemsize
+            roofline_tps, flop_roof_tps = decode_ceilings(
+                config, batch, ctx, wbytes, itemsize, bandwidth, gflops[dtype_name]
             )
-            roofline_tps = batch / ((wbytes + kv_bytes) / (bandwidth * 1e9))
-            # Matmul FLOPs per step: 2 per weight (the input embedding is a gather) + attention.
-            dense = config.num_params - (
-                config.vocab_size * config.hidden_size if not config.tie_word_embeddings else 0
-            )
-            flops = 2 * batch * dense + 4 * batch * ctx * config.num_layers * (
-                config.num_heads * config.head_dim
-            )
-            flop_roof_tps = batch / (flops / (gflops[dtype_name] * 1e9))
             torch_tps = match = None
             if torch_model is not None:
-                import torch
-
-                t_torch, ref = best["torch"]
-                torch_tps = batch * new_tokens / t_torch
-                print(
-                    f"  (threads: XLA {xla_threads()}, torch {torch.get_num_threads()}; "
-                    f"{repeats} turns of ours / ours prefill / torch)"
-                )
-                # Mean length of the prefix on which both greedy decodes agree (float rounding
-                # differences flip near-ties, after which the continuations differ).
-                if mode == "greedy":
-                    same = np.cumprod(ref == ours, axis=1).sum(axis=1)
-                    match = float(np.mean(same))
+                torch_tps, match = torch_columns(best, ours, batch, mode, grid)
             rows.append(
                 (
                     dtype_name,

@@ -28,6 +28,7 @@ installed), which says whether an op in the loop runs slower than the library ca
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import gzip
 import json
@@ -159,18 +160,15 @@ def _rank(shape: str) -> int:
     return max((len(d) for d in _dims(shape)), default=0)
 
 
-def categorize_ops(hlo_text: str, batch: int, vocab: int, loop_only: bool = True) -> dict[str, str]:
-    """{instruction name: category} for the ops of `hlo_text` (a compiled module's as_text())
-    that run op by op (not inside a fusion): with `loop_only`, those of the decode loop, the
-    while loop whose body holds the most matmuls, and of the loops nested in it (e.g. a
-    random-number loop); the prefill and the first token's sampling are left out.
+def _called(rest: str, keys: str) -> list[str]:
+    """The computations an instruction's operand text `rest` names under the attributes `keys`
+    (a regex alternation: "calls", "body|condition", ...)."""
+    return re.findall(rf"(?:{keys})=%?([\w.\-]+)", rest)
 
-    A dot (or a fusion holding one) is the unembedding when its output has batch * vocab
-    elements, attention when its output has rank >= 4 (the [B, K, G, S] scores and the
-    [B, K, G, H] outputs over the cache), and a dense layer matmul otherwise ([B, D] x [D, F]).
-    Other ops are vocabulary work when they read or write >= batch * vocab / 2 elements,
-    attention when their output has rank >= 4 (softmax, masks, cache writes), else other.
-    """
+
+def _parse_hlo(hlo_text: str) -> tuple[dict, dict, dict]:
+    """{instruction: shape}, {instruction: (shape, op, rest, computation)} and
+    {computation: [its instructions' ops]} of an HLO module's text."""
     shapes, lines, bodies, current = {}, {}, {}, None
     for line in hlo_text.splitlines():
         header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
@@ -185,62 +183,106 @@ def categorize_ops(hlo_text: str, batch: int, vocab: int, loop_only: bool = True
             lines[name] = (shape, op, rest, current)
             if current is not None:
                 bodies[current].append(op)
+    return shapes, lines, bodies
 
-    def called(rest: str, keys: str) -> list[str]:
-        return re.findall(rf"(?:{keys})=%?([\w.\-]+)", rest)
 
-    def dots(computation: str) -> int:
-        """Matmuls of a computation, those inside its fusions included."""
-        return sum(
-            1
-            for _, op, rest, c in lines.values()
-            if c == computation
-            and (op == "dot" or any("dot" in bodies.get(f, []) for f in called(rest, "calls")))
-        )
+def _is_matmul(op: str, rest: str, bodies: dict) -> bool:
+    """A dot, or a fusion that holds one."""
+    return op == "dot" or any("dot" in bodies.get(f, []) for f in _called(rest, "calls"))
 
-    # Ops inside a fusion or a reducer run as part of their caller: only the instructions of
-    # the computations that execute op by op (the entry, while bodies, branches) are counted.
-    nested = set(re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", hlo_text))
-    scope = set(bodies) - nested
+
+def _dots(computation: str, lines: dict, bodies: dict) -> int:
+    """Matmuls of a computation, those inside its fusions included."""
+    return sum(
+        1 for _, op, rest, c in lines.values() if c == computation and _is_matmul(op, rest, bodies)
+    )
+
+
+def _control_flow_callees(computation: str, lines: dict) -> list[str]:
+    """The bodies, conditions and branches of the loops and conditionals in `computation`."""
+    callees = []
+    for _, op, rest, c in lines.values():
+        if c != computation or op not in ("while", "conditional"):
+            continue
+        callees += _called(rest, "body|condition|true_computation|false_computation")
+        if "branch_computations=" in rest:
+            branches = rest.split("branch_computations=", 1)[1].split("}", 1)[0]
+            callees += re.findall(r"%([\w.\-]+)", branches)
+    return callees
+
+
+def _decode_loop_scope(lines: dict, bodies: dict) -> set[str]:
+    """The decode loop's body (the while body with the most matmuls) and the computations of
+    the loops and conditionals inside it."""
+    loops = [_called(rest, "body")[0] for _, op, rest, _ in lines.values() if op == "while"]
+    if not loops:
+        raise ValueError("categorize_ops: the module has no while loop to profile.")
+    scope, todo = set(), [max(loops, key=lambda body: _dots(body, lines, bodies))]
+    while todo:
+        computation = todo.pop()
+        if computation in scope:
+            continue
+        scope.add(computation)
+        todo += _control_flow_callees(computation, lines)
+    return scope
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    """What the category rules read of one instruction."""
+
+    matmul: bool  # a dot, or a fusion holding one
+    elements: int  # of its output
+    rank: int  # of its output
+    largest: int  # elements of its output or its largest operand
+
+
+# (category, rule(op, batch * vocab)): the first rule that holds names an op's category. A
+# matmul is the unembedding when its output is [B, V], a dense layer's when its rank is < 4,
+# else attention; another op is vocabulary work when it reads or writes >= B * V / 2
+# elements, attention when its output has rank >= 4, else other.
+_RULES = (
+    (CATEGORIES[2], lambda op, bv: op.matmul and op.elements == bv),
+    (CATEGORIES[0], lambda op, bv: op.matmul and op.rank < 4),
+    (CATEGORIES[3], lambda op, bv: not op.matmul and op.largest >= bv // 2),
+    (CATEGORIES[1], lambda op, bv: op.rank >= 4),
+    (CATEGORIES[4], lambda op, bv: True),
+)
+
+
+def _op(shape: str, op: str, rest: str, shapes: dict, bodies: dict) -> _Op:
+    fused = _called(rest, "calls")[:1]  # the computation a fusion runs
+    matmul = op == "dot" or any("dot" in bodies.get(f, []) for f in fused)
+    operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
+    sizes = [_elements(shape)] + [_elements(shapes.get(o, "")) for o in operands]
+    return _Op(matmul, _elements(shape), _rank(shape), max(sizes))
+
+
+def categorize_ops(hlo_text: str, batch: int, vocab: int, loop_only: bool = True) -> dict[str, str]:
+    """{instruction name: category} for the ops of `hlo_text` (a compiled module's as_text())
+    that run op by op (not inside a fusion): with `loop_only`, those of the decode loop, the
+    while loop whose body holds the most matmuls, and of the loops nested in it (e.g. a
+    random-number loop); the prefill and the first token's sampling are left out.
+
+    A dot (or a fusion holding one) is the unembedding when its output has batch * vocab
+    elements, attention when its output has rank >= 4 (the [B, K, G, S] scores and the
+    [B, K, G, H] outputs over the cache), and a dense layer matmul otherwise ([B, D] x [D, F]).
+    Other ops are vocabulary work when they read or write >= batch * vocab / 2 elements,
+    attention when their output has rank >= 4 (softmax, masks, cache writes), else other.
+    """
+    shapes, lines, bodies = _parse_hlo(hlo_text)
     if loop_only:
-        loops = [called(rest, "body")[0] for _, op, rest, _ in lines.values() if op == "while"]
-        if not loops:
-            raise ValueError("categorize_ops: the module has no while loop to profile.")
-        scope, todo = set(), [max(loops, key=dots)]
-        while todo:  # the decode loop's body and the loops inside it
-            computation = todo.pop()
-            if computation in scope:
-                continue
-            scope.add(computation)
-            for _, op, rest, c in lines.values():
-                if c != computation or op not in ("while", "conditional"):
-                    continue
-                todo += called(rest, "body|condition|true_computation|false_computation")
-                if "branch_computations=" in rest:
-                    branches = rest.split("branch_computations=", 1)[1].split("}", 1)[0]
-                    todo += re.findall(r"%([\w.\-]+)", branches)
+        scope = _decode_loop_scope(lines, bodies)
+    else:
+        # Ops inside a fusion or a reducer run as part of their caller: only the instructions
+        # of the computations that execute op by op (the entry, while bodies, branches) count.
+        scope = set(bodies) - set(re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", hlo_text))
     out = {}
-    big = batch * vocab // 2
     for name, (shape, op, rest, computation) in lines.items():
         if computation not in scope or op in _FREE_OPS:
             continue
-        fused = called(rest, "calls")
-        ops = set(bodies.get(fused[0], [])) if fused else set()
-        operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
-        sizes = [_elements(shape)] + [_elements(shapes.get(o, "")) for o in operands]
-        if op == "dot" or "dot" in ops:
-            if _elements(shape) == batch * vocab:
-                out[name] = CATEGORIES[2]
-            elif _rank(shape) >= 4:
-                out[name] = CATEGORIES[1]
-            else:
-                out[name] = CATEGORIES[0]
-        elif max(sizes) >= big:
-            out[name] = CATEGORIES[3]
-        elif _rank(shape) >= 4:
-            out[name] = CATEGORIES[1]
-        else:
-            out[name] = CATEGORIES[4]
+        facts = _op(shape, op, rest, shapes, bodies)
+        out[name] = next(c for c, rule in _RULES if rule(facts, batch * vocab))
     return out
 
 
