@@ -7,6 +7,9 @@ The trainer calls only these; what they compute is set by an ``AlgorithmConfig``
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -93,6 +96,48 @@ def compute_advantages_and_returns(
     values_BT: advantage="gae" only: the critic's values of the rollout (V(s_t) at token t).
     """
     c = config
+    r_B, valid, signal = _rewards_and_signal(c, rewards_B, correct_B, group_size, valid_B)
+    keep = _loss_rows(c, valid, signal, truncated_B)
+    kl_BT = _reward_kl(c, logp_BT, ref_logp_BT)
+    estimator = _ESTIMATORS.get(c.advantage)
+    if estimator is None:
+        raise ValueError(f"advantage={c.advantage!r}: choose one of {ADVANTAGES}.")
+    adv, returns_BT = estimator(
+        c,
+        _EstimatorInputs(
+            rewards_B=r_B,
+            mask_BT=mask_BT,
+            group_size=group_size,
+            signal_B=signal,
+            valid_B=valid,
+            kl_BT=kl_BT,
+            baseline_B=baseline_B,
+            baseline_correct_B=baseline_correct_B,
+            values_BT=values_BT,
+        ),
+    )
+    if kl_BT is not None and c.advantage in SEQUENCE_ADVANTAGES:
+        # OpenRLHF's KL-in-reward for per-sequence estimators: A at the last token, -beta KL
+        # on every token, returns with gamma = 1: A_it = A_i - beta sum_{s >= t} KL_is.
+        m = jnp.asarray(mask_BT, jnp.float32)
+        adv = adv_lib.returns_to_go(adv_lib.token_rewards(adv, m, kl_BT, c.kl_coef))
+    # Rows without a learning signal carry A = 0 (rejected ones are masked out under "drop";
+    # under "zero" this is what keeps them in the loss without a policy gradient).
+    learn = signal & keep
+    adv = jnp.where(learn if adv.ndim == 1 else learn[:, None], adv, 0.0)
+    return adv, returns_BT, keep, _advantage_metrics(adv, learn, signal, mask_BT, group_size)
+
+
+def _rewards_and_signal(
+    c: AlgorithmConfig,
+    rewards_B: jnp.ndarray,
+    correct_B: jnp.ndarray,
+    group_size: int,
+    valid_B: jnp.ndarray | None,
+) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
+    """(rewards float32 [B], valid_B, signal_B): the rewards (binary_reward maps the verdicts),
+    the rows with a reward, and the rows with a learning signal (group rejection, RAFT's
+    selection)."""
     correct = jnp.asarray(correct_B, bool)
     r_B = jnp.asarray(rewards_B, jnp.float32)
     valid = jnp.ones(correct.shape, bool) if valid_B is None else jnp.asarray(valid_B, bool)
@@ -110,6 +155,13 @@ def compute_advantages_and_returns(
         signal &= filters.raft_positives(
             jnp.where(valid, r_B, -jnp.inf), correct, group_size, select=c.positives
         )
+    return r_B, valid, signal
+
+
+def _loss_rows(
+    c: AlgorithmConfig, valid: jnp.ndarray, signal: jnp.ndarray, truncated_B: jnp.ndarray | None
+) -> jnp.ndarray:
+    """keep_B: the rows in the loss (rejected_rows, then the overlong filter)."""
     keep = valid if c.rejected_rows == "zero" else signal
     if c.overlong_filter:
         if truncated_B is None:
@@ -117,64 +169,115 @@ def compute_advantages_and_returns(
                 "overlong_filter=True needs truncated_B (the sampler's 'hit max_new_tokens' flags)."
             )
         keep = keep & filters.overlong_keep_mask(truncated_B)
+    return keep
 
-    kl_BT, returns_BT = None, None
-    if c.kl_in == "reward" and c.kl_coef != 0:
-        if logp_BT is None or ref_logp_BT is None:
-            raise ValueError(
-                "kl_in='reward' needs logp_BT (sampling policy) and ref_logp_BT (reference model)."
-            )
-        kl_BT = losses.kl_estimate(logp_BT, ref_logp_BT, c.kl_estimator, c.k3_clamp)
-    if c.advantage == "normalized":
-        adv = adv_lib.normalized_advantages(
-            r_B, group_size, mean=c.mean, std=c.std, ddof=c.ddof, eps=c.eps, keep_B=signal
-        )
-    elif c.advantage == "rloo":
-        adv = adv_lib.rloo_advantages(r_B, group_size, keep_B=signal)
-    elif c.advantage == "positives":
-        adv = signal.astype(jnp.float32)
-    elif c.advantage == "remax":
-        adv = r_B - _baseline(c, baseline_B, baseline_correct_B)
-    elif c.advantage == "gae":
-        if values_BT is None:
-            raise ValueError(
-                "advantage='gae' (PPO) needs values_BT: the critic's values of the rollout."
-            )
-        adv, returns_BT = value_lib.ppo_advantages(
-            r_B,
-            values_BT,
-            mask_BT,
-            gamma=c.gamma,
-            lam=c.lam,
-            kl_BT=kl_BT,
-            kl_coef=c.kl_coef,
-            keep_B=signal,
-        )
-        returns_BT = jnp.where(valid[:, None], returns_BT, 0.0)
-    elif c.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
-        adv = adv_lib.reinforce_pp_advantages(
-            r_B,
-            mask_BT,
-            kl_BT=kl_BT,
-            kl_coef=c.kl_coef,
-            group_size=group_size,
-            baseline=c.advantage == "reinforce_pp_baseline",
-            keep_B=signal,
-            ddof=c.ddof,
-            eps=c.eps,
-        )
-    else:
-        raise ValueError(f"advantage={c.advantage!r}: choose one of {ADVANTAGES}.")
-    if kl_BT is not None and c.advantage in SEQUENCE_ADVANTAGES:
-        # OpenRLHF's KL-in-reward for per-sequence estimators: A at the last token, -beta KL
-        # on every token, returns with gamma = 1: A_it = A_i - beta sum_{s >= t} KL_is.
-        m = jnp.asarray(mask_BT, jnp.float32)
-        adv = adv_lib.returns_to_go(adv_lib.token_rewards(adv, m, kl_BT, c.kl_coef))
-    # Rows without a learning signal carry A = 0 (rejected ones are masked out under "drop";
-    # under "zero" this is what keeps them in the loss without a policy gradient).
-    learn = signal & keep
-    adv = jnp.where(learn if adv.ndim == 1 else learn[:, None], adv, 0.0)
 
+def _reward_kl(
+    c: AlgorithmConfig, logp_BT: jnp.ndarray | None, ref_logp_BT: jnp.ndarray | None
+) -> jnp.ndarray | None:
+    """The per-token KL that enters the reward (kl_in='reward'), else None."""
+    if c.kl_in != "reward" or c.kl_coef == 0:
+        return None
+    if logp_BT is None or ref_logp_BT is None:
+        raise ValueError(
+            "kl_in='reward' needs logp_BT (sampling policy) and ref_logp_BT (reference model)."
+        )
+    return losses.kl_estimate(logp_BT, ref_logp_BT, c.kl_estimator, c.k3_clamp)
+
+
+@dataclasses.dataclass(frozen=True)
+class _EstimatorInputs:
+    """What an advantage estimator may read of one rollout batch (signal_B: the rows in its
+    statistics)."""
+
+    rewards_B: jnp.ndarray
+    mask_BT: jnp.ndarray
+    group_size: int
+    signal_B: jnp.ndarray
+    valid_B: jnp.ndarray
+    kl_BT: jnp.ndarray | None
+    baseline_B: jnp.ndarray | None
+    baseline_correct_B: jnp.ndarray | None
+    values_BT: jnp.ndarray | None
+
+
+# An estimator returns (advantages [B] or [B, T], the critic's returns or None).
+_Estimate = tuple[jnp.ndarray, "jnp.ndarray | None"]
+
+
+def _normalized(c: AlgorithmConfig, x: _EstimatorInputs) -> _Estimate:
+    adv = adv_lib.normalized_advantages(
+        x.rewards_B, x.group_size, mean=c.mean, std=c.std, ddof=c.ddof, eps=c.eps, keep_B=x.signal_B
+    )
+    return adv, None
+
+
+def _rloo(c: AlgorithmConfig, x: _EstimatorInputs) -> _Estimate:
+    return adv_lib.rloo_advantages(x.rewards_B, x.group_size, keep_B=x.signal_B), None
+
+
+def _positives(c: AlgorithmConfig, x: _EstimatorInputs) -> _Estimate:
+    return x.signal_B.astype(jnp.float32), None
+
+
+def _remax(c: AlgorithmConfig, x: _EstimatorInputs) -> _Estimate:
+    return x.rewards_B - _baseline(c, x.baseline_B, x.baseline_correct_B), None
+
+
+def _gae(c: AlgorithmConfig, x: _EstimatorInputs) -> _Estimate:
+    if x.values_BT is None:
+        raise ValueError(
+            "advantage='gae' (PPO) needs values_BT: the critic's values of the rollout."
+        )
+    adv, returns_BT = value_lib.ppo_advantages(
+        x.rewards_B,
+        x.values_BT,
+        x.mask_BT,
+        gamma=c.gamma,
+        lam=c.lam,
+        kl_BT=x.kl_BT,
+        kl_coef=c.kl_coef,
+        keep_B=x.signal_B,
+    )
+    return adv, jnp.where(x.valid_B[:, None], returns_BT, 0.0)
+
+
+def _reinforce_pp(c: AlgorithmConfig, x: _EstimatorInputs) -> _Estimate:
+    adv = adv_lib.reinforce_pp_advantages(
+        x.rewards_B,
+        x.mask_BT,
+        kl_BT=x.kl_BT,
+        kl_coef=c.kl_coef,
+        group_size=x.group_size,
+        baseline=c.advantage == "reinforce_pp_baseline",
+        keep_B=x.signal_B,
+        ddof=c.ddof,
+        eps=c.eps,
+    )
+    return adv, None
+
+
+# config.advantage -> its estimator.
+_ESTIMATORS: dict[str, Callable[[AlgorithmConfig, _EstimatorInputs], _Estimate]] = {
+    "normalized": _normalized,
+    "rloo": _rloo,
+    "positives": _positives,
+    "remax": _remax,
+    "gae": _gae,
+    "reinforce_pp": _reinforce_pp,
+    "reinforce_pp_baseline": _reinforce_pp,
+}
+
+
+def _advantage_metrics(
+    adv: jnp.ndarray,
+    learn: jnp.ndarray,
+    signal: jnp.ndarray,
+    mask_BT: jnp.ndarray,
+    group_size: int,
+) -> dict[str, Metric]:
+    """The "adv/..." metrics, over the rows that learn (a per-token advantage is averaged over
+    its row's tokens)."""
     lf = learn.astype(jnp.float32)
     n_learn = jnp.maximum(lf.sum(), 1.0)
     adv_B = (
@@ -182,7 +285,7 @@ def compute_advantages_and_returns(
         if adv.ndim == 1
         else adv.sum(1) / jnp.maximum(jnp.asarray(mask_BT, jnp.float32).sum(1), 1.0)
     )
-    metrics = {
+    return {
         "adv/frac_groups_rejected": Metric.mean(
             filters.rejected_group_fraction(signal, group_size)
         ),
@@ -190,7 +293,6 @@ def compute_advantages_and_returns(
         "adv/adv_mean": Metric.mean((adv_B * lf).sum() / n_learn),
         "adv/adv_abs_mean": Metric.mean((jnp.abs(adv_B) * lf).sum() / n_learn),
     }
-    return adv, returns_BT, keep, metrics
 
 
 def _baseline(
@@ -254,44 +356,94 @@ def policy_loss(
     if keep_B is None:
         keep_B = jnp.ones(logp_BT.shape[:1], bool)
     w = losses.row_weights(mask_BT, keep_B)
+    if c.objective != "nll" and c.importance == "sequence":
+        old_logp_BT = losses.sequence_old_logp(logp_BT, old_logp_BT, mask_BT)
+    pg_BT, aux = _policy_term(c, logp_BT, old_logp_BT, advantages)
+    pg_BT, is_metrics = _importance_corrected(
+        c, pg_BT, trainer_logp_BT, behaviour_logp_BT, mask_BT, w
+    )
+    total_BT, kl_BT = _with_kl_and_entropy(c, pg_BT, logp_BT, ref_logp_BT, entropy_BT)
+    loss_sum, denom = losses.aggregate(total_BT, mask_BT, keep_B, c.agg, c.max_tokens)
+    d = losses.log_ratio(logp_BT, old_logp_BT)
+    metrics = losses.token_metrics(
+        w,
+        keep_B,
+        ratio_BT=jnp.exp(d),
+        log_ratio_BT=d,
+        clip_aux=aux,
+        pg_loss_BT=pg_BT,
+        kl_ref_BT=kl_BT,
+        entropy_BT=entropy_BT,
+    )
+    metrics.update(is_metrics)
+    metrics = jax.tree_util.tree_map(jax.lax.stop_gradient, metrics)
+    return loss_sum, denom, metrics
+
+
+def _policy_term(
+    c: AlgorithmConfig, logp_BT: jnp.ndarray, old_logp_BT: jnp.ndarray, advantages: jnp.ndarray
+) -> tuple[jnp.ndarray, dict[str, jnp.ndarray] | None]:
+    """(per-token policy loss, the clipping's aux or None): RAFT's -A logp (objective="nll")
+    or the clipped surrogate."""
     if c.objective == "nll":
         # A = 0 on rows kept only for the denominator (rejected_rows="zero").
-        pg_BT, aux = (
+        return (
             losses.nll_loss(logp_BT) * losses.broadcast_advantages(advantages, logp_BT.shape),
             None,
         )
-    else:
-        if c.importance == "sequence":
-            old_logp_BT = losses.sequence_old_logp(logp_BT, old_logp_BT, mask_BT)
-        pg_BT, aux = losses.clipped_surrogate(
-            logp_BT,
-            old_logp_BT,
-            advantages,
-            clip_low=c.clip_low,
-            clip_high=c.clip_high,
-            dual_clip=c.dual_clip,
-        )
+    return losses.clipped_surrogate(
+        logp_BT,
+        old_logp_BT,
+        advantages,
+        clip_low=c.clip_low,
+        clip_high=c.clip_high,
+        dual_clip=c.dual_clip,
+    )
+
+
+def _importance_corrected(
+    c: AlgorithmConfig,
+    pg_BT: jnp.ndarray,
+    trainer_logp_BT: jnp.ndarray,
+    behaviour_logp_BT: jnp.ndarray | None,
+    mask_BT: jnp.ndarray,
+    w: jnp.ndarray,
+) -> tuple[jnp.ndarray, dict[str, Metric]]:
+    """(policy term weighted by config.is_correction, the "mismatch/..." and "is/..." metrics)."""
     is_metrics: dict[str, Metric] = {}
     if behaviour_logp_BT is not None:
         is_metrics = correction.mismatch_metrics(trainer_logp_BT, behaviour_logp_BT, mask_BT)
-    if c.is_correction is not None:
-        if behaviour_logp_BT is None:
-            raise ValueError(
-                f"is_correction={c.is_correction!r} needs behaviour_logp_BT (the "
-                "sampler's logprobs of the sampled tokens)."
-            )
-        is_w_BT, corrected_BT = correction.is_weights(
-            c.is_correction,
-            trainer_logp_BT,
-            behaviour_logp_BT,
-            mask_BT,
-            level=c.is_level,
-            cap=c.is_cap,
-            lower=c.is_lower,
-            upper=c.is_upper,
+    if c.is_correction is None:
+        return pg_BT, is_metrics
+    if behaviour_logp_BT is None:
+        raise ValueError(
+            f"is_correction={c.is_correction!r} needs behaviour_logp_BT (the "
+            "sampler's logprobs of the sampled tokens)."
         )
-        pg_BT = pg_BT * is_w_BT
-        is_metrics.update(correction.correction_metrics(is_w_BT, corrected_BT, w))
+    is_w_BT, corrected_BT = correction.is_weights(
+        c.is_correction,
+        trainer_logp_BT,
+        behaviour_logp_BT,
+        mask_BT,
+        level=c.is_level,
+        cap=c.is_cap,
+        lower=c.is_lower,
+        upper=c.is_upper,
+    )
+    pg_BT = pg_BT * is_w_BT
+    is_metrics.update(correction.correction_metrics(is_w_BT, corrected_BT, w))
+    return pg_BT, is_metrics
+
+
+def _with_kl_and_entropy(
+    c: AlgorithmConfig,
+    pg_BT: jnp.ndarray,
+    logp_BT: jnp.ndarray,
+    ref_logp_BT: jnp.ndarray | None,
+    entropy_BT: jnp.ndarray | None,
+) -> tuple[jnp.ndarray, jnp.ndarray | None]:
+    """(per-token loss: pg + kl_coef * KL_ref when kl_in='loss' - entropy_coef * H, KL_ref or
+    None without ref_logp_BT)."""
     total_BT = pg_BT
     kl_BT = None
     if ref_logp_BT is not None:
@@ -309,18 +461,4 @@ def policy_loss(
                 "the policy logits)."
             )
         total_BT = total_BT - c.entropy_coef * entropy_BT
-    loss_sum, denom = losses.aggregate(total_BT, mask_BT, keep_B, c.agg, c.max_tokens)
-    d = losses.log_ratio(logp_BT, old_logp_BT)
-    metrics = losses.token_metrics(
-        w,
-        keep_B,
-        ratio_BT=jnp.exp(d),
-        log_ratio_BT=d,
-        clip_aux=aux,
-        pg_loss_BT=pg_BT,
-        kl_ref_BT=kl_BT,
-        entropy_BT=entropy_BT,
-    )
-    metrics.update(is_metrics)
-    metrics = jax.tree_util.tree_map(jax.lax.stop_gradient, metrics)
-    return loss_sum, denom, metrics
+    return total_BT, kl_BT

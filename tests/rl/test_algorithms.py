@@ -64,53 +64,50 @@ def np_ppo(r_B, kl_coef=0.01, d=0.1, lam=0.95):
     return np.where(MASK > 0, (adv - v.mean()) / np.sqrt(v.var(ddof=1) + 1e-8), 0.0)
 
 
-def _expected(name):
-    """(advantages, keep, per-token loss at ratio 1 on kept tokens) of each preset on this batch,
-    from its paper's formula (ref_logp = logp - 0.1: k1 = 0.1, k2 = 0.005, k3 = K3 per token)."""
-    ones = np.ones(8, bool)
-    a_grpo = np.r_[np.array([0.75, -0.25, -0.25, -0.25]) / (0.5 + EPS), np.zeros(4)]
-    centered = np.r_[0.75, -0.25, -0.25, -0.25, np.zeros(4)]
-    if name == "grpo":
-        return a_grpo, ones, -a_grpo[:, None] + 0.04 * K3
-    if name == "gspo":  # at ratio 1 the sequence ratio is 1 too: GRPO's advantage, no KL
-        return a_grpo, ones, -a_grpo[:, None] + 0 * MASK
-    if name == "remax":  # A = r - r(greedy), REINFORCE's token sum per sequence
-        a = R - BASELINE
-        return a, ones, -a[:, None] + 0 * MASK
-    if name == "dapo":  # GRPO's advantage; the all-correct group is out of the loss
-        return a_grpo, np.r_[ones[:4], np.zeros(4, bool)], -a_grpo[:, None] + 0 * MASK
-    if name == "dr_grpo":
-        return centered, ones, -centered[:, None] + 0 * MASK
-    if name == "reinforce":
-        a = 2 * R - 1
-        return a, ones, -a[:, None] + 0 * MASK
-    if name == "reinforce_rej":
-        # The all-correct group stays in the loss with A = 0 (Minimal-RL's convention).
-        a = np.r_[1.0, -1.0, -1.0, -1.0, np.zeros(4)]
-        return a, ones, -a[:, None] + 0 * MASK
-    if name == "reinforce_pp":
-        a = np_reinforce_pp(R)
-        return a, ones, -a
-    if name == "ppo":
-        a = np_ppo(R)
-        return a, ones, -a
-    if name == "reinforce_pp_baseline":
-        # Group-centred reward, no KL in the reward; k2 KL (d^2 / 2 = 0.005) as a 0.001 loss.
-        a = np_reinforce_pp(centered, kl_coef=0.0)
-        return a, ones, -a + 0.001 * 0.005
-    if name == "lite_ppo":
-        a = centered / (R.std(ddof=1) + EPS)
-        return a, ones, -a[:, None] + 0 * MASK
-    if name == "rloo":
-        a = np.r_[1.0, -1 / 3, -1 / 3, -1 / 3, np.zeros(4)]
-        return a, ones, -a[:, None] + 0 * MASK
-    positives = np.array([1, 0, 0, 0, 1, 1, 1, 1], bool)
-    if name == "raft":
-        return positives.astype(float), positives, 1.0 + 0 * MASK  # -logp = 1 on positives only
-    if name == "raft_pp":
-        # Wrong samples stay in the denominator with A = 0 (Minimal-RL's convention).
-        a = positives.astype(float)
-        return a, ones, -a[:, None] + 0 * MASK
+ONES = np.ones(8, bool)
+A_GRPO = np.r_[np.array([0.75, -0.25, -0.25, -0.25]) / (0.5 + EPS), np.zeros(4)]
+CENTERED = np.r_[0.75, -0.25, -0.25, -0.25, np.zeros(4)]
+POSITIVES = np.array([1, 0, 0, 0, 1, 1, 1, 1], bool)
+A_REINFORCE_PP = np_reinforce_pp(R)
+A_PPO = np_ppo(R)
+# Group-centred reward, no KL in the reward.
+A_REINFORCE_PP_BASELINE = np_reinforce_pp(CENTERED, kl_coef=0.0)
+
+
+def _per_sequence(a, keep=ONES):
+    """A sequence-level advantage and its loss without a KL term: -A on every token."""
+    return a, keep, -a[:, None] + 0 * MASK
+
+
+# (advantages, keep, per-token loss at ratio 1 on kept tokens) of each preset on this batch, from
+# its paper's formula (ref_logp = logp - 0.1: k1 = 0.1, k2 = 0.005, k3 = K3 per token).
+EXPECTED = {
+    "grpo": (A_GRPO, ONES, -A_GRPO[:, None] + 0.04 * K3),
+    # At ratio 1 the sequence ratio is 1 too: GRPO's advantage, no KL.
+    "gspo": _per_sequence(A_GRPO),
+    # A = r - r(greedy), REINFORCE's token sum per sequence.
+    "remax": _per_sequence(R - BASELINE),
+    # GRPO's advantage; the all-correct group is out of the loss.
+    "dapo": _per_sequence(A_GRPO, np.r_[ONES[:4], np.zeros(4, bool)]),
+    "dr_grpo": _per_sequence(CENTERED),
+    "reinforce": _per_sequence(2 * R - 1),
+    # The all-correct group stays in the loss with A = 0 (Minimal-RL's convention).
+    "reinforce_rej": _per_sequence(np.r_[1.0, -1.0, -1.0, -1.0, np.zeros(4)]),
+    "reinforce_pp": (A_REINFORCE_PP, ONES, -A_REINFORCE_PP),
+    "ppo": (A_PPO, ONES, -A_PPO),
+    # k2 KL (d^2 / 2 = 0.005) as a 0.001 loss.
+    "reinforce_pp_baseline": (
+        A_REINFORCE_PP_BASELINE,
+        ONES,
+        -A_REINFORCE_PP_BASELINE + 0.001 * 0.005,
+    ),
+    "lite_ppo": _per_sequence(CENTERED / (R.std(ddof=1) + EPS)),
+    "rloo": _per_sequence(np.r_[1.0, -1 / 3, -1 / 3, -1 / 3, np.zeros(4)]),
+    # -logp = 1 on positives only.
+    "raft": (POSITIVES.astype(float), POSITIVES, 1.0 + 0 * MASK),
+    # Wrong samples stay in the denominator with A = 0 (Minimal-RL's convention).
+    "raft_pp": _per_sequence(POSITIVES.astype(float)),
+}
 
 
 # Token-mean losses written out (18 valid tokens; lengths 3 2 1 3 | 2 3 3 1):
@@ -134,7 +131,7 @@ def test_preset_closed_form(name):
         baseline_B=jnp.asarray(BASELINE),
         values_BT=jnp.zeros((8, T)),
     )  # PPO: a zero-head critic
-    a_want, keep_want, L_want = _expected(name)
+    a_want, keep_want, L_want = EXPECTED[name]
     np.testing.assert_array_equal(np.asarray(keep), keep_want)
     np.testing.assert_allclose(np.asarray(adv, np.float64), a_want, rtol=2e-5, atol=2e-6)
     s, d, m = policy_loss(cfg, logp, logp, adv, jnp.asarray(MASK), keep, ref_logp_BT=logp - 0.1)
