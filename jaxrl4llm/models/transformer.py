@@ -14,7 +14,7 @@ forward, the shared-prefix forward, the sampler's prefill and its KV-cache decod
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -163,18 +163,10 @@ def hidden_states(
     """
     B, T = tokens_BT.shape
     mask_BT = mask_BT.astype(bool)
-    if prefix_ids_BT is not None and segment_ids_BT is None:
-        raise ValueError("hidden_states: prefix_ids_BT needs segment_ids_BT (packed rows).")
-    if segment_ids_BT is not None and kv_cache is not None:
-        raise ValueError(
-            "hidden_states: segment_ids_BT (packed rows) is for teacher-forced "
-            "passes; it cannot be combined with a kv_cache."
-        )
+    _check_packed_rows(segment_ids_BT, prefix_ids_BT, kv_cache)
     key_valid_BT = mask_BT if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
     cos_BTF, sin_BTF = rope_tables(config, positions_BT)
     h_BTD = embed_tokens(params, tokens_BT, sharding)
-    layers = params["layers"]
-    stacked = not isinstance(layers, (tuple, list))
     layer = functools.partial(
         apply_layer,
         config,
@@ -184,59 +176,99 @@ def hidden_states(
         attention=attention,
         query_prefix_BT=prefix_ids_BT,
     )
-
+    new_cache: KVCache | None = None
     if kv_cache is None:
-
-        def body(h, lp):
-            return layer(h, lp, kv_fn=lambda k, v: (k.astype(v.dtype), v, key_valid_BT, 0, None))[0]
-
-        if remat:
-            body = jax.checkpoint(body, prevent_cse=False)
-        if stacked:
-            h_BTD, _ = lax.scan(lambda h, lp: (body(h, lp), None), h_BTD, layers)
-        else:
-            for lp in layers:
-                h_BTD = body(h_BTD, lp)
-        new_cache = None
+        h_BTD = _run_layers(layer, h_BTD, params["layers"], key_valid_BT, remat)
     else:
-        if cache_index is None:
-            raise ValueError(
-                "hidden_states/forward: kv_cache was given without cache_index; "
-                "pass the first cache slot the new tokens go to."
-            )
-        S = kv_cache.max_len
-        if isinstance(cache_index, int) and not 0 <= cache_index <= S - T:
-            # (A traced index cannot be checked; dynamic_update_slice would clamp it.)
-            raise ValueError(
-                f"cache_index={cache_index} + {T} new tokens does not fit the "
-                f"KV cache of {S} slots; allocate a longer cache."
-            )
-        i0 = jnp.asarray(cache_index, jnp.int32)
-        # A static index stays static: the kernels need their causal offset at trace time.
-        offset = cache_index if isinstance(cache_index, int) else i0
-        cache_mask_BS = lax.dynamic_update_slice(kv_cache.mask_BS, mask_BT, (0, i0))
-
-        def body(h, lp, k_cache, v_cache):
-            def kv_fn(k, v):
-                k_new = lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, i0))
-                v_new = lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, i0, 0))
-                return k_new, v_new, cache_mask_BS, offset, (k_new, v_new)
-
-            return layer(h, lp, kv_fn=kv_fn)
-
-        if remat:
-            body = jax.checkpoint(body, prevent_cse=False)
-        ks, vs = [], []
-        for i in range(config.num_layers):
-            h_BTD, (k_cache, v_cache) = body(
-                h_BTD, _layer_params(layers, i), kv_cache.k_BKHS[i], kv_cache.v_BKSH[i]
-            )
-            ks.append(k_cache)
-            vs.append(v_cache)
-        new_cache = KVCache(k_BKHS=tuple(ks), v_BKSH=tuple(vs), mask_BS=cache_mask_BS)
-
+        _check_cache_index(cache_index, kv_cache.max_len, new_tokens=T)
+        h_BTD, new_cache = _run_cached_layers(
+            layer, h_BTD, params["layers"], config.num_layers, mask_BT, kv_cache, cache_index, remat
+        )
     h_BTD = rms_norm(h_BTD, params["final_norm"], config.rms_norm_eps)
     return h_BTD.astype(params["embed"].dtype), new_cache
+
+
+def _check_packed_rows(
+    segment_ids_BT: jax.Array | None, prefix_ids_BT: jax.Array | None, kv_cache: KVCache | None
+) -> None:
+    if prefix_ids_BT is not None and segment_ids_BT is None:
+        raise ValueError("hidden_states: prefix_ids_BT needs segment_ids_BT (packed rows).")
+    if segment_ids_BT is not None and kv_cache is not None:
+        raise ValueError(
+            "hidden_states: segment_ids_BT (packed rows) is for teacher-forced "
+            "passes; it cannot be combined with a kv_cache."
+        )
+
+
+def _run_layers(
+    layer: Callable[..., Any], h_BTD: jax.Array, layers: Any, key_valid_BT: jax.Array, remat: bool
+) -> jax.Array:
+    """The stack without a cache: lax.scan over stacked layers, a Python loop over a tuple."""
+
+    def body(h, lp):
+        return layer(h, lp, kv_fn=lambda k, v: (k.astype(v.dtype), v, key_valid_BT, 0, None))[0]
+
+    if remat:
+        body = jax.checkpoint(body, prevent_cse=False)
+    if isinstance(layers, (tuple, list)):
+        for lp in layers:
+            h_BTD = body(h_BTD, lp)
+        return h_BTD
+    h_BTD, _ = lax.scan(lambda h, lp: (body(h, lp), None), h_BTD, layers)
+    return h_BTD
+
+
+def _check_cache_index(
+    cache_index: jax.Array | int | None, cache_len: int, new_tokens: int
+) -> None:
+    if cache_index is None:
+        raise ValueError(
+            "hidden_states/forward: kv_cache was given without cache_index; "
+            "pass the first cache slot the new tokens go to."
+        )
+    if isinstance(cache_index, int) and not 0 <= cache_index <= cache_len - new_tokens:
+        # (A traced index cannot be checked; dynamic_update_slice would clamp it.)
+        raise ValueError(
+            f"cache_index={cache_index} + {new_tokens} new tokens does not fit the "
+            f"KV cache of {cache_len} slots; allocate a longer cache."
+        )
+
+
+def _run_cached_layers(
+    layer: Callable[..., Any],
+    h_BTD: jax.Array,
+    layers: Any,
+    num_layers: int,
+    mask_BT: jax.Array,
+    kv_cache: KVCache,
+    cache_index: jax.Array | int | None,
+    remat: bool,
+) -> tuple[jax.Array, KVCache]:
+    """The stack with a cache: a Python loop, the new tokens' keys and values written into
+    each layer's buffer at slot cache_index."""
+    i0 = jnp.asarray(cache_index, jnp.int32)
+    # A static index stays static: the kernels need their causal offset at trace time.
+    offset = cache_index if isinstance(cache_index, int) else i0
+    cache_mask_BS = lax.dynamic_update_slice(kv_cache.mask_BS, mask_BT, (0, i0))
+
+    def body(h, lp, k_cache, v_cache):
+        def kv_fn(k, v):
+            k_new = lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, i0))
+            v_new = lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, i0, 0))
+            return k_new, v_new, cache_mask_BS, offset, (k_new, v_new)
+
+        return layer(h, lp, kv_fn=kv_fn)
+
+    if remat:
+        body = jax.checkpoint(body, prevent_cse=False)
+    ks, vs = [], []
+    for i in range(num_layers):
+        h_BTD, (k_cache, v_cache) = body(
+            h_BTD, _layer_params(layers, i), kv_cache.k_BKHS[i], kv_cache.v_BKSH[i]
+        )
+        ks.append(k_cache)
+        vs.append(v_cache)
+    return h_BTD, KVCache(k_BKHS=tuple(ks), v_BKSH=tuple(vs), mask_BS=cache_mask_BS)
 
 
 def embed_tokens(params: Params, tokens_BT: jax.Array, sharding: Sharding) -> jax.Array:

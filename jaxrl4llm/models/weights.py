@@ -108,54 +108,78 @@ def load_params(
     """
     available = source.names()
     used: set[str] = set(ignore) & available
-    shardings = None
-    if mesh is not None:
-        shardings = parallel.logical_to_sharding(
-            schema.param_logical_axes(config),
-            mesh,
-            rules,
-            shapes=jax.tree.map(
-                lambda s: jax.ShapeDtypeStruct(s, dtype),
-                schema.param_shapes(config),
-                is_leaf=transformer.is_shape,
-            ),
-        )
+    shardings = _param_shardings(config, mesh, rules, dtype)
     params: dict[str, Any] = {"layers": {}}
     np_dtype = np.dtype(dtype)
     for leaf in schema.leaves(config):
         if leaf.name in skip:
             used.add(leaf.hf_name(None if not leaf.per_layer else 0))
             continue
-        shape = leaf.our_shape(config)
-        layers = range(config.num_layers) if leaf.per_layer else (None,)
-        hf_shape = leaf.dims(config, leaf.hf_shape)
-        buffer = np.empty(((config.num_layers,) if leaf.per_layer else ()) + shape, np_dtype)
-        for i in layers:
-            name = leaf.hf_name(i)
-            if name not in available:
-                raise KeyError(
-                    f"Checkpoint is missing tensor {name!r} (needed for params "
-                    f"{leaf.name} of a {config.model_type} model)."
-                )
-            if source.shape(name) != hf_shape:
-                raise ValueError(
-                    f"Tensor {name!r} has shape {source.shape(name)} but the config "
-                    f"needs {hf_shape} (params {leaf.name}); check that "
-                    "config.json matches the weights."
-                )
-            value = leaf.to_ours(config, source.read(name))
-            if leaf.per_layer:
-                buffer[i] = value
-            else:
-                buffer[...] = value
-            used.add(name)
+        buffer, names = _read_leaf(source, available, leaf, config, np_dtype)
+        used.update(names)
         target = params["layers"] if leaf.per_layer else params
         sharding = None
         if shardings is not None:
             sharding = (shardings["layers"] if leaf.per_layer else shardings)[leaf.name]
         target[leaf.name] = _place(buffer, sharding)
         del buffer
-    leftover = {n for n in available - used if not n.endswith(_IGNORED_SUFFIXES)}
+    _check_all_used(available - used, config)
+    return params
+
+
+def _param_shardings(
+    config: ModelConfig, mesh: Any, rules: parallel.LogicalRules, dtype: Any
+) -> Any:
+    """The params tree of shardings on `mesh` (None without a mesh)."""
+    if mesh is None:
+        return None
+    return parallel.logical_to_sharding(
+        schema.param_logical_axes(config),
+        mesh,
+        rules,
+        shapes=jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s, dtype),
+            schema.param_shapes(config),
+            is_leaf=transformer.is_shape,
+        ),
+    )
+
+
+def _read_leaf(
+    source: Any, available: set[str], leaf: schema.Leaf, config: ModelConfig, np_dtype: Any
+) -> tuple[np.ndarray, list[str]]:
+    """One params leaf as a host buffer in our layout and `np_dtype` (per-layer tensors
+    stacked [L, ...]), and the names of the tensors it was read from."""
+    shape = leaf.our_shape(config)
+    layers = range(config.num_layers) if leaf.per_layer else (None,)
+    hf_shape = leaf.dims(config, leaf.hf_shape)
+    buffer = np.empty(((config.num_layers,) if leaf.per_layer else ()) + shape, np_dtype)
+    names: list[str] = []
+    for i in layers:
+        name = leaf.hf_name(i)
+        if name not in available:
+            raise KeyError(
+                f"Checkpoint is missing tensor {name!r} (needed for params "
+                f"{leaf.name} of a {config.model_type} model)."
+            )
+        if source.shape(name) != hf_shape:
+            raise ValueError(
+                f"Tensor {name!r} has shape {source.shape(name)} but the config "
+                f"needs {hf_shape} (params {leaf.name}); check that "
+                "config.json matches the weights."
+            )
+        value = leaf.to_ours(config, source.read(name))
+        if leaf.per_layer:
+            buffer[i] = value
+        else:
+            buffer[...] = value
+        names.append(name)
+    return buffer, names
+
+
+def _check_all_used(unread: set[str], config: ModelConfig) -> None:
+    """Raises on checkpoint tensors that no params leaf read (a config / weights mismatch)."""
+    leftover = {n for n in unread if not n.endswith(_IGNORED_SUFFIXES)}
     if config.tie_word_embeddings:
         leftover.discard("lm_head.weight")  # some tied checkpoints store the copy anyway
     if leftover:
@@ -165,7 +189,6 @@ def load_params(
             "that config.json matches the weights (e.g. attention_bias, "
             "tie_word_embeddings, num_hidden_layers)."
         )
-    return params
 
 
 def load_hf(

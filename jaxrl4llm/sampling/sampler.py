@@ -291,36 +291,12 @@ def generate(
     if decode_slots:
         continuous.check_slots(decode_slots, mesh, rules)
         max_rows = None
-    if row_caps is not None:
-        caps = np.asarray(row_caps)
-        if (
-            caps.shape != (len(prompts) * n,)
-            or not np.issubdtype(caps.dtype, np.integer)
-            or caps.min(initial=1) < 1
-            or caps.max(initial=1) > max_new_tokens
-        ):
-            raise ValueError(
-                f"row_caps must hold len(prompts) * n = {len(prompts) * n} ints "
-                f"in 1..max_new_tokens={max_new_tokens}; got shape {caps.shape}, "
-                f"dtype {caps.dtype}."
-            )
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
-    if not isinstance(sampling, SamplingConfig):
-        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}.")
+    _check_generate_args(len(prompts) * n, sampling, max_new_tokens, row_caps)
     stop_S = stop_id_array(model_config.eos_token_ids if stop_ids is None else stop_ids)
     pad = pad_id if pad_id is not None else (model_config.pad_token_id or 0)
-    multiple = 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
     multihost = mesh is not None and jax.process_count() > 1
-    if multihost:
-        # Each host passes its own prompts; every host must build the same shapes.
-        multiple = max(1, multiple // jax.process_count())
-    chunk = None
-    if max_rows and max_rows < len(prompts) * n * jax.process_count():
-        # Rows per chunk on this host: whole prompts (n rows) on whole data-parallel shards.
-        unit = math.lcm(n, multiple)
-        chunk = unit * max(1, max_rows // jax.process_count() // unit)
-        multiple = chunk
+    multiple = _batch_multiple(mesh, rules, multihost)
+    chunk = _rows_per_chunk(max_rows, len(prompts) * n, n, multiple)
     rows = prompt_rows(
         prompts,
         model_config,
@@ -332,7 +308,7 @@ def generate(
         pad_id=pad,
         min_prompt_bucket=min_prompt_bucket,
         greedy_last=greedy_last,
-        batch_multiple=multiple,
+        batch_multiple=chunk or multiple,  # a chunk is whole data-parallel shards
         multihost=multihost,
         row_keys=row_keys,
     )
@@ -341,21 +317,12 @@ def generate(
     num_chunks = B // chunk if chunk else 1
 
     place = functools.partial(place_rows, mesh=mesh, rules=rules, multihost=multihost)
-
-    # Across hosts the keys travel as their raw data (host-local rows -> one global batch,
-    # hosts' blocks in process order).
-    keys_B = (
-        _wrap_keys(place(np.asarray(jax.random.key_data(rows.keys_B))))
-        if multihost
-        else place(rows.keys_B)
-    )
+    keys_B = _place_keys(rows.keys_B, place, multihost)
     inputs = (place(batch.prompt_BP), place(batch.mask_BP), place(batch.active_B), keys_B)
     greedy_B = None if rows.greedy_B is None else place(rows.greedy_B)
     caps_B = None
-    if row_caps is not None:  # batch padding rows (inactive) take the full limit
-        caps_B = np.full(B, max_new_tokens, np.int32)
-        caps_B[: batch.num_rows] = row_caps
-        caps_B = place(caps_B)
+    if row_caps is not None:
+        caps_B = place(_padded_row_caps(row_caps, batch.num_rows, B, max_new_tokens))
     decode_rows: Callable[..., Any] = (
         functools.partial(continuous.generate_slots, slots=decode_slots)
         if decode_slots
@@ -376,6 +343,71 @@ def generate(
         prompt_group=rows.prompt_group,
     )
     out: SampleOutput = _slot_sample_output(raw, *inputs[:3]) if decode_slots else raw
+    return _mark_dropped_rows(out, batch, place, multihost)
+
+
+def _check_generate_args(
+    num_rows: int, sampling: Any, max_new_tokens: Any, row_caps: Sequence[int] | None
+) -> None:
+    if row_caps is not None:
+        caps = np.asarray(row_caps)
+        if (
+            caps.shape != (num_rows,)
+            or not np.issubdtype(caps.dtype, np.integer)
+            or caps.min(initial=1) < 1
+            or caps.max(initial=1) > max_new_tokens
+        ):
+            raise ValueError(
+                f"row_caps must hold len(prompts) * n = {num_rows} ints "
+                f"in 1..max_new_tokens={max_new_tokens}; got shape {caps.shape}, "
+                f"dtype {caps.dtype}."
+            )
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}.")
+
+
+def _batch_multiple(mesh: Mesh | None, rules: parallel.LogicalRules, multihost: bool) -> int:
+    """What this host's rows must pad to a multiple of: its share of the data-parallel size."""
+    multiple = 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
+    if multihost:
+        # Each host passes its own prompts; every host must build the same shapes.
+        multiple = max(1, multiple // jax.process_count())
+    return multiple
+
+
+def _rows_per_chunk(max_rows: int | None, num_rows: int, n: int, multiple: int) -> int | None:
+    """Rows per chunk on this host (None: all rows at once, max_rows unset or not reached):
+    whole prompts (n rows) on whole data-parallel shards."""
+    if not max_rows or max_rows >= num_rows * jax.process_count():
+        return None
+    unit = math.lcm(n, multiple)
+    return unit * max(1, max_rows // jax.process_count() // unit)
+
+
+def _place_keys(keys_B: jax.Array, place: Callable[..., Any], multihost: bool) -> jax.Array:
+    # Across hosts the keys travel as their raw data (host-local rows -> one global batch,
+    # hosts' blocks in process order).
+    if multihost:
+        return _wrap_keys(place(np.asarray(jax.random.key_data(keys_B))))
+    return place(keys_B)
+
+
+def _padded_row_caps(
+    row_caps: Sequence[int], num_rows: int, batch_size: int, max_new_tokens: int
+) -> np.ndarray:
+    """row_caps over the whole batch: batch padding rows (inactive) take the full limit."""
+    caps_B = np.full(batch_size, max_new_tokens, np.int32)
+    caps_B[:num_rows] = row_caps
+    return caps_B
+
+
+def _mark_dropped_rows(
+    out: SampleOutput, batch: buckets.PromptBatch, place: Callable[..., Any], multihost: bool
+) -> SampleOutput:
+    """`out` with the dropped prompts flagged (and their prompt masks cleared); on one host
+    without the batch-bucket padding rows."""
     if multihost:
         # Rows stay global (each host's block keeps its padding rows: see host_rows).
         dropped_B = place(batch.dropped_B)
@@ -384,7 +416,7 @@ def generate(
         )
     dropped_B = jnp.asarray(batch.dropped_B)
     out = out.replace(dropped_B=dropped_B, prompt_mask_BP=out.prompt_mask_BP & ~dropped_B[:, None])
-    if B > batch.num_rows:  # drop the batch-bucket padding rows
+    if batch.prompt_BP.shape[0] > batch.num_rows:  # drop the batch-bucket padding rows
         out = jax.tree.map(lambda x: x if x.ndim == 0 else x[: batch.num_rows], out)
     return out
 
