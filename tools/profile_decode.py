@@ -186,15 +186,17 @@ def _parse_hlo(hlo_text: str) -> tuple[dict, dict, dict]:
     return shapes, lines, bodies
 
 
-def _is_matmul(op: str, rest: str, bodies: dict) -> bool:
-    """A dot, or a fusion that holds one."""
-    return op == "dot" or any("dot" in bodies.get(f, []) for f in _called(rest, "calls"))
+def _is_matmul(op: str, callees: list[str], bodies: dict) -> bool:
+    """A dot, or an instruction one of whose called computations `callees` holds one."""
+    return op == "dot" or any("dot" in bodies.get(f, []) for f in callees)
 
 
 def _dots(computation: str, lines: dict, bodies: dict) -> int:
     """Matmuls of a computation, those inside its fusions included."""
     return sum(
-        1 for _, op, rest, c in lines.values() if c == computation and _is_matmul(op, rest, bodies)
+        1
+        for _, op, rest, c in lines.values()
+        if c == computation and _is_matmul(op, _called(rest, "calls"), bodies)
     )
 
 
@@ -251,8 +253,7 @@ _RULES = (
 
 
 def _op(shape: str, op: str, rest: str, shapes: dict, bodies: dict) -> _Op:
-    fused = _called(rest, "calls")[:1]  # the computation a fusion runs
-    matmul = op == "dot" or any("dot" in bodies.get(f, []) for f in fused)
+    matmul = _is_matmul(op, _called(rest, "calls")[:1], bodies)  # [:1]: what a fusion runs
     operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
     sizes = [_elements(shape)] + [_elements(shapes.get(o, "")) for o in operands]
     return _Op(matmul, _elements(shape), _rank(shape), max(sizes))

@@ -143,7 +143,7 @@ def _rewards_and_signal(
     valid = jnp.ones(correct.shape, bool) if valid_B is None else jnp.asarray(valid_B, bool)
     correct = correct & valid
     if c.binary_reward is not None:
-        r_B = jnp.where(correct, c.binary_reward[1], c.binary_reward[0]).astype(jnp.float32)
+        r_B = _binary_rewards(c.binary_reward, correct)
     signal = valid & filters.group_keep_mask(
         correct,
         group_size,
@@ -307,9 +307,12 @@ def _baseline(
         )
     if c.binary_reward is None:
         return jnp.asarray(baseline_B, jnp.float32)
-    return jnp.where(
-        jnp.asarray(baseline_correct_B, bool), c.binary_reward[1], c.binary_reward[0]
-    ).astype(jnp.float32)
+    return _binary_rewards(c.binary_reward, jnp.asarray(baseline_correct_B, bool))
+
+
+def _binary_rewards(wrong_right: tuple[float, float], correct_B: jnp.ndarray) -> jnp.ndarray:
+    """float32 [B]: config.binary_reward's (wrong, right) value for each verdict."""
+    return jnp.where(correct_B, wrong_right[1], wrong_right[0]).astype(jnp.float32)
 
 
 def loss_denominator(
