@@ -1,16 +1,17 @@
 """Grouped-query attention: the full score matrix for short contexts, memory-efficient kernels
 for long ones.
 
-Every implementation computes the same thing. Query t of a row sits at key slot t + offset;
-it sees key s iff key_valid_BS[b, s] and s <= t + offset (causal over slots), and with a
-sliding window of W (Mistral) also s > t + offset - W: the query and the W - 1 slots before
-it, as transformers' sliding-window mask keeps them. Packed rows (several sequences in one
-row) pass int32 segment ids as key_valid_BS (0: no token; segments are contiguous): a query
-then also needs the key's segment to be its own, the segment at its own slot t + offset, so
-attention is block-diagonal causal. Packed rows whose sequences share a prompt also pass each
-query's prefix segment (`query_prefix_BT`, self-attention only): the segment holding its
-group's prompt, which it sees beside its own (its own id where it has none). One rule covers
-the three uses:
+Every implementation computes the same thing at every query that sees a key (a query that
+sees none, a padding slot, gets a finite value nothing reads). Query t of a row sits at key
+slot t + offset; it sees key s iff key_valid_BS[b, s] and s <= t + offset (causal over
+slots), and with a sliding window of W (Mistral) also s > t + offset - W: the query and the
+W - 1 slots before it, as transformers' sliding-window mask keeps them. Packed rows (several
+sequences in one row) pass int32 segment ids as key_valid_BS (0: no token; segments are
+contiguous): a query then also needs the key's segment to be its own, the segment at its own
+slot t + offset, so attention is block-diagonal causal. Packed rows whose sequences share a
+prompt also pass each query's prefix segment (`query_prefix_BT`, self-attention only): the
+segment holding its group's prompt, which it sees beside its own (its own id where it has
+none). One rule covers the three uses:
 self-attention (offset 0), a KV cache (offset = the first new slot) and a shared prefix
 (keys = prefix ++ row, offset = prefix length). Rows are a left-padded prompt followed by
 contiguous real tokens, so a distance in slots is a distance in real tokens (RoPE positions)
@@ -21,7 +22,10 @@ between any two real tokens, and the window counts real tokens.
   chunked    online softmax (flash attention in plain jnp): a map over query blocks, a scan
              over key blocks, and a custom VJP that recomputes each block's scores in the
              backward pass, so forward and backward hold one [bq, bk] block of scores and
-             O(T * H) state; remat-friendly. The default on CPU and wherever no kernel fits.
+             O(T * H) state; remat-friendly. It computes only the block pairs that hold a
+             visible pair (`block_visibility`: past the causal diagonal, outside the window,
+             between packed rows' segments nothing is computed). The default on CPU and
+             wherever no kernel fits; on packed rows from two blocks of `packed_block` up.
   splash     the Pallas TPU splash-attention kernel (causal mask with an offset, segment ids
              for padding), per device under shard_map. Its segment ids are equality only:
              prefix segments run the chunked path instead ("auto") or are refused.
@@ -37,6 +41,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxrl4llm import parallel
@@ -53,26 +58,37 @@ IMPLS = ("auto", "reference", "chunked", "splash", "cudnn", "xla")
 class AttentionConfig:
     """Which implementation runs and its block sizes (hashable: a static jit argument).
 
-    impl "auto": the reference for fewer than `min_chunked_keys` keys or one query per row
-    (decode); otherwise splash on TPU (head_dim a multiple of 128), cuDNN on GPU (bf16 /
-    fp16), the chunked online softmax elsewhere.
+    impl "auto": the reference for one query per row (decode) or fewer keys than
+    `min_chunked_keys` (packed rows: than two blocks of `packed_block`); otherwise splash on
+    TPU (head_dim a multiple of 128), cuDNN on GPU (bf16 / fp16), the chunked online softmax
+    elsewhere. The chunked path runs blocks of block_q x block_k, and of packed_block x
+    packed_block on packed rows, whose block-diagonal it skips block by block (finer blocks
+    skip more; `block_visibility`).
     """
 
     impl: str = "auto"
     block_q: int = 512
     block_k: int = 512
     min_chunked_keys: int = 1024
+    packed_block: int = 256
 
     def __post_init__(self):
         if self.impl not in IMPLS:
             raise ValueError(f"AttentionConfig.impl={self.impl!r}: choose one of {IMPLS}.")
-        if self.block_q < 1 or self.block_k < 1:
+        if min(self.block_q, self.block_k, self.packed_block) < 1:
             raise ValueError("AttentionConfig block sizes must be positive.")
 
-    def resolve(self, num_queries: int, num_keys: int, head_dim: int, dtype: Any) -> str:
+    def blocks(self, segmented: bool) -> tuple[int, int]:
+        """The chunked path's (query block, key block) for packed (segmented) or plain rows."""
+        return (self.packed_block,) * 2 if segmented else (self.block_q, self.block_k)
+
+    def resolve(
+        self, num_queries: int, num_keys: int, head_dim: int, dtype: Any, segmented: bool = False
+    ) -> str:
         if self.impl != "auto":
             return self.impl
-        if num_queries == 1 or num_keys < self.min_chunked_keys:
+        min_keys = 2 * self.packed_block if segmented else self.min_chunked_keys
+        if num_queries == 1 or num_keys < min_keys:
             return "reference"
         backend = jax.default_backend()
         if backend == "tpu" and head_dim % 128 == 0:
@@ -162,7 +178,8 @@ def attention(
     K, S = k_BKHS.shape[1], k_BKHS.shape[3]
     q_BKGTH = (q_BTNH.reshape(B, T, K, N // K, H) * (H**-0.5)).transpose(0, 2, 3, 1, 4)
     q_BKGTH = q_BKGTH.astype(k_BKHS.dtype)
-    impl = config.resolve(T, S, H, k_BKHS.dtype)
+    segmented = is_segmented(key_valid_BS)
+    impl = config.resolve(T, S, H, k_BKHS.dtype, segmented)
     if query_prefix_BT is not None and impl == "splash":
         if config.impl == "splash":
             raise ValueError(
@@ -181,8 +198,8 @@ def attention(
             key_valid_BS,
             query_segments(key_valid_BS, T, jnp.asarray(offset, jnp.int32), query_prefix_BT),
             jnp.asarray(offset, jnp.int32),
-            min(config.block_q, T),
-            min(config.block_k, S),
+            min(config.blocks(segmented)[0], T),
+            min(config.blocks(segmented)[1], S),
             window,
         )
     else:
@@ -269,37 +286,90 @@ def _blocked_inputs(q, k, v, key_valid_BS, query_ids_BT2, bq, bk):
     )
 
 
+def row_block_visibility(key_valid_BS, query_ids_BT2, offset, bq, bk, window, xp: Any = jnp):
+    """bool [B, query blocks, key blocks]: whether row b has a query in block i that sees a
+    key in block j (`xp`: jax.numpy on device, numpy for the host's FLOP model). Segments
+    are contiguous and increase along a row, so a block's segments form a range; the test is
+    conservative (a query block's prefix segments are taken as the range between their least
+    and greatest), never false for a visible pair."""
+    T, S = query_ids_BT2.shape[1], key_valid_BS.shape[1]
+    B, n_q, n_k = key_valid_BS.shape[0], -(-T // bq), -(-S // bk)
+    # -1: block padding past the last key; 0: block padding queries, which see nothing.
+    keys = xp.pad(key_valid_BS.astype(xp.int32), ((0, 0), (0, n_k * bk - S)), constant_values=-1)
+    ids = xp.pad(query_ids_BT2.astype(xp.int32), ((0, 0), (0, n_q * bq - T), (0, 0)))
+    keys, ids = keys.reshape(B, n_k, bk), ids.reshape(B, n_q, bq, 2)
+    real_q = ids[..., 0] > 0  # block padding and packed padding see nothing
+    none = np.iinfo(np.int32).max
+
+    def span(x, real):
+        return xp.where(real, x, none).min(-1), xp.where(real, x, 0).max(-1)
+
+    k_lo, k_hi = (x[:, None, :] for x in span(keys, keys > 0))
+    own_lo, own_hi = (x[:, :, None] for x in span(ids[..., 0], real_q))
+    pre_lo, pre_hi = (x[:, :, None] for x in span(ids[..., 1], real_q))
+    # Empty spans (lo = int32 max, hi = 0) meet nothing.
+    segments = ((k_lo <= own_hi) & (own_lo <= k_hi)) | ((k_lo <= pre_hi) & (pre_lo <= k_hi))
+    first_q = xp.arange(n_q) * bq + offset
+    last_q = xp.minimum(xp.arange(1, n_q + 1) * bq, T) - 1 + offset
+    first_k = xp.arange(n_k) * bk
+    last_k = xp.minimum(xp.arange(1, n_k + 1) * bk, S) - 1
+    visible = first_k[None, :] <= last_q[:, None]
+    if window is not None:
+        visible &= last_k[None, :] > first_q[:, None] - window
+    return segments & visible[None]
+
+
+def block_visibility(key_valid_BS, query_ids_BT2, offset, bq, bk, window):
+    """bool [query blocks, key blocks]: whether some row has a visible (query, key) pair in
+    the block pair. The chunked kernel computes only these pairs: the causal mask, the window
+    and packed rows' block diagonal skip the rest."""
+    return row_block_visibility(key_valid_BS, query_ids_BT2, offset, bq, bk, window).any(0)
+
+
+def _safe(row_sum):
+    """Row sums with the queries that met no computed block (they see no key) set to 1, so
+    their output is 0 rather than NaN."""
+    return jnp.where(row_sum > 0, row_sum, 1.0)
+
+
 def _flash_forward(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window):
     """(out [B, K, G, T, H] f32, logsumexp [B, K, G, T] f32)."""
     T = q.shape[3]
     q_n, k_n, v_n, valid_n, qseg_n = _blocked_inputs(q, k, v, key_valid_BS, query_ids, bq, bk)
     starts_k = jnp.arange(k_n.shape[0]) * bk
+    table = block_visibility(key_valid_BS, query_ids, offset, bq, bk, window)
 
     def query_block(args):
-        q_blk, qseg_blk, t0 = args
+        q_blk, qseg_blk, t0, visible_n = args
         B, K, G, _, H = q_blk.shape
 
         def key_block(carry, xs):
-            m, row_sum, acc = carry
-            k_blk, v_blk, valid_blk, s0 = xs
-            s = _block_scores(q_blk, k_blk, valid_blk, qseg_blk, t0, s0, offset, window)
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            p = jnp.exp(s - m_new[..., None])
-            scale = jnp.exp(m - m_new)
-            pv = jnp.einsum(
-                "bkgts,bksh->bkgth", p.astype(v_blk.dtype), v_blk, preferred_element_type=_F32
-            )
-            return (m_new, row_sum * scale + p.sum(axis=-1), acc * scale[..., None] + pv), None
+            k_blk, v_blk, valid_blk, s0, visible = xs
+
+            def accumulate(carry):
+                m, row_sum, acc = carry
+                s = _block_scores(q_blk, k_blk, valid_blk, qseg_blk, t0, s0, offset, window)
+                m_new = jnp.maximum(m, s.max(axis=-1))
+                p = jnp.exp(s - m_new[..., None])
+                scale = jnp.exp(m - m_new)
+                pv = jnp.einsum(
+                    "bkgts,bksh->bkgth", p.astype(v_blk.dtype), v_blk, preferred_element_type=_F32
+                )
+                return m_new, row_sum * scale + p.sum(axis=-1), acc * scale[..., None] + pv
+
+            return lax.cond(visible, accumulate, lambda c: c, carry), None
 
         init = (
             jnp.full((B, K, G, bq), _PADDED, _F32),
             jnp.zeros((B, K, G, bq), _F32),
             jnp.zeros((B, K, G, bq, H), _F32),
         )
-        (m, row_sum, acc), _ = lax.scan(key_block, init, (k_n, v_n, valid_n, starts_k))
-        return acc / row_sum[..., None], m + jnp.log(row_sum)
+        xs = (k_n, v_n, valid_n, starts_k, visible_n)
+        (m, row_sum, acc), _ = lax.scan(key_block, init, xs)
+        return acc / _safe(row_sum)[..., None], m + jnp.log(_safe(row_sum))
 
-    out_n, lse_n = lax.map(query_block, (q_n, qseg_n, jnp.arange(q_n.shape[0]) * bq))
+    starts_q = jnp.arange(q_n.shape[0]) * bq
+    out_n, lse_n = lax.map(query_block, (q_n, qseg_n, starts_q, table))
     return _merge_blocks(out_n, 3)[:, :, :, :T], _merge_blocks(lse_n, 3)[..., :T]
 
 
@@ -326,35 +396,44 @@ def _chunked_bwd(bq, bk, window, residuals, dout):
     delta_n = _split_blocks(_pad_to(delta, 3, bq), 3, bq)
     starts_q = jnp.arange(q_n.shape[0]) * bq
 
+    table = block_visibility(key_valid_BS, query_ids, offset, bq, bk, window)
+
     def key_block(dq_n, xs):
-        k_blk, v_blk, valid_blk, s0 = xs
+        k_blk, v_blk, valid_blk, s0, visible_n = xs
 
         def query_block(carry, ys):
-            dk, dv = carry
-            q_blk, qseg_blk, do_blk, lse_blk, delta_blk, t0 = ys
-            s = _block_scores(q_blk, k_blk, valid_blk, qseg_blk, t0, s0, offset, window)
-            p = jnp.exp(s - lse_blk[..., None])
-            dv = dv + jnp.einsum(
-                "bkgts,bkgth->bksh", p.astype(v.dtype), do_blk, preferred_element_type=_F32
-            )
-            dp = jnp.einsum("bkgth,bksh->bkgts", do_blk, v_blk, preferred_element_type=_F32)
-            ds = p * (dp - delta_blk[..., None])
-            dq_blk = jnp.einsum(
-                "bkgts,bkhs->bkgth", ds.astype(k.dtype), k_blk, preferred_element_type=_F32
-            )
-            dk = dk + jnp.einsum(
-                "bkgts,bkgth->bkhs", ds.astype(q.dtype), q_blk, preferred_element_type=_F32
-            )
-            return (dk, dv), dq_blk
+            q_blk, qseg_blk, do_blk, lse_blk, delta_blk, t0, visible = ys
+
+            def accumulate(carry):
+                dk, dv = carry
+                s = _block_scores(q_blk, k_blk, valid_blk, qseg_blk, t0, s0, offset, window)
+                p = jnp.exp(s - lse_blk[..., None])
+                dv = dv + jnp.einsum(
+                    "bkgts,bkgth->bksh", p.astype(v.dtype), do_blk, preferred_element_type=_F32
+                )
+                dp = jnp.einsum("bkgth,bksh->bkgts", do_blk, v_blk, preferred_element_type=_F32)
+                ds = p * (dp - delta_blk[..., None])
+                dq_blk = jnp.einsum(
+                    "bkgts,bkhs->bkgth", ds.astype(k.dtype), k_blk, preferred_element_type=_F32
+                )
+                dk = dk + jnp.einsum(
+                    "bkgts,bkgth->bkhs", ds.astype(q.dtype), q_blk, preferred_element_type=_F32
+                )
+                return (dk, dv), dq_blk
+
+            def skip(carry):
+                return carry, jnp.zeros(q_blk.shape, _F32)
+
+            return lax.cond(visible, accumulate, skip, carry)
 
         zeros = (jnp.zeros(k_blk.shape, _F32), jnp.zeros(v_blk.shape, _F32))
-        (dk, dv), dq_contrib = lax.scan(
-            query_block, zeros, (q_n, qseg_n, do_n, lse_n, delta_n, starts_q)
-        )
+        ys = (q_n, qseg_n, do_n, lse_n, delta_n, starts_q, visible_n)
+        (dk, dv), dq_contrib = lax.scan(query_block, zeros, ys)
         return dq_n + dq_contrib, (dk, dv)
 
+    starts_k = jnp.arange(k_n.shape[0]) * bk
     dq_n, (dk_n, dv_n) = lax.scan(
-        key_block, jnp.zeros(q_n.shape, _F32), (k_n, v_n, valid_n, jnp.arange(k_n.shape[0]) * bk)
+        key_block, jnp.zeros(q_n.shape, _F32), (k_n, v_n, valid_n, starts_k, table.T)
     )
     dq = _merge_blocks(dq_n, 3)[:, :, :, :T].astype(q.dtype)
     dk = _merge_blocks(dk_n, 3)[..., :S].astype(k.dtype)

@@ -18,8 +18,10 @@ A micro-batch is R rows of L slots on each data-parallel device ([devices x R, L
 N / devices, R a power of two, L a row-length bucket: 2^k or 1.5 x 2^k from the longest
 sequence's bucket up to N / devices). First-fit-decreasing (longest first, ties by order;
 deterministic) places the units into rows of L. (R, L) is the plan with the fewest modelled
-FLOPs (`SlotFlops`: matmul FLOPs per slot and attention score FLOPs, L^2 per row), and
-within 5% of those the fewest micro-batches (each also reads every weight once). The device
+FLOPs (`SlotFlops`: matmul FLOPs per slot and attention score FLOPs: L^2 per row where the
+rows run full attention, else the block pairs the chunked kernel computes, which skips the
+blocks no query of a block can see), and within 5% of those the fewest micro-batches (each
+also reads every weight once). The device
 runs only the `num_micro` micro-batches that hold rows. The update's programs depend on
 (M, T, R, L) alone: a few per run, however the lengths vary.
 
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import flax.struct
 import jax
@@ -47,6 +49,7 @@ import numpy as np
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models import decoder_layer, transformer
+from jaxrl4llm.models.attention import AttentionConfig, row_block_visibility
 from jaxrl4llm.sampling import buckets
 from jaxrl4llm.train.logprobs import Sequences, logprobs_from_hidden
 
@@ -79,20 +82,49 @@ class PackedBatch(flax.struct.PyTreeNode):
 class SlotFlops:
     """Modelled forward matmul FLOPs (transformer.flops_per_token): per token through the
     decoder layers, per unembedded position, per attended (query, key) pair. The backward
-    pass multiplies every plan's count alike, so forward FLOPs compare plans."""
+    pass multiplies every plan's count alike, so forward FLOPs compare plans. Which pairs a
+    packed row attends follows the attention implementation its rows run (`attention`,
+    resolved for the model's head_dim and compute dtype): the chunked kernel computes only the
+    block pairs attention.block_visibility marks, the others every [L, L] pair."""
 
     layers: float
     unembed: float
     pair: float
+    attention: AttentionConfig = AttentionConfig()
+    head_dim: int = 64
+    dtype: str = "float32"
 
     @classmethod
-    def of(cls, config: Any) -> SlotFlops:
-        return cls(*transformer.flops_per_token(config))
+    def of(cls, config: Any, attention: AttentionConfig = AttentionConfig()) -> SlotFlops:
+        dtype = config.compute_dtype or "float32"
+        return cls(*transformer.flops_per_token(config), attention, config.head_dim, dtype)
 
-    def packed(self, rows: int, length: int) -> float:
-        """`rows` packed rows of `length` slots: every slot unembedded, attention over the
-        whole row (block-diagonal, computed in full)."""
-        return rows * (length * (self.layers + self.unembed) + length * length * self.pair)
+    def row_blocks(self, segments_NL: np.ndarray, prefixes_NL: np.ndarray) -> np.ndarray | None:
+        """Host side: each packed row's visible block pairs [N, query blocks, key blocks]
+        where its rows run the chunked kernel; None where attention computes all [L, L]."""
+        L = segments_NL.shape[1]
+        impl = self.attention.resolve(L, L, self.head_dim, self.dtype, segmented=True)
+        if impl != "chunked":
+            return None
+        b = min(self.attention.packed_block, L)
+        ids = np.stack([segments_NL, prefixes_NL], axis=-1)
+        return row_block_visibility(segments_NL, ids, 0, b, b, None, xp=np)
+
+    def packed(
+        self, micro: int, rows: int, length: int, row_blocks: np.ndarray | None = None
+    ) -> float:
+        """`micro` micro-batches of `rows` packed rows of `length` slots: every slot
+        unembedded; attention over every row's [L, L] pairs, or with `row_blocks` (the first
+        rows' `row_blocks`, the rest empty) over the block pairs some row of a micro-batch
+        needs, for each of its rows (the kernel runs a block pair for the whole batch)."""
+        pairs = float(micro * rows * length * length)
+        if row_blocks is not None:
+            n, n_q, n_k = row_blocks.shape
+            needed = np.zeros((micro * rows, n_q, n_k), bool)
+            needed[:n] = row_blocks
+            blocks = needed.reshape(micro, rows, n_q, n_k).any(axis=1).sum()
+            pairs = float(blocks * rows * min(self.attention.packed_block, length) ** 2)
+        return micro * rows * length * (self.layers + self.unembed) + pairs * self.pair
 
     def padded(self, rows: int, prompt: int, completion: int, prompt_group: int) -> float:
         """The padded pass over `rows` rows of a `prompt`-column prompt block and a
@@ -221,11 +253,12 @@ def plan(
     for L in row_lengths(int(np.max(prompt_len + comp_len)), cap):
         unit_list = units(groups, prompt_len, comp_len, L)
         rows = first_fit_decreasing(np.array([u.size for u in unit_list]), L)
+        blocks = flops.row_blocks(*row_segments(unit_list, rows, L, prompt_len, comp_len))
         R = 1
         while R * L <= cap:
             per_micro = data_parallel * R
             num_micro = -(-len(rows) // per_micro)
-            cost = flops.packed(num_micro * per_micro, L)
+            cost = flops.packed(num_micro, per_micro, L, blocks)
             plans.append(Plan(L, R, unit_list, rows, num_micro, cost))
             R *= 2
     fewest = min(p.flops for p in plans)
@@ -244,6 +277,41 @@ def _host_sequences(seqs: Sequences) -> tuple[np.ndarray, ...]:
     return tuple(np.asarray(x) for x in jax.device_get(arrays))  # one transfer for all four
 
 
+def _placements(
+    unit_list: list[Unit], rows: list[list[int]], prompt_len: np.ndarray, comp_len: np.ndarray
+) -> Iterator[tuple[int, int, int, int, int, Unit, int | None]]:
+    """Where each segment of a plan's rows goes: (row, first slot, slots, segment id, the
+    segment it also sees, the unit, its member m or None for the unit's shared prefix)."""
+    for b, unit_indices in enumerate(rows):
+        col, segment = 0, 0
+        for unit in (unit_list[u] for u in unit_indices):
+            shared = 0
+            if unit.prefix:  # the shared prompt less its last token; every member sees it
+                segment = shared = segment + 1
+                yield b, col, unit.prefix, segment, segment, unit, None
+                col += unit.prefix
+            for m in unit.members:
+                # The prompt's last token (all of it without a prefix) and the completion.
+                n = int(prompt_len[m]) - unit.prefix + int(comp_len[m])
+                segment += 1
+                yield b, col, n, segment, shared or segment, unit, m
+                col += n
+
+
+def row_segments(
+    unit_list: list[Unit],
+    rows: list[list[int]],
+    length: int,
+    prompt_len: np.ndarray,
+    comp_len: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The segment ids and prefix ids [rows, length] of a plan's rows (PackedBatch's)."""
+    segments, prefixes = (np.zeros((len(rows), length), np.int32) for _ in range(2))
+    for b, col, n, segment, prefix, _, _ in _placements(unit_list, rows, prompt_len, comp_len):
+        segments[b, col : col + n], prefixes[b, col : col + n] = segment, prefix
+    return segments, prefixes
+
+
 def _lay_out(
     chosen: Plan,
     prompt_tokens: np.ndarray,
@@ -256,39 +324,27 @@ def _lay_out(
     """The plan's rows written out: tokens, positions, segments, prefixes, targets [K * R, L],
     and each mini-batch row's micro-batch and first-prediction slot [M]."""
     L, M = chosen.length, prompt_tokens.shape[0]
-    tokens, positions, segments, prefixes, targets = (
-        np.zeros((K * R, L), np.int32) for _ in range(5)
+    prompt_len = prompt_mask.sum(axis=1)
+    tokens, positions, targets = (np.zeros((K * R, L), np.int32) for _ in range(3))
+    segments, prefixes = (np.zeros((K * R, L), np.int32) for _ in range(2))
+    n_rows = len(chosen.rows)
+    segments[:n_rows], prefixes[:n_rows] = row_segments(
+        chosen.units, chosen.rows, L, prompt_len, comp_len
     )
     micro, start = np.zeros(M, np.int32), np.zeros(M, np.int32)
-
-    def put(
-        row: int, col: int, seq: np.ndarray, first_position: int, segment: int, prefix: int
-    ) -> None:
-        n = len(seq)
-        tokens[row, col : col + n] = seq
-        targets[row, col : col + n - 1] = seq[1:]
-        positions[row, col : col + n] = first_position + np.arange(n)
-        segments[row, col : col + n] = segment
-        prefixes[row, col : col + n] = prefix
-
-    for b, unit_indices in enumerate(chosen.rows):
-        col, segment = 0, 0
-        for unit in (chosen.units[u] for u in unit_indices):
-            prompt = prompt_tokens[unit.members[0]][prompt_mask[unit.members[0]]]
-            # The shared prompt less its last token; every member's segment sees it.
-            if unit.prefix:
-                segment += 1
-                put(b, col, prompt[:-1], 0, segment, segment)
-                col += unit.prefix
-            shared = segment if unit.prefix else 0
-            for m in unit.members:
-                segment += 1
-                own = prompt[unit.prefix :]  # the prompt's last token, or all of it
-                seq = np.concatenate([own, comp_tokens[m][: comp_len[m]]])
-                put(b, col, seq, unit.prefix, segment, shared or segment)
-                micro[m] = b // R
-                start[m] = (b % R) * L + col + len(own) - 1
-                col += len(seq)
+    placed = _placements(chosen.units, chosen.rows, prompt_len, comp_len)
+    for b, col, n, _, _, unit, m in placed:
+        prompt = prompt_tokens[unit.members[0]][prompt_mask[unit.members[0]]]
+        if m is None:
+            seq, first_position = prompt[:-1], 0
+        else:
+            own = prompt[unit.prefix :]  # the prompt's last token, or all of it
+            seq, first_position = np.concatenate([own, comp_tokens[m][: comp_len[m]]]), unit.prefix
+            micro[m] = b // R
+            start[m] = (b % R) * L + col + len(own) - 1
+        tokens[b, col : col + n] = seq
+        targets[b, col : col + n - 1] = seq[1:]
+        positions[b, col : col + n] = first_position + np.arange(n)
     return tokens, positions, segments, prefixes, targets, micro, start
 
 
@@ -372,7 +428,12 @@ def real_share(packed: PackedBatch) -> tuple[int, int]:
 def packed_flops(packed: PackedBatch, flops: SlotFlops) -> float:
     """The modelled forward FLOPs of the micro-batches that hold rows."""
     _, R, L = packed.segments_KRL.shape
-    return flops.packed(int(jax.device_get(packed.num_micro)) * R, L)
+    used = int(jax.device_get(packed.num_micro))
+    segments, prefixes = (
+        np.asarray(x[:used]).reshape(used * R, L)
+        for x in jax.device_get((packed.segments_KRL, packed.prefixes_KRL))
+    )
+    return flops.packed(used, R, L, flops.row_blocks(segments, prefixes))
 
 
 def packed_logprobs(
@@ -384,11 +445,14 @@ def packed_logprobs(
     *,
     remat: bool = False,
     sharding: parallel.ActivationSharding | None = None,
+    attention: AttentionConfig = AttentionConfig(),
 ) -> tuple[jax.Array, jax.Array]:
     """(logp_RL, entropy_RL) float32 of micro-batch k: at each slot, the logprob of the next
     token of its row and the entropy of that prediction (the sampler's definition)."""
     params = transformer.cast_for_compute(params, config)
-    h_RLD = packed_hidden_states(params, config, packed, k, remat=remat, sharding=sharding)
+    h_RLD = packed_hidden_states(
+        params, config, packed, k, remat=remat, sharding=sharding, attention=attention
+    )
     targets = parallel.constrain(packed.targets_KRL[k], ("batch", None), sharding)
     return logprobs_from_hidden(params, config, h_RLD, targets, temperature, sharding=sharding)
 
@@ -401,6 +465,7 @@ def packed_hidden_states(
     *,
     remat: bool = False,
     sharding: parallel.ActivationSharding | None = None,
+    attention: AttentionConfig = AttentionConfig(),
 ) -> jax.Array:
     """h_RLD of micro-batch k (`params` already cast for compute): the last layer's hidden
     state (after the final norm) at each slot, the state that predicts the slot's target."""
@@ -416,6 +481,7 @@ def packed_hidden_states(
         sharding=sharding,
         segment_ids_BT=segments,
         prefix_ids_BT=take(packed.prefixes_KRL),
+        attention=attention,
     )
     return parallel.constrain(h_RLD, decoder_layer.H_AXES, sharding)
 

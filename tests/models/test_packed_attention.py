@@ -30,8 +30,8 @@ L = 16
 # The splash kernel runs in the Pallas interpreter on CPU (minutes): one case of it.
 IMPLS = [
     (A.AttentionConfig("reference"), None),
-    (A.AttentionConfig("chunked", 4, 4, 0), None),
-    (A.AttentionConfig("chunked", 4, 4, 0), 4),
+    (A.AttentionConfig("chunked", 4, 4, 0, packed_block=4), None),
+    (A.AttentionConfig("chunked", 4, 4, 0, packed_block=3), 4),
     (A.AttentionConfig("xla"), 4),
     (A.AttentionConfig("splash", 128, 128), 4),
 ]
@@ -114,6 +114,62 @@ def test_segments_keep_queries_to_their_own_sequence():
         ]
     )
     np.testing.assert_array_equal(visible, expected)
+
+
+def test_block_visibility_by_hand():
+    """Blocks of 4 over a row of three 4-slot segments: alone, each query block sees only its
+    own key block; as a prefix and two members, the second member's block also sees the
+    prefix's and never the first member's."""
+    seg = np.repeat(np.array([[1, 2, 3]], np.int32), 4, axis=1)
+    alone = np.stack([seg, seg], axis=-1)
+    shared = np.stack([seg, np.ones_like(seg)], axis=-1)
+    for xp in (np, jnp):
+        table = A.row_block_visibility(xp.asarray(seg), xp.asarray(alone), 0, 4, 4, None, xp=xp)
+        np.testing.assert_array_equal(np.asarray(table)[0], np.eye(3, dtype=bool))
+        table = A.row_block_visibility(xp.asarray(seg), xp.asarray(shared), 0, 4, 4, None, xp=xp)
+        np.testing.assert_array_equal(
+            np.asarray(table)[0], np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
+        )
+
+
+def _random_packed_row(rng, L):
+    """One packed row as the packer lays it out: units of an optional prefix segment and
+    member segments (seeing the prefix), then padding."""
+    seg, pre = np.zeros(L, np.int32), np.zeros(L, np.int32)
+    col, s = 0, 0
+    while col < L - 2:
+        shared = 0
+        if rng.random() < 0.5:
+            n = int(rng.integers(1, 6))
+            s += 1
+            seg[col : col + n], pre[col : col + n], shared = s, s, s
+            col += n
+        for _ in range(int(rng.integers(1, 4))):
+            n = int(rng.integers(1, 9))
+            s += 1
+            seg[col : col + n], pre[col : col + n] = s, shared or s
+            col += n
+    return seg[:L], pre[:L]
+
+
+@pytest.mark.parametrize("bq,bk,window", [(4, 4, None), (3, 5, None), (4, 4, 6), (8, 2, 3)])
+def test_block_visibility_never_skips_a_visible_pair(bq, bk, window):
+    """Against the explicit mask (visible_mask) on random packed rows: every block pair that
+    holds a visible (query, key) pair is marked, and numpy and jax.numpy agree."""
+    rng = np.random.default_rng(bq * 10 + bk)
+    L = 29
+    for _ in range(20):
+        seg, pre = (np.stack(x) for x in zip(*(_random_packed_row(rng, L) for _ in range(3))))
+        mask = np.asarray(A.visible_mask(jnp.asarray(seg), L, 0, window, jnp.asarray(pre)))
+        padded = np.zeros((3, -(-L // bq) * bq, -(-L // bk) * bk), bool)
+        padded[:, :L, :L] = mask
+        needed = padded.reshape(3, -(-L // bq), bq, -(-L // bk), bk).any(axis=(2, 4))
+        ids = np.stack([seg, pre], axis=-1)
+        table = A.row_block_visibility(seg, ids, 0, bq, bk, window, xp=np)
+        assert not (needed & ~table).any()
+        assert table.sum() < table.size  # the causal half at least is skipped
+        on_device = A.row_block_visibility(jnp.asarray(seg), jnp.asarray(ids), 0, bq, bk, window)
+        np.testing.assert_array_equal(np.asarray(on_device), table)
 
 
 def test_segment_ids_refuse_a_kv_cache():

@@ -124,7 +124,31 @@ def test_padded_flops_by_hand():
     # Unshared: 4 rows of 4 + 3 - 1 = 6 columns: 4 x (12 + 36) + 36.
     assert flops.padded(4, 4, 3, prompt_group=1) == 4 * 48 + 36
     # Packed: 2 rows of 8 slots: 2 x (8 x 5 + 64).
-    assert flops.packed(2, 8) == 2 * 104
+    assert flops.packed(1, 2, 8) == 2 * 104
+
+
+def test_packed_flops_count_the_chunked_kernels_blocks_by_hand():
+    # Blocks of 4, so rows of >= 8 slots run the chunked kernel (attention.AttentionConfig).
+    flops = packing.SlotFlops(1.0, 0.0, 1.0, attention.AttentionConfig(packed_block=4))
+    # One group of 3 sharing a 5-token prompt (completions of 3): the prefix (4 slots) and 3
+    # members of 4 (the prompt's last token + 3), one block each. Query blocks see: the
+    # prefix itself; each member the prefix and itself: 7 of 16 block pairs.
+    unit_list = packing.units([[0, 1, 2]], np.full(3, 5), np.full(3, 3), 16)
+    seg, pre = packing.row_segments(unit_list, [[0]], 16, np.full(3, 5), np.full(3, 3))
+    np.testing.assert_array_equal(seg[0], np.repeat([1, 2, 3, 4], 4))
+    np.testing.assert_array_equal(pre[0], np.repeat([1, 1, 1, 1], 4))
+    assert flops.packed(1, 1, 16, flops.row_blocks(seg, pre)) == 16 + 7 * 16
+    # Beside it in one micro-batch, a row of one 16-token sequence (its 10 causal block
+    # pairs, which hold the first row's 7): the kernel runs the union for both rows.
+    alone = np.ones((1, 16), np.int32)
+    blocks = flops.row_blocks(np.concatenate([seg, alone]), np.concatenate([pre, alone]))
+    assert flops.packed(1, 2, 16, blocks) == 32 + 2 * 10 * 16
+    # Under two blocks a row runs the reference: every [L, L] pair.
+    assert flops.row_blocks(seg[:, :4], pre[:, :4]) is None
+    # Four 4-token sequences, no prompts: rows of 16 (the shortest row), each its own block.
+    assert _plan([4, 4, 4, 4], 16, flops) == (16, 1, 1)
+    chosen = packing.plan([[m] for m in range(4)], np.zeros(4, int), np.full(4, 4), 16, 1, flops)
+    assert chosen.flops == 16 + 4 * 16
 
 
 def test_completion_lengths_count_masked_off_tokens_inside_a_completion():
@@ -293,7 +317,7 @@ def test_a_shared_prompt_mask_by_hand():
     v = jax.random.normal(keys[2], (1, 2, 10, 8))  # [B, K, S, H]
 
     def run(impl):
-        config = attention.AttentionConfig(impl=impl, block_q=4, block_k=4)
+        config = attention.AttentionConfig(impl=impl, block_q=4, block_k=4, packed_block=4)
 
         def f(q, k, v):
             out = attention.attention(q, k, v, segments, 0, config, query_prefix_BT=prefixes)
