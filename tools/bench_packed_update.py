@@ -34,11 +34,15 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxrl4llm.config import cli  # noqa: E402
 from tools.bench_rollout import mix_caps  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+_COUNTS = ("prompts", "group", "prompt_tokens", "micro_batch_tokens", "layers", "repeats")
 
 
 def _parse(argv: Any) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--length_mix", choices=("step0", "tail10"), default="tail10")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--group", type=int, default=4)
@@ -46,8 +50,12 @@ def _parse(argv: Any) -> argparse.Namespace:
     parser.add_argument("--micro_batch_tokens", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    return parser.parse_args(argv)
+    parser.add_argument("--model", default=MODEL)
+    args = parser.parse_args(argv)
+    for name in _COUNTS:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)}: must be >= 1.")
+    return args
 
 
 def synthetic_sequences(args: argparse.Namespace, vocab: int) -> Any:
@@ -108,6 +116,7 @@ def main(argv: Any = None) -> int:
     from jaxrl4llm.train import packing
 
     full_config, params, _ = registry.load_model(args.model, dtype=jnp.float32)
+    args.layers = min(args.layers, full_config.num_layers)
     config = dataclasses.replace(full_config, num_layers=args.layers)
     params = {**params, "layers": jax.tree.map(lambda w: w[: args.layers], params["layers"])}
     seqs = synthetic_sequences(args, config.vocab_size)
@@ -137,4 +146,4 @@ def main(argv: Any = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main, absl_flags=False)

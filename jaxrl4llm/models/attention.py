@@ -71,6 +71,8 @@ class AttentionConfig:
     block_k: int = 512
     min_chunked_keys: int = 1024
     packed_block: int = 256
+    # False: the chunked kernel computes every block pair (tools/bench_attention.py's baseline).
+    skip_blocks: bool = True
 
     def __post_init__(self):
         if self.impl not in IMPLS:
@@ -201,6 +203,7 @@ def attention(
             min(config.blocks(segmented)[0], T),
             min(config.blocks(segmented)[1], S),
             window,
+            config.skip_blocks,
         )
     else:
         if not isinstance(offset, int):
@@ -326,18 +329,24 @@ def block_visibility(key_valid_BS, query_ids_BT2, offset, bq, bk, window):
     return row_block_visibility(key_valid_BS, query_ids_BT2, offset, bq, bk, window).any(0)
 
 
+def _block_table(key_valid_BS, query_ids, offset, bq, bk, window, skip):
+    """The block pairs the kernel computes: block_visibility's, or every pair (skip False)."""
+    table = block_visibility(key_valid_BS, query_ids, offset, bq, bk, window)
+    return table if skip else jnp.ones_like(table)
+
+
 def _safe(row_sum):
     """Row sums with the queries that met no computed block (they see no key) set to 1, so
     their output is 0 rather than NaN."""
     return jnp.where(row_sum > 0, row_sum, 1.0)
 
 
-def _flash_forward(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window):
+def _flash_forward(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window, skip):
     """(out [B, K, G, T, H] f32, logsumexp [B, K, G, T] f32)."""
     T = q.shape[3]
     q_n, k_n, v_n, valid_n, qseg_n = _blocked_inputs(q, k, v, key_valid_BS, query_ids, bq, bk)
     starts_k = jnp.arange(k_n.shape[0]) * bk
-    table = block_visibility(key_valid_BS, query_ids, offset, bq, bk, window)
+    table = _block_table(key_valid_BS, query_ids, offset, bq, bk, window, skip)
 
     def query_block(args):
         q_blk, qseg_blk, t0, visible_n = args
@@ -373,17 +382,17 @@ def _flash_forward(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window):
     return _merge_blocks(out_n, 3)[:, :, :, :T], _merge_blocks(lse_n, 3)[..., :T]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _chunked(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window):
-    return _flash_forward(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _chunked(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window, skip):
+    return _flash_forward(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window, skip)[0]
 
 
-def _chunked_fwd(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window):
-    out, lse = _flash_forward(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window)
+def _chunked_fwd(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window, skip):
+    out, lse = _flash_forward(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window, skip)
     return out, (q, k, v, key_valid_BS, query_ids, offset, out, lse)
 
 
-def _chunked_bwd(bq, bk, window, residuals, dout):
+def _chunked_bwd(bq, bk, window, skip, residuals, dout):
     """Flash-attention backward: per (key block, query block) pair, recompute the
     probabilities from the saved logsumexp; dq accumulates over key blocks, dk / dv over
     query blocks."""
@@ -396,7 +405,7 @@ def _chunked_bwd(bq, bk, window, residuals, dout):
     delta_n = _split_blocks(_pad_to(delta, 3, bq), 3, bq)
     starts_q = jnp.arange(q_n.shape[0]) * bq
 
-    table = block_visibility(key_valid_BS, query_ids, offset, bq, bk, window)
+    table = _block_table(key_valid_BS, query_ids, offset, bq, bk, window, skip)
 
     def key_block(dq_n, xs):
         k_blk, v_blk, valid_blk, s0, visible_n = xs

@@ -104,7 +104,7 @@ class SlotFlops:
         where its rows run the chunked kernel; None where attention computes all [L, L]."""
         L = segments_NL.shape[1]
         impl = self.attention.resolve(L, L, self.head_dim, self.dtype, segmented=True)
-        if impl != "chunked":
+        if impl != "chunked" or not self.attention.skip_blocks:
             return None
         b = min(self.attention.packed_block, L)
         ids = np.stack([segments_NL, prefixes_NL], axis=-1)

@@ -48,6 +48,8 @@ def _one_line(result) -> str:
         (["tools/bench_extract.py", "--bytes=many"], "--bytes"),
         (["tools/bench_forward.py", "--model=huge"], "--model=huge"),
         (["tools/bench_rollout.py", "--dtype=float8"], "--dtype"),
+        (["tools/bench_packed_update.py", "--layers=0"], "--layers=0"),
+        (["tools/bench_attention.py", "--repeats=0"], "--repeats=0"),
         (["tools/bench_sampler.py", "--modes=beam"], "--modes"),
         (["tools/bench_train.py", "--rounds=0"], "--rounds=0"),
         (["tools/bench_update_memory.py", "stray"], "stray"),

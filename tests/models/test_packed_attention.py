@@ -32,6 +32,7 @@ IMPLS = [
     (A.AttentionConfig("reference"), None),
     (A.AttentionConfig("chunked", 4, 4, 0, packed_block=4), None),
     (A.AttentionConfig("chunked", 4, 4, 0, packed_block=3), 4),
+    (A.AttentionConfig("chunked", 4, 4, 0, packed_block=4, skip_blocks=False), None),
     (A.AttentionConfig("xla"), 4),
     (A.AttentionConfig("splash", 128, 128), 4),
 ]
