@@ -1,5 +1,5 @@
 """Time of the chunked attention kernel's forward and backward passes with its block skipping
-(attention.block_visibility) against the same kernel computing every block pair, in one run.
+(masks.block_visibility) against the same kernel computing every block pair, in one run.
 
     python tools/bench_attention.py                       # causal rows of 2048 and 4096 keys
     python tools/bench_attention.py --packed=tail10       # and bench_packed_update's rows
@@ -82,12 +82,12 @@ def time_kernel(key_valid_BS, prefixes_BT, skip: bool, repeats: int) -> float:
 
 
 def report(name: str, key_valid_BS, prefixes_BT, repeats: int) -> None:
-    from jaxrl4llm.models import attention
+    from jaxrl4llm.models import attention, masks
 
-    segmented = attention.is_segmented(key_valid_BS)
-    block = attention.AttentionConfig().blocks(segmented)[0]
-    ids = attention.query_segments(key_valid_BS, key_valid_BS.shape[1], 0, prefixes_BT)
-    table = attention.block_visibility(key_valid_BS, ids, 0, block, block, None)
+    segmented = masks.is_segmented(key_valid_BS)
+    block = min(attention.AttentionConfig().blocks(segmented)[0], key_valid_BS.shape[1])
+    ids = masks.query_segments(key_valid_BS, key_valid_BS.shape[1], 0, prefixes_BT)
+    table = masks.block_visibility(key_valid_BS, ids, 0, block, block, None)
     times = [time_kernel(key_valid_BS, prefixes_BT, skip, repeats) for skip in (True, False)]
     print(
         f"{name}: blocks of {block}, {int(table.sum())} of {table.size} block pairs computed; "

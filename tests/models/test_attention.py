@@ -14,6 +14,7 @@ import pytest
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models import attention as A
+from jaxrl4llm.models import masks
 from jaxrl4llm.models import transformer as T
 from jaxrl4llm.models.config import TINY
 
@@ -75,14 +76,14 @@ def test_window_keeps_the_query_and_the_slots_before_it():
     """Query slot p sees p - W < s <= p (transformers: kv_idx > q_idx - sliding_window), and
     a window at least as long as the keys masks nothing."""
     valid = jnp.ones((1, 6), bool)
-    visible = np.asarray(A.visible_mask(valid, 3, 3, window=2))[0]
+    visible = np.asarray(masks.visible_mask(valid, 3, 3, window=2))[0]
     assert visible.tolist() == [
         [False, False, True, True, False, False],
         [False, False, False, True, True, False],
         [False, False, False, False, True, True],
     ]
     np.testing.assert_array_equal(
-        A.visible_mask(valid, 3, 3, window=6), A.visible_mask(valid, 3, 3)
+        masks.visible_mask(valid, 3, 3, window=6), masks.visible_mask(valid, 3, 3)
     )
 
 
@@ -90,7 +91,7 @@ def test_window_keeps_the_query_and_the_slots_before_it():
 @pytest.mark.parametrize("Tq,S,offset", CASES[1:])
 def test_chunked_gradients_equal_the_reference(Tq, S, offset, window):
     q, k, v, valid = _inputs(Tq, S, seed=1)
-    seen = np.asarray(A.visible_mask(valid, Tq, offset, window).any(-1))
+    seen = np.asarray(masks.visible_mask(valid, Tq, offset, window).any(-1))
     w = jnp.asarray(np.random.default_rng(2).standard_normal((B, Tq, N * H)), jnp.float32)
 
     def loss(q, k, v, impl):

@@ -5,6 +5,7 @@ attention implementation."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxrl4llm.models import attention as A
-from jaxrl4llm.models import kv_cache
+from jaxrl4llm.models import kv_cache, masks
 from jaxrl4llm.models import transformer as T
 from jaxrl4llm.models.config import TINY
 
@@ -103,7 +104,7 @@ def test_packed_rows_equal_each_sequence_alone(attention, window):
 def test_segments_keep_queries_to_their_own_sequence():
     """The mask by hand: row [1 1 2 2 2 0], self-attention."""
     seg = jnp.asarray([[1, 1, 2, 2, 2, 0]], jnp.int32)
-    visible = np.asarray(A.visible_mask(seg, 6, 0))[0].astype(int)
+    visible = np.asarray(masks.visible_mask(seg, 6, 0))[0].astype(int)
     expected = np.array(
         [
             [1, 0, 0, 0, 0, 0],
@@ -125,12 +126,25 @@ def test_block_visibility_by_hand():
     alone = np.stack([seg, seg], axis=-1)
     shared = np.stack([seg, np.ones_like(seg)], axis=-1)
     for xp in (np, jnp):
-        table = A.row_block_visibility(xp.asarray(seg), xp.asarray(alone), 0, 4, 4, None, xp=xp)
+        visibility = functools.partial(masks.row_block_visibility, xp.asarray(seg), xp=xp)
+        table = visibility(xp.asarray(alone), 0, 4, 4, None)
         np.testing.assert_array_equal(np.asarray(table)[0], np.eye(3, dtype=bool))
-        table = A.row_block_visibility(xp.asarray(seg), xp.asarray(shared), 0, 4, 4, None, xp=xp)
+        table = visibility(xp.asarray(shared), 0, 4, 4, None)
         np.testing.assert_array_equal(
             np.asarray(table)[0], np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
         )
+
+
+def test_block_visibility_keeps_a_prefix_seen_by_queries_outside_any_segment():
+    """Queries 4-7 have no segment of their own (0) but prefix segment 1: they see keys 0-3,
+    so their block needs key block 0 (masks.visible_mask's rule)."""
+    seg = np.array([[1, 1, 1, 1, 0, 0, 0, 0]], np.int32)
+    ids = np.stack([seg, np.ones_like(seg)], axis=-1)
+    assert np.asarray(masks.visible_mask(jnp.asarray(seg), 8, 0, None, jnp.ones((1, 8))))[
+        0, 4:, :4
+    ].all()
+    table = masks.row_block_visibility(seg, ids, 0, 4, 4, None, xp=np)
+    np.testing.assert_array_equal(table[0], np.array([[1, 0], [1, 0]], bool))
 
 
 def _random_packed_row(rng, L):
@@ -161,15 +175,17 @@ def test_block_visibility_never_skips_a_visible_pair(bq, bk, window):
     L = 29
     for _ in range(20):
         seg, pre = (np.stack(x) for x in zip(*(_random_packed_row(rng, L) for _ in range(3))))
-        mask = np.asarray(A.visible_mask(jnp.asarray(seg), L, 0, window, jnp.asarray(pre)))
+        mask = np.asarray(masks.visible_mask(jnp.asarray(seg), L, 0, window, jnp.asarray(pre)))
         padded = np.zeros((3, -(-L // bq) * bq, -(-L // bk) * bk), bool)
         padded[:, :L, :L] = mask
         needed = padded.reshape(3, -(-L // bq), bq, -(-L // bk), bk).any(axis=(2, 4))
         ids = np.stack([seg, pre], axis=-1)
-        table = A.row_block_visibility(seg, ids, 0, bq, bk, window, xp=np)
+        table = masks.row_block_visibility(seg, ids, 0, bq, bk, window, xp=np)
         assert not (needed & ~table).any()
         assert table.sum() < table.size  # the causal half at least is skipped
-        on_device = A.row_block_visibility(jnp.asarray(seg), jnp.asarray(ids), 0, bq, bk, window)
+        on_device = masks.row_block_visibility(
+            jnp.asarray(seg), jnp.asarray(ids), 0, bq, bk, window
+        )
         np.testing.assert_array_equal(np.asarray(on_device), table)
 
 

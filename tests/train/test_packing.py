@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from jaxrl4llm import parallel, rl
-from jaxrl4llm.models import attention, transformer
+from jaxrl4llm.models import attention, masks, transformer
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.train import packing
+from jaxrl4llm.train import packing, packing_plan
 from jaxrl4llm.train.logprobs import Sequences, completion_logprobs_jit
 from jaxrl4llm.train.step import UpdateBatch, accumulate_gradients, accumulate_packed
 
@@ -39,28 +39,28 @@ SLOTS = packing.SlotFlops(layers=1.0, unembed=0.0, pair=0.0)
 def test_first_fit_decreasing_by_hand():
     # Longest first: 7 -> bin 0; 5 -> bin 1; 4 -> bin 1 (9); 3 -> bin 0 (10); 2 -> bin 2;
     # 1 -> bin 1 (10).
-    assert packing.first_fit_decreasing(np.array([3, 7, 2, 5, 1, 4]), 10) == [
+    assert packing_plan.first_fit_decreasing(np.array([3, 7, 2, 5, 1, 4]), 10) == [
         [1, 0],
         [3, 5, 4],
         [2],
     ]
     with pytest.raises(ValueError, match="does not fit a packed row of 4"):
-        packing.first_fit_decreasing(np.array([5]), 4)
+        packing_plan.first_fit_decreasing(np.array([5]), 4)
 
 
 def test_row_lengths_and_the_fewest_slots_by_hand():
     # Two per octave from the longest sequence's bucket (at least 16), then the cap itself.
-    assert packing.row_lengths(18, 100) == [24, 32, 48, 64, 96, 100]
-    assert packing.row_lengths(5, 20) == [16, 20]
-    assert packing.row_lengths(18, 18) == [18]
+    assert packing_plan.row_lengths(18, 100) == [24, 32, 48, 64, 96, 100]
+    assert packing_plan.row_lengths(5, 20) == [16, 20]
+    assert packing_plan.row_lengths(18, 18) == [18]
     with pytest.raises(ValueError, match="does not fit the per-device budget of 18"):
-        packing.row_lengths(19, 18)
+        packing_plan.row_lengths(19, 18)
 
 
 def _plan(lengths, budget, flops, data_parallel=1):
     """(L, R, micro-batches) of the plan for single sequences of `lengths` (no prompt)."""
     lengths = np.asarray(lengths)
-    chosen = packing.plan(
+    chosen = packing_plan.plan(
         [[m] for m in range(lengths.size)],
         np.zeros_like(lengths),
         lengths,
@@ -95,25 +95,25 @@ def test_units_share_a_prompt_and_split_a_group_that_does_not_fit():
     # Rows 0-2 share a 5-token prompt: the prefix holds 4 tokens, each member its prompt's
     # last token + its completion (5, 3, 7 tokens). Rows of 16 leave 12 for members: FFD
     # [7 5] [3]. Row 3 is alone: one unit of 3 + 3 tokens.
-    units = packing.units(
+    units = packing_plan.units(
         [[0, 1, 2], [3]], np.array([5, 5, 5, 3]), np.array([4, 2, 6, 3]), length=16
     )
     assert units == [
-        packing.Unit(4, (2, 0), 16),
-        packing.Unit(4, (1,), 7),
-        packing.Unit(0, (3,), 6),
+        packing_plan.Unit(4, (2, 0), 16),
+        packing_plan.Unit(4, (1,), 7),
+        packing_plan.Unit(0, (3,), 6),
     ]
     # A one-token prompt has nothing to share.
-    assert packing.units([[0, 1]], np.array([1, 1]), np.array([3, 4]), 16) == [
-        packing.Unit(0, (0,), 4),
-        packing.Unit(0, (1,), 5),
+    assert packing_plan.units([[0, 1]], np.array([1, 1]), np.array([3, 4]), 16) == [
+        packing_plan.Unit(0, (0,), 4),
+        packing_plan.Unit(0, (1,), 5),
     ]
 
 
 def test_prompt_groups_are_rows_with_equal_real_prompt_tokens():
     tokens = np.array([[0, 5, 6], [7, 5, 6], [0, 5, 6], [0, 0, 6]])
     mask = np.array([[0, 1, 1], [0, 1, 1], [0, 1, 1], [0, 0, 1]], bool)
-    assert packing.prompt_groups(tokens, mask) == [[0, 1, 2], [3]]
+    assert packing_plan.prompt_groups(tokens, mask) == [[0, 1, 2], [3]]
 
 
 def test_padded_flops_by_hand():
@@ -133,8 +133,8 @@ def test_packed_flops_count_the_chunked_kernels_blocks_by_hand():
     # One group of 3 sharing a 5-token prompt (completions of 3): the prefix (4 slots) and 3
     # members of 4 (the prompt's last token + 3), one block each. Query blocks see: the
     # prefix itself; each member the prefix and itself: 7 of 16 block pairs.
-    unit_list = packing.units([[0, 1, 2]], np.full(3, 5), np.full(3, 3), 16)
-    seg, pre = packing.row_segments(unit_list, [[0]], 16, np.full(3, 5), np.full(3, 3))
+    unit_list = packing_plan.units([[0, 1, 2]], np.full(3, 5), np.full(3, 3), 16)
+    seg, pre = packing_plan.row_segments(unit_list, [[0]], 16, np.full(3, 5), np.full(3, 3))
     np.testing.assert_array_equal(seg[0], np.repeat([1, 2, 3, 4], 4))
     np.testing.assert_array_equal(pre[0], np.repeat([1, 1, 1, 1], 4))
     assert flops.packed(1, 1, 16, flops.row_blocks(seg, pre)) == 16 + 7 * 16
@@ -147,14 +147,15 @@ def test_packed_flops_count_the_chunked_kernels_blocks_by_hand():
     assert flops.row_blocks(seg[:, :4], pre[:, :4]) is None
     # Four 4-token sequences, no prompts: rows of 16 (the shortest row), each its own block.
     assert _plan([4, 4, 4, 4], 16, flops) == (16, 1, 1)
-    chosen = packing.plan([[m] for m in range(4)], np.zeros(4, int), np.full(4, 4), 16, 1, flops)
+    singles = [[m] for m in range(4)]
+    chosen = packing_plan.plan(singles, np.zeros(4, int), np.full(4, 4), 16, 1, flops)
     assert chosen.flops == 16 + 4 * 16
 
 
 def test_completion_lengths_count_masked_off_tokens_inside_a_completion():
     # Row 1: a multi-turn completion whose tokens 2-3 (an observation) are off the mask.
     mask = np.array([[1, 1, 0, 0, 0], [1, 1, 0, 0, 1], [0, 0, 0, 0, 0]], bool)
-    np.testing.assert_array_equal(packing.completion_lengths(mask), [2, 5, 0])
+    np.testing.assert_array_equal(packing_plan.completion_lengths(mask), [2, 5, 0])
 
 
 def _batch(seed=0, groups=None):
@@ -292,7 +293,7 @@ def test_a_shared_prompt_mask_by_hand():
     (segments 2, 3), a sequence of its own (segment 4), one empty slot."""
     segments = jnp.asarray([[1, 1, 1, 2, 2, 3, 3, 4, 4, 0]], jnp.int32)
     prefixes = jnp.asarray([[1, 1, 1, 1, 1, 1, 1, 4, 4, 0]], jnp.int32)
-    visible = np.asarray(attention.visible_mask(segments, 10, 0, query_prefix_BT=prefixes))
+    visible = np.asarray(masks.visible_mask(segments, 10, 0, query_prefix_BT=prefixes))
     expected = np.array(
         [
             [1, 0, 0, 0, 0, 0, 0, 0, 0, 0],
