@@ -56,7 +56,6 @@ from jaxrl4llm.train.packing_plan import (
     placements,
     plan,
     prompt_groups,
-    row_segments,
 )
 from jaxrl4llm.train.packing_plan import SlotFlops as SlotFlops  # packing.SlotFlops for callers
 
@@ -96,23 +95,20 @@ def _lay_out(
     prompt_tokens: np.ndarray,
     prompt_mask: np.ndarray,
     comp_tokens: np.ndarray,
-    comp_len: np.ndarray,
+    lengths: tuple[np.ndarray, np.ndarray],
     R: int,
     K: int,
 ) -> tuple[np.ndarray, ...]:
     """The plan's rows written out: tokens, positions, segments, prefixes, targets [K * R, L],
-    and each mini-batch row's micro-batch and first-prediction slot [M]."""
+    and each mini-batch row's micro-batch and first-prediction slot [M]. `lengths`: each
+    row's prompt and completion lengths."""
     L, M = chosen.length, prompt_tokens.shape[0]
-    prompt_len = prompt_mask.sum(axis=1)
-    tokens, positions, targets = (np.zeros((K * R, L), np.int32) for _ in range(3))
-    segments, prefixes = (np.zeros((K * R, L), np.int32) for _ in range(2))
-    n_rows = len(chosen.rows)
-    segments[:n_rows], prefixes[:n_rows] = row_segments(
-        chosen.units, chosen.rows, L, prompt_len, comp_len
+    tokens, positions, segments, prefixes, targets = (
+        np.zeros((K * R, L), np.int32) for _ in range(5)
     )
     micro, start = np.zeros(M, np.int32), np.zeros(M, np.int32)
-    placed = placements(chosen.units, chosen.rows, prompt_len, comp_len)
-    for b, col, n, _, _, unit, m in placed:
+    comp_len = lengths[1]
+    for b, col, n, segment, prefix, unit, m in placements(chosen.units, chosen.rows, *lengths):
         prompt = prompt_tokens[unit.members[0]][prompt_mask[unit.members[0]]]
         if m is None:
             seq, first_position = prompt[:-1], 0
@@ -124,6 +120,7 @@ def _lay_out(
         tokens[b, col : col + n] = seq
         targets[b, col : col + n - 1] = seq[1:]
         positions[b, col : col + n] = first_position + np.arange(n)
+        segments[b, col : col + n], prefixes[b, col : col + n] = segment, prefix
     return tokens, positions, segments, prefixes, targets, micro, start
 
 
@@ -146,7 +143,7 @@ def pack(
     R = data_parallel * chosen.rows_per_device
     K = -(-M // R)
     tokens, positions, segments, prefixes, targets, micro, start = _lay_out(
-        chosen, prompt_tokens, prompt_mask, comp_tokens, comp_len, R, K
+        chosen, prompt_tokens, prompt_mask, comp_tokens, (prompt_len, comp_len), R, K
     )
     shape = (K, R, chosen.length)
     return PackedBatch(
