@@ -13,9 +13,13 @@ prompt also pass each query's prefix segment (`query_prefix_BT`, self-attention 
 segment holding its group's prompt, which it sees beside its own (its own id where it has
 none). One rule covers the three uses:
 self-attention (offset 0), a KV cache (offset = the first new slot) and a shared prefix
-(keys = prefix ++ row, offset = prefix length). Rows are a left-padded prompt followed by
-contiguous real tokens, so a distance in slots is a distance in real tokens (RoPE positions)
-between any two real tokens, and the window counts real tokens.
+(keys = prefix ++ row, offset = prefix length).
+
+The window counts positions (RoPE's), p_s > p_t - W. Plain rows are a left-padded prompt
+followed by contiguous real tokens, so there a distance in slots is a distance in positions
+between any two real tokens, and the slots serve. Packed rows pass each slot's position
+(`positions_BS`): a completion packed after its group's earlier completions is further from
+the shared prompt in slots than in positions (masks.py's docstring).
 
   reference  the whole [B, K, G, T, S] score matrix: fastest for short contexts and for the
              sampler's one-query decode steps.
@@ -29,7 +33,9 @@ between any two real tokens, and the window counts real tokens.
              two blocks of `packed_block` up.
   splash     the Pallas TPU splash-attention kernel (causal mask with an offset, segment ids
              for padding), per device under shard_map. Its segment ids are equality only:
-             prefix segments run the chunked path instead ("auto") or are refused.
+             prefix segments run the chunked path instead ("auto") or are refused. Its
+             window counts slots, which on packed rows without prefixes are positions
+             (each segment's positions run on one per slot).
   cudnn      jax.nn.dot_product_attention's cuDNN flash kernel on GPU (bf16/fp16), per device
              under shard_map. "xla" runs the same call with XLA's implementation (tests).
 """
@@ -120,11 +126,14 @@ def attention(
     sharding: parallel.ActivationSharding | None = None,
     window: int | None = None,
     query_prefix_BT: jax.Array | None = None,
+    positions_BS: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of queries [B, T, N, H] over keys [B, K, H, S] / values [B, K, S, H];
     q heads n*G .. n*G+G-1 share kv head n. Returns [B, T, N*H] float32. `window`: the
     sliding window W (None: full causal attention), static. `query_prefix_BT` (segment ids
     only): each query's prefix segment, which it sees beside its own (module docstring).
+    `positions_BS`: each key slot's position, by which the window counts (packed rows;
+    needed with prefix segments and a window); None: the slot.
 
     Matmuls run in the keys' dtype with float32 accumulation; softmax is float32.
     """
@@ -134,15 +143,13 @@ def attention(
     q_BKGTH = q_BKGTH.astype(k_BKHS.dtype)
     segmented = is_segmented(key_valid_BS)
     impl = config.resolve(T, S, H, k_BKHS.dtype, segmented, query_prefix_BT is not None)
-    if query_prefix_BT is not None and impl == "splash":
-        raise ValueError(
-            "attention impl 'splash' takes segment ids by equality only; packed rows "
-            "with shared prompts (query_prefix_BT) need impl 'auto' or 'chunked'."
-        )
+    _check_packed(impl, window, query_prefix_BT, positions_BS)
     if impl == "reference":
-        visible_BTS = visible_mask(key_valid_BS, T, offset, window, query_prefix_BT)
+        visible_BTS = visible_mask(key_valid_BS, T, offset, window, query_prefix_BT, positions_BS)
         out = _reference(q_BKGTH, k_BKHS, v_BKSH, visible_BTS)
     elif impl == "chunked":
+        if positions_BS is None:
+            positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         out = chunked_attention.chunked(
             q_BKGTH,
             k_BKHS,
@@ -150,6 +157,7 @@ def attention(
             key_valid_BS,
             query_segments(key_valid_BS, T, jnp.asarray(offset, jnp.int32), query_prefix_BT),
             jnp.asarray(offset, jnp.int32),
+            positions_BS.astype(jnp.int32),
             min(config.blocks(segmented)[0], T),
             min(config.blocks(segmented)[1], S),
             window,
@@ -173,8 +181,22 @@ def attention(
             config,
             sharding,
             query_prefix_BT,
+            positions_BS,
         )
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N * H)
+
+
+def _check_packed(impl: str, window: int | None, query_prefix_BT: Any, positions_BS: Any) -> None:
+    if query_prefix_BT is not None and impl == "splash":
+        raise ValueError(
+            "attention impl 'splash' takes segment ids by equality only; packed rows "
+            "with shared prompts (query_prefix_BT) need impl 'auto' or 'chunked'."
+        )
+    if query_prefix_BT is not None and window is not None and positions_BS is None:
+        raise ValueError(
+            "attention: a sliding window over packed rows with prefix segments "
+            "(query_prefix_BT) counts positions, not slots: pass positions_BS."
+        )
 
 
 def _reference(q_BKGTH, k_BKHS, v_BKSH, visible_BTS):
@@ -200,12 +222,22 @@ def _per_device(
     config: AttentionConfig,
     sharding: parallel.ActivationSharding | None,
     query_prefix_BT: jax.Array | None = None,
+    positions_BS: jax.Array | None = None,
 ):
     """Runs a per-device kernel; on a mesh under shard_map over batch rows and kv heads
     (a Pallas or cuDNN custom call is opaque to the SPMD partitioner, which would otherwise
-    gather every operand onto each device)."""
+    gather every operand onto each device). Splash takes (key_valid_BS,) as its rows;
+    cuDNN / XLA also the prefix segments and positions, given or not."""
     run = functools.partial(kernel, offset=offset, window=window, config=config)
-    rows = (key_valid_BS,) if query_prefix_BT is None else (key_valid_BS, query_prefix_BT)
+    if kernel is _splash:
+        rows: tuple[Any, ...] = (key_valid_BS,)
+    else:
+        S = key_valid_BS.shape[1]
+        if query_prefix_BT is None:
+            query_prefix_BT = query_segments(key_valid_BS, q_BKGTH.shape[3], offset)[..., 1]
+        if positions_BS is None:
+            positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), key_valid_BS.shape)
+        rows = (key_valid_BS, query_prefix_BT, positions_BS)
     if sharding is None:
         return run(q_BKGTH, k_BKHS, v_BKSH, *rows)
     B, K = k_BKHS.shape[:2]
@@ -278,7 +310,8 @@ def _dot_product(
     k_BKHS,
     v_BKSH,
     key_valid_BS,
-    query_prefix_BT=None,
+    query_prefix_BT,
+    positions_BS,
     *,
     offset: int,
     window: int | None,
@@ -288,7 +321,9 @@ def _dot_product(
     del config
     B, K, G, T, H = q_BKGTH.shape
     q_BTNH = q_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
-    visible_B1TS = visible_mask(key_valid_BS, T, offset, window, query_prefix_BT)[:, None]
+    visible_B1TS = visible_mask(key_valid_BS, T, offset, window, query_prefix_BT, positions_BS)[
+        :, None
+    ]
     out_BTNH = jax.nn.dot_product_attention(
         q_BTNH,
         k_BKHS.transpose(0, 3, 1, 2),

@@ -41,37 +41,47 @@ def _merge_blocks(x: jax.Array, axis: int) -> jax.Array:
 
 
 def _block_scores(q_blk, k_blk, valid_blk, qseg_blk, t0, s0, offset, window):
-    """Masked scores of one (query block, key block) pair: [B, K, G, bq, bk] float32."""
+    """Masked scores of one (query block, key block) pair: [B, K, G, bq, bk] float32.
+    valid_blk: (the keys' segments, their positions); qseg_blk: (the queries' (own, prefix)
+    segments, their positions)."""
     # Under jax.checkpoint a mask computed from integer inputs alone is "known" and gets
     # saved as a residual, stacked over every block pair (GBs at long context); tied to the
     # queries it is recomputed with the scores instead.
     q_blk, valid_blk, qseg_blk = lax.optimization_barrier((q_blk, valid_blk, qseg_blk))
+    (valid_blk, kpos_blk), (qseg_blk, qpos_blk) = valid_blk, qseg_blk
     bq, bk = q_blk.shape[3], k_blk.shape[3]
     s = jnp.einsum("bkgth,bkhs->bkgts", q_blk, k_blk, preferred_element_type=_F32)
-    causal_TS = causal(s0 + jnp.arange(bk), t0 + jnp.arange(bq) + offset, window)
+    causal_TS = causal(s0 + jnp.arange(bk), t0 + jnp.arange(bq) + offset, None)
     # valid_blk: the key's segment (1 for a bool mask's real key), 0 masked key, -1 block
-    # padding (past the last key); qseg_blk: the queries' segments.
+    # padding (past the last key); qseg_blk: the queries' segments. The window counts
+    # positions (masks.visible_mask).
     visible = causal_TS[None, :, :] & same_segment(valid_blk, qseg_blk)
+    if window is not None:
+        visible &= kpos_blk[:, None, :] > qpos_blk[:, :, None] - window
     s = jnp.where(visible[:, None, None], s, MASKED)
     return jnp.where((valid_blk >= 0)[:, None, None, None, :], s, PADDED)
 
 
-def _blocked_inputs(q, k, v, key_valid_BS, query_ids_BT2, bq, bk):
+def _blocked_inputs(q, k, v, key_valid_BS, query_ids_BT2, offset, positions_BS, bq, bk):
+    """q, k, v split into blocks; per key block (segments, positions), per query block
+    ((own, prefix) segments, positions)."""
+    T = q.shape[3]
     # Block-padding queries: segments 0, so they see no key.
     valid = pad_to(key_valid_BS.astype(jnp.int32), 1, bk, value=-1)
     qseg = pad_to(query_ids_BT2, 1, bq)
+    query_positions = lax.dynamic_slice_in_dim(positions_BS, offset, T, 1)
     return (
         _split_blocks(pad_to(q, 3, bq), 3, bq),
         _split_blocks(pad_to(k, 3, bk), 3, bk),
         _split_blocks(pad_to(v, 2, bk), 2, bk),
-        _split_blocks(valid, 1, bk),
-        _split_blocks(qseg, 1, bq),
+        (_split_blocks(valid, 1, bk), _split_blocks(pad_to(positions_BS, 1, bk), 1, bk)),
+        (_split_blocks(qseg, 1, bq), _split_blocks(pad_to(query_positions, 1, bq), 1, bq)),
     )
 
 
-def _block_table(key_valid_BS, query_ids, offset, bq, bk, window, skip):
+def _block_table(key_valid_BS, query_ids, offset, positions_BS, bq, bk, window, skip):
     """The block pairs the kernel computes: block_visibility's, or every pair (skip False)."""
-    table = block_visibility(key_valid_BS, query_ids, offset, bq, bk, window)
+    table = block_visibility(key_valid_BS, query_ids, offset, bq, bk, window, positions_BS)
     return table if skip else jnp.ones_like(table)
 
 
@@ -81,12 +91,13 @@ def _safe(row_sum):
     return jnp.where(row_sum > 0, row_sum, 1.0)
 
 
-def _flash_forward(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window, skip):
+def _flash_forward(q, k, v, key_valid_BS, query_ids, offset, positions_BS, bq, bk, window, skip):
     """(out [B, K, G, T, H] f32, logsumexp [B, K, G, T] f32)."""
     T = q.shape[3]
-    q_n, k_n, v_n, valid_n, qseg_n = _blocked_inputs(q, k, v, key_valid_BS, query_ids, bq, bk)
+    rows = (key_valid_BS, query_ids, offset, positions_BS)
+    q_n, k_n, v_n, valid_n, qseg_n = _blocked_inputs(q, k, v, *rows, bq, bk)
     starts_k = jnp.arange(k_n.shape[0]) * bk
-    table = _block_table(key_valid_BS, query_ids, offset, bq, bk, window, skip)
+    table = _block_table(*rows, bq, bk, window, skip)
 
     def query_block(args):
         q_blk, qseg_blk, t0, visible_n = args
@@ -122,30 +133,36 @@ def _flash_forward(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window, ski
     return _merge_blocks(out_n, 3)[:, :, :, :T], _merge_blocks(lse_n, 3)[..., :T]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def chunked(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window, skip):
-    return _flash_forward(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window, skip)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def chunked(q, k, v, key_valid_BS, query_ids, offset, positions_BS, bq, bk, window, skip):
+    """Attention [B, K, G, T, H] f32 (attention.attention's rule): `query_ids` [B, T, 2]
+    (masks.query_segments), `positions_BS` int32 [B, S] each key slot's position, by which
+    the sliding `window` counts."""
+    rows = (key_valid_BS, query_ids, offset, positions_BS)
+    return _flash_forward(q, k, v, *rows, bq, bk, window, skip)[0]
 
 
-def _chunked_fwd(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window, skip):
-    out, lse = _flash_forward(q, k, v, key_valid_BS, query_ids, offset, bq, bk, window, skip)
-    return out, (q, k, v, key_valid_BS, query_ids, offset, out, lse)
+def _chunked_fwd(q, k, v, key_valid_BS, query_ids, offset, positions_BS, bq, bk, window, skip):
+    rows = (key_valid_BS, query_ids, offset, positions_BS)
+    out, lse = _flash_forward(q, k, v, *rows, bq, bk, window, skip)
+    return out, (q, k, v, rows, out, lse)
 
 
 def _chunked_bwd(bq, bk, window, skip, residuals, dout):
     """Flash-attention backward: per (key block, query block) pair, recompute the
     probabilities from the saved logsumexp; dq accumulates over key blocks, dk / dv over
     query blocks."""
-    q, k, v, key_valid_BS, query_ids, offset, out, lse = residuals
+    q, k, v, rows, out, lse = residuals
+    offset = rows[2]
     T, S = q.shape[3], k.shape[3]
     delta = jnp.sum(dout * out, axis=-1)  # [B, K, G, T]
-    q_n, k_n, v_n, valid_n, qseg_n = _blocked_inputs(q, k, v, key_valid_BS, query_ids, bq, bk)
+    q_n, k_n, v_n, valid_n, qseg_n = _blocked_inputs(q, k, v, *rows, bq, bk)
     do_n = _split_blocks(pad_to(dout, 3, bq), 3, bq).astype(v.dtype)
     lse_n = _split_blocks(pad_to(lse, 3, bq), 3, bq)
     delta_n = _split_blocks(pad_to(delta, 3, bq), 3, bq)
     starts_q = jnp.arange(q_n.shape[0]) * bq
 
-    table = _block_table(key_valid_BS, query_ids, offset, bq, bk, window, skip)
+    table = _block_table(*rows, bq, bk, window, skip)
 
     def key_block(dq_n, xs):
         k_blk, v_blk, valid_blk, s0, visible_n = xs
@@ -187,7 +204,7 @@ def _chunked_bwd(bq, bk, window, skip, residuals, dout):
     dq = _merge_blocks(dq_n, 3)[:, :, :, :T].astype(q.dtype)
     dk = _merge_blocks(dk_n, 3)[..., :S].astype(k.dtype)
     dv = _merge_blocks(dv_n, 2)[:, :, :S].astype(v.dtype)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None
 
 
 chunked.defvjp(_chunked_fwd, _chunked_bwd)

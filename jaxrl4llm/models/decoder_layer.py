@@ -105,11 +105,13 @@ def apply_layer(
     sharding: Sharding = None,
     attention: AttentionConfig = AttentionConfig(),
     query_prefix_BT: jax.Array | None = None,
+    packed_positions_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, Any]:
     """One pre-norm decoder block. `kv_fn(k_BKHT, v_BKTH)` -> (keys_BKHS, values_BKSH,
     key_valid_BS, offset, aux) picks the attended keys: the new ones (no cache), the updated
     cache layer or a shared prefix ++ the new ones; query t sits at key slot t + offset.
-    `query_prefix_BT`: packed rows' prefix segments (attention.attention)."""
+    `query_prefix_BT`, `packed_positions_BT`: packed rows' prefix segments and positions,
+    by which the window counts (attention.attention; self-attention, no cache)."""
     c = config
     act = functools.partial(parallel.constrain, sharding=sharding)
     h_BTD = act(h_BTD, H_AXES)
@@ -138,6 +140,7 @@ def apply_layer(
         sharding,
         window=c.sliding_window,
         query_prefix_BT=query_prefix_BT,
+        positions_BS=packed_positions_BT,
     )
     attn_BTM = act(attn_BTM, ("batch", "length", "heads"))
     # One [N*H, D] matrix (a free reshape): as "btnh,nhd" XLA transposed o every call.

@@ -160,6 +160,7 @@ def hidden_states(
     segment (the caller's). `prefix_ids_BT` (with segment ids): each token's prefix segment,
     which it also sees: a completion packed after its group's shared prompt passes the
     prompt's id (its positions continue from the prompt's), every other token its own id.
+    On packed rows the window counts positions_BT (j's position > i's - W), not slots.
     """
     B, T = tokens_BT.shape
     mask_BT = mask_BT.astype(bool)
@@ -175,6 +176,9 @@ def hidden_states(
         sharding=sharding,
         attention=attention,
         query_prefix_BT=prefix_ids_BT,
+        # Packed rows: the window counts positions, which a shared prompt's later
+        # completions do not follow slot by slot (masks.py).
+        packed_positions_BT=None if segment_ids_BT is None else positions_BT,
     )
     new_cache: KVCache | None = None
     if kv_cache is None:

@@ -25,7 +25,10 @@ Sharding = parallel.ActivationSharding | None
 
 
 class Sequences(flax.struct.PyTreeNode):
-    """Prompt + completion token blocks of a batch of samples."""
+    """Prompt + completion token blocks of a batch of samples. A row's completion is
+    contiguous: `sequence_mask_BT` is set on its first `lengths_B()` columns and nowhere
+    after (a token the loss skips but the model reads is an observation, not a gap), so a
+    slot and a RoPE position advance together (the sliding window counts either)."""
 
     prompt_tokens_BP: jax.Array  # int32, left-padded
     prompt_mask_BP: jax.Array  # bool, real prompt tokens

@@ -2,9 +2,9 @@
 completion) sequences concatenated into packed rows, micro-batches formed by a token budget.
 
 The host packs (`pack`). A sequence is its real prompt tokens followed by its completion up to
-its last real token (tokens inside the completion that are off its mask, e.g. a tool's
-observation in a multi-turn trajectory, stay in the sequence as context: a completion's length
-is its last set index + 1, never the mask's sum). With shared prompts (the layout's
+its last real token (a tool's observation in a multi-turn trajectory, on observation_mask_BT,
+stays in the sequence as context, off the loss mask; a completion with a gap in its sequence
+mask is refused, since slots and positions advance together). With shared prompts (the layout's
 share_prompts, the default) the rows whose real prompt tokens are equal form a group, packed
 as one unit: the prompt less its last token once (a prefix segment), then one segment per
 completion holding the prompt's last token and the completion, its positions continuing from
@@ -53,6 +53,7 @@ from jaxrl4llm.train.logprobs import Sequences, logprobs_from_hidden
 from jaxrl4llm.train.packing_plan import (
     Plan,
     completion_lengths,
+    first_position,
     placements,
     plan,
     prompt_groups,
@@ -111,17 +112,30 @@ def _lay_out(
     for b, col, n, segment, prefix, unit, m in placements(chosen.units, chosen.rows, *lengths):
         prompt = prompt_tokens[unit.members[0]][prompt_mask[unit.members[0]]]
         if m is None:
-            seq, first_position = prompt[:-1], 0
+            seq = prompt[:-1]
         else:
             own = prompt[unit.prefix :]  # the prompt's last token, or all of it
-            seq, first_position = np.concatenate([own, comp_tokens[m][: comp_len[m]]]), unit.prefix
+            seq = np.concatenate([own, comp_tokens[m][: comp_len[m]]])
             micro[m] = b // R
             start[m] = (b % R) * L + col + len(own) - 1
         tokens[b, col : col + n] = seq
         targets[b, col : col + n - 1] = seq[1:]
-        positions[b, col : col + n] = first_position + np.arange(n)
+        positions[b, col : col + n] = first_position(unit, m) + np.arange(n)
         segments[b, col : col + n], prefixes[b, col : col + n] = segment, prefix
     return tokens, positions, segments, prefixes, targets, micro, start
+
+
+def _check_contiguous(sequence_mask_MT: np.ndarray, comp_len: np.ndarray) -> None:
+    """A completion with a gap (a token off its sequence mask before its last one) would
+    pack with positions the padded passes do not give it (Sequences' docstring)."""
+    contiguous_MT = np.arange(sequence_mask_MT.shape[1])[None] < comp_len[:, None]
+    gaps = np.flatnonzero((sequence_mask_MT != contiguous_MT).any(axis=1))
+    if gaps.size:
+        raise ValueError(
+            f"pack: completion rows {gaps[:8].tolist()} have tokens off sequence_mask_BT "
+            "before their last real token; mark tokens the loss skips but the model reads "
+            "(a tool's observation) in observation_mask_BT."
+        )
 
 
 def pack(
@@ -138,6 +152,7 @@ def pack(
     prompt_tokens, prompt_mask, comp_tokens, comp_mask = _host_sequences(seqs)
     M = prompt_tokens.shape[0]
     prompt_len, comp_len = prompt_mask.sum(axis=1), completion_lengths(comp_mask)
+    _check_contiguous(comp_mask, comp_len)
     groups = prompt_groups(prompt_tokens, prompt_mask) if share_prompts else [[m] for m in range(M)]
     chosen = plan(groups, prompt_len, comp_len, budget, data_parallel, flops)
     R = data_parallel * chosen.rows_per_device
@@ -205,11 +220,11 @@ def packed_flops(packed: PackedBatch, flops: SlotFlops) -> float:
     """The modelled forward FLOPs of the micro-batches that hold rows."""
     _, R, L = packed.segments_KRL.shape
     used = int(jax.device_get(packed.num_micro))
-    segments, prefixes = (
+    segments, prefixes, positions = (
         np.asarray(x[:used]).reshape(used * R, L)
-        for x in jax.device_get((packed.segments_KRL, packed.prefixes_KRL))
+        for x in jax.device_get((packed.segments_KRL, packed.prefixes_KRL, packed.positions_KRL))
     )
-    return flops.packed(used, R, L, flops.row_blocks(segments, prefixes))
+    return flops.packed(used, R, L, flops.row_blocks(segments, prefixes, positions))
 
 
 def packed_logprobs(

@@ -44,9 +44,12 @@ class SlotFlops:
         per_token = transformer.flops_per_token(config)
         return cls(*per_token, attention, config.head_dim, dtype, config.sliding_window)
 
-    def row_blocks(self, segments_NL: np.ndarray, prefixes_NL: np.ndarray) -> np.ndarray | None:
+    def row_blocks(
+        self, segments_NL: np.ndarray, prefixes_NL: np.ndarray, positions_NL: np.ndarray
+    ) -> np.ndarray | None:
         """Host side: each packed row's visible block pairs [N, query blocks, key blocks]
-        where its rows run the chunked kernel; None where attention computes all [L, L]."""
+        where its rows run the chunked kernel (the window counting `positions_NL`); None
+        where attention computes all [L, L]."""
         L = segments_NL.shape[1]
         # Packed rows always pass prefix ids (packed_hidden_states).
         impl = self.attention.resolve(L, L, self.head_dim, self.dtype, True, prefixed=True)
@@ -54,7 +57,9 @@ class SlotFlops:
             return None
         b = min(self.attention.packed_block, L)
         ids = np.stack([segments_NL, prefixes_NL], axis=-1)
-        return row_block_visibility(segments_NL, ids, 0, b, b, self.window, xp=np)
+        return row_block_visibility(
+            segments_NL, ids, 0, b, b, self.window, xp=np, positions_BS=positions_NL
+        )
 
     def packed(
         self, micro: int, rows: int, length: int, row_blocks: np.ndarray | None = None
@@ -233,15 +238,23 @@ def placements(
                 col += n
 
 
+def first_position(unit: Unit, member: int | None) -> int:
+    """The RoPE position of a segment's first slot: 0 for a shared prefix or a whole
+    sequence, the prefix's length for a member (it continues its prompt)."""
+    return 0 if member is None else unit.prefix
+
+
 def row_segments(
     unit_list: list[Unit],
     rows: list[list[int]],
     length: int,
     prompt_len: np.ndarray,
     comp_len: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The segment ids and prefix ids [rows, length] of a plan's rows (PackedBatch's)."""
-    segments, prefixes = (np.zeros((len(rows), length), np.int32) for _ in range(2))
-    for b, col, n, segment, prefix, _, _ in placements(unit_list, rows, prompt_len, comp_len):
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The segment ids, prefix ids and positions [rows, length] of a plan's rows
+    (PackedBatch's)."""
+    segments, prefixes, positions = (np.zeros((len(rows), length), np.int32) for _ in range(3))
+    for b, col, n, segment, prefix, unit, m in placements(unit_list, rows, prompt_len, comp_len):
         segments[b, col : col + n], prefixes[b, col : col + n] = segment, prefix
-    return segments, prefixes
+        positions[b, col : col + n] = first_position(unit, m) + np.arange(n)
+    return segments, prefixes, positions

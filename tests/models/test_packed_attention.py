@@ -147,44 +147,95 @@ def test_block_visibility_keeps_a_prefix_seen_by_queries_outside_any_segment():
     np.testing.assert_array_equal(table[0], np.array([[1, 0], [1, 0]], bool))
 
 
+def test_window_counts_positions_on_a_shared_prompt_by_hand():
+    """A prefix of 3 (positions 0-2) and two members of 2 (positions 3-4 each), window 3:
+    the second member's first query (slot 5, position 3) sees prefix positions 1-2, four
+    and three slots back; by slots it would see none of them."""
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 3]], jnp.int32)
+    pre = jnp.asarray([[1, 1, 1, 1, 1, 1, 1]], jnp.int32)
+    pos = jnp.asarray([[0, 1, 2, 3, 4, 3, 4]], jnp.int32)
+    visible = np.asarray(masks.visible_mask(seg, 7, 0, 3, pre, pos))[0].astype(int)
+    expected = np.array(
+        [
+            [1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0, 0],
+            [0, 1, 1, 1, 0, 0, 0],
+            [0, 0, 1, 1, 1, 0, 0],
+            [0, 1, 1, 0, 0, 1, 0],
+            [0, 0, 1, 0, 0, 1, 1],
+        ]
+    )
+    np.testing.assert_array_equal(visible, expected)
+    # Blocks of 2: query block 2 (slots 4-5) needs key block 0 (slot 1, position 1) and
+    # block 3 (slot 6) key block 1 (slot 2); by slots neither would be computed.
+    ids = np.stack([np.asarray(seg), np.asarray(pre)], axis=-1)
+    table = masks.row_block_visibility(np.asarray(seg), ids, 0, 2, 2, 3, xp=np, positions_BS=pos)
+    assert table[0, 2, 0] and table[0, 3, 1]
+    by_slots = masks.row_block_visibility(np.asarray(seg), ids, 0, 2, 2, 3, xp=np)
+    assert not by_slots[0, 2, 0]
+    with pytest.raises(ValueError, match="pass positions_BS"):
+        q = jnp.ones((1, 7, 2, 4))
+        k, v = jnp.ones((1, 1, 4, 7)), jnp.ones((1, 1, 7, 4))
+        A.attention(q, k, v, seg, 0, A.AttentionConfig("reference"), window=3, query_prefix_BT=pre)
+
+
 def _random_packed_row(rng, L):
     """One packed row as the packer lays it out: units of an optional prefix segment and
-    member segments (seeing the prefix), then padding."""
-    seg, pre = np.zeros(L, np.int32), np.zeros(L, np.int32)
+    member segments (seeing the prefix, their positions continuing the prefix's), then
+    padding. Returns (segments, prefixes, positions)."""
+    seg, pre, pos = (np.zeros(L + 40, np.int32) for _ in range(3))
     col, s = 0, 0
     while col < L - 2:
-        shared = 0
+        shared, first = 0, 0
         if rng.random() < 0.5:
             n = int(rng.integers(1, 6))
             s += 1
             seg[col : col + n], pre[col : col + n], shared = s, s, s
+            pos[col : col + n], first = np.arange(n), n
             col += n
         for _ in range(int(rng.integers(1, 4))):
             n = int(rng.integers(1, 9))
             s += 1
             seg[col : col + n], pre[col : col + n] = s, shared or s
+            pos[col : col + n] = first + np.arange(n)
             col += n
-    return seg[:L], pre[:L]
+    return seg[:L], pre[:L], pos[:L]
 
 
 @pytest.mark.parametrize("bq,bk,window", [(4, 4, None), (3, 5, None), (4, 4, 6), (8, 2, 3)])
 def test_block_visibility_never_skips_a_visible_pair(bq, bk, window):
     """Against the explicit mask (visible_mask) on random packed rows: every block pair that
-    holds a visible (query, key) pair is marked, and numpy and jax.numpy agree."""
+    holds a visible (query, key) pair is marked, and numpy and jax.numpy agree; the window
+    counting slots (rows without prefixes) or positions (any row)."""
     rng = np.random.default_rng(bq * 10 + bk)
     L = 29
-    for _ in range(20):
-        seg, pre = (np.stack(x) for x in zip(*(_random_packed_row(rng, L) for _ in range(3))))
-        mask = np.asarray(masks.visible_mask(jnp.asarray(seg), L, 0, window, jnp.asarray(pre)))
+    for i in range(20):
+        seg, pre, pos = (np.stack(x) for x in zip(*(_random_packed_row(rng, L) for _ in range(3))))
+        if i % 2:  # by slots: the rows' own segments only, no prefixes
+            pre, pos = seg, None
+        mask = np.asarray(
+            masks.visible_mask(
+                jnp.asarray(seg), L, 0, window, jnp.asarray(pre), None if pos is None else pos
+            )
+        )
+        if window is not None and pos is not None:  # by hand: p_s > p_t - W where visible
+            assert (pos[:, None, :] > pos[:, :, None] - window)[mask].all()
         padded = np.zeros((3, -(-L // bq) * bq, -(-L // bk) * bk), bool)
         padded[:, :L, :L] = mask
         needed = padded.reshape(3, -(-L // bq), bq, -(-L // bk), bk).any(axis=(2, 4))
         ids = np.stack([seg, pre], axis=-1)
-        table = masks.row_block_visibility(seg, ids, 0, bq, bk, window, xp=np)
+        table = masks.row_block_visibility(seg, ids, 0, bq, bk, window, xp=np, positions_BS=pos)
         assert not (needed & ~table).any()
         assert table.sum() < table.size  # the causal half at least is skipped
         on_device = masks.row_block_visibility(
-            jnp.asarray(seg), jnp.asarray(ids), 0, bq, bk, window
+            jnp.asarray(seg),
+            jnp.asarray(ids),
+            0,
+            bq,
+            bk,
+            window,
+            positions_BS=None if pos is None else jnp.asarray(pos),
         )
         np.testing.assert_array_equal(np.asarray(on_device), table)
 

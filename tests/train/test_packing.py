@@ -134,17 +134,27 @@ def test_packed_flops_count_the_chunked_kernels_blocks_by_hand():
     # members of 4 (the prompt's last token + 3), one block each. Query blocks see: the
     # prefix itself; each member the prefix and itself: 7 of 16 block pairs.
     unit_list = packing_plan.units([[0, 1, 2]], np.full(3, 5), np.full(3, 3), 16)
-    seg, pre = packing_plan.row_segments(unit_list, [[0]], 16, np.full(3, 5), np.full(3, 3))
+    seg, pre, pos = packing_plan.row_segments(unit_list, [[0]], 16, np.full(3, 5), np.full(3, 3))
     np.testing.assert_array_equal(seg[0], np.repeat([1, 2, 3, 4], 4))
     np.testing.assert_array_equal(pre[0], np.repeat([1, 1, 1, 1], 4))
-    assert flops.packed(1, 1, 16, flops.row_blocks(seg, pre)) == 16 + 7 * 16
+    # Each member's positions continue the prompt's (4, 5, 6, 7), whatever its slots.
+    np.testing.assert_array_equal(pos[0], np.concatenate([np.arange(4)] + [np.arange(4, 8)] * 3))
+    assert flops.packed(1, 1, 16, flops.row_blocks(seg, pre, pos)) == 16 + 7 * 16
+    # With a window of 5 positions the last member (slots 12-15, positions 4-7) still sees
+    # the prefix's block (positions 0-3: 3 > 4 - 5), 12 slots back.
+    windowed = dataclasses.replace(flops, window=5)
+    assert windowed.packed(1, 1, 16, windowed.row_blocks(seg, pre, pos)) == 16 + 7 * 16
     # Beside it in one micro-batch, a row of one 16-token sequence (its 10 causal block
     # pairs, which hold the first row's 7): the kernel runs the union for both rows.
     alone = np.ones((1, 16), np.int32)
-    blocks = flops.row_blocks(np.concatenate([seg, alone]), np.concatenate([pre, alone]))
+    blocks = flops.row_blocks(
+        np.concatenate([seg, alone]),
+        np.concatenate([pre, alone]),
+        np.concatenate([pos, np.arange(16)[None]]),
+    )
     assert flops.packed(1, 2, 16, blocks) == 32 + 2 * 10 * 16
     # Under two blocks a row runs the reference: every [L, L] pair.
-    assert flops.row_blocks(seg[:, :4], pre[:, :4]) is None
+    assert flops.row_blocks(seg[:, :4], pre[:, :4], pos[:, :4]) is None
     # Four 4-token sequences, no prompts: rows of 16 (the shortest row), each its own block.
     assert _plan([4, 4, 4, 4], 16, flops) == (16, 1, 1)
     singles = [[m] for m in range(4)]
@@ -240,7 +250,13 @@ def test_pack_keeps_masked_off_tokens_inside_a_completion():
     _, batch = _batch()
     mask = np.asarray(batch.seqs.completion_mask_BT).copy()
     mask[0, 3:5] = False  # row 0: 12 tokens, an observation at 3-4 off the loss mask
+    observation = np.zeros_like(mask)
+    observation[0, 3:5] = True
     seqs = batch.seqs.replace(completion_mask_BT=jnp.asarray(mask))
+    # Off the loss mask and on no other: a gap, whose positions the padded passes skip.
+    with pytest.raises(ValueError, match=r"completion rows \[0\] .* observation_mask_BT"):
+        packing.pack(seqs, budget=36, flops=SLOTS)
+    seqs = seqs.replace(observation_mask_BT=jnp.asarray(observation))
     packed = packing.pack(seqs, budget=36, flops=SLOTS)
     row = int(packed.micro_M[0])
     segments = np.asarray(packed.segments_KRL)[row, 0]
