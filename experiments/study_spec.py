@@ -14,13 +14,13 @@
 
     [[arms]]
     name = "reinforce"
-    source = "001_c4334eb67004767e.txt:196"  # the paper text (../shared/papers) defining it
+    source = "Minimalist (arXiv 2504.11343) §4.1, Figure 4's variant 1"  # paper, arXiv id, place
     flags = ["--algorithm=reinforce"]    # every scale
     paper = ["--flagfile=experiments/configs/minimalist_llama32_3b_instruct_reinforce.flags"]
 
     [[claims]]                           # fixed before the runs; judged from the report
     text = "Removing all-wrong groups helps more than removing all-correct ones."
-    source = "001_c4334eb67004767e.txt:203"  # where the paper says it
+    source = "Minimalist (arXiv 2504.11343) §4.1, on Figure 4"  # where the paper says it
     a = "rm_all_wrong"
     b = "rm_all_correct"
     quantity = "final"                   # final | best | auc | steps | any report quantity
@@ -57,7 +57,7 @@ class Arm:
     name: str
     flags: tuple[str, ...]
     scale_flags: dict[str, tuple[str, ...]]  # extra flags for one scale, by scale name
-    source: str = ""  # where the paper defines the arm ("file:line")
+    source: str = ""  # where the paper defines the arm: "Paper (arXiv ID) section, equation..."
 
     def command_flags(self, scale: str) -> tuple[str, ...]:
         return self.flags + self.scale_flags.get(scale, ())
@@ -80,7 +80,7 @@ class Claim:
     b: str
     quantity: str  # a report quantity, or one of SHORT_QUANTITIES (of the primary metric)
     expect: str  # ">" or "<": a vs b; "~": |a - b| < margin
-    source: str = ""  # where the paper says it ("file:line")
+    source: str = ""  # where the paper says it: "Paper (arXiv ID) section, table or figure"
     margin: float | None = None  # "~" only
 
 

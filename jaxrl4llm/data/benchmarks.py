@@ -191,7 +191,7 @@ BENCHMARKS: dict[str, Benchmark] = {
             "DAPO's training prompts, de-duplicated (open-r1)",
             "train 17,398",
         ),
-        # REINFORCE++ 4.2.3 (002_192a85f0c4b00df2.txt lines 210-212): MATH's training problems of
+        # REINFORCE++ (arXiv 2501.03262v3) §4.2.3, "Dataset": MATH's training problems of
         # levels 3-5, about 8,000 of the shortest prompts. The 12k training split (MATH train + the
         # test problems outside MATH-500, as PRM800K splits it) holds about 8,800 such rows; 8,000
         # and the character length are this project's reading of "about 8,000 short prompts".

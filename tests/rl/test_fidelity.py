@@ -283,7 +283,7 @@ def _minimal_rl_loss(A_B, logp, old_logp, mask, eps=0.2, per_sequence=False):
     """Minimal-RL's verl `compute_policy_loss` (policy_loss=plusplus), numpy: per token
     max(-A rho, -A clip(rho, 1 - eps, 1 + eps)); `agg_loss` with loss_agg_mode="token-mean"
     over the response mask (every row, rejected ones at A = 0). per_sequence: the paper's
-    eqs. 5 and 8 instead (001 lines 89, 107): 1/|D| sum_(x,a) 1/|a| sum_t."""
+    eqs. 5 and 8 instead (Minimalist, arXiv 2504.11343, §2): 1/|D| sum_(x,a) 1/|a| sum_t."""
     rho = np.exp(logp - old_logp)
     A = A_B[:, None]
     per_token = np.maximum(-A * rho, -A * np.clip(rho, 1 - eps, 1 + eps))
