@@ -8,15 +8,17 @@ resubmit it when it is preempted.
     python -m experiments.launch --backend=gke --dry_run ...   # print what it would run
 
 The launcher's own flags come first; everything after `--` is passed to the trainer on every
-host unchanged (each host also gets --distributed). The backends (experiments/launch_plans.py)
-write a manifest or script where needed and run one command per attempt. An attempt ending
-with exit code 75 (preempted: the checkpoint is saved) is resubmitted with the same command,
-at most --max_restarts times; it resumes from the workdir's latest checkpoint. Any other
-non-zero code stops the launcher with that code. docs/clusters.md walks through each backend.
+host unchanged (each host also gets --distributed). The backends (experiments/launch_plans.py,
+launch_gke.py, launch_tpu_vm.py) write a manifest or script where needed and run a few
+commands per attempt. An attempt ending with exit code 75 (preempted: the checkpoint is
+saved) is resubmitted with the same command, at most --max_restarts times; it resumes from
+the workdir's latest checkpoint. Any other non-zero code stops the launcher with that code.
+docs/clusters.md walks through each backend.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -85,7 +87,10 @@ def _stop(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
 
 
 def run_attempt(plan: Plan, runner: Callable[[Sequence[Process]], int] = run_step) -> int:
-    """Writes the plan's files and runs its steps; the first non-zero step code ends it."""
+    """Makes the plan's folders, writes its files and runs its steps; the first non-zero step
+    code ends it."""
+    for folder in plan.folders:
+        os.makedirs(folder, exist_ok=True)
     for path, text in plan.files.items():
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
@@ -149,7 +154,8 @@ def main(argv: Sequence[str]) -> int:
     if opts.dry_run:
         sys.stdout.write(plan.describe())
         return 0
-    return launch(plan, opts.max_restarts)
+    grace = float(opts.grace_period_s or PEER_GRACE_S)
+    return launch(plan, opts.max_restarts, functools.partial(run_step, grace_s=grace))
 
 
 if __name__ == "__main__":

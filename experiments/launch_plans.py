@@ -9,13 +9,16 @@ functions of the launch options and the training arguments, so that they can be 
 
 Every backend runs `python -m experiments.train --distributed ARGS` once per host with the
 same ARGS, and reduces the hosts' exit codes by `combined_exit_code`: 75 (preempted,
-checkpoint saved) when any host was preempted, else the first failure, else 0.
+checkpoint saved) when any host was preempted, else the first failure, else 0. This module
+holds the plan's types, the local and SLURM backends; experiments/launch_gke.py and
+experiments/launch_tpu_vm.py the others.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shlex
 import sys
 from typing import Sequence
@@ -26,7 +29,12 @@ BACKENDS = ("local", "tpu-vm", "gke", "slurm")
 TRAIN_MODULE = "experiments.train"
 COORDINATOR_PORT = 8476  # jax.distributed's coordinator, on the first host
 REMOTE_PREFIXES = ("gs://", "s3://")  # workdirs that orbax writes but a shell cannot append to
+# The seconds between SIGTERM and SIGKILL, told to the trainer (jaxrl4llm/train/loop.py reads
+# it and warns when a step and its save take longer).
+GRACE_ENV = "JAXRL4LLM_GRACE_PERIOD_S"
 
+# A SLURM node's address (NodeAddr, which may differ from its name) in `scontrol show node`.
+NODE_ADDR_SED = r"s/.*NodeAddr=\([^ ]*\).*/\1/p"
 # `combined_exit_code` in bash: CODES holds one exit code per host, RC gets the job's.
 COMBINE_CODES_BASH = f"""\
 rc=0
@@ -41,25 +49,43 @@ class LaunchOptions:
     """Where and how the training command runs (the training flags follow `--`).
 
     backend: Where the hosts run: local (N processes on this machine, for tests), tpu-vm
-        (gcloud ssh on every worker of a TPU VM slice), gke (a Kubernetes indexed Job applied
-        with kubectl), slurm (an sbatch script, one task per node).
+        (gcloud ssh on every worker of a TPU VM slice, run detached), gke (a Kubernetes
+        indexed Job or JobSet applied with kubectl), slurm (an sbatch script, one task per
+        node).
     name: The job's name (Kubernetes Job, SLURM job, log folder); for tpu-vm the TPU's name.
-    num_hosts: Hosts (processes) of the job: local processes, Kubernetes pods, SLURM nodes.
-        tpu-vm runs on every worker of the slice.
+    num_hosts: Hosts (processes) of the job: local processes, Kubernetes pods (all slices
+        together), SLURM nodes. tpu-vm runs on every worker of the slice.
     max_restarts: Resubmissions after a preemption (exit code 75); any other failure stops.
+        tpu-vm --spot: a preempted slice is recreated for each.
     dry_run: Print the files and commands, run nothing.
     launch_dir: Where the generated files and the local logs go (default: WORKDIR/launch,
         or launch/NAME when the workdir is a gs:// path).
     env_vars: Extra environment variables of every host, KEY=VALUE,KEY=VALUE.
     python: The Python interpreter on the hosts (default: python3; local: this one).
     repo_dir: The repository's folder on the hosts (tpu-vm, slurm; gke: the image's workdir).
+    grace_period_s: Seconds a preempted host has between SIGTERM and SIGKILL to save its
+        checkpoint: gke: the pods' terminationGracePeriodSeconds; slurm: SIGTERM this long
+        before the time limit (--signal); local: before a failed host's peers are killed;
+        every backend tells the trainer, which warns when a step and its save take longer.
+        0: the platform's own (GKE 30 s, GCE preemption 30 s).
+    poll_s: gke, tpu-vm: seconds between two looks at the job's state while waiting.
     zone: tpu-vm: the TPU's zone.
     project: tpu-vm: the Google Cloud project (default: gcloud's configured one).
+    spot: tpu-vm: create the slice as a spot queued resource (--accelerator,
+        --runtime_version) and recreate it after a preemption, up to --max_restarts times.
+    runtime_version: tpu-vm --spot: the TPU software version, e.g. v2-alpha-tpuv5.
+    setup_command: tpu-vm --spot: a shell command run on every worker of a newly created
+        slice before training (clone the repository, install it).
     image: gke: the container image holding the repository and its packages.
     namespace: gke: the Kubernetes namespace.
+    gke_kind: gke: job (an indexed Job: one slice or GPU node group) or jobset (a JobSet of
+        --num_slices indexed Jobs, the GKE way to run multi-slice TPU).
+    num_slices: gke jobset: TPU slices joined over the data-center network (multi-slice).
     accelerator: gke: the node selector's accelerator, e.g. tpu-v5p-slice,
-        tpu-v5-lite-podslice or nvidia-h100-80gb.
-    tpu_topology: gke: the TPU slice topology, e.g. 2x2x2 (empty for GPUs).
+        tpu-v5-lite-podslice or nvidia-h100-80gb; tpu-vm --spot: the slice's accelerator
+        type, e.g. v5p-16.
+    tpu_topology: gke: the TPU slice topology, e.g. 2x2x2 (empty for GPUs); its chips over
+        --chips_per_host give the hosts of each slice.
     chips_per_host: gke: TPU chips or GPUs each pod requests; slurm: GPUs per node.
     partition: slurm: the partition.
     account: slurm: the account to charge (default: the user's).
@@ -76,10 +102,17 @@ class LaunchOptions:
     env_vars: str = ""
     python: str = ""
     repo_dir: str = "~/jaxrl4llm"
+    grace_period_s: int = 0
+    poll_s: int = 60
     zone: str = ""
     project: str = ""
+    spot: bool = False
+    runtime_version: str = ""
+    setup_command: str = ""
     image: str = ""
     namespace: str = "default"
+    gke_kind: str = "job"
+    num_slices: int = 1
     accelerator: str = ""
     tpu_topology: str = ""
     chips_per_host: int = 0
@@ -108,16 +141,17 @@ class Process:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """One attempt of a launch: write `files`, then run `steps` in order, each step's processes
-    at once; the attempt's exit code is the first step's non-zero code (its processes' codes
-    combined), else 0."""
+    """One attempt of a launch: make `folders`, write `files`, then run `steps` in order, each
+    step's processes at once; the attempt's exit code is the first step's non-zero code (its
+    processes' codes combined), else 0."""
 
     files: dict[str, str]
     steps: tuple[tuple[Process, ...], ...]
     log_dir: str  # where the hosts' logs go
+    folders: tuple[str, ...] = ()  # made before the first step (sbatch's --output folder)
 
     def describe(self) -> str:
-        parts = []
+        parts = [f"# ---- mkdir -p {shlex.quote(folder)}\n" for folder in self.folders]
         for path, text in self.files.items():
             parts.append(f"# ---- {path}\n{text.rstrip()}\n")
         for i, step in enumerate(self.steps, 1):
@@ -185,36 +219,69 @@ def launch_dir(opts: LaunchOptions, workdir: str) -> str:
     )
 
 
-def _train_argv(opts: LaunchOptions, train_args: Sequence[str]) -> tuple[str, ...]:
-    return (opts.python or "python3", "-m", TRAIN_MODULE, "--distributed", *train_args)
+def train_argv(
+    opts: LaunchOptions, train_args: Sequence[str], module: str = TRAIN_MODULE
+) -> tuple[str, ...]:
+    return (opts.python or "python3", "-m", module, "--distributed", *train_args)
 
 
-def _base_env(platform: str, opts: LaunchOptions) -> tuple[tuple[str, str], ...]:
-    # Unbuffered: a host's log shows each step as it ends, also when the job is killed.
-    return (("JAX_PLATFORMS", platform), ("PYTHONUNBUFFERED", "1")) + parse_env(opts.env_vars)
+def base_env(
+    platform: str, opts: LaunchOptions, extra: tuple[tuple[str, str], ...] = ()
+) -> tuple[tuple[str, str], ...]:
+    """Every host's environment: the platform, unbuffered output (a host's log shows each
+    step as it ends, also when the job is killed), the grace period, `extra`, then
+    --env_vars (last: they win)."""
+    env: tuple[tuple[str, str], ...] = (("JAX_PLATFORMS", platform), ("PYTHONUNBUFFERED", "1"))
+    if opts.grace_period_s:
+        env += ((GRACE_ENV, str(opts.grace_period_s)),)
+    return env + extra + parse_env(opts.env_vars)
 
 
 def make_plan(opts: LaunchOptions, train_args: Sequence[str], module: str = TRAIN_MODULE) -> Plan:
     """The plan of `opts.backend` for the training arguments `train_args`. `module` replaces
-    experiments.train on the local backend (tests run a stand-in that exits 75)."""
+    experiments.train (tests run stand-ins). Raises ValueError naming the flag at fault."""
+    from experiments import launch_gke, launch_tpu_vm
+
     if opts.backend not in BACKENDS:
         raise ValueError(f"--backend={opts.backend}: choose one of {', '.join(BACKENDS)}.")
-    if opts.num_hosts < 1 or opts.max_restarts < 0:
-        raise ValueError(
-            f"--num_hosts={opts.num_hosts} must be >= 1 and --max_restarts="
-            f"{opts.max_restarts} >= 0."
-        )
+    counts = {
+        "num_hosts": (opts.num_hosts, 1),
+        "num_slices": (opts.num_slices, 1),
+        "max_restarts": (opts.max_restarts, 0),
+        "grace_period_s": (opts.grace_period_s, 0),
+        "poll_s": (opts.poll_s, 0),
+    }
+    for flag, (value, least) in counts.items():
+        if value < least:
+            raise ValueError(f"--{flag}={value} must be >= {least}.")
     workdir = workdir_of(train_args)
-    builders = {"local": _local, "tpu-vm": _tpu_vm, "gke": _gke, "slurm": _slurm}
+    builders = {
+        "local": _local,
+        "tpu-vm": launch_tpu_vm.plan,
+        "gke": launch_gke.plan,
+        "slurm": _slurm,
+    }
     return builders[opts.backend](opts, list(train_args), workdir, module)
 
 
-def _require(opts: LaunchOptions, *names: str) -> None:
+def require(opts: LaunchOptions, *names: str, what: str = "") -> None:
+    """Raises ValueError naming the flags of `names` left empty (`what` needs them: default
+    --backend=BACKEND)."""
     missing = [f"--{n}" for n in names if not getattr(opts, n)]
     if missing:
         raise ValueError(
-            f"--backend={opts.backend} needs {', '.join(missing)} (python -m "
+            f"{what or f'--backend={opts.backend}'} needs {', '.join(missing)} (python -m "
             "experiments.launch --help describes each)."
+        )
+
+
+def check_name(opts: LaunchOptions) -> None:
+    """A Kubernetes object's or a TPU's name: lowercase letters, digits and dashes."""
+    if not re.fullmatch(r"[a-z]([-a-z0-9]{0,50}[a-z0-9])?", opts.name):
+        raise ValueError(
+            f"--name={opts.name!r}: --backend={opts.backend} needs a name of lowercase "
+            "letters, digits and dashes that starts with a letter (at most 52), e.g. "
+            "--name=grpo-7b."
         )
 
 
@@ -228,13 +295,15 @@ def _local(opts: LaunchOptions, train_args: list[str], workdir: str, module: str
         port = s.getsockname()[1]
     logs = os.path.join(launch_dir(opts, workdir), "logs")
     argv = (opts.python or sys.executable, "-m", module, "--distributed", *train_args)
-    env = (
-        ("JAX_PLATFORMS", "cpu"),
-        ("PYTHONUNBUFFERED", "1"),
-        ("XLA_FLAGS", f"--xla_force_host_platform_device_count={opts.devices_per_process}"),
-        ("JAX_COORDINATOR_ADDRESS", f"127.0.0.1:{port}"),
-        ("JAX_NUM_PROCESSES", str(opts.num_hosts)),
-    ) + parse_env(opts.env_vars)
+    env = base_env(
+        "cpu",
+        opts,
+        (
+            ("XLA_FLAGS", f"--xla_force_host_platform_device_count={opts.devices_per_process}"),
+            ("JAX_COORDINATOR_ADDRESS", f"127.0.0.1:{port}"),
+            ("JAX_NUM_PROCESSES", str(opts.num_hosts)),
+        ),
+    )
     processes = tuple(
         Process(argv, env + (("JAX_PROCESS_ID", str(i)),), os.path.join(logs, f"worker{i}.log"))
         for i in range(opts.num_hosts)
@@ -242,140 +311,30 @@ def _local(opts: LaunchOptions, train_args: list[str], workdir: str, module: str
     return Plan(files={}, steps=(processes,), log_dir=logs)
 
 
-def _tpu_vm(opts: LaunchOptions, train_args: list[str], workdir: str, module: str) -> Plan:
-    """`gcloud compute tpus tpu-vm ssh NAME --worker=all`: every worker of the slice runs the
-    same command (jax.distributed finds its peers from the TPU metadata) and tees its output
-    to WORKDIR/logs/worker-HOST.log, copied there at the end when the workdir is gs://."""
-    _require(opts, "zone")
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in _base_env("tpu", opts))
-    train = shlex.join(_train_argv(opts, train_args))
-    remote_logs = os.path.join(workdir, "logs")
-    logs = "/tmp/jaxrl4llm-logs" if is_remote(workdir) else remote_logs
-    log = f"{logs}/worker-$(hostname).log"
-    command = (
-        f"cd {opts.repo_dir} && mkdir -p {shlex.quote(logs)} && "
-        f"{env} {train} 2>&1 | tee {log}; rc=${{PIPESTATUS[0]}}; "
-    )
-    if is_remote(workdir):
-        command += f"gcloud storage cp {log} {shlex.quote(remote_logs)}/; "
-    command += "exit $rc"
-    argv = ["gcloud", "compute", "tpus", "tpu-vm", "ssh", opts.name, f"--zone={opts.zone}"]
-    if opts.project:
-        argv.append(f"--project={opts.project}")
-    argv += ["--worker=all", f"--command={command}"]
-    return Plan(files={}, steps=((Process(tuple(argv)),),), log_dir=remote_logs)
-
-
-def _gke(opts: LaunchOptions, train_args: list[str], workdir: str, module: str) -> Plan:
-    """An indexed Job of --num_hosts pods behind a headless Service (pod 0 is the
-    coordinator), applied with kubectl; the launcher waits for it and reads each pod's exit
-    code. A resubmission deletes the old Job first."""
-    _require(opts, "image", "accelerator", "chips_per_host")
-    tpu = opts.accelerator.startswith("tpu")
-    folder = launch_dir(opts, workdir)
-    manifest = os.path.join(folder, f"{opts.name}.yaml")
-    files = {manifest: gke_manifest(opts, train_args, tpu)}
-    kubectl = ("kubectl", f"--namespace={opts.namespace}")
-    job = f"job/{opts.name}"
-    wait = (
-        f"kubectl --namespace={opts.namespace} wait --for=condition=Complete {job} "
-        f"--timeout=-1s & kubectl --namespace={opts.namespace} wait "
-        f"--for=condition=Failed {job} --timeout=-1s & wait -n; kill %1 %2 2>/dev/null\n"
-        f"CODES=$(kubectl --namespace={opts.namespace} get pods "
-        f"--selector=batch.kubernetes.io/job-name={opts.name} -o jsonpath="
-        "'{range .items[*]}{.status.containerStatuses[0].state.terminated.exitCode} {end}')\n"
-        f"{COMBINE_CODES_BASH}\nexit $rc"
-    )
-    steps = (
-        (Process((*kubectl, "delete", "--ignore-not-found", "-f", manifest)),),
-        (Process((*kubectl, "apply", "-f", manifest)),),
-        (Process(("bash", "-c", wait)),),
-    )
-    return Plan(
-        files=files,
-        steps=steps,
-        log_dir=f"kubectl logs --selector=batch.kubernetes.io/job-name={opts.name}",
-    )
-
-
-def gke_manifest(opts: LaunchOptions, train_args: Sequence[str], tpu: bool) -> str:
-    """The Service and indexed Job (YAML, two documents). TPU pods: GKE sets the slice's
-    worker ids and hostnames and jax.distributed reads them; GPU pods: the coordinator is
-    pod 0 through the headless Service, the process id the pod's completion index."""
-    import yaml
-
-    env = [{"name": k, "value": v} for k, v in _base_env("tpu" if tpu else "cuda", opts)]
-    train = shlex.join(_train_argv(opts, train_args))
-    if not tpu:
-        env += [
-            {
-                "name": "JAX_COORDINATOR_ADDRESS",
-                "value": f"{opts.name}-0.{opts.name}:{COORDINATOR_PORT}",
-            },
-            {"name": "JAX_NUM_PROCESSES", "value": str(opts.num_hosts)},
-        ]
-        train = f"JAX_PROCESS_ID=$JOB_COMPLETION_INDEX exec {train}"
-    resource = "google.com/tpu" if tpu else "nvidia.com/gpu"
-    selector = {
-        "cloud.google.com/gke-tpu-accelerator"
-        if tpu
-        else "cloud.google.com/gke-accelerator": opts.accelerator
-    }
-    if tpu and opts.tpu_topology:
-        selector["cloud.google.com/gke-tpu-topology"] = opts.tpu_topology
-    service = {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": opts.name, "namespace": opts.namespace},
-        "spec": {"clusterIP": "None", "selector": {"batch.kubernetes.io/job-name": opts.name}},
-    }
-    container = {
-        "name": "train",
-        "image": opts.image,
-        "command": ["bash", "-c", train],
-        "env": env,
-        "ports": [{"containerPort": COORDINATOR_PORT}],
-        "resources": {"limits": {resource: opts.chips_per_host}},
-    }
-    job = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": opts.name, "namespace": opts.namespace},
-        "spec": {
-            "completionMode": "Indexed",
-            "completions": opts.num_hosts,
-            "parallelism": opts.num_hosts,
-            "backoffLimit": 0,  # a failed host fails the job; the launcher resubmits
-            "template": {
-                "spec": {
-                    "subdomain": opts.name,
-                    "restartPolicy": "Never",
-                    "nodeSelector": selector,
-                    "containers": [container],
-                }
-            },
-        },
-    }
-    return yaml.safe_dump_all([service, job], sort_keys=False)
-
-
 def _slurm(opts: LaunchOptions, train_args: list[str], workdir: str, module: str) -> Plan:
     """`sbatch --wait` of a script with one task per node: srun starts the trainer on each,
     the first node is the coordinator; each task's log and exit code go to the launch folder
-    (shared storage on a SLURM cluster)."""
-    _require(opts, "partition")
+    (shared storage on a SLURM cluster), made before sbatch runs (SLURM fails a job whose
+    --output folder is missing, with no output at all)."""
+    require(opts, "partition")
     folder = os.path.abspath(launch_dir(opts, workdir))  # the script cds to --repo_dir
     script = os.path.join(folder, f"{opts.name}.sbatch")
-    files = {script: sbatch_script(opts, train_args, os.path.join(folder, "logs"))}
+    logs = os.path.join(folder, "logs")
+    files = {script: sbatch_script(opts, train_args, logs, module)}
     return Plan(
         files=files,
         steps=((Process(("sbatch", "--wait", script)),),),
-        log_dir=os.path.join(folder, "logs"),
+        log_dir=logs,
+        folders=(logs,),
     )
 
 
-def sbatch_script(opts: LaunchOptions, train_args: Sequence[str], logs: str) -> str:
-    """The sbatch script: one task per node, every node with --chips_per_host GPUs."""
+def sbatch_script(
+    opts: LaunchOptions, train_args: Sequence[str], logs: str, module: str = TRAIN_MODULE
+) -> str:
+    """The sbatch script: one task per node, every node with --chips_per_host GPUs; each task
+    drives all its node's GPUs (jaxrl4llm/parallel/slurm.py gives jax.distributed their
+    ids)."""
     directives = [
         f"--job-name={opts.name}",
         f"--partition={opts.partition}",
@@ -388,23 +347,31 @@ def sbatch_script(opts: LaunchOptions, train_args: Sequence[str], logs: str) -> 
         directives.append(f"--gpus-per-node={opts.chips_per_host}")
     if opts.account:
         directives.append(f"--account={opts.account}")
-    exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in _base_env("cuda", opts))
-    train = shlex.join(_train_argv(opts, train_args))
+    if opts.grace_period_s:  # SIGTERM to the tasks this long before the time limit
+        directives.append(f"--signal=TERM@{opts.grace_period_s}")
+    exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in base_env("cuda", opts))
+    train = shlex.join(train_argv(opts, train_args, module))
+    # SIGTERM (preemption, --signal, scancel) reaches every process of the job: the shells
+    # only note it (a trap, not inherited), so each records its trainer's exit code (75 once
+    # it saved) and the script combines them.
     task = (
-        f"JAX_PROCESS_ID=$SLURM_PROCID {train} > {shlex.quote(logs)}/worker-$SLURM_PROCID.log"
-        f" 2>&1; echo $? > {shlex.quote(logs)}/exit-$SLURM_PROCID"
+        f"trap true TERM; JAX_PROCESS_ID=$SLURM_PROCID {train} > "
+        f"{shlex.quote(logs)}/worker-$SLURM_PROCID.log 2>&1; "
+        f"echo $? > {shlex.quote(logs)}/exit-$SLURM_PROCID"
     )
     return "\n".join(
         ["#!/bin/bash"]
         + [f"#SBATCH {d}" for d in directives]
         + [
             "set -u",
+            "trap 'echo \"launch: SIGTERM: waiting for the tasks to save\" >&2' TERM",
             f"mkdir -p {shlex.quote(logs)} && rm -f {shlex.quote(logs)}/exit-*",
             f"cd {opts.repo_dir}",
             exports,
-            "# The first node of the allocation coordinates jax.distributed.",
-            'COORDINATOR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            f"export JAX_COORDINATOR_ADDRESS=$COORDINATOR:{COORDINATOR_PORT}",
+            "# The first node of the allocation coordinates jax.distributed, at its address.",
+            'FIRST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            f'COORDINATOR=$(scontrol show node "$FIRST" | sed -n "{NODE_ADDR_SED}")',
+            f"export JAX_COORDINATOR_ADDRESS=${{COORDINATOR:-$FIRST}}:{COORDINATOR_PORT}",
             "export JAX_NUM_PROCESSES=$SLURM_NNODES",
             f"srun --ntasks={opts.num_hosts} --ntasks-per-node=1 bash -c {shlex.quote(task)}",
             f"CODES=$(cat {shlex.quote(logs)}/exit-* 2>/dev/null || echo 1)",

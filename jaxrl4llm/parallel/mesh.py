@@ -17,6 +17,8 @@ import numpy as np
 from absl import logging
 from jax.sharding import AxisType, Mesh
 
+from jaxrl4llm.parallel import slurm
+
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
 
 
@@ -105,6 +107,8 @@ def maybe_initialize_distributed(
     Explicit arguments win; otherwise JAX's own cluster detection (TPU pods, SLURM, ...) or
     the JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID environment variables
     decide; `auto_detect=True` starts it with cluster auto-detection alone (TPU pods, SLURM).
+    Under SLURM each process drives all the GPUs its task owns (`slurm.local_device_ids`),
+    not jax's default of GPU SLURM_LOCALID alone.
     Returns True when a multi-process runtime was started.
     """
     coordinator_address = coordinator_address or os.environ.get("JAX_COORDINATOR_ADDRESS")
@@ -115,7 +119,10 @@ def maybe_initialize_distributed(
     if coordinator_address is None and num_processes in (None, 1) and not auto_detect:
         return False
     jax.distributed.initialize(
-        coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=slurm.local_device_ids(),  # None: jax's own choice
     )
     logging.info(
         "jax.distributed: process %d of %d, %d local / %d global devices",

@@ -77,6 +77,8 @@ class Progress:
     last: dict[str, float] = dataclasses.field(default_factory=dict)  # the last step's metrics
     eval_results: dict[str, float] = dataclasses.field(default_factory=dict)
     stalled: int = 0  # consecutive steps whose every update was skipped as non-finite
+    save_s: float = 0.0  # the last checkpoint save's time (its blocking part)
+    grace_warned: bool = False  # whether _warn_past_grace has warned
 
 
 def _train(
@@ -108,7 +110,10 @@ def _train(
             _watch_divergence(progress, config, done, services.checkpointer)
             stop = preempted.poll()  # the same answer on every host
             if services.checkpointer.should_save(done) or stop:
+                t_save = time.perf_counter()
                 _save(models, services, done)
+                progress.save_s = time.perf_counter() - t_save
+            _warn_past_grace(progress, compiled=step > start)
             if stop:
                 logging.warning("Preempted: checkpoint %d saved; exiting.", done)
                 break
@@ -169,6 +174,30 @@ def _watch_divergence(
     progress.stalled = progress.stalled + 1 if skipped >= config.updates_per_step else 0
     if progress.stalled >= config.update.max_nonfinite_steps:
         raise TrainingDivergedError(_diverged_message(done, progress.stalled, checkpointer))
+
+
+# The seconds between SIGTERM and SIGKILL (experiments.launch --grace_period_s sets it).
+GRACE_ENV = "JAXRL4LLM_GRACE_PERIOD_S"
+
+
+def _warn_past_grace(progress: Progress, compiled: bool) -> None:
+    """Warns once when a step and a checkpoint save take longer than the preemption grace
+    period (GRACE_ENV): a SIGTERM early in a step would then kill the run before its save
+    ends. Not on the run's first step (`compiled` False), which compiles."""
+    import os
+
+    grace = float(os.environ.get(GRACE_ENV) or 0)
+    need = progress.last.get("time/step_s", 0.0) + progress.save_s
+    if not compiled or grace <= 0 or progress.grace_warned or need <= grace:
+        return
+    progress.grace_warned = True
+    logging.warning(
+        "A step and a checkpoint save take %.0f s, longer than the %.0f s a preempted run has "
+        "between SIGTERM and SIGKILL (experiments.launch --grace_period_s): a preemption may "
+        "kill the run before it saves. Raise --grace_period_s, or make the steps shorter.",
+        need,
+        grace,
+    )
 
 
 def _save(models: Models, services: Services, step: int) -> None:

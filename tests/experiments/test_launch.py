@@ -1,17 +1,14 @@
-"""experiments.launch without a cluster: each backend's generated command, manifest or script
-checked by parsing it (and running the scripts against stand-in cluster tools), and the local
-backend's N processes with their resubmission after exit code 75."""
+"""experiments.launch without a cluster: the sbatch script checked by parsing it and running
+it against stand-in SLURM tools, and the local backend's N processes with their resubmission
+after exit code 75. GKE, tpu-vm and SLURM's jax start-up: test_launch_gke.py,
+test_launch_tpu_vm.py, test_launch_slurm.py."""
 
 import json
 import os
-import shlex
 import stat
 import subprocess
 import sys
 import textwrap
-
-import pytest
-import yaml
 
 from experiments import launch
 from experiments.launch_plans import LaunchOptions, combined_exit_code, make_plan, workdir_of
@@ -45,115 +42,31 @@ def test_workdir_comes_from_the_command_line_over_the_flagfile(tmp_path):
     assert workdir_of(["--num_steps=2"]) == "workdirs/run"
 
 
-def test_tpu_vm_runs_the_same_command_on_every_worker():
-    opts = LaunchOptions(backend="tpu-vm", name="v5p-16", zone="us-east5-a", project="proj")
-    plan = make_plan(opts, TRAIN_ARGS)
-    (step,) = plan.steps
-    (proc,) = step
-    argv = list(proc.argv)
-    assert argv[:8] == [
-        "gcloud",
-        "compute",
-        "tpus",
-        "tpu-vm",
-        "ssh",
-        "v5p-16",
-        "--zone=us-east5-a",
-        "--project=proj",
-    ]
-    assert argv[8] == "--worker=all"
-    command = argv[9].removeprefix("--command=")
-    # The worker's shell line: parse it as bash would split it.
-    assert subprocess.run(["bash", "-n", "-c", command]).returncode == 0
-    words = shlex.split(command)
-    train = words.index("experiments.train")
-    assert words[train - 2 : train + 2 + len(TRAIN_ARGS)] == [
-        "python3",
-        "-m",
-        "experiments.train",
-        "--distributed",
-        *TRAIN_ARGS,
-    ]
-    assert "JAX_PLATFORMS=tpu" in words
-    # A gs:// workdir: the log is teed locally, then copied into WORKDIR/logs/.
-    assert "tee" in words
-    assert (
-        "gcloud storage cp /tmp/jaxrl4llm-logs/worker-$(hostname).log gs://bucket/run1/logs/"
-        in command
-    )
-    assert command.endswith("exit $rc")
-
-
-@pytest.mark.parametrize(
-    "accelerator,topology,resource",
-    [("tpu-v5p-slice", "2x2x2", "google.com/tpu"), ("nvidia-h100-80gb", "", "nvidia.com/gpu")],
-)
-def test_gke_manifest_loads_with_the_fields_a_job_needs(tmp_path, accelerator, topology, resource):
-    opts = LaunchOptions(
-        backend="gke",
-        name="rl1",
-        num_hosts=4,
-        image="us-docker.pkg.dev/p/r:1",
-        accelerator=accelerator,
-        tpu_topology=topology,
-        chips_per_host=4,
-        launch_dir=str(tmp_path),
-    )
-    plan = make_plan(opts, TRAIN_ARGS)
-    (text,) = plan.files.values()
-    service, job = yaml.safe_load_all(text)
-    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
-    assert job["apiVersion"] == "batch/v1" and job["kind"] == "Job"
-    spec = job["spec"]
-    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == ("Indexed", 4, 4)
-    pod = spec["template"]["spec"]
-    assert pod["subdomain"] == service["metadata"]["name"] == "rl1"
-    assert pod["restartPolicy"] == "Never"
-    assert accelerator in pod["nodeSelector"].values()
-    (container,) = pod["containers"]
-    assert container["image"] == "us-docker.pkg.dev/p/r:1"
-    assert container["resources"]["limits"] == {resource: 4}
-    command = container["command"][2]
-    assert shlex.split(command)[-len(TRAIN_ARGS) - 1 :] == ["--distributed", *TRAIN_ARGS]
-    env = {e["name"]: e["value"] for e in container["env"]}
-    if resource == "nvidia.com/gpu":  # coordinator: pod 0 through the headless Service
-        assert env["JAX_COORDINATOR_ADDRESS"].startswith("rl1-0.rl1:")
-        assert env["JAX_NUM_PROCESSES"] == "4"
-        assert "JAX_PROCESS_ID=$JOB_COMPLETION_INDEX" in command
-    else:
-        assert pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"] == "2x2x2"
-        assert env["JAX_PLATFORMS"] == "tpu"
-
-
-def test_gke_wait_script_reads_each_pods_exit_code(tmp_path):
-    """The last step waits for the Job and combines the pods' codes: run it against a stand-in
-    kubectl whose Job has failed, one pod preempted."""
-    opts = LaunchOptions(
-        backend="gke",
-        name="rl1",
-        num_hosts=2,
-        image="img",
-        accelerator="nvidia-h100-80gb",
-        chips_per_host=8,
-        launch_dir=str(tmp_path),
-    )
-    wait_step = make_plan(opts, TRAIN_ARGS).steps[-1][0]
+def _slurm_stand_ins(tmp_path):
+    """scontrol, srun (the task once per node) and a "trainer" that records its environment
+    and exits 75 on node 1 (preempted), 0 elsewhere; returns their folder."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    _tool(bin_dir, "scontrol", 'printf "node-a\\nnode-b\\nnode-c\\n"\n')
     _tool(
         bin_dir,
-        "kubectl",
+        "srun",
         """\
-        case "$*" in
-          *condition=Failed*) exit 0 ;;
-          *condition=Complete*) sleep 30 ;;
-          *"get pods"*) echo "1 75 " ;;
-        esac
+        shift 2  # --ntasks, --ntasks-per-node
+        for i in 0 1 2; do SLURM_PROCID=$i "$@"; done
         """,
     )
-    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
-    result = subprocess.run(list(wait_step.argv), env=env, timeout=20)
-    assert result.returncode == 75
+    _tool(
+        bin_dir,
+        "python-stand-in",
+        f"""\
+        echo "$JAX_COORDINATOR_ADDRESS $JAX_NUM_PROCESSES $JAX_PROCESS_ID $*" \
+            > {tmp_path}/seen-$JAX_PROCESS_ID
+        [ "$JAX_PROCESS_ID" = 1 ] && exit 75
+        exit 0
+        """,
+    )
+    return bin_dir
 
 
 def test_sbatch_script_parses_and_reports_a_preempted_task(tmp_path):
@@ -182,29 +95,7 @@ def test_sbatch_script_parses_and_reports_a_preempted_task(tmp_path):
         "--account=acct",
     } <= set(directives)
     assert plan.steps == ((launch.Process(("sbatch", "--wait", path)),),)
-    # Run it with stand-ins: srun runs the task once per node; the "trainer" records its
-    # environment and exits 75 on node 1 (preempted), 0 elsewhere.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    _tool(bin_dir, "scontrol", 'printf "node-a\\nnode-b\\nnode-c\\n"\n')
-    _tool(
-        bin_dir,
-        "srun",
-        """\
-        shift 2  # --ntasks, --ntasks-per-node
-        for i in 0 1 2; do SLURM_PROCID=$i "$@"; done
-        """,
-    )
-    _tool(
-        bin_dir,
-        "python-stand-in",
-        f"""\
-        echo "$JAX_COORDINATOR_ADDRESS $JAX_NUM_PROCESSES $JAX_PROCESS_ID $*" \
-            > {tmp_path}/seen-$JAX_PROCESS_ID
-        [ "$JAX_PROCESS_ID" = 1 ] && exit 75
-        exit 0
-        """,
-    )
+    bin_dir = _slurm_stand_ins(tmp_path)
     submitted = []  # run_attempt writes the script, then "submits" it here
     assert launch.run_attempt(plan, runner=lambda step: submitted.append(step) or 0) == 0
     assert submitted == list(plan.steps)
