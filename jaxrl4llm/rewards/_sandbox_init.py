@@ -10,7 +10,8 @@ Each run costs two forks, not an `unshare` binary, an interpreter start-up and a
 the server forks a keeper, which unshares new mount, network, IPC, UTS and pid namespaces (and,
 when the host is not real root, a new user namespace, so the process limit counts this run
 only) and forks the program's process, pid 1 of the new pid namespace. That process mounts a
-fresh size-limited tmpfs on /work, copies the program in, takes the run's stdin, stdout and
+fresh size-limited tmpfs on /work, joins the run's cgroup where the host delegates one
+(rewards/cgroups.py), copies the program in, takes the run's stdin, stdout and
 stderr files, chroots into the root, sets the rlimits, drops every capability (bounding set,
 ambient set, no_new_privs), under real root becomes the run's unused uid, and execs the
 interpreter on the program. The keeper kills it at the wall-clock limit; it being pid 1, the
@@ -137,6 +138,9 @@ def program_process(server: dict, run: dict, last_cap: int) -> None:
             os.dup2(opened, fd)
             os.close(opened)
         os.closerange(3, 1 << 16)
+        if run.get("cgroup_procs"):  # the run's cgroup (rewards/cgroups.py): join it first
+            with open(run["cgroup_procs"], "w") as f:
+                f.write("0")
         _mount(
             "tmpfs",
             root + "/work",

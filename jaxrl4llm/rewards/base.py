@@ -35,16 +35,21 @@ class Verdict(NamedTuple):
     detail: str = ""  # what decided it (code: the first failing test)
 
 
+JOB_COST_S = 0.1  # a verification's allowance in the batch deadline (math: ~16 ms loaded)
+
+
 class Job(NamedTuple):
     """Verification work for a pool worker: `fn(*args)` returns a REASONS name, or a
     (reason, score, detail) triple (the fields of a Verdict after `correct`).
 
     `fn` is a module-level function (pickled by reference); `args` are plain, hashable values,
-    so identical jobs in a batch (a group's repeated answers) run once.
+    so identical jobs in a batch (a group's repeated answers) run once. `cost_s`: what the
+    job adds to its batch's deadline (divided among the workers; pool.VerifierPool.run).
     """
 
     fn: Callable[..., str]
     args: tuple
+    cost_s: float = JOB_COST_S
 
 
 class Verifier(Protocol):
@@ -96,8 +101,9 @@ def run_in_process(job: Job) -> Verdict:
 
 def run_plan(pool: Any, plan: Sequence[Verdict | Job]) -> list[Verdict]:
     """Verdicts for a plan: each distinct Job runs once in `pool` (a VerifierPool), under its
-    per-item and batch deadlines. A job that times out, crashes or raises gives a Verdict whose
-    reason is in FAILED_REASONS; those are counted and logged here."""
+    per-item deadline and a batch deadline that scales with the jobs' costs. A job that times
+    out, crashes or raises gives a Verdict whose reason is in FAILED_REASONS; those are
+    counted and logged here."""
     verdicts: list[Any] = list(plan)
     rows: dict[Job, list[int]] = {}
     for i, item in enumerate(plan):
@@ -105,7 +111,7 @@ def run_plan(pool: Any, plan: Sequence[Verdict | Job]) -> list[Verdict]:
             rows.setdefault(item, []).append(i)
     if not rows:
         return verdicts
-    results = pool.run([(job.fn, job.args) for job in rows])
+    results = pool.run([(job.fn, job.args) for job in rows], [job.cost_s for job in rows])
     failures: Counter = Counter()
     first_failure = None
     for indices, result in zip(rows.values(), results):

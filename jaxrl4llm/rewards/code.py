@@ -5,11 +5,15 @@ A code record carries its tests in metadata["tests"] (a JSON string), in one of 
     {"style": "stdio", "cases": [{"input": "1 2\\n", "output": "3\\n"}, ...]}
     {"style": "assert", "setup": "import math", "cases": ["assert add(1, 2) == 3", ...]}
 
-stdio: the program reads a case's input on stdin; it passes when its stdout matches the expected
-output (outputs_match: trailing whitespace and blank lines ignored, tokens equal, non-integer
-numbers within 1e-6). assert: the program followed by setup and one case runs per case; it
-passes when it exits 0 and its last line of stdout is the run's nonce, printed after the case
-(so `exit(0)` in the solution passes nothing).
+stdio: the program reads a case's input on stdin; it passes when its whole stdout matches the
+expected output (outputs_match: trailing whitespace and blank lines ignored, tokens equal,
+non-integer numbers within 1e-6), compared here. assert: the verdict is never the program's.
+rewards/harness.py splits each case into the expressions that need the program (its calls)
+and checks over their values; the sandbox runs the program, the setup and those expressions
+and sends their values back as data; rewards/verdict.py decodes them into plain values and
+evaluates the checks with the real builtins. No expected value enters the sandbox, so
+exiting early, exit hooks, patched builtins or an object whose __eq__ is always true pass
+nothing. A case that cannot be split that way fails (the detail says why).
 
 Each case is one sandboxed execution (rewards/sandbox.py) inside one pool job per completion,
 so a hung or crashing program costs its own worker's item deadline only. Reward: "all_pass"
@@ -21,18 +25,21 @@ unrun count as failed. The verdict's detail names the first failing case.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
-import secrets
 import time
 from typing import Any
 
+from jaxrl4llm.rewards import harness
 from jaxrl4llm.rewards.base import Job, PlansPerCompletion, Verdict, record_metadata
 from jaxrl4llm.rewards.sandbox import SandboxConfig, resolve_isolation, run_program
+from jaxrl4llm.rewards.verdict import decide, read_values
 
 MODES = ("all_pass", "fraction")
 STYLES = ("stdio", "assert")
 BUDGET_FRACTION = 0.9  # of the pool's item deadline; the rest is IPC and the worker's start
+TEST_COST_S = 0.5  # a test's allowance in the batch deadline (~0.08 s measured, 2 loaded cores)
 _FENCE_RE = re.compile(r"^[ \t]*```[ \t]*([A-Za-z0-9_+-]*)[^\n`]*$", re.MULTILINE)
 _PYTHON_TAGS = ("", "python", "python3", "py", "py3")
 _INT_RE = re.compile(r"[+-]?\d+")
@@ -122,6 +129,17 @@ def parse_tests(tests_json: str) -> dict:
     return tests
 
 
+@functools.lru_cache(maxsize=256)
+def case_count(tests_json: str) -> int:
+    """How many cases a record's tests have (0 when they do not parse: the job reports it).
+    Cached: a group's completions share their record's tests."""
+    try:
+        cases = json.loads(tests_json).get("cases")
+    except (ValueError, AttributeError):
+        return 0
+    return len(cases) if isinstance(cases, list) else 0
+
+
 def _describe(execution, tail: str) -> str:
     if execution.status == "timeout":
         return "time limit exceeded"
@@ -134,9 +152,15 @@ def _describe(execution, tail: str) -> str:
 
 
 def run_case(
-    code: str, tests: dict, index: int, sandbox: SandboxConfig, layer: str
+    code: str,
+    tests: dict,
+    index: int,
+    sandbox: SandboxConfig,
+    layer: str,
+    names: frozenset[str] = frozenset(),
 ) -> tuple[bool, str, str]:
-    """(passed, why it failed, status) of case `index`."""
+    """(passed, why it failed, status) of case `index`; `names`: the program's top-level
+    names (harness.program_names), for assert-style cases."""
     case = tests["cases"][index]
     if tests["style"] == "stdio":
         execution = run_program(code, case["input"], sandbox, layer)
@@ -149,17 +173,17 @@ def run_case(
             (f"expected {case['output'][:80]!r}, got {execution.stdout[:80]!r}"),
             execution.status,
         )
-    nonce = secrets.token_hex(16)
-    # The file goes first: the solution can no longer read the nonce from its own source.
-    program = (
-        f"import os as _os\n_os.unlink(__file__)\ndel _os\n{code}\n\n"
-        f"{tests.get('setup', '')}\n{case}\nprint({nonce!r})\n"
-    )
-    execution = run_program(program, "", sandbox, layer)
-    last = execution.stdout.rstrip("\n").rsplit("\n", 1)[-1]
-    if execution.status == "ok" and last == nonce:
-        return True, "", execution.status
-    return False, _describe(execution, "exited before the test finished"), execution.status
+    plan = harness.plan_case(case, tests.get("setup") or "", names)
+    if plan.problem:
+        return False, f"cannot be decided outside the program: {plan.problem}", "ok"
+    execution = run_program(harness.child_source(code, plan), "", sandbox, layer)
+    if execution.status != "ok":
+        return False, _describe(execution, ""), execution.status
+    values = read_values(execution.stdout, len(plan.holes))
+    if values is None:
+        return False, "exited before the test finished", execution.status
+    passed, why = decide(plan, values)
+    return passed, why, execution.status
 
 
 def run_code_tests(
@@ -170,6 +194,7 @@ def run_code_tests(
     tests = parse_tests(tests_json)
     deadline = time.monotonic() + budget_s
     cases = tests["cases"]
+    names = harness.program_names(code) if tests["style"] == "assert" else frozenset()
     passed, failure = 0, ""
     for index in range(len(cases)):
         if time.monotonic() + sandbox.wall_s > deadline:
@@ -178,7 +203,7 @@ def run_code_tests(
                 "spent (raise --item_timeout_s)"
             )
             break
-        ok, why, status = run_case(code, tests, index, sandbox, layer)
+        ok, why, status = run_case(code, tests, index, sandbox, layer, names)
         if status == "setup_failed":
             return "error", 0.0, f"sandbox set-up failed: {why}"[:MAX_DETAIL]
         if ok:
@@ -233,6 +258,7 @@ class CodeVerifier(PlansPerCompletion):
                 self.layer,
                 self.config.budget_s,
             ),
+            TEST_COST_S * case_count(tests_json),
         )
 
     def answer_key(self, completion: str, record: Any) -> str | None:

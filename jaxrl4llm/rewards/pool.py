@@ -12,8 +12,11 @@ function raised; value = the message), "timeout" or "crash" (value says why: whi
 or the worker's exit code / signal). `run` never raises for a job.
 
 Deadlines: each job has `item_timeout_s` from the moment a worker starts it, so a slow job
-costs one worker while the others keep taking jobs; `batch_timeout_s` bounds a whole `run`
-(jobs still running then are killed, jobs not started are reported as not started).
+costs one worker while the others keep taking jobs. A whole `run` has a deadline that scales
+with its work: `batch_timeout_s` plus each job's allowance (`run(..., costs_s=...)`: the
+seconds its work may take, e.g. 0.5 s per test of a program) divided by `num_workers`, so a
+large honest batch is never cut on a loaded host (jobs still running at the deadline are
+killed, jobs not started are reported as not started).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 class PoolConfig:
     num_workers: int = 2
     item_timeout_s: float = 5.0  # wall clock for one job, from dispatch to result
-    batch_timeout_s: float = 60.0  # wall clock for one `run` call
+    batch_timeout_s: float = 60.0  # wall clock for one `run` call, plus its jobs' allowances
     start_timeout_s: float = 60.0  # a worker that is not ready by then is replaced
     memory_limit_mb: int = 4096  # RLIMIT_AS in the worker; 0 = unlimited
     preload: tuple[str, ...] = ("math_verify",)
@@ -160,15 +163,24 @@ class VerifierPool:
         self._workers[self._workers.index(worker)] = _Worker(self.config)
         self.stats["restarts"] += 1
 
-    def run(self, jobs: Sequence[tuple[Callable[..., Any], tuple]]) -> list[JobResult]:
-        """Runs every job; returns one JobResult per job, in order. Never raises for a job."""
+    def batch_deadline_s(self, costs_s: Sequence[float] = ()) -> float:
+        """Seconds a `run` of jobs with these allowances may take: batch_timeout_s plus
+        their sum divided among the workers."""
+        return self.config.batch_timeout_s + sum(costs_s) / self.config.num_workers
+
+    def run(
+        self, jobs: Sequence[tuple[Callable[..., Any], tuple]], costs_s: Sequence[float] = ()
+    ) -> list[JobResult]:
+        """Runs every job; returns one JobResult per job, in order. Never raises for a job.
+        `costs_s`: each job's allowance, which the batch deadline adds (none: the fixed
+        batch_timeout_s)."""
         if not jobs:
             return []
         payloads = [pickle.dumps((fn, tuple(args))) for fn, args in jobs]
         self.stats["jobs"] += len(jobs)
         while len(self._workers) < self.config.num_workers:
             self._workers.append(_Worker(self.config))
-        batch = _Batch(payloads, deadline=time.monotonic() + self.config.batch_timeout_s)
+        batch = _Batch(payloads, deadline=time.monotonic() + self.batch_deadline_s(costs_s))
         while True:
             now = time.monotonic()
             self._dispatch(batch, now)

@@ -54,7 +54,8 @@ class RewardConfig:
     countdown_use_all: Countdown answers must use every given number.
     num_workers: Verifier worker processes.
     item_timeout_s: Seconds one verification may take before it scores as a timeout.
-    batch_timeout_s: Seconds a whole batch of verifications may take.
+    batch_timeout_s: Fixed part of a batch's deadline: each verification adds its allowance
+        divided by num_workers (0.1 s each; 0.5 s per test of a code completion).
     memory_limit_mb: Memory limit of each verifier worker process, in MB.
     default_task: Verifier of records that name no task (metadata["task"]).
     code_reward: Code: "all_pass" (1 when every test passes) or "fraction" (the share passed).
@@ -74,7 +75,7 @@ class RewardConfig:
     countdown_use_all: bool = False
     num_workers: int = 2  # verifier worker processes
     item_timeout_s: float = 5.0  # wall clock for one verification, from when a worker starts it
-    batch_timeout_s: float = 60.0  # wall clock for all verifications of one batch
+    batch_timeout_s: float = 60.0  # a batch's deadline: this plus its jobs' allowances / workers
     memory_limit_mb: int = 4096
     default_task: str = "math"  # for records without metadata["task"] under kind="auto"
     code_reward: str = "all_pass"

@@ -8,7 +8,8 @@ Isolation layers, best first (`isolation="auto"` takes the first that works here
 
 - "bwrap" (bubblewrap): new user, mount, network, IPC, UTS, pid and cgroup namespaces; a root
   of read-only binds of the system and interpreter folders, a private tmpfs /work, no /proc;
-  every capability dropped; dies with its parent.
+  every capability dropped; dies with its parent. Under real root bwrap itself runs as an
+  unused uid of its own (uid 0 is exempt from RLIMIT_NPROC, in a user namespace too).
 - "unshare" (util-linux `unshare` + rewards/_sandbox_init.py): a server per host thread,
   started once in a private mount namespace, holds the new root (built once); each run is two
   forks of it into new mount, network, IPC, UTS and pid namespaces (and a new user namespace,
@@ -27,158 +28,106 @@ namespaced layers the program (or bwrap) is pid 1 of its pid namespace: when it 
 killed, the kernel kills every process it started, however it detached. Processes are counted
 per user namespace (or per unused uid), so the limit bounds this program, not the user's others.
 Output goes to files whose size the file-size limit caps (a huge print ends the program).
+Where the host delegates cgroup v2 memory and pids controllers (rewards/cgroups.py), each run
+also gets a cgroup of its own that bounds the memory and processes of all its processes
+together. The layers' binaries are resolved once to absolute paths (sandbox_base.binary).
 """
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
+import contextlib
 import functools
-import marshal
 import os
 import resource
-import secrets
 import select
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
-import threading
 import time
-from typing import Any, NamedTuple
+
+from absl import logging
 
 from jaxrl4llm.config.errors import DependencyError
+from jaxrl4llm.rewards import cgroups
+from jaxrl4llm.rewards.sandbox_base import (
+    ENVIRONMENT,
+    INTERPRETER_ARGS,
+    ISOLATION,
+    LAYERS,
+    SETUP_FAILED,
+    SYSTEM_FOLDERS,
+    Execution,
+    SandboxConfig,
+    binary,
+    interpreter,
+    kill_group,
+    read_only_folders,
+    unused_uid,
+)
+from jaxrl4llm.rewards.sandbox_unshare import close_servers, run_unshare
 
-LAYERS = ("bwrap", "unshare")
-ISOLATION = ("auto", *LAYERS, "none")
-SETUP_FAILED = 125  # _sandbox_init's exit code when the namespaces or mounts could not be made
-_INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_init.py")
-# Folders the program may read (those that exist): the system's, and the interpreter's prefix.
-SYSTEM_FOLDERS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-ENVIRONMENT = {
-    "PATH": "/usr/local/bin:/usr/bin:/bin",
-    "HOME": "/work",
-    "LANG": "C.UTF-8",
-    "PYTHONDONTWRITEBYTECODE": "1",
-    "PYTHONIOENCODING": "utf-8",
-}
-SANDBOX_UIDS = (1_500_000_000, 100_000_000)  # first, count: unused uids for a root host
-INTERPRETER_ARGS = ("-I", "-S", "-B")  # isolated: no user site, no PYTHON* variables, no .pyc
-SERVER_SLACK_S = 5.0  # past the wall limit, an unshare server that has not answered is stuck
+__all__ = [
+    "ISOLATION",
+    "INTERPRETER_ARGS",
+    "LAYERS",
+    "SETUP_FAILED",
+    "Execution",
+    "SandboxConfig",
+    "available_layer",
+    "close_servers",
+    "interpreter",
+    "layer_works",
+    "resolve_isolation",
+    "run_program",
+]
 
-
-@dataclasses.dataclass(frozen=True)
-class SandboxConfig:
-    """Limits of one execution (flag-friendly scalars).
-
-    isolation: "auto" (bwrap, else unshare), "bwrap", "unshare", or "none" (needs unsafe).
-    unsafe: Allow isolation "none" (and "auto" falling back to it): no namespaces at all.
-    wall_s: Wall-clock seconds before the process group is killed.
-    cpu_s: CPU seconds (RLIMIT_CPU; SIGXCPU, then SIGKILL a second later).
-    memory_mb: Address space (RLIMIT_AS) in MB.
-    processes: Processes and threads (RLIMIT_NPROC, counted in the sandbox's user namespace).
-    file_mb: Largest file the program may write, stdout and stderr included (RLIMIT_FSIZE).
-    open_files: Open file descriptors (RLIMIT_NOFILE).
-    work_mb: Size of the private /work tmpfs (the namespaced layers).
-    """
-
-    isolation: str = "auto"
-    unsafe: bool = False
-    wall_s: float = 2.0
-    cpu_s: int = 2
-    memory_mb: int = 512
-    processes: int = 32
-    file_mb: int = 8
-    open_files: int = 64
-    work_mb: int = 16
-
-    def __post_init__(self):
-        if self.isolation not in ISOLATION:
-            raise ValueError(
-                f"unknown sandbox isolation {self.isolation!r}; valid: {', '.join(ISOLATION)}"
-            )
-        if self.isolation == "none" and not self.unsafe:
-            raise ValueError(
-                "sandbox isolation 'none' runs model-written programs with the "
-                "user's rights; pass --unsafe_code_execution to allow it"
-            )
-        for name in (
-            "wall_s",
-            "cpu_s",
-            "memory_mb",
-            "processes",
-            "file_mb",
-            "open_files",
-            "work_mb",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"sandbox {name} must be > 0, got {getattr(self, name)}")
-
-    @property
-    def limits(self) -> dict[str, int]:
-        return {
-            "cpu_s": int(self.cpu_s),
-            "memory_bytes": self.memory_mb << 20,
-            "processes": self.processes,
-            "file_bytes": self.file_mb << 20,
-            "open_files": self.open_files,
-        }
-
-
-class Execution(NamedTuple):
-    status: str  # "ok" (exit 0) | "exit" (non-zero) | "signal" | "timeout" | "setup_failed"
-    returncode: int | None
-    stdout: str
-    stderr: str
-    seconds: float
-    layer: str
-
-
-def interpreter() -> str:
-    """The real interpreter binary (a venv's python is a link to it)."""
-    return os.path.realpath(sys.executable)
-
-
-def read_only_folders() -> tuple[str, ...]:
-    prefix = os.path.realpath(sys.base_prefix)
-    extra = () if prefix.startswith("/usr/") or prefix == "/usr" else (prefix,)
-    return tuple(p for p in (*SYSTEM_FOLDERS, *extra) if os.path.lexists(p))
-
-
-def _probe(argv: list[str]) -> bool:
-    try:
-        return (
-            subprocess.run(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                timeout=20,
-            ).returncode
-            == 0
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+LAYER_PROCESSES = {"bwrap": 2}  # a layer's own processes in a run's cgroup: bwrap and its pid 1
+USER_BWRAP_PROCESSES = 4  # what a user's bwrap adds to RLIMIT_NPROC for its own processes
+BOX = "/box"  # under root, the program's root inside bwrap's
+ROOT_CAPABILITIES = ("CAP_SETUID", "CAP_SETGID", "CAP_SYS_CHROOT")  # kept for chroot alone
+ROOT_BINARIES = ("chroot", "env")  # coreutils, run inside the sandbox
+_LAYER_LOG_ONCE: set[str] = set()
 
 
 @functools.lru_cache(maxsize=None)
+def layer_problem(layer: str) -> str | None:
+    """Why `layer` cannot run a trivial program here, None when it can (cached per process)."""
+    path = binary(layer)
+    if path is None:
+        return f"{layer} is not installed (not on PATH)"
+    if layer == "bwrap" and unused_uid() is not None:
+        missing = [name for name in ROOT_BINARIES if binary(name) is None]
+        if missing or "--perms" not in _bwrap_options():
+            return f"under root bwrap needs --perms (bwrap 0.5+) and {', '.join(ROOT_BINARIES)}"
+    try:
+        execution = run_program("print(6 * 7)", "", SandboxConfig(isolation=layer), layer=layer)
+    except OSError as exc:
+        return f"{path} could not start: {exc}"
+    if execution.stdout == "42\n":
+        return None
+    said = execution.stderr.strip().splitlines()
+    return f"{path} failed ({execution.status} {execution.returncode})" + (
+        f": {said[-1][:200]}" if said else ""
+    )
+
+
 def layer_works(layer: str) -> bool:
     """Whether `layer` runs a trivial program here (cached per process)."""
-    try:
-        return (
-            run_program("print(6 * 7)", "", SandboxConfig(isolation=layer), layer=layer).stdout
-            == "42\n"
-        )
-    except OSError:
-        return False
+    return binary(layer) is not None and layer_problem(layer) is None
 
 
 def available_layer() -> str | None:
-    """The best isolation layer installed and permitted here, else None."""
+    """The best isolation layer installed and permitted here, else None. A layer that is
+    installed but fails is logged (once), never skipped silently."""
     for layer in LAYERS:
-        if shutil.which(layer) and layer_works(layer):
+        if binary(layer) is None:
+            continue
+        problem = layer_problem(layer)
+        if problem is None:
             return layer
+        if layer not in _LAYER_LOG_ONCE:
+            _LAYER_LOG_ONCE.add(layer)
+            logging.warning("Code sandbox: %s is installed but does not work: %s", layer, problem)
     return None
 
 
@@ -188,11 +137,10 @@ def resolve_isolation(config: SandboxConfig) -> str:
     if config.isolation == "none":
         return "none"
     if config.isolation != "auto":
-        if shutil.which(config.isolation) and layer_works(config.isolation):
-            return config.isolation
-        found = None
+        found = config.isolation if layer_works(config.isolation) else None
+        why = f" ({layer_problem(config.isolation)})" if binary(config.isolation) else ""
     else:
-        found = available_layer()
+        found, why = available_layer(), ""
     if found is not None:
         return found
     if config.unsafe and config.isolation == "auto":
@@ -200,199 +148,94 @@ def resolve_isolation(config: SandboxConfig) -> str:
     wanted = "bwrap or unshare" if config.isolation == "auto" else config.isolation
     raise DependencyError(
         f"code rewards need an isolation layer to run model-written programs and {wanted} "
-        "does not work here: install bubblewrap (apt install bubblewrap) or allow unprivileged "
-        "user namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces "
-        "> 0); or pass --unsafe_code_execution to run them as your user with only resource "
-        "limits (they can then read your files and reach the network)"
+        f"does not work here{why}: install bubblewrap (apt install bubblewrap) or allow "
+        "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
+        "user.max_user_namespaces > 0); or pass --unsafe_code_execution to run them as your "
+        "user with only resource limits (they can then read your files and reach the network)"
     )
 
 
-def _bwrap_argv(config: SandboxConfig, program: str) -> list[str]:
-    argv = [
-        "bwrap",
-        "--unshare-all",
-        "--die-with-parent",
-        "--new-session",
-        "--cap-drop",
-        "ALL",
-        "--clearenv",
-    ]
+@functools.lru_cache(maxsize=None)
+def _bwrap_options() -> str:
+    """bwrap's --help (which options this version has)."""
+    try:
+        found = subprocess.run(
+            [binary("bwrap") or "bwrap", "--help"], capture_output=True, text=True, timeout=20
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return found.stdout + found.stderr
+
+
+def _bwrap_argv(config: SandboxConfig, program_fd: int, uid: int | None) -> list[str]:
+    """bwrap's command line; the program is copied in from `program_fd`. Run by a user
+    (`uid` None): a user namespace (no further one inside where this bwrap can forbid it),
+    the program runs as that user. Run by real root: no user namespace (it would map the
+    program to uid 0, which RLIMIT_NPROC exempts); the sandbox is built under BOX and
+    coreutils' chroot enters it as `uid` (from a chroot the kernel refuses new user
+    namespaces), keeping no capability, and env starts the program in /work."""
+    top = BOX if uid is not None else ""
+    argv = [binary("bwrap") or "bwrap", "--die-with-parent", "--new-session"]
+    argv += ["--cap-drop", "ALL", "--clearenv"]
+    if uid is None:
+        argv += ["--unshare-all", "--unshare-user"]
+        argv += ["--disable-userns"] if "--disable-userns" in _bwrap_options() else []
+    else:
+        argv += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
+        argv += ["--unshare-cgroup-try", "--perms", "0755", "--dir", BOX]
+        argv += [a for cap in ROOT_CAPABILITIES for a in ("--cap-add", cap)]
     for name, value in ENVIRONMENT.items():
         argv += ["--setenv", name, value]
     for path in read_only_folders():
-        argv += (
-            ["--symlink", os.readlink(path), path]
-            if os.path.islink(path)
-            else ["--ro-bind", path, path]
-        )
-    argv += [
-        "--dev",
-        "/dev",
-        "--size",
-        str(config.work_mb << 20),
-        "--tmpfs",
-        "/work",
-        "--ro-bind",
-        program,
-        "/work/main.py",
-        "--symlink",
-        "work",
-        "/tmp",
-        "--chdir",
-        "/work",
-        "--remount-ro",
-        "/",
-        "--",
-        interpreter(),
-        *INTERPRETER_ARGS,
-        "/work/main.py",
-    ]
-    return argv
+        argv += _bwrap_folder(path, top)
+    argv += ["--dev", f"{top}/dev", "--size", str(config.work_mb << 20)]
+    argv += ["--perms", "0777"] if uid is not None else []
+    argv += ["--tmpfs", f"{top}/work", "--file", str(program_fd), f"{top}/work/main.py"]
+    argv += ["--symlink", "work", f"{top}/tmp", "--chdir", f"{top}/work", "--remount-ro", "/"]
+    if uid is not None:
+        argv += ["--", binary("chroot") or "chroot", f"--userspec=+{uid}:+{uid}"]
+        argv += [f"--groups=+{uid}", BOX, binary("env") or "env", "-C", "/work"]
+    return argv + ["--", interpreter(), *INTERPRETER_ARGS, "/work/main.py"]
 
 
-class _Server:
-    """One `_sandbox_init.py` server (the unshare layer): started once, one run per request."""
-
-    def __init__(self):
-        self.root = tempfile.mkdtemp(prefix="jaxrl4llm-sandboxroot-")
-        spec = {
-            "root": self.root,
-            "read_only": read_only_folders(),
-            "host_pid": os.getpid(),
-            "user_namespace": os.geteuid() != 0,
-            "interpreter": interpreter(),
-            "interpreter_args": INTERPRETER_ARGS,
-            "environment": ENVIRONMENT,
-        }
-        user = ["--user", "--map-root-user"] if spec["user_namespace"] else []
-        self.proc = subprocess.Popen(
-            [
-                "unshare",
-                *user,
-                "--mount",
-                interpreter(),
-                "-I",
-                "-S",
-                "-B",
-                _INIT,
-                marshal.dumps(spec).hex(),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            cwd="/",
-            env=dict(ENVIRONMENT),
-            start_new_session=True,
-            close_fds=True,
-        )
-        self.owner = os.getpid()
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.requests, self.answers = self.proc.stdin, self.proc.stdout
-
-    def run(self, run: dict, wall_s: float) -> str | None:
-        """The server's answer for one run: "" when it has died (it could not start), None
-        when it overran the wall limit."""
-        try:
-            self.requests.write(marshal.dumps(run).hex().encode() + b"\n")
-            self.requests.flush()
-        except OSError:
-            return ""
-        ready = select.select([self.answers], [], [], wall_s + SERVER_SLACK_S)[0]
-        return self.answers.readline().decode().strip() if ready else None
-
-    def close(self) -> None:
-        _kill_group(self.proc.pid)
-        self.proc.wait()
-        for pipe in (self.requests, self.answers):
-            try:
-                pipe.close()
-            except OSError:
-                pass
-        shutil.rmtree(self.root, ignore_errors=True)
+def _bwrap_folder(path: str, top: str) -> list[str]:
+    """Binds a read-only folder at `top` + path. Under BOX: its parents made traversable
+    (bwrap copies a source parent's mode: /root would be 0700), and a system folder also
+    linked at bwrap's own root, where chroot and env run."""
+    argv: list[str] = []
+    if top:
+        parents = [p for p in _parents(path) if not os.path.islink(p)]
+        argv += [a for p in parents for a in ("--perms", "0755", "--dir", top + p)]
+        if path in SYSTEM_FOLDERS:
+            argv += ["--symlink", top.lstrip("/") + path, path]
+    if os.path.islink(path):
+        return argv + ["--symlink", os.readlink(path), top + path]
+    return argv + ["--ro-bind", path, top + path]
 
 
-_servers = threading.local()
-_all_servers: list[_Server] = []
-_servers_lock = threading.Lock()
+def _parents(path: str) -> list[str]:
+    """/a/b/c -> [/a, /a/b]."""
+    parts = path.strip("/").split("/")[:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-def _server() -> _Server:
-    """This thread's server, started at its first run (and again after a failure or a fork)."""
-    server = getattr(_servers, "server", None)
-    if server is None or server.owner != os.getpid() or server.proc.poll() is not None:
-        if server is not None and server.owner == os.getpid():
-            _drop_server(server)
-        server = _servers.server = _Server()
-        with _servers_lock:
-            _all_servers.append(server)
-    return server
+RLIMITS = {
+    "cpu_s": resource.RLIMIT_CPU,
+    "memory_bytes": resource.RLIMIT_AS,
+    "processes": resource.RLIMIT_NPROC,
+    "file_bytes": resource.RLIMIT_FSIZE,
+    "open_files": resource.RLIMIT_NOFILE,
+}
 
 
-def _drop_server(server: _Server) -> None:
-    server.close()
-    with _servers_lock:
-        if server in _all_servers:
-            _all_servers.remove(server)
-    if getattr(_servers, "server", None) is server:
-        _servers.server = None
-
-
-@atexit.register
-def close_servers() -> None:
-    """Stops every server this process started (their read-only roots go with them)."""
-    with _servers_lock:
-        servers = [s for s in _all_servers if s.owner == os.getpid()]
-    for server in servers:
-        _drop_server(server)
-
-
-def _run_unshare(config: SandboxConfig, run_dir: str) -> tuple[str, int | None]:
-    """(status, returncode) of the program in run_dir under the unshare layer's server."""
-    run: dict[str, Any] = {
-        "program": os.path.join(run_dir, "main.py"),
-        **{name: os.path.join(run_dir, name) for name in ("stdin", "stdout", "stderr")},
-        "work_bytes": config.work_mb << 20,
-        "limits": config.limits,
-        "wall_s": float(config.wall_s),
-    }
-    for name in ("stdout", "stderr"):  # the server opens them, creating nothing on the host
-        open(run[name], "wb").close()
-    if os.geteuid() == 0:
-        # uid 0 is exempt from RLIMIT_NPROC, in a user namespace too: the program becomes an
-        # unused uid of its own, so the limit counts this sandbox's processes only.
-        run["uid"] = SANDBOX_UIDS[0] + secrets.randbelow(SANDBOX_UIDS[1])
-    server = _server()
-    answer = server.run(run, config.wall_s)
-    if not answer:  # a dead or stuck server: its group goes, the next run starts another
-        _drop_server(server)
-        if answer == "":
-            with open(run["stderr"], "a", encoding="utf-8") as f:
-                f.write(
-                    "sandbox set-up failed: the unshare server exited (unshare --mount refused?)\n"
-                )
-        return ("timeout", None) if answer is None else ("setup_failed", SETUP_FAILED)
-    if answer == "timeout":
-        return "timeout", None
-    kind, number = answer.split()
-    if kind == "signal":
-        return "signal", -int(number)
-    code = int(number)
-    return ("ok" if code == 0 else "setup_failed" if code == SETUP_FAILED else "exit"), code
-
-
-def _set_limits(limits: dict[str, int], extra_processes: int) -> None:
-    """In the child before exec (bwrap, none): the rlimits the program inherits."""
-    rlimits = {
-        "cpu_s": resource.RLIMIT_CPU,
-        "memory_bytes": resource.RLIMIT_AS,
-        "processes": resource.RLIMIT_NPROC,
-        "file_bytes": resource.RLIMIT_FSIZE,
-        "open_files": resource.RLIMIT_NOFILE,
-    }
+def _enter_sandbox(limits: dict[str, int], extra_processes: int, cgroup_procs: str | None) -> None:
+    """In the child before exec (bwrap, none): the rlimits the program inherits, its cgroup."""
     for name, value in limits.items():
         value += extra_processes if name == "processes" else 0
-        resource.setrlimit(rlimits[name], (value, value + (1 if name == "cpu_s" else 0)))
+        resource.setrlimit(RLIMITS[name], (value, value + (1 if name == "cpu_s" else 0)))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if cgroup_procs is not None:
+        cgroups.join(cgroup_procs)
 
 
 def _read(path: str, limit: int) -> str:
@@ -400,44 +243,45 @@ def _read(path: str, limit: int) -> str:
         return f.read(limit).decode("utf-8", errors="replace")
 
 
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _run_child(config: SandboxConfig, run_dir: str, layer: str) -> tuple[str, int | None]:
+def _run_child(
+    config: SandboxConfig, run_dir: str, layer: str, cgroup_procs: str | None
+) -> tuple[str, int | None]:
     """(status, returncode) of the program in run_dir as a child of this process (bwrap, none)."""
     program, work = os.path.join(run_dir, "main.py"), os.path.join(run_dir, "work")
     os.mkdir(work)
-    if layer == "bwrap":
-        argv = _bwrap_argv(config, program)
-        preexec = functools.partial(_set_limits, config.limits, 4)  # bwrap's own processes
-    else:
-        argv = [interpreter(), *INTERPRETER_ARGS, program]
-        preexec = functools.partial(_set_limits, config.limits, 0)
-    env = dict(ENVIRONMENT, HOME=work) if layer == "none" else dict(ENVIRONMENT)
-    with (
-        open(os.path.join(run_dir, "stdin"), "rb") as stdin_file,
-        open(os.path.join(run_dir, "stdout"), "wb") as out,
-        open(os.path.join(run_dir, "stderr"), "wb") as err,
-    ):
+    with contextlib.ExitStack() as stack:
+        files = [
+            stack.enter_context(open(os.path.join(run_dir, name), mode))
+            for name, mode in (
+                ("main.py", "rb"),
+                ("stdin", "rb"),
+                ("stdout", "wb"),
+                ("stderr", "wb"),
+            )
+        ]
+        uid = unused_uid() if layer == "bwrap" else None
+        argv, extra = [interpreter(), *INTERPRETER_ARGS, program], 0
+        fds: tuple[int, ...] = ()
+        if layer == "bwrap":
+            argv, fds = _bwrap_argv(config, files[0].fileno(), uid), (files[0].fileno(),)
+            # A user's bwrap: its own processes count with the program's (root's do not).
+            extra = USER_BWRAP_PROCESSES if uid is None else 0
         proc = subprocess.Popen(
             argv,
-            stdin=stdin_file,
-            stdout=out,
-            stderr=err,
+            stdin=files[1],
+            stdout=files[2],
+            stderr=files[3],
             cwd=work,
-            env=env,
+            env=dict(ENVIRONMENT, HOME=work) if layer == "none" else dict(ENVIRONMENT),
             start_new_session=True,
-            preexec_fn=preexec,
+            preexec_fn=functools.partial(_enter_sandbox, config.limits, extra, cgroup_procs),
             close_fds=True,
+            pass_fds=fds,
         )
         try:
             returncode = _wait(proc, config.wall_s)
         finally:
-            _kill_group(proc.pid)  # whatever is left of the group, on every path
+            kill_group(proc.pid)  # whatever is left of the group, on every path
             proc.wait()
     if returncode is None:
         return "timeout", None
@@ -477,11 +321,19 @@ def run_program(
             f.write(source)
         with open(os.path.join(run_dir, "stdin"), "w", encoding="utf-8") as f:
             f.write(stdin)
+        cgroup = cgroups.run_cgroup(
+            config.memory_mb << 20, config.processes + LAYER_PROCESSES.get(layer, 0)
+        )
+        procs = cgroup.procs if cgroup is not None else None
         start = time.monotonic()
-        if layer == "unshare":
-            status, returncode = _run_unshare(config, run_dir)
-        else:
-            status, returncode = _run_child(config, run_dir, layer)
+        try:
+            if layer == "unshare":
+                status, returncode = run_unshare(config, run_dir, procs)
+            else:
+                status, returncode = _run_child(config, run_dir, layer, procs)
+        finally:
+            if cgroup is not None:
+                cgroup.close()
         seconds = time.monotonic() - start
         limit = config.file_mb << 20
         return Execution(

@@ -47,3 +47,30 @@ def test_each_item_has_its_deadline_from_its_own_start():
     ) as pool:
         results = pool.run([(time.sleep, (1.2,))] * 3)
     assert [r.status for r in results] == ["ok"] * 3
+
+
+def test_the_batch_deadline_scales_with_the_work():
+    """batch_timeout_s + the jobs' allowances / workers: four 0.6 s jobs on one worker (2.4 s)
+    pass a 1 s batch deadline once each job brings its 1 s allowance, and miss it without."""
+    config = PoolConfig(num_workers=1, item_timeout_s=5.0, batch_timeout_s=1.0, preload=())
+    with VerifierPool(config) as pool:
+        assert pool.batch_deadline_s([1.0] * 4) == 5.0
+        pool.run([(abs, (-1,))])  # the worker's start is not part of what is timed below
+        scaled = pool.run([(time.sleep, (0.6,))] * 4, [1.0] * 4)
+        fixed = pool.run([(time.sleep, (0.6,))] * 4)
+    assert [r.status for r in scaled] == ["ok"] * 4
+    assert "timeout" in [r.status for r in fixed]
+
+
+def test_every_verifier_brings_an_allowance():
+    from jaxrl4llm.rewards.base import JOB_COST_S, Job
+    from jaxrl4llm.rewards.code import TEST_COST_S, CodeConfig, CodeVerifier
+    from jaxrl4llm.rewards.sandbox import SandboxConfig
+
+    assert Job(abs, (1,)).cost_s == JOB_COST_S > 0  # math, countdown, knights and knaves, gym
+    verifier = CodeVerifier(CodeConfig(sandbox=SandboxConfig(isolation="none", unsafe=True)))
+    tests = '{"style": "assert", "cases": ["assert f() == 1", "assert f() == 1", "f()"]}'
+    job = verifier.plan_one(
+        "```python\ndef f():\n    return 1\n```", {"metadata": {"tests": tests}}
+    )
+    assert job.cost_s == 3 * TEST_COST_S

@@ -1,8 +1,10 @@
 """Hostile programs in the sandbox: each scores 0 through the code verifier, returns within the
 wall limit, and leaves the host as it was (no new files outside the sandbox, no processes left,
-no secret read, no connection made, this test process alive).
+no secret read, no connection made, this test process alive). Reward hacks (programs that try
+to talk the verifier into a pass from inside) are in test_reward_hacks.py.
 
-The programs run concurrently (threads; each execution is a subprocess) once per module."""
+The programs run concurrently (threads; each execution is a subprocess) once per isolation
+layer that works here (bwrap, unshare)."""
 
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ import pytest
 
 from jaxrl4llm.rewards import sandbox
 from jaxrl4llm.rewards.code import run_code_tests
+from jaxrl4llm.rewards.sandbox_base import SANDBOX_UIDS
 
-LAYER = sandbox.available_layer()
-pytestmark = pytest.mark.skipif(LAYER is None, reason="no isolation layer (bwrap, unshare) here")
+WORKING_LAYERS = [layer for layer in sandbox.LAYERS if sandbox.layer_works(layer)]
+pytestmark = pytest.mark.skipif(not WORKING_LAYERS, reason="no isolation layer (bwrap, unshare)")
 
 WALL_S = 1.0
 SLACK_S = 4.0  # killing, reaping and 2 shared cores
@@ -136,12 +139,12 @@ def _sandbox_processes() -> list[str]:
     return found
 
 
-def _run(name: str) -> dict:
+def _run(name: str, layer: str) -> dict:
     source = HOSTILE[name]
     start = time.monotonic()
-    reason, score, detail = run_code_tests(source, TESTS, "all_pass", CONFIG, LAYER, 30.0)
+    reason, score, detail = run_code_tests(source, TESTS, "all_pass", CONFIG, layer, 30.0)
     scored_s = time.monotonic() - start
-    execution = sandbox.run_program(source, "", CONFIG, LAYER)
+    execution = sandbox.run_program(source, "", CONFIG, layer)
     return {
         "reason": reason,
         "score": score,
@@ -151,14 +154,14 @@ def _run(name: str) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def results():
+@pytest.fixture(scope="module", params=WORKING_LAYERS)
+def results(request):
     os.environ["JAXRL4LLM_SECRET"] = SECRET
     run_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "jaxrl4llm-sandbox-*")))
     home, repo = set(os.listdir(HOME)), set(os.listdir(REPO))
     try:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            found = dict(zip(HOSTILE, pool.map(_run, HOSTILE)))
+            found = dict(zip(HOSTILE, pool.map(_run, HOSTILE, [request.param] * len(HOSTILE))))
     finally:
         del os.environ["JAXRL4LLM_SECRET"]
     time.sleep(0.5)  # the kernel tears pid namespaces down asynchronously
@@ -204,10 +207,11 @@ def test_host_is_unchanged(results):
     assert os.path.exists(os.path.join(REPO, "pytest.ini"))
 
 
-def test_runaway_programs_hit_their_limit_not_the_host():
+@pytest.mark.parametrize("layer", WORKING_LAYERS)
+def test_runaway_programs_hit_their_limit_not_the_host(layer):
     """The limits, not luck, stop them: the status says which one did."""
     found = {
-        name: sandbox.run_program(HOSTILE[name], "", CONFIG, LAYER)
+        name: sandbox.run_program(HOSTILE[name], "", CONFIG, layer)
         for name in ("busy_loop", "memory_bomb_once", "write_10gb", "fork_bomb")
     }
     assert found["busy_loop"].status in ("timeout", "signal")
@@ -216,12 +220,18 @@ def test_runaway_programs_hit_their_limit_not_the_host():
     assert found["fork_bomb"].status == "timeout"
 
 
-def test_the_process_limit_holds():
+@pytest.mark.parametrize("layer", WORKING_LAYERS)
+def test_the_process_limit_holds(layer):
+    """A bounded fork counter (200 tries) stays within the limit under every layer: under real
+    root too, where the program runs as an unused uid (uid 0 is exempt from RLIMIT_NPROC)."""
     counter = (
-        "import os, time\nn = 0\ntry:\n    while True:\n        if os.fork() == 0:\n"
+        "import os, time\nn = 0\ntry:\n    while n < 200:\n        if os.fork() == 0:\n"
         "            time.sleep(2)\n            os._exit(0)\n        n += 1\n"
-        "except OSError:\n    print(n)"
+        "except OSError:\n    pass\nprint(n, os.getuid())"
     )
-    execution = sandbox.run_program(counter, "", CONFIG, LAYER)
-    assert execution.status == "ok"
-    assert int(execution.stdout) < CONFIG.processes
+    execution = sandbox.run_program(counter, "", CONFIG, layer)
+    assert execution.status == "ok", execution.stderr
+    forks, uid = map(int, execution.stdout.split())
+    assert forks <= CONFIG.processes
+    if os.geteuid() == 0:
+        assert uid >= SANDBOX_UIDS[0]
