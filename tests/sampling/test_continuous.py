@@ -15,6 +15,8 @@ from jaxrl4llm.models import transformer
 from jaxrl4llm.sampling import Sampler, continuous, sampler
 from jaxrl4llm.sampling.strategies import GREEDY, SamplingConfig
 
+from tests.sampling.test_sampler import alone_logprobs, assert_rows_equal_alone, chosen
+
 # A stop token the random model emits often, so completion lengths differ row to row.
 STOP = (5, 9)
 N = 20
@@ -124,6 +126,38 @@ def test_sliding_window_rows(toy):
     prompts = _prompts(config, [3, 9, 6], seed=4)
     a, b = _both(config, params, prompts, SAMPLED, slots=3, n=2)
     _assert_same_samples(a, b)
+
+
+def test_sliding_window_rows_equal_each_row_alone(toy):
+    """Continuous slots with a window of 4 over rows longer than it: 12 rows through 4 slots
+    (8 rows prefilled into a freed slot mid-loop), each prompt's cache copied to its 3 rows,
+    the last one greedy. Every token's logprob equals log_softmax(logits / T) of a forward
+    over its row alone (unpadded, no cache), and the greedy rows' tokens are its argmax."""
+    config, params = toy
+    config = dataclasses.replace(config, sliding_window=4)
+    prompts = _prompts(config, [3, 9, 6, 12], seed=4)
+    n, slots = 3, 4
+    out = sampler.generate(
+        params,
+        config,
+        prompts,
+        SAMPLED,
+        N,
+        jax.random.key(3),
+        n=n,
+        stop_ids=STOP,
+        greedy_last=1,
+        decode_slots=slots,
+    )
+    tokens, logp = np.asarray(out.tokens_BT), np.asarray(out.logprobs_BT)
+    lengths = np.asarray(out.lengths_B)
+    assert lengths.size == 12 > slots and lengths.min() < N // 2 and lengths.max() == N
+    assert_rows_equal_alone(params, config, prompts, n, tokens, logp, lengths, SAMPLED.temperature)
+    # The window matters for these lengths: without it the longest row's logprobs differ.
+    r = int(np.argmax(lengths))
+    unwindowed = dataclasses.replace(config, sliding_window=None)
+    ref = alone_logprobs(params, unwindowed, prompts[r // n], tokens[r], SAMPLED.temperature)
+    assert np.abs(chosen(ref, tokens[r]) - logp[r]).max() > 1e-2
 
 
 def test_on_a_mesh_and_its_refusal(toy):

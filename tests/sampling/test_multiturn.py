@@ -5,6 +5,7 @@ single turn samples what sampler.generate samples."""
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 
@@ -17,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl4llm import parallel
 from jaxrl4llm.config.errors import FlagError
-from jaxrl4llm.models import transformer, unembedding
+from jaxrl4llm.models import transformer
 from jaxrl4llm.sampling import Sampler, multiturn, sampler, turn_programs
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -109,26 +110,46 @@ def _run(toy_policy, handler, limits, prompts, n=2, budget=24, sampling=SAMPLED,
     )
 
 
+# One program per row length: compiled without XLA's backend optimizations, which would
+# take most of the time of the tests that run it once per row.
+_fresh_forward = jax.jit(
+    transformer.forward,
+    static_argnums=1,
+    compiler_options={"xla_backend_optimization_level": 0},
+)
+
+
 def _fresh_logprobs(config, params, prompt, completion, temperature):
     """log_softmax(logits / T) of each completion token, from one uncached forward over
     prompt ++ completion (numpy)."""
     ids = np.asarray(list(prompt) + list(completion), np.int32)[None]
     positions = np.arange(ids.shape[1], dtype=np.int32)[None]
-    h, _ = transformer.hidden_states(params, config, ids, positions, np.ones_like(ids, bool))
-    logits = np.asarray(unembedding.unembed(params, config, h)[0], np.float64) / temperature
+    logits, _ = _fresh_forward(params, config, ids, positions, np.ones_like(ids, bool))
+    logits = np.asarray(logits[0], np.float64) / temperature
     top = logits.max(-1, keepdims=True)
     logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
     P = len(prompt)
     return np.array([logp[P - 1 + t, tok] for t, tok in enumerate(completion)])
 
 
-def test_observations_appended_and_cache_matches_a_fresh_forward(toy_policy):
+# A sliding window of 4, shorter than every trajectory below (prompt, turns, observations).
+WINDOW = 4
+
+
+@pytest.mark.parametrize("window", [None, WINDOW])
+def test_observations_appended_and_cache_matches_a_fresh_forward(toy_policy, window):
+    """With a window, the observations prefilled into a row's cache and the decode steps
+    after them see only the last W positions, as a fresh forward over the whole row does."""
     config, params = toy_policy
+    config = dataclasses.replace(config, sliding_window=window)
     prompts = _prompts(config, (5, 9, 3))
-    handler = FakeHandler(done_after=3)
-    out, stats = _run(
-        toy_policy, handler, TurnLimits(max_turns=3, max_observation_tokens=8), prompts
-    )
+    # With the window, observations longer than it: the model token after one sees only
+    # observation tokens.
+    longer = lambda row, turn: [20 + row % 5, 30, 31, 24, 25, 26][: 5 + turn]  # noqa: E731
+    handler = FakeHandler(done_after=3, observation=None if window is None else longer)
+    limits = TurnLimits(max_turns=3, max_observation_tokens=8)
+    budget = 24 if window is None else 40  # room for the longer observations
+    out, stats = _run((config, params), handler, limits, prompts, budget=budget)
     tokens, mask, obs = (np.asarray(x) for x in (out.tokens_BT, out.mask_BT, out.observation_BT))
     lengths, logp = np.asarray(out.lengths_B), np.asarray(out.logprobs_BT)
     multi = 0
@@ -142,8 +163,10 @@ def test_observations_appended_and_cache_matches_a_fresh_forward(toy_policy):
             expect += turn
             model += [True] * len(turn)
             if i + 1 < len(turns):  # the last reply's observation is not appended
-                expect += list(replies[i].observation_ids)
-                model += [False] * len(replies[i].observation_ids)
+                # cut to leave the budget room for a model token
+                observation = list(replies[i].observation_ids)[: budget - len(expect) - 1]
+                expect += observation
+                model += [False] * len(observation)
         assert tokens[r, :n].tolist() == expect
         assert mask[r, :n].tolist() == model and not mask[r, n:].any()
         assert obs[r, :n].tolist() == [not m for m in model] and not obs[r, n:].any()
@@ -157,6 +180,14 @@ def test_observations_appended_and_cache_matches_a_fresh_forward(toy_policy):
         # token (temperature 1) equal a fresh forward's over prompt ++ completion.
         fresh = _fresh_logprobs(config, params, prompts[r // 2], tokens[r, :n], 1.0)
         np.testing.assert_allclose(logp[r, :n][mask[r, :n]], fresh[mask[r, :n]], atol=1e-5)
+        if window is not None and len(turns) > 1:
+            # The window matters here: without it a fresh forward gives other logprobs for
+            # the model tokens after the first observation (longer than the window).
+            later = mask[r, :n] & (np.cumsum(obs[r, :n]) > 0)
+            assert later.any() and len(replies[0].observation_ids) > window
+            unwindowed = dataclasses.replace(config, sliding_window=None)
+            fresh = _fresh_logprobs(unwindowed, params, prompts[r // 2], tokens[r, :n], 1.0)
+            assert np.abs(fresh - logp[r, :n])[later].max() > 1e-2
     assert multi >= 3, "the toy model should end several turns with a stop sequence"
     assert stats.tools_s == pytest.approx(0.5 * len(handler.submits))
 

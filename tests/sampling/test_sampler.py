@@ -42,6 +42,45 @@ _forward = jax.jit(transformer.forward, static_argnums=1)
 N = 8
 SAMPLING = SamplingConfig(temperature=0.8, top_k=20)
 
+# The independent reference for the sampler's logprobs (also test_continuous.py's and
+# test_partial.py's): one row alone. One program per sequence length, compiled without XLA's
+# backend optimizations, which would take most of the time of a test that runs one per row.
+_alone_forward = jax.jit(
+    transformer.forward,
+    static_argnums=1,
+    compiler_options={"xla_backend_optimization_level": 0},
+)
+
+
+def alone_logprobs(params, config, prompt, completion, temperature=1.0):
+    """[len(completion), V] float64: log_softmax(logits / T) where each completion token is
+    predicted, from one transformer.forward over prompt ++ completion alone: a single
+    unpadded row at positions 0, 1, ..., no KV cache."""
+    ids = np.asarray([*prompt, *completion], np.int32)[None]
+    positions = np.arange(ids.shape[1], dtype=np.int32)[None]
+    logits, _ = _alone_forward(params, config, ids, positions, np.ones_like(ids, bool))
+    logits = np.asarray(logits[0, len(prompt) - 1 : -1], np.float64) / temperature
+    top = logits.max(-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
+
+def chosen(logp_TV, tokens):
+    """Each step's logprob of its token: logp_TV[t, tokens[t]]."""
+    return np.take_along_axis(logp_TV, np.asarray(tokens)[:, None], axis=-1)[:, 0]
+
+
+def assert_rows_equal_alone(params, config, prompts, n, tokens, logp, lengths, temperature):
+    """Each row r (prompt r // n; the last of each n greedy) scores and, where greedy,
+    picks as `alone_logprobs` does."""
+    for r in range(lengths.size):
+        prompt, completion = prompts[r // n], tokens[r, : lengths[r]]
+        ref = alone_logprobs(params, config, prompt, completion, temperature)
+        np.testing.assert_allclose(
+            logp[r, : lengths[r]], chosen(ref, completion), atol=1e-5, rtol=0, err_msg=f"{r}"
+        )
+        if r % n == n - 1:  # the greedy row
+            np.testing.assert_array_equal(completion, ref.argmax(-1), err_msg=f"{r}")
+
 
 @pytest.fixture(scope="module")
 def tiny():
@@ -149,6 +188,46 @@ def test_logprobs_equal_teacher_forced_recompute(tiny, window):
     np.testing.assert_allclose(out.logprobs_BT, ref, atol=1e-4, rtol=0)
     assert out.tokens_BT.shape == (8, N) and bool(out.mask_BT.all())
     assert bool(out.truncated_B.all()) and out.lengths_B.tolist() == [N] * 8
+
+
+def test_window_logprobs_equal_each_row_alone_with_compaction_and_greedy_rows():
+    """A sliding window of 4 over rows several times longer, mixed prompt lengths (left
+    padding) and a stop token that ends rows at mixed lengths, so the decode batch halves
+    (finished rows compacted away, live rows' cache moved to other slots); each prompt's
+    cache is copied to its 3 rows and its last row decodes greedily (ReMax). Every token's
+    logprob equals log_softmax(logits / T) of a forward over its row alone (unpadded, no
+    cache), and the greedy rows' tokens are that forward's argmax."""
+    config = dataclasses.replace(SMALL, sliding_window=4)
+    params = _peaked_params(config)
+    prompts = _prompts(np.random.default_rng(0), [3, 11, 6, 2, 9, 5], config.vocab_size)
+    n, steps = 3, 20
+    out = sampler.generate(
+        params,
+        config,
+        prompts,
+        SAMPLING,
+        steps,
+        jax.random.key(1),
+        n=n,
+        stop_ids=(2,),
+        greedy_last=1,
+    )
+    tokens, logp = np.asarray(out.tokens_BT), np.asarray(out.logprobs_BT)
+    lengths = np.asarray(out.lengths_B)
+    B = lengths.size
+    assert_rows_equal_alone(params, config, prompts, n, tokens, logp, lengths, SAMPLING.temperature)
+    # Compaction ran: fewer slot-steps than decoding all B rows to the last step, and rows of
+    # the batch's second half decoded on after at most half the rows were left (the first
+    # level's end), so their cache rows moved to other slots.
+    assert int(out.slot_steps) < B * (int(out.num_steps) - 1)
+    halved = next((s for s in range(1, steps) if (lengths > s).sum() <= B // 2), steps)
+    assert (lengths[B // 2 :] > halved).any()
+    assert lengths.min() < halved < lengths.max() == steps
+    # The window matters for these lengths: without it the longest row's logprobs differ.
+    r = int(np.argmax(lengths))
+    unwindowed = dataclasses.replace(config, sliding_window=None)
+    ref = alone_logprobs(params, unwindowed, prompts[r // n], tokens[r], SAMPLING.temperature)
+    assert np.abs(chosen(ref, tokens[r]) - logp[r]).max() > 1e-2
 
 
 def _first_tokens(params, prompt, sampling, key, draws=2048):

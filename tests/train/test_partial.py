@@ -4,6 +4,7 @@ resumed bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from jaxrl4llm.train.config import RolloutConfig
 from jaxrl4llm.train.metrics import read_metrics
 
 from tests.conftest import build_toy_model
+from tests.sampling.test_sampler import alone_logprobs, chosen
 from tests.train.test_loop import _config, _one_device
 
 # Scripted rows: record -> for each of its G = 2 rows, the completion length at which it emits
@@ -199,6 +201,64 @@ def test_a_resumed_row_continues_exactly_like_an_uninterrupted_greedy_decode(toy
     assert prefixes == whole.tokens_BT.tolist()
     np.testing.assert_allclose(logps, whole.logprobs_BT, atol=1e-5)
     assert len(set(map(tuple, prefixes))) == 2  # the rows differ: the test can fail
+
+
+def test_windowed_rows_resumed_over_rounds_and_steps_equal_a_forward_alone(toy_model_dir):
+    """A sliding window of 4 (shorter than every prompt): rows sampled in parts of 3 tokens,
+    each part prefilling the prompt + the completion so far, some groups carried to the next
+    step and resumed there. A trained row's behaviour logprobs (its parts' concatenated) equal
+    log_softmax of one forward over its prompt ++ whole completion alone (unpadded, no
+    cache)."""
+    config, params, tokenizer = registry.load_model(toy_model_dir)
+    config = dataclasses.replace(config, sliding_window=4)
+    budget = 3
+    rollout = RolloutConfig(
+        prompts_per_step=2,
+        group_size=2,
+        max_new_tokens=12,
+        max_prompt_tokens=12,
+        partial_rollout_tokens=budget,
+        max_staleness=2,
+    )
+    scored = []
+
+    class Recorded(Rewards):
+        def score(self, texts, records, lengths):
+            scored.append(list(records))
+            return super().score(texts, records, lengths)
+
+    messages = lambda record: [{"role": "user", "content": record}]  # noqa: E731
+    sampler = Sampler(config, tokenizer, stop_ids=(3, 15))  # rows end at mixed lengths
+    ctx = types.SimpleNamespace(
+        rollout=rollout,
+        sampler=sampler,
+        reward_fn=Recorded(),
+        data=types.SimpleNamespace(messages=messages),
+    )
+    records = iter(["copy 1", "copy 2", "copy 3", "copy 1 answer", "copy 2 is", "copy 3 is"] * 2)
+    more = lambda: [next(records), next(records)]  # noqa: E731
+    carried, stale, rows_seen = partial.Carried(), 0, []
+    for step in range(3):
+        rows, carried, m = partial.sample_and_score(
+            ctx, params, carried, more(), jax.random.key(step), more
+        )
+        stale += m["partial/staleness_1"].value + m["partial/staleness_2"].value
+        out = jax.device_get(rows.samples.out)
+        for r, record in enumerate(scored[-1]):
+            n = int(out.lengths_B[r])
+            prompt, completion = sampler.encode([messages(record)])[0], out.tokens_BT[r, :n]
+            ref = alone_logprobs(params, config, prompt, completion)
+            np.testing.assert_allclose(
+                out.logprobs_BT[r, :n], chosen(ref, completion), atol=1e-5, rtol=0
+            )
+            rows_seen.append((prompt, completion, out.logprobs_BT[r, :n]))
+    # Rows made of 3 or more parts (resumed twice or more), and groups resumed a step later.
+    prompt, completion, logp = max(rows_seen, key=lambda row: len(row[1]))
+    assert len(completion) > 2 * budget and stale > 0
+    # The window matters for these lengths: without it the longest row's logprobs differ.
+    unwindowed = dataclasses.replace(config, sliding_window=None)
+    ref = alone_logprobs(params, unwindowed, prompt, completion)
+    assert np.abs(chosen(ref, completion) - logp).max() > 1e-2
 
 
 @pytest.fixture(scope="module")
