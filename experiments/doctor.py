@@ -33,8 +33,7 @@ from typing import Any, Callable
 from absl import flags
 
 from experiments import train as _train  # defines the training flags (shared flagfiles)
-from experiments.launch_plans import is_remote
-from jaxrl4llm.config import cli
+from jaxrl4llm.config import cli, paths
 from jaxrl4llm.config.errors import EXIT_USER_ERROR, UserError, one_line
 from jaxrl4llm.train.config import TrainConfig
 
@@ -164,8 +163,8 @@ def checkpoint_bytes(config: TrainConfig, param_bytes: int) -> int:
 
 def _disk(config: TrainConfig, facts: _Facts, disk_usage: Callable[[str], Any]) -> tuple[str, str]:
     workdir = config.run.workdir
-    if is_remote(workdir):
-        return SKIP, f"{workdir}: object storage, free space not checked"
+    if paths.is_remote(workdir):
+        return _object_store(workdir)
     if facts.model_config is None:
         return SKIP, "the checkpoint size needs --model"
     existing = os.path.abspath(workdir)
@@ -184,6 +183,32 @@ def _disk(config: TrainConfig, facts: _Facts, disk_usage: Callable[[str], Any]) 
             detail + ": free space, or lower --keep_checkpoints, or use another --workdir"
         )
     return OK, detail
+
+
+def _object_store(workdir: str) -> tuple[str, str]:
+    """An object-store workdir: a probe object written and deleted (free space has no
+    meaning there); a failure names the missing client or credentials."""
+    probe = paths.join(workdir, f".doctor-probe-{os.getpid()}")
+    try:
+        paths.write_text(probe, "jaxrl4llm doctor probe")
+        paths.remove(probe)
+    except ImportError as exc:
+        return FAIL, (
+            f"{workdir}: no client for this object store ({one_line(exc)}); install it: "
+            "pip install 'jaxrl4llm[gcs]' (gcsfs) for gs://"
+        )
+    except Exception as exc:  # noqa: BLE001 (any client error is the finding)
+        text = one_line(exc)
+        auth = any(w in text.lower() for w in ("credential", "401", "403", "unauthorized"))
+        fix = (
+            "the credentials cannot write there: run `gcloud auth application-default login` "
+            "or set GOOGLE_APPLICATION_CREDENTIALS to a key with storage.objects.create and "
+            "storage.objects.delete on the bucket"
+            if auth
+            else "check that the bucket exists and this machine reaches it"
+        )
+        return FAIL, f"{workdir}: could not write a probe object ({text[:200]}): {fix}"
+    return OK, f"{workdir}: object storage, wrote and deleted a probe object"
 
 
 def _data(config: TrainConfig) -> tuple[str, str]:

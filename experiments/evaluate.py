@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from absl import flags
 
 from experiments import train as _train  # defines the training flags (shared flagfiles)
-from jaxrl4llm.config import cli, options
+from jaxrl4llm.config import cli, options, paths
 from jaxrl4llm.config.errors import FlagError
 from jaxrl4llm.config.options import require
 from jaxrl4llm.train.config import TrainConfig
@@ -215,7 +215,7 @@ def output_path(opts: EvaluateOptions, p: Plan) -> str:
         parts.append("+".join(s.name for s in e.sets))
     what = "-".join([*parts, _slug(opts.split)])
     if p.checkpoint:
-        return os.path.join(p.checkpoint, "eval", f"{p.step}-{what}.json")
+        return paths.join(p.checkpoint, "eval", f"{p.step}-{what}.json")
     model = _slug(os.path.basename(p.config.model.name.rstrip("/\\")))
     return os.path.join(EVAL_FOLDER, f"{model}-{what}.json")
 
@@ -283,9 +283,7 @@ def evaluate_command(opts: EvaluateOptions, given: dict[str, Any]) -> int:
         report["eval_sets"] = {s.name: dataclasses.asdict(s) for s in sets}
     if opts.samples_out:
         report["samples_out"] = opts.samples_out
-    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    with open(output, "w") as f:
-        json.dump(report, f, indent=2, sort_keys=True, default=str)
+    paths.write_text(output, json.dumps(report, indent=2, sort_keys=True, default=str))
     if num_records:
         print(f"\n{p.name}{checkpoint} on {report['data']} ({opts.split}, {num_records} prompts)")
         print(f"  {'metric':14s} value")

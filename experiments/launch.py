@@ -27,7 +27,8 @@ from typing import IO, Callable, Sequence
 
 from absl import flags
 
-from experiments.launch_plans import LaunchOptions, Plan, Process, combined_exit_code, make_plan
+from experiments.launch_backends import make_plan
+from experiments.launch_plans import LaunchOptions, Plan, Process, combined_exit_code
 from jaxrl4llm.config import cli
 from jaxrl4llm.config.errors import EXIT_PREEMPTED, flag_errors
 

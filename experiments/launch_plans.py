@@ -237,33 +237,6 @@ def base_env(
     return env + extra + parse_env(opts.env_vars)
 
 
-def make_plan(opts: LaunchOptions, train_args: Sequence[str], module: str = TRAIN_MODULE) -> Plan:
-    """The plan of `opts.backend` for the training arguments `train_args`. `module` replaces
-    experiments.train (tests run stand-ins). Raises ValueError naming the flag at fault."""
-    from experiments import launch_gke, launch_tpu_vm
-
-    if opts.backend not in BACKENDS:
-        raise ValueError(f"--backend={opts.backend}: choose one of {', '.join(BACKENDS)}.")
-    counts = {
-        "num_hosts": (opts.num_hosts, 1),
-        "num_slices": (opts.num_slices, 1),
-        "max_restarts": (opts.max_restarts, 0),
-        "grace_period_s": (opts.grace_period_s, 0),
-        "poll_s": (opts.poll_s, 0),
-    }
-    for flag, (value, least) in counts.items():
-        if value < least:
-            raise ValueError(f"--{flag}={value} must be >= {least}.")
-    workdir = workdir_of(train_args)
-    builders = {
-        "local": _local,
-        "tpu-vm": launch_tpu_vm.plan,
-        "gke": launch_gke.plan,
-        "slurm": _slurm,
-    }
-    return builders[opts.backend](opts, list(train_args), workdir, module)
-
-
 def require(opts: LaunchOptions, *names: str, what: str = "") -> None:
     """Raises ValueError naming the flags of `names` left empty (`what` needs them: default
     --backend=BACKEND)."""
@@ -285,7 +258,7 @@ def check_name(opts: LaunchOptions) -> None:
         )
 
 
-def _local(opts: LaunchOptions, train_args: list[str], workdir: str, module: str) -> Plan:
+def local_plan(opts: LaunchOptions, train_args: list[str], workdir: str, module: str) -> Plan:
     """N processes on this machine joined by jax.distributed on localhost, each with
     --devices_per_process fake CPU devices: the multi-host path without a cluster."""
     import socket
@@ -311,7 +284,7 @@ def _local(opts: LaunchOptions, train_args: list[str], workdir: str, module: str
     return Plan(files={}, steps=(processes,), log_dir=logs)
 
 
-def _slurm(opts: LaunchOptions, train_args: list[str], workdir: str, module: str) -> Plan:
+def slurm_plan(opts: LaunchOptions, train_args: list[str], workdir: str, module: str) -> Plan:
     """`sbatch --wait` of a script with one task per node: srun starts the trainer on each,
     the first node is the coordinator; each task's log and exit code go to the launch folder
     (shared storage on a SLURM cluster), made before sbatch runs (SLURM fails a job whose

@@ -12,8 +12,6 @@ warning and the previous one is tried, down to a clear error when none is usable
 from __future__ import annotations
 
 import errno
-import os
-import shutil
 import signal
 import threading
 import time
@@ -24,6 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+from jaxrl4llm.config import paths
 from jaxrl4llm.config.errors import UserError
 from jaxrl4llm.models import lora as lora_lib
 from jaxrl4llm.models import registry
@@ -69,7 +68,7 @@ class Checkpointer:
     def __init__(self, directory: str, every: int, keep: int = 3):
         if every <= 0:
             raise ValueError(f"--checkpoint_every must be positive, got {every}.")
-        self.directory = os.path.abspath(directory)
+        self.directory = paths.absolute(directory)
         self._every = every
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -86,7 +85,7 @@ class Checkpointer:
         return step % self._every == 0
 
     def _step_dir(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+        return paths.join(self.directory, str(step))
 
     def save(self, step: int, state: Any, data_state: dict) -> None:
         if self._manager.latest_step() == step:
@@ -111,7 +110,7 @@ class Checkpointer:
             if not _disk_full(e):
                 raise
             self._remove_partial(step)
-            free = shutil.disk_usage(self.directory).free / 2**30
+            free = paths.free_gib(self.directory) or 0.0
             raise CheckpointError(
                 f"Could not write checkpoint {step} to {self.directory}: no space left on the "
                 f"device ({free:.1f} GiB free after removing the partial step). Free space "
@@ -125,9 +124,9 @@ class Checkpointer:
 
     def _remove_partial(self, step: int) -> None:
         """Deletes what a failed save of `step` left (orbax's temporary step folder)."""
-        for name in os.listdir(self.directory):
+        for name in paths.listdir(self.directory):
             if name.startswith(f"{step}.orbax-checkpoint-tmp"):
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                paths.remove(paths.join(self.directory, name))
 
     def _check(self, step: int, state: Any, data_state: dict) -> str | None:
         """What is wrong with a restored step (digests, finiteness), else None."""
@@ -199,8 +198,8 @@ class Checkpointer:
         if jax.process_index() == 0:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             for bad in steps:
-                if os.path.isdir(self._step_dir(bad)):
-                    os.rename(self._step_dir(bad), f"{self._step_dir(bad)}.corrupt-{stamp}")
+                if paths.isdir(self._step_dir(bad)):
+                    paths.rename(self._step_dir(bad), f"{self._step_dir(bad)}.corrupt-{stamp}")
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
@@ -261,7 +260,7 @@ def load_trained_models(
                 config.run.seed,
             ),
         }
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), every=1)
+    checkpointer = Checkpointer(paths.join(workdir, "checkpoints"), every=1)
     try:
         state, _ = checkpointer.restore(abstract, step, set_aside=False)  # read-only here
     finally:
@@ -280,21 +279,20 @@ def read_run_config(workdir: str) -> TrainConfig:
     """The settings a training run saved in WORKDIR/config.json (the trainer writes it before
     its first step); a RunNotFoundError / CheckpointError naming the folder and the fix when
     it is not a training workdir or the file cannot be read."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.isdir(workdir):
+    path = paths.join(workdir, "config.json")
+    if not paths.isdir(workdir):
         raise RunNotFoundError(
             f"{workdir!r} does not exist: pass the --workdir of a training "
             "run (python -m experiments.train writes it)."
         )
-    if not os.path.isfile(path):
+    if not paths.isfile(path):
         raise RunNotFoundError(
             f"{workdir!r} has no config.json, so it is not a training "
             "workdir: pass the --workdir a python -m experiments.train run "
             "wrote to."
         )
     try:
-        with open(path, encoding="utf-8") as f:
-            return TrainConfig.from_json(f.read())
+        return TrainConfig.from_json(paths.read_text(path))
     except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise CheckpointError(
             f"Cannot read the run's settings from {path} ({type(exc).__name__}: "
@@ -305,10 +303,8 @@ def read_run_config(workdir: str) -> TrainConfig:
 
 def saved_steps(workdir: str) -> list[int]:
     """The steps saved in WORKDIR/checkpoints, ascending (finalized step folders only)."""
-    folder = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(folder):
-        return []
-    return sorted(int(name) for name in os.listdir(folder) if name.isdigit())
+    folder = paths.join(workdir, "checkpoints")
+    return sorted(int(name) for name in paths.listdir(folder) if name.isdigit())
 
 
 def checkpoint_step(workdir: str, step: int | None = None) -> int:
@@ -330,7 +326,7 @@ def checkpoint_step(workdir: str, step: int | None = None) -> int:
 def _no_checkpoint(workdir: str) -> str:
     return (
         f"{workdir!r} has no checkpoint yet (no step folder in "
-        f"{os.path.join(workdir, 'checkpoints')}): train it for --checkpoint_every steps "
+        f"{paths.join(workdir, 'checkpoints')}): train it for --checkpoint_every steps "
         "first, or evaluate the base model with --model."
     )
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import jax
 
 from jaxrl4llm import envs, parallel, rl
-from jaxrl4llm.config import options
+from jaxrl4llm.config import options, paths
 from jaxrl4llm.config.options import require
 from jaxrl4llm.data import prompts
 from jaxrl4llm.rewards.shaping import SCALES
@@ -49,7 +49,9 @@ def validate_all(
     _validate_data(config)
     run, e = config.run, config.evaluation
     require(
-        not os.path.exists(run.workdir) or os.path.isdir(run.workdir),
+        paths.is_remote(run.workdir)
+        or not os.path.exists(run.workdir)
+        or os.path.isdir(run.workdir),
         f"--workdir={run.workdir} is a file, not a folder: name a new or existing "
         "folder for the run's outputs.",
     )

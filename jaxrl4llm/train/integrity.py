@@ -11,12 +11,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxrl4llm.config import paths
 
 RECORD_NAME = "integrity.json"
 FORMAT = 1
@@ -136,20 +137,16 @@ def write_record(directory: str, step: int, saved: Fingerprint, data_state: Any)
         "arrays": saved.arrays,
         "data_sha256": data_digest(data_state),
     }
-    path = os.path.join(directory, RECORD_NAME)
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f)
-    os.replace(path + ".tmp", path)
+    paths.write_text(paths.join(directory, RECORD_NAME), json.dumps(record))
 
 
 def read_record(directory: str) -> dict[str, Any] | None:
     """The step's record; None when it has none (saved before records existed). A record
     that does not parse raises ValueError."""
-    path = os.path.join(directory, RECORD_NAME)
-    if not os.path.exists(path):
+    path = paths.join(directory, RECORD_NAME)
+    if not paths.exists(path):
         return None
-    with open(path) as f:
-        record = json.load(f)
+    record = json.loads(paths.read_text(path))
     if not isinstance(record, dict) or not isinstance(record.get("arrays"), dict):
         raise ValueError(f"{path} is not an integrity record")
     return record

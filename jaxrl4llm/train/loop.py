@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from typing import Any
 
@@ -24,6 +23,7 @@ import jax
 from absl import logging
 from tqdm.auto import tqdm
 
+from jaxrl4llm.config import paths
 from jaxrl4llm.eval.evaluator import eval_key
 from jaxrl4llm.train import host_memory, plots
 from jaxrl4llm.train import metrics as metrics_lib
@@ -222,9 +222,8 @@ def _write_outputs(workdir: str, eval_results: dict[str, float]) -> dict[str, st
     """The end-of-run files a person looks at: eval.json and curves.png."""
     outputs = {}
     if eval_results:
-        outputs["eval"] = os.path.join(workdir, "eval.json")
-        with open(outputs["eval"], "w") as f:
-            json.dump(eval_results, f, indent=2, sort_keys=True)
-    if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
-        outputs["plot"] = plots.plot_runs([workdir], os.path.join(workdir, "curves.png"))
+        outputs["eval"] = paths.join(workdir, "eval.json")
+        paths.write_text(outputs["eval"], json.dumps(eval_results, indent=2, sort_keys=True))
+    if paths.exists(paths.join(workdir, "metrics.jsonl")):
+        outputs["plot"] = plots.plot_runs([workdir], paths.join(workdir, "curves.png"))
     return outputs

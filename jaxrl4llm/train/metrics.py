@@ -11,13 +11,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 from absl import logging
 
+from jaxrl4llm.config import paths
 from jaxrl4llm.config.errors import UserError
 from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.train import trackers as trackers_lib
@@ -83,11 +83,11 @@ class MetricsWriter:
         trackers: Sequence[str] = ("tensorboard",),
         hparams: Mapping[str, Any] | None = None,
     ):
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.path = paths.join(workdir, "metrics.jsonl")
         self._is_writer = jax.process_index() == 0
         self._trackers: list[trackers_lib.Tracker] = []
         if self._is_writer:
-            os.makedirs(workdir, exist_ok=True)
+            paths.makedirs(workdir)
             names = tuple(trackers)
             if "tensorboard" in names and importlib.util.find_spec("tensorboardX") is None:
                 # optional at run time; JSONL is the source of truth
@@ -99,11 +99,10 @@ class MetricsWriter:
         """Drops the records a restarted run writes again: those with step > `step` (the
         restored checkpoint), or every record when `step` is 0 (a fresh start redoes its
         step-0 eval). Torn lines (a kill or full disk mid-write) go too, with a warning."""
-        if not self._is_writer or not os.path.exists(self.path):
+        if not self._is_writer or not paths.exists(self.path):
             return
         kept = [r for r in _parse_records(self.path) if step > 0 and r.get("step", 0) <= step]
-        with open(self.path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+        paths.write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self._is_writer:
@@ -115,8 +114,7 @@ class MetricsWriter:
                 for k, v in sorted(metrics.items())
             }
         )
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        paths.append_text(self.path, json.dumps(record) + "\n")
         finite = {
             k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)
         }
@@ -132,24 +130,23 @@ class MetricsWriter:
 def _parse_records(path: str) -> list[dict[str, Any]]:
     """The JSON object lines of a metrics file; torn or garbled lines are skipped, warned."""
     records = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                record = None
-            if not isinstance(record, dict):
-                logging.warning(
-                    "%s:%d: not a JSON record (a write cut short by a kill or a "
-                    "full disk?); skipped: %.80r",
-                    path,
-                    line_no,
-                    line,
-                )
-                continue
-            records.append(record)
+    for line_no, line in enumerate(paths.read_text(path).splitlines(keepends=True), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict):
+            logging.warning(
+                "%s:%d: not a JSON record (a write cut short by a kill or a "
+                "full disk?); skipped: %.80r",
+                path,
+                line_no,
+                line,
+            )
+            continue
+        records.append(record)
     return records
 
 
@@ -159,8 +156,8 @@ class MetricsNotFoundError(UserError, FileNotFoundError):
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
     """All records of `workdir/metrics.jsonl`, in file order (torn lines skipped, warned)."""
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
+    path = paths.join(workdir, "metrics.jsonl")
+    if not paths.exists(path):
         raise MetricsNotFoundError(
             f"No metrics at {path}: is {workdir!r} a training workdir? "
             "Pass training workdirs (each holds metrics.jsonl)."

@@ -9,11 +9,12 @@ vary (a run without a KL term, or with one update per rollout, whose clip fracti
 
 from __future__ import annotations
 
+import io
 import math
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jaxrl4llm.config import paths
 from jaxrl4llm.train.metrics import read_metrics
 
 Panel = tuple[str, tuple[str, ...]]  # (title, metric keys drawn in it: solid, then dashed)
@@ -58,7 +59,7 @@ def plot_runs(workdirs: Sequence[str], out: str) -> str:
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    runs = {os.path.basename(os.path.normpath(w)) or w: read_metrics(w) for w in workdirs}
+    runs = {paths.basename(paths.absolute(w)) or w: read_metrics(w) for w in workdirs}
     panels = choose_panels(list(runs.values()))
     cols = 2 if len(panels) <= 4 else 3
     rows = math.ceil(len(panels) / cols)
@@ -86,10 +87,16 @@ def plot_runs(workdirs: Sequence[str], out: str) -> str:
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")  # the grid's unused cell
     fig.suptitle(", ".join(runs))
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=100)
+    save_figure(fig, out, dpi=100)
     plt.close(fig)
     return out
+
+
+def save_figure(fig: Any, out: str, **kwargs: Any) -> None:
+    """`fig` as a PNG at `out`, a local path or an object-store URL (config/paths.py)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", **kwargs)
+    paths.write_bytes(out, buffer.getvalue())
 
 
 def finish_axis(ax: Any, title: str, legend_size: int) -> None:

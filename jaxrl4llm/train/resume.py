@@ -26,11 +26,9 @@ allowed and logged:
 
 from __future__ import annotations
 
-import os
-
 from absl import logging
 
-from jaxrl4llm.config import options
+from jaxrl4llm.config import options, paths
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.errors import ResumeMismatchError
 
@@ -74,20 +72,19 @@ _FIRST = ("model", "algorithm")  # named first: the usual mistake
 
 
 def _has_checkpoint(workdir: str) -> bool:
-    folder = os.path.join(workdir, "checkpoints")
-    return os.path.isdir(folder) and any(name.isdigit() for name in os.listdir(folder))
+    folder = paths.join(workdir, "checkpoints")
+    return any(name.isdigit() for name in paths.listdir(folder))
 
 
 def check_resume(workdir: str, config: TrainConfig) -> None:
     """Raises ResumeMismatchError if `workdir` holds checkpoints of a run whose saved
     config.json differs from `config` in a flag outside RESUMABLE; logs each allowed change.
     A workdir without checkpoints (nothing to resume) or without config.json is not checked."""
-    path = os.path.join(workdir, "config.json")
-    if not (_has_checkpoint(workdir) and os.path.exists(path)):
+    path = paths.join(workdir, "config.json")
+    if not (_has_checkpoint(workdir) and paths.exists(path)):
         return
     try:
-        with open(path, encoding="utf-8") as f:
-            saved = TrainConfig.from_json(f.read())
+        saved = TrainConfig.from_json(paths.read_text(path))
     except (OSError, ValueError, TypeError, KeyError) as exc:
         logging.warning("Cannot read %s (%s): resuming without comparing its settings.", path, exc)
         return

@@ -5,7 +5,6 @@ checkpointer, metric writers), built once by `setup` and closed by `Services.clo
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Callable
 
 import jax
@@ -14,7 +13,7 @@ from absl import logging
 from tqdm.auto import tqdm
 
 from jaxrl4llm import parallel
-from jaxrl4llm.config import options
+from jaxrl4llm.config import options, paths
 from jaxrl4llm.data import make_iterator, make_source
 from jaxrl4llm.envs import EnvService, open_env_service
 from jaxrl4llm.eval import evaluator
@@ -143,7 +142,7 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
         logging.warning("%s", warning)
     run = config.run
     mesh = parallel.make_mesh(run.mesh, devices)
-    workdir = os.path.abspath(run.workdir)
+    workdir = paths.absolute(run.workdir)
     check_resume(workdir, config)  # a different model / algorithm: refused before any write
     # The data first: a bad source fails before the model loads or the workdir is written.
     iterator, evals = _open_data(config, mesh)
@@ -161,7 +160,7 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
         turn_handlers=env_service,
     )
     checkpointer = Checkpointer(
-        os.path.join(workdir, "checkpoints"), run.checkpoint_every, run.keep_checkpoints
+        paths.join(workdir, "checkpoints"), run.checkpoint_every, run.keep_checkpoints
     )
     writer = metrics_lib.MetricsWriter(
         workdir, trackers=run.tracker_names, hparams=options.flatten(config)
@@ -214,10 +213,9 @@ def _open_data(config: TrainConfig, mesh: Any) -> tuple[Any, Evaluation]:
 
 def _write_config(workdir: str, config: TrainConfig) -> None:
     """WORKDIR/config.json: the run's whole config tree (host 0 writes it)."""
-    os.makedirs(workdir, exist_ok=True)
+    paths.makedirs(workdir)
     if jax.process_index() == 0:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json())
+        paths.write_text(paths.join(workdir, "config.json"), config.to_json())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,6 +8,11 @@ are optional extras (`pip install 'jaxrl4llm[wandb]'`, `'jaxrl4llm[mlflow]'`), i
 when named, and both work offline: W&B with WANDB_MODE=offline (files under WORKDIR/wandb,
 `wandb sync` uploads them later), MLflow into WORKDIR/mlflow.db unless MLFLOW_TRACKING_URI
 names a server.
+
+An object-store workdir (gs://): TensorBoard writes its event file in a local folder and
+uploads it to WORKDIR/tensorboard after each record; W&B keeps its files in $WANDB_DIR (a
+local temporary folder where unset); MLflow needs MLFLOW_TRACKING_URI (its local store is a
+SQLite file, which an object store cannot hold).
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ import importlib.util
 import json
 import os
 import re
+import tempfile
 import time
 import uuid
 from typing import Any, Mapping, Protocol
 
-from jaxrl4llm.config.errors import DependencyError
+from jaxrl4llm.config import paths
+from jaxrl4llm.config.errors import DependencyError, UserError
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 # The import each tracker needs and the extra that installs it.
@@ -71,15 +78,14 @@ def open_trackers(
 ) -> list[Tracker]:
     """The trackers `names`, each continuing the run whose id WORKDIR/trackers.json holds (a
     new one otherwise, its id saved there)."""
-    path = os.path.join(workdir, IDS_FILE)
+    path = paths.join(workdir, IDS_FILE)
     ids: dict[str, str] = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            ids = json.load(f)
+    if paths.exists(path):
+        ids = json.loads(paths.read_text(path))
     trackers: list[Tracker] = []
     for name in names:
         if name == "tensorboard":
-            trackers.append(TensorBoard(os.path.join(workdir, "tensorboard")))
+            trackers.append(TensorBoard(paths.join(workdir, "tensorboard")))
         elif name == "wandb":
             trackers.append(WandB(workdir, ids.setdefault("wandb", uuid.uuid4().hex[:12]), hparams))
         else:
@@ -87,8 +93,7 @@ def open_trackers(
             ids["mlflow"] = mlflow.run_id
             trackers.append(mlflow)
     if set(names) - {"tensorboard"}:
-        with open(path, "w") as f:
-            json.dump(ids, f, indent=2, sort_keys=True)
+        paths.write_text(path, json.dumps(ids, indent=2, sort_keys=True))
     return trackers
 
 
@@ -97,13 +102,17 @@ class TensorBoard:
 
     tensorboardX's SummaryWriter hands events to a background thread whose queue flush() does
     not drain, so a killed run lost its last steps; its synchronous EventsWriter does not.
+    An object-store `logdir`: the file is written locally and uploaded after each flush.
     """
 
     def __init__(self, logdir: str):
         from tensorboardX.event_file_writer import EventsWriter
 
-        os.makedirs(logdir, exist_ok=True)
-        self._writer = EventsWriter(os.path.join(logdir, "events"))
+        self._remote = logdir if paths.is_remote(logdir) else None
+        local = tempfile.mkdtemp(prefix="tensorboard-") if self._remote else logdir
+        os.makedirs(local, exist_ok=True)
+        self._local = local
+        self._writer = EventsWriter(os.path.join(local, "events"))
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
         from tensorboardX.proto import event_pb2, summary_pb2
@@ -117,9 +126,18 @@ class TensorBoard:
             )
         )
         self._writer.flush()
+        self._upload()
+
+    def _upload(self) -> None:
+        if self._remote is None:
+            return
+        for name in os.listdir(self._local):
+            with open(os.path.join(self._local, name), "rb") as f:
+                paths.write_bytes(paths.join(self._remote, name), f.read())
 
     def close(self) -> None:
         self._writer.close()
+        self._upload()
 
 
 class WandB:
@@ -132,7 +150,7 @@ class WandB:
             project=os.environ.get("WANDB_PROJECT", PROJECT),
             id=run_id,
             resume="allow",
-            dir=workdir,
+            dir=_local_dir(workdir, os.environ.get("WANDB_DIR")),
             name=_run_name(workdir),
             config=dict(hparams),
         )
@@ -152,9 +170,14 @@ class MLflow:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or (
-            "sqlite:///" + os.path.join(os.path.abspath(workdir), "mlflow.db")
-        )
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if uri is None and paths.is_remote(workdir):
+            raise UserError(
+                f"--trackers=mlflow with --workdir={workdir}: MLflow's local store is a SQLite "
+                "file, which an object store cannot hold. Set MLFLOW_TRACKING_URI to a "
+                "tracking server, or drop mlflow from --trackers."
+            )
+        uri = uri or "sqlite:///" + os.path.join(os.path.abspath(workdir), "mlflow.db")
         self._client = MlflowClient(tracking_uri=uri)
         if run_id is None:
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME", PROJECT)
@@ -191,4 +214,12 @@ def _mlflow_name(name: str) -> str:
 
 
 def _run_name(workdir: str) -> str:
-    return os.path.basename(os.path.normpath(os.path.abspath(workdir)))
+    return paths.basename(paths.absolute(workdir))
+
+
+def _local_dir(workdir: str, override: str | None) -> str:
+    """Where a tracker's own files go: the workdir, or (an object store) `override` or a
+    local temporary folder."""
+    if not paths.is_remote(workdir):
+        return workdir
+    return override or tempfile.mkdtemp(prefix="wandb-")

@@ -20,6 +20,7 @@ from typing import Any
 
 from absl import logging
 
+from jaxrl4llm.config import paths
 from jaxrl4llm.config.errors import UserError
 
 LOCK_NAME = "run.lock"
@@ -41,8 +42,9 @@ def _pid_alive(pid: int) -> bool:
 
 def _read(path: str) -> dict[str, Any] | None:
     try:
-        with open(path) as f:
-            holder = json.load(f)
+        if not paths.exists(path):
+            return None
+        holder = json.loads(paths.read_text(path))
     except FileNotFoundError:
         return None
     except (OSError, ValueError):
@@ -62,8 +64,8 @@ class WorkdirLock:
     (e.g. on every host but process 0 of a multi-host run) makes it a no-op."""
 
     def __init__(self, workdir: str, enabled: bool = True):
-        self.workdir = os.path.abspath(workdir)
-        self.path = os.path.join(self.workdir, LOCK_NAME)
+        self.workdir = paths.absolute(workdir)
+        self.path = paths.join(self.workdir, LOCK_NAME)
         self.enabled = enabled
         self._me = {"pid": os.getpid(), "host": socket.gethostname()}
         self._held = False
@@ -78,7 +80,7 @@ class WorkdirLock:
     def acquire(self) -> None:
         if not self.enabled or self._held:
             return
-        os.makedirs(self.workdir, exist_ok=True)
+        paths.makedirs(self.workdir)
         holder = dict(self._me, started=datetime.datetime.now().isoformat(timespec="seconds"))
         for _ in range(3):  # a stale holder may be taken over, then creation retried
             if self._create(json.dumps(holder)):
@@ -92,6 +94,8 @@ class WorkdirLock:
 
     def _create(self, content: str) -> bool:
         """Creates the lock file holding `content`, atomically; False if it exists."""
+        if paths.is_remote(self.path):
+            return paths.create_exclusive(self.path, content)
         aside = f"{self.path}.{os.getpid()}.tmp"
         with open(aside, "w") as f:
             f.write(content)
@@ -125,16 +129,16 @@ class WorkdirLock:
             )
         stale = f"{self.path}.stale.{os.getpid()}"
         try:
-            os.rename(self.path, stale)
+            paths.rename(self.path, stale)
         except FileNotFoundError:
             return  # another run took it over first: retry
         if _read(stale) != holder:  # raced with a run that had just locked: give it back
-            os.rename(stale, self.path)
+            paths.rename(stale, self.path)
             raise WorkdirInUseError(
                 f"{self.workdir} was just locked by another run: "
                 f"{_describe(_read(self.path) or {})}."
             )
-        os.remove(stale)
+        paths.remove(stale)
         logging.warning(
             "Took over the stale lock of %s on %s: that process is no longer running (killed?).",
             _describe(holder),
@@ -147,4 +151,4 @@ class WorkdirLock:
         self._held = False
         holder = _read(self.path)
         if holder and {k: holder.get(k) for k in self._me} == self._me:
-            os.remove(self.path)
+            paths.remove(self.path)

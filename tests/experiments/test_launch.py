@@ -11,7 +11,8 @@ import sys
 import textwrap
 
 from experiments import launch
-from experiments.launch_plans import LaunchOptions, combined_exit_code, make_plan, workdir_of
+from experiments.launch_backends import make_plan
+from experiments.launch_plans import LaunchOptions, combined_exit_code, workdir_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_ARGS = [

@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from experiments import launch_gke
-from experiments.launch_plans import LaunchOptions, make_plan
+from experiments.launch_backends import make_plan
+from experiments.launch_plans import LaunchOptions
 
 from tests.experiments.test_launch import REPO, TRAIN_ARGS, _tool
 

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from experiments import launch_plans
-from experiments.launch_plans import GRACE_ENV, LaunchOptions, make_plan
+from experiments.launch_backends import make_plan
+from experiments.launch_plans import GRACE_ENV, LaunchOptions
 from jaxrl4llm.train import loop
 
 ARGS = ["--workdir=gs://bucket/run"]

@@ -19,7 +19,8 @@ import jax
 import pytest
 
 from experiments import launch
-from experiments.launch_plans import LaunchOptions, make_plan
+from experiments.launch_backends import make_plan
+from experiments.launch_plans import LaunchOptions
 from jaxrl4llm import parallel
 from jaxrl4llm.config.errors import UserError
 from jaxrl4llm.parallel import slurm

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from experiments import launch
-from experiments.launch_plans import LaunchOptions, make_plan
+from experiments.launch_backends import make_plan
+from experiments.launch_plans import LaunchOptions
 from experiments.launch_tpu_vm import start_command, status_command
 
 from tests.experiments.test_launch import _tool
