@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import signal
 import subprocess
+import tempfile
 import time
 
 from absl import flags
@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from experiments import study_design, study_estimate, study_report, study_stats
 from experiments.study_spec import REPO, Run, load_study, plan, select
-from jaxrl4llm.config import cli
+from jaxrl4llm.config import cli, paths
 from jaxrl4llm.config.options import require
 from jaxrl4llm.train.errors import EXIT_PREEMPTED
 
@@ -83,9 +83,16 @@ _STOPPED: list[int] = []  # the SIGTERMs received while a run trained
 
 
 def train(run: Run, cache_dir: str) -> tuple[int, str]:
-    """Runs (or resumes) one training run; its console output is appended to train.log."""
-    os.makedirs(run.workdir, exist_ok=True)
-    log_path = os.path.join(run.workdir, "train.log")
+    """Runs (or resumes) one training run; its console output is appended to train.log
+    (with an object-store workdir, written locally and appended there when the run ends).
+    Returns (exit code, the local log's path)."""
+    paths.makedirs(run.workdir)
+    remote_log = paths.join(run.workdir, "train.log") if paths.is_remote(run.workdir) else None
+    log_path = (
+        os.path.join(tempfile.mkdtemp(prefix="study-log-"), "train.log")
+        if remote_log
+        else os.path.join(run.workdir, "train.log")
+    )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"  # train.log follows the run live
@@ -114,6 +121,9 @@ def train(run: Run, cache_dir: str) -> tuple[int, str]:
             code = started[0].wait()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if remote_log:
+            with open(log_path, errors="replace") as f:
+                paths.append_text(remote_log, f.read())
     return code, log_path
 
 
@@ -152,7 +162,7 @@ def run_all(runs: list[Run], keep_going: bool, cache_dir: str, prune: bool = Fal
         if code == 0 and status == "finished":
             bar.write(f"{run.label}: finished (step {last}) in {minutes:.1f} min")
             if prune:
-                shutil.rmtree(os.path.join(run.workdir, "checkpoints"), ignore_errors=True)
+                paths.remove(paths.join(run.workdir, "checkpoints"))
         else:
             failed.append(run.label)
             bar.write(
@@ -179,7 +189,7 @@ def main(argv):
     with cli.flag_errors():  # a bad spec, arm, seed or scale: one line naming it
         study = load_study(_STUDY.value)
         arms, seeds = select(study, _ARMS.value, _SEEDS.value, _SCALE.value)
-        root = os.path.abspath(
+        root = paths.absolute(
             _ROOT.value or os.path.join("workdirs", "studies", study.name, _SCALE.value)
         )
         runs = plan(study, _SCALE.value, root, arms, seeds)
@@ -198,7 +208,9 @@ def main(argv):
         return 0
     if not _COLLECT.value:
         announce(study.name, _SCALE.value, runs, root, _PRUNE.value)
-    cache = os.path.join(root, "jax_cache") if _CACHE.value is None else _CACHE.value
+    # An object-store root keeps the compilation cache on this machine's disk.
+    cache_root = os.path.join("workdirs", "studies") if paths.is_remote(root) else root
+    cache = os.path.join(cache_root, "jax_cache") if _CACHE.value is None else _CACHE.value
     failed = [] if _COLLECT.value else run_all(runs, _KEEP_GOING.value, cache, _PRUNE.value)
     collect = [
         "python",
@@ -214,10 +226,10 @@ def main(argv):
     report = study_stats.build_report(
         study, _SCALE.value, runs, " ".join(shlex.quote(c) for c in collect)
     )
-    paths = study_report.write_report(report, root)
+    written = study_report.write_report(report, root)
     finished = sum(r["status"] == "finished" for r in report["runs"])
     print(
-        f"\n{finished}/{len(runs)} runs finished. Report: {paths['report.md']} "
+        f"\n{finished}/{len(runs)} runs finished. Report: {written['report.md']} "
         f"(also report.json, curves.png)"
     )
     if failed:

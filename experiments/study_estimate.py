@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 from experiments import study_stats
 from experiments.study_spec import Run, resolve_config
+from jaxrl4llm.config import paths
 from jaxrl4llm.config.errors import UserError
 from jaxrl4llm.models.config import ARCHITECTURES, PRESETS, ModelConfig
 from jaxrl4llm.train.config import TrainConfig, param_dtype
@@ -97,7 +98,7 @@ def estimate_run(run: Run, config: TrainConfig) -> RunEstimate:
         checkpoint_bytes=None if num_params is None else checkpoint_bytes(config, num_params),
         kept=min(keep, saves),
         peak=min(keep + 1, saves),
-        existing_bytes=study_stats.folder_bytes(os.path.join(run.workdir, "checkpoints")),
+        existing_bytes=study_stats.folder_bytes(paths.join(run.workdir, "checkpoints")),
     )
 
 
@@ -127,7 +128,7 @@ def seconds_per_step(
         times = [
             rec["time/step_s"]
             for workdir in source
-            if os.path.exists(os.path.join(workdir, "metrics.jsonl"))
+            if paths.exists(paths.join(workdir, "metrics.jsonl"))
             for rec in read_metrics(workdir)
             if rec.get("time/step_s") is not None
         ]
@@ -188,6 +189,9 @@ def summary(name: str, scale: str, runs: Sequence[Run], root: str, prune: bool) 
             if pending
             else "Disk: nothing more to write."
         )
+        return "\n".join(lines)
+    if paths.is_remote(root):
+        lines.append(f"Disk: {root} is object storage; its free space is not checked.")
         return "\n".join(lines)
     need, free = disk_needed(estimates, prune), free_bytes(root)
     each = max(sized, key=lambda e: e.kept * e.checkpoint_bytes)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import numpy as np
 
 from experiments.study_stats import MANY_SEEDS, TRAIN_KEYS, curve, resolve_quantity
+from jaxrl4llm.config import paths
 from jaxrl4llm.train import plots
 from jaxrl4llm.train.metrics import read_metrics
 
@@ -283,18 +283,17 @@ def plot_curves(report: dict, out: str) -> str:
         plots.finish_axis(ax, f"{title} ({key})", legend_size=7)
     axes.flat[-1].axis("off")
     fig.suptitle(f"{report['study']} ({report['scale']}): mean over seeds, shaded ± 1 s.e.")
-    fig.savefig(out, dpi=100)
+    plots.save_figure(fig, out, dpi=100)
     plt.close(fig)
     return out
 
 
 def write_report(report: dict, root: str) -> dict[str, str]:
     """report.json, report.md and curves.png under `root`; returns their paths."""
-    os.makedirs(root, exist_ok=True)
-    paths = {name: os.path.join(root, name) for name in ("report.json", "report.md", "curves.png")}
-    with open(paths["report.json"], "w") as f:
-        json.dump(report, f, indent=2)
-    with open(paths["report.md"], "w") as f:
-        f.write(render_markdown(report))
-    plot_curves(report, paths["curves.png"])
-    return paths
+    paths.makedirs(root)
+    names = ("report.json", "report.md", "curves.png")
+    written = {name: paths.join(root, name) for name in names}
+    paths.write_text(written["report.json"], json.dumps(report, indent=2))
+    paths.write_text(written["report.md"], render_markdown(report))
+    plot_curves(report, written["curves.png"])
+    return written

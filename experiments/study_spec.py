@@ -43,6 +43,7 @@ import sys
 import tomllib
 from typing import Any, Sequence
 
+from jaxrl4llm.config import paths
 from jaxrl4llm.config.options import require
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -324,7 +325,7 @@ def plan(
     runs, num_steps = [], {}
     for arm in arms:
         for seed in seeds:
-            workdir = os.path.join(os.path.abspath(root), arm.name, f"seed_{seed}")
+            workdir = paths.join(paths.absolute(root), arm.name, f"seed_{seed}")
             train_flags = (
                 *s.flags,
                 *arm.command_flags(scale),

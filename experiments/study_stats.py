@@ -42,6 +42,7 @@ import numpy as np
 from scipy import stats as scipy_stats
 
 from experiments.study_spec import REPO, SHORT_QUANTITIES, Claim, Run, Study
+from jaxrl4llm.config import paths
 from jaxrl4llm.train.metrics import read_metrics
 
 TRAIN_KEYS = (
@@ -63,7 +64,7 @@ def curve(records: Sequence[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
 def run_status(workdir: str, num_steps: int) -> tuple[str, int]:
     """("finished" | "unfinished" | "missing", last logged step): finished when the metrics
     reach `num_steps` (the spec's, so a spec run longer later resumes its runs)."""
-    if not os.path.exists(os.path.join(workdir, "metrics.jsonl")):
+    if not paths.exists(paths.join(workdir, "metrics.jsonl")):
         return "missing", 0
     last = max((r.get("step", 0) for r in read_metrics(workdir)), default=0)
     return ("finished" if last >= num_steps else "unfinished"), last
@@ -112,6 +113,8 @@ def run_cost(workdir: str, records: Sequence[dict]) -> dict[str, float]:
 
 def folder_bytes(folder: str) -> int:
     """Bytes of the files under `folder` (links not followed; 0 when it does not exist)."""
+    if paths.is_remote(folder):
+        return paths.size_bytes(folder)
     return sum(
         os.path.getsize(os.path.join(root, name))
         for root, _, names in os.walk(folder)

@@ -188,6 +188,14 @@ def rename(src: str, dst: str) -> None:
     fs.invalidate_cache()
 
 
+def size_bytes(path: str) -> int:
+    """Bytes of the objects under an object-store prefix (0 where there are none)."""
+    if not exists(path):
+        return 0
+    fs, key = _fs(path)
+    return int(fs.du(key, total=True))
+
+
 def free_gib(path: str) -> float | None:
     """Free space where `path` is, in GiB; None on an object store (no such figure)."""
     if is_remote(path):

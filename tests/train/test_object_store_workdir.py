@@ -214,3 +214,32 @@ def test_the_workdir_lock_holds_in_a_bucket(bucket):
             WorkdirLock(workdir).acquire()
         paths.write_text(paths.join(workdir, "run.lock"), json.dumps(holder))
     assert not paths.exists(paths.join(workdir, "run.lock"))
+
+
+def test_a_study_root_in_a_bucket(bucket, toy_model_dir, copy_task_file, tmp_path):
+    """experiments.study with --root=gs://...: its run's workdir, train.log and the report
+    (report.json, report.md, curves.png) are written into the bucket."""
+    from tests.experiments.test_study import ENV, _spec
+
+    root = paths.join(bucket, "study")
+    env = dict(
+        ENV, **{k: os.environ[k] for k in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL")}
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "experiments.study",
+        f"--study={_spec(tmp_path, toy_model_dir, copy_task_file)}",
+    ]
+    argv += ["--scale=toy", f"--root={root}", "--arms=grpo", "--seeds=0", "--prune_checkpoints"]
+    result = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    run = paths.join(root, "grpo", "seed_0")
+    assert {"metrics.jsonl", "train.log", "config.json"} <= set(paths.listdir(run))
+    assert "checkpoints" not in paths.listdir(run)  # pruned once finished
+    assert "step 3/3" in paths.read_text(paths.join(run, "train.log"))
+    report = json.loads(paths.read_text(paths.join(root, "report.json")))
+    assert report["study"] == "toy"
+    assert paths.read_bytes(paths.join(root, "curves.png"))[:4] == b"\x89PNG"
+    assert f"Report: {root}/report.md" in result.stdout
+    assert not os.path.exists(os.path.join(REPO, "gs:"))
