@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from typing import Any
 
@@ -184,8 +185,6 @@ def _warn_past_grace(progress: Progress, compiled: bool) -> None:
     """Warns once when a step and a checkpoint save take longer than the preemption grace
     period (GRACE_ENV): a SIGTERM early in a step would then kill the run before its save
     ends. Not on the run's first step (`compiled` False), which compiles."""
-    import os
-
     grace = float(os.environ.get(GRACE_ENV) or 0)
     need = progress.last.get("time/step_s", 0.0) + progress.save_s
     if not compiled or grace <= 0 or progress.grace_warned or need <= grace:
