@@ -26,6 +26,8 @@ state that stays resident beside it), whether that fits the chip with 10% headro
 estimate (jaxrl4llm/planner/estimate.py, formulas written out there), the collective bytes per call
 read from the HLO (jaxrl4llm/planner/hlo.py, loops counted) and a roofline time: matmul
 FLOPs / peak, collective link bytes / interconnect bandwidth, HBM bytes / HBM bandwidth.
+Exit status 1 when some program does not fit: the last line names them ("DOES NOT FIT
+8xh100 (budget 72.0 GB per device): rollout 77.1 GB").
 
 For the rollout it also prints the weights' gathers read from the HLO right after SPMD
 partitioning: once per step before the decode loops (what the sampler does), against once per
@@ -78,7 +80,12 @@ from experiments import train  # noqa: E402  (defines the training flags)
 from jaxrl4llm.config import cli  # noqa: E402
 from jaxrl4llm.config.options import require  # noqa: E402
 from jaxrl4llm.planner import programs, slots  # noqa: E402
-from jaxrl4llm.planner.report import print_plan, print_slot_use  # noqa: E402
+from jaxrl4llm.planner.report import (  # noqa: E402
+    not_fitting_line,
+    over_budget,
+    print_plan,
+    print_slot_use,
+)
 
 flags.DEFINE_string("topology", None, "v5p-N, v5e-N, Kxh100 or Kxh200 (e.g. v5p-64).")
 flags.DEFINE_string(
@@ -139,6 +146,10 @@ def main(argv):
     print_plan(result, markdown=FLAGS.markdown)
     if None not in profile:
         print_slot_use(result, *profile)
+    if over_budget(result):  # the last line names them; exit status 1
+        print(not_fitting_line(result))
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -19,9 +19,52 @@ def _fmt_gb(x: float) -> str:
     return f"{x / GB:.1f}"
 
 
+def budget(result: programs.Plan) -> float:
+    """Bytes a device may use: its memory less the headroom."""
+    return result.topology.chip.hbm_bytes * (1 - HEADROOM)
+
+
+def over_budget(result: programs.Plan) -> list[str]:
+    """The programs whose total exceeds the budget, as "rollout 77.1 GB" (empty: all fit)."""
+    return [f"{r.program} {_fmt_gb(r.total)} GB" for r in result.rows if r.total > budget(result)]
+
+
+def not_fitting_line(result: programs.Plan) -> str:
+    """The one line tools/plan.py ends with when some program does not fit."""
+    return (
+        f"DOES NOT FIT {result.topology.name} (budget {_fmt_gb(budget(result))} GB per device): "
+        + ", ".join(over_budget(result))
+    )
+
+
+def _cells(r: programs.Row, budget_bytes: float) -> list[str]:
+    """One program's row of the table."""
+    coll = (
+        " ".join(
+            f"{_SHORT[k]} {v / GB:.1f}"
+            for k, v in sorted(r.collectives.items())
+            if k != "link" and v >= 0.05 * GB
+        )
+        or "-"
+    )
+    return [
+        r.program,
+        str(r.calls),
+        _fmt_gb(r.args),
+        _fmt_gb(r.temp),
+        _fmt_gb(r.output),
+        _fmt_gb(r.resident),
+        _fmt_gb(r.total),
+        _fmt_gb(r.estimate),
+        "yes" if r.total <= budget_bytes else "NO",
+        coll,
+        f"{r.seconds:.2f} ({r.t_compute:.2f}/{r.t_comm:.2f}/{r.t_hbm:.2f})",
+    ]
+
+
 def print_plan(result: programs.Plan, markdown: bool = False) -> None:
     topo, rows = result.topology, result.rows
-    budget = topo.chip.hbm_bytes * (1 - HEADROOM)
+    budget_bytes = budget(result)
     head = [
         "program",
         "calls",
@@ -35,35 +78,11 @@ def print_plan(result: programs.Plan, markdown: bool = False) -> None:
         "collectives GB/call",
         "s/call (compute/comm/hbm)",
     ]
-    lines = []
-    for r in rows:
-        coll = (
-            " ".join(
-                f"{_SHORT[k]} {v / GB:.1f}"
-                for k, v in sorted(r.collectives.items())
-                if k != "link" and v >= 0.05 * GB
-            )
-            or "-"
-        )
-        times = f"{r.seconds:.2f} ({r.t_compute:.2f}/{r.t_comm:.2f}/{r.t_hbm:.2f})"
-        lines.append(
-            [
-                r.program,
-                str(r.calls),
-                _fmt_gb(r.args),
-                _fmt_gb(r.temp),
-                _fmt_gb(r.output),
-                _fmt_gb(r.resident),
-                _fmt_gb(r.total),
-                _fmt_gb(r.estimate),
-                "yes" if r.total <= budget else "NO",
-                coll,
-                times,
-            ]
-        )
+    lines = [_cells(r, budget_bytes) for r in rows]
     print(
         f"\n{result.title}\n{topo.num_devices} x {topo.chip.name} ({_fmt_gb(topo.chip.hbm_bytes)}"
-        f" GB, budget {_fmt_gb(budget)} GB with {HEADROOM:.0%} headroom), mesh {result.mesh}\n"
+        f" GB, budget {_fmt_gb(budget_bytes)} GB with {HEADROOM:.0%} headroom), "
+        f"mesh {result.mesh}\n"
     )
     if markdown:
         print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
@@ -78,11 +97,7 @@ def print_plan(result: programs.Plan, markdown: bool = False) -> None:
     print(
         f"\nroofline step time: {step:.1f} s; update collectives "
         f"{result.update_vs_textbook:.2f}x textbook FSDP; "
-        + (
-            "every program fits"
-            if all(r.total <= budget for r in rows)
-            else "SOME PROGRAM DOES NOT FIT"
-        )
+        + ("SOME PROGRAM DOES NOT FIT" if over_budget(result) else "every program fits")
     )
     print_weight_gathers(result)
 

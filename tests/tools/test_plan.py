@@ -261,3 +261,50 @@ def test_plan_of_a_lora_run_trains_the_adapters_only():
     assert rows["update"].alias == pytest.approx(3 * 4 * adapters, abs=512)
     for r in lora.rows:
         assert 0.2 < r.total / r.estimate < 5, (r.program, r.total, r.estimate)
+
+
+def _plan_of_totals(topo, **totals_gb):
+    """A planned step whose programs total `totals_gb` per device (nothing compiled)."""
+    from jaxrl4llm.planner.topology import GB
+
+    rows = [
+        plan_programs.Row(p, 1, 0.0, 0.0, 0.0, 0.0, gb * GB, gb * GB, {}, 0.0, 0.0, 0.0, 0.0)
+        for p, gb in totals_gb.items()
+    ]
+    rollout = plan_programs.Rollout(32, 32, 16, 0.0, 0.0)
+    return plan_programs.Plan("fake", "data:1,fsdp:8,tensor:1", topo, rows, 1.0, rollout, 1)
+
+
+@pytest.mark.parametrize(
+    "totals, code, last_line",
+    [
+        (dict(create=10.0, rollout=72.0, update=50.0), 0, "decode loop: no collective"),
+        (
+            dict(create=10.0, rollout=77.1, logprobs=60.0, update=80.0),
+            1,
+            "DOES NOT FIT 8xh100 (budget 72.0 GB per device): rollout 77.1 GB, update 80.0 GB",
+        ),
+    ],
+)
+def test_plan_exits_1_naming_the_programs_that_do_not_fit(
+    totals, code, last_line, monkeypatch, capsys
+):
+    """8 H100s: 72 GB of each 80 GB with 10% headroom. A program over it makes plan.py exit 1
+    (through cli.exit_code, as the process does), its last line naming every such program."""
+    from absl import flags
+
+    from jaxrl4llm.config import cli
+
+    monkeypatch.setattr(plan.programs, "architecture", lambda name: MODEL)
+    monkeypatch.setattr(
+        plan.programs, "plan", lambda config, model, topo, devices: _plan_of_totals(topo, **totals)
+    )
+    try:
+        flags.FLAGS.unparse_flags()
+        flags.FLAGS(["plan", "--topology=8xh100"])
+        assert cli.exit_code(plan.main, []) == code
+    finally:
+        flags.FLAGS.unparse_flags()
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1].startswith(last_line)
+    assert ("SOME PROGRAM DOES NOT FIT" in out) == bool(code)
