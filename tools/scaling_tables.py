@@ -1,6 +1,6 @@
 """Regenerates every figure of docs/scaling.md from tools/plan.py, so that they stay true.
 
-    python tools/scaling_tables.py                  # every block: 27 plans of 1-5 min of CPU each
+    python tools/scaling_tables.py                  # every block: 27 plans, about 25 minutes
     python tools/scaling_tables.py --only=reinforce_pp_knights_knaves,lora --jobs=2
     python tools/scaling_tables.py --check          # regenerate in memory, diff against the doc
 

@@ -3,7 +3,7 @@ another algorithm (or a reference, a critic): at full size on the topology its h
 where every program must fit (tools/scaling_tables.py's settings, the K&K flagfile as PPO
 among them), and scaled down (each one's algorithm and settings, a tiny model of its
 architecture's family, 4 simulated devices, a few rows of 16 + 16 tokens). Both slow (every
-program of each is compiled; at full size 1-5 minutes a plan): `pytest -m slow`."""
+program of each is compiled; at full size about half a minute a plan): `pytest -m slow`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """tools/scaling_tables.py: without planning, which flagfiles name a topology, the generated
 blocks of docs/scaling.md, the figures read from plan.py's output into the tables, and the
-summary rows read from the flagfiles; and (slow, opt-in: about 30 plans, an hour or more of
-CPU) every generated figure of docs/scaling.md regenerated and compared."""
+summary rows read from the flagfiles; and (slow, opt-in: 27 plans, about 25 minutes) every
+generated figure of docs/scaling.md regenerated and compared."""
 
 from __future__ import annotations
 
