@@ -9,7 +9,7 @@ weights or compiling anything:
   devices        what jax sees: platform, device kind, devices, hosts (joins a multi-host
                  run first with --distributed)
   mesh           --mesh divides the devices
-  flags          the whole config is valid (TrainConfig.validate, the trainer's own check)
+  flags          the whole config is valid (train.config.checks.validate, the trainer's own check)
   model          --model is found (registered, a local folder / .gguf, or the hub cache)
   host memory    the host can hold the model while it loads (a float32 copy of the weights)
   disk           the workdir's free space holds --keep_checkpoints + 1 checkpoints (params
@@ -36,6 +36,7 @@ from experiments import train as _train  # defines the training flags (shared fl
 from jaxrl4llm.config import cli, paths
 from jaxrl4llm.config.errors import EXIT_USER_ERROR, UserError, one_line
 from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.config.checks import validate
 
 for _name in _train.FLAG_NAMES:
     flags.declare_key_flag(_name)
@@ -107,7 +108,7 @@ def _mesh(config: TrainConfig, facts: _Facts) -> tuple[str, str]:
 
 
 def _flags(config: TrainConfig, facts: _Facts) -> tuple[str, str]:
-    config.validate(len(facts.devices))
+    validate(config, len(facts.devices))
     return OK, (
         f"batch {config.batch_size} rows ({config.rollout.prompts_per_step} prompts x "
         f"{config.rollout.group_size}), {config.updates_per_step} update(s) per step"

@@ -42,6 +42,7 @@ from jaxrl4llm.config import cli, options, paths
 from jaxrl4llm.config.errors import FlagError
 from jaxrl4llm.config.options import require
 from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.config.checks import validate
 
 if TYPE_CHECKING:
     from jaxrl4llm.eval.samples import SamplesWriter, Sink
@@ -135,7 +136,7 @@ class Plan:
 def plan(opts: EvaluateOptions, given: dict[str, Any]) -> Plan:
     """The settings of an evaluation: a checkpoint's run config (else the trainer's defaults)
     with the `given` flags ({flag name: value}) over them."""
-    from jaxrl4llm.train.checkpoint import checkpoint_step, read_run_config
+    from jaxrl4llm.train.infra.checkpoint import checkpoint_step, read_run_config
 
     if opts.checkpoint is None:
         if opts.checkpoint_step is not None:
@@ -190,7 +191,7 @@ def check(p: Plan) -> None:
     import jax
 
     with cli.flag_errors():
-        p.config.validate(jax.device_count())
+        validate(p.config, jax.device_count())
     if not p.checkpoint:
         registry.check(p.config.model.name)
 
@@ -322,8 +323,8 @@ def run_evaluation(
     from jaxrl4llm.models import registry
     from jaxrl4llm.rewards import RewardFn
     from jaxrl4llm.sampling.context import RolloutContext
-    from jaxrl4llm.train.checkpoint import load_trained_policy
     from jaxrl4llm.train.config import param_dtype
+    from jaxrl4llm.train.trained import load_trained_policy
 
     config = p.config
     sets = config.evaluation.sets

@@ -176,7 +176,7 @@ def is_remote(path: str) -> bool:
 def workdir_of(train_args: Sequence[str]) -> str:
     """The --workdir the training arguments give (in a --flagfile or on the command line, the
     last one winning as absl reads them), else the trainer's default."""
-    from jaxrl4llm.train.config_groups import RunConfig
+    from jaxrl4llm.train.config.groups import RunConfig
 
     workdir = RunConfig.workdir
     for arg in train_args:

@@ -31,7 +31,7 @@ from experiments import study_design, study_estimate, study_report, study_stats
 from experiments.study_spec import REPO, Run, load_study, plan, select
 from jaxrl4llm.config import cli, paths
 from jaxrl4llm.config.options import require
-from jaxrl4llm.train.errors import EXIT_PREEMPTED
+from jaxrl4llm.train.infra.errors import EXIT_PREEMPTED
 
 _STUDY = flags.DEFINE_string(
     "study",

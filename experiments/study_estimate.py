@@ -1,7 +1,7 @@
 """What a study will cost before it starts: its runs' time and checkpoint disk, and a refusal
 when the disk cannot hold them.
 
-Disk: a checkpoint holds the train state (train/state.py TrainState): the parameters and
+Disk: a checkpoint holds the train state (train/update/state.py TrainState): the parameters and
 AdamW's two moments, each of the parameters' dtype (--param_dtype), so a parameter costs
 3 x its bytes (12 for float32; PPO's critic adds its own state). Orbax compresses the
 arrays (zstd), which saves 5-15% on trained weights, so this is an upper bound (the
@@ -33,7 +33,7 @@ from jaxrl4llm.config import paths
 from jaxrl4llm.config.errors import UserError
 from jaxrl4llm.models.config import ARCHITECTURES, PRESETS, ModelConfig
 from jaxrl4llm.train.config import TrainConfig, param_dtype
-from jaxrl4llm.train.metrics import read_metrics
+from jaxrl4llm.train.infra.metrics import read_metrics
 
 # Seconds per step per parameter per token of the step's rows (prompts x group, prompt +
 # completion budget): the quickstart (SmolLM2-135M, 16 rows x 192 tokens) took 6.4 min for its

@@ -10,8 +10,8 @@ import numpy as np
 
 from experiments.study_stats import MANY_SEEDS, TRAIN_KEYS, curve, resolve_quantity
 from jaxrl4llm.config import paths
-from jaxrl4llm.train import plots
-from jaxrl4llm.train.metrics import read_metrics
+from jaxrl4llm.train.infra import plots
+from jaxrl4llm.train.infra.metrics import read_metrics
 
 PLOT_PANELS = (
     ("reward", "reward/mean"),

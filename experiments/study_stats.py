@@ -43,7 +43,7 @@ from scipy import stats as scipy_stats
 
 from experiments.study_spec import REPO, SHORT_QUANTITIES, Claim, Run, Study
 from jaxrl4llm.config import paths
-from jaxrl4llm.train.metrics import read_metrics
+from jaxrl4llm.train.infra.metrics import read_metrics
 
 TRAIN_KEYS = (
     "reward/mean",

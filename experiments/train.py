@@ -29,8 +29,8 @@ from jaxrl4llm import parallel
 from jaxrl4llm.config import cli
 from jaxrl4llm.config.errors import one_line
 from jaxrl4llm.models import registry
-from jaxrl4llm.train import errors
 from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.infra import errors
 
 FLAG_NAMES = cli.define_flags(TrainConfig)
 for _name in FLAG_NAMES:
@@ -45,7 +45,7 @@ def config_from_flags(flag_values: flags.FlagValues = FLAGS) -> TrainConfig:
 def checked_config(flag_values: flags.FlagValues = FLAGS, check_model: bool = True) -> TrainConfig:
     """The TrainConfig of the parsed flags and, with `check_model`, --model (and
     --critic_model) found, before any data or model is read. Joins a multi-host run first
-    (--distributed). Its values are checked once, by TrainConfig.validate, first thing in
+    (--distributed). Its values are checked once, by train.config.checks.validate, first thing in
     train.loop.run (a FlagError names the flag and the fix)."""
     config = config_from_flags(flag_values)  # each sub-config checks its own values
     parallel.maybe_initialize_distributed(auto_detect=config.run.distributed)
@@ -61,7 +61,7 @@ def main(argv):
     cli.quiet_logs()
     config = checked_config()
     from jaxrl4llm.train import loop  # heavy imports after flag parsing: fast --help
-    from jaxrl4llm.train.checkpoint import NonFiniteStateError
+    from jaxrl4llm.train.infra.checkpoint import NonFiniteStateError
 
     try:
         summary = loop.run(config)  # a UserError (data, workdir, resume, ...) -> exit 2

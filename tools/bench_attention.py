@@ -46,7 +46,7 @@ def packed_rows(mix: str) -> tuple[np.ndarray, np.ndarray]:
     """(segments, prefixes) [R, L] of the first packed micro-batch of bench_packed_update's
     mini-batch for `mix` (the full SmolLM2 FLOP model chooses the plan)."""
     from jaxrl4llm.models import registry
-    from jaxrl4llm.train import packing
+    from jaxrl4llm.train.update import packing
     from tools import bench_packed_update
 
     args = bench_packed_update._parse([f"--length_mix={mix}"])

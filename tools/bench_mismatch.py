@@ -29,7 +29,7 @@ from jaxrl4llm.config import cli
 from jaxrl4llm.models import registry  # noqa: E402
 from jaxrl4llm.sampling import Sampler  # noqa: E402
 from jaxrl4llm.sampling.strategies import SamplingConfig  # noqa: E402
-from jaxrl4llm.train.logprobs import Sequences, completion_logprobs  # noqa: E402
+from jaxrl4llm.train.update.logprobs import Sequences, completion_logprobs  # noqa: E402
 
 # (sampler compute dtype, trainer compute dtype); float32 weights throughout.
 COMBINATIONS = (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"))

@@ -62,7 +62,7 @@ def synthetic_sequences(args: argparse.Namespace, vocab: int) -> Any:
     """train.logprobs.Sequences: per group one random prompt (left-padded), per row a random
     completion of the mix's forced length."""
     from jaxrl4llm.sampling.buckets import bucket_completion_length, bucket_prompt_length
-    from jaxrl4llm.train.logprobs import Sequences
+    from jaxrl4llm.train.update.logprobs import Sequences
 
     rng = np.random.default_rng(0)
     rows = args.prompts * args.group
@@ -87,7 +87,7 @@ def synthetic_sequences(args: argparse.Namespace, vocab: int) -> Any:
 def time_variant(params, config, packed, attention, repeats: int) -> float:
     """Seconds (the fastest of `repeats`, after a compiling run) of value_and_grad of the
     summed logprobs over the micro-batches that hold rows."""
-    from jaxrl4llm.train import packing
+    from jaxrl4llm.train.update import packing
 
     def loss(params, k):
         logp_RL, _ = packing.packed_logprobs(params, config, packed, k, 1.0, attention=attention)
@@ -113,7 +113,7 @@ def main(argv: Any = None) -> int:
     args = _parse(argv)
     from jaxrl4llm.models import registry
     from jaxrl4llm.models.attention import AttentionConfig
-    from jaxrl4llm.train import packing
+    from jaxrl4llm.train.update import packing
 
     full_config, params, _ = registry.load_model(args.model, dtype=jnp.float32)
     args.layers = min(args.layers, full_config.num_layers)

@@ -19,12 +19,12 @@ tokens on, temperature --temperature) and prints, over --rollouts rollouts:
                         update compute): trimmed (the bucket of the longest row) and
                         untrimmed (max_new_tokens, as before trimming); with --mini_batch,
                         also `update_real_minibatch`: the trainer's own mini-batches
-                        (train/minibatches.py, rows reshuffled per epoch, each cut to the bucket of
-                        its longest row) over --ppo_epochs epochs, with --micro_batch and
+                        (train/update/minibatches.py, rows reshuffled per epoch, each cut to the
+                        bucket of its longest row) over --ppo_epochs epochs, with --micro_batch and
                         --length_classes (--micro_batch_length_classes) micro-batches sorted
                         by length, each run at its length class; `update_real_packed`: real
                         (prompt + completion) tokens / slots the packed update computes with
-                        --micro_batch_tokens (train/packing.py: no padding but the packed
+                        --micro_batch_tokens (train/update/packing.py: no padding but the packed
                         rows' tails, a group's prompt once per row), the whole batch as one
                         mini-batch; `update_flops_packed`: its modelled FLOPs / the padded
                         update's (packing.SlotFlops on the full model; below 1: the trainer
@@ -33,7 +33,7 @@ tokens on, temperature --temperature) and prints, over --rollouts rollouts:
                         (reference, old logprobs, PPO's values) compute, each counted as
                         that pass runs them (see `logprob_real_fracs`): `logprob_real` padded
                         ([prompt bucket + completion bucket] rows, each group's prompt once),
-                        `logprob_real_packed` with --micro_batch_tokens (train/packing.py),
+                        `logprob_real_packed` with --micro_batch_tokens (train/update/packing.py),
                         `logprob_flops_packed` the packed passes' modelled FLOPs / the
                         padded passes' (below 1: the trainer packs them)
   lengths               min / mean / max completion length
@@ -138,8 +138,8 @@ def _update_batch(out: Any, group: int, max_new_tokens: int, share_prompts: bool
 
     from jaxrl4llm.sampling.buckets import bucket_completion_length, bucket_prompt_length
     from jaxrl4llm.sampling.layout import RowLayout
-    from jaxrl4llm.train.logprobs import Sequences
-    from jaxrl4llm.train.step import UpdateBatch
+    from jaxrl4llm.train.update.logprobs import Sequences
+    from jaxrl4llm.train.update.step import UpdateBatch
 
     rows = out.tokens_BT.shape[0]
     out = out.trimmed(bucket_completion_length(int(out.num_steps), max_new_tokens))
@@ -168,11 +168,11 @@ def minibatch_real_frac(
 ) -> float:
     """Real completion tokens / positions the trainer's update computes on this rollout when
     it runs mini-batches of `mini_batch` rows for `ppo_epochs` epochs, in micro-batches of
-    `micro_batch` rows run at up to `length_classes` lengths (train/minibatches.py). The rows carry
-    the trainer's layout (`share_prompts` is its default); sorting by length moves single
+    `micro_batch` rows run at up to `length_classes` lengths (train/update/minibatches.py). The
+    rows carry the trainer's layout (`share_prompts` is its default); sorting by length moves single
     rows out of their groups either way."""
     from jaxrl4llm.train.config import TrainConfig
-    from jaxrl4llm.train.minibatches import minibatches
+    from jaxrl4llm.train.update.minibatches import minibatches
 
     rows = out.tokens_BT.shape[0]
     batch = _update_batch(out, group, max_new_tokens, share_prompts)
@@ -197,12 +197,12 @@ def packed_update_fracs(
     out: Any, group: int, max_new_tokens: int, budget: int, model_config: Any
 ) -> dict[str, float]:
     """The packed update on the rollout `out`, the whole batch as one mini-batch, as the
-    trainer forms it (train/minibatches.py, shared prompts): `update_real_packed`, real
+    trainer forms it (train/update/minibatches.py, shared prompts): `update_real_packed`, real
     (prompt + completion) tokens / packed slots, and `update_flops_packed`, its modelled
     FLOPs on `model_config` / the padded update's (the trainer packs below 1)."""
-    from jaxrl4llm.train import packing
     from jaxrl4llm.train.config import TrainConfig
-    from jaxrl4llm.train.minibatches import minibatches
+    from jaxrl4llm.train.update import packing
+    from jaxrl4llm.train.update.minibatches import minibatches
 
     rows = out.tokens_BT.shape[0]
     batch = _update_batch(out, group, max_new_tokens)
@@ -223,7 +223,7 @@ def packed_update_fracs(
 def logprob_real_fracs(
     out: Any, group: int, max_new_tokens: int, budget: int, flops: Any
 ) -> dict[str, float]:
-    """The teacher-forced passes of the rollout `out` (train/rollout.py), padded and packed:
+    """The teacher-forced passes of the rollout `out` (train/rollout/stage.py), padded and packed:
     real tokens / token positions each computes. Padded: rows of the trainer's prompt block P
     (the bucket of the longest prompt) + the bucketed longest completion T, each group's
     prompt run once (the default layout): real = one prompt per group + the completions,
@@ -231,10 +231,10 @@ def logprob_real_fracs(
     batch packed (packing.pack, one device, a group's prompt once per row):
     packing.real_share. The trainer runs the passes packed where `logprob_flops_packed`
     (modelled FLOPs, packing.SlotFlops `flops`: packed / padded) is below 1
-    (train/rollout.py)."""
+    (train/rollout/stage.py)."""
     from jaxrl4llm.sampling.buckets import bucket_completion_length, bucket_prompt_length
-    from jaxrl4llm.train import packing
-    from jaxrl4llm.train.logprobs import Sequences
+    from jaxrl4llm.train.update import packing
+    from jaxrl4llm.train.update.logprobs import Sequences
 
     out = out.trimmed(bucket_completion_length(int(out.num_steps), max_new_tokens))
     rows, T = out.tokens_BT.shape
@@ -367,7 +367,7 @@ def main(argv=None) -> int:
     from jaxrl4llm.data.config import DataConfig
     from jaxrl4llm.sampling.frontend import Sampler
     from jaxrl4llm.sampling.strategies import SamplingConfig
-    from jaxrl4llm.train.packing import SlotFlops
+    from jaxrl4llm.train.update.packing import SlotFlops
 
     model_config, params, tokenizer, full_config = _load_model(args)
     full_flops = SlotFlops.of(full_config)

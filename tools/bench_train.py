@@ -24,7 +24,7 @@ FLOPs (`step_tflop`) at the best matmul rate measured in the same process (`matm
 i.e. the fastest this step could run on this machine (`floor_s`; `floor_share` = floor_s /
 step_s). The reference and update passes run each prompt once per group (--no_share_prompts
 runs it once per row, as before). `--micro_batch_tokens=N` also runs our step with the update
-on packed micro-batches of N tokens (train/packing.py: a group's prompt once per row, rows
+on packed micro-batches of N tokens (train/update/packing.py: a group's prompt once per row, rows
 chosen by modelled FLOPs) in each round, between our padded step and TRL's, and reports both
 ratios to TRL and the packed update's modelled FLOPs / the padded update's
 (`update_flops_packed`; the trainer itself packs only below 1). `--lora_rank=R` also runs our

@@ -63,10 +63,11 @@ def run_ours(args: argparse.Namespace) -> dict:
     from jaxrl4llm.models import registry
     from jaxrl4llm.rewards import make_reward_fn
     from jaxrl4llm.sampling.context import RolloutContext
-    from jaxrl4llm.train import host_memory, packing
     from jaxrl4llm.train.config import TrainConfig, param_dtype
-    from jaxrl4llm.train.rollout import rollout
-    from jaxrl4llm.train.step import compile_train_step, train_step
+    from jaxrl4llm.train.infra import host_memory
+    from jaxrl4llm.train.rollout.stage import rollout
+    from jaxrl4llm.train.update import packing
+    from jaxrl4llm.train.update.step import compile_train_step, train_step
     from tools import bench_sampler
     from tools.bench_trl import step_records, xla_threads
 
@@ -208,8 +209,8 @@ def trained_state(config, model_config, params):
     import jax
     import jax.numpy as jnp
 
-    from jaxrl4llm.train import adapters
-    from jaxrl4llm.train.state import TrainState
+    from jaxrl4llm.train.update import adapters
+    from jaxrl4llm.train.update.state import TrainState
 
     lora = config.lora
     if not lora.enabled:

@@ -138,7 +138,7 @@ def run_trl(args: Any, dtype: str, hf_dir: str) -> dict[str, Any]:
     from jaxrl4llm.data import make_source
     from jaxrl4llm.data.config import DataConfig
     from jaxrl4llm.rewards import make_reward_fn
-    from jaxrl4llm.train import host_memory
+    from jaxrl4llm.train.infra import host_memory
 
     torch.set_num_threads(xla_threads())
     torch_dtype = torch.bfloat16 if dtype.partition(":")[0] == "bfloat16" else torch.float32

@@ -51,8 +51,9 @@ def main(argv=None) -> int:
         )
 
     from jaxrl4llm.models import peft_format, weights
-    from jaxrl4llm.train import critic
-    from jaxrl4llm.train.checkpoint import load_trained_models, read_run_config
+    from jaxrl4llm.train.infra.checkpoint import read_run_config
+    from jaxrl4llm.train.trained import load_trained_models
+    from jaxrl4llm.train.update import critic
 
     peft = read_run_config(args.workdir).lora.enabled and not args.merge
     config, model_config, params, critic_params, tokenizer = load_trained_models(

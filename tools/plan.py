@@ -86,6 +86,7 @@ from jaxrl4llm.planner.report import (  # noqa: E402
     print_plan,
     print_slot_use,
 )
+from jaxrl4llm.train.config.checks import validate  # noqa: E402
 
 flags.DEFINE_string("topology", None, "v5p-N, v5e-N, Kxh100 or Kxh200 (e.g. v5p-64).")
 flags.DEFINE_string(
@@ -136,7 +137,7 @@ def main(argv):
         "one host (e.g. --topology=8xh200) or drop them.",
     )
     # The run's own checks of its config, at the topology's devices and hosts.
-    config.validate(topo.num_devices, num_hosts=topo.num_hosts)
+    validate(config, topo.num_devices, num_hosts=topo.num_hosts)
     model_config = programs.architecture(FLAGS.architecture or config.model.name)
     # As the run does at start: prompt + completion must fit the model's context.
     config.validate_context(

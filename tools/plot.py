@@ -4,7 +4,7 @@
 
 Panels, against the step: reward, accuracy (train and held-out), completion length and
 entropy; the KL to the reference and the clip fraction only when a run logged them and they
-vary (jaxrl4llm/train/plots.py, choose_panels). Each run is one colour, named by its folder.
+vary (jaxrl4llm/train/infra/plots.py, choose_panels). Each run is one colour, named by its folder.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxrl4llm.config import cli
-from jaxrl4llm.train.plots import plot_runs  # noqa: E402
+from jaxrl4llm.train.infra.plots import plot_runs  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments.study_stats import folder_bytes  # noqa: E402
 from jaxrl4llm.config import cli
-from jaxrl4llm.train.metrics import read_metrics  # noqa: E402
+from jaxrl4llm.train.infra.metrics import read_metrics  # noqa: E402
 
 _END_FILES = ("metrics.jsonl", "eval.json", "curves.png")
 

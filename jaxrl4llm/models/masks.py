@@ -1,7 +1,7 @@
 """Who sees whom: the attention rule (attention.py's docstring) as masks, per (query, key)
 pair (`visible_mask`) and per (query block, key block) pair (`block_visibility`, the pairs
 the chunked kernel computes). Shared by every implementation and by the host's FLOP model
-(train/packing.py).
+(train/update/packing.py).
 
 The sliding window counts token positions, not slots. In a plain row (left padding, then
 contiguous tokens) the two agree; in a packed row whose completions share one copy of their

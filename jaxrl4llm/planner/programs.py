@@ -32,9 +32,9 @@ from jaxrl4llm.models.lora import LoraConfig
 from jaxrl4llm.planner import estimate as plan_estimate
 from jaxrl4llm.planner import hlo_analysis
 from jaxrl4llm.sampling import buckets, decode, sampler
-from jaxrl4llm.train import critic, logprobs, packing, step
-from jaxrl4llm.train import state as state_lib
 from jaxrl4llm.train.config import TrainConfig, param_dtype
+from jaxrl4llm.train.update import critic, logprobs, packing, step
+from jaxrl4llm.train.update import state as state_lib
 
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ class RolloutConfig:
         (0 = all rows at once); bounds the KV cache and activation memory.
     partial_rollout_tokens: Partial rollouts: sample in rounds of at most this many new tokens
         per row until P groups have finished; unfinished rows carry over to the next step
-        with their tokens and logprobs (0 = off; see train/partial.py).
+        with their tokens and logprobs (0 = off; see train/rollout/partial.py).
     max_staleness: With --partial_rollout_tokens: steps a group may wait in the carried buffer
         before it is dropped (and counted).
     decode_slots: Continuous batching: rows decoded at once, a finished row's slot taking the

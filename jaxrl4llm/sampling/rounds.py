@@ -248,7 +248,7 @@ def sample_and_score(
     rollout/frac_groups_filtered, rollout/groups_short and reward/accuracy_sampled).
     `next_records()` gives more prompts when dynamic sampling resamples (default: the same)."""
     greedy, dynamic = rounds.greedy_baseline, rounds.dynamic_sampling
-    if greedy and jax.process_count() > 1:  # TrainConfig.validate says so first
+    if greedy and jax.process_count() > 1:  # train.config.checks.validate says so first
         raise ValueError(ONE_HOST_ONLY)
     sampling = sampling or ctx.rollout.sampling
     G, P = layout.group_size, len(records)

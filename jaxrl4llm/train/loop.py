@@ -26,15 +26,17 @@ from tqdm.auto import tqdm
 
 from jaxrl4llm.config import paths
 from jaxrl4llm.eval.evaluator import eval_key
-from jaxrl4llm.train import host_memory, plots
-from jaxrl4llm.train import metrics as metrics_lib
-from jaxrl4llm.train.checkpoint import Checkpointer, PreemptionFlag
 from jaxrl4llm.train.config import TrainConfig
-from jaxrl4llm.train.errors import TrainingDivergedError
-from jaxrl4llm.train.rollout import rollout
-from jaxrl4llm.train.services import Models, Services, setup
-from jaxrl4llm.train.update import Updater
-from jaxrl4llm.train.workdir_lock import WorkdirLock
+from jaxrl4llm.train.config.checks import validate
+from jaxrl4llm.train.infra import host_memory, plots
+from jaxrl4llm.train.infra import metrics as metrics_lib
+from jaxrl4llm.train.infra.checkpoint import Checkpointer, PreemptionFlag
+from jaxrl4llm.train.infra.errors import TrainingDivergedError
+from jaxrl4llm.train.infra.workdir_lock import WorkdirLock
+from jaxrl4llm.train.rollout.stage import rollout
+from jaxrl4llm.train.services import Services, setup
+from jaxrl4llm.train.update.models import Models
+from jaxrl4llm.train.update.stage import Updater
 
 
 def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
@@ -46,7 +48,7 @@ def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
     """
     devices = jax.devices() if devices is None else list(devices)
     # --init_adapter's LoRA settings, then the run's one check, before the workdir is touched.
-    config = config.with_init_adapter().validate(len(devices))
+    config = validate(config.with_init_adapter(), len(devices))
     with WorkdirLock(config.run.workdir, enabled=jax.process_index() == 0):
         models, services = setup(config, devices)
         preempted = PreemptionFlag()

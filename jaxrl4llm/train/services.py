@@ -19,59 +19,17 @@ from jaxrl4llm.envs import EnvService, open_env_service
 from jaxrl4llm.eval import evaluator
 from jaxrl4llm.eval.config import EvalConfig
 from jaxrl4llm.models import registry
-from jaxrl4llm.models.lora import LoraConfig
 from jaxrl4llm.rewards import RewardFn
 from jaxrl4llm.sampling import buckets
 from jaxrl4llm.sampling.context import RolloutContext
-from jaxrl4llm.train import adapters, critic, partial
-from jaxrl4llm.train import metrics as metrics_lib
-from jaxrl4llm.train.checkpoint import Checkpointer, abstract_like
 from jaxrl4llm.train.config import TrainConfig, param_dtype
-from jaxrl4llm.train.resume import check_resume
-from jaxrl4llm.train.state import TrainState, create_state, learning_rate_schedule
-
-_increment = jax.jit(lambda step: step + 1)  # keeps the step a global (replicated) array
-
-
-@dataclasses.dataclass(frozen=True)
-class Models:
-    """What the run trains, and the frozen reference: the policy's state (params, optimizer
-    state, step, key), PPO's critic state (else None), the reference params (a separate
-    copy, when the algorithm needs one; else None). With LoRA (`lora`), the state's params
-    are the adapters, `base_params` the frozen base, and the reference is the base itself
-    (the adapters off: no copy)."""
-
-    state: TrainState
-    critic_state: TrainState | None
-    ref_params: Any
-    base_params: Any = None
-    lora: LoraConfig | None = None
-
-    def policy_params(self) -> Any:
-        """The params the policy samples and scores with (the base + adapters under LoRA)."""
-        return adapters.policy(self.lora, self.base_params, self.state.params)
-
-    def saved(self) -> Any:
-        """What a checkpoint holds: the policy's state, with PPO's critic beside it."""
-        if self.critic_state is None:
-            return self.state
-        return {"policy": self.state, "critic": self.critic_state}
-
-    def restored(self, saved: Any) -> "Models":
-        if self.critic_state is None:
-            return dataclasses.replace(self, state=saved)
-        return dataclasses.replace(self, state=saved["policy"], critic_state=saved["critic"])
-
-    def next_step(self) -> "Models":
-        """The step counters advanced after a training step."""
-        critic_state = self.critic_state
-        if critic_state is not None:
-            critic_state = critic_state.replace(step=_increment(critic_state.step))
-        return dataclasses.replace(
-            self,
-            state=self.state.replace(step=_increment(self.state.step)),
-            critic_state=critic_state,
-        )
+from jaxrl4llm.train.infra import metrics as metrics_lib
+from jaxrl4llm.train.infra.checkpoint import Checkpointer, abstract_like
+from jaxrl4llm.train.infra.resume import check_resume
+from jaxrl4llm.train.rollout import partial
+from jaxrl4llm.train.update import adapters, critic
+from jaxrl4llm.train.update.models import Models
+from jaxrl4llm.train.update.state import TrainState, create_state, learning_rate_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +95,7 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
     """Builds the run in the order that fails early: flags, resume compatibility and the
     data (before the model loads or the workdir is written), then the model, the states, the
     sampler and the writers, and restores the latest checkpoint if the workdir has one.
-    `config` is validated already (train.loop.run runs TrainConfig.validate first)."""
+    `config` is validated already (train.loop.run runs train.config.checks.validate first)."""
     for warning in config.precision_warnings():
         logging.warning("%s", warning)
     run = config.run

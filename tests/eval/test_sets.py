@@ -103,7 +103,7 @@ def test_trainer_logs_each_set_and_their_mean(toy_model_dir, copy_task_file, tmp
     from jaxrl4llm import rl
     from jaxrl4llm.train import loop
     from jaxrl4llm.train.config import TrainConfig
-    from jaxrl4llm.train.metrics import read_metrics
+    from jaxrl4llm.train.infra.metrics import read_metrics
 
     sets = (
         f"one=jsonl:{copy_task_file};greedy;prompts=3,"

@@ -11,6 +11,7 @@ from experiments import train
 from jaxrl4llm.data.sources import make_source
 from jaxrl4llm.models import registry
 from jaxrl4llm.models.tokenizer import Tokenizer
+from jaxrl4llm.train.config.checks import validate
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGFILE = os.path.join(REPO, "experiments", "configs", "code_quickstart.flags")
@@ -27,7 +28,7 @@ def config():
 
 
 def test_flagfile_is_a_valid_one_device_config(config):
-    config.validate(num_devices=1)
+    validate(config, num_devices=1)
     assert config.data.source.startswith("synthetic:code?")
     assert (config.reward.code_reward, config.reward.unsafe_code_execution) == ("fraction", False)
     # A completion's tests fit the reward job's budget (0.9 x the item deadline).

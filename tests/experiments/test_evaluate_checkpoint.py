@@ -15,8 +15,8 @@ from absl import flags
 from experiments import evaluate
 from jaxrl4llm.config import cli
 from jaxrl4llm.config.errors import FlagError, UserError
-from jaxrl4llm.train.checkpoint import CheckpointError, checkpoint_step, read_run_config
 from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.infra.checkpoint import CheckpointError, checkpoint_step, read_run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

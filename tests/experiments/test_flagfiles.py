@@ -12,6 +12,7 @@ from absl import flags
 
 from jaxrl4llm.config import options
 from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.config.checks import validate
 
 from tests.experiments.flagfile_paths import FLAGFILES, REPO
 
@@ -142,7 +143,7 @@ def test_there_are_flagfiles():
 @pytest.mark.parametrize("path", FLAGFILES, ids=os.path.basename)
 def test_flagfile_gives_a_valid_config(path, parsed):
     config = parsed(f"--flagfile={path}")
-    config.validate(num_devices=8)  # one 8-accelerator host
+    validate(config, num_devices=8)  # one 8-accelerator host
     assert config.algorithm.name == flags.FLAGS.algorithm
 
 

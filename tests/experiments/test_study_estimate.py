@@ -16,7 +16,8 @@ import pytest
 from experiments import study, study_estimate
 from experiments.study_spec import load_study, plan
 from jaxrl4llm.models import registry
-from jaxrl4llm.train import checkpoint, state
+from jaxrl4llm.train.infra import checkpoint
+from jaxrl4llm.train.update import state
 
 Usage = collections.namedtuple("Usage", "total used free")
 STEPS, EVERY, KEEP = 5, 2, 2  # saves at 2, 4 and 5: 2 kept, 3 on disk during a save

@@ -186,7 +186,7 @@ def test_export_hf_writes_a_folder_transformers_loads(toy_model_dir, copy_task_f
     from transformers import AutoModelForCausalLM
 
     from jaxrl4llm.models import registry, transformer
-    from jaxrl4llm.train.checkpoint import load_trained_policy
+    from jaxrl4llm.train.trained import load_trained_policy
 
     workdir, _ = _train_one_step(
         toy_model_dir,

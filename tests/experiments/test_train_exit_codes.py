@@ -1,5 +1,5 @@
 """How `python -m experiments.train` ends: exit codes and one-line user errors
-(jaxrl4llm/train/errors.py), on the toy model."""
+(jaxrl4llm/train/infra/errors.py), on the toy model."""
 
 import json
 import os
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from jaxrl4llm.train import errors
-from jaxrl4llm.train.metrics import read_metrics
+from jaxrl4llm.train.infra import errors
+from jaxrl4llm.train.infra.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(

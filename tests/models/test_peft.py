@@ -79,8 +79,8 @@ def test_a_peft_written_adapter_starts_a_run_with_peft_logits(root, tmp_path):  
     """An adapter PEFT itself trained and saved (B random: init_lora_weights=False), given as
     --init_adapter: the run's rank, alpha and targets are the file's, and its policy's
     logits are PEFT's on the transformers model."""
-    from jaxrl4llm.train import adapters
     from jaxrl4llm.train.config import TrainConfig
+    from jaxrl4llm.train.update import adapters
 
     model, path = _saved_model("llama3_untied", root)
     config, base = weights.load_hf(path)

@@ -24,6 +24,7 @@ from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.sampling.turns import TurnLimits, TurnReply
 from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.config.checks import validate
 
 EOS = (3,)
 SAMPLED = SamplingConfig(temperature=1.0, top_k=12)
@@ -262,12 +263,12 @@ def test_a_mesh_samples_what_one_device_samples(toy_policy, monkeypatch):
 def test_several_hosts_are_refused_naming_why(toy_policy, monkeypatch):
     config, _ = toy_policy
     base = TrainConfig().replace(env="calculator", mesh="data:1,fsdp:-1,tensor:1")
-    base.validate(8, num_hosts=1)
+    validate(base, 8, num_hosts=1)
     with pytest.raises(
         FlagError,
         match=r"--env=calculator runs multi-turn rollouts, which run on one host \(this run has 2",
     ):
-        base.validate(8, num_hosts=2)
+        validate(base, 8, num_hosts=2)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
     with pytest.raises(ValueError, match="same programs in the same order"):
         _run(toy_policy, FakeHandler(), TurnLimits(), _prompts(config, (3,)))
@@ -379,7 +380,7 @@ def test_rounds_take_rewards_and_turn_metrics_from_the_handler(toy_model_dir):
     from jaxrl4llm.sampling.context import RolloutContext
     from jaxrl4llm.sampling.layout import RowLayout
     from jaxrl4llm.sampling.rounds import sample_and_score
-    from jaxrl4llm.train.rollout import _turn_metrics
+    from jaxrl4llm.train.rollout.stage import _turn_metrics
 
     config, params, tokenizer = registry.load_model(toy_model_dir)
     made: list = []

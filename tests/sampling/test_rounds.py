@@ -16,6 +16,7 @@ from jaxrl4llm.sampling.frontend import Samples
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.rounds import Rounds, sample_and_score
 from jaxrl4llm.sampling.sample_output import SampleOutput
+from jaxrl4llm.train.config.checks import validate
 
 T = 3
 
@@ -171,11 +172,11 @@ def test_remax_on_several_hosts_is_refused_before_anything_loads(monkeypatch):
         TrainConfig().replace(algorithm=name, mesh="data:1,fsdp:1,tensor:1")
         for name in ("remax", "dapo")
     )
-    remax.validate(1)
+    validate(remax, 1)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
-    dapo.validate(1)
+    validate(dapo, 1)
     with pytest.raises(ValueError, match="runs on one host only"):
-        remax.validate(1)
+        validate(remax, 1)
 
 
 class PromptingHandler:

@@ -75,7 +75,7 @@ def test_logprob_pass_shares_padded_and_packed_by_hand():
     # leave 29 for members: [20 8] [7 6 5 4 3 2], units of 31 and 30 in 2 rows, both in one
     # micro-batch (R = 2): 64 slots, as few as one row of 64, and shorter. Real tokens: the
     # prefix twice + 55 = 61.
-    from jaxrl4llm.train.packing import SlotFlops
+    from jaxrl4llm.train.update.packing import SlotFlops
 
     out = _rollout([3, 5, 19, 2, 4, 6, 7, 1])
     shares = bench_rollout.logprob_real_fracs(

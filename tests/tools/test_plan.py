@@ -21,6 +21,7 @@ TOOLS = os.path.join(
 )
 sys.path.insert(0, TOOLS)
 from jaxrl4llm.planner import programs as plan_programs  # noqa: E402
+from jaxrl4llm.train.config.checks import validate  # noqa: E402
 
 import plan  # noqa: E402
 
@@ -210,11 +211,11 @@ def test_plan_refuses_one_host_flags_on_a_multi_host_topology():
         "cpu-8": 1,
     }
     remax = TrainConfig().replace(algorithm=rl.get_preset("remax"), mesh="data:1,fsdp:-1,tensor:1")
-    remax.validate(8, num_hosts=1)
+    validate(remax, 8, num_hosts=1)
     with pytest.raises(FlagError, match="runs on one host only"):  # the run's own check
-        remax.validate(8, num_hosts=2)
+        validate(remax, 8, num_hosts=2)
     dapo = TrainConfig().replace(algorithm=rl.get_preset("dapo"), mesh="data:1,fsdp:-1,tensor:1")
-    assert dapo.validate(8, num_hosts=2).one_host_only == []
+    assert validate(dapo, 8, num_hosts=2).one_host_only == []
     try:
         flags.FLAGS.unparse_flags()
         flags.FLAGS(["plan", "--algorithm=remax", "--topology=v5p-16"])

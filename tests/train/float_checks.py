@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jaxrl4llm.train.state import OptimizerConfig
+from jaxrl4llm.train.update.state import OptimizerConfig
 
 LINEAR_OPT = OptimizerConfig(learning_rate=1e3, eps=1e3)
 

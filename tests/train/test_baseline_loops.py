@@ -8,7 +8,7 @@ from jax._src import dispatch
 
 from jaxrl4llm import rl
 from jaxrl4llm.train import loop
-from jaxrl4llm.train.metrics import read_metrics
+from jaxrl4llm.train.infra.metrics import read_metrics
 
 from tests.train.test_loop import _config, _one_device
 

@@ -15,7 +15,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrl4llm.train import checkpoint, integrity, state
+from jaxrl4llm.train.infra import checkpoint, integrity
+from jaxrl4llm.train.update import state
 
 
 def _state(step):

@@ -11,12 +11,14 @@ import torch
 
 from jaxrl4llm import parallel, rl
 from jaxrl4llm.models import registry
-from jaxrl4llm.train import critic, loop
+from jaxrl4llm.train import loop
 from jaxrl4llm.train.config import TrainConfig
-from jaxrl4llm.train.logprobs import Sequences
-from jaxrl4llm.train.metrics import read_metrics
-from jaxrl4llm.train.state import create_state
-from jaxrl4llm.train.step import UpdateBatch
+from jaxrl4llm.train.config.checks import validate
+from jaxrl4llm.train.infra.metrics import read_metrics
+from jaxrl4llm.train.update import critic
+from jaxrl4llm.train.update.logprobs import Sequences
+from jaxrl4llm.train.update.state import create_state
+from jaxrl4llm.train.update.step import UpdateBatch
 
 from tests.train.float_checks import LINEAR_OPT, assert_trees_close, param_step
 from tests.train.test_loop import _config, _one_device
@@ -165,7 +167,7 @@ def test_critic_learning_rate_defaults_to_ten_times_the_policys():
 )
 def test_critic_flags_without_a_critic_are_refused(flags):
     with pytest.raises(ValueError, match="trains no critic"):
-        TrainConfig().replace(algorithm="grpo", **flags).validate(1)
+        validate(TrainConfig().replace(algorithm="grpo", **flags), 1)
 
 
 def test_warmup_updates_only_the_critic_and_resume_is_exact(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl4llm import rl
-from jaxrl4llm.train import rollout
+from jaxrl4llm.train.rollout import stage as rollout
 
 G, T = 4, 3
 REWARDS = np.array(

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from jaxrl4llm import rl
-from jaxrl4llm.train import loop, rollout
+from jaxrl4llm.train import loop
 from jaxrl4llm.train.config import TrainConfig
-from jaxrl4llm.train.metrics import read_metrics
-from jaxrl4llm.train.state import OptimizerConfig
+from jaxrl4llm.train.infra.metrics import read_metrics
+from jaxrl4llm.train.rollout import stage as rollout
+from jaxrl4llm.train.update.state import OptimizerConfig
 
 
 def test_log_kl_ref_loads_the_reference_only_when_on(toy_model_dir, copy_task_file, tmp_path):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
 PROBE = r"""
 import json
 import numpy as np
-from jaxrl4llm.train import host_memory
+from jaxrl4llm.train.infra import host_memory
 
 def proc_kib(field):
     with open("/proc/self/status") as f:

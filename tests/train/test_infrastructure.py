@@ -9,7 +9,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrl4llm.train import checkpoint, metrics, state
+from jaxrl4llm.train.infra import checkpoint, metrics
+from jaxrl4llm.train.update import state
 
 
 def test_metrics_jsonl_tensorboard_and_resume_truncation(tmp_path):

@@ -15,8 +15,9 @@ from jaxrl4llm.config.errors import FlagError
 from jaxrl4llm.models import lora as lora_lib
 from jaxrl4llm.models import peft_format, transformer
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.train import adapters
 from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.config.checks import validate
+from jaxrl4llm.train.update import adapters
 
 from tests.models.test_lora import CFG
 
@@ -93,7 +94,7 @@ def test_a_folder_that_is_not_this_models_adapter_is_named(saved, tmp_path):
     with pytest.raises(FlagError, match=r"--init_adapter=.*nowhere: cannot read adapter_config"):
         TrainConfig().replace(init_adapter=str(tmp_path / "nowhere")).with_init_adapter()
     with pytest.raises(FlagError, match="--init_adapter=.* starts LoRA adapters, but --lora_rank"):
-        TrainConfig().replace(init_adapter=path).validate(1)  # not resolved
+        validate(TrainConfig().replace(init_adapter=path), 1)  # not resolved
     config_file = tmp_path / "adapter" / peft_format.ADAPTER_CONFIG
     dora = json.loads(config_file.read_text()) | {"use_dora": True}
     (tmp_path / "dora").mkdir()

@@ -11,10 +11,12 @@ import numpy as np
 import optax
 
 from jaxrl4llm import rl
-from jaxrl4llm.train import checkpoint, loop, state
+from jaxrl4llm.train import loop
 from jaxrl4llm.train.config import TrainConfig
-from jaxrl4llm.train.metrics import read_metrics
-from jaxrl4llm.train.state import OptimizerConfig
+from jaxrl4llm.train.infra import checkpoint
+from jaxrl4llm.train.infra.metrics import read_metrics
+from jaxrl4llm.train.update import state
+from jaxrl4llm.train.update.state import OptimizerConfig
 
 
 def _state(step):

@@ -15,10 +15,10 @@ from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.sampling.buckets import bucket_completion_length
-from jaxrl4llm.train import minibatches
 from jaxrl4llm.train.config import TrainConfig
-from jaxrl4llm.train.logprobs import Sequences, completion_logprobs_jit
-from jaxrl4llm.train.step import (
+from jaxrl4llm.train.update import minibatches
+from jaxrl4llm.train.update.logprobs import Sequences, completion_logprobs_jit
+from jaxrl4llm.train.update.step import (
     UpdateBatch,
     accumulate,
     accumulate_gradients,

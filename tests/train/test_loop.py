@@ -9,8 +9,8 @@ from jaxrl4llm import rl
 from jaxrl4llm.models import registry
 from jaxrl4llm.train import loop
 from jaxrl4llm.train.config import TrainConfig
-from jaxrl4llm.train.metrics import read_metrics
-from jaxrl4llm.train.state import OptimizerConfig
+from jaxrl4llm.train.infra.metrics import read_metrics
+from jaxrl4llm.train.update.state import OptimizerConfig
 
 from tests.train.float_checks import LINEAR_OPT
 

@@ -12,10 +12,10 @@ from jaxrl4llm import rl
 from jaxrl4llm.models import lora as lora_lib
 from jaxrl4llm.models import transformer
 from jaxrl4llm.train import services
-from jaxrl4llm.train.adapters import trainable
 from jaxrl4llm.train.config import TrainConfig
-from jaxrl4llm.train.state import OptimizerConfig, TrainState
-from jaxrl4llm.train.step import accumulate_gradients, train_step
+from jaxrl4llm.train.update.adapters import trainable
+from jaxrl4llm.train.update.state import OptimizerConfig, TrainState
+from jaxrl4llm.train.update.step import accumulate_gradients, train_step
 
 from tests.train.float_checks import LINEAR_OPT
 from tests.train.test_loop import _config, _one_device

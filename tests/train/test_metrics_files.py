@@ -8,7 +8,7 @@ import json
 import os
 import struct
 
-from jaxrl4llm.train import metrics, plots
+from jaxrl4llm.train.infra import metrics, plots
 
 TORN = '{"step": 3, "reward/me'
 

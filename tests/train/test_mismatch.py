@@ -16,9 +16,10 @@ from jaxrl4llm.sampling import sampler
 from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.train import loop
 from jaxrl4llm.train.config import TrainConfig
-from jaxrl4llm.train.logprobs import Sequences, completion_logprobs
-from jaxrl4llm.train.metrics import read_metrics
-from jaxrl4llm.train.state import OptimizerConfig
+from jaxrl4llm.train.config.checks import validate
+from jaxrl4llm.train.infra.metrics import read_metrics
+from jaxrl4llm.train.update.logprobs import Sequences, completion_logprobs
+from jaxrl4llm.train.update.state import OptimizerConfig
 
 # float32 sampler and float32 trainer: the KV-cache decode and the teacher-forced forward
 # differ by summation order only (measured on this model: max |diff| 2.4e-6 nats).
@@ -106,5 +107,5 @@ def test_correction_with_the_samplers_pi_old_is_refused(toy_model_dir, copy_task
         recompute_old_logprobs=False,
     )
     with pytest.raises(ValueError, match="--is_correction=tis reweights"):
-        config.validate(num_devices=1)
+        validate(config, num_devices=1)
     assert not config.replace(is_correction=None).keeps_behaviour_logprobs

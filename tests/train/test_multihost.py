@@ -17,7 +17,7 @@ import pytest
 from jaxrl4llm import rl
 from jaxrl4llm.train import loop
 from jaxrl4llm.train.config import TrainConfig
-from jaxrl4llm.train.metrics import read_metrics
+from jaxrl4llm.train.infra.metrics import read_metrics
 
 from tests.train.float_checks import LINEAR_OPT
 

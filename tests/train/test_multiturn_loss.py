@@ -14,9 +14,9 @@ from jaxrl4llm import rl
 from jaxrl4llm.models import transformer, unembedding
 from jaxrl4llm.rl.losses import AGG_MODES
 from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.train import step
-from jaxrl4llm.train.logprobs import Sequences
-from jaxrl4llm.train.step import UpdateBatch
+from jaxrl4llm.train.update import step
+from jaxrl4llm.train.update.logprobs import Sequences
+from jaxrl4llm.train.update.step import UpdateBatch
 
 P, T = 5, 10
 # Per row: (prompt length, completion pattern: "m" model token, "o" observation token).

@@ -130,7 +130,8 @@ def _steps(workdir):
 def test_train_kill_resume_evaluate_and_plot_in_a_bucket(
     bucket, toy_model_dir, copy_task_file, tmp_path
 ):
-    from jaxrl4llm.train import checkpoint
+    from jaxrl4llm.train import trained
+    from jaxrl4llm.train.infra import checkpoint
 
     straight, killed = paths.join(bucket, "straight"), paths.join(bucket, "killed")
     _train(straight, toy_model_dir, copy_task_file, 4)
@@ -150,8 +151,8 @@ def test_train_kill_resume_evaluate_and_plot_in_a_bucket(
     for ra, rb in zip(a, b):
         for key in ("reward/mean", "policy/loss", "optim/grad_norm"):
             assert ra[key] == rb[key], key
-    _, _, params_a, _ = checkpoint.load_trained_policy(straight)
-    _, _, params_b, _ = checkpoint.load_trained_policy(killed)
+    _, _, params_a, _ = trained.load_trained_policy(straight)
+    _, _, params_b, _ = trained.load_trained_policy(killed)
     import jax
 
     for x, y in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
@@ -182,7 +183,7 @@ def test_train_kill_resume_evaluate_and_plot_in_a_bucket(
     assert report["checkpoint_step"] == 4
 
     # tools/plot.py-style plotting of runs in the bucket, to a local PNG and to the bucket.
-    from jaxrl4llm.train import plots
+    from jaxrl4llm.train.infra import plots
 
     local = plots.plot_runs([straight, killed], str(tmp_path / "both.png"))
     assert open(local, "rb").read(4) == b"\x89PNG"
@@ -201,7 +202,7 @@ def test_the_doctor_probes_the_bucket(bucket):
 
 
 def test_the_workdir_lock_holds_in_a_bucket(bucket):
-    from jaxrl4llm.train.workdir_lock import WorkdirInUseError, WorkdirLock
+    from jaxrl4llm.train.infra.workdir_lock import WorkdirInUseError, WorkdirLock
 
     workdir = paths.join(bucket, "locked")
     with WorkdirLock(workdir):

@@ -12,9 +12,10 @@ import pytest
 from jaxrl4llm import parallel, rl
 from jaxrl4llm.models import attention, masks, transformer
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.train import packing, packing_plan
-from jaxrl4llm.train.logprobs import Sequences, completion_logprobs_jit
-from jaxrl4llm.train.step import UpdateBatch, accumulate_gradients, accumulate_packed
+from jaxrl4llm.train.config.checks import validate
+from jaxrl4llm.train.update import packing, packing_plan
+from jaxrl4llm.train.update.logprobs import Sequences, completion_logprobs_jit
+from jaxrl4llm.train.update.step import UpdateBatch, accumulate_gradients, accumulate_packed
 
 CONFIG = ModelConfig(
     vocab_size=48,
@@ -444,11 +445,11 @@ def test_packed_update_on_8_devices_equals_one_device():
 
 
 def _choice(batch, budget):
-    """The trainer's mini-batch of the whole batch (train/minibatches.py) with
+    """The trainer's mini-batch of the whole batch (train/update/minibatches.py) with
     --micro_batch_tokens=budget on the toy model."""
     from jaxrl4llm.sampling.layout import RowLayout
     from jaxrl4llm.train.config import TrainConfig
-    from jaxrl4llm.train.minibatches import minibatches
+    from jaxrl4llm.train.update.minibatches import minibatches
 
     config = TrainConfig().replace(
         prompts_per_step=2, group_size=4, micro_batch_tokens=budget, max_new_tokens=T
@@ -494,8 +495,8 @@ def test_micro_batch_tokens_flag_checks(overrides, message):
         max_prompt_tokens=128, max_new_tokens=64, mesh="data:1,fsdp:4,tensor:2"
     )
     with pytest.raises(FlagError, match=message):
-        base.replace(**overrides).validate(num_devices=8, num_hosts=1)
-    base.replace(micro_batch_tokens=768).validate(num_devices=8, num_hosts=1)
-    base.replace(micro_batch_tokens=768, lora_rank=8).validate(num_devices=8, num_hosts=1)
+        validate(base.replace(**overrides), num_devices=8, num_hosts=1)
+    validate(base.replace(micro_batch_tokens=768), num_devices=8, num_hosts=1)
+    validate(base.replace(micro_batch_tokens=768, lora_rank=8), num_devices=8, num_hosts=1)
     with pytest.raises(FlagError, match="run on one host .this run has 2."):
-        base.replace(micro_batch_tokens=768).validate(num_devices=8, num_hosts=2)
+        validate(base.replace(micro_batch_tokens=768), num_devices=8, num_hosts=2)

@@ -10,8 +10,8 @@ import pytest
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
-from jaxrl4llm.train import critic, packing
-from jaxrl4llm.train.logprobs import completion_logprobs_jit
+from jaxrl4llm.train.update import critic, packing
+from jaxrl4llm.train.update.logprobs import completion_logprobs_jit
 
 from tests.train.test_packing import COMP_LEN, CONFIG, GROUPS, P, _batch
 

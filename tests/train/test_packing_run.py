@@ -6,7 +6,7 @@ import numpy as np
 
 from jaxrl4llm import rl
 from jaxrl4llm.train import loop
-from jaxrl4llm.train.metrics import read_metrics
+from jaxrl4llm.train.infra.metrics import read_metrics
 
 from tests.train.float_checks import LINEAR_OPT
 from tests.train.test_loop import _config as loop_config

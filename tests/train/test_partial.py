@@ -1,4 +1,4 @@
-"""Partial rollouts (train/partial.py): the carried buffer by hand on a scripted sampler, a
+"""Partial rollouts (train/rollout/partial.py): the carried buffer by hand on a scripted sampler, a
 resumed row continuing its prefix exactly (greedy), and the loop with the flag, killed and
 resumed bit for bit."""
 
@@ -20,9 +20,11 @@ from jaxrl4llm.rewards.base import RewardBatch
 from jaxrl4llm.sampling.frontend import Sampler
 from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.sampling.strategies import GREEDY
-from jaxrl4llm.train import loop, partial
+from jaxrl4llm.train import loop
 from jaxrl4llm.train.config import RolloutConfig
-from jaxrl4llm.train.metrics import read_metrics
+from jaxrl4llm.train.config.checks import validate
+from jaxrl4llm.train.infra.metrics import read_metrics
+from jaxrl4llm.train.rollout import partial
 
 from tests.conftest import build_toy_model
 from tests.sampling.test_sampler import alone_logprobs, chosen
@@ -341,4 +343,4 @@ def test_a_killed_partial_run_resumes_bit_identically(early_stop_model, copy_tas
 def test_unsupported_partial_settings_are_refused(overrides, message, tmp_path):
     config = _config("unused", "unused", tmp_path, max_new_tokens=6, **overrides)
     with pytest.raises(ValueError, match=message):
-        config.validate(1)
+        validate(config, 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from jaxrl4llm.train import plots
+from jaxrl4llm.train.infra import plots
 
 ALWAYS = ["reward", "accuracy", "completion length", "entropy"]
 

@@ -15,12 +15,12 @@ import pytest
 from jaxrl4llm import rl
 from jaxrl4llm.models import registry
 from jaxrl4llm.train import loop
-from jaxrl4llm.train.checkpoint import load_trained_policy
 from jaxrl4llm.train.config import TrainConfig
-from jaxrl4llm.train.errors import TrainingDivergedError
-from jaxrl4llm.train.metrics import read_metrics
-from jaxrl4llm.train.state import OptimizerConfig
-from jaxrl4llm.train.workdir_lock import LOCK_NAME, WorkdirInUseError
+from jaxrl4llm.train.infra.errors import TrainingDivergedError
+from jaxrl4llm.train.infra.metrics import read_metrics
+from jaxrl4llm.train.infra.workdir_lock import LOCK_NAME, WorkdirInUseError
+from jaxrl4llm.train.trained import load_trained_policy
+from jaxrl4llm.train.update.state import OptimizerConfig
 
 
 def _config(model_dir, data, workdir, **overrides):

@@ -16,10 +16,10 @@ from jaxrl4llm import parallel, rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.planner import hlo_analysis
-from jaxrl4llm.train import checkpoint
-from jaxrl4llm.train.logprobs import Sequences
-from jaxrl4llm.train.state import OptimizerConfig, abstract_state, create_state
-from jaxrl4llm.train.step import UpdateBatch, accumulate_gradients, train_step
+from jaxrl4llm.train.infra import checkpoint
+from jaxrl4llm.train.update.logprobs import Sequences
+from jaxrl4llm.train.update.state import OptimizerConfig, abstract_state, create_state
+from jaxrl4llm.train.update.step import UpdateBatch, accumulate_gradients, train_step
 
 from tests.train.float_checks import LINEAR_OPT, assert_trees_close, param_step
 

@@ -12,14 +12,14 @@ from jaxrl4llm import rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.train.logprobs import (
+from jaxrl4llm.train.update.logprobs import (
     Sequences,
     completion_logprobs,
     completion_logprobs_jit,
     logits_chunk_size,
 )
-from jaxrl4llm.train.state import OptimizerConfig, TrainState
-from jaxrl4llm.train.step import UpdateBatch, accumulate_gradients, train_step
+from jaxrl4llm.train.update.state import OptimizerConfig, TrainState
+from jaxrl4llm.train.update.step import UpdateBatch, accumulate_gradients, train_step
 
 from tests.train.float_checks import LINEAR_OPT, assert_trees_close, param_step
 

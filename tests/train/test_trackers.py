@@ -9,8 +9,9 @@ import struct
 import pytest
 
 from jaxrl4llm.config.errors import DependencyError, FlagError
-from jaxrl4llm.train import metrics, trackers
 from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.config.checks import validate
+from jaxrl4llm.train.infra import metrics, trackers
 
 HPARAMS = {"learning_rate": 1e-6, "algorithm": "grpo", "mesh": "data:1,fsdp:-1,tensor:1"}
 
@@ -109,10 +110,10 @@ def test_wandb_and_mlflow_offline_log_the_same_metrics_and_resume_the_same_run(t
 
 def test_an_unknown_or_missing_tracker_is_a_flag_error(monkeypatch):
     with pytest.raises(FlagError, match=r"--trackers=tensorboard,comet: unknown tracker"):
-        TrainConfig().replace(trackers="tensorboard,comet").validate(8)
+        validate(TrainConfig().replace(trackers="tensorboard,comet"), 8)
     monkeypatch.setitem(trackers.PACKAGES, "wandb", ("no_such_module_xyz", "jaxrl4llm[wandb]"))
     with pytest.raises(DependencyError, match=r"pip install 'jaxrl4llm\[wandb\]'"):
-        TrainConfig().replace(trackers="wandb").validate(8)
+        validate(TrainConfig().replace(trackers="wandb"), 8)
     assert TrainConfig().replace(
         trackers="tensorboard,mlflow", tensorboard=False
     ).run.tracker_names == ("mlflow",)

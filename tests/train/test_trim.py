@@ -15,8 +15,8 @@ from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling.buckets import bucket_completion_length
 from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.train.config import TrainConfig
-from jaxrl4llm.train.logprobs import Sequences, completion_logprobs_jit
-from jaxrl4llm.train.step import UpdateBatch, accumulate_gradients
+from jaxrl4llm.train.update.logprobs import Sequences, completion_logprobs_jit
+from jaxrl4llm.train.update.step import UpdateBatch, accumulate_gradients
 
 CONFIG = ModelConfig(
     vocab_size=48,
@@ -143,7 +143,7 @@ def test_trimmed_update_equals_the_padded_one(agg):
 def test_each_minibatch_runs_on_its_own_longest_completion():
     """Mini-batches of the rollout's rows are cut to the bucket of their own longest row; each
     one's loss and gradients equal those of the same rows padded to max_new_tokens."""
-    from jaxrl4llm.train import minibatches
+    from jaxrl4llm.train.update import minibatches
 
     params = transformer.init_params(CONFIG, jax.random.key(0))
     ref_params = transformer.init_params(CONFIG, jax.random.key(1))

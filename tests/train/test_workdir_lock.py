@@ -12,14 +12,14 @@ import textwrap
 
 import pytest
 
-from jaxrl4llm.train.workdir_lock import LOCK_NAME, WorkdirInUseError, WorkdirLock
+from jaxrl4llm.train.infra.workdir_lock import LOCK_NAME, WorkdirInUseError, WorkdirLock
 
 
 def _hold_in_subprocess(workdir):
     """A second process that takes the lock, says so, and waits (killed by the test)."""
     code = textwrap.dedent(f"""
         import sys, time
-        from jaxrl4llm.train.workdir_lock import WorkdirLock
+        from jaxrl4llm.train.infra.workdir_lock import WorkdirLock
         WorkdirLock({str(workdir)!r}).acquire()
         print("locked", flush=True)
         time.sleep(120)

@@ -1,39 +1,69 @@
-"""TrainConfig.validate's checks: each flag's value on its own, then the flags that must
-agree (batch sizes and the mesh, packing, multi-turn, PPO's critic, partial rollouts, data,
-reward), each failing with a FlagError that names the flag and the fix.
-
-`config` is the TrainConfig (train/config.py, which calls `validate_all`; imported here for
-the type checker only, as that module imports this one at run time).
-"""
+"""The checks of a whole TrainConfig (`validate`): each flag's value on its own, then the
+flags that must agree (batch sizes and the mesh, packing, multi-turn, PPO's critic, partial
+rollouts, data, reward), each failing with a FlagError that names the flag and the fix."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
-from typing import TYPE_CHECKING
 
 import jax
 
 from jaxrl4llm import envs, parallel, rl
 from jaxrl4llm.config import options, paths
+from jaxrl4llm.config.errors import DependencyError, flag_errors
 from jaxrl4llm.config.options import require
 from jaxrl4llm.data import prompts
 from jaxrl4llm.rewards.shaping import SCALES
 from jaxrl4llm.sampling import rounds
 from jaxrl4llm.sampling.buckets import LONG_PROMPT_MODES
 from jaxrl4llm.sampling.config import RolloutConfig
-from jaxrl4llm.train import partial, trackers
-from jaxrl4llm.train.config_groups import DTYPES
+from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.config.groups import DTYPES, PACKAGES
 
-if TYPE_CHECKING:
-    from jaxrl4llm.train.config import TrainConfig
+PARTIAL_ONE_HOST_ONLY = (
+    "--partial_rollout_tokens picks rows on the host and runs on one host only; "
+    "use one host, or --partial_rollout_tokens=0."
+)
+
+
+def check_installed(names: tuple[str, ...]) -> None:
+    """Raises DependencyError naming the install command of a tracker's missing package."""
+    for name in names:
+        module, extra = PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            raise DependencyError(
+                f"--trackers={name} needs the {module} package, which is not "
+                f"installed: pip install '{extra}' (or drop {name} from "
+                "--trackers)."
+            )
+
+
+def validate(
+    config: TrainConfig,
+    num_devices: int,
+    data_parallel: int | None = None,
+    num_hosts: int | None = None,
+) -> TrainConfig:
+    """`config` itself, or a FlagError naming the flag and the fix for any bad value, before
+    anything is loaded or compiled: the run's one check of its whole config (train.loop.run
+    calls it first, before the workdir lock). num_hosts: the run's processes (default: this
+    run's; tools/plan.py passes its topology's)."""
+    with flag_errors():  # a sub-config's ValueError names its flag too
+        validate_all(
+            config,
+            num_devices,
+            data_parallel,
+            jax.process_count() if num_hosts is None else num_hosts,
+        )
+    return config
 
 
 def validate_all(
     config: TrainConfig, num_devices: int, data_parallel: int | None, num_hosts: int
 ) -> None:
-    """Every check of `config` (TrainConfig.validate: `num_hosts` resolved, inside
-    flag_errors)."""
+    """Every check of `config` (`validate`: `num_hosts` resolved, inside flag_errors)."""
     _validate_values(config)
     _validate_turns(config)
     _validate_reward(config)
@@ -137,7 +167,7 @@ def _validate_values(config: TrainConfig) -> None:
         "--checkpoint_every.",
     )
     require(r.long_prompts in LONG_PROMPT_MODES, "--long_prompts: choose error or drop.")
-    trackers.check_installed(run.tracker_names)  # a bad name: ValueError naming the flag
+    check_installed(run.tracker_names)  # a bad name: ValueError naming the flag
     require(
         r.decode_slots >= 0,
         f"--decode_slots={r.decode_slots} must be >= 0 (0: every "
@@ -285,7 +315,7 @@ def _validate_partial(config: TrainConfig, num_hosts: int) -> None:
         "partial rollouts fill the batch with finished groups themselves and take pi_old "
         "from the recomputed logprobs; drop those, or set --partial_rollout_tokens=0.",
     )
-    require(num_hosts == 1, partial.ONE_HOST_ONLY)
+    require(num_hosts == 1, PARTIAL_ONE_HOST_ONLY)
 
 
 def _validate_data(config: TrainConfig) -> None:

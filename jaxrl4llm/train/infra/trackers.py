@@ -17,7 +17,6 @@ SQLite file, which an object store cannot hold).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -27,44 +26,15 @@ import uuid
 from typing import Any, Mapping, Protocol
 
 from jaxrl4llm.config import paths
-from jaxrl4llm.config.errors import DependencyError, UserError
+from jaxrl4llm.config.errors import UserError
+from jaxrl4llm.train.config.groups import PACKAGES as PACKAGES
+from jaxrl4llm.train.config.groups import TRACKERS as TRACKERS
 
-TRACKERS = ("tensorboard", "wandb", "mlflow")
-# The import each tracker needs and the extra that installs it.
-PACKAGES = {
-    "tensorboard": ("tensorboardX", "tensorboardX"),
-    "wandb": ("wandb", "jaxrl4llm[wandb]"),
-    "mlflow": ("mlflow", "jaxrl4llm[mlflow]"),
-}
 IDS_FILE = "trackers.json"
 # The W&B project and MLflow experiment (unless WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME say).
 PROJECT = "jaxrl4llm"
 _MLFLOW_BAD_CHARS = re.compile(r"[^/\w.\- :]")
 _MLFLOW_BATCH = 100  # MLflow's limit of params (and of metrics, 1000) per log_batch
-
-
-def parse(text: str) -> tuple[str, ...]:
-    """ "tensorboard,wandb" -> ("tensorboard", "wandb"); an unknown name raises ValueError."""
-    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    unknown = [n for n in names if n not in TRACKERS]
-    if unknown:
-        raise ValueError(
-            f"--trackers={text}: unknown tracker(s) {', '.join(unknown)}; choose "
-            f"from {', '.join(TRACKERS)} (comma-separated, empty for none)."
-        )
-    return names
-
-
-def check_installed(names: tuple[str, ...]) -> None:
-    """Raises DependencyError naming the install command of a tracker's missing package."""
-    for name in names:
-        module, extra = PACKAGES[name]
-        if importlib.util.find_spec(module) is None:
-            raise DependencyError(
-                f"--trackers={name} needs the {module} package, which is not "
-                f"installed: pip install '{extra}' (or drop {name} from "
-                "--trackers)."
-            )
 
 
 class Tracker(Protocol):

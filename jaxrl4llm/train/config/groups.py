@@ -1,6 +1,6 @@
 """TrainConfig's own groups: the policy model's options, the update's batching, PPO's
 critic and the run (length, devices, outputs, seed). The groups that layers below the trainer
-read live with them (DataConfig, RolloutConfig, EvalConfig); train/config.py mounts them all
+read live with them (DataConfig, RolloutConfig, EvalConfig); train/config/ mounts them all
 as TrainConfig's fields and their flags.
 """
 
@@ -9,9 +9,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxrl4llm.train import trackers
-
 DTYPES = ("float32", "bfloat16")
+# --trackers' names (train/infra/trackers.py writes to them).
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+# The import each tracker needs and the extra that installs it.
+PACKAGES = {
+    "tensorboard": ("tensorboardX", "tensorboardX"),
+    "wandb": ("wandb", "jaxrl4llm[wandb]"),
+    "mlflow": ("mlflow", "jaxrl4llm[mlflow]"),
+}
+
+
+def parse_trackers(text: str) -> tuple[str, ...]:
+    """ "tensorboard,wandb" -> ("tensorboard", "wandb"); an unknown name raises ValueError."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in TRACKERS]
+    if unknown:
+        raise ValueError(
+            f"--trackers={text}: unknown tracker(s) {', '.join(unknown)}; choose "
+            f"from {', '.join(TRACKERS)} (comma-separated, empty for none)."
+        )
+    return names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +75,7 @@ class UpdateConfig:
         --micro_batch_size rows). N > 0: the policy update packs each mini-batch's sequences
         (real prompt + completion tokens, no padding; a group's shared prompt once per row)
         into micro-batches of rows of at most N / (data x fsdp) tokens per device in all
-        (train/packing.py): the same update, run packed where that models fewer FLOPs than
+        (train/update/packing.py): the same update, run packed where that models fewer FLOPs than
         the padded update; the rollout's reference, old-logprob and value passes likewise.
         Full fine-tuning or LoRA, one host.
     ppo_epochs: Passes over each rollout batch.
@@ -124,5 +142,5 @@ class RunConfig:
         """The trackers this run writes to (--trackers, less tensorboard with
         --notensorboard)."""
         return tuple(
-            n for n in trackers.parse(self.trackers) if n != "tensorboard" or self.tensorboard
+            n for n in parse_trackers(self.trackers) if n != "tensorboard" or self.tensorboard
         )

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 import jax
 
 from jaxrl4llm import parallel
 from jaxrl4llm.rl.metrics import Metric, combine_metrics
-from jaxrl4llm.train import critic, packing
-from jaxrl4llm.train import metrics as metrics_lib
-from jaxrl4llm.train.minibatches import minibatches
-from jaxrl4llm.train.packing import PackedBatch
-from jaxrl4llm.train.services import Models, Services
-from jaxrl4llm.train.step import UpdateBatch, compile_train_step, train_step
+from jaxrl4llm.train.infra import metrics as metrics_lib
+from jaxrl4llm.train.update import critic, packing
+from jaxrl4llm.train.update.minibatches import minibatches
+from jaxrl4llm.train.update.models import Models
+from jaxrl4llm.train.update.packing import PackedBatch
+from jaxrl4llm.train.update.step import UpdateBatch, compile_train_step, train_step
 
 
 @dataclasses.dataclass
@@ -23,7 +24,7 @@ class Updater:
     """Runs the update stage; remembers the update shapes compiled so far (each new shape
     is compiled ahead of its first call, see step.compile_train_step)."""
 
-    services: Services
+    services: Any
     compiled: set = dataclasses.field(default_factory=set)
 
     def __post_init__(self):

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxrl4llm.config import paths
-from jaxrl4llm.train.metrics import read_metrics
+from jaxrl4llm.train.infra.metrics import read_metrics
 
 Panel = tuple[str, tuple[str, ...]]  # (title, metric keys drawn in it: solid, then dashed)
 ALWAYS: tuple[Panel, ...] = (

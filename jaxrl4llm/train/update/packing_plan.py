@@ -1,5 +1,5 @@
-"""Host-side planning of packed micro-batches (train/packing.py's module docstring): the units
-first-fit-decreasing places into rows, the row-length buckets, the modelled FLOPs of a
+"""Host-side planning of packed micro-batches (train/update/packing.py's module docstring):
+the units first-fit-decreasing places into rows, the row-length buckets, the modelled FLOPs of a
 plan (`SlotFlops`) and the plan with the fewest (`plan`), and where each segment of a plan's
 rows goes (`placements`, `row_segments`). Plain numpy: nothing here runs on a device."""
 

@@ -48,11 +48,6 @@ from jaxrl4llm.sampling.frontend import Samples
 from jaxrl4llm.sampling.rounds import ScoredRows, on_device
 from jaxrl4llm.sampling.sample_output import SampleOutput
 
-ONE_HOST_ONLY = (
-    "--partial_rollout_tokens picks rows on the host and runs on one host only; "
-    "use one host, or --partial_rollout_tokens=0."
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class Group:

@@ -22,11 +22,11 @@ from jaxrl4llm.sampling import buckets, multiturn
 from jaxrl4llm.sampling.context import RolloutContext
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.rounds import Rounds, sample_and_score
-from jaxrl4llm.train import critic, packing
-from jaxrl4llm.train import metrics as metrics_lib
 from jaxrl4llm.train.config import TrainConfig
-from jaxrl4llm.train.logprobs import Sequences, completion_logprobs_jit
-from jaxrl4llm.train.step import UpdateBatch
+from jaxrl4llm.train.infra import metrics as metrics_lib
+from jaxrl4llm.train.update import critic, packing
+from jaxrl4llm.train.update.logprobs import Sequences, completion_logprobs_jit
+from jaxrl4llm.train.update.step import UpdateBatch
 
 
 def _global_rows(ctx: RolloutContext, local: np.ndarray) -> jax.Array:
@@ -195,7 +195,7 @@ def _teacher_forced(
 ) -> TeacherForced:
     """Runs the passes the algorithm needs, in row chunks that hold whole groups (a group's
     prompt once when the layout shares it) or, with --micro_batch_tokens, on the batch's
-    sequences packed (train/packing.py) where the packed plan's modelled FLOPs are below the
+    sequences packed (train/update/packing.py) where the packed plan's modelled FLOPs are below the
     padded passes' (packing.SlotFlops: matmuls per token and attention per row)."""
     recompute = config.needs_old_logprobs and config.update.recompute_old_logprobs
     budget = config.update.micro_batch_tokens

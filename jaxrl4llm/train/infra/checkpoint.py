@@ -4,7 +4,7 @@ A checkpoint is everything needed for an exact resume: restoring step N and runn
 gives the same parameters and metrics as never having stopped.
 
 Integrity: a save refuses a non-finite state, and writes STEP/integrity.json (per-array
-digests, train/integrity.py) once orbax has finalized the step. A restore checks the digests
+digests, train/infra/integrity.py) once orbax has finalized the step. A restore checks the digests
 and finiteness; a damaged or unreadable step is set aside (renamed STEP.corrupt-TIME) with a
 warning and the previous one is tried, down to a clear error when none is usable.
 """
@@ -24,11 +24,8 @@ from absl import logging
 
 from jaxrl4llm.config import paths
 from jaxrl4llm.config.errors import UserError
-from jaxrl4llm.models import lora as lora_lib
-from jaxrl4llm.models import registry
-from jaxrl4llm.train import adapters, integrity
-from jaxrl4llm.train.config import TrainConfig, param_dtype
-from jaxrl4llm.train.state import abstract_state
+from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.infra import integrity
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -217,62 +214,6 @@ def abstract_like(tree: Any) -> Any:
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         tree,
     )
-
-
-def load_trained_policy(
-    workdir: str, step: int | None = None, mesh: Any = None
-) -> tuple[Any, Any, Any, Any]:
-    """(train config, model config, trained params, tokenizer) of a training workdir.
-
-    The base model named in WORKDIR/config.json gives the architecture and tokenizer; the
-    latest (or `step`) checkpoint gives the parameters (a LoRA run's adapters come back merged
-    into the base: plain params).
-    """
-    config, model_config, params, _, tokenizer = load_trained_models(workdir, step, mesh)
-    return config, model_config, params, tokenizer
-
-
-def load_trained_models(
-    workdir: str, step: int | None = None, mesh: Any = None, *, merge_lora: bool = True
-) -> tuple[Any, Any, Any, Any, Any]:
-    """(train config, model config, policy params, critic params or None, tokenizer): as
-    `load_trained_policy`, with PPO's critic when the run trained one. `merge_lora=False`:
-    a LoRA run's policy params are its adapters as trained (models/lora.py)."""
-    # Checked before the model loads: a training workdir with that step (or any) saved. With
-    # no step, restore still falls back from a damaged latest to the last usable one.
-    config = read_run_config(workdir)
-    checkpoint_step(workdir, step)
-    model_config, params, tokenizer = registry.load_model(
-        config.model.name, mesh=mesh, dtype=param_dtype(config.model.param_dtype)
-    )
-    # Restored onto the params' layout, optimizer moments included. A LoRA run saved its
-    # adapters: restored beside the base, and merged into it.
-    trained = adapters.trainable(config.lora, model_config, params, config.run.seed)
-    abstract: Any = abstract_state(trained, config.optimizer, config.run.seed)
-    if config.needs_critic:  # PPO: the critic's state sits beside the policy's
-        from jaxrl4llm.train import critic
-
-        abstract = {
-            "policy": abstract,
-            "critic": abstract_state(
-                critic.from_policy(params),
-                critic.optimizer_config(config.optimizer, config.critic.learning_rate),
-                config.run.seed,
-            ),
-        }
-    checkpointer = Checkpointer(paths.join(workdir, "checkpoints"), every=1)
-    try:
-        state, _ = checkpointer.restore(abstract, step, set_aside=False)  # read-only here
-    finally:
-        checkpointer.close()
-    policy = state["policy"] if config.needs_critic else state
-    policy_params = (
-        lora_lib.merge(params, policy.params, config.lora)
-        if config.lora.enabled and merge_lora
-        else policy.params
-    )
-    critic_params = state["critic"].params if config.needs_critic else None
-    return config, model_config, policy_params, critic_params, tokenizer
 
 
 def read_run_config(workdir: str) -> TrainConfig:

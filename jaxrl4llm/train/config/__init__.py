@@ -7,7 +7,7 @@ differs from the field name (`--model` for model.name, `--lr_schedule` for
 optimizer.schedule), or its values are a fixed set, the mount below says so. The groups that
 layers below the trainer read too live with them: DataConfig (data/config.py), RolloutConfig
 (sampling/config.py), EvalConfig (eval/config.py); the trainer's own are in
-train/config_groups.py. `validate` runs the checks of train/config_checks.py.
+train/config/groups.py. train/config/checks.py `validate` checks a whole TrainConfig.
 """
 
 from __future__ import annotations
@@ -33,15 +33,14 @@ from jaxrl4llm.rewards.sandbox import ISOLATION as CODE_ISOLATION
 from jaxrl4llm.rewards.shaping import SCALES
 from jaxrl4llm.sampling.buckets import LONG_PROMPT_MODES
 from jaxrl4llm.sampling.config import RolloutConfig
-from jaxrl4llm.train import config_checks
-from jaxrl4llm.train.config_groups import (
+from jaxrl4llm.train.config.groups import (
     DTYPES,
     CriticOptions,
     ModelOptions,
     RunConfig,
     UpdateConfig,
 )
-from jaxrl4llm.train.state import SCHEDULES, OptimizerConfig
+from jaxrl4llm.train.config.optimizer import SCHEDULES, OptimizerConfig
 
 # Below this learning rate, bfloat16 parameters lose most Adam steps to rounding (a step of
 # about lr moves a weight of size ~0.01-0.1 by less than half its bf16 spacing).
@@ -185,22 +184,6 @@ class TrainConfig:
         sampler's own (several updates per rollout and --norecompute_old_logprobs). It costs
         no pass: on-policy the update's own logprobs are pi_old."""
         return not (self.needs_old_logprobs and not self.update.recompute_old_logprobs)
-
-    def validate(
-        self, num_devices: int, data_parallel: int | None = None, num_hosts: int | None = None
-    ) -> "TrainConfig":
-        """Raises a FlagError naming the flag and the fix for any bad value, before anything
-        is loaded or compiled: the run's one check of its whole config (train.loop.run calls
-        it first, before the workdir lock). num_hosts: the run's processes (default: this
-        run's; tools/plan.py passes its topology's)."""
-        with flag_errors():  # a sub-config's ValueError names its flag too
-            config_checks.validate_all(
-                self,
-                num_devices,
-                data_parallel,
-                jax.process_count() if num_hosts is None else num_hosts,
-            )
-        return self
 
     @property
     def one_host_only(self) -> list[str]:

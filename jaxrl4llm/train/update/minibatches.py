@@ -10,9 +10,9 @@ import numpy as np
 
 from jaxrl4llm import parallel
 from jaxrl4llm.sampling import buckets
-from jaxrl4llm.train import packing
 from jaxrl4llm.train.config import TrainConfig
-from jaxrl4llm.train.step import UpdateBatch, length_classes, micro_batch_order
+from jaxrl4llm.train.update import packing
+from jaxrl4llm.train.update.step import UpdateBatch, length_classes, micro_batch_order
 
 
 class PackingChoice(NamedTuple):
@@ -48,7 +48,7 @@ def minibatches(
     (step.micro_batch_order; rows leave their prompt groups), and each micro-batch runs at
     the first of the length classes that holds it (the update's sum over micro-batches does
     not depend on the order). With --micro_batch_tokens the mini-batch is packed instead
-    (train/packing.py), uncut, where that models fewer FLOPs on `model_config` than its
+    (train/update/packing.py), uncut, where that models fewer FLOPs on `model_config` than its
     padded update."""
     B, M = config.batch_size, config.mini_batch
     num_micro = M // config.micro_batch

@@ -49,8 +49,8 @@ import numpy as np
 from jaxrl4llm import parallel
 from jaxrl4llm.models import decoder_layer, transformer
 from jaxrl4llm.models.attention import AttentionConfig
-from jaxrl4llm.train.logprobs import Sequences, logprobs_from_hidden
-from jaxrl4llm.train.packing_plan import (
+from jaxrl4llm.train.update.logprobs import Sequences, logprobs_from_hidden
+from jaxrl4llm.train.update.packing_plan import (
     Plan,
     completion_lengths,
     first_position,
@@ -58,7 +58,9 @@ from jaxrl4llm.train.packing_plan import (
     plan,
     prompt_groups,
 )
-from jaxrl4llm.train.packing_plan import SlotFlops as SlotFlops  # packing.SlotFlops for callers
+from jaxrl4llm.train.update.packing_plan import (
+    SlotFlops as SlotFlops,  # packing.SlotFlops for callers
+)
 
 # PackedBatch's [K, R, L] slot arrays.
 SLOT_FIELDS = ("tokens_KRL", "positions_KRL", "segments_KRL", "prefixes_KRL", "targets_KRL")

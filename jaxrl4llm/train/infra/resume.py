@@ -30,7 +30,7 @@ from absl import logging
 
 from jaxrl4llm.config import options, paths
 from jaxrl4llm.train.config import TrainConfig
-from jaxrl4llm.train.errors import ResumeMismatchError
+from jaxrl4llm.train.infra.errors import ResumeMismatchError
 
 RESUMABLE = frozenset(
     {

@@ -20,7 +20,7 @@ from absl import logging
 from jaxrl4llm.config import paths
 from jaxrl4llm.config.errors import UserError
 from jaxrl4llm.rl.metrics import Metric
-from jaxrl4llm.train import trackers as trackers_lib
+from jaxrl4llm.train.infra import trackers as trackers_lib
 
 # The metrics the console line shows, in order, with their short labels.
 CONSOLE_KEYS: tuple[tuple[str, str], ...] = (
@@ -74,7 +74,7 @@ def combine_over_hosts(metrics: Mapping[str, Metric]) -> dict[str, Metric]:
 
 class MetricsWriter:
     """Appends one JSON object per step to `workdir/metrics.jsonl` and mirrors it to the
-    trackers (train/trackers.py: TensorBoard by default, W&B, MLflow), with `hparams` (the
+    trackers (train/infra/trackers.py: TensorBoard by default, W&B, MLflow), with `hparams` (the
     run's flags) as their hyper-parameters."""
 
     def __init__(

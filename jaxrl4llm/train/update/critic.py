@@ -28,10 +28,15 @@ import numpy as np
 from jaxrl4llm import parallel, rl
 from jaxrl4llm.models import registry, transformer, weights
 from jaxrl4llm.rl.metrics import Metric
-from jaxrl4llm.train import packing
-from jaxrl4llm.train.logprobs import Sequences, completion_hidden_states, over_row_chunks
-from jaxrl4llm.train.state import OptimizerConfig, TrainState
-from jaxrl4llm.train.step import UpdateBatch, accumulate, apply_update, mini_batch_denominator
+from jaxrl4llm.train.update import packing
+from jaxrl4llm.train.update.logprobs import Sequences, completion_hidden_states, over_row_chunks
+from jaxrl4llm.train.update.state import OptimizerConfig, TrainState
+from jaxrl4llm.train.update.step import (
+    UpdateBatch,
+    accumulate,
+    apply_update,
+    mini_batch_denominator,
+)
 
 HEAD = "value_head"
 SCORE_WEIGHT, SCORE_BIAS = "score.weight", "score.bias"  # transformers' *ForTokenClassification
@@ -213,7 +218,7 @@ def packed_values_jit(
     sharding: parallel.ActivationSharding | None = None,
 ) -> jax.Array:
     """`values_jit`'s values [M, T] (0 off `mask_MT`) of the sequences `packed` holds,
-    computed on the packed rows (--micro_batch_tokens, train/packing.py)."""
+    computed on the packed rows (--micro_batch_tokens, train/update/packing.py)."""
     backbone = transformer.cast_for_compute(critic_params["backbone"], config)
     return packing.read_back(
         lambda k: _head(

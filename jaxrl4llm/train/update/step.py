@@ -11,7 +11,7 @@ shortest of those completion lengths that holds its longest row: one branch of a
 per length, so short micro-batches skip the padded columns (the loss is unchanged: the cut
 columns are off every mask).
 
-With --micro_batch_tokens (`packed`, train/packing.py), `accumulate_packed` runs the
+With --micro_batch_tokens (`packed`, train/update/packing.py), `accumulate_packed` runs the
 mini-batch's sequences packed into micro-batches of R rows per device instead, and reads
 each sequence's logprobs back into the [M, T] layout: the same loss, term for term.
 
@@ -37,10 +37,16 @@ from jaxrl4llm.models.lora import LoraConfig
 from jaxrl4llm.rl.metrics import Metric, identity_metrics
 from jaxrl4llm.sampling import trim
 from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.train import adapters, host_memory
-from jaxrl4llm.train.logprobs import Sequences, completion_logprobs
-from jaxrl4llm.train.packing import PackedBatch, packed_logprobs, unpack
-from jaxrl4llm.train.state import OptimizerConfig, TrainState, make_optimizer, state_logical_axes
+from jaxrl4llm.train.infra import host_memory
+from jaxrl4llm.train.update import adapters
+from jaxrl4llm.train.update.logprobs import Sequences, completion_logprobs
+from jaxrl4llm.train.update.packing import PackedBatch, packed_logprobs, unpack
+from jaxrl4llm.train.update.state import (
+    OptimizerConfig,
+    TrainState,
+    make_optimizer,
+    state_logical_axes,
+)
 
 
 class UpdateBatch(flax.struct.PyTreeNode):
