@@ -106,6 +106,26 @@ def prepare_batch(
         raise ValueError(f"long_prompts={long_prompts!r} must be one of {LONG_PROMPT_MODES}.")
     if n < 1:
         raise ValueError(f"n={n} samples per prompt must be at least 1.")
+    lists = _checked_prompts(prompts, vocab_size)
+    too_long = np.array([p.size > max_prompt_len for p in lists])
+    if too_long.any() and long_prompts == "error":
+        i = int(np.argmax(too_long))
+        raise PromptTooLongError(
+            f"{int(too_long.sum())} of {len(lists)} prompts are longer than --max_prompt_tokens="
+            f"{max_prompt_len} (prompt {i} has {lists[i].size} tokens). Shorten them, raise "
+            "--max_prompt_tokens (or lower --max_new_tokens), or pass --long_prompts=drop to "
+            "skip and count them."
+        )
+    num_rows = len(lists) * n
+    B = bucket_batch_size(num_rows, batch_multiple)
+    kept = [p.size for p, long in zip(lists, too_long) if not long] or [1]
+    P = bucket_prompt_length(max(kept), min_prompt_bucket)
+    return _left_padded(lists, too_long, n, B, P, pad_id)
+
+
+def _checked_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> list[np.ndarray]:
+    """The prompts as int64 arrays; refuses none at all, an empty one or an id outside the
+    vocabulary."""
     lists = [np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts]
     if not lists:
         raise ValueError("No prompts were given: pass at least one list of token ids.")
@@ -121,19 +141,13 @@ def prepare_batch(
                 f"Prompt {i} holds token id {int(bad[0])} outside [0, {vocab_size}): "
                 "was it tokenized for another model?"
             )
-    too_long = np.array([p.size > max_prompt_len for p in lists])
-    if too_long.any() and long_prompts == "error":
-        i = int(np.argmax(too_long))
-        raise PromptTooLongError(
-            f"{int(too_long.sum())} of {len(lists)} prompts are longer than --max_prompt_tokens="
-            f"{max_prompt_len} (prompt {i} has {lists[i].size} tokens). Shorten them, raise "
-            "--max_prompt_tokens (or lower --max_new_tokens), or pass --long_prompts=drop to "
-            "skip and count them."
-        )
-    num_rows = len(lists) * n
-    B = bucket_batch_size(num_rows, batch_multiple)
-    kept = [p.size for p, long in zip(lists, too_long) if not long] or [1]
-    P = bucket_prompt_length(max(kept), min_prompt_bucket)
+    return lists
+
+
+def _left_padded(
+    lists: list[np.ndarray], too_long: np.ndarray, n: int, B: int, P: int, pad_id: int
+) -> PromptBatch:
+    """The [B, P] block: n rows per prompt, each left-padded (too long ones dropped)."""
     prompt_BP = np.full((B, P), pad_id, np.int32)
     mask_BP = np.zeros((B, P), bool)
     mask_BP[:, -1] = True  # inactive rows hold one pad token so attention stays defined
@@ -152,5 +166,5 @@ def prepare_batch(
         mask_BP[rows, P - p.size :] = True
         active_B[rows] = True
     return PromptBatch(
-        prompt_BP, mask_BP, active_B, dropped_B, prompt_index_B, sample_index_B, num_rows
+        prompt_BP, mask_BP, active_B, dropped_B, prompt_index_B, sample_index_B, len(lists) * n
     )

@@ -1,5 +1,6 @@
-"""The model's two cache passes (prefill of a prompt block, one decode step) and the decode
-loop after prefill: one token per row per step, finished rows compacted away.
+"""The model's cache passes (prefill of a prompt block, one decode step, and one with a cache
+slot per row: slot_decode_step) and the decode loop after prefill: one token per row per step,
+finished rows compacted away.
 
 RL completions have a long tail of lengths: most rows stop early while a few run to the
 limit. The loop exits when every row is done, and in between it runs in levels of B, B/2,
@@ -20,15 +21,17 @@ tokens) the loop keeps all B slots.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxrl4llm import parallel
-from jaxrl4llm.models import kv_cache, lora, transformer, unembedding
+from jaxrl4llm.models import decoder_layer, kv_cache, lora, transformer, unembedding
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import strategies
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -126,6 +129,27 @@ def loop_params(
         return parallel.constrain_tree(params, axes, layout)
 
 
+# The static settings both compiled samplers take (sampler.generate_tokens,
+# continuous.generate_slots), each adding its own.
+STATIC_SETTINGS = ("model_config", "sampling", "max_new_tokens", "mesh", "rules", "prompt_group")
+
+
+def loop_setup(
+    params: Any,
+    model_config: ModelConfig,
+    mesh: Mesh | None,
+    rules: parallel.LogicalRules,
+    cache_dtype: Any = None,
+) -> tuple[Any, parallel.ActivationSharding | None, Any]:
+    """What both compiled samplers start from: (the weights laid out once for the decode
+    loops (loop_params), the activation sharding on `mesh` (None without one), the KV
+    cache's dtype: `cache_dtype`, by default cache_dtype_for the weights)."""
+    sharding = None if mesh is None else parallel.ActivationSharding(mesh, rules)
+    # Gathered once here, or the partitioner gathers every weight in every decode step.
+    params = loop_params(params, model_config, sharding)
+    return params, sharding, cache_dtype or cache_dtype_for(params)
+
+
 def decode_step(
     params: Any,
     model_config: ModelConfig,
@@ -149,6 +173,50 @@ def decode_step(
     )
     assert new_cache is not None  # hidden_states returns the cache it is given, updated
     return unembedding.unembed(params, model_config, h_B1D, sharding)[:, 0], new_cache
+
+
+def slot_decode_step(
+    params: Any,
+    model_config: ModelConfig,
+    token_S: jax.Array,
+    position_S: jax.Array,
+    write_S: jax.Array,
+    cache: kv_cache.KVCache,
+    sharding: parallel.ActivationSharding | None = None,
+) -> tuple[jax.Array, kv_cache.KVCache]:
+    """decode.decode_step with a cache slot per row: row i's token goes to slot write_S[i]
+    and attends to its row's filled slots up to it (and, with a sliding window W, only the
+    last W). Returns (next-token logits [S, V], cache). params["layers"]: per-layer dicts."""
+    n, L = token_S.shape[0], cache.max_len
+    slot_n = jnp.arange(n)
+    key_L = jnp.arange(L)
+    mask_SL = cache.mask_BS.at[slot_n, write_S].set(True)
+    valid_SL = mask_SL & (key_L[None, :] <= write_S[:, None])
+    window = model_config.sliding_window
+    if window is not None:
+        valid_SL &= key_L[None, :] > write_S[:, None] - window
+    # The per-row causal and window rules are in valid_SL: the query sits past every slot.
+    layer_config = dataclasses.replace(model_config, sliding_window=None)
+    cos, sin = decoder_layer.rope_tables(model_config, position_S[:, None])
+    h = transformer.embed_tokens(params, token_S[:, None], sharding)
+    ks, vs = [], []
+    for lp, k_cache, v_cache in zip(params["layers"], cache.k_BKHS, cache.v_BKSH):
+
+        def kv_fn(k_SKH1, v_SK1H, k_cache=k_cache, v_cache=v_cache):
+            k_new = k_cache.at[slot_n, :, :, write_S].set(k_SKH1[..., 0].astype(k_cache.dtype))
+            v_new = v_cache.at[slot_n, :, write_S, :].set(v_SK1H[:, :, 0].astype(v_cache.dtype))
+            return k_new, v_new, valid_SL, L - 1, (k_new, v_new)
+
+        h, (k_new, v_new) = decoder_layer.apply_layer(
+            layer_config, h, lp, cos, sin, kv_fn, sharding
+        )
+        ks.append(k_new)
+        vs.append(v_new)
+    h = decoder_layer.rms_norm(h, params["final_norm"], model_config.rms_norm_eps)
+    logits_SV = unembedding.unembed(
+        params, model_config, h.astype(params["embed"].dtype), sharding
+    )[:, 0]
+    return logits_SV, kv_cache.KVCache(k_BKHS=tuple(ks), v_BKSH=tuple(vs), mask_BS=mask_SL)
 
 
 def is_stop(tokens_B: jax.Array, stop_ids_S: jax.Array) -> jax.Array:
@@ -220,44 +288,19 @@ def decode(
     N = max_new_tokens
     # Short completions leave little to save; they skip the extra loops' compile time.
     sizes = levels(state.row_S.shape[0], compact and sharding is None and N > MIN_COMPACT_ROWS)
-    # One level: slot i is row i throughout, and outputs are written in place by slices
-    # (a scatter into batch-sharded buffers could make the partitioner gather them).
-    in_place = len(sizes) == 1
-
-    def write(buf_RT: jax.Array, row_S: jax.Array, step: jax.Array, x_S: jax.Array) -> jax.Array:
-        if in_place:
-            return jax.lax.dynamic_update_slice(buf_RT, x_S[:, None], (0, step))
-        return buf_RT.at[row_S, step].set(x_S)
-
-    def body(s: LoopState) -> LoopState:
-        # Finished rows still in a slot keep feeding tokens (harmless: they only attend to
-        # themselves) and write pad / 0 at their own row.
-        logits_SV, cache = decode_step(
-            params, model_config, s.last_S, s.position_S, s.cache, prompt_len + s.step - 1, sharding
-        )
-        keys_S = jax.vmap(jax.random.fold_in)(s.keys_S, jnp.full(s.row_S.shape, s.step, jnp.uint32))
-        tok_S, lp_S = strategies.sample(logits_SV, keys_S, sampling, s.greedy_S)
-        live_S = live(s)
-        tok_S = jnp.where(live_S, tok_S, pad_id)
-        lp_S = jnp.where(live_S, lp_S, 0.0)
-        # A row stopped by its cap stays not done (truncated), even if pad is a stop id.
-        done_S = s.done_S | (live_S & is_stop(tok_S, stop_ids_S))
-        return s.replace(
-            step=s.step + 1,
-            cache=cache,
-            last_S=tok_S,
-            position_S=s.position_S + 1,
-            done_S=done_S,
-            length_R=(
-                s.length_R + live_S.astype(jnp.int32)
-                if in_place
-                else s.length_R.at[s.row_S].add(live_S.astype(jnp.int32))
-            ),
-            done_R=done_S if in_place else s.done_R.at[s.row_S].set(done_S),
-            tokens_RT=write(s.tokens_RT, s.row_S, s.step, tok_S),
-            logprobs_RT=write(s.logprobs_RT, s.row_S, s.step, lp_S),
-            slot_steps=s.slot_steps + s.row_S.shape[0],
-        )
+    body = functools.partial(
+        _decode_body,
+        params,
+        model_config=model_config,
+        sampling=sampling,
+        stop_ids_S=stop_ids_S,
+        pad_id=pad_id,
+        prompt_len=prompt_len,
+        sharding=sharding,
+        # One level: slot i is row i throughout, and outputs are written in place by slices
+        # (a scatter into batch-sharded buffers could make the partitioner gather them).
+        in_place=len(sizes) == 1,
+    )
 
     def more_live_than(floor: int, s: LoopState) -> jax.Array:
         return (s.step < N) & (jnp.sum(live(s)) > floor)
@@ -269,3 +312,54 @@ def decode(
         floor = sizes[level + 1] if level + 1 < len(sizes) else 0
         state = jax.lax.while_loop(functools.partial(more_live_than, floor), body, state)
     return state
+
+
+def _write(
+    buf_RT: jax.Array, row_S: jax.Array, step: jax.Array, x_S: jax.Array, in_place: bool
+) -> jax.Array:
+    """buf_RT with each slot's x written at its row's column `step`."""
+    if in_place:
+        return jax.lax.dynamic_update_slice(buf_RT, x_S[:, None], (0, step))
+    return buf_RT.at[row_S, step].set(x_S)
+
+
+def _decode_body(
+    params: Any,
+    s: LoopState,
+    *,
+    model_config: ModelConfig,
+    sampling: SamplingConfig,
+    stop_ids_S: jax.Array,
+    pad_id: jax.Array,
+    prompt_len: int,
+    sharding: parallel.ActivationSharding | None,
+    in_place: bool,
+) -> LoopState:
+    """One decode step of every slot. Finished rows still in a slot keep feeding tokens
+    (harmless: they only attend to themselves) and write pad / 0 at their own row."""
+    logits_SV, cache = decode_step(
+        params, model_config, s.last_S, s.position_S, s.cache, prompt_len + s.step - 1, sharding
+    )
+    keys_S = jax.vmap(jax.random.fold_in)(s.keys_S, jnp.full(s.row_S.shape, s.step, jnp.uint32))
+    tok_S, lp_S = strategies.sample(logits_SV, keys_S, sampling, s.greedy_S)
+    live_S = live(s)
+    tok_S = jnp.where(live_S, tok_S, pad_id)
+    lp_S = jnp.where(live_S, lp_S, 0.0)
+    # A row stopped by its cap stays not done (truncated), even if pad is a stop id.
+    done_S = s.done_S | (live_S & is_stop(tok_S, stop_ids_S))
+    return s.replace(
+        step=s.step + 1,
+        cache=cache,
+        last_S=tok_S,
+        position_S=s.position_S + 1,
+        done_S=done_S,
+        length_R=(
+            s.length_R + live_S.astype(jnp.int32)
+            if in_place
+            else s.length_R.at[s.row_S].add(live_S.astype(jnp.int32))
+        ),
+        done_R=done_S if in_place else s.done_R.at[s.row_S].set(done_S),
+        tokens_RT=_write(s.tokens_RT, s.row_S, s.step, tok_S, in_place),
+        logprobs_RT=_write(s.logprobs_RT, s.row_S, s.step, lp_S, in_place),
+        slot_steps=s.slot_steps + s.row_S.shape[0],
+    )

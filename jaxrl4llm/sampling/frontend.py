@@ -109,6 +109,17 @@ class Sampler:
             params, transformer.param_logical_axes(self.model_config), self.mesh, self.rules
         )
 
+    def _row_settings(self) -> dict[str, Any]:
+        """What both samplers (generate, generate_turns) take from this front-end as is."""
+        return dict(
+            stop_ids=self.stop_ids,
+            pad_id=self.pad_id,
+            long_prompts=self.long_prompts,
+            min_prompt_bucket=self.min_prompt_bucket,
+            mesh=self.mesh,
+            rules=self.rules,
+        )
+
     def generate(
         self,
         params: Any,
@@ -150,21 +161,16 @@ class Sampler:
             sampling,
             max_new_tokens,
             key,
-            stop_ids=self.stop_ids,
             n=group_size,
-            pad_id=self.pad_id,
-            mesh=self.mesh,
-            rules=self.rules,
             max_prompt_len=limit,
-            long_prompts=self.long_prompts,
             row_keys=row_keys,
-            min_prompt_bucket=self.min_prompt_bucket,
             share_prompts=share_prompts,
             max_rows=self.max_rows,
             greedy_last=greedy_last,
             compact=self.compact,
             decode_slots=self.decode_slots,
             row_caps=row_caps,
+            **self._row_settings(),
         )
 
     def encode(
@@ -250,16 +256,11 @@ class Sampler:
             key,
             handler,
             limits,
-            stop_ids=self.stop_ids,
             n=layout.group_size,
-            pad_id=self.pad_id,
             max_prompt_len=self.max_prompt_len,
-            long_prompts=self.long_prompts,
-            min_prompt_bucket=self.min_prompt_bucket,
             share_prompts=layout.share_prompts,
             greedy_last=greedy_last,
-            mesh=self.mesh,
-            rules=self.rules,
+            **self._row_settings(),
         )
 
     def generate_text(

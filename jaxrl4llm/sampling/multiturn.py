@@ -27,7 +27,6 @@ reward counts; its observation is not appended).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Any, Sequence
 
@@ -40,7 +39,7 @@ from jaxrl4llm import parallel
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import buckets, sampler, turn_programs
 from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.sampling.row_io import place_rows, prompt_rows
+from jaxrl4llm.sampling.row_io import PromptRows, RowRequest, place_inputs, prompt_rows
 from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.sampling.turn_programs import TurnState, chunk_length, stop_sequence_array
@@ -230,6 +229,50 @@ class _HostLoop:
         return any(row.waiting for row in self.rows)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Programs:
+    """turn_programs' segment and observe with what every call of one rollout passes: the
+    laid-out weights, the stop ids and stop sequences, the prompt width and the static
+    settings (model_config, sampling, sharding)."""
+
+    weights: Any
+    stop_ids_S: jax.Array
+    stop_BQL: jax.Array
+    prompt_len: int
+    static: dict[str, Any]
+
+    def segment(self, state: TurnState) -> TurnState:
+        """Up to SEGMENT_STEPS decode steps of the live rows (until some row ends its turn)."""
+        state = turn_programs.segment(
+            self.weights,
+            state,
+            self.stop_ids_S,
+            self.stop_BQL,
+            prompt_len=self.prompt_len,
+            max_steps=SEGMENT_STEPS,
+            **self.static,
+        )
+        jax.block_until_ready(state.ended_B)
+        return state
+
+    def observe(self, state: TurnState, row: int, obs: list[int], pad_id: int) -> TurnState:
+        """Row `row` resumed after the observation tokens `obs`."""
+        chunk = np.full(chunk_length(len(obs) + 1), pad_id, np.int32)
+        chunk[0] = jax.device_get(state.last_B[row])
+        chunk[1 : 1 + len(obs)] = obs
+        return turn_programs.observe(
+            self.weights,
+            state,
+            jnp.int32(row),
+            jnp.asarray(chunk),
+            jnp.int32(len(obs)),
+            self.stop_ids_S,
+            self.stop_BQL,
+            prompt_len=self.prompt_len,
+            **self.static,
+        )
+
+
 def run(
     params: Any,
     model_config: ModelConfig,
@@ -251,36 +294,51 @@ def run(
     logprobs_BT, model_BT, lengths_B, truncated_B, done_B, slot_steps; the turn stats).
     With a mesh (one host), params are placed on it and the rows (a multiple of the
     data-parallel size) are split over its data-parallel devices."""
-    if limits.max_turns < 1 or limits.max_observation_tokens < 0:
-        raise ValueError(
-            f"TurnLimits: max_turns={limits.max_turns} must be >= 1 and "
-            f"max_observation_tokens={limits.max_observation_tokens} >= 0."
-        )
+    _check_limits(limits)
     B, P = batch.prompt_BP.shape
     stops = [handler.stop_sequences(r) if batch.active_B[r] else () for r in range(B)]
     stop_BQL = jnp.asarray(stop_sequence_array(stops))
     stop_ids = jnp.asarray(stop_ids_S)
     sharding = None if mesh is None else parallel.ActivationSharding(mesh, rules)
-    programs = dict(model_config=model_config, sampling=sampling, sharding=sharding)
+    static = dict(model_config=model_config, sampling=sampling, sharding=sharding)
     host = _HostLoop(handler, limits, budget, batch.num_rows)
-    place = functools.partial(place_rows, mesh=mesh, rules=rules)
     t0 = time.perf_counter()
     weights = turn_programs.decode_weights(params, model_config, sharding)
+    rows = PromptRows(batch, keys_B, greedy_B, prompt_group)
+    inputs, optional = place_inputs(rows, mesh=mesh, rules=rules)
     state = turn_programs.prefill(
         weights,
-        place(jnp.asarray(batch.prompt_BP)),
-        place(jnp.asarray(batch.mask_BP)),
-        place(jnp.asarray(batch.active_B)),
-        place(keys_B),
-        None if greedy_B is None else place(jnp.asarray(greedy_B)),
+        *inputs,
+        optional.get("greedy_B"),
         stop_ids,
         stop_BQL,
         jnp.int32(pad_id),
         max_new_tokens=budget,
         chunk=chunk_length(limits.max_observation_tokens + 1),
         group=prompt_group,
-        **programs,
+        **static,
     )
+    programs = _Programs(weights, stop_ids, stop_BQL, P, static)
+    state, decode_s = _turn_loop(programs, host, state, t0, pad_id)
+    stats = dataclasses.replace(
+        host.stats, decode_s=decode_s, tools_s=host.tools_s, wait_s=host.wait_s
+    )
+    return _rows_out(state, host, batch), stats
+
+
+def _check_limits(limits: TurnLimits) -> None:
+    if limits.max_turns < 1 or limits.max_observation_tokens < 0:
+        raise ValueError(
+            f"TurnLimits: max_turns={limits.max_turns} must be >= 1 and "
+            f"max_observation_tokens={limits.max_observation_tokens} >= 0."
+        )
+
+
+def _turn_loop(
+    programs: _Programs, host: _HostLoop, state: TurnState, t0: float, pad_id: int
+) -> tuple[TurnState, float]:
+    """The host loop (module docstring) from the prefilled `state` (its programs started at
+    t0) until no row decodes and no reply is due; (the final state, seconds in programs)."""
     decode_s = 0.0
     while True:
         ended_B, step_B, live_B = jax.device_get((state.ended_B, state.step_B, state.live_B))
@@ -292,52 +350,37 @@ def run(
             )
         decoding = bool(live_B.any())
         if not decoding and not host.due:
-            break
+            return state, decode_s
         t0 = time.perf_counter()
         if decoding:
-            state = turn_programs.segment(
-                weights,
-                state,
-                stop_ids,
-                stop_BQL,
-                prompt_len=P,
-                max_steps=SEGMENT_STEPS,
-                **programs,
-            )
-            jax.block_until_ready(state.ended_B)
+            state = programs.segment(state)
         decode_s += time.perf_counter() - t0
         replies = host.poll(decoding)
         t0 = time.perf_counter()
-        if not replies:
-            continue
-        step_B = np.asarray(jax.device_get(state.step_B))
-        for reply in replies:
-            obs = host.take_reply(reply, int(step_B[reply.row]))
-            if obs is None:
-                continue
-            chunk = np.full(chunk_length(len(obs) + 1), pad_id, np.int32)
-            chunk[0] = jax.device_get(state.last_B[reply.row])
-            chunk[1 : 1 + len(obs)] = obs
-            state = turn_programs.observe(
-                weights,
-                state,
-                jnp.int32(reply.row),
-                jnp.asarray(chunk),
-                jnp.int32(len(obs)),
-                stop_ids,
-                stop_BQL,
-                prompt_len=P,
-                **programs,
-            )
+        if replies:
+            state = _take_replies(programs, host, state, replies, pad_id)
+
+
+def _take_replies(
+    programs: _Programs, host: _HostLoop, state: TurnState, replies: list[TurnReply], pad_id: int
+) -> TurnState:
+    """Records the replies and resumes each row that goes on after its observation."""
+    step_B = np.asarray(jax.device_get(state.step_B))
+    for reply in replies:
+        obs = host.take_reply(reply, int(step_B[reply.row]))
+        if obs is not None:
+            state = programs.observe(state, reply.row, obs, pad_id)
+    return state
+
+
+def _rows_out(state: TurnState, host: _HostLoop, batch: buckets.PromptBatch) -> dict[str, Any]:
+    """The rollout's per-row arrays (numpy; see run)."""
     tokens_BT, logprobs_BT, model_BT, lengths_B, slot_steps = jax.device_get(
         (state.tokens_BT, state.logprobs_BT, state.model_BT, state.step_B, state.slot_steps)
     )
-    truncated_B = np.zeros(B, bool)
+    truncated_B = np.zeros(batch.prompt_BP.shape[0], bool)
     truncated_B[: batch.num_rows] = [row.truncated for row in host.rows]
-    stats = dataclasses.replace(
-        host.stats, decode_s=decode_s, tools_s=host.tools_s, wait_s=host.wait_s
-    )
-    out = dict(
+    return dict(
         tokens_BT=tokens_BT,
         logprobs_BT=np.where(model_BT, logprobs_BT, 0.0).astype(np.float32),
         model_BT=model_BT,
@@ -345,7 +388,6 @@ def run(
         truncated_B=truncated_B & batch.active_B,
         slot_steps=np.int32(slot_steps),
     )
-    return out, stats
 
 
 def generate_turns(
@@ -375,46 +417,53 @@ def generate_turns(
     `max_new_tokens` when that is 0. With a mesh of one host's devices (params placed on
     it), the rows are split over its data-parallel devices and the cache as the single-turn
     sampler's; the samples are the same as on one device. One host only: see MULTIHOST."""
-    if jax.process_count() > 1:
-        raise ValueError(MULTIHOST)
-    budget = limits.max_total_tokens or max_new_tokens
-    if not isinstance(budget, (int, np.integer)) or budget < 1:
-        raise ValueError(f"The completion budget {budget!r} must be a positive int.")
-    multiple = 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
-    inputs = prompt_rows(
-        prompts,
-        model_config,
-        key,
+    budget = _budget(limits, max_new_tokens)
+    request = RowRequest(
         RowLayout(n, share_prompts),
-        max_new_tokens=int(budget),
+        max_new_tokens=budget,
         max_prompt_len=max_prompt_len,
         long_prompts=long_prompts,
         pad_id=pad_id,
         min_prompt_bucket=min_prompt_bucket,
         greedy_last=greedy_last,
-        batch_multiple=multiple,
     )
-    batch = inputs.batch
+    multiple = 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
+    inputs = prompt_rows(prompts, model_config, key, request, batch_multiple=multiple)
     rows, stats = run(
         params,
         model_config,
-        batch,
+        inputs.batch,
         inputs.keys_B,
         inputs.greedy_B,
         handler,
         limits,
         sampling,
-        int(budget),
+        budget,
         stop_ids_S=sampler.stop_id_array(stop_ids),
         pad_id=pad_id,
         prompt_group=inputs.prompt_group,
         mesh=mesh,
         rules=rules,
     )
-    N = int(budget)
-    real_BT = np.arange(N)[None, :] < rows["lengths_B"][:, None]
+    return _turn_output(rows, inputs.batch, budget), stats
+
+
+def _budget(limits: TurnLimits, max_new_tokens: int) -> int:
+    """The completion budget, after refusing several hosts (MULTIHOST)."""
+    if jax.process_count() > 1:
+        raise ValueError(MULTIHOST)
+    budget = limits.max_total_tokens or max_new_tokens
+    if not isinstance(budget, (int, np.integer)) or budget < 1:
+        raise ValueError(f"The completion budget {budget!r} must be a positive int.")
+    return int(budget)
+
+
+def _turn_output(rows: dict[str, Any], batch: buckets.PromptBatch, budget: int) -> SampleOutput:
+    """run's per-row arrays as a SampleOutput of the real rows (observation tokens flagged
+    in observation_BT, off mask_BT)."""
+    real_BT = np.arange(budget)[None, :] < rows["lengths_B"][:, None]
     keep = slice(0, batch.num_rows)
-    out = SampleOutput(
+    return SampleOutput(
         tokens_BT=jnp.asarray(rows["tokens_BT"][keep]),
         logprobs_BT=jnp.asarray(rows["logprobs_BT"][keep]),
         mask_BT=jnp.asarray(rows["model_BT"][keep]),
@@ -427,4 +476,3 @@ def generate_turns(
         slot_steps=jnp.asarray(rows["slot_steps"]),
         observation_BT=jnp.asarray((real_BT & ~rows["model_BT"])[keep]),
     )
-    return out, stats

@@ -1,7 +1,9 @@
 """A sampler call's rows between the host and the devices: the prompt block with each row's
-key and greedy flag (`prompt_rows`; the single-turn and the multi-turn samplers lay their rows
-out with it), a per-row host array placed on the mesh (`place_rows`) and this host's rows of
-an output read back (`host_rows`).
+key, greedy flag and token cap (`prompt_rows`, from a `RowRequest`; the single-turn and the
+multi-turn samplers lay their rows out with it), how many rows decode at once
+(`batch_multiple`, `rows_per_chunk`), the rows placed on the mesh as a sampler's inputs
+(`place_inputs`, `place_rows`), the dropped prompts flagged in the output
+(`mark_dropped_rows`) and this host's rows of an output read back (`host_rows`).
 
 Sample g of prompt p is keyed fold_in(fold_in(key, p), g), so a row's samples do not depend
 on the rest of the batch.
@@ -10,6 +12,8 @@ on the rest of the batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, Sequence
 
 import jax
@@ -21,6 +25,7 @@ from jaxrl4llm import parallel
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import buckets
 from jaxrl4llm.sampling.layout import RowLayout
+from jaxrl4llm.sampling.sample_output import SampleOutput
 
 
 @jax.jit
@@ -32,38 +37,87 @@ def _row_keys(key: jax.Array, prompt_index_B: jax.Array, sample_index_B: jax.Arr
 
 
 @dataclasses.dataclass(frozen=True)
+class RowRequest:
+    """What a sampler call asks of its rows (prompt_rows): `layout.group_size` samples of
+    each prompt laid out by `layout`; prompts up to `max_prompt_len` tokens (by default the
+    context left after max_new_tokens), longer ones raising (long_prompts="error") or
+    skipped and flagged in dropped_B ("drop"); left-padded with `pad_id` to a prompt bucket
+    of at least `min_prompt_bucket`; the last `greedy_last` samples of each prompt greedy
+    (ReMax's baseline completion); `row_keys` (one per real row) instead of keys derived
+    from the call's key; `row_caps` (one per real row, in 1..max_new_tokens) each row's own
+    token limit."""
+
+    layout: RowLayout
+    max_new_tokens: int
+    max_prompt_len: int | None = None
+    long_prompts: str = "error"
+    pad_id: int = 0
+    min_prompt_bucket: int = buckets.MIN_PROMPT_BUCKET
+    greedy_last: int = 0
+    row_keys: jax.Array | None = None
+    row_caps: Sequence[int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class PromptRows:
-    """The host side of a sampler call: the prompt block, each row's key and the greedy
-    rows (bool [B], or None), and the rows per prompt prefill (RowLayout.prompt_group)."""
+    """The host side of a sampler call: the prompt block, each row's key, the greedy rows
+    (bool [B], or None), the rows' token caps (int32 [B], or None) and the rows per prompt
+    prefill (RowLayout.prompt_group)."""
 
     batch: buckets.PromptBatch
     keys_B: jax.Array
     greedy_B: np.ndarray | None
     prompt_group: int
+    caps_B: np.ndarray | None = None
 
 
 def prompt_rows(
     prompts: Sequence[Sequence[int]],
     model_config: ModelConfig,
     key: jax.Array,
-    layout: RowLayout,
+    request: RowRequest,
     *,
-    max_new_tokens: int,
-    max_prompt_len: int | None,
-    long_prompts: str,
-    pad_id: int,
-    min_prompt_bucket: int,
-    greedy_last: int = 0,
     batch_multiple: int = 1,
     multihost: bool = False,
-    row_keys: jax.Array | None = None,
 ) -> PromptRows:
-    """The rows of `layout.group_size` samples of each prompt (buckets.prepare_batch) under
-    the prompt limit (max_prompt_len, by default the context left after max_new_tokens),
-    keyed fold_in(fold_in(key, p), g) unless `row_keys` gives the real rows' keys, the last
-    `greedy_last` samples of each prompt greedy. `multihost`: prompts are this host's, so
-    its prompt indices are offset by its share and every host picks the same prompt bucket."""
-    n = layout.group_size
+    """The rows of `request` (buckets.prepare_batch), keyed fold_in(fold_in(key, p), g)
+    unless request.row_keys gives the real rows' keys; batch padding rows take the full
+    token cap. `multihost`: prompts are this host's, so its prompt indices are offset by
+    its share and every host picks the same prompt bucket."""
+    n = request.layout.group_size
+    limit = _prompt_limit(model_config, request.max_new_tokens, request.max_prompt_len)
+    min_prompt_bucket = request.min_prompt_bucket
+    if multihost:
+        min_prompt_bucket = max(min_prompt_bucket, _global_max_prompt_len(prompts, limit))
+    batch = buckets.prepare_batch(
+        prompts,
+        n=n,
+        max_prompt_len=limit,
+        long_prompts=request.long_prompts,
+        pad_id=request.pad_id,
+        vocab_size=model_config.vocab_size,
+        batch_multiple=batch_multiple,
+        min_prompt_bucket=min_prompt_bucket,
+    )
+    B = batch.prompt_BP.shape[0]
+    # Prompt indices are global (offset by this host's share) so no two hosts draw alike.
+    prompt_index_B = batch.prompt_index_B + (jax.process_index() * len(prompts) if multihost else 0)
+    greedy_last = request.greedy_last
+    return PromptRows(
+        batch=batch,
+        keys_B=_keys(key, batch, prompt_index_B, request.row_keys),
+        greedy_B=(batch.sample_index_B >= n - greedy_last) if greedy_last else None,
+        # prepare_batch lays each prompt's n samples out as consecutive rows (batch padding
+        # rows are all alike): with whole groups the prompt is prefilled once per group.
+        prompt_group=request.layout.prompt_group(B),
+        caps_B=_padded_row_caps(request.row_caps, batch.num_rows, B, request.max_new_tokens),
+    )
+
+
+def _prompt_limit(
+    model_config: ModelConfig, max_new_tokens: int, max_prompt_len: int | None
+) -> int:
+    """The prompt-length limit: max_prompt_len, by default the context max_new_tokens leave."""
     limit = (
         model_config.max_position_embeddings - max_new_tokens
         if max_prompt_len is None
@@ -75,42 +129,66 @@ def prompt_rows(
             f"{limit} prompt tokens; lower --max_new_tokens or set "
             "--max_prompt_tokens."
         )
-    if multihost:
-        min_prompt_bucket = max(min_prompt_bucket, _global_max_prompt_len(prompts, limit))
-    batch = buckets.prepare_batch(
-        prompts,
-        n=n,
-        max_prompt_len=limit,
-        long_prompts=long_prompts,
-        pad_id=pad_id,
-        vocab_size=model_config.vocab_size,
-        batch_multiple=batch_multiple,
-        min_prompt_bucket=min_prompt_bucket,
-    )
-    B = batch.prompt_BP.shape[0]
-    # Prompt indices are global (offset by this host's share) so no two hosts draw alike.
-    prompt_index_B = batch.prompt_index_B + (jax.process_index() * len(prompts) if multihost else 0)
+    return limit
+
+
+def _keys(
+    key: jax.Array,
+    batch: buckets.PromptBatch,
+    prompt_index_B: np.ndarray,
+    row_keys: jax.Array | None,
+) -> jax.Array:
+    """Each row's key: `row_keys` for the real rows if given, else derived from `key`."""
     if row_keys is None:
-        keys_B = _row_keys(key, jnp.asarray(prompt_index_B), jnp.asarray(batch.sample_index_B))
-    else:
-        if len(row_keys) != batch.num_rows:
-            raise ValueError(
-                f"row_keys has {len(row_keys)} keys; expected len(prompts) * n = {batch.num_rows}."
-            )
-        extra = _row_keys(
-            key,
-            jnp.asarray(prompt_index_B[batch.num_rows :]),
-            jnp.asarray(batch.sample_index_B[batch.num_rows :]),
+        return _row_keys(key, jnp.asarray(prompt_index_B), jnp.asarray(batch.sample_index_B))
+    if len(row_keys) != batch.num_rows:
+        raise ValueError(
+            f"row_keys has {len(row_keys)} keys; expected len(prompts) * n = {batch.num_rows}."
         )
-        keys_B = jnp.concatenate([row_keys, extra]) if B > batch.num_rows else row_keys
-    return PromptRows(
-        batch=batch,
-        keys_B=keys_B,
-        greedy_B=(batch.sample_index_B >= n - greedy_last) if greedy_last else None,
-        # prepare_batch lays each prompt's n samples out as consecutive rows (batch padding
-        # rows are all alike): with whole groups the prompt is prefilled once per group.
-        prompt_group=layout.prompt_group(B),
+    extra = _row_keys(
+        key,
+        jnp.asarray(prompt_index_B[batch.num_rows :]),
+        jnp.asarray(batch.sample_index_B[batch.num_rows :]),
     )
+    return (
+        jnp.concatenate([row_keys, extra])
+        if batch.prompt_BP.shape[0] > batch.num_rows
+        else row_keys
+    )
+
+
+def _padded_row_caps(
+    row_caps: Sequence[int] | None, num_rows: int, batch_size: int, max_new_tokens: int
+) -> np.ndarray | None:
+    """row_caps over the whole batch: batch padding rows (inactive) take the full limit."""
+    if row_caps is None:
+        return None
+    caps_B = np.full(batch_size, max_new_tokens, np.int32)
+    caps_B[:num_rows] = row_caps
+    return caps_B
+
+
+def place_inputs(
+    rows: PromptRows,
+    *,
+    mesh: Mesh | None,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+    multihost: bool = False,
+) -> tuple[tuple[jax.Array, ...], dict[str, jax.Array]]:
+    """A sampler's row inputs on the mesh (place_rows): (prompt block, its mask, the active
+    rows, the row keys) and, by name, the optional ones present (greedy_B, row_caps_B)."""
+    place = functools.partial(place_rows, mesh=mesh, rules=rules, multihost=multihost)
+    batch = rows.batch
+    # Across hosts the keys travel as their raw data (host-local rows -> one global batch,
+    # hosts' blocks in process order).
+    keys_B = (
+        _wrap_keys(place(np.asarray(jax.random.key_data(rows.keys_B))))
+        if multihost
+        else place(rows.keys_B)
+    )
+    inputs = (place(batch.prompt_BP), place(batch.mask_BP), place(batch.active_B), keys_B)
+    optional = (("greedy_B", rows.greedy_B), ("row_caps_B", rows.caps_B))
+    return inputs, {name: place(x) for name, x in optional if x is not None}
 
 
 def place_rows(
@@ -131,6 +209,55 @@ def place_rows(
     if mesh is not None:
         return jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x), rules))
     return x
+
+
+_wrap_keys = jax.jit(jax.random.wrap_key_data)
+
+
+def batch_multiple(mesh: Mesh | None, rules: parallel.LogicalRules, multihost: bool) -> int:
+    """What this host's rows must pad to a multiple of: its share of the data-parallel size."""
+    multiple = 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
+    if multihost:
+        # Each host passes its own prompts; every host must build the same shapes.
+        multiple = max(1, multiple // jax.process_count())
+    return multiple
+
+
+def rows_per_chunk(max_rows: int | None, num_rows: int, n: int, multiple: int) -> int | None:
+    """Rows per chunk on this host (None: all rows at once, max_rows unset or not reached):
+    whole prompts (n rows) on whole data-parallel shards."""
+    if not max_rows or max_rows >= num_rows * jax.process_count():
+        return None
+    unit = math.lcm(n, multiple)
+    return unit * max(1, max_rows // jax.process_count() // unit)
+
+
+def mark_dropped_rows(
+    out: SampleOutput,
+    batch: buckets.PromptBatch,
+    *,
+    mesh: Mesh | None,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+    multihost: bool = False,
+) -> SampleOutput:
+    """`out` with the dropped prompts flagged (and their prompt masks cleared); on one host
+    without the batch-bucket padding rows."""
+    if multihost:
+        # Rows stay global (each host's block keeps its padding rows: see host_rows).
+        dropped_B = place_rows(batch.dropped_B, mesh=mesh, rules=rules, multihost=True)
+        return out.replace(
+            dropped_B=dropped_B, prompt_mask_BP=_and_not(out.prompt_mask_BP, dropped_B)
+        )
+    dropped_B = jnp.asarray(batch.dropped_B)
+    out = out.replace(dropped_B=dropped_B, prompt_mask_BP=out.prompt_mask_BP & ~dropped_B[:, None])
+    if batch.prompt_BP.shape[0] > batch.num_rows:  # drop the batch-bucket padding rows
+        out = jax.tree.map(lambda x: x if x.ndim == 0 else x[: batch.num_rows], out)
+    return out
+
+
+@jax.jit
+def _and_not(mask_BP: jax.Array, dropped_B: jax.Array) -> jax.Array:
+    return mask_BP & ~dropped_B[:, None]
 
 
 def _global_max_prompt_len(prompts: Sequence[Sequence[int]], limit: int) -> int:

@@ -21,15 +21,17 @@ truncation (temperature 1 for greedy); see strategies.py. Row r draws with
 fold_in(row_key[r], step), so a row's samples do not depend on the rest of the batch.
 
 `generate`, the host entry, lays the rows out (row_io.py) and runs this program or
-continuous.py's; both return a `SampleOutput` (sample_output.py).
+continuous.py's, as `decode_program` builds it (the Program the ahead-of-time planner lowers
+too); both return a `SampleOutput` (sample_output.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 from typing import Any, Callable, Sequence
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,11 +40,18 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models import kv_cache
 from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.program import Program
 from jaxrl4llm.sampling import buckets, continuous, decode
-from jaxrl4llm.sampling.decode import cache_dtype_for as _cache_dtype
 from jaxrl4llm.sampling.decode import decode_step, prefill  # noqa: F401  (re-exported)
 from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.sampling.row_io import place_rows, prompt_rows
+from jaxrl4llm.sampling.row_io import (
+    RowRequest,
+    batch_multiple,
+    mark_dropped_rows,
+    place_inputs,
+    prompt_rows,
+    rows_per_chunk,
+)
 from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
@@ -71,19 +80,19 @@ def stop_id_array(stop_ids: Sequence[int]) -> np.ndarray:
     return out
 
 
+class _Rows(flax.struct.PyTreeNode):
+    """One block of rows of generate_tokens (the optional per-row inputs None when absent)."""
+
+    prompt_BP: jax.Array
+    prompt_mask_BP: jax.Array
+    active_B: jax.Array
+    row_keys_B: jax.Array
+    greedy_B: jax.Array | None = None
+    row_caps_B: jax.Array | None = None
+
+
 @functools.partial(
-    jax.jit,
-    static_argnames=(
-        "model_config",
-        "sampling",
-        "max_new_tokens",
-        "mesh",
-        "rules",
-        "prompt_group",
-        "num_chunks",
-        "cache_dtype",
-        "compact",
-    ),
+    jax.jit, static_argnames=(*decode.STATIC_SETTINGS, "num_chunks", "cache_dtype", "compact")
 )
 def generate_tokens(
     params: Any,
@@ -113,45 +122,57 @@ def generate_tokens(
     prompt is prefilled once and its cache rows copied to the group. `num_chunks` > 1: the
     rows run as that many strided chunks of whole groups, one after another (a row's
     samples do not depend on the other rows, so the output is the same). `cache_dtype`
-    (default: see _cache_dtype) is the KV cache's dtype. `greedy_B` (bool, optional): rows
+    (default: decode.cache_dtype_for) is the KV cache's dtype. `greedy_B` (bool, optional): rows
     that decode greedily (see strategies.sample). `compact`: decode finished rows away in
     levels of halving batches (decode.py; not on a mesh). `row_caps_B` (int32, optional,
     1..max_new_tokens): each row's own token limit; a row stopped by it is truncated."""
-    B = prompt_BP.shape[0]
-    if B % (num_chunks * prompt_group):
+    _check_chunks(prompt_BP.shape[0], num_chunks, prompt_group)
+    # Per-layer buffers in the decode matmuls' layout, made once here, not in every step.
+    params, sharding, cache_dtype = decode.loop_setup(
+        params, model_config, mesh, rules, cache_dtype
+    )
+    run = _Block(
+        params,
+        stop_ids_S,
+        pad_id,
+        model_config,
+        sampling,
+        max_new_tokens,
+        sharding,
+        prompt_group,
+        cache_dtype,
+        compact,
+    )
+    rows = _Rows(prompt_BP, prompt_mask_BP, active_B, row_keys_B, greedy_B, row_caps_B)
+    if num_chunks == 1:
+        return run(rows)
+    return _run_chunks(run, rows, num_chunks, prompt_group, sharding)
+
+
+def _check_chunks(rows: int, num_chunks: int, prompt_group: int) -> None:
+    if rows % (num_chunks * prompt_group):
         raise ValueError(
-            f"generate_tokens: {B} rows do not split into {num_chunks} chunks of "
+            f"generate_tokens: {rows} rows do not split into {num_chunks} chunks of "
             f"whole groups of {prompt_group}."
         )
-    sharding = None if mesh is None else parallel.ActivationSharding(mesh, rules)
-    # Per-layer buffers in the decode matmuls' layout, made once here, not in every step.
-    params = decode.loop_params(params, model_config, sharding)
-    run = functools.partial(
-        _generate_rows,
-        params,
-        stop_ids_S=stop_ids_S,
-        pad_id=pad_id,
-        model_config=model_config,
-        sampling=sampling,
-        max_new_tokens=max_new_tokens,
-        sharding=sharding,
-        prompt_group=prompt_group,
-        cache_dtype=cache_dtype or _cache_dtype(params),
-        compact=compact,
-    )
-    rows = (prompt_BP, prompt_mask_BP, active_B, row_keys_B)
-    options: dict[str, Any] = {
-        name: x for name, x in (("greedy_B", greedy_B), ("row_caps_B", row_caps_B)) if x is not None
-    }
-    if num_chunks == 1:
-        return run(*rows, **options)
+
+
+def _run_chunks(
+    run: Callable[[_Rows], SampleOutput],
+    rows: _Rows,
+    num_chunks: int,
+    prompt_group: int,
+    sharding: parallel.ActivationSharding | None,
+) -> SampleOutput:
+    """`run` over `num_chunks` strided chunks of whole groups of the rows, one after another
+    (lax.map), merged back into the rows' order."""
     chunks = jax.tree.map(
         lambda x: parallel.constrain(
             parallel.split_strided(x, num_chunks, prompt_group), (None, "batch"), sharding
         ),
-        (rows, options),
+        rows,
     )
-    out = jax.lax.map(lambda xs: run(*xs[0], **xs[1]), chunks)
+    out = jax.lax.map(run, chunks)
     merged = jax.tree.map(
         lambda x: parallel.merge_strided(x, prompt_group),
         out.replace(num_steps=None, slot_steps=None),
@@ -159,86 +180,141 @@ def generate_tokens(
     return merged.replace(num_steps=jnp.max(out.num_steps), slot_steps=jnp.sum(out.slot_steps))
 
 
-def _generate_rows(
-    params: Any,
-    prompt_BP: jax.Array,
-    prompt_mask_BP: jax.Array,
-    active_B: jax.Array,
-    row_keys_B: jax.Array,
-    greedy_B: jax.Array | None = None,
-    row_caps_B: jax.Array | None = None,
-    *,
-    stop_ids_S: jax.Array,
-    pad_id: jax.Array,
-    model_config: ModelConfig,
-    sampling: SamplingConfig,
-    max_new_tokens: int,
-    sharding: parallel.ActivationSharding | None,
-    prompt_group: int,
-    cache_dtype: Any,
-    compact: bool,
-) -> SampleOutput:
-    """Prefill + decode loop over one block of rows (see generate_tokens)."""
-    B, P = prompt_BP.shape
-    N = max_new_tokens
-    g = prompt_group
-    cache = kv_cache.init_kv_cache(model_config, B // g, P + N - 1, cache_dtype)
-    tok_B, lp_B, cache = decode.prefill_first_tokens(
-        params,
-        model_config,
-        prompt_BP[::g],
-        prompt_mask_BP[::g],
-        cache,
-        row_keys_B,
-        sampling,
-        greedy_B,
-        sharding,
-    )
-    if sharding is not None:
-        cache = jax.lax.with_sharding_constraint(cache, cache_sharding(sharding, cache))
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Block:
+    """Prefill + decode loop over one block of rows (see generate_tokens), with what it
+    reads besides the rows: the weights, the traced stop ids and pad id, the settings."""
 
-    tok_B = jnp.where(active_B, tok_B, pad_id)
-    done_B = ~active_B | decode.is_stop(tok_B, stop_ids_S)
-    state = decode.LoopState(
-        step=jnp.array(1, jnp.int32),
-        cache=cache,
-        last_S=tok_B,
-        position_S=jnp.sum(prompt_mask_BP, axis=1, dtype=jnp.int32),
-        done_S=done_B,
-        row_S=jnp.arange(B, dtype=jnp.int32),
-        keys_S=row_keys_B,
-        length_R=active_B.astype(jnp.int32),
-        done_R=done_B,
-        tokens_RT=jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(tok_B),
-        logprobs_RT=jnp.zeros((B, N), jnp.float32).at[:, 0].set(jnp.where(active_B, lp_B, 0.0)),
-        slot_steps=jnp.array(0, jnp.int32),
-        greedy_S=greedy_B,
-        cap_S=row_caps_B,
-    )
-    state = decode.decode(
-        params,
-        state,
-        model_config=model_config,
-        sampling=sampling,
-        stop_ids_S=stop_ids_S,
-        pad_id=pad_id,
-        prompt_len=P,
-        max_new_tokens=N,
-        sharding=sharding,
-        compact=compact,
-    )
+    params: Any
+    stop_ids_S: jax.Array
+    pad_id: jax.Array
+    model_config: ModelConfig
+    sampling: SamplingConfig
+    max_new_tokens: int
+    sharding: parallel.ActivationSharding | None
+    prompt_group: int
+    cache_dtype: Any
+    compact: bool
+
+    def __call__(self, rows: _Rows) -> SampleOutput:
+        state = decode.decode(
+            self.params,
+            self._prefilled(rows),
+            model_config=self.model_config,
+            sampling=self.sampling,
+            stop_ids_S=self.stop_ids_S,
+            pad_id=self.pad_id,
+            prompt_len=rows.prompt_BP.shape[1],
+            max_new_tokens=self.max_new_tokens,
+            sharding=self.sharding,
+            compact=self.compact,
+        )
+        return _rows_output(state, rows)
+
+    def _prefilled(self, rows: _Rows) -> decode.LoopState:
+        """The decode loop's state after prefill: every row's first token sampled (pad in
+        inactive rows, which start done)."""
+        B, P = rows.prompt_BP.shape
+        N = self.max_new_tokens
+        g = self.prompt_group
+        cache = kv_cache.init_kv_cache(self.model_config, B // g, P + N - 1, self.cache_dtype)
+        tok_B, lp_B, cache = decode.prefill_first_tokens(
+            self.params,
+            self.model_config,
+            rows.prompt_BP[::g],
+            rows.prompt_mask_BP[::g],
+            cache,
+            rows.row_keys_B,
+            self.sampling,
+            rows.greedy_B,
+            self.sharding,
+        )
+        if self.sharding is not None:
+            cache = jax.lax.with_sharding_constraint(cache, cache_sharding(self.sharding, cache))
+        active_B = rows.active_B
+        tok_B = jnp.where(active_B, tok_B, self.pad_id)
+        done_B = ~active_B | decode.is_stop(tok_B, self.stop_ids_S)
+        return decode.LoopState(
+            step=jnp.array(1, jnp.int32),
+            cache=cache,
+            last_S=tok_B,
+            position_S=jnp.sum(rows.prompt_mask_BP, axis=1, dtype=jnp.int32),
+            done_S=done_B,
+            row_S=jnp.arange(B, dtype=jnp.int32),
+            keys_S=rows.row_keys_B,
+            length_R=active_B.astype(jnp.int32),
+            done_R=done_B,
+            tokens_RT=jnp.full((B, N), self.pad_id, jnp.int32).at[:, 0].set(tok_B),
+            logprobs_RT=(
+                jnp.zeros((B, N), jnp.float32).at[:, 0].set(jnp.where(active_B, lp_B, 0.0))
+            ),
+            slot_steps=jnp.array(0, jnp.int32),
+            greedy_S=rows.greedy_B,
+            cap_S=rows.row_caps_B,
+        )
+
+
+def _rows_output(state: decode.LoopState, rows: _Rows) -> SampleOutput:
+    """The finished decode loop's rows as a SampleOutput."""
+    B, N = state.tokens_RT.shape
     mask_BT = jnp.arange(N)[None, :] < state.length_R[:, None]
     return SampleOutput(
         tokens_BT=state.tokens_RT,
         logprobs_BT=state.logprobs_RT,
         mask_BT=mask_BT,
         lengths_B=state.length_R,
-        truncated_B=active_B & ~state.done_R,
-        prompt_tokens_BP=prompt_BP,
-        prompt_mask_BP=prompt_mask_BP.astype(bool),
+        truncated_B=rows.active_B & ~state.done_R,
+        prompt_tokens_BP=rows.prompt_BP,
+        prompt_mask_BP=rows.prompt_mask_BP.astype(bool),
         dropped_B=jnp.zeros((B,), bool),
         num_steps=state.step,
         slot_steps=state.slot_steps,
+    )
+
+
+def decode_program(
+    *,
+    model_config: ModelConfig,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    mesh: Mesh | None = None,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+    prompt_group: int = 1,
+    num_chunks: int = 1,
+    compact: bool = True,
+    decode_slots: int = 0,
+    greedy: bool = False,
+    row_caps: bool = False,
+    cache_dtype: Any = None,
+) -> Program:
+    """The compiled decode of one bucket of rows as `generate` runs it (Program "sample"):
+    generate_tokens (rows in `num_chunks` strided chunks of whole groups of `prompt_group`,
+    finished rows compacted away with `compact`), or with `decode_slots` > 0 the
+    continuous-batching continuous.generate_slots (`num_chunks` and `compact` unused).
+    `greedy` / `row_caps`: the calls pass greedy_B / row_caps_B (else they are bound to
+    None). `cache_dtype`: the KV cache's (default: the weights' compute dtype, float32 on
+    CPU; see decode.cache_dtype_for). Called, or lowered on abstract inputs, as
+
+        program(params, prompt_BP, prompt_mask_BP, active_B, row_keys_B, stop_ids_S, pad_id,
+                [greedy_B=...], [row_caps_B=...])
+    """
+    static: dict[str, Any] = dict(
+        model_config=model_config,
+        sampling=sampling,
+        max_new_tokens=int(max_new_tokens),
+        mesh=mesh,
+        rules=rules,
+        prompt_group=prompt_group,
+        cache_dtype=cache_dtype,
+    )
+    if not greedy:
+        static["greedy_B"] = None
+    if not row_caps:
+        static["row_caps_B"] = None
+    if decode_slots:
+        return Program("sample", continuous.generate_slots, {**static, "slots": decode_slots})
+    return Program(
+        "sample", generate_tokens, {**static, "num_chunks": num_chunks, "compact": compact}
     )
 
 
@@ -266,84 +342,88 @@ def generate(
     decode_slots: int = 0,
     row_caps: Sequence[int] | None = None,
 ) -> SampleOutput:
-    """Samples `n` completions of each prompt (lists of token ids, unpadded).
-
-    stop_ids defaults to model_config.eos_token_ids; max_prompt_len defaults to
-    max_position_embeddings - max_new_tokens. Longer prompts raise (long_prompts="error") or
-    are skipped and flagged in `dropped_B` (long_prompts="drop"). `row_keys` ([len(prompts) *
-    n] keys) overrides the per-row keys derived from `key`. With a mesh, params must already
-    be placed on it (e.g. parallel.shard_pytree with transformer.param_logical_axes).
-    Rows follow sampling.layout.RowLayout(n, share_prompts): a prompt's n samples are
-    consecutive rows, and with share_prompts its prefill runs once for them.
+    """Samples `n` completions of each prompt (lists of token ids, unpadded), rows laid out
+    as RowLayout(n, share_prompts) and the prompt options as row_io.RowRequest says
+    (max_prompt_len, long_prompts, min_prompt_bucket, greedy_last, row_keys, row_caps).
+    stop_ids defaults to model_config.eos_token_ids. With a mesh, params must already be
+    placed on it (e.g. parallel.shard_pytree with transformer.param_logical_axes).
     `max_rows` (global rows, all hosts) caps the rows decoded at once: more rows run as
     strided chunks of whole prompts, one after another, in the same program (same samples).
-    `greedy_last` > 0: the last that many samples of each prompt decode greedily, in the same
-    program (ReMax's baseline completion).
-    `compact=False` keeps finished rows in the decode batch (the same samples; see decode.py).
+    `compact=False` keeps finished rows in the decode batch (the same samples; decode.py).
     `decode_slots` > 0: continuous batching (continuous.py): that many rows decode at a time
     and a finished row's slot takes the next queued row (the same samples; `max_rows` does
-    not apply: the slots bound the rows at once). With a mesh it must be a multiple of the
-    data-parallel size.
-    `row_caps` (len(prompts) * n ints in 1..max_new_tokens): each row's own token limit; a row
-    stops there as at max_new_tokens (truncated_B unless that token is a stop token), e.g. to
-    budget rows or to force a length mix (tools/bench_rollout.py --length_mix).
-    """
+    not apply: the slots bound the rows at once); with a mesh, a multiple of the
+    data-parallel size. A row stopped by its row_caps token limit reads as truncated_B
+    unless that token is a stop token (e.g. tools/bench_rollout.py --length_mix)."""
     if decode_slots:
         continuous.check_slots(decode_slots, mesh, rules)
         max_rows = None
     _check_generate_args(len(prompts) * n, sampling, max_new_tokens, row_caps)
-    stop_S = stop_id_array(model_config.eos_token_ids if stop_ids is None else stop_ids)
-    pad = pad_id if pad_id is not None else (model_config.pad_token_id or 0)
-    multihost = mesh is not None and jax.process_count() > 1
-    multiple = _batch_multiple(mesh, rules, multihost)
-    chunk = _rows_per_chunk(max_rows, len(prompts) * n, n, multiple)
-    rows = prompt_rows(
-        prompts,
-        model_config,
-        key,
+    request = RowRequest(
         RowLayout(n, share_prompts),
         max_new_tokens=max_new_tokens,
         max_prompt_len=max_prompt_len,
         long_prompts=long_prompts,
-        pad_id=pad,
+        pad_id=pad_id if pad_id is not None else (model_config.pad_token_id or 0),
         min_prompt_bucket=min_prompt_bucket,
         greedy_last=greedy_last,
-        batch_multiple=chunk or multiple,  # a chunk is whole data-parallel shards
-        multihost=multihost,
         row_keys=row_keys,
+        row_caps=row_caps,
     )
-    batch = rows.batch
-    B = batch.prompt_BP.shape[0]
-    num_chunks = B // chunk if chunk else 1
+    stop_S = stop_id_array(model_config.eos_token_ids if stop_ids is None else stop_ids)
+    decoding = _Decoding(mesh, rules, max_rows, compact, decode_slots)
+    return _generate(params, model_config, prompts, sampling, key, request, stop_S, decoding)
 
-    place = functools.partial(place_rows, mesh=mesh, rules=rules, multihost=multihost)
-    keys_B = _place_keys(rows.keys_B, place, multihost)
-    inputs = (place(batch.prompt_BP), place(batch.mask_BP), place(batch.active_B), keys_B)
-    greedy_B = None if rows.greedy_B is None else place(rows.greedy_B)
-    caps_B = None
-    if row_caps is not None:
-        caps_B = place(_padded_row_caps(row_caps, batch.num_rows, B, max_new_tokens))
-    decode_rows: Callable[..., Any] = (
-        functools.partial(continuous.generate_slots, slots=decode_slots)
-        if decode_slots
-        else functools.partial(generate_tokens, num_chunks=num_chunks, compact=compact)
+
+@dataclasses.dataclass(frozen=True)
+class _Decoding:
+    """How `generate` decodes its rows (its arguments of the same names)."""
+
+    mesh: Mesh | None
+    rules: parallel.LogicalRules
+    max_rows: int | None
+    compact: bool
+    decode_slots: int
+
+
+def _generate(
+    params: Any,
+    model_config: ModelConfig,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+    key: jax.Array,
+    request: RowRequest,
+    stop_S: np.ndarray,
+    decoding: _Decoding,
+) -> SampleOutput:
+    """generate's rows laid out on this host and placed on the mesh, decoded by
+    decode_program's program, with the dropped prompts flagged."""
+    mesh, rules = decoding.mesh, decoding.rules
+    multihost = mesh is not None and jax.process_count() > 1
+    multiple = batch_multiple(mesh, rules, multihost)
+    n = request.layout.group_size
+    chunk = rows_per_chunk(decoding.max_rows, len(prompts) * n, n, multiple)
+    # A chunk is whole data-parallel shards.
+    rows = prompt_rows(
+        prompts, model_config, key, request, batch_multiple=chunk or multiple, multihost=multihost
     )
-    raw = decode_rows(
-        params,
-        *inputs,
-        stop_S,
-        np.int32(pad),
+    inputs, optional = place_inputs(rows, mesh=mesh, rules=rules, multihost=multihost)
+    program = decode_program(
         model_config=model_config,
         sampling=sampling,
-        max_new_tokens=int(max_new_tokens),
+        max_new_tokens=request.max_new_tokens,
         mesh=mesh,
         rules=rules,
-        greedy_B=greedy_B,
-        row_caps_B=caps_B,
         prompt_group=rows.prompt_group,
+        num_chunks=rows.batch.prompt_BP.shape[0] // chunk if chunk else 1,
+        compact=decoding.compact,
+        decode_slots=decoding.decode_slots,
+        greedy=rows.greedy_B is not None,
+        row_caps=rows.caps_B is not None,
     )
-    out: SampleOutput = _slot_sample_output(raw, *inputs[:3]) if decode_slots else raw
-    return _mark_dropped_rows(out, batch, place, multihost)
+    raw = program(params, *inputs, stop_S, np.int32(request.pad_id), **optional)
+    out: SampleOutput = _slot_sample_output(raw, *inputs[:3]) if decoding.decode_slots else raw
+    return mark_dropped_rows(out, rows.batch, mesh=mesh, rules=rules, multihost=multihost)
 
 
 def _check_generate_args(
@@ -368,62 +448,6 @@ def _check_generate_args(
         raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}.")
 
 
-def _batch_multiple(mesh: Mesh | None, rules: parallel.LogicalRules, multihost: bool) -> int:
-    """What this host's rows must pad to a multiple of: its share of the data-parallel size."""
-    multiple = 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
-    if multihost:
-        # Each host passes its own prompts; every host must build the same shapes.
-        multiple = max(1, multiple // jax.process_count())
-    return multiple
-
-
-def _rows_per_chunk(max_rows: int | None, num_rows: int, n: int, multiple: int) -> int | None:
-    """Rows per chunk on this host (None: all rows at once, max_rows unset or not reached):
-    whole prompts (n rows) on whole data-parallel shards."""
-    if not max_rows or max_rows >= num_rows * jax.process_count():
-        return None
-    unit = math.lcm(n, multiple)
-    return unit * max(1, max_rows // jax.process_count() // unit)
-
-
-def _place_keys(keys_B: jax.Array, place: Callable[..., Any], multihost: bool) -> jax.Array:
-    # Across hosts the keys travel as their raw data (host-local rows -> one global batch,
-    # hosts' blocks in process order).
-    if multihost:
-        return _wrap_keys(place(np.asarray(jax.random.key_data(keys_B))))
-    return place(keys_B)
-
-
-def _padded_row_caps(
-    row_caps: Sequence[int], num_rows: int, batch_size: int, max_new_tokens: int
-) -> np.ndarray:
-    """row_caps over the whole batch: batch padding rows (inactive) take the full limit."""
-    caps_B = np.full(batch_size, max_new_tokens, np.int32)
-    caps_B[:num_rows] = row_caps
-    return caps_B
-
-
-def _mark_dropped_rows(
-    out: SampleOutput, batch: buckets.PromptBatch, place: Callable[..., Any], multihost: bool
-) -> SampleOutput:
-    """`out` with the dropped prompts flagged (and their prompt masks cleared); on one host
-    without the batch-bucket padding rows."""
-    if multihost:
-        # Rows stay global (each host's block keeps its padding rows: see host_rows).
-        dropped_B = place(batch.dropped_B)
-        return out.replace(
-            dropped_B=dropped_B, prompt_mask_BP=_and_not(out.prompt_mask_BP, dropped_B)
-        )
-    dropped_B = jnp.asarray(batch.dropped_B)
-    out = out.replace(dropped_B=dropped_B, prompt_mask_BP=out.prompt_mask_BP & ~dropped_B[:, None])
-    if batch.prompt_BP.shape[0] > batch.num_rows:  # drop the batch-bucket padding rows
-        out = jax.tree.map(lambda x: x if x.ndim == 0 else x[: batch.num_rows], out)
-    return out
-
-
-_wrap_keys = jax.jit(jax.random.wrap_key_data)
-
-
 @jax.jit
 def _slot_sample_output(
     out: continuous.SlotOutput, prompt_BP: jax.Array, prompt_mask_BP: jax.Array, active_B: jax.Array
@@ -442,8 +466,3 @@ def _slot_sample_output(
         num_steps=jnp.maximum(jnp.max(out.length_R), 1),
         slot_steps=out.slot_steps,
     )
-
-
-@jax.jit
-def _and_not(mask_BP: jax.Array, dropped_B: jax.Array) -> jax.Array:
-    return mask_BP & ~dropped_B[:, None]

@@ -5,7 +5,7 @@ completion token t (a model token or an observation token) at slot P + t, RoPE p
 prompt_len + t. Three compiled programs act on one device-side state (`TurnState`):
 
   prefill   all prompts (each group's once, as sampler.generate) and every row's first token;
-  segment   a while loop decoding one token for every live row (continuous.slot_decode_step:
+  segment   a while loop decoding one token for every live row (decode.slot_decode_step:
             per-row write slot and attention mask) until some row ends its turn (EOS, one of
             its handler's stop sequences, its token budget) or `max_steps` steps ran;
   observe   one row's reply: the model turn's last token (sampled, not yet in the cache) and
@@ -37,7 +37,7 @@ from jaxrl4llm import parallel
 from jaxrl4llm.models import kv_cache, transformer, unembedding
 from jaxrl4llm.models.attention import AttentionConfig
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import continuous, decode, sampler, strategies
+from jaxrl4llm.sampling import decode, sampler, strategies
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
 _MIN_CHUNK = 16
@@ -231,7 +231,7 @@ def segment(
         # A parked or finished row feeds its last token again at the same slot: the same
         # key and value as its own, so its cache row does not change.
         write_B = jnp.minimum(prompt_len + x.step_B - 1, x.cache.max_len - 1)
-        logits_BV, cache = continuous.slot_decode_step(
+        logits_BV, cache = decode.slot_decode_step(
             weights, model_config, x.last_B, x.plen_B + x.step_B - 1, write_B, x.cache, sharding
         )
         tok_B, lp_B = _sample_step(x, logits_BV, sampling)
