@@ -1,7 +1,8 @@
-"""No function in jaxrl4llm/train/ is longer than MAX_LINES lines, counted from its `def` line
-to its last line as `ruff format` writes it, and no module under jaxrl4llm/ or experiments/ is
-longer than MAX_MODULE_LINES lines (docs/architecture.md, "Invariants"). The complexity limit
-is ruff's C901 (`[tool.ruff.lint.mccabe]` in pyproject.toml)."""
+"""No function in jaxrl4llm/ is longer than MAX_LINES lines, counted from its `def` line to
+its last line as `ruff format` writes it (at most MAX_ALLOWED named exceptions, each with its
+reason), and no module under jaxrl4llm/ or experiments/ is longer than MAX_MODULE_LINES lines
+(docs/architecture.md, "Invariants"). The complexity limit is ruff's C901
+(`[tool.ruff.lint.mccabe]` in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import textwrap
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MAX_LINES = 60
 
-# "path::qualified name" of functions allowed over the limit, each waiting to be split.
-ALLOWED: set[str] = set()
+# {"path::qualified name": why it stays whole} of functions allowed over the limit; at most
+# MAX_ALLOWED of them.
+ALLOWED: dict[str, str] = {}
+MAX_ALLOWED = 5
 
 MAX_MODULE_LINES = 500
 MODULE_TOPS = ("jaxrl4llm", "experiments")
@@ -44,22 +47,23 @@ def long_functions(source: str, path: str, max_lines: int = MAX_LINES) -> dict[s
     return found
 
 
-def _train_functions_over_the_limit() -> dict[str, int]:
+def _package_functions_over_the_limit() -> dict[str, int]:
     found: dict[str, int] = {}
-    for module in sorted((REPO / "jaxrl4llm" / "train").rglob("*.py")):
+    for module in sorted((REPO / "jaxrl4llm").rglob("*.py")):
         path = module.relative_to(REPO).as_posix()
         found.update(long_functions(module.read_text(encoding="utf-8"), path))
     return found
 
 
-def test_no_train_function_is_over_the_line_limit():
-    over = _train_functions_over_the_limit()
+def test_no_package_function_is_over_the_line_limit():
+    assert len(ALLOWED) <= MAX_ALLOWED and all(ALLOWED.values()), "at most 5, each with a reason"
+    over = _package_functions_over_the_limit()
     new = sorted(f"{name} ({lines} lines)" for name, lines in over.items() if name not in ALLOWED)
     assert not new, (
-        f"functions over {MAX_LINES} lines in jaxrl4llm/train/ (split each into named "
+        f"functions over {MAX_LINES} lines in jaxrl4llm/ (split each into named "
         f"helpers): {', '.join(new)}"
     )
-    stale = sorted(ALLOWED - set(over))
+    stale = sorted(set(ALLOWED) - set(over))
     assert not stale, f"within {MAX_LINES} lines now: remove from ALLOWED: {', '.join(stale)}"
 
 

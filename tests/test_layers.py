@@ -17,11 +17,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("jaxrl4llm.rewards", "jaxrl4llm.data", "jaxrl4llm.envs"),
     ("jaxrl4llm.eval",),
     # The trainer's rooms, bottom to top: its configuration, the run's infrastructure
-    # (workdir, checkpoints, metrics, trackers), the update, the rollout, then the step's
-    # programs, the setup and the loop (train/*.py).
+    # (workdir, checkpoints, metrics, trackers), the update's math, the step's programs
+    # (train/programs.py), the rollout, then the setup, the update stage and the loop
+    # (train/*.py).
     ("jaxrl4llm.train.config",),
     ("jaxrl4llm.train.infra",),
     ("jaxrl4llm.train.update",),
+    ("jaxrl4llm.train.programs",),
     ("jaxrl4llm.train.rollout",),
     ("jaxrl4llm.train",),
     ("jaxrl4llm.planner",),  # compiles the step's programs ahead of time

@@ -25,7 +25,7 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,6 +36,11 @@ import numpy as np  # noqa: E402
 
 from jaxrl4llm.config import cli  # noqa: E402
 from tools.bench_rollout import mix_caps  # noqa: E402
+
+if TYPE_CHECKING:
+    from jaxrl4llm.models.attention import AttentionConfig
+    from jaxrl4llm.models.config import ModelConfig
+    from jaxrl4llm.train.update.packing import PackedBatch
 
 MODEL = "smollm2-135m-instruct"
 _COUNTS = ("prompts", "group", "prompt_tokens", "micro_batch_tokens", "layers", "repeats")
@@ -59,7 +64,7 @@ def _parse(argv: Any) -> argparse.Namespace:
 
 
 def synthetic_sequences(args: argparse.Namespace, vocab: int) -> Any:
-    """train.logprobs.Sequences: per group one random prompt (left-padded), per row a random
+    """train.update.logprobs.Sequences: per group one random prompt (left-padded), per row a random
     completion of the mix's forced length."""
     from jaxrl4llm.sampling.buckets import bucket_completion_length, bucket_prompt_length
     from jaxrl4llm.train.update.logprobs import Sequences
@@ -84,7 +89,13 @@ def synthetic_sequences(args: argparse.Namespace, vocab: int) -> Any:
     )
 
 
-def time_variant(params, config, packed, attention, repeats: int) -> float:
+def time_variant(
+    params: dict[str, Any],
+    config: ModelConfig,
+    packed: PackedBatch,
+    attention: AttentionConfig,
+    repeats: int,
+) -> float:
     """Seconds (the fastest of `repeats`, after a compiling run) of value_and_grad of the
     summed logprobs over the micro-batches that hold rows."""
     from jaxrl4llm.train.update import packing

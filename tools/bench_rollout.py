@@ -5,7 +5,7 @@ completion (buckets.bucket_completion_length).
     python tools/bench_rollout.py              # SmolLM2, 8 prompts x 4, T = 1, 256 tokens
     python tools/bench_rollout.py --prompts=16 --new_tokens=512 --data=synthetic:countdown
 
-Samples as the trainer does (chat prompts of --data with the default instruction, stop
+Samples like a training run (chat prompts of --data with the default instruction, stop
 tokens on, temperature --temperature) and prints, over --rollouts rollouts:
   sampler useful        decoded tokens / rows computed over the decode steps (the first
                         token of each row comes from the prefill): "full" = every row at
@@ -55,11 +55,13 @@ measures them on a one-layer SmolLM2. With --time the warm-up run caps every row
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import sys
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,6 +70,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrl4llm.config import cli
+
+if TYPE_CHECKING:
+    from jaxrl4llm.sampling.sample_output import SampleOutput
 
 MIXES = ("natural", "step0", "tail10")
 STEP0_LENGTHS = os.path.join(
@@ -156,7 +161,7 @@ def _update_batch(out: Any, group: int, max_new_tokens: int, share_prompts: bool
 
 
 def minibatch_real_frac(
-    out,
+    out: SampleOutput,
     group: int,
     mini_batch: int,
     ppo_epochs: int,
@@ -187,6 +192,7 @@ def minibatch_real_frac(
     )
     real = columns = 0
     for mini in minibatches(batch, config, jax.random.key(seed), None):
+        assert mini.tokens is not None  # no mesh: every row is on this host
         mb_real, mb_columns = mini.tokens
         real += mb_real
         columns += mb_columns
@@ -213,6 +219,7 @@ def packed_update_fracs(
         max_new_tokens=max_new_tokens,
     )
     ((_, _, _, choice),) = minibatches(batch, config, jax.random.key(0), None, model_config)
+    assert choice is not None, "--micro_batch_tokens > 0: the mini-batch's packing choice"
     packed = choice.batch or packing.pack(
         batch.seqs, budget, flops=packing.SlotFlops.of(model_config)
     )  # the padded update was cheaper: the packing it was compared with
@@ -275,7 +282,7 @@ def _times(seconds: dict[str, float]) -> dict[str, float]:
     return row
 
 
-def _parse(argv: Any) -> Any:
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument(
@@ -347,7 +354,7 @@ def _parse(argv: Any) -> Any:
     return parser.parse_args(argv)
 
 
-def _load_model(args: Any) -> tuple[Any, Any, Any, Any]:
+def _load_model(args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """(config, params, tokenizer, the full model's config) of --model, cut to its first
     --layers layers if given (the FLOP ratios are modelled on the full model)."""
     from jaxrl4llm.models import registry
@@ -361,7 +368,7 @@ def _load_model(args: Any) -> tuple[Any, Any, Any, Any]:
     return model_config, params, tokenizer, full_config
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     from jaxrl4llm.data import make_source
     from jaxrl4llm.data.config import DataConfig

@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # heavy imports stay inside the functions at run time
+    from jaxrl4llm.models.config import ModelConfig
+    from jaxrl4llm.train.config import TrainConfig
 
 PACKED = "packed/"  # a child spec's prefix: our step with the packed update
 
 
 def step_tflop(
-    config,
+    config: ModelConfig,
     prompts: int,
     group: int,
     prompt_len: int,
@@ -65,9 +70,10 @@ def run_ours(args: argparse.Namespace) -> dict:
     from jaxrl4llm.sampling.context import RolloutContext
     from jaxrl4llm.train.config import TrainConfig, param_dtype
     from jaxrl4llm.train.infra import host_memory
+    from jaxrl4llm.train.programs import StepPrograms
     from jaxrl4llm.train.rollout.stage import rollout
     from jaxrl4llm.train.update import packing
-    from jaxrl4llm.train.update.step import compile_train_step, train_step
+    from jaxrl4llm.train.updater import compile_ahead
     from tools import bench_sampler
     from tools.bench_trl import step_records, xla_threads
 
@@ -98,11 +104,12 @@ def run_ours(args: argparse.Namespace) -> dict:
         kl_coef=args.kl_coef,
         kl_in="loss" if args.kl_coef > 0 else None,
     )
-    model_config = config.model.compute_config(model_config)  # as the trainer does
+    model_config = config.model.compute_config(model_config)  # --compute_dtype
     config = lora_config(args, config)
+    programs = StepPrograms(config, model_config, None)  # the trainer's programs, no mesh
     # The reference weights are a second copy only when the KL term needs them (LoRA: the
-    # base itself, as the trainer does).
-    state, policy, ref_params, lora_static = trained_state(config, model_config, params)
+    # base itself, like train/services.py).
+    state, policy, ref_params, frozen = trained_state(config, model_config, params)
     source = make_source("synthetic:arithmetic", split="train")
     reward_fn = make_reward_fn("auto", answer_mode="lenient")
     # No stop tokens: every completion is exactly --new_tokens long.
@@ -113,26 +120,25 @@ def run_ours(args: argparse.Namespace) -> dict:
     for step in range(1 + args.repeats):  # step 0 compiles
         records = step_records(source, step, args.prompts)
         t_step = time.perf_counter()
-        batch, m = rollout(ctx, config, policy(state), ref_params, records, jax.random.key(step))
-        prompt_group = batch.layout.prompt_group(batch.keep_B.shape[0])
+        batch, m = rollout(
+            ctx,
+            config,
+            policy(state),
+            ref_params,
+            records,
+            jax.random.key(step),
+            programs=programs,
+        )
+        prompt_group = programs.update_group(batch)
         real_prompt_tokens = int(batch.seqs.prompt_mask_BP.sum())
         prompt_columns = int(batch.seqs.prompt_tokens_BP.shape[1])
-        host_memory.release_free_memory()  # as the trainer does between rollout and update
+        host_memory.release_free_memory()  # the sampler's freed buffers, before the update
         t0 = time.perf_counter()
-        static = dict(
-            model_config=model_config,
-            algorithm=config.update_algorithm,
-            optimizer=config.optimizer,
-            num_micro=1,
-            temperature=config.rollout.sampling.effective_temperature,
-            remat=config.model.remat,
-            prompt_group=prompt_group,
-            **lora_static,
-        )
+        inputs = dict(frozen=frozen, dropout_key=None, packed=None)
         flops_ratio = {}
-        if packed_update:  # as the trainer does: packed on the host, prompts in the rows
+        if packed_update:  # packed on the host, the prompts in the rows (one host)
             flops = packing.SlotFlops.of(model_config)
-            static["packed"] = packing.pack(
+            inputs["packed"] = packing.pack(
                 batch.seqs,
                 args.micro_batch_tokens,
                 flops=flops,
@@ -140,12 +146,13 @@ def run_ours(args: argparse.Namespace) -> dict:
             )
             rows_, completion = batch.seqs.completion_tokens_BT.shape
             flops_ratio["update_flops_packed"] = packing.packed_flops(
-                static["packed"], flops
+                inputs["packed"], flops
             ) / flops.padded(rows_, prompt_columns, completion, prompt_group)
             batch = packing.for_update(batch)
+        update = programs.policy_update(prompt_group, ())
         if step == 0:
-            compile_train_step(state, batch, **static)  # as the trainer does
-        state, um = train_step(state, batch, **static)
+            compile_ahead(update, state, batch, **inputs)  # the updater's compile-then-free
+        state, um = update(state, batch, **inputs)
         jax.block_until_ready(um)
         update_s = time.perf_counter() - t0
         step_s = time.perf_counter() - t_step
@@ -195,7 +202,7 @@ def run_ours(args: argparse.Namespace) -> dict:
     return mean
 
 
-def lora_config(args: argparse.Namespace, config):
+def lora_config(args: argparse.Namespace, config: TrainConfig) -> TrainConfig:
     """The child's TrainConfig, with --lora_rank / --lora_targets in the LoRA child."""
     if not args.lora_child:
         return config
@@ -203,9 +210,9 @@ def lora_config(args: argparse.Namespace, config):
 
 
 def trained_state(config, model_config, params):
-    """(TrainState, state -> the params the sampler reads, the reference params, train_step's
-    LoRA keywords), as the trainer sets them up (train/services.py): full fine-tuning trains
-    `params` (the reference a copy), LoRA trains adapters on the frozen base (the reference)."""
+    """(TrainState, state -> the params the sampler reads, the reference params, the frozen
+    base or None), set up like train/services.py: full fine-tuning trains `params` (the
+    reference a copy), LoRA trains adapters on the frozen base (the reference)."""
     import jax
     import jax.numpy as jnp
 
@@ -219,7 +226,7 @@ def trained_state(config, model_config, params):
             TrainState.create(params, config.optimizer, seed=0),
             lambda s: s.params,
             ref_params,
-            {},
+            None,
         )
     trained = adapters.trainable(lora, model_config, params, seed=0)
     state = TrainState.create(trained, config.optimizer, seed=0)
@@ -228,5 +235,5 @@ def trained_state(config, model_config, params):
         state,
         lambda s: adapters.policy(lora, params, s.params),
         ref_params,
-        dict(frozen=params, lora=lora),
+        params,
     )

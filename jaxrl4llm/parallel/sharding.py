@@ -53,7 +53,7 @@ def logical_to_partition_spec(
     """
     table = _rules_dict(rules)
     used: set[str] = set()
-    spec = []
+    spec: list[str | tuple[str, ...] | None] = []
     for dim, name in enumerate(logical_axes):
         if name is None:
             spec.append(None)
@@ -115,6 +115,20 @@ def shard_pytree(
 def batch_sharding(mesh: Mesh, ndim: int, rules: LogicalRules = DEFAULT_RULES) -> NamedSharding:
     """Sharding of a [B, ...] batch array: rows over the data-parallel axes, the rest whole."""
     return NamedSharding(mesh, logical_to_partition_spec(("batch",) + (None,) * (ndim - 1), rules))
+
+
+def on_batch_axes(tree: Any, mesh: Mesh) -> Any:
+    """Every [B, ...] array of `tree` laid out by `batch_sharding`, so a program that takes
+    them compiles for that layout whatever made them (a no-op for arrays laid out so
+    already; the values never change). Arrays this host does not wholly hold keep theirs:
+    a multi-host batch is laid out where it is made."""
+
+    def place(x: jax.Array) -> jax.Array:
+        if not x.is_fully_addressable:
+            return x
+        return jax.device_put(x, batch_sharding(mesh, x.ndim))
+
+    return jax.tree.map(place, tree)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,12 @@
 """The programs of one training step, compiled for abstract inputs on a mesh (tools/plan.py).
 
-Every input is a jax.ShapeDtypeStruct with the sharding the trainer gives it, so nothing is
-allocated; each program is lowered and compiled exactly as the trainer's jit boundaries
-compile it, then measured: memory_analysis(), the collectives and matmul FLOPs of its HLO.
-The rollout's HLO right after SPMD partitioning also gives its weight gathers: once per call
-before the decode loops (what the sampler does), against once per token inside them.
+The programs are the trainer's own (train/programs.py, `StepPrograms`, built from the run's
+configuration): the planner lowers them on abstract inputs (planner/abstract.py) carrying
+the shardings the trainer gives the real arrays, so
+nothing is allocated; then it measures each: memory_analysis(), the collectives and matmul
+FLOPs of its HLO. The rollout's HLO right after SPMD partitioning also gives its weight
+gathers: once per call before the decode loops (what the sampler does), against once per
+token inside them.
 
 With LoRA (--lora_rank > 0) the programs are the run's: the state holds the adapters and their
 Adam moments only (replicated), the frozen base params stay beside it (an argument of the
@@ -22,19 +24,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jaxrl4llm import parallel, rl
-from jaxrl4llm.models import lora as lora_lib
-from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ARCHITECTURES, ModelConfig
-from jaxrl4llm.models.lora import LoraConfig
+from jaxrl4llm.planner import abstract as abs_lib
 from jaxrl4llm.planner import estimate as plan_estimate
 from jaxrl4llm.planner import hlo_analysis
-from jaxrl4llm.sampling import buckets, decode, sampler
+from jaxrl4llm.planner.abstract import per_device_bytes
+from jaxrl4llm.sampling import buckets, decode
 from jaxrl4llm.train.config import TrainConfig, param_dtype
-from jaxrl4llm.train.update import critic, logprobs, packing, step
+from jaxrl4llm.train.programs import StepPrograms
+from jaxrl4llm.train.update import minibatches, packing, step
 from jaxrl4llm.train.update import state as state_lib
+from jaxrl4llm.train.update.logprobs import Sequences
+from jaxrl4llm.train.update.step import UpdateBatch
 
 
 @dataclasses.dataclass
@@ -117,58 +121,11 @@ def architecture(model: str) -> ModelConfig:
     return ARCHITECTURES[name]
 
 
-def _abstract(shape, dtype, sharding) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
-
-
-def abstract_params(model_config: ModelConfig, mesh, dtype) -> Any:
-    shapes = transformer.param_shapes(model_config)
-    shardings = parallel.logical_to_sharding(
-        transformer.param_logical_axes(model_config),
-        mesh,
-        shapes=jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=lambda x: isinstance(x, tuple)
-        ),
-    )
-    return jax.tree.map(
-        lambda s, sh: _abstract(s, dtype, sh),
-        shapes,
-        shardings,
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
-
-
-def abstract_adapters(model_config: ModelConfig, lora: LoraConfig, mesh) -> dict[str, Any]:
-    """LoRA adapters as adapters.trainable lays them out: float32, replicated."""
-    replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(
-        lambda s: _abstract(s, jnp.float32, replicated),
-        lora_lib.adapter_shapes(model_config, lora),
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
-
-
-def abstract_policy(base: Any, trained: Any, lora: LoraConfig | None) -> Any:
-    """The params the policy's passes read (adapters.policy): the trained params, or under
-    LoRA the base with the adapter leaves in its layers (lora_lib.combine's tree)."""
-    if lora is None:
-        return trained
-    return {**base, "layers": {**base["layers"], **trained["layers"]}}
-
-
-def _count(tree) -> int:
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
-
-
-def _rows(mesh, shape, dtype) -> jax.ShapeDtypeStruct:
-    return _abstract(shape, dtype, parallel.batch_sharding(mesh, len(shape)))
-
-
-def _link_bytes(ops) -> float:
+def _link_bytes(ops: Any) -> float:
     return sum(op.link_bytes for op in ops)
 
 
-def _measure(compiled, calls: int, chip, unknown_trip_count: int = 1) -> dict:
+def _measure(compiled: Any, calls: int, chip: Any, unknown_trip_count: int = 1) -> dict:
     hlo = compiled.as_text()
     mem = compiled.memory_analysis()
     ops = hlo_analysis.collectives(hlo, unknown_trip_count=unknown_trip_count)
@@ -187,136 +144,162 @@ def _measure(compiled, calls: int, chip, unknown_trip_count: int = 1) -> dict:
     )
 
 
-def _packed_update(
-    c: TrainConfig, mesh, batch: step.UpdateBatch, est: plan_estimate.Estimate
-) -> tuple[step.UpdateBatch, Any, int]:
-    """(batch, packed, loop trips) of the policy update as the trainer runs it: with
-    --micro_batch_tokens=N the mini-batch's prompts cut to no columns and its sequences in
-    ceil(M / dp) micro-batches of dp rows x N / dp slots (the longest row length), of which
-    `est.packed_micro_batches()` run; else (batch, None, 1)."""
-    N = c.update.micro_batch_tokens
-    if not N:
-        return batch, None, 1
-    dp = parallel.data_parallel_size(mesh)
-    K, M = -(-c.mini_batch // dp), c.mini_batch
-    rows = parallel.ActivationSharding(mesh).named((None, "batch", None), (K, dp, N // dp))
-    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    slots = _abstract((K, dp, N // dp), jnp.int32, rows)
-    packed = packing.PackedBatch(
-        **dict.fromkeys(packing.SLOT_FIELDS, slots),
-        micro_M=_abstract((M,), jnp.int32, whole),
-        start_M=_abstract((M,), jnp.int32, whole),
-        num_micro=_abstract((), jnp.int32, whole),
-    )
-    return packing.for_update(batch), packed, est.packed_micro_batches()
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every program of a plan shares: the run's programs, its abstract params and
+    states, and the bytes that stay resident beside the programs."""
+
+    programs: StepPrograms
+    chip: Any
+    est: plan_estimate.Estimate
+    base: Any  # the policy's params (under LoRA the frozen base)
+    trained: Any  # what the optimizer trains: the params, or the LoRA adapters
+    params: Any  # what the policy's passes read
+    state: Any  # the policy's abstract TrainState
+    critic_state: Any  # PPO's; else None
+    state_bytes: float
+    param_bytes: float
+    frozen_bytes: float  # LoRA: the frozen base, outside the state (also the reference)
+    ref_bytes: float  # the reference's copy (none under LoRA)
+    critic_bytes: float
+
+    @property
+    def config(self) -> TrainConfig:
+        return self.programs.config
+
+    @property
+    def mesh(self) -> Mesh:
+        assert self.programs.mesh is not None  # the planner always plans on a mesh
+        return self.programs.mesh
+
+    @property
+    def lora(self) -> Any:
+        return self.config.lora if self.config.lora.enabled else None
+
+    @property
+    def rows(self) -> tuple[int, int, int]:
+        """(B, P, N): the rollout's rows, prompt columns (bucketed) and completion columns."""
+        r = self.config.rollout
+        return (
+            self.config.batch_size,
+            buckets.bucket_prompt_length(r.max_prompt_tokens),
+            (r.max_new_tokens),
+        )
 
 
-def _bytes(tree) -> float:
-    """Per-device bytes of a tree of abstract arrays (shards, not whole arrays)."""
-    total = 0.0
-    for x in jax.tree.leaves(tree):
-        shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        total += math.prod(shard) * jnp.dtype(x.dtype).itemsize
-    return total
-
-
-def abstract_critic_params(params: Any) -> dict[str, Any]:
-    """PPO's critic params as critic.from_policy lays them out: the policy's without the
-    unembedding, and a head shaped, typed and placed like the final norm."""
-    return {
-        "backbone": {k: v for k, v in params.items() if k != "unembed"},
-        critic.HEAD: params["final_norm"],
-    }
-
-
-def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
-    c, chip = config, topo.chip
+def setup(config: TrainConfig, model_config: ModelConfig, topo: Any, devices: Any) -> Setup:
+    """The run's programs on a mesh of `devices`, and their abstract params and states."""
+    c = config
     mesh = parallel.make_mesh(c.run.mesh, devices)
-    sharding = parallel.ActivationSharding(mesh)
-    dp = parallel.data_parallel_size(mesh)
-    dtype = param_dtype(c.model.param_dtype)
-    base = abstract_params(model_config, mesh, dtype)
+    base = abs_lib.abstract_params(model_config, mesh, param_dtype(c.model.param_dtype))
     lora = c.lora if c.lora.enabled else None
-    # What the optimizer trains (the state's params) and what the policy's passes read.
-    trained = abstract_adapters(model_config, lora, mesh) if lora else base
-    params = abstract_policy(base, trained, lora)
-    optimizer = c.optimizer
-    state_shardings = state_lib.state_shardings(trained, optimizer)
-    abstract_state = state_lib.abstract_state(trained, optimizer, c.run.seed)
-    est = (
-        plan_estimate.LoraEstimate(c, model_config, mesh)
-        if lora
-        else plan_estimate.Estimate(c, model_config, mesh)
-    )
-    rows: list[Row] = []
-    state_bytes, param_bytes = _bytes(abstract_state), _bytes(trained)
-    # LoRA: the frozen base lives outside the state and is the reference (no copy).
-    frozen_bytes = _bytes(base) if lora else 0.0
-    ref_bytes = param_bytes if c.needs_reference and not lora else 0.0
-    # PPO: the critic's state (params and Adam moments) lives beside every program.
-    critic_state = (
-        state_lib.abstract_state(
-            abstract_critic_params(params),
-            critic.optimizer_config(optimizer, c.critic.learning_rate),
-            c.run.seed,
+    trained = abs_lib.abstract_adapters(model_config, lora, mesh) if lora else base
+    params = abs_lib.abstract_policy(base, trained, lora)
+    programs = StepPrograms(c, model_config, mesh)
+    state = state_lib.abstract_state(trained, c.optimizer, c.run.seed)
+    critic_state = None
+    if c.needs_critic:  # PPO: the critic's state (params and Adam moments) beside every program
+        critic_params = abs_lib.abstract_critic_params(params)
+        critic_state = state_lib.abstract_state(
+            critic_params, programs.critic_optimizer, c.run.seed
         )
-        if c.needs_critic
-        else None
-    )
-    critic_bytes = _bytes(critic_state) if critic_state is not None else 0.0
-
-    # create: params in, state out.
-    create = jax.jit(
-        state_lib.TrainState.create, static_argnums=(1, 2), out_shardings=state_shardings
-    )
-    m = _measure(create.lower(trained, optimizer, c.run.seed).compile(), 0, chip)
-    rows.append(
-        Row(
-            "create",
-            resident=ref_bytes + critic_bytes + frozen_bytes,
-            estimate=est.create(ref_bytes + critic_bytes + frozen_bytes),
-            t_hbm=0.0,
-            **m,
-        )
+    est_class = plan_estimate.LoraEstimate if lora else plan_estimate.Estimate
+    param_bytes = per_device_bytes(trained)
+    return Setup(
+        programs=programs,
+        chip=topo.chip,
+        est=est_class(c, model_config, mesh),
+        base=base,
+        trained=trained,
+        params=params,
+        state=state,
+        critic_state=critic_state,
+        state_bytes=per_device_bytes(state),
+        param_bytes=param_bytes,
+        frozen_bytes=per_device_bytes(base) if lora else 0.0,
+        ref_bytes=param_bytes if c.needs_reference and not lora else 0.0,
+        critic_bytes=per_device_bytes(critic_state) if critic_state is not None else 0.0,
     )
 
-    # rollout: all rows of a step, in row chunks.
+
+def plan(config: TrainConfig, model_config: ModelConfig, topo: Any, devices: Any) -> Plan:
+    """Every program of one training step of `config`, compiled and measured."""
+    s = setup(config, model_config, topo, devices)
+    rows = [create_row(s)]
+    rollout_row, rollout = sample_row(s)
+    rows += [rollout_row, *teacher_forced_rows(s), *update_rows(s)]
+    update = next(r for r in rows if r.program == "update")
+    textbook = s.est.textbook_update_collectives(s.programs.num_micro)
+    update_bytes = sum(v for k, v in update.collectives.items() if k != "link")
+    shape = dict(zip(s.mesh.axis_names, s.mesh.devices.shape))
+    return Plan(
+        _title(s, model_config),
+        ",".join(f"{k}:{v}" for k, v in shape.items()),
+        topo,
+        rows,
+        update_bytes / textbook,
+        rollout,
+        abs_lib.count(s.trained),
+    )
+
+
+def create_row(s: Setup) -> Row:
+    """TrainState.create: params in, state out."""
+    m = _measure(s.programs.create(s.trained).lower(s.trained).compile(), 0, s.chip)
+    resident = s.ref_bytes + s.critic_bytes + s.frozen_bytes
+    return Row("create", resident=resident, estimate=s.est.create(resident), t_hbm=0.0, **m)
+
+
+def sample_layout(s: Setup) -> tuple[int, int, int]:
+    """(rows, prompt group, chunks) of the rollout's decode. ReMax samples one more (greedy)
+    row per prompt in the same call, chunked and padded as sampler.generate does it: chunks
+    of whole prompts on whole data-parallel shards."""
+    c = s.config
     G, B = c.rollout.group_size, c.batch_size
-    P = buckets.bucket_prompt_length(c.rollout.max_prompt_tokens)
-    N = c.rollout.max_new_tokens
     num_chunks = parallel.num_row_chunks(B, c.rollout.rollout_micro_batch, G)
-    key_dtype = jax.random.key(0).dtype
-    # ReMax samples one more (greedy) row per prompt in the same call, chunked and padded as
-    # sampler.generate does it: chunks of whole prompts on whole data-parallel shards.
-    remax = c.algorithm.advantage == "remax"
-    Gs, Bs, sample_chunks = G + int(remax), B // G * (G + int(remax)), num_chunks
-    if remax:
-        unit, R = math.lcm(Gs, dp), c.rollout.rollout_micro_batch
-        chunk = unit * max(1, R // unit) if R and R < Bs else unit
-        sample_chunks = -(-Bs // chunk) if R and R < Bs else 1
-        Bs = -(-Bs // chunk) * chunk
-    lowered = sampler.generate_tokens.lower(
-        params,
-        _rows(mesh, (Bs, P), jnp.int32),
-        _rows(mesh, (Bs, P), bool),
-        _rows(mesh, (Bs,), bool),
-        _rows(mesh, (Bs,), key_dtype),
+    if c.algorithm.advantage != "remax":
+        return B, G, num_chunks
+    Gs, Bs = G + 1, B // G * (G + 1)
+    unit, R = math.lcm(Gs, s.programs.data_parallel), c.rollout.rollout_micro_batch
+    chunk = unit * max(1, R // unit) if R and R < Bs else unit
+    sample_chunks = -(-Bs // chunk) if R and R < Bs else 1
+    return -(-Bs // chunk) * chunk, Gs, sample_chunks
+
+
+def sample_inputs(s: Setup, Bs: int, P: int, greedy: bool) -> tuple[tuple, dict]:
+    """(arguments, keyword arguments) of the decode program for Bs rows of P columns."""
+    mesh, key_dtype = s.mesh, jax.random.key(0).dtype
+    args = (
+        s.params,
+        abs_lib.rows(mesh, (Bs, P), jnp.int32),
+        abs_lib.rows(mesh, (Bs, P), bool),
+        abs_lib.rows(mesh, (Bs,), bool),
+        abs_lib.rows(mesh, (Bs,), key_dtype),
         jax.ShapeDtypeStruct((8,), jnp.int32),
         jax.ShapeDtypeStruct((), jnp.int32),
-        model_config=model_config,
-        sampling=c.rollout.sampling,
-        max_new_tokens=N,
-        mesh=mesh,
-        prompt_group=Gs,
-        num_chunks=sample_chunks,
-        cache_dtype=dtype,
-        greedy_B=_rows(mesh, (Bs,), bool) if remax else None,
     )
+    return args, dict(greedy_B=abs_lib.rows(mesh, (Bs,), bool)) if greedy else {}
+
+
+def lower_sample(s: Setup, P: int) -> Any:
+    """The rollout's decode program lowered for prompts of P columns."""
+    Bs, Gs, sample_chunks = sample_layout(s)
+    remax = s.config.algorithm.advantage == "remax"
+    args, kwargs = sample_inputs(s, Bs, P, remax)
+    return s.programs.sample(Gs, sample_chunks, greedy=remax).lower(*args, **kwargs)
+
+
+def sample_row(s: Setup) -> tuple[Row, Rollout]:
+    """The rollout: all rows of a step, in row chunks; and its weight traffic."""
+    c, (B, P, N) = s.config, s.rows
+    num_chunks = parallel.num_row_chunks(B, c.rollout.rollout_micro_batch, c.rollout.group_size)
+    Bs, _, sample_chunks = sample_layout(s)
+    lowered = lower_sample(s, P)
     # One device: nothing is partitioned, no collective to read.
     compiled, partitioned = (
-        hlo_analysis.partitioned_hlo(lowered) if mesh.size > 1 else (lowered.compile(), "")
+        hlo_analysis.partitioned_hlo(lowered) if s.mesh.size > 1 else (lowered.compile(), "")
     )
-    m = _measure(compiled, 1, chip, unknown_trip_count=N)
+    m = _measure(compiled, 1, s.chip, unknown_trip_count=N)
     scope = f"/{decode.WEIGHTS_SCOPE}/"
     rollout = Rollout(
         Bs,
@@ -325,73 +308,74 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
         _link_bytes(op for op in hlo_analysis.collectives(partitioned) if scope in op.op_name),
         _link_bytes(hlo_analysis.loop_invariant_collectives(partitioned)),
     )
-    resident = state_bytes - param_bytes + ref_bytes + critic_bytes
-    rows.append(
-        Row(
-            "rollout",
-            resident=resident,
-            estimate=est.rollout(num_chunks, resident),
-            t_hbm=est.rollout_hbm_bytes(num_chunks) / chip.hbm_bw,
-            **m,
-        )
+    resident = s.state_bytes - s.param_bytes + s.ref_bytes + s.critic_bytes
+    row = Row(
+        "rollout",
+        resident=resident,
+        estimate=s.est.rollout(num_chunks, resident),
+        t_hbm=s.est.rollout_hbm_bytes(num_chunks) / s.chip.hbm_bw,
+        **m,
     )
+    return row, rollout
 
-    # reference / old-policy logprobs: one teacher-forced pass over the rollout's rows.
-    seqs = logprobs.Sequences(
-        prompt_tokens_BP=_rows(mesh, (B, P), jnp.int32),
-        prompt_mask_BP=_rows(mesh, (B, P), bool),
-        completion_tokens_BT=_rows(mesh, (B, N), jnp.int32),
-        completion_mask_BT=_rows(mesh, (B, N), bool),
-    )
+
+def lower_logprobs(s: Setup, B: int, P: int, T: int) -> Any:
+    """The teacher-forced logprobs of B rows of P prompt and T completion columns."""
+    seqs = abs_lib.sequences(s.mesh, B, P, T)
+    return s.programs.logprobs(B).lower(s.params, seqs=seqs)
+
+
+def lower_values(s: Setup, B: int, P: int, T: int) -> Any:
+    """PPO's critic values of B rows of P prompt and T completion columns."""
+    seqs = abs_lib.sequences(s.mesh, B, P, T)
+    return s.programs.values(B).lower(s.critic_state.params, seqs=seqs)
+
+
+def teacher_forced_rows(s: Setup) -> list[Row]:
+    """Reference / old-policy logprobs: one teacher-forced pass over the rollout's rows; PPO:
+    the critic's values of the rollout, once per step."""
+    c, (B, P, N) = s.config, s.rows
+    group, num_chunks = s.programs.teacher_forced_chunks(B)
     calls = int(c.needs_reference) + int(c.needs_old_logprobs and c.update.recompute_old_logprobs)
-    temperature = c.rollout.sampling.effective_temperature
-    tf_group = c.rollout.layout.prompt_group(B, num_chunks, dp)
-    compiled = logprobs.completion_logprobs_jit.lower(
-        params,
-        model_config,
-        seqs,
-        temperature,
-        prompt_group=tf_group,
-        num_chunks=num_chunks,
-        sharding=sharding,
-    ).compile()
-    m = _measure(compiled, calls, chip)
-    rows.append(
+    resident = s.state_bytes - s.param_bytes + s.ref_bytes + s.critic_bytes
+    compiled = lower_logprobs(s, B, P, N).compile()
+    rows = [
         Row(
             "logprobs",
             resident=resident,
-            estimate=est.logprobs(num_chunks, tf_group, resident),
+            estimate=s.est.logprobs(num_chunks, group, resident),
             t_hbm=0.0,
-            **m,
+            **_measure(compiled, calls, s.chip),
         )
-    )
-    if critic_state is not None:  # PPO: the critic's values of the rollout, once per step
-        compiled = critic.values_jit.lower(
-            critic_state.params,
-            model_config,
-            seqs,
-            prompt_group=tf_group,
-            num_chunks=num_chunks,
-            sharding=sharding,
-        ).compile()
+    ]
+    if s.critic_state is not None:
+        compiled = lower_values(s, B, P, N).compile()
         resident = (
-            state_bytes + ref_bytes + critic_bytes + frozen_bytes - _bytes(critic_state.params)
+            s.state_bytes
+            + s.ref_bytes
+            + s.critic_bytes
+            + s.frozen_bytes
+            - per_device_bytes(s.critic_state.params)
         )
         rows.append(
             Row(
                 "critic values",
                 resident=resident,
                 t_hbm=0.0,
-                estimate=est.logprobs(num_chunks, tf_group, resident, unembed=False),
-                **_measure(compiled, 1, chip),
+                estimate=s.est.logprobs(num_chunks, group, resident, unembed=False),
+                **_measure(compiled, 1, s.chip),
             )
         )
+    return rows
 
-    # update: one optimizer step on a mini-batch.
-    M, num_micro = c.mini_batch, c.mini_batch // c.micro_batch
-    mb_seqs = jax.tree.map(lambda x: _rows(mesh, (M,) + x.shape[1:], x.dtype), seqs)
+
+def mini_batch(s: Setup, P: int, N: int) -> UpdateBatch:
+    """One mini-batch of the rollout's rows (P prompt, N completion columns) as the update
+    receives it."""
+    c, M = s.config, s.config.mini_batch
+    seqs: Sequences = abs_lib.sequences(s.mesh, M, P, N)
     adv = jax.eval_shape(
-        functools.partial(rl.compute_advantages, c.algorithm, group_size=G),
+        functools.partial(rl.compute_advantages, c.algorithm, group_size=c.rollout.group_size),
         jax.ShapeDtypeStruct((M,), jnp.float32),
         jax.ShapeDtypeStruct((M,), bool),
         jax.ShapeDtypeStruct((M, N), bool),
@@ -400,98 +384,78 @@ def plan(config: TrainConfig, model_config: ModelConfig, topo, devices) -> Plan:
         ref_logp_BT=jax.ShapeDtypeStruct((M, N), jnp.float32),
         baseline_B=jax.ShapeDtypeStruct((M,), jnp.float32),  # ReMax
         baseline_correct_B=jax.ShapeDtypeStruct((M,), bool),
-        values_BT=jax.ShapeDtypeStruct((M, N), jnp.float32)  # PPO
-        if c.needs_critic
-        else None,
+        values_BT=jax.ShapeDtypeStruct((M, N), jnp.float32) if c.needs_critic else None,
     )[0]
-    logp = _rows(mesh, (M, N), jnp.float32)
-    batch = step.UpdateBatch(
-        seqs=mb_seqs,
-        advantages=_rows(mesh, adv.shape, jnp.float32),
-        keep_B=_rows(mesh, (M,), bool),
-        old_logp_BT=logp if c.needs_old_logprobs else None,
-        ref_logp_BT=logp if c.needs_reference else None,
-        behaviour_logp_BT=logp if c.keeps_behaviour_logprobs else None,
-        old_values_BT=logp if c.needs_critic else None,
-        returns_BT=logp if c.needs_critic else None,
-    )
-    layout = c.rollout.layout.shuffled() if c.reshuffles_rows else c.rollout.layout
-    update_group = layout.prompt_group(M, num_micro, dp)
-    policy_batch, packed, trips = _packed_update(c, mesh, batch, est)
-    compiled = step.train_step.lower(
-        abstract_state,
-        policy_batch,
-        packed=packed,
-        model_config=model_config,
-        algorithm=c.update_algorithm,
-        optimizer=optimizer,
-        num_micro=num_micro,
-        temperature=temperature,
-        remat=c.model.remat,
-        prompt_group=update_group,
-        sharding=sharding,
-        lora=lora,
-        frozen=base if lora else None,
-    ).compile()
-    m = _measure(compiled, c.updates_per_step, chip, unknown_trip_count=trips)
-    rollout_batch = (
-        B
-        / dp
-        * (
-            P * 5
-            + N * (4 + 1 + 4 * (1 + c.needs_reference + c.needs_old_logprobs + 2 * c.needs_critic))
-        )
-    )
-    resident = ref_bytes + rollout_batch + critic_bytes
-    rows.append(
-        Row(
-            "update", resident=resident, estimate=est.update(update_group, resident), t_hbm=0.0, **m
-        )
-    )
-    if critic_state is not None:  # PPO: the critic's update on every mini-batch
-        compiled = critic.critic_step.lower(
-            critic_state,
-            batch,
-            model_config=model_config,
-            algorithm=c.update_algorithm,
-            optimizer=critic.optimizer_config(optimizer, c.critic.learning_rate),
-            num_micro=num_micro,
-            remat=c.model.remat,
-            prompt_group=update_group,
-            sharding=sharding,
-        ).compile()
-        resident = state_bytes + ref_bytes + rollout_batch + frozen_bytes
+    sort = minibatches.sorts_by_length(c)
+    layout = c.rollout.layout.shuffled() if c.reshuffles_rows or sort else c.rollout.layout
+    return dataclasses.replace(abs_lib.update_batch(c, s.mesh, seqs, adv), layout=layout)
+
+
+def lower_update(s: Setup, P: int, N: int) -> Any:
+    """The policy's update on a mini-batch of P prompt and N completion columns (packed
+    with --micro_batch_tokens; LoRA: the frozen base beside the state)."""
+    c = s.config
+    batch = mini_batch(s, P, N)
+    policy_batch, packed = batch, None
+    if c.update.micro_batch_tokens:  # the packed rows hold the prompts
+        policy_batch, packed = packing.for_update(batch), abs_lib.packed_rows(c, s.mesh)
+    sort = minibatches.sorts_by_length(c)
+    classes = step.length_classes(N, c.update.micro_batch_length_classes) if sort else ()
+    program = s.programs.policy_update(s.programs.update_group(batch), classes)
+    frozen = s.base if s.lora else None
+    return program.lower(s.state, policy_batch, packed=packed, frozen=frozen, dropout_key=None)
+
+
+def lower_critic_update(s: Setup, P: int, N: int) -> Any:
+    """PPO's critic update on a mini-batch of P prompt and N completion columns."""
+    batch = mini_batch(s, P, N)
+    return s.programs.critic_update(s.programs.update_group(batch)).lower(s.critic_state, batch)
+
+
+def update_rows(s: Setup) -> list[Row]:
+    """The policy's update on one mini-batch (and PPO's critic update)."""
+    c, (B, P, N) = s.config, s.rows
+    trips = s.est.packed_micro_batches() if c.update.micro_batch_tokens else 1
+    compiled = lower_update(s, P, N).compile()
+    group = s.programs.update_group(mini_batch(s, P, N))
+    m = _measure(compiled, c.updates_per_step, s.chip, unknown_trip_count=trips)
+    per_row = P * 5 + N * (4 + 1 + 4 * (1 + c.needs_reference + c.needs_old_logprobs))
+    rollout_batch = B / s.programs.data_parallel * (per_row + N * 4 * 2 * c.needs_critic)
+    resident = s.ref_bytes + rollout_batch + s.critic_bytes
+    rows = [
+        Row("update", resident=resident, estimate=s.est.update(group, resident), t_hbm=0.0, **m)
+    ]
+    if s.critic_state is not None:
+        compiled = lower_critic_update(s, P, N).compile()
+        resident = s.state_bytes + s.ref_bytes + rollout_batch + s.frozen_bytes
         rows.append(
             Row(
                 "critic update",
                 resident=resident,
                 t_hbm=0.0,
-                estimate=est.update(update_group, resident, unembed=False, packed=False),
-                **_measure(compiled, c.updates_per_step, chip),
+                estimate=s.est.update(group, resident, unembed=False, packed=False),
+                **_measure(compiled, c.updates_per_step, s.chip),
             )
         )
-    textbook = est.textbook_update_collectives(num_micro)
-    update_bytes = sum(v for k, v in m["collectives"].items() if k != "link")
-    shape = dict(zip(mesh.axis_names, mesh.devices.shape))
-    title = (
+    return rows
+
+
+def _title(s: Setup, model_config: ModelConfig) -> str:
+    c, (B, _, N) = s.config, s.rows
+    num_chunks = parallel.num_row_chunks(B, c.rollout.rollout_micro_batch, c.rollout.group_size)
+    lora = s.lora
+    return (
         f"{os.path.basename(c.run.workdir)}: {model_config.num_params / 1e9:.2f}B params "
-        f"{c.model.param_dtype}, {c.rollout.prompts_per_step} prompts x {G} = {B} rows, "
-        f"{c.rollout.max_prompt_tokens}+{N} tokens, mini-batch {M}, "
+        f"{c.model.param_dtype}, {c.rollout.prompts_per_step} prompts x "
+        f"{c.rollout.group_size} = {B} rows, "
+        f"{c.rollout.max_prompt_tokens}+{N} tokens, mini-batch {c.mini_batch}, "
         f"micro-batch {c.micro_batch}, rollout chunk {B // num_chunks} rows, "
         f"remat {c.model.remat}"
         + (
             f"; LoRA rank {lora.rank} on {','.join(lora.targets)}: "
-            f"{_count(trained) / 1e6:.1f}M adapter params, frozen base (also the reference)"
+            f"{abs_lib.count(s.trained) / 1e6:.1f}M adapter params, frozen base (also the "
+            "reference)"
             if lora
             else ""
         )
-    )
-    return Plan(
-        title,
-        ",".join(f"{k}:{v}" for k, v in shape.items()),
-        topo,
-        rows,
-        update_bytes / textbook,
-        rollout,
-        _count(trained),
     )

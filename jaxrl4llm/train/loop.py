@@ -1,10 +1,10 @@
 """The training loop: `setup`, then per step a flat list of named stages.
 
-    models, services = setup(config)                            # services.py
+    models, services = setup(config)          # services.py (with the step's programs)
     for step:
         batch, metrics = rollout(...)   # sample -> score -> filter -> ref / old logprobs
-                                        # -> advantages (rollout.py)
-        models, m = update(...)         # every mini-batch's optimizer update (update.py)
+                                        # -> advantages (rollout/stage.py)
+        models, m = update(...)         # every mini-batch's optimizer update (updater.py)
         models = models.next_step()
         maybe_evaluate, log, watch for divergence, maybe_checkpoint      (below)
 
@@ -36,7 +36,7 @@ from jaxrl4llm.train.infra.workdir_lock import WorkdirLock
 from jaxrl4llm.train.rollout.stage import rollout
 from jaxrl4llm.train.services import Services, setup
 from jaxrl4llm.train.update.models import Models
-from jaxrl4llm.train.update.stage import Updater
+from jaxrl4llm.train.updater import Updater
 
 
 def run(config: TrainConfig, devices: list | None = None) -> dict[str, Any]:
@@ -149,6 +149,7 @@ def _step(
         next_records=lambda: next(services.iterator),  # dynamic sampling
         critic_params=None if models.critic_state is None else models.critic_state.params,
         in_flight=services.in_flight,
+        programs=services.programs,
     )
     host_memory.release_free_memory()  # the sampler's freed buffers, before the update
     models, update_metrics = updater(models, batch, step, jax.random.fold_in(step_key, 1))

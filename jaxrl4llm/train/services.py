@@ -10,6 +10,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from absl import logging
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxrl4llm import parallel
@@ -19,6 +20,7 @@ from jaxrl4llm.envs import EnvService, open_env_service
 from jaxrl4llm.eval import evaluator
 from jaxrl4llm.eval.config import EvalConfig
 from jaxrl4llm.models import registry
+from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.rewards import RewardFn
 from jaxrl4llm.sampling import buckets
 from jaxrl4llm.sampling.context import RolloutContext
@@ -26,6 +28,7 @@ from jaxrl4llm.train.config import TrainConfig, param_dtype
 from jaxrl4llm.train.infra import metrics as metrics_lib
 from jaxrl4llm.train.infra.checkpoint import Checkpointer, abstract_like
 from jaxrl4llm.train.infra.resume import check_resume
+from jaxrl4llm.train.programs import StepPrograms
 from jaxrl4llm.train.rollout import partial
 from jaxrl4llm.train.update import adapters, critic
 from jaxrl4llm.train.update.models import Models
@@ -68,8 +71,9 @@ class Services:
     """What a training step uses besides the models; built by `setup`."""
 
     config: TrainConfig
-    mesh: Any
-    model_config: Any  # the policy's ModelConfig, with --compute_dtype
+    mesh: Mesh
+    model_config: ModelConfig  # the policy's, with --compute_dtype
+    programs: StepPrograms  # the step's compiled programs (train/programs.py)
     workdir: str
     iterator: Any  # the resumable prompt iterator (this host's shard)
     ctx: RolloutContext  # sampler, tokenizer, reward function, sharding
@@ -134,6 +138,7 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
         config=config,
         mesh=mesh,
         model_config=loaded.model_config,
+        programs=loaded.programs,
         workdir=workdir,
         iterator=iterator,
         ctx=ctx,
@@ -148,7 +153,7 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
     )
 
 
-def _open_data(config: TrainConfig, mesh: Any) -> tuple[Any, Evaluation]:
+def _open_data(config: TrainConfig, mesh: Mesh) -> tuple[Any, Evaluation]:
     """The training prompts' resumable iterator (this host's shard) and the held-out
     evaluation's prompts; reading them is what fails on a bad source or split."""
     source = make_source(
@@ -179,14 +184,15 @@ def _write_config(workdir: str, config: TrainConfig) -> None:
 @dataclasses.dataclass(frozen=True)
 class LoadedModels:
     """`_load_models`' result: the run's fresh `Models`, the policy's ModelConfig (with
-    --compute_dtype) and the tokenizer."""
+    --compute_dtype), the tokenizer and the step's programs built for them."""
 
     models: Models
-    model_config: Any
+    model_config: ModelConfig
     tokenizer: Any
+    programs: StepPrograms
 
 
-def _load_models(config: TrainConfig, mesh: Any) -> LoadedModels:
+def _load_models(config: TrainConfig, mesh: Mesh) -> LoadedModels:
     """Loads the policy onto the mesh, checks the context length against it, and builds the
     states: the policy's (its params, or LoRA adapters on the frozen base), PPO's critic,
     and the reference."""
@@ -207,14 +213,17 @@ def _load_models(config: TrainConfig, mesh: Any) -> LoadedModels:
         # A separate copy: the policy's buffers are donated to each update.
         ref_params = jax.tree.map(jnp.copy, params) if config.needs_reference else None
         trained = params
+    programs = StepPrograms(config, model_config, mesh)
     models = Models(
-        state=create_state(trained, config.optimizer, config.run.seed),
+        state=programs.create(trained)(trained),
         critic_state=_create_critic(config, params, model_config, mesh),
         ref_params=ref_params,
         base_params=params if lora else None,
         lora=lora,
     )
-    return LoadedModels(models=models, model_config=model_config, tokenizer=tokenizer)
+    return LoadedModels(
+        models=models, model_config=model_config, tokenizer=tokenizer, programs=programs
+    )
 
 
 def _restore_latest(
@@ -239,7 +248,7 @@ def _restore_latest(
     return models, start
 
 
-def _prompts_per_host(config: TrainConfig, mesh: Any) -> int:
+def _prompts_per_host(config: TrainConfig, mesh: Mesh) -> int:
     """Each host feeds an equal share of the prompts, filling its data-parallel devices."""
     hosts = jax.process_count()
     P = config.rollout.prompts_per_step
@@ -258,7 +267,7 @@ def _prompts_per_host(config: TrainConfig, mesh: Any) -> int:
 
 
 def _create_critic(
-    config: TrainConfig, params: Any, model_config: Any, mesh: Any
+    config: TrainConfig, params: Any, model_config: ModelConfig, mesh: Any
 ) -> TrainState | None:
     """PPO's critic state (None for every other algorithm): from --critic_model, else the
     policy's weights with a zero head, laid out like the policy."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jax.sharding import Mesh
+
 from jaxrl4llm.config import paths
 from jaxrl4llm.models import lora as lora_lib
 from jaxrl4llm.models import registry
@@ -15,7 +17,7 @@ from jaxrl4llm.train.update.state import abstract_state
 
 
 def load_trained_policy(
-    workdir: str, step: int | None = None, mesh: Any = None
+    workdir: str, step: int | None = None, mesh: Mesh | None = None
 ) -> tuple[Any, Any, Any, Any]:
     """(train config, model config, trained params, tokenizer) of a training workdir.
 
@@ -28,7 +30,7 @@ def load_trained_policy(
 
 
 def load_trained_models(
-    workdir: str, step: int | None = None, mesh: Any = None, *, merge_lora: bool = True
+    workdir: str, step: int | None = None, mesh: Mesh | None = None, *, merge_lora: bool = True
 ) -> tuple[Any, Any, Any, Any, Any]:
     """(train config, model config, policy params, critic params or None, tokenizer): as
     `load_trained_policy`, with PPO's critic when the run trained one. `merge_lora=False`:

@@ -1,5 +1,5 @@
 """The update stage of a training step: every mini-batch of the rollout's batch through the
-jitted policy update (and PPO's critic update), compiled once per shape."""
+policy update program (and PPO's critic update), each compiled once per shape."""
 
 from __future__ import annotations
 
@@ -10,46 +10,26 @@ from typing import Any
 import jax
 
 from jaxrl4llm import parallel
+from jaxrl4llm.program import Program
 from jaxrl4llm.rl.metrics import Metric, combine_metrics
+from jaxrl4llm.train.infra import host_memory
 from jaxrl4llm.train.infra import metrics as metrics_lib
-from jaxrl4llm.train.update import critic, packing
+from jaxrl4llm.train.services import Services
+from jaxrl4llm.train.update import packing
 from jaxrl4llm.train.update.minibatches import minibatches
 from jaxrl4llm.train.update.models import Models
 from jaxrl4llm.train.update.packing import PackedBatch
-from jaxrl4llm.train.update.step import UpdateBatch, compile_train_step, train_step
+from jaxrl4llm.train.update.step import UpdateBatch
 
 
 @dataclasses.dataclass
 class Updater:
-    """Runs the update stage; remembers the update shapes compiled so far (each new shape
-    is compiled ahead of its first call, see step.compile_train_step)."""
+    """Runs the update stage with the run's programs (`services.programs`); remembers the
+    update shapes compiled so far (each new shape is compiled ahead of its first call, see
+    `compile_ahead`)."""
 
-    services: Any
+    services: Services
     compiled: set = dataclasses.field(default_factory=set)
-
-    def __post_init__(self):
-        config, ctx = self.services.config, self.services.ctx
-        self.num_micro = config.mini_batch // config.micro_batch
-        self.data_parallel = parallel.data_parallel_size(self.services.mesh)
-        model_config = self.services.model_config
-        self.policy_static = dict(
-            model_config=model_config,
-            algorithm=config.update_algorithm,
-            optimizer=config.optimizer,
-            num_micro=self.num_micro,
-            temperature=config.rollout.sampling.effective_temperature,
-            remat=config.model.remat,
-            sharding=ctx.sharding,
-            lora=config.lora if config.lora.enabled else None,
-        )
-        self.critic_static = dict(
-            model_config=model_config,
-            algorithm=config.update_algorithm,
-            optimizer=critic.optimizer_config(config.optimizer, config.critic.learning_rate),
-            num_micro=self.num_micro,
-            remat=config.model.remat,
-            sharding=ctx.sharding,
-        )
 
     def __call__(
         self, models: Models, batch: UpdateBatch, step: int, key: jax.Array
@@ -73,10 +53,10 @@ class Updater:
             packed = None if choice is None else choice.batch
             if choice is not None:
                 choices.append(choice)
-            # Rows still in their groups run each group's prompt once.
-            prompt_group = mini_batch.layout.prompt_group(
-                mini_batch.keep_B.shape[0], self.num_micro, self.data_parallel
-            )
+            # The layout the update compiles for (and tools/plan.py plans), whichever
+            # program made each array.
+            mini_batch = parallel.on_batch_axes(mini_batch, self.services.mesh)
+            prompt_group = self.services.programs.update_group(mini_batch)
             # PPO: the first steps train the critic only.
             if step >= config.critic.warmup_steps:
                 models, m = self._policy_update(
@@ -89,9 +69,8 @@ class Updater:
                 )
                 metrics = combine_metrics(metrics, m)
             if models.critic_state is not None:
-                critic_state, m = critic.critic_step(
-                    models.critic_state, mini_batch, prompt_group=prompt_group, **self.critic_static
-                )
+                critic_update = self.services.programs.critic_update(prompt_group)
+                critic_state, m = critic_update(models.critic_state, mini_batch)
                 models = dataclasses.replace(models, critic_state=critic_state)
                 metrics = combine_metrics(metrics, m)
         host = metrics_lib.to_host_scalars(metrics)  # waits for the updates
@@ -127,22 +106,17 @@ class Updater:
             dropout_key=key if lora.enabled and lora.dropout > 0 else None,
             packed=packed,
         )
+        policy_update = self.services.programs.policy_update(prompt_group, classes)
         if signature not in self.compiled:
-            compile_train_step(
-                models.state,
-                mini_batch,
-                prompt_group=prompt_group,
-                length_classes=classes,
-                **inputs,
-                **self.policy_static,
-            )
+            compile_ahead(policy_update, models.state, mini_batch, **inputs)
             self.compiled.add(signature)
-        state, metrics = train_step(
-            models.state,
-            mini_batch,
-            prompt_group=prompt_group,
-            length_classes=classes,
-            **inputs,
-            **self.policy_static,
-        )
+        state, metrics = policy_update(models.state, mini_batch, **inputs)
         return dataclasses.replace(models, state=state), metrics
+
+
+def compile_ahead(program: Program, *args: Any, **kwargs: Any) -> None:
+    """Compiles `program` for these arguments' shapes ahead of its first call (the jitted
+    call reuses the executable), then hands the compiler's freed heap back to the OS: on
+    CPU, the compiler's leftovers would otherwise sit under the update's own peak."""
+    program.lower(*args, **kwargs).compile()
+    host_memory.release_free_memory()

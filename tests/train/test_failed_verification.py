@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl4llm import rl
-from jaxrl4llm.train.rollout import stage as rollout
+from jaxrl4llm.train.update import advantages
 
 G, T = 4, 3
 REWARDS = np.array(
@@ -44,8 +44,7 @@ def _np_group_normalized(r, valid, ddof=1, eps=1e-6):
 
 
 def _advantages(config, valid=VALID):
-    adv, _, keep, metrics = rollout._advantages(  # (_: PPO's returns, None here)
-        config,
+    adv, _, keep, metrics = advantages.advantages(  # (_: PPO's returns, None here)
         jnp.asarray(REWARDS),
         jnp.asarray(CORRECT),
         jnp.asarray(MASK),
@@ -54,6 +53,7 @@ def _advantages(config, valid=VALID):
         jnp.asarray(valid),
         jnp.zeros((8, T)),
         None,
+        config=config,
         group_size=G,
     )
     return adv, keep, metrics

@@ -10,7 +10,7 @@ from jaxrl4llm import rl
 from jaxrl4llm.train import loop
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.infra.metrics import read_metrics
-from jaxrl4llm.train.rollout import stage as rollout
+from jaxrl4llm.train.update import advantages
 from jaxrl4llm.train.update.state import OptimizerConfig
 
 
@@ -53,8 +53,7 @@ def test_dropped_prompts_leave_the_batch_statistics():
     mask = np.ones((12, T), np.float32)
     mask[dropped] = 0.0
     lp = jnp.zeros((12, T))
-    adv, _, keep, _ = rollout._advantages(  # (PPO's returns: None here)
-        rl.get_preset("lite_ppo"),
+    adv, _, keep, _ = advantages.advantages(  # (PPO's returns: None here)
         jnp.asarray(rewards),
         jnp.asarray(rewards > 0),
         jnp.asarray(mask),
@@ -63,6 +62,7 @@ def test_dropped_prompts_leave_the_batch_statistics():
         jnp.ones(12, bool),
         lp,
         lp,
+        config=rl.get_preset("lite_ppo"),
         group_size=G,
     )
     centered = np.r_[0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]

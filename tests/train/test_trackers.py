@@ -119,6 +119,16 @@ def test_an_unknown_or_missing_tracker_is_a_flag_error(monkeypatch):
     ).run.tracker_names == ("mlflow",)
 
 
+def test_tensorboard_is_a_deprecated_alias_of_trackers(caplog):
+    base = TrainConfig().replace(trackers="wandb,mlflow")
+    assert base.run.tracker_names == ("wandb", "mlflow")  # unset: --trackers alone
+    assert base.replace(tensorboard=True).run.tracker_names == ("tensorboard", "wandb", "mlflow")
+    assert TrainConfig().replace(tensorboard=False).run.tracker_names == ()
+    with caplog.at_level("WARNING"):
+        validate(TrainConfig().replace(tensorboard=False), 8)
+    assert "--notensorboard is deprecated" in caplog.text and "--trackers=." in caplog.text
+
+
 def test_only_named_trackers_are_imported(tmp_path):
     writer = metrics.MetricsWriter(str(tmp_path), trackers=())
     writer.write(1, {"reward/mean": 1.0})

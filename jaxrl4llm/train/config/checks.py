@@ -9,6 +9,7 @@ import math
 import os
 
 import jax
+from absl import logging
 
 from jaxrl4llm import envs, parallel, rl
 from jaxrl4llm.config import options, paths
@@ -168,6 +169,12 @@ def _validate_values(config: TrainConfig) -> None:
     )
     require(r.long_prompts in LONG_PROMPT_MODES, "--long_prompts: choose error or drop.")
     check_installed(run.tracker_names)  # a bad name: ValueError naming the flag
+    if run.tensorboard is not None:
+        logging.warning(
+            "--%stensorboard is deprecated and goes in the next release: use --trackers=%s.",
+            "" if run.tensorboard else "no",
+            ",".join(run.tracker_names),
+        )
     require(
         r.decode_slots >= 0,
         f"--decode_slots={r.decode_slots} must be >= 0 (0: every "

@@ -7,7 +7,10 @@ as TrainConfig's fields and their flags.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the models layer is below; a type only here
+    from jaxrl4llm.models.config import ModelConfig
 
 DTYPES = ("float32", "bfloat16")
 # --trackers' names (train/infra/trackers.py writes to them).
@@ -55,7 +58,7 @@ class ModelOptions:
     remat: bool = False
     init_adapter: str | None = None
 
-    def compute_config(self, model_config: Any) -> Any:
+    def compute_config(self, model_config: ModelConfig) -> ModelConfig:
         """The loaded model's ModelConfig with this run's --compute_dtype."""
         return dataclasses.replace(model_config, compute_dtype=self.compute_dtype)
 
@@ -123,7 +126,8 @@ class RunConfig:
     seed: Random seed.
     trackers: Where metrics go beside metrics.jsonl, comma-separated: tensorboard, wandb,
         mlflow (empty: none). wandb and mlflow are optional extras; both work offline.
-    tensorboard: Keep tensorboard in --trackers (--notensorboard drops it).
+    tensorboard: Deprecated alias of --trackers, kept for one release: --notensorboard drops
+        tensorboard from --trackers, --tensorboard adds it (unset: --trackers alone).
     distributed: Call jax.distributed.initialize (multi-host; cluster auto-detection).
     """
 
@@ -134,13 +138,16 @@ class RunConfig:
     workdir: str = "workdirs/run"
     seed: int = 0
     trackers: str = "tensorboard"
-    tensorboard: bool = True
+    tensorboard: bool | None = None
     distributed: bool = False
 
     @property
     def tracker_names(self) -> tuple[str, ...]:
-        """The trackers this run writes to (--trackers, less tensorboard with
-        --notensorboard)."""
-        return tuple(
-            n for n in parse_trackers(self.trackers) if n != "tensorboard" or self.tensorboard
-        )
+        """The trackers this run writes to: --trackers, with the deprecated --tensorboard /
+        --notensorboard adding / dropping tensorboard."""
+        names = parse_trackers(self.trackers)
+        if self.tensorboard is False:
+            return tuple(n for n in names if n != "tensorboard")
+        if self.tensorboard and "tensorboard" not in names:
+            return ("tensorboard", *names)
+        return names

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl4llm import parallel, rl
+from jaxrl4llm import parallel
 from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.sampling import buckets, multiturn
 from jaxrl4llm.sampling.context import RolloutContext
@@ -24,8 +24,9 @@ from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.rounds import Rounds, sample_and_score
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.infra import metrics as metrics_lib
-from jaxrl4llm.train.update import critic, packing
-from jaxrl4llm.train.update.logprobs import Sequences, completion_logprobs_jit
+from jaxrl4llm.train.programs import StepPrograms
+from jaxrl4llm.train.update import packing
+from jaxrl4llm.train.update.logprobs import Sequences
 from jaxrl4llm.train.update.step import UpdateBatch
 
 
@@ -36,41 +37,6 @@ def _global_rows(ctx: RolloutContext, local: np.ndarray) -> jax.Array:
     mesh = ctx.sampler.mesh
     assert mesh is not None  # several hosts always run on one mesh (train.services)
     return jax.make_array_from_process_local_data(parallel.batch_sharding(mesh, local.ndim), local)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "group_size"))
-def _advantages(
-    config,
-    rewards_B,
-    correct_B,
-    mask_BT,
-    truncated_B,
-    dropped_B,
-    valid_B,
-    logp_BT,
-    ref_logp_BT,
-    baseline_B=None,
-    baseline_correct_B=None,
-    values_BT=None,
-    *,
-    group_size,
-):
-    # Rows without a reward (verification failed, or the prompt was skipped as too long) leave
-    # the loss and every statistic (batch mean / std, whitening). returns_BT: None unless PPO.
-    return rl.compute_advantages_and_returns(
-        config,
-        rewards_B,
-        correct_B,
-        mask_BT,
-        group_size,
-        truncated_B=truncated_B,
-        logp_BT=logp_BT,
-        ref_logp_BT=ref_logp_BT,
-        valid_B=valid_B & ~dropped_B,
-        baseline_B=baseline_B,
-        baseline_correct_B=baseline_correct_B,
-        values_BT=values_BT,
-    )
 
 
 def _group_metrics(correct_B: np.ndarray, group_size: int) -> dict[str, Metric]:
@@ -92,14 +58,18 @@ def rollout(
     next_records: Any = None,
     critic_params: Any = None,
     in_flight: Any = None,
+    programs: StepPrograms | None = None,
 ) -> tuple[UpdateBatch, dict[str, float]]:
     """Builds the update batch of one training step (B = len(records) * group_size rows):
     sample -> score -> filter (`sample_and_score`, in rounds when dynamic sampling
     resamples), then the teacher-forced passes (reference / old logprobs, PPO's values) and
     the advantages. `next_records()` gives more prompts when dynamic sampling resamples
     (default: the same). `critic_params` (PPO): the critic's values of the batch give the
-    advantages and returns. `in_flight` (partial rollouts: train.partial.InFlight) samples
-    the step's groups instead, carrying unfinished rows to the next step."""
+    advantages and returns. `in_flight` (partial rollouts: train.rollout.partial.InFlight) samples
+    the step's groups instead, carrying unfinished rows to the next step. `programs`: the
+    run's StepPrograms (default: built from `config` and the sampler's model and mesh)."""
+    if programs is None:
+        programs = StepPrograms(config, ctx.sampler.model_config, ctx.sampler.mesh)
     if in_flight is not None:
         rows, round_metrics = in_flight.sample_and_score(ctx, params, records, key, next_records)
     else:
@@ -120,7 +90,7 @@ def rollout(
         )
     )
     batch, adv_metrics, packed_tokens = _update_batch(
-        ctx, config, params, ref_params, critic_params, rows, out
+        ctx, programs, params, ref_params, critic_params, rows, out
     )
     jax.block_until_ready(batch)
     t_logprobs = time.perf_counter() - t0
@@ -134,7 +104,7 @@ def rollout(
 
 def _update_batch(
     ctx: RolloutContext,
-    config: TrainConfig,
+    programs: StepPrograms,
     params: Any,
     ref_params: Any,
     critic_params: Any,
@@ -151,8 +121,9 @@ def _update_batch(
         completion_mask_BT=out.mask_BT,
         observation_mask_BT=out.observation_BT,
     )
-    forced = _teacher_forced(ctx, config, seqs, params, ref_params, critic_params, out)
-    adv = _batch_advantages(ctx, config, rows, out, forced)
+    config = programs.config
+    forced = _teacher_forced(ctx, programs, seqs, params, ref_params, critic_params, out)
+    adv = _batch_advantages(ctx, programs, rows, out, forced)
     batch = UpdateBatch(
         seqs=seqs,
         advantages=adv.advantages_BT,
@@ -186,7 +157,7 @@ class TeacherForced:
 
 def _teacher_forced(
     ctx: RolloutContext,
-    config: TrainConfig,
+    programs: StepPrograms,
     seqs: Sequences,
     params: Any,
     ref_params: Any,
@@ -197,9 +168,10 @@ def _teacher_forced(
     prompt once when the layout shares it) or, with --micro_batch_tokens, on the batch's
     sequences packed (train/update/packing.py) where the packed plan's modelled FLOPs are below the
     padded passes' (packing.SlotFlops: matmuls per token and attention per row)."""
+    config = programs.config
     recompute = config.needs_old_logprobs and config.update.recompute_old_logprobs
     budget = config.update.micro_batch_tokens
-    logprobs, values, padded_flops = _padded_passes(ctx, config, seqs)
+    logprobs, values, padded_flops = _padded_passes(programs, seqs)
     packed_tokens = None
     if budget and (config.needs_reference or recompute or critic_params is not None):
         flops = packing.SlotFlops.of(ctx.sampler.model_config)
@@ -212,7 +184,7 @@ def _teacher_forced(
         )
         real, slots = packing.real_share(packed)
         if packing.packed_flops(packed, flops) < padded_flops(flops):
-            logprobs, values = _packed_passes(ctx, config, seqs, packed)
+            logprobs, values = _packed_passes(programs, seqs, packed)
             packed_tokens = (real, slots)
     ref_logp = logprobs(ref_params) if config.needs_reference else None
     old_logp = None
@@ -228,54 +200,31 @@ def _teacher_forced(
 
 
 def _padded_passes(
-    ctx: RolloutContext, config: TrainConfig, seqs: Sequences
+    programs: StepPrograms, seqs: Sequences
 ) -> tuple[Any, Any, Callable[[packing.SlotFlops], float]]:
     """(logprobs(params), values(critic_params)) -> [B, T], 0 off the completion mask: the
     padded passes over the [B, prompt + completion] rows, in row chunks of whole groups;
     and a function of packing.SlotFlops giving each pass's modelled FLOPs."""
-    layout = config.rollout.layout
     B = seqs.completion_tokens_BT.shape[0]
-    chunks = parallel.num_row_chunks(
-        B,
-        config.rollout.rollout_micro_batch,
-        layout.group_size if B % layout.group_size == 0 else 1,
-    )
-    mesh = ctx.sampler.mesh
-    data_parallel = 1 if mesh is None else parallel.data_parallel_size(mesh)
-    group = layout.prompt_group(B, chunks, data_parallel)
-    passes = dict(
-        config=ctx.sampler.model_config,
-        seqs=seqs,
-        prompt_group=group,
-        num_chunks=chunks,
-        sharding=ctx.sharding,
-    )
-    logprobs = functools.partial(
-        completion_logprobs_jit, temperature=config.rollout.sampling.effective_temperature, **passes
-    )
+    group, _ = programs.teacher_forced_chunks(B)
     P, T = seqs.prompt_tokens_BP.shape[1], seqs.completion_tokens_BT.shape[1]
     return (
-        logprobs,
-        functools.partial(critic.values_jit, **passes),
+        functools.partial(programs.logprobs(B), seqs=seqs),
+        functools.partial(programs.values(B), seqs=seqs),
         lambda flops: flops.padded(B, P, T, group),
     )
 
 
 def _packed_passes(
-    ctx: RolloutContext, config: TrainConfig, seqs: Sequences, packed: packing.PackedBatch
+    programs: StepPrograms, seqs: Sequences, packed: packing.PackedBatch
 ) -> tuple[Any, Any]:
     """`_padded_passes`' two functions, run on the batch's sequences `packed`: micro-batches
     of packed rows over the data-parallel devices, read back into the [B, T] layout."""
-    passes = dict(
-        config=ctx.sampler.model_config,
-        packed=packed,
-        mask_MT=seqs.completion_mask_BT,
-        sharding=ctx.sharding,
+    passes = dict(packed=packed, mask_MT=seqs.completion_mask_BT)
+    return (
+        functools.partial(programs.packed_logprobs, **passes),
+        functools.partial(programs.packed_values, **passes),
     )
-    logprobs = functools.partial(
-        packing.logprobs_jit, temperature=config.rollout.sampling.effective_temperature, **passes
-    )
-    return logprobs, functools.partial(critic.packed_values_jit, **passes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +239,7 @@ class BatchAdvantages:
 
 
 def _batch_advantages(
-    ctx: RolloutContext, config: TrainConfig, rows: Any, out: Any, forced: TeacherForced
+    ctx: RolloutContext, programs: StepPrograms, rows: Any, out: Any, forced: TeacherForced
 ) -> BatchAdvantages:
     """The rewards, verdicts and ReMax's baseline of this host's rows laid out as the global
     batch, then the algorithm's advantages (and PPO's returns)."""
@@ -304,8 +253,7 @@ def _batch_advantages(
         None if b is None else _global_rows(ctx, b)
         for b in (rows.baseline_B, rows.baseline_correct_B)
     ]
-    advantages, returns, keep_B, adv_metrics = _advantages(
-        config.algorithm,
+    advantages, returns, keep_B, adv_metrics = programs.advantages(
         _global_rows(ctx, verdicts.rewards),
         _global_rows(ctx, verdicts.correct),
         out.mask_BT,
@@ -316,7 +264,6 @@ def _batch_advantages(
         forced.ref_logp_BT,
         *baseline,
         forced.values_BT,
-        group_size=config.rollout.layout.group_size,
     )
     return BatchAdvantages(
         advantages_BT=advantages, returns_BT=returns, keep_B=keep_B, metrics=adv_metrics

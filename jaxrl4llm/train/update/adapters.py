@@ -20,11 +20,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxrl4llm.config.errors import FlagError
 from jaxrl4llm.models import lora as lora_lib
 from jaxrl4llm.models import peft_format, transformer
+from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.lora import LoraConfig
 
 
 def trainable(
-    lora: LoraConfig, model_config: Any, base: Any, seed: int, init: str | None = None
+    lora: LoraConfig, model_config: ModelConfig, base: Any, seed: int, init: str | None = None
 ) -> Any:
     """The params the optimizer trains: `base` itself, or float32 adapters (replicated over
     the base's mesh, if it has one): fresh, or read from the PEFT adapter folder `init`
@@ -44,7 +45,7 @@ def trainable(
     return make(model_config, lora, jax.random.fold_in(jax.random.key(seed), 0x10AA))
 
 
-def param_axes(lora: LoraConfig | None, model_config: Any) -> Any:
+def param_axes(lora: LoraConfig | None, model_config: ModelConfig) -> Any:
     """Logical axes of the trained params (their gradients and optimizer moments)."""
     if lora is None or not lora.enabled:
         return transformer.param_logical_axes(model_config)
@@ -61,7 +62,7 @@ def policy(
     return lora_lib.combine(base, trained, lora, dropout_key)
 
 
-def from_peft(path: str, lora: LoraConfig, model_config: Any, sharding: Any) -> Any:
+def from_peft(path: str, lora: LoraConfig, model_config: ModelConfig, sharding: Any) -> Any:
     """The adapters of a PEFT folder in float32, placed on `sharding` (None: the default
     device); a FlagError naming --init_adapter when the folder's adapter is not `lora`'s or
     does not fit the model."""

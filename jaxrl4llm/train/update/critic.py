@@ -24,14 +24,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxrl4llm import parallel, rl
 from jaxrl4llm.models import registry, transformer, weights
+from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.train.update import packing
 from jaxrl4llm.train.update.logprobs import Sequences, completion_hidden_states, over_row_chunks
 from jaxrl4llm.train.update.state import OptimizerConfig, TrainState
 from jaxrl4llm.train.update.step import (
+    UPDATE_STATICS,
     UpdateBatch,
     accumulate,
     apply_update,
@@ -60,7 +63,7 @@ _SAME_MODEL = (
 )
 
 
-def logical_axes(model_config: Any) -> dict[str, Any]:
+def logical_axes(model_config: ModelConfig) -> dict[str, Any]:
     """The critic params' logical axes: the policy's for the backbone, the final norm's for
     the head (a [D] vector)."""
     axes = dict(transformer.param_logical_axes(model_config))
@@ -82,7 +85,7 @@ def from_policy(params: Any) -> dict[str, Any]:
 
 
 def load(
-    name: str, model_config: Any, mesh: Any = None, dtype: Any = jnp.float32
+    name: str, model_config: ModelConfig, mesh: Mesh | None = None, dtype: Any = jnp.float32
 ) -> dict[str, Any]:
     """The critic read from `--critic_model`: an HF folder or GGUF of the policy's family (the
     backbone; a zero head unless the folder holds transformers' `score` head)."""
@@ -136,7 +139,7 @@ def load(
 
 
 def export(
-    critic_params: Any, model_config: Any, path: str | os.PathLike, tokenizer: Any = None
+    critic_params: Any, model_config: ModelConfig, path: str | os.PathLike, tokenizer: Any = None
 ) -> None:
     """An HF folder `transformers.AutoModelForTokenClassification` loads (num_labels 1: its
     logits [B, L, 1] are the values) and `--critic_model` reads back."""
@@ -168,7 +171,7 @@ def optimizer_config(optimizer: OptimizerConfig, learning_rate: float | None) ->
 
 def completion_values(
     critic_params: Any,
-    model_config: Any,
+    model_config: ModelConfig,
     seqs: Sequences,
     *,
     remat: bool = False,
@@ -192,7 +195,7 @@ def _head(critic_params: Any, h_BTD: jax.Array) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("config", "prompt_group", "num_chunks", "sharding"))
 def values_jit(
     critic_params: Any,
-    config: Any,
+    config: ModelConfig,
     seqs: Sequences,
     prompt_group: int = 1,
     num_chunks: int = 1,
@@ -212,7 +215,7 @@ def values_jit(
 @functools.partial(jax.jit, static_argnames=("config", "sharding"))
 def packed_values_jit(
     critic_params: Any,
-    config: Any,
+    config: ModelConfig,
     packed: packing.PackedBatch,
     mask_MT: jax.Array,
     sharding: parallel.ActivationSharding | None = None,
@@ -236,7 +239,7 @@ def _micro_loss(
     micro_batch: UpdateBatch,
     denominator: jax.Array,
     *,
-    model_config: Any,
+    model_config: ModelConfig,
     algorithm: rl.AlgorithmConfig,
     remat: bool,
     prompt_group: int,
@@ -265,24 +268,12 @@ def _micro_loss(
     return loss_sum / denominator, metrics
 
 
-@functools.partial(
-    jax.jit,
-    donate_argnames=("state",),
-    static_argnames=(
-        "model_config",
-        "algorithm",
-        "optimizer",
-        "num_micro",
-        "remat",
-        "prompt_group",
-        "sharding",
-    ),
-)
+@functools.partial(jax.jit, donate_argnames=("state",), static_argnames=UPDATE_STATICS)
 def critic_step(
     state: TrainState,
     batch: UpdateBatch,
     *,
-    model_config: Any,
+    model_config: ModelConfig,
     algorithm: rl.AlgorithmConfig,
     optimizer: OptimizerConfig,
     num_micro: int,

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models import decoder_layer, transformer, unembedding
+from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling.layout import prompt_completion_rows
 
 Sharding = parallel.ActivationSharding | None
@@ -90,7 +91,7 @@ def logits_chunk_size(batch: int, length: int, vocab_size: int) -> int:
 
 def completion_logprobs(
     params: Any,
-    config: Any,
+    config: ModelConfig,
     seqs: Sequences,
     temperature: float = 1.0,
     chunk_size: int | None = None,
@@ -126,7 +127,7 @@ def completion_logprobs(
 
 def logprobs_from_hidden(
     params: Any,
-    config: Any,
+    config: ModelConfig,
     h_BTD: jax.Array,
     targets_BT: jax.Array,
     temperature: float,
@@ -172,7 +173,7 @@ def logprobs_from_hidden(
 
 def completion_hidden_states(
     params: Any,
-    config: Any,
+    config: ModelConfig,
     seqs: Sequences,
     *,
     remat: bool = False,
@@ -247,7 +248,7 @@ def _chunked_logprobs(
 )
 def completion_logprobs_jit(
     params: Any,
-    config: Any,
+    config: ModelConfig,
     seqs: Sequences,
     temperature: float,
     chunk_size: int | None = None,

@@ -7,8 +7,10 @@ from typing import Any, Iterator, NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxrl4llm import parallel
+from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import buckets
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.update import packing
@@ -37,7 +39,11 @@ class MiniBatch(NamedTuple):
 
 
 def minibatches(
-    batch: UpdateBatch, config: TrainConfig, key: jax.Array, mesh: Any, model_config: Any = None
+    batch: UpdateBatch,
+    config: TrainConfig,
+    key: jax.Array,
+    mesh: Mesh | None,
+    model_config: ModelConfig | None = None,
 ) -> Iterator[MiniBatch]:
     """Yields every PPO epoch's mini-batches (rows reshuffled per epoch when split).
 
@@ -57,8 +63,7 @@ def minibatches(
     lengths_B = (
         np.asarray(jax.device_get(batch.seqs.lengths_B())) if mask_BT.is_fully_addressable else None
     )
-    num_classes = config.update.micro_batch_length_classes
-    sort = lengths_B is not None and num_micro > 1 and num_classes > 1
+    sort = lengths_B is not None and sorts_by_length(config)
     reshuffle = config.reshuffles_rows
     # Sorted rows leave their prompt groups: a group's rows differ in length (on SmolLM2 at
     # T = 1 nearly every group of 4 holds a row near the limit), and the columns saved by
@@ -84,6 +89,7 @@ def minibatches(
                 continue
             lengths = lengths_B[rows]
             if config.update.micro_batch_tokens:
+                assert model_config is not None, "packing compares FLOPs on the model's shapes"
                 yield _packed_or_padded(
                     mini_batch, lengths, config, num_micro, sort, mesh, model_config
                 )
@@ -91,7 +97,7 @@ def minibatches(
             yield _cut_to_length(mini_batch, lengths, config, num_micro, sort)
 
 
-def _take_rows(batch: UpdateBatch, rows: np.ndarray, layout: Any, mesh: Any) -> UpdateBatch:
+def _take_rows(batch: UpdateBatch, rows: np.ndarray, layout: Any, mesh: Mesh | None) -> UpdateBatch:
     mini_batch = jax.tree.map(lambda x: x[rows], batch).replace(layout=layout)
     if mesh is None:
         return mini_batch
@@ -134,8 +140,8 @@ def _packed_or_padded(
     config: TrainConfig,
     num_micro: int,
     sort: bool,
-    mesh: Any,
-    model_config: Any,
+    mesh: Mesh | None,
+    model_config: ModelConfig,
 ) -> MiniBatch:
     """The mini-batch with its sequences packed (not cut: the packed rows hold no padding,
     and the uncut [M, T] layout keeps the update's programs few) where its modelled FLOPs
@@ -162,3 +168,10 @@ def _packed_or_padded(
         return MiniBatch(mini_batch, (), packing.real_share(packed), PackingChoice(packed, ratio))
     padded = _cut_to_length(mini_batch, lengths, config, num_micro, sort)
     return padded._replace(packing=PackingChoice(None, ratio))
+
+
+def sorts_by_length(config: TrainConfig) -> bool:
+    """Whether a mini-batch's rows are ordered by length into micro-batches of similar
+    length (--micro_batch_length_classes > 1 and several micro-batches; one host only)."""
+    num_micro = config.mini_batch // config.micro_batch
+    return num_micro > 1 and config.update.micro_batch_length_classes > 1

@@ -45,10 +45,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models import decoder_layer, transformer
 from jaxrl4llm.models.attention import AttentionConfig
+from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.train.update.logprobs import Sequences, logprobs_from_hidden
 from jaxrl4llm.train.update.packing_plan import (
     Plan,
@@ -176,7 +178,7 @@ def pack(
 
 
 def pack_on_mesh(
-    seqs: Sequences, budget: int, mesh: Any, *, flops: SlotFlops, share_prompts: bool = True
+    seqs: Sequences, budget: int, mesh: Mesh | None, *, flops: SlotFlops, share_prompts: bool = True
 ) -> PackedBatch:
     """`pack` for the data-parallel devices of `mesh` (None: one device), each micro-batch's
     rows placed over those devices, R each (equal token budgets per device)."""
@@ -231,7 +233,7 @@ def packed_flops(packed: PackedBatch, flops: SlotFlops) -> float:
 
 def packed_logprobs(
     params: Any,
-    config: Any,
+    config: ModelConfig,
     packed: PackedBatch,
     k: jax.Array,
     temperature: float,
@@ -252,7 +254,7 @@ def packed_logprobs(
 
 def packed_hidden_states(
     params: Any,
-    config: Any,
+    config: ModelConfig,
     packed: PackedBatch,
     k: jax.Array,
     *,
@@ -302,7 +304,7 @@ def read_back(
 @functools.partial(jax.jit, static_argnames=("config", "temperature", "sharding"))
 def logprobs_jit(
     params: Any,
-    config: Any,
+    config: ModelConfig,
     packed: PackedBatch,
     mask_MT: jax.Array,
     temperature: float,

@@ -116,12 +116,20 @@ def state_shardings(
     )
 
 
+def create_jit(params: Any, optimizer: OptimizerConfig) -> Any:
+    """TrainState.create(params, optimizer=..., seed=...), jitted so the optimizer state is
+    born with the sharding of `params` (arrays or abstract ones)."""
+    return jax.jit(
+        TrainState.create,
+        static_argnames=("optimizer", "seed"),
+        out_shardings=state_shardings(params, optimizer),
+    )
+
+
 def create_state(params: Any, optimizer: OptimizerConfig, seed: int) -> TrainState:
     """TrainState.create, compiled so the optimizer state is born with its params' sharding."""
-    create = jax.jit(
-        TrainState.create, static_argnums=(1, 2), out_shardings=state_shardings(params, optimizer)
-    )
-    return create(params, optimizer, seed)
+    state: TrainState = create_jit(params, optimizer)(params, optimizer=optimizer, seed=seed)
+    return state
 
 
 def abstract_state(params: Any, optimizer: OptimizerConfig, seed: int) -> TrainState:

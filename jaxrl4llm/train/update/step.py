@@ -33,11 +33,11 @@ import numpy as np
 import optax
 
 from jaxrl4llm import parallel, rl
+from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.lora import LoraConfig
 from jaxrl4llm.rl.metrics import Metric, identity_metrics
 from jaxrl4llm.sampling import trim
 from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.train.infra import host_memory
 from jaxrl4llm.train.update import adapters
 from jaxrl4llm.train.update.logprobs import Sequences, completion_logprobs
 from jaxrl4llm.train.update.packing import PackedBatch, packed_logprobs, unpack
@@ -114,7 +114,7 @@ def _micro_loss(
     micro_batch: UpdateBatch,
     denominator: jax.Array,
     *,
-    model_config: Any,
+    model_config: ModelConfig,
     algorithm: rl.AlgorithmConfig,
     temperature: float,
     remat: bool,
@@ -161,7 +161,7 @@ def accumulate_gradients(
     params: Any,
     batch: UpdateBatch,
     *,
-    model_config: Any,
+    model_config: ModelConfig,
     algorithm: rl.AlgorithmConfig,
     num_micro: int,
     temperature: float,
@@ -297,7 +297,7 @@ def accumulate_packed(
     batch: UpdateBatch,
     packed: PackedBatch,
     *,
-    model_config: Any,
+    model_config: ModelConfig,
     algorithm: rl.AlgorithmConfig,
     temperature: float,
     remat: bool = False,
@@ -354,21 +354,22 @@ def accumulate_packed(
     return _finish(carry, params)
 
 
+# The static settings of an update program (the policy's and the critic's).
+UPDATE_STATICS = (
+    "model_config",
+    "algorithm",
+    "optimizer",
+    "num_micro",
+    "remat",
+    "prompt_group",
+    "sharding",
+)
+
+
 @functools.partial(
     jax.jit,
     donate_argnames=("state",),
-    static_argnames=(
-        "model_config",
-        "algorithm",
-        "optimizer",
-        "num_micro",
-        "temperature",
-        "remat",
-        "prompt_group",
-        "sharding",
-        "length_classes",
-        "lora",
-    ),
+    static_argnames=UPDATE_STATICS + ("temperature", "length_classes", "lora"),
 )
 def train_step(
     state: TrainState,
@@ -406,7 +407,7 @@ def policy_gradients(
     batch: UpdateBatch,
     packed: PackedBatch | None,
     *,
-    model_config: Any,
+    model_config: ModelConfig,
     algorithm: rl.AlgorithmConfig,
     num_micro: int,
     temperature: float,
@@ -424,14 +425,14 @@ def policy_gradients(
     `params` are the adapters, `frozen` the base params (not donated, not updated: no
     gradient and no optimizer state of theirs), `dropout_key` the key of --lora_dropout
     (None when it is 0)."""
-    common = dict(
+    common: dict[str, Any] = dict(
         model_config=model_config,
         algorithm=algorithm,
         temperature=temperature,
         remat=remat,
         sharding=sharding,
     )
-    adapter = dict(frozen=frozen, lora=lora, dropout_key=dropout_key)
+    adapter: dict[str, Any] = dict(frozen=frozen, lora=lora, dropout_key=dropout_key)
     if packed is None:
         return accumulate_gradients(
             params,
@@ -493,11 +494,3 @@ def apply_update(
     new_state = state.replace(params=params, opt_state=opt_state)
     axes = state_logical_axes(new_state, param_axes)
     return parallel.constrain_tree(new_state, axes, sharding), metrics
-
-
-def compile_train_step(state: TrainState, batch: UpdateBatch, **static: Any) -> None:
-    """Compiles `train_step` for these shapes ahead of its first call (the jitted call reuses
-    the executable), then hands the compiler's freed heap back to the OS: on CPU, the
-    compiler's leftovers would otherwise sit under the update's own peak."""
-    train_step.lower(state, batch, **static).compile()
-    host_memory.release_free_memory()

@@ -1,0 +1,185 @@
+"""The compiled programs of one training step, built once from the run's configuration.
+
+`StepPrograms` is their one owner: the trainer calls them (train/rollout/stage.py, the
+update stage in train/updater.py), tools/plan.py lowers exactly these on abstract inputs
+(planner/programs.py), and the benchmarks time them. Each is a `jaxrl4llm.program.Program`:
+the jitted function with the run's static settings bound, called with arrays only. The
+settings that depend on a batch's rows (how its rows split into chunks of whole prompt
+groups) are computed here too, from the row count, so a planner and a run holding the same
+shapes cannot choose differently.
+
+    name            function                          per call
+    create          state.TrainState.create           params (the trained ones)
+    sample          sampling.sampler.decode_program   prompt rows, keys, stop ids
+    logprobs        update.logprobs.completion_logprobs_jit    params, sequences
+    packed_logprobs update.packing.logprobs_jit       params, packed rows, mask
+    values          update.critic.values_jit          critic params, sequences
+    packed_values   update.critic.packed_values_jit   critic params, packed rows, mask
+    advantages      update.advantages.advantages      rewards, verdicts, masks, logprobs
+    policy_update   update.step.train_step            state, mini-batch (+ packed rows)
+    critic_update   update.critic.critic_step         critic state, mini-batch
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.sharding import Mesh
+
+from jaxrl4llm import parallel
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.program import Program
+from jaxrl4llm.sampling import sampler
+from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.config.optimizer import OptimizerConfig
+from jaxrl4llm.train.update import advantages, critic, logprobs, packing, step
+from jaxrl4llm.train.update.state import create_jit
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrograms:
+    """The step's programs for one run: `config` (validated), the policy's `model_config`
+    (with --compute_dtype) and the run's `mesh` (None: no mesh, one device)."""
+
+    config: TrainConfig
+    model_config: ModelConfig
+    mesh: Mesh | None
+
+    @property
+    def sharding(self) -> parallel.ActivationSharding | None:
+        return None if self.mesh is None else parallel.ActivationSharding(self.mesh)
+
+    @property
+    def data_parallel(self) -> int:
+        return 1 if self.mesh is None else parallel.data_parallel_size(self.mesh)
+
+    @property
+    def temperature(self) -> float:
+        return self.config.rollout.sampling.effective_temperature
+
+    @property
+    def num_micro(self) -> int:
+        return self.config.mini_batch // self.config.micro_batch
+
+    # -- settings that follow from a batch's rows ----------------------------------------
+
+    def teacher_forced_chunks(self, rows: int) -> tuple[int, int]:
+        """(prompt_group, num_chunks) of the rollout's teacher-forced passes over `rows`
+        rows: chunks of at most --rollout_micro_batch rows holding whole groups, each
+        group's prompt run once when the layout shares it."""
+        layout = self.config.rollout.layout
+        group = layout.group_size if rows % layout.group_size == 0 else 1
+        chunks = parallel.num_row_chunks(rows, self.config.rollout.rollout_micro_batch, group)
+        return layout.prompt_group(rows, chunks, self.data_parallel), chunks
+
+    def update_group(self, batch: step.UpdateBatch) -> int:
+        """The prompt group of a mini-batch's micro-batches: rows still in their groups run
+        each group's prompt once."""
+        rows = batch.keep_B.shape[0]
+        return batch.layout.prompt_group(rows, self.num_micro, self.data_parallel)
+
+    # -- the programs -----------------------------------------------------------------------
+
+    def create(self, trained: Any) -> Program:
+        """TrainState.create for the trained params `trained` (arrays or abstract), its
+        optimizer state born with the params' sharding (state.create_state)."""
+        optimizer = self.config.optimizer
+        fn = create_jit(trained, optimizer)
+        return Program("create", fn, dict(optimizer=optimizer, seed=self.config.run.seed))
+
+    def sample(
+        self, prompt_group: int, num_chunks: int, *, greedy: bool = False, compact: bool = True
+    ) -> Program:
+        """The rollout's decode program for rows in `num_chunks` chunks of whole groups of
+        `prompt_group` (sampler.generate picks both for a bucket of rows; `greedy`: some
+        rows decode greedily, ReMax's baseline)."""
+        r = self.config.rollout
+        return sampler.decode_program(
+            model_config=self.model_config,
+            sampling=r.sampling,
+            max_new_tokens=r.max_new_tokens,
+            mesh=self.mesh,
+            rules=parallel.DEFAULT_RULES,
+            prompt_group=prompt_group,
+            num_chunks=num_chunks,
+            compact=compact,
+            decode_slots=r.decode_slots,
+            greedy=greedy,
+        )
+
+    def logprobs(self, rows: int) -> Program:
+        """Teacher-forced logprobs (reference, recomputed pi_old) of `rows` padded rows."""
+        prompt_group, num_chunks = self.teacher_forced_chunks(rows)
+        static = dict(
+            config=self.model_config,
+            temperature=self.temperature,
+            prompt_group=prompt_group,
+            num_chunks=num_chunks,
+            sharding=self.sharding,
+        )
+        return Program("logprobs", logprobs.completion_logprobs_jit, static)
+
+    def values(self, rows: int) -> Program:
+        """PPO's critic values of `rows` padded rows."""
+        prompt_group, num_chunks = self.teacher_forced_chunks(rows)
+        static = dict(
+            config=self.model_config,
+            prompt_group=prompt_group,
+            num_chunks=num_chunks,
+            sharding=self.sharding,
+        )
+        return Program("values", critic.values_jit, static)
+
+    @property
+    def packed_logprobs(self) -> Program:
+        """`logprobs` on the batch's sequences packed (--micro_batch_tokens)."""
+        static = dict(config=self.model_config, temperature=self.temperature)
+        return Program(
+            "packed_logprobs", packing.logprobs_jit, dict(static, sharding=self.sharding)
+        )
+
+    @property
+    def packed_values(self) -> Program:
+        """`values` on the batch's sequences packed (--micro_batch_tokens)."""
+        static = dict(config=self.model_config, sharding=self.sharding)
+        return Program("packed_values", critic.packed_values_jit, static)
+
+    @property
+    def advantages(self) -> Program:
+        """The algorithm's advantages (and PPO's returns) of the global batch."""
+        static = dict(
+            config=self.config.algorithm, group_size=self.config.rollout.layout.group_size
+        )
+        return Program("advantages", advantages.advantages, static)
+
+    def policy_update(self, prompt_group: int, length_classes: tuple[int, ...]) -> Program:
+        """One optimizer step of the policy on a mini-batch (`length_classes`: its
+        micro-batches' completion lengths, --micro_batch_length_classes)."""
+        lora = self.config.lora if self.config.lora.enabled else None
+        static = self._update_static(prompt_group, self.config.optimizer)
+        static.update(temperature=self.temperature, lora=lora, length_classes=length_classes)
+        return Program("policy_update", step.train_step, static)
+
+    def critic_update(self, prompt_group: int) -> Program:
+        """One optimizer step of PPO's critic on a mini-batch."""
+        static = self._update_static(prompt_group, self.critic_optimizer)
+        return Program("critic_update", critic.critic_step, static)
+
+    def _update_static(self, prompt_group: int, optimizer: OptimizerConfig) -> dict[str, Any]:
+        """The settings both updates share (step.UPDATE_STATICS)."""
+        c = self.config
+        return dict(
+            model_config=self.model_config,
+            algorithm=c.update_algorithm,
+            optimizer=optimizer,
+            num_micro=self.num_micro,
+            remat=c.model.remat,
+            sharding=self.sharding,
+            prompt_group=prompt_group,
+        )
+
+    @property
+    def critic_optimizer(self) -> OptimizerConfig:
+        """The critic's optimizer settings: the policy's, with --critic_learning_rate."""
+        return critic.optimizer_config(self.config.optimizer, self.config.critic.learning_rate)
