@@ -186,6 +186,7 @@ def announce(name: str, scale: str, runs: list[Run], root: str, prune: bool) -> 
 def main(argv):
     del argv  # cli.run refuses positional arguments
     require(_STUDY.value, "Give --study=NAME (experiments/studies/NAME.toml) or a path.")
+    assert _STUDY.value is not None  # required just above
     with cli.flag_errors():  # a bad spec, arm, seed or scale: one line naming it
         study = load_study(_STUDY.value)
         arms, seeds = select(study, _ARMS.value, _SEEDS.value, _SCALE.value)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,9 @@ import numpy as np
 from experiments.study_spec import Run, resolve_config
 from jaxrl4llm.config.errors import UserError
 from jaxrl4llm.rl import algorithm_config, algorithms, losses
+
+if TYPE_CHECKING:
+    from jaxrl4llm.train.config import TrainConfig
 
 NUM_BATCHES = 4
 PROMPTS = 8  # groups per random batch (the arm's group size)
@@ -183,7 +186,7 @@ def check_design(runs: Sequence[Run], where: str) -> DesignCheck:
     configs = {arm: resolve_config(f, f"{where}: arm {arm}") for arm, f in train_flags.items()}
     cache: dict[int, list] = {}
 
-    def batches_for(config):
+    def batches_for(config: TrainConfig) -> list[dict[str, np.ndarray]]:
         G = config.rollout.group_size
         return cache.setdefault(G, random_batches(G))
 
@@ -213,7 +216,12 @@ def check_design(runs: Sequence[Run], where: str) -> DesignCheck:
     return DesignCheck(identical, proportional, no_effect)
 
 
-def flags_without_effect(run: Run, arm_print: Fingerprint, batches_for, where: str) -> list[str]:
+def flags_without_effect(
+    run: Run,
+    arm_print: Fingerprint,
+    batches_for: Callable[[TrainConfig], list[dict[str, np.ndarray]]],
+    where: str,
+) -> list[str]:
     """The arm flags of `run` whose removal leaves its fingerprint the same."""
     out = []
     # A flagfile or a preset is where the arm starts from, named on purpose.

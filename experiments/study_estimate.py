@@ -104,14 +104,16 @@ def estimate_run(run: Run, config: TrainConfig) -> RunEstimate:
 
 def disk_needed(runs: Sequence[RunEstimate], prune: bool) -> int:
     """Bytes still to be written for the checkpoints of the runs left to train."""
-    pending = [r for r in runs if r.steps_left > 0 and r.checkpoint_bytes is not None]
+    pending = [
+        (r, r.checkpoint_bytes) for r in runs if r.steps_left > 0 and r.checkpoint_bytes is not None
+    ]
     if not pending:
         return 0
-    peaks = [r.peak * r.checkpoint_bytes - r.existing_bytes for r in pending]
+    peaks = [r.peak * size - r.existing_bytes for r, size in pending]
     if prune:  # each finished run's checkpoints are deleted before the next run starts
         return max(0, *peaks)
-    kept = [r.kept * r.checkpoint_bytes - r.existing_bytes for r in pending]
-    extra = max((r.peak - r.kept) * r.checkpoint_bytes for r in pending)
+    kept = [r.kept * size - r.existing_bytes for r, size in pending]
+    extra = max((r.peak - r.kept) * size for r, size in pending)
     return max(0, sum(kept) + extra)
 
 
@@ -159,7 +161,9 @@ def _duration(seconds: float) -> str:
 def summary(name: str, scale: str, runs: Sequence[Run], root: str, prune: bool) -> str:
     """The lines printed before a study starts; raises InsufficientDiskError when the root's
     disk cannot hold the checkpoints still to be written."""
-    estimates, seconds, sources = [], [], set()
+    estimates: list[RunEstimate] = []
+    seconds: list[float | None] = []
+    sources: set[str] = set()
     for run in runs:
         config = resolve_config(run.argv[3:], run.label)
         est = estimate_run(run, config)
@@ -174,7 +178,8 @@ def summary(name: str, scale: str, runs: Sequence[Run], root: str, prune: bool) 
     elif None in seconds:
         time_text = "time unknown (the model's size is not known here)"
     else:
-        time_text = f"about {_duration(sum(seconds))} ({'; '.join(sorted(sources))})"
+        known = [s for s in seconds if s is not None]  # all of them, here
+        time_text = f"about {_duration(sum(known))} ({'; '.join(sorted(sources))})"
     lines = [
         (
             f"{name} ({scale}): {len(runs)} runs, {len(pending)} to train "
@@ -182,7 +187,7 @@ def summary(name: str, scale: str, runs: Sequence[Run], root: str, prune: bool) 
             f"steps; {time_text}."
         )
     ]
-    sized = [e for e in pending if e.checkpoint_bytes is not None]
+    sized = [(e, e.checkpoint_bytes) for e in pending if e.checkpoint_bytes is not None]
     if not sized:
         lines.append(
             "Disk: not estimated (the model's parameter count is not known here)."
@@ -194,10 +199,11 @@ def summary(name: str, scale: str, runs: Sequence[Run], root: str, prune: bool) 
         lines.append(f"Disk: {root} is object storage; its free space is not checked.")
         return "\n".join(lines)
     need, free = disk_needed(estimates, prune), free_bytes(root)
-    each = max(sized, key=lambda e: e.kept * e.checkpoint_bytes)
+    each, each_bytes = max(sized, key=lambda pair: pair[0].kept * pair[1])
+    assert each.num_params is not None  # known whenever its checkpoint's size is
     per_run = (
         f"each run keeps up to {each.kept} checkpoint(s) of "
-        f"{each.checkpoint_bytes / GB:.2f} GB ({each.num_params / 1e6:.1f}M params: "
+        f"{each_bytes / GB:.2f} GB ({each.num_params / 1e6:.1f}M params: "
         "params + 2 Adam moments)"
     )
     if need > free:

@@ -41,10 +41,13 @@ import re
 import shlex
 import sys
 import tomllib
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from jaxrl4llm.config import paths
 from jaxrl4llm.config.options import require
+
+if TYPE_CHECKING:
+    from jaxrl4llm.train.config import TrainConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STUDIES_DIR = os.path.join(REPO, "experiments", "studies")
@@ -288,9 +291,9 @@ def resolve_num_steps(train_flags: Sequence[str], where: str) -> int:
     return resolve_config(train_flags, where).run.num_steps
 
 
-def resolve_config(train_flags: Sequence[str], where: str) -> Any:
-    """Parses a run's flags as the trainer does (flagfiles read from the repository root):
-    its TrainConfig."""
+def resolve_config(train_flags: Sequence[str], where: str) -> TrainConfig:
+    """A run's TrainConfig from its flags, parsed with the trainer's own flag definitions
+    (flagfiles read from the repository root)."""
     from absl import flags as absl_flags
 
     from jaxrl4llm.config import cli

@@ -36,7 +36,7 @@ import itertools
 import math
 import os
 from statistics import NormalDist
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 from scipy import stats as scipy_stats
@@ -142,7 +142,7 @@ def first_divergence(records_a: Sequence[dict], records_b: Sequence[dict]) -> in
     return next((step for step in sorted(set(a) | set(b)) if a.get(step) != b.get(step)), None)
 
 
-def identical_arms(records: dict[tuple[str, int], Sequence[dict]], arms: Sequence[str]) -> list:
+def identical_arms(records: Mapping[tuple[str, int], Sequence[dict]], arms: Sequence[str]) -> list:
     """Pairs of arms that ran identical steps in at least one seed finished in both: for each,
     {"a", "b", "first_divergence": {seed: step or None (identical throughout)}}."""
     out = []
@@ -185,7 +185,9 @@ Z_ALPHA = NormalDist().inv_cdf(0.975)  # two-sided 5%
 Z_POWER = NormalDist().inv_cdf(0.8)  # 80% power
 
 
-def bootstrap_ci(d: Sequence[float], seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+def bootstrap_ci(
+    d: Sequence[float] | np.ndarray, seed: int = 0, level: float = 0.95
+) -> tuple[float, float]:
     """Percentile interval of the mean of `d` over BOOTSTRAP resamples (seeded)."""
     x = np.asarray(d, float)
     rng = np.random.default_rng(seed)
@@ -200,7 +202,7 @@ def t_quantile(p: float, n: int) -> float:
     return float(scipy_stats.t.ppf(p, n - 1))
 
 
-def t_interval(d: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+def t_interval(d: Sequence[float] | np.ndarray, level: float = 0.95) -> tuple[float, float]:
     """mean(d) ± t_(1+level)/2,n-1 sd(d) / sqrt(n): the paired t test's interval."""
     x = np.asarray(d, float)
     half = t_quantile((1 + level) / 2, len(x)) * float(x.std(ddof=1)) / math.sqrt(len(x))
@@ -280,6 +282,7 @@ def paired_claim(pairs: dict[int, tuple[float, float]], expect: str, margin: flo
     out.update(mean_difference=mean, sd_difference=sd, ci95=list(boot), ci95_t=list(t_ci), mde=mde)
     span = f"the 95% intervals span [{lo:.3g}, {hi:.3g}]"
     if expect == "~":
+        assert margin is not None  # study_spec: expect "~" needs a margin
         out["seeds_needed"] = _equivalence_seeds(sd, margin - abs(mean))
         if -margin < lo and hi < margin:
             out["verdict"], out["why"] = "supported", f"{span}, within ±{margin:g}"
@@ -332,7 +335,9 @@ def _run_row(
 def _arm_stats(summaries: Sequence[dict]) -> dict:
     """An arm's mean and s.e. of every quantity over its finished runs' summaries."""
     quantities = sorted({q for sm in summaries for q in sm})
-    stats = {q: mean_se([sm[q] for sm in summaries if sm.get(q) is not None]) for q in quantities}
+    stats: dict[str, Any] = {
+        q: mean_se([sm[q] for sm in summaries if sm.get(q) is not None]) for q in quantities
+    }
     for q in quantities:
         if q.startswith("steps "):
             stats[q]["reached"] = f"{stats[q]['n']}/{len(summaries)}"
@@ -347,6 +352,7 @@ def _differences(arms: dict, headline: Sequence[str]) -> list[dict]:
         for a, b in itertools.combinations(arms, 2):
             verdict, diff, two_se = compare(arms[a].get(q), arms[b].get(q))
             if verdict in ("a>b", "a<b"):
+                assert diff is not None  # compare() measured it
                 hi, lo = (a, b) if verdict == "a>b" else (b, a)
                 differences.append(
                     {
@@ -396,7 +402,9 @@ def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "
     significant pairwise differences and the claims' verdicts."""
     s = study.scale(scale)
     primary, threshold = s.primary_metric, s.threshold
-    run_rows, per_arm, finished_records = [], {}, {}
+    run_rows: list[dict] = []
+    per_arm: dict[str, list[dict]] = {}
+    finished_records: dict[tuple[str, int], list[dict]] = {}
     for run in runs:
         row, records = _run_row(run, primary, threshold, study.final_window)
         if records is not None:

@@ -56,7 +56,9 @@ def packed_rows(mix: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(packed.segments_KRL[0]), np.asarray(packed.prefixes_KRL[0])
 
 
-def time_kernel(key_valid_BS, prefixes_BT, skip: bool, repeats: int) -> float:
+def time_kernel(
+    key_valid_BS: jax.Array, prefixes_BT: jax.Array | None, skip: bool, repeats: int
+) -> float:
     """Seconds of value_and_grad of the summed chunked attention (fastest of `repeats`)."""
     from jaxrl4llm.models import attention
 
@@ -81,7 +83,7 @@ def time_kernel(key_valid_BS, prefixes_BT, skip: bool, repeats: int) -> float:
     return min(times)
 
 
-def report(name: str, key_valid_BS, prefixes_BT, repeats: int) -> None:
+def report(name: str, key_valid_BS: jax.Array, prefixes_BT: jax.Array | None, repeats: int) -> None:
     from jaxrl4llm.models import attention, masks
 
     segmented = masks.is_segmented(key_valid_BS)

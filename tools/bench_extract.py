@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxrl4llm.config import cli
@@ -92,7 +92,7 @@ def _time(fn: Callable[[str], object], text: str) -> float:
     return time.perf_counter() - start
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bytes", type=int, default=1 << 20, help="largest input size")
     parser.add_argument(

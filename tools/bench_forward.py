@@ -14,11 +14,13 @@ one forward). Params are random (speed does not depend on values).
 from __future__ import annotations
 
 import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import flags
+from jax.typing import DTypeLike
 
 from jaxrl4llm.config import cli
 from jaxrl4llm.config.options import require
@@ -33,7 +35,7 @@ flags.DEFINE_integer("repeats", 2, "timed calls per measurement (the best one co
 FLAGS = flags.FLAGS
 
 
-def _best_time(fn, *args, repeats: int) -> float:
+def _best_time(fn: Callable[..., Any], *args: Any, repeats: int) -> float:
     jax.block_until_ready(fn(*args))  # compile + warm up
     best = float("inf")
     for _ in range(repeats):
@@ -43,7 +45,7 @@ def _best_time(fn, *args, repeats: int) -> float:
     return best
 
 
-def peak_matmul_flops(dtype, n: int, repeats: int) -> float:
+def peak_matmul_flops(dtype: DTypeLike, n: int, repeats: int) -> float:
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
     dot = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))

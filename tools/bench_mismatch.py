@@ -22,6 +22,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrl4llm import rl  # noqa: E402
@@ -53,7 +54,9 @@ def gap_stats(
     trainer_logp: np.ndarray, sampler_logp: np.ndarray, mask: np.ndarray
 ) -> dict[str, float]:
     """The logged mismatch metrics plus a few quantiles, over the tokens of `mask`."""
-    logged = rl.finalize_metrics(rl.mismatch_metrics(trainer_logp, sampler_logp, mask))
+    logged = rl.finalize_metrics(
+        rl.mismatch_metrics(jnp.asarray(trainer_logp), jnp.asarray(sampler_logp), jnp.asarray(mask))
+    )
     d = np.where(mask, trainer_logp.astype(np.float64) - sampler_logp, 0.0)
     n = np.maximum(mask.sum(1), 1)
     geo = np.exp(d.sum(1) / n)[mask.any(1)]

@@ -32,6 +32,8 @@ import dataclasses
 import itertools
 import os
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -43,6 +45,12 @@ from jaxrl4llm.config import cli
 from jaxrl4llm.models import registry  # noqa: E402
 from jaxrl4llm.sampling import Sampler  # noqa: E402
 from jaxrl4llm.sampling.strategies import GREEDY, SamplingConfig  # noqa: E402
+
+if TYPE_CHECKING:
+    import transformers
+    from jax.typing import DTypeLike
+
+    from jaxrl4llm.models.tokenizer import Tokenizer
 
 # Decoding modes: ours, and transformers' generate arguments for the same distribution.
 MODES = {
@@ -102,7 +110,7 @@ def measure_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def measure_matmul_gflops(dtype, size: int = 1024, repeats: int = 5) -> float:
+def measure_matmul_gflops(dtype: DTypeLike, size: int = 1024, repeats: int = 5) -> float:
     """Best FLOP rate of a jitted [size]^3 matmul in `dtype` (float32 accumulation)."""
     x = jnp.ones((size, size), dtype)
     mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
@@ -118,10 +126,12 @@ def measure_matmul_gflops(dtype, size: int = 1024, repeats: int = 5) -> float:
 def xla_threads() -> int:
     """Threads of XLA's CPU runtime: one per core this process may run on (XLA sizes its
     intra-op pool by the CPU affinity mask), which torch is then given too."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
 
 
-def param_bytes(params) -> int:
+def param_bytes(params: Any) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
@@ -192,7 +202,7 @@ class Grid:
     with_torch: bool  # also time transformers' generate
 
 
-def parse_grid(argv=None) -> Grid:
+def parse_grid(argv: Sequence[str] | None = None) -> Grid:
     parser = cli.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="bfloat16 only, 32 new tokens")
     parser.add_argument("--batches", default="8,32,128")
@@ -241,7 +251,16 @@ def load_torch_reference(params32, config):
         return None
 
 
-def time_setting(smp, params, prompts, mode, dtype_name, torch_model, tokenizer, grid) -> dict:
+def time_setting(
+    smp: Sampler,
+    params: Any,
+    prompts: list[list[int]],
+    mode: str,
+    dtype_name: str,
+    torch_model: transformers.PreTrainedModel | None,
+    tokenizer: Tokenizer | None,
+    grid: Grid,
+) -> dict[str, tuple[float, Any]]:
     """best_interleaved's {side: (best seconds, tokens)} of ours (N new tokens and 1) and, with
     torch_model, transformers' generate, for one batch of prompts; every side warmed up first."""
     strategy, torch_kwargs = MODES[mode]
@@ -251,8 +270,11 @@ def time_setting(smp, params, prompts, mode, dtype_name, torch_model, tokenizer,
         import torch
 
         tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+        # transformers declares `to` as @wraps(torch.nn.Module.to), which mypy reads as the
+        # unbound Module.to: the dtype is taken for `self`.
+        model = torch_model.to(tdtype)  # type: ignore[arg-type]
         runs["torch"] = (
-            torch_runner(torch_model.to(tdtype), tokenizer, prompts, torch_kwargs),
+            torch_runner(model, tokenizer, prompts, torch_kwargs),
             grid.new_tokens,
         )
     for run, n in runs.values():  # compile / warm up every side first

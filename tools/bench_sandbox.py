@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxrl4llm.config import cli  # noqa: E402
@@ -90,7 +91,7 @@ def parallel_rate(
         return runs / (time.perf_counter() - start)
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--isolation",

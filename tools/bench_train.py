@@ -43,6 +43,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxrl4llm.config import cli
@@ -258,10 +259,11 @@ def run_child(args: argparse.Namespace, child: str) -> dict | None:
 def fastest(results: list[dict | None]) -> dict | None:
     """The result with the shortest step of one side's rounds (None if any round failed),
     with `rounds` = how many were run and `step_s_rounds` = every round's step."""
-    if not results or any(r is None for r in results):
+    done = [r for r in results if r is not None]
+    if not results or len(done) < len(results):
         return None
-    best = min(results, key=lambda r: r["step_s"])
-    return {**best, "rounds": len(results), "step_s_rounds": [r["step_s"] for r in results]}
+    best = min(done, key=lambda r: r["step_s"])
+    return {**best, "rounds": len(done), "step_s_rounds": [r["step_s"] for r in done]}
 
 
 def load_average() -> str:
@@ -302,7 +304,7 @@ def child_result(args: argparse.Namespace) -> dict:
     return bench_train_ours.run_ours(args)
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.repeats < 1:

@@ -29,7 +29,11 @@ def trl_available() -> bool:
 
 def xla_threads() -> int:
     """XLA's CPU pool size (one thread per core in the affinity mask), as bench_sampler."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    count = os.cpu_count()
+    assert count is not None, "os.cpu_count() cannot tell how many cores this host has"
+    return count
 
 
 def step_records(source: Sequence[Any], step: int, prompts: int) -> list[Any]:

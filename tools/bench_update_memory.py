@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -42,7 +43,7 @@ MODEL = ModelConfig(
 )
 
 
-def main(argv=None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     cli.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     optimizer = OptimizerConfig(learning_rate=1e-3)
     state = jax.eval_shape(
@@ -75,6 +76,7 @@ def main(argv=None) -> None:
         .compile()
         .memory_analysis()
     )
+    assert memory is not None, "XLA's CPU backend plans the memory of a compiled program"
     state_bytes = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state))
     print(
         f"state {state_bytes / 2**20:.1f} MiB, train_step temp "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxrl4llm.config import cli
@@ -27,7 +28,7 @@ from jaxrl4llm.config.errors import DependencyError  # noqa: E402
 TORCH_INSTALL = "pip install torch==2.13.0"
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workdir", help="training workdir (with config.json and checkpoints/)")
     parser.add_argument("output", help="folder to write the HF checkpoint into")

@@ -28,6 +28,7 @@ installed), which says whether an op in the loop runs slower than the library ca
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import glob
 import gzip
@@ -37,6 +38,8 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -45,8 +48,11 @@ import jax.numpy as jnp  # noqa: E402
 
 from jaxrl4llm.config import cli
 
+if TYPE_CHECKING:
+    from jax.typing import DTypeLike
 
-def main(argv=None) -> int:
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--batch", type=int, default=32)
@@ -99,7 +105,7 @@ def main(argv=None) -> int:
             index,
         )
 
-    parts = {
+    parts: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
         "step": (step, (params, token_B, position_B, cache, index, keys_B)),
         "layers": (layers, (params, token_B, position_B, cache, index)),
         "unembed": (lambda p, h: unembedding.unembed(p, config, h), (params, h_B1D)),
@@ -120,6 +126,7 @@ def main(argv=None) -> int:
         compiled = jax.jit(fn).lower(*fn_args).compile()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        assert cost is not None, "the backend reports no cost analysis"
         flops, nbytes = float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
         ms = 1e3 * _best_time(compiled, *fn_args, repeats=args.repeats)
         step_ms = step_ms or ms
@@ -146,6 +153,11 @@ _FREE_OPS = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+|\(.*?\)) (\S+?)\((.*)")
 
 
+# _parse_hlo's {instruction: (shape, op, rest, computation)} and {computation: [ops]}.
+_Lines = dict[str, tuple[str, str, str, str | None]]
+_Bodies = dict[str, list[str]]
+
+
 def _dims(shape: str) -> list[list[int]]:
     """The dimensions of each array in an HLO shape string ("f32[32,576]{1,0}", a tuple)."""
     return [[int(d) for d in x.split(",") if d] for x in re.findall(r"\[([\d,]*)\]", shape)]
@@ -166,10 +178,13 @@ def _called(rest: str, keys: str) -> list[str]:
     return re.findall(rf"(?:{keys})=%?([\w.\-]+)", rest)
 
 
-def _parse_hlo(hlo_text: str) -> tuple[dict, dict, dict]:
+def _parse_hlo(hlo_text: str) -> tuple[dict[str, str], _Lines, _Bodies]:
     """{instruction: shape}, {instruction: (shape, op, rest, computation)} and
     {computation: [its instructions' ops]} of an HLO module's text."""
-    shapes, lines, bodies, current = {}, {}, {}, None
+    shapes: dict[str, str] = {}
+    lines: _Lines = {}
+    bodies: _Bodies = {}
+    current: str | None = None
     for line in hlo_text.splitlines():
         header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
         if header:
@@ -186,12 +201,12 @@ def _parse_hlo(hlo_text: str) -> tuple[dict, dict, dict]:
     return shapes, lines, bodies
 
 
-def _is_matmul(op: str, callees: list[str], bodies: dict) -> bool:
+def _is_matmul(op: str, callees: list[str], bodies: _Bodies) -> bool:
     """A dot, or an instruction one of whose called computations `callees` holds one."""
     return op == "dot" or any("dot" in bodies.get(f, []) for f in callees)
 
 
-def _dots(computation: str, lines: dict, bodies: dict) -> int:
+def _dots(computation: str, lines: _Lines, bodies: _Bodies) -> int:
     """Matmuls of a computation, those inside its fusions included."""
     return sum(
         1
@@ -200,7 +215,7 @@ def _dots(computation: str, lines: dict, bodies: dict) -> int:
     )
 
 
-def _control_flow_callees(computation: str, lines: dict) -> list[str]:
+def _control_flow_callees(computation: str, lines: _Lines) -> list[str]:
     """The bodies, conditions and branches of the loops and conditionals in `computation`."""
     callees = []
     for _, op, rest, c in lines.values():
@@ -213,7 +228,7 @@ def _control_flow_callees(computation: str, lines: dict) -> list[str]:
     return callees
 
 
-def _decode_loop_scope(lines: dict, bodies: dict) -> set[str]:
+def _decode_loop_scope(lines: _Lines, bodies: _Bodies) -> set[str]:
     """The decode loop's body (the while body with the most matmuls) and the computations of
     the loops and conditionals inside it."""
     loops = [_called(rest, "body")[0] for _, op, rest, _ in lines.values() if op == "while"]
@@ -252,7 +267,7 @@ _RULES = (
 )
 
 
-def _op(shape: str, op: str, rest: str, shapes: dict, bodies: dict) -> _Op:
+def _op(shape: str, op: str, rest: str, shapes: dict[str, str], bodies: _Bodies) -> _Op:
     matmul = _is_matmul(op, _called(rest, "calls")[:1], bodies)  # [:1]: what a fusion runs
     operands = re.findall(r"%([\w.\-]+)", rest.split(")", 1)[0])
     sizes = [_elements(shape)] + [_elements(shapes.get(o, "")) for o in operands]
@@ -316,7 +331,9 @@ def busy_ms(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _standalone_gflops(shapes, dtype, repeats: int) -> dict[tuple[int, int, int], tuple]:
+def _standalone_gflops(
+    shapes: Iterable[tuple[int, int, int]], dtype: DTypeLike, repeats: int
+) -> dict[tuple[int, int, int], tuple[float, float | None]]:
     """{(M, K, N): (XLA GFLOP/s, torch F.linear GFLOP/s or None)} of [M, K] @ [K, N] alone."""
     from tools.bench_forward import _best_time
     from tools.bench_sampler import xla_threads
@@ -325,8 +342,9 @@ def _standalone_gflops(shapes, dtype, repeats: int) -> dict[tuple[int, int, int]
         import torch
 
         torch.set_num_threads(xla_threads())
+        have_torch = True
     except ImportError:
-        torch = None
+        have_torch = False
     out = {}
     for m, k, n in shapes:
         x = jnp.ones((m, k), dtype)
@@ -334,7 +352,7 @@ def _standalone_gflops(shapes, dtype, repeats: int) -> dict[tuple[int, int, int]
         dot = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
         xla = 2 * m * k * n / _best_time(dot, x, w, repeats=repeats) / 1e9
         ref = None
-        if torch is not None:
+        if have_torch:
             tdtype = torch.float32 if dtype == jnp.float32 else torch.bfloat16
             tx, tw = torch.ones(m, k, dtype=tdtype), torch.full((n, k), 0.01, dtype=tdtype)
             with torch.inference_mode():
@@ -349,7 +367,7 @@ def _standalone_gflops(shapes, dtype, repeats: int) -> dict[tuple[int, int, int]
     return out
 
 
-def trace_main(args) -> int:
+def trace_main(args: argparse.Namespace) -> int:
     import tempfile
 
     from jaxrl4llm.models import registry
@@ -393,8 +411,10 @@ def trace_main(args) -> int:
         jax.block_until_ready(compiled(*inputs))
         jax.profiler.stop_trace()
         intervals = op_intervals(trace_dir)
-    categories = categorize_ops(compiled.as_text(), B, V)
-    spans = {c: [] for c in CATEGORIES}
+    hlo_text = compiled.as_text()
+    assert hlo_text is not None, "a compiled CPU / GPU / TPU module has its HLO text"
+    categories = categorize_ops(hlo_text, B, V)
+    spans: dict[str, list[tuple[float, float]]] = {c: [] for c in CATEGORIES}
     for name, cat in categories.items():
         spans[cat] += intervals.get(name, [])
     per_step = {c: busy_ms(spans[c]) / (N - 1) for c in CATEGORIES}

@@ -196,6 +196,7 @@ def parse_text(option: Option, text: str) -> Any:
         )
 
     is_free_text = base is str and not option.choices
+    value: Any
     if optional and not is_free_text and low in ("none", "null", ""):
         value = None
     elif base is bool:
@@ -240,7 +241,8 @@ def format_value(value: Any) -> str:
 
 def flatten(tree: Any) -> dict[str, Any]:
     """{flat name: value} of every option of a tree."""
-    return {o.name: _get(tree, o.path) for o in _option_specs(type(tree))}
+    root: type = type(tree)  # not type[Any], which mypy finds not Hashable (functools.cache)
+    return {o.name: _get(tree, o.path) for o in _option_specs(root)}
 
 
 def _build(
@@ -287,7 +289,7 @@ def _rebuild(root: type, flat: Mapping[str, Any], field: str) -> Any:
 def fill_derived(tree: Any) -> None:
     """Recomputes the derived fields of a tree under construction (call it from the root's
     __post_init__): each top-level sub-config holding one is rebuilt from the options."""
-    root = type(tree)
+    root: type = type(tree)
     flat = None
     for f in dataclasses.fields(root):
         if _mount(f) is None or not _has_derived(_hints(root)[f.name], _mount(f)):
@@ -312,7 +314,7 @@ def replace(tree: Any, **values: Any) -> Any:
     a preset option a preset by name (`algorithm="lite_ppo"`); both apply before the plain
     options given beside them, so `algorithm="grpo", kl_coef=0` is GRPO without KL.
     """
-    root = type(tree)
+    root: type = type(tree)
     specs = _option_specs(root)
     by_name = {o.name: o for o in specs}
     groups = _groups(root)
@@ -330,7 +332,9 @@ def replace(tree: Any, **values: Any) -> Any:
             )
         elif name in by_name and by_name[name].role == "preset":
             path = by_name[name].path[:-1]
-            preset = next(m for p, _, m in groups.values() if p == path).preset(value)
+            mount = next(m for p, _, m in groups.values() if p == path)
+            assert mount.preset is not None  # a "preset" option's mount has one
+            preset = mount.preset(value)
             flat.update(
                 {o.name: _get(preset, o.path[len(path) :]) for o in specs if o.path[:-1] == path}
             )

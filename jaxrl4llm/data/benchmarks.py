@@ -11,7 +11,7 @@ options of an `--eval_sets` item) and its size. docs/data.md lists them with the
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from absl import logging
 
@@ -276,7 +276,9 @@ def get_benchmark(name: str) -> Benchmark:
     return BENCHMARKS[name]
 
 
-def normalized_rows(bench: Benchmark, rows, counts: dict[str, int]):
+def normalized_rows(
+    bench: Benchmark, rows: Iterable[tuple[str, Any]], counts: dict[str, int]
+) -> Iterator[tuple[str, dict[str, Any]]]:
     """Rows with the reference answer normalised into "answer" (the original column stays
     in metadata); rows without one are dropped and counted (drop_unanswerable) or refused."""
     form = ANSWER_FORMS[bench.answer]
@@ -308,7 +310,7 @@ def normalized_rows(bench: Benchmark, rows, counts: dict[str, int]):
         yield where, {**row, "reference_answer": answer, "benchmark": bench.name}
 
 
-def selected_rows(bench: Benchmark, rows):
+def selected_rows(bench: Benchmark, rows: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
     """The entry's selection (`where`, then `shortest`) of (location, row) pairs."""
     rows = (
         item
@@ -324,7 +326,7 @@ def selected_rows(bench: Benchmark, rows):
     return [item for i, item in enumerate(kept) if i in chosen]
 
 
-def load_benchmark(name: str, split: str = "test", revision: str | None = None):
+def load_benchmark(name: str, split: str = "test", revision: str | None = None) -> ListSource:
     """The records of a registered dataset's split (a ListSource), answers normalised."""
 
     bench = get_benchmark(name)

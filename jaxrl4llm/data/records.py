@@ -20,7 +20,9 @@ class Record:
     # metadata["task"] picks the verifier ("math", "arithmetic", "countdown", "knights_knaves");
     # task-specific fields (countdown numbers/target, knights_knaves names/solution) live here too.
 
-    __hash__ = None  # metadata is a dict; records are values, not keys
+    # metadata is a dict; records are values, not keys. (mypy rejects None for object's
+    # __hash__, though None is how Python marks a class unhashable: python/mypy#4266.)
+    __hash__ = None  # type: ignore[assignment]
 
     @property
     def task(self) -> str:

@@ -26,6 +26,8 @@ class FieldNames:
 
 
 class ListSource(Sequence[Record]):
+    counts: dict[str, int]  # only a registered benchmark's (rows read, dropped, kept)
+
     def __init__(self, records: list[Record], name: str):
         self.records, self.name = records, name
 

@@ -158,7 +158,7 @@ class EnvService:
     def __enter__(self) -> EnvService:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

@@ -134,5 +134,5 @@ class EnvRunner:
     def __enter__(self) -> EnvRunner:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxrl4llm.eval import sets as eval_sets
+from jaxrl4llm.eval.sets import EvalSet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +32,7 @@ class EvalConfig:
     eval_sets: str | None = None
 
     @property
-    def sets(self) -> tuple[eval_sets.EvalSet, ...]:
+    def sets(self) -> tuple[EvalSet, ...]:  # (the field eval_sets hides the module here)
         """The parsed --eval_sets."""
         return eval_sets.parse_eval_sets(self.eval_sets, self.eval_samples)
 

@@ -90,7 +90,9 @@ def draw(
     """Greedy completions (if `greedy`) and `samples` sampled completions of every record,
     scored, with each sample's answer key. `sink` (optional) receives each scored batch's
     per-sample records (eval/samples.py), named `set_name`, as they arrive."""
-    greedy_P, table, answers = [], [], []
+    greedy_P: list[bool] = []
+    table: list[np.ndarray] = []
+    answers: list[list[str | None]] = []
     chunks = range(0, len(records), prompts_per_batch)
     desc = "eval" if set_name == HELD_OUT else f"eval {set_name}"
     for start in tqdm(chunks, desc=desc, disable=not progress, leave=False):
@@ -145,6 +147,7 @@ def evaluate(
         progress=progress,
         sink=sink,
     )
+    assert drawn.greedy_P is not None  # drawn with greedy=True
     out = {f"{prefix}accuracy": float(np.mean(drawn.greedy_P))}
     if k:
         ks = sorted({1, k} | {j for j in (2, 4, 8, 16, 32) if j < k})

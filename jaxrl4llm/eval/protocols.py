@@ -83,6 +83,7 @@ def set_metrics(
     out = {}
     for metric in metrics:
         if metric == "greedy":
+            assert greedy_P is not None, "the greedy metric needs the greedy results"
             out[metric] = float(np.mean(greedy_P))
             continue
         kind, k = metric.split("@")[0], metric_k(metric)

@@ -34,6 +34,7 @@ Symbols (per device; "rows" are those one device holds of the slice that runs at
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models import lora as lora_lib
@@ -41,14 +42,24 @@ from jaxrl4llm.models import transformer
 from jaxrl4llm.sampling import buckets
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from jaxrl4llm.models.config import ModelConfig
+    from jaxrl4llm.models.lora import LoraConfig
+
 _F32 = 4
 CPU_GATHER_BYTES = 4  # c: see the module docstring
 
 
 class Estimate:
     def __init__(
-        self, config: TrainConfig, model_config, mesh, gather_bytes: int = CPU_GATHER_BYTES
-    ):
+        self,
+        config: TrainConfig,
+        model_config: ModelConfig,
+        mesh: Mesh,
+        gather_bytes: int = CPU_GATHER_BYTES,
+    ) -> None:
         c, m = config, model_config
         self.c, self.m = c, m
         self.s = param_dtype(c.model.param_dtype)(0).dtype.itemsize
@@ -151,16 +162,24 @@ class LoraEstimate(Estimate):
       logprobs  the full pass's + A
     """
 
-    def __init__(self, config: TrainConfig, model_config, mesh, **kwargs):
-        super().__init__(config, model_config, mesh, **kwargs)
+    def __init__(
+        self,
+        config: TrainConfig,
+        model_config: ModelConfig,
+        mesh: Mesh,
+        gather_bytes: int = CPU_GATHER_BYTES,
+    ) -> None:
+        super().__init__(config, model_config, mesh, gather_bytes=gather_bytes)
         self.Na = adapter_params(model_config, config.lora)
         self.A = self.Na * _F32
 
     def create(self, resident: float) -> float:
         return 4 * self.A + resident
 
-    def update(self, group: int, resident: float, unembed: bool = True) -> float:
-        full = super().update(group, 0.0, unembed)
+    def update(
+        self, group: int, resident: float, unembed: bool = True, packed: bool = True
+    ) -> float:
+        full = super().update(group, 0.0, unembed, packed)
         full_state = 3 * self.Pb + 2 * _F32 * self.m.num_params / self.S
         state = 3 * self.A + self.Pb + _F32 * self.Na + _F32 * self.m.num_params / self.S
         return full - full_state - 2 * self.DV * _F32 * unembed + state + resident
@@ -177,7 +196,7 @@ class LoraEstimate(Estimate):
         return num_micro * 2 * self.m.num_params * self.s / self.T
 
 
-def adapter_params(model_config, lora) -> int:
+def adapter_params(model_config: ModelConfig, lora: LoraConfig) -> int:
     """Na: rank x (in + out) per target projection per layer (models/lora.py's shapes)."""
     widths = (lora_lib.in_out(model_config, t) for t in lora.targets)
     return model_config.num_layers * lora.rank * sum(i + o for i, o in widths)

@@ -104,7 +104,7 @@ class Collective:
         return sum(s.bytes * (scale if s.dtype == "f32" else 1.0) for s in shapes)
 
     @property
-    def total_bytes(self) -> int:
+    def total_bytes(self) -> float:
         return self.bytes * self.executions
 
     @property

@@ -57,8 +57,10 @@ def _check(result: int, what: str) -> None:
         raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
 
-def _mount(source, target, fstype, flags, data=None) -> None:
-    def enc(text):
+def _mount(
+    source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
+) -> None:
+    def enc(text: str | None) -> bytes | None:
         return text.encode() if text is not None else None
 
     _check(
@@ -88,7 +90,7 @@ def _bind_read_only(path: str, root: str) -> None:
     _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
-def build_root(root: str, read_only) -> None:
+def build_root(root: str, read_only: tuple[str, ...]) -> None:
     """Once per server: the read-only root every run chroots into."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount propagates to the host
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
@@ -112,7 +114,7 @@ def _own_user_namespace() -> None:
             f.write(text)
 
 
-def drop_privileges(last_cap: int, uid) -> None:
+def drop_privileges(last_cap: int, uid: int | None) -> None:
     for cap in range(last_cap + 1):
         _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"drop capability {cap}")
     _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), "clear ambient caps")

@@ -47,7 +47,7 @@ class Job(NamedTuple):
     job adds to its batch's deadline (divided among the workers; pool.VerifierPool.run).
     """
 
-    fn: Callable[..., str]
+    fn: Callable[..., str | tuple[str, float, str]]
     args: tuple
     cost_s: float = JOB_COST_S
 

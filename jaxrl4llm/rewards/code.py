@@ -33,7 +33,7 @@ from typing import Any
 
 from jaxrl4llm.rewards import harness
 from jaxrl4llm.rewards.base import Job, PlansPerCompletion, Verdict, record_metadata
-from jaxrl4llm.rewards.sandbox import SandboxConfig, resolve_isolation, run_program
+from jaxrl4llm.rewards.sandbox import Execution, SandboxConfig, resolve_isolation, run_program
 from jaxrl4llm.rewards.verdict import decide, read_values
 
 MODES = ("all_pass", "fraction")
@@ -140,10 +140,11 @@ def case_count(tests_json: str) -> int:
     return len(cases) if isinstance(cases, list) else 0
 
 
-def _describe(execution, tail: str) -> str:
+def _describe(execution: Execution, tail: str) -> str:
     if execution.status == "timeout":
         return "time limit exceeded"
     if execution.status == "signal":
+        assert execution.returncode is not None  # the signal's number, negated
         return f"killed by signal {-execution.returncode}"
     if execution.status == "exit":
         lines = execution.stderr.strip().splitlines()

@@ -88,8 +88,11 @@ def _walk(node: ast.AST, used: list[int]) -> None:
 
 
 def _value(node: ast.AST) -> Fraction:
+    # `_walk` has let through only int literals and BinOps of _OPS.
     if isinstance(node, ast.Constant):
+        assert type(node.value) is int
         return Fraction(node.value)
+    assert isinstance(node, ast.BinOp)
     left, right = _value(node.left), _value(node.right)
     if isinstance(node.op, ast.Div) and right == 0:
         raise ZeroDivisionError

@@ -47,7 +47,7 @@ def gym_answer(completion: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=32)
-def _dataset(task: str, config_json: str):
+def _dataset(task: str, config_json: str) -> Any:
     import reasoning_gym
 
     return reasoning_gym.create_dataset(task, **json.loads(config_json))

@@ -148,7 +148,7 @@ class VerifierPool:
     def __enter__(self) -> VerifierPool:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -230,7 +230,7 @@ class VerifierPool:
         for conn in ready:
             worker = next(w for w in self._workers if w.conn is conn)
             try:
-                message = conn.recv()
+                message = worker.conn.recv()
             except (EOFError, OSError):
                 self._handle_dead_worker(batch, worker)
                 continue

@@ -162,7 +162,7 @@ class RewardFn:
     def __enter__(self) -> RewardFn:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:

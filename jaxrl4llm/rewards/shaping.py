@@ -57,6 +57,7 @@ def overlong_penalty(lengths: np.ndarray, config: ShapingConfig) -> np.ndarray:
     lengths = np.asarray(lengths, dtype=np.float64)
     if config.overlong_buffer == 0:
         return np.zeros(lengths.shape, np.float32)
+    assert config.max_new_tokens is not None  # __post_init__: overlong_buffer > 0 needs it
     start = config.max_new_tokens - config.overlong_buffer
     frac = np.clip((lengths - start) / config.overlong_buffer, 0.0, 1.0)
     return (-config.overlong_penalty * frac).astype(np.float32)

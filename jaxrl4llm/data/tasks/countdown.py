@@ -51,7 +51,7 @@ def _random_solution(numbers: list[int], rng: random.Random) -> tuple[str, Fract
             op = "+"
         if op == "-" and a < b:  # keep intermediate values non-negative, as in the game
             (text_a, a), (text_b, b) = (text_b, b), (text_a, a)
-        value = {"+": a + b, "-": a - b, "*": a * b, "/": a / b if op == "/" else 0}[op]
+        value = {"+": a + b, "-": a - b, "*": a * b, "/": a / b if op == "/" else Fraction(0)}[op]
         items.append((f"({text_a} {op} {text_b})", value))
     text, value = items[0]
     return text[1:-1], value
