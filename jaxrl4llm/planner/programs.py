@@ -162,6 +162,7 @@ class Setup:
     frozen_bytes: float  # LoRA: the frozen base, outside the state (also the reference)
     ref_bytes: float  # the reference's copy (none under LoRA)
     critic_bytes: float
+    backend: str  # what the planned devices compile for (topology.Topology.backend)
 
     @property
     def config(self) -> TrainConfig:
@@ -219,6 +220,7 @@ def setup(config: TrainConfig, model_config: ModelConfig, topo: Any, devices: An
         frozen_bytes=per_device_bytes(base) if lora else 0.0,
         ref_bytes=param_bytes if c.needs_reference and not lora else 0.0,
         critic_bytes=per_device_bytes(critic_state) if critic_state is not None else 0.0,
+        backend=topo.backend,
     )
 
 
@@ -286,7 +288,12 @@ def lower_sample(s: Setup, P: int) -> Any:
     Bs, Gs, sample_chunks = sample_layout(s)
     remax = s.config.algorithm.advantage == "remax"
     args, kwargs = sample_inputs(s, Bs, P, remax)
-    return s.programs.sample(Gs, sample_chunks, greedy=remax).lower(*args, **kwargs)
+    # The cache the planned devices' run allocates (float32 on the CPU test devices).
+    c = s.config
+    compute = c.model.compute_dtype or c.model.param_dtype
+    cache_dtype = decode.cache_dtype_of(param_dtype(compute), backend=s.backend)
+    program = s.programs.sample(Gs, sample_chunks, greedy=remax, cache_dtype=cache_dtype)
+    return program.lower(*args, **kwargs)
 
 
 def sample_row(s: Setup) -> tuple[Row, Rollout]:

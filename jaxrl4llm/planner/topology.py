@@ -45,6 +45,13 @@ class Topology:
     num_devices: int
     num_hosts: int = 1  # processes of a run: flags that run on one host only need 1
 
+    @property
+    def backend(self) -> str:
+        """The jax backend a run on it compiles for: cpu (the cpu-N test devices), tpu, gpu."""
+        if self.name.lower().startswith("cpu"):
+            return "cpu"
+        return "gpu" if "xh" in self.name.lower() else "tpu"
+
 
 def topology(name: str) -> Topology:
     """v5p-N (N TensorCores = N/2 chips), v5e-N (N chips), Kxh100 / Kxh200 (K <= 8 GPUs of

@@ -42,10 +42,17 @@ MIN_COMPACT_ROWS = 8
 
 
 def cache_dtype_for(params: Any) -> Any:
-    """The params' dtype, except float32 on CPU: there XLA upcasts every bfloat16 cache write to
-    float32 out of place (a copy of the layer's cache per step), and float32 attention over
-    the cache costs about the same as bfloat16."""
-    return jnp.float32 if jax.default_backend() == "cpu" else params["embed"].dtype
+    """The KV cache's dtype for the weights `params` computes with (`cache_dtype_of`)."""
+    return cache_dtype_of(params["embed"].dtype)
+
+
+def cache_dtype_of(compute_dtype: Any, backend: str | None = None) -> Any:
+    """The weights' compute dtype, except float32 on CPU: there XLA upcasts every bfloat16
+    cache write to float32 out of place (a copy of the layer's cache per step), and float32
+    attention over the cache costs about the same as bfloat16. `backend` (default: jax's)
+    lets a planner on CPU choose as the planned accelerator's run would."""
+    backend = backend or jax.default_backend()
+    return jnp.float32 if backend == "cpu" else jnp.dtype(compute_dtype)
 
 
 def prefill(

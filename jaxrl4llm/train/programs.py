@@ -89,11 +89,19 @@ class StepPrograms:
         return Program("create", fn, dict(optimizer=optimizer, seed=self.config.run.seed))
 
     def sample(
-        self, prompt_group: int, num_chunks: int, *, greedy: bool = False, compact: bool = True
+        self,
+        prompt_group: int,
+        num_chunks: int,
+        *,
+        greedy: bool = False,
+        compact: bool = True,
+        cache_dtype: Any = None,
     ) -> Program:
         """The rollout's decode program for rows in `num_chunks` chunks of whole groups of
         `prompt_group` (sampler.generate picks both for a bucket of rows; `greedy`: some
-        rows decode greedily, ReMax's baseline)."""
+        rows decode greedily, ReMax's baseline). `cache_dtype`: the KV cache's (default:
+        the backend's choice, decode.cache_dtype_for; a planner on CPU passes the one the
+        planned accelerator would choose)."""
         r = self.config.rollout
         return sampler.decode_program(
             model_config=self.model_config,
@@ -106,6 +114,7 @@ class StepPrograms:
             compact=compact,
             decode_slots=r.decode_slots,
             greedy=greedy,
+            cache_dtype=cache_dtype,
         )
 
     def logprobs(self, rows: int) -> Program:

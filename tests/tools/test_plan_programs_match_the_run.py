@@ -91,8 +91,10 @@ def _planned(config: TrainConfig, model_config: ModelConfig, run: dict) -> dict[
     [
         ([], {"create", "sample", "advantages", "policy_update"}),
         (
-            ["--algorithm=ppo", "--critic_warmup_steps=0"],
-            {"create", "sample", "values", "advantages", "policy_update", "critic_update"},
+            # PPO's KL in the reward: the reference's logprobs too.
+            ["--algorithm=ppo", "--critic_warmup_steps=0", "--kl_coef=0.01", "--kl_in=reward"],
+            {"create", "sample", "logprobs", "values", "advantages", "policy_update"}
+            | {"critic_update"},
         ),
     ],
     ids=["quickstart", "ppo"],

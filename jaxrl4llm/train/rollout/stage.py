@@ -121,6 +121,8 @@ def _update_batch(
         completion_mask_BT=out.mask_BT,
         observation_mask_BT=out.observation_BT,
     )
+    if programs.mesh is not None:  # the layout the passes compile for (and the plan plans)
+        seqs = parallel.on_batch_axes(seqs, programs.mesh)
     config = programs.config
     forced = _teacher_forced(ctx, programs, seqs, params, ref_params, critic_params, out)
     adv = _batch_advantages(ctx, programs, rows, out, forced)
