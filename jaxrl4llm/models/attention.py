@@ -148,30 +148,14 @@ def attention(
         visible_BTS = visible_mask(key_valid_BS, T, offset, window, query_prefix_BT, positions_BS)
         out = _reference(q_BKGTH, k_BKHS, v_BKSH, visible_BTS)
     elif impl == "chunked":
-        if positions_BS is None:
-            positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        rows = _chunked_rows(key_valid_BS, T, offset, query_prefix_BT, positions_BS)
+        bq, bk = config.blocks(segmented)
         out = chunked_attention.chunked(
-            q_BKGTH,
-            k_BKHS,
-            v_BKSH,
-            key_valid_BS,
-            query_segments(key_valid_BS, T, jnp.asarray(offset, jnp.int32), query_prefix_BT),
-            jnp.asarray(offset, jnp.int32),
-            positions_BS.astype(jnp.int32),
-            min(config.blocks(segmented)[0], T),
-            min(config.blocks(segmented)[1], S),
-            window,
-            config.skip_blocks,
+            q_BKGTH, k_BKHS, v_BKSH, *rows, min(bq, T), min(bk, S), window, config.skip_blocks
         )
     else:
-        if not isinstance(offset, int):
-            raise ValueError(
-                f"attention impl {impl!r} needs a static (int) offset; the decode "
-                "step's traced cache index runs the reference implementation."
-            )
-        kernel = _splash if impl == "splash" else functools.partial(_dot_product, impl=impl)
         out = _per_device(
-            kernel,
+            impl,
             q_BKGTH,
             k_BKHS,
             v_BKSH,
@@ -208,28 +192,51 @@ def _reference(q_BKGTH, k_BKHS, v_BKSH, visible_BTS):
     )
 
 
+def _chunked_rows(
+    key_valid_BS: jax.Array,
+    num_queries: int,
+    offset: Any,
+    query_prefix_BT: jax.Array | None,
+    positions_BS: jax.Array | None,
+) -> chunked_attention.Rows:
+    """The chunked kernel's per-row inputs; without positions_BS the window counts slots."""
+    B, S = key_valid_BS.shape
+    if positions_BS is None:
+        positions_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    offset_i32 = jnp.asarray(offset, jnp.int32)
+    query_ids_BT2 = query_segments(key_valid_BS, num_queries, offset_i32, query_prefix_BT)
+    return key_valid_BS, query_ids_BT2, offset_i32, positions_BS.astype(jnp.int32)
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
 def _per_device(
-    kernel,
-    q_BKGTH,
-    k_BKHS,
-    v_BKSH,
-    key_valid_BS,
-    offset: int,
+    impl: str,
+    q_BKGTH: jax.Array,
+    k_BKHS: jax.Array,
+    v_BKSH: jax.Array,
+    key_valid_BS: jax.Array,
+    offset: Any,
     window: int | None,
     config: AttentionConfig,
     sharding: parallel.ActivationSharding | None,
     query_prefix_BT: jax.Array | None = None,
     positions_BS: jax.Array | None = None,
-):
-    """Runs a per-device kernel; on a mesh under shard_map over batch rows and kv heads
-    (a Pallas or cuDNN custom call is opaque to the SPMD partitioner, which would otherwise
-    gather every operand onto each device). Splash takes (key_valid_BS,) as its rows;
-    cuDNN / XLA also the prefix segments and positions, given or not."""
+) -> jax.Array:
+    """Runs the splash, cuDNN or XLA kernel (`impl`; each needs a static offset) per device;
+    on a mesh under shard_map over batch rows and kv heads (a Pallas or cuDNN custom call is
+    opaque to the SPMD partitioner, which would otherwise gather every operand onto each
+    device). Splash takes (key_valid_BS,) as its rows; cuDNN / XLA also the prefix segments
+    and positions, given or not."""
+    if not isinstance(offset, int):
+        raise ValueError(
+            f"attention impl {impl!r} needs a static (int) offset; the decode "
+            "step's traced cache index runs the reference implementation."
+        )
+    kernel = _splash if impl == "splash" else functools.partial(_dot_product, impl=impl)
     run = functools.partial(kernel, offset=offset, window=window, config=config)
-    if kernel is _splash:
+    if impl == "splash":
         rows: tuple[Any, ...] = (key_valid_BS,)
     else:
         S = key_valid_BS.shape[1]
@@ -253,7 +260,7 @@ def _per_device(
     )(q_BKGTH, k_BKHS, v_BKSH, *rows)
 
 
-def _query_segments(key_valid_BS, T: int, offset: int, Tp: int) -> jax.Array:
+def _query_segments(key_valid_BS: jax.Array, T: int, offset: int, Tp: int) -> jax.Array:
     """A query's segment is its own key's validity, so every query sees at least its own key
     (the kernels need no empty rows); block-padding queries count as real (they see every
     real key before them)."""
@@ -262,15 +269,15 @@ def _query_segments(key_valid_BS, T: int, offset: int, Tp: int) -> jax.Array:
 
 
 def _splash(
-    q_BKGTH,
-    k_BKHS,
-    v_BKSH,
-    key_valid_BS,
+    q_BKGTH: jax.Array,
+    k_BKHS: jax.Array,
+    v_BKSH: jax.Array,
+    key_valid_BS: jax.Array,
     *,
     offset: int,
     window: int | None,
     config: AttentionConfig,
-):
+) -> jax.Array:
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
@@ -306,18 +313,18 @@ def _splash(
 
 
 def _dot_product(
-    q_BKGTH,
-    k_BKHS,
-    v_BKSH,
-    key_valid_BS,
-    query_prefix_BT,
-    positions_BS,
+    q_BKGTH: jax.Array,
+    k_BKHS: jax.Array,
+    v_BKSH: jax.Array,
+    key_valid_BS: jax.Array,
+    query_prefix_BT: jax.Array,
+    positions_BS: jax.Array,
     *,
     offset: int,
     window: int | None,
     config: AttentionConfig,
     impl: str,
-):
+) -> jax.Array:
     del config
     B, K, G, T, H = q_BKGTH.shape
     q_BTNH = q_BKGTH.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, H)
@@ -330,7 +337,7 @@ def _dot_product(
         v_BKSH.transpose(0, 2, 1, 3),
         mask=visible_B1TS,
         scale=1.0,
-        implementation=impl,
+        implementation="cudnn" if impl == "cudnn" else "xla",  # (impl is one of the two)
     )
     return out_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).astype(_F32)
 

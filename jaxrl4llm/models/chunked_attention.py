@@ -17,6 +17,8 @@ from jax import lax
 from jaxrl4llm.models.masks import MASKED, PADDED, block_visibility, causal, same_segment
 
 _F32 = jnp.float32
+# The kernel's per-row inputs: (key_valid_BS, query_ids, offset, positions_BS).
+Rows = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
 
 
 def pad_to(x: jax.Array, axis: int, multiple: int, value: Any = 0) -> jax.Array:
@@ -152,6 +154,7 @@ def _chunked_bwd(bq, bk, window, skip, residuals, dout):
     """Flash-attention backward: per (key block, query block) pair, recompute the
     probabilities from the saved logsumexp; dq accumulates over key blocks, dk / dv over
     query blocks."""
+    rows: Rows
     q, k, v, rows, out, lse = residuals
     offset = rows[2]
     T, S = q.shape[3], k.shape[3]

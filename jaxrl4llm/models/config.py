@@ -137,18 +137,9 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike) -> "ModelConfig":
         """Builds a config from a HF `config.json` dict, the file, or the folder holding it."""
-        if not isinstance(config, Mapping):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.exists(path):
-                raise FileNotFoundError(
-                    f"No HF config at {path!r}: expected a config.json "
-                    "(or the model folder that holds one)."
-                )
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
-        return _from_hf_dict(dict(config))
+        if isinstance(config, Mapping):
+            return _from_hf_dict(dict(config))
+        return _from_hf_dict(dict(_read_hf_config(config)))
 
     def to_hf_config(self) -> dict[str, Any]:
         """The HF `config.json` dict (transformers 5 layout) that `from_hf_config` reads back."""
@@ -188,39 +179,23 @@ class ModelConfig:
         return out
 
 
+def _read_hf_config(config: str | os.PathLike) -> Any:
+    """The parsed `config.json` at `config`, a file or the folder holding it."""
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"No HF config at {path!r}: expected a config.json "
+            "(or the model folder that holds one)."
+        )
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def _from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
-    model_type = cfg.get("model_type")
-    archs = cfg.get("architectures") or []
-    if model_type is None and archs:
-        model_type = _ARCH_TO_TYPE.get(archs[0])
-    if model_type not in FAMILIES:
-        raise ValueError(
-            f"config.json field model_type={model_type!r} (architectures={archs}) is "
-            f"not supported; supported model types: {sorted(FAMILIES)}."
-        )
-    family = FAMILIES[model_type]
-    for arch in archs:
-        if _ARCH_TO_TYPE.get(arch) != model_type:
-            raise ValueError(
-                f"config.json field architectures={archs} names {arch!r}, which "
-                f"is not a {model_type} model; a {model_type} config.json names "
-                f"{family.architecture!r}."
-            )
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"config.json field hidden_act={act!r} is not supported; only 'silu' is.")
-    if cfg.get("use_sliding_window"):
-        raise ValueError(
-            "config.json field use_sliding_window=true is not supported; "
-            "set it to false (full attention)."
-        )
-    if cfg.get("mlp_bias"):
-        raise ValueError("config.json field mlp_bias=true is not supported.")
-    if cfg.get("attention_bias") and not family.attention_bias:
-        raise ValueError(
-            f"config.json field attention_bias=true is not supported for "
-            f"{model_type} (it would add an o_proj bias)."
-        )
+    model_type, family = _family_from_hf(cfg)
+    _check_hf_supported(cfg, model_type, family)
     sliding_window = cfg.get("sliding_window") if family.sliding_window else None
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
@@ -251,6 +226,48 @@ def _from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         model_type=model_type,
         sliding_window=None if sliding_window is None else int(sliding_window),
     )
+
+
+def _family_from_hf(cfg: Mapping[str, Any]) -> tuple[str, Family]:
+    """(model_type, its Family) from `model_type` or else `architectures`, which must all
+    name that family."""
+    model_type = cfg.get("model_type")
+    archs = cfg.get("architectures") or []
+    if model_type is None and archs:
+        model_type = _ARCH_TO_TYPE.get(archs[0])
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"config.json field model_type={model_type!r} (architectures={archs}) is "
+            f"not supported; supported model types: {sorted(FAMILIES)}."
+        )
+    family = FAMILIES[model_type]
+    for arch in archs:
+        if _ARCH_TO_TYPE.get(arch) != model_type:
+            raise ValueError(
+                f"config.json field architectures={archs} names {arch!r}, which "
+                f"is not a {model_type} model; a {model_type} config.json names "
+                f"{family.architecture!r}."
+            )
+    return model_type, family
+
+
+def _check_hf_supported(cfg: Mapping[str, Any], model_type: str, family: Family) -> None:
+    """Refuses the config.json fields this decoder does not implement."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json field hidden_act={act!r} is not supported; only 'silu' is.")
+    if cfg.get("use_sliding_window"):
+        raise ValueError(
+            "config.json field use_sliding_window=true is not supported; "
+            "set it to false (full attention)."
+        )
+    if cfg.get("mlp_bias"):
+        raise ValueError("config.json field mlp_bias=true is not supported.")
+    if cfg.get("attention_bias") and not family.attention_bias:
+        raise ValueError(
+            f"config.json field attention_bias=true is not supported for "
+            f"{model_type} (it would add an o_proj bias)."
+        )
 
 
 def _rope_from_hf(cfg: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -321,7 +338,8 @@ PRESETS: dict[str, ModelConfig] = {"tiny": TINY, "smollm2-135m": SMOLLM2_135M}
 
 # Architectures of the paper flagfiles' models (from each Hugging Face repo's config.json),
 # keyed by the repo / folder name in lower case: tools/plan.py plans them without weights.
-_QWEN25_7B = dict(
+# The fields each Qwen family's models share; each entry below sets the rest.
+_QWEN25_7B = ModelConfig(
     vocab_size=152064,
     hidden_size=3584,
     intermediate_size=18944,
@@ -332,7 +350,7 @@ _QWEN25_7B = dict(
     attention_bias=True,
     model_type="qwen2",
 )
-_QWEN3_8B = dict(
+_QWEN3_8B = ModelConfig(
     vocab_size=151936,
     hidden_size=4096,
     intermediate_size=12288,
@@ -347,19 +365,19 @@ _QWEN3_8B = dict(
     model_type="qwen3",
 )
 ARCHITECTURES: dict[str, ModelConfig] = {
-    "qwen2.5-math-7b": ModelConfig(
-        **_QWEN25_7B, rope_theta=10000.0, max_position_embeddings=4096, eos_token_ids=(151643,)
+    "qwen2.5-math-7b": dataclasses.replace(
+        _QWEN25_7B, rope_theta=10000.0, max_position_embeddings=4096, eos_token_ids=(151643,)
     ),
-    "qwen2.5-7b-instruct-1m": ModelConfig(
-        **_QWEN25_7B,
+    "qwen2.5-7b-instruct-1m": dataclasses.replace(
+        _QWEN25_7B,
         rope_theta=1e7,
         rms_norm_eps=1e-5,
         max_position_embeddings=1010000,
         eos_token_ids=(151645,),
     ),
-    "qwen3-8b-base": ModelConfig(**_QWEN3_8B),
-    "qwen3-4b-base": ModelConfig(
-        **dict(_QWEN3_8B, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
+    "qwen3-8b-base": _QWEN3_8B,
+    "qwen3-4b-base": dataclasses.replace(
+        _QWEN3_8B, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True
     ),
     "smollm2-135m-instruct": SMOLLM2_135M,
     # meta-llama/Llama-3.2-3B-Instruct's config.json: 28 layers of width 3072, MLP 8192, 24

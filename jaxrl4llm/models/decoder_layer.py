@@ -9,7 +9,7 @@ float32. `transformer` stacks these layers into the model's passes; the sampler'
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +26,9 @@ Params = dict[str, Any]
 
 _F32 = jnp.float32
 Sharding = parallel.ActivationSharding | None
+# A layer's choice of attended keys (apply_layer): (k_BKHT, v_BKTH) -> (keys_BKHS,
+# values_BKSH, key_valid_BS, offset, aux).
+KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array, Any, Any]]
 
 # Logical axes of activations: rows over the data-parallel axes, the model width whole,
 # heads / MLP over tensor (see parallel.ActivationSharding).
@@ -101,7 +104,7 @@ def apply_layer(
     lp: Params,
     cos_BTF: jax.Array,
     sin_BTF: jax.Array,
-    kv_fn,
+    kv_fn: KVFn,
     sharding: Sharding = None,
     attention: AttentionConfig = AttentionConfig(),
     query_prefix_BT: jax.Array | None = None,

@@ -11,7 +11,7 @@ and a query's position is the one at its own slot t + offset."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,8 @@ from jax import lax
 MASKED = -1e30
 # Block padding past the last key: below MASKED, so it never outweighs a masked real key.
 PADDED = 2 * MASKED
+# A device (jax.numpy) or host (numpy) array: row_block_visibility runs on either.
+ArrayT = TypeVar("ArrayT", jax.Array, np.ndarray)
 
 
 def causal(key_slots: jax.Array, query_slots: jax.Array, window: int | None) -> jax.Array:
@@ -96,15 +98,15 @@ def visible_mask(
 
 
 def row_block_visibility(
-    key_valid_BS,
-    query_ids_BT2,
-    offset,
-    bq,
-    bk,
-    window,
+    key_valid_BS: ArrayT,
+    query_ids_BT2: ArrayT,
+    offset: Any,
+    bq: int,
+    bk: int,
+    window: int | None,
     xp: Any = jnp,
     positions_BS: Any = None,
-):
+) -> ArrayT:
     """bool [B, query blocks, key blocks]: whether row b has a query in block i that sees a
     key in block j (`xp`: jax.numpy on device, numpy for the host's FLOP model). Segments
     are contiguous and increase along a row, so a block's segments form a range; the test is

@@ -162,13 +162,34 @@ def hidden_states(
     prompt's id (its positions continue from the prompt's), every other token its own id.
     On packed rows the window counts positions_BT (j's position > i's - W), not slots.
     """
-    B, T = tokens_BT.shape
+    T = tokens_BT.shape[1]
     mask_BT = mask_BT.astype(bool)
     _check_packed_rows(segment_ids_BT, prefix_ids_BT, kv_cache)
     key_valid_BT = mask_BT if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
-    cos_BTF, sin_BTF = rope_tables(config, positions_BT)
+    layer = _decoder_layer(config, positions_BT, sharding, attention, segment_ids_BT, prefix_ids_BT)
     h_BTD = embed_tokens(params, tokens_BT, sharding)
-    layer = functools.partial(
+    new_cache: KVCache | None = None
+    if kv_cache is None:
+        h_BTD = _run_layers(layer, h_BTD, params["layers"], key_valid_BT, remat)
+    else:
+        _check_cache_index(cache_index, kv_cache.max_len, new_tokens=T)
+        h_BTD, new_cache = _run_cached_layers(
+            layer, h_BTD, params["layers"], config.num_layers, mask_BT, kv_cache, cache_index, remat
+        )
+    return _final_norm(params, config, h_BTD), new_cache
+
+
+def _decoder_layer(
+    config: ModelConfig,
+    positions_BT: jax.Array,
+    sharding: Sharding,
+    attention: AttentionConfig,
+    segment_ids_BT: jax.Array | None,
+    prefix_ids_BT: jax.Array | None,
+) -> Callable[..., Any]:
+    """apply_layer with the pass's RoPE tables and attention settings bound."""
+    cos_BTF, sin_BTF = rope_tables(config, positions_BT)
+    return functools.partial(
         apply_layer,
         config,
         cos_BTF=cos_BTF,
@@ -180,16 +201,11 @@ def hidden_states(
         # completions do not follow slot by slot (masks.py).
         packed_positions_BT=None if segment_ids_BT is None else positions_BT,
     )
-    new_cache: KVCache | None = None
-    if kv_cache is None:
-        h_BTD = _run_layers(layer, h_BTD, params["layers"], key_valid_BT, remat)
-    else:
-        _check_cache_index(cache_index, kv_cache.max_len, new_tokens=T)
-        h_BTD, new_cache = _run_cached_layers(
-            layer, h_BTD, params["layers"], config.num_layers, mask_BT, kv_cache, cache_index, remat
-        )
-    h_BTD = rms_norm(h_BTD, params["final_norm"], config.rms_norm_eps)
-    return h_BTD.astype(params["embed"].dtype), new_cache
+
+
+def _final_norm(params: Params, config: ModelConfig, h_BTD: jax.Array) -> jax.Array:
+    """The final RMSNorm, back in the params' dtype."""
+    return rms_norm(h_BTD, params["final_norm"], config.rms_norm_eps).astype(params["embed"].dtype)
 
 
 def _check_packed_rows(
@@ -303,33 +319,68 @@ def hidden_states_shared_prefix(
     [B, T, D]); gradients through the shared prefix sum over the block, as they would.
     Prefixes are left-padded (`prefix_mask_GP`); `mask_BT` marks the rows' real tokens.
     """
-    G, P = prefix_tokens_GP.shape
-    B, T = tokens_BT.shape
+    G = prefix_tokens_GP.shape[0]
+    _check_shared_prefix(params, G, tokens_BT.shape[0], group)
+    prefix_mask_GP = prefix_mask_GP.astype(bool)
+    mask_BT = mask_BT.astype(bool)
+    positions_GP, positions_BT = _shared_prefix_positions(prefix_mask_GP, mask_BT, group)
+    rope_p = rope_tables(config, positions_GP)
+    rope_c = rope_tables(config, positions_BT)
+    # A row's token t (key slot P + t) sees its block's real prefix tokens and its own real
+    # tokens <= t.
+    key_valid_BS = jnp.concatenate([jnp.repeat(prefix_mask_GP, group, axis=0), mask_BT], axis=1)
+    layer = functools.partial(apply_layer, config, sharding=sharding, attention=attention)
+    body = _shared_prefix_layer(
+        layer, rope_p, rope_c, prefix_mask_GP, key_valid_BS, group, sharding
+    )
+    if remat:
+        body = jax.checkpoint(body, prevent_cse=False)
+    carry = (
+        embed_tokens(params, prefix_tokens_GP, sharding),
+        embed_tokens(params, tokens_BT, sharding),
+    )
+    (hp_GPD, hc_BTD), _ = lax.scan(body, carry, params["layers"])
+    return _final_norm(params, config, hp_GPD), _final_norm(params, config, hc_BTD)
+
+
+def _check_shared_prefix(params: Params, G: int, B: int, group: int) -> None:
     if G * group != B:
         raise ValueError(
             f"hidden_states_shared_prefix: {B} rows are not {G} prefixes x "
             f"group={group}; rows [i*group, (i+1)*group) must share prefix i."
         )
-    prefix_mask_GP = prefix_mask_GP.astype(bool)
-    mask_BT = mask_BT.astype(bool)
-    layers = params["layers"]
-    if isinstance(layers, (tuple, list)):
+    if isinstance(params["layers"], (tuple, list)):
         raise ValueError(
             "hidden_states_shared_prefix runs stacked layers (lax.scan); pass "
             "params as loaded, not unstack_layers(params)."
         )
+
+
+def _shared_prefix_positions(
+    prefix_mask_GP: jax.Array, mask_BT: jax.Array, group: int
+) -> tuple[jax.Array, jax.Array]:
+    """RoPE positions of the prefixes [G, P] and of the rows' tokens [B, T]: those of
+    positions_from_mask over the concatenated rows."""
     positions_GP = positions_from_mask(prefix_mask_GP)
-    # The same positions as positions_from_mask over the concatenated row.
     prefix_len_B = jnp.repeat(prefix_mask_GP.sum(axis=1, dtype=jnp.int32), group)
     positions_BT = jnp.maximum(
         prefix_len_B[:, None] + jnp.cumsum(mask_BT.astype(jnp.int32), axis=1) - 1, 0
     )
-    cos_p, sin_p = rope_tables(config, positions_GP)
-    cos_c, sin_c = rope_tables(config, positions_BT)
-    # A row's token t (key slot P + t) sees its block's real prefix tokens and its own real
-    # tokens <= t.
-    key_valid_BS = jnp.concatenate([jnp.repeat(prefix_mask_GP, group, axis=0), mask_BT], axis=1)
-    layer = functools.partial(apply_layer, config, sharding=sharding, attention=attention)
+    return positions_GP, positions_BT
+
+
+def _shared_prefix_layer(
+    layer: Callable[..., Any],
+    rope_p: tuple[jax.Array, jax.Array],
+    rope_c: tuple[jax.Array, jax.Array],
+    prefix_mask_GP: jax.Array,
+    key_valid_BS: jax.Array,
+    group: int,
+    sharding: Sharding,
+) -> Callable[..., Any]:
+    """The scan body over layers: a layer over the prefixes, then over the rows, whose keys
+    and values are their block's prefix keys and values ++ their own."""
+    P = prefix_mask_GP.shape[1]
     rows = functools.partial(
         parallel.constrain, logical_axes=("batch", "kv_heads"), sharding=sharding
     )
@@ -339,8 +390,7 @@ def hidden_states_shared_prefix(
         hp_GPD, (kp, vp) = layer(
             hp_GPD,
             lp,
-            cos_p,
-            sin_p,
+            *rope_p,
             kv_fn=lambda k, v: (k.astype(v.dtype), v, prefix_mask_GP, 0, (k.astype(v.dtype), v)),
         )
 
@@ -349,21 +399,10 @@ def hidden_states_shared_prefix(
             values = jnp.concatenate([rows(jnp.repeat(vp, group, axis=0)), v], axis=2)
             return keys, values, key_valid_BS, P, None
 
-        hc_BTD, _ = layer(hc_BTD, lp, cos_c, sin_c, kv_fn=kv_rows)
+        hc_BTD, _ = layer(hc_BTD, lp, *rope_c, kv_fn=kv_rows)
         return (hp_GPD, hc_BTD), None
 
-    if remat:
-        body = jax.checkpoint(body, prevent_cse=False)
-    carry = (
-        embed_tokens(params, prefix_tokens_GP, sharding),
-        embed_tokens(params, tokens_BT, sharding),
-    )
-    (hp_GPD, hc_BTD), _ = lax.scan(body, carry, layers)
-    eps, dtype = config.rms_norm_eps, params["embed"].dtype
-    return (
-        rms_norm(hp_GPD, params["final_norm"], eps).astype(dtype),
-        rms_norm(hc_BTD, params["final_norm"], eps).astype(dtype),
-    )
+    return body
 
 
 def forward(

@@ -58,9 +58,9 @@ class SafetensorsSource:
         self._entries: dict[str, tuple[str, dict[str, Any], int]] = {}
         for name in files:
             path = os.path.join(folder, name)
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(n))
+            with open(path, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n))
             header.pop("__metadata__", None)
             for tname, info in header.items():
                 self._entries[tname] = (path, info, 8 + n)

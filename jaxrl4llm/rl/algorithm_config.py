@@ -131,9 +131,26 @@ class AlgorithmConfig:
 
 
 def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
-    """Raise ValueError naming the knob and the fix when knobs contradict; return config."""
+    """Raise ValueError naming the knob and the fix when knobs contradict; return config.
+    The checks run in a fixed order: the first that fails is the one reported."""
     c, G = config, group_size
     require(isinstance(G, int) and G >= 1, f"group_size must be a positive int, got {G!r}.")
+    _validate_choices(c)
+    _validate_ranges(c, G)
+    _validate_correction(c)
+    if c.binary_reward is not None:
+        require(
+            len(c.binary_reward) == 2,
+            f"binary_reward={c.binary_reward!r} must be a pair (wrong, right), e.g. (-1.0, 1.0).",
+        )
+    _validate_group_size(c, G)
+    _validate_combinations(c)
+    return config
+
+
+def _validate_choices(c: AlgorithmConfig) -> None:
+    """Each string knob is one of its choices (k3_clamp, the KL estimate's cap, is checked
+    among them)."""
     require(c.advantage in ADVANTAGES, f"advantage={c.advantage!r}: choose one of {ADVANTAGES}.")
     require(c.mean in adv_lib.MEANS, f"mean={c.mean!r}: choose one of {adv_lib.MEANS}.")
     require(c.std in adv_lib.STDS, f"std={c.std!r}: choose one of {adv_lib.STDS}.")
@@ -157,6 +174,10 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
         c.positives in filters.POSITIVE_SELECTIONS,
         f"positives={c.positives!r}: choose one of {filters.POSITIVE_SELECTIONS}.",
     )
+
+
+def _validate_ranges(c: AlgorithmConfig, G: int) -> None:
+    """Each numeric knob is in its range (dynamic sampling needs groups of two)."""
     require(
         isinstance(c.ddof, int) and c.ddof >= 0,
         f"ddof={c.ddof!r} must be an int >= 0 (1 = torch.std, 0 = numpy default).",
@@ -200,13 +221,10 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
         f"kl_coef={c.kl_coef!r} must be finite and >= 0.",
     )
     require(math.isfinite(c.entropy_coef), f"entropy_coef={c.entropy_coef!r} must be finite.")
-    _validate_correction(c)
-    if c.binary_reward is not None:
-        require(
-            len(c.binary_reward) == 2,
-            f"binary_reward={c.binary_reward!r} must be a pair (wrong, right), e.g. (-1.0, 1.0).",
-        )
-    # Contradictions between knobs.
+
+
+def _validate_group_size(c: AlgorithmConfig, G: int) -> None:
+    """The knobs that need more than one completion per prompt."""
     if c.advantage == "normalized":
         require(
             not (c.std == "group" and G <= c.ddof),
@@ -229,6 +247,11 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
         "reject_all_correct/reject_all_wrong with group_size=1 reject every correct/wrong "
         "sample; set them to False or sample more completions per prompt.",
     )
+
+
+def _validate_combinations(c: AlgorithmConfig) -> None:
+    """Knobs that contradict each other: the KL's place, estimator and coefficient, and
+    RAFT's objective."""
     require(
         not (c.kl_coef > 0 and c.kl_in is None),
         f"kl_coef={c.kl_coef} but kl_in=None, so the KL would be ignored; set kl_in='loss' "
@@ -250,7 +273,6 @@ def validate(config: AlgorithmConfig, group_size: int) -> AlgorithmConfig:
         f"objective='nll' (RAFT) trains on positives only; set advantage='positives' "
         f"(got {c.advantage!r}).",
     )
-    return config
 
 
 def _validate_correction(c: AlgorithmConfig) -> None:

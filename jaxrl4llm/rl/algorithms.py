@@ -99,10 +99,7 @@ def compute_advantages_and_returns(
     r_B, valid, signal = _rewards_and_signal(c, rewards_B, correct_B, group_size, valid_B)
     keep = _loss_rows(c, valid, signal, truncated_B)
     kl_BT = _reward_kl(c, logp_BT, ref_logp_BT)
-    estimator = _ESTIMATORS.get(c.advantage)
-    if estimator is None:
-        raise ValueError(f"advantage={c.advantage!r}: choose one of {ADVANTAGES}.")
-    adv, returns_BT = estimator(
+    adv, returns_BT = _estimate(
         c,
         _EstimatorInputs(
             rewards_B=r_B,
@@ -116,11 +113,7 @@ def compute_advantages_and_returns(
             values_BT=values_BT,
         ),
     )
-    if kl_BT is not None and c.advantage in SEQUENCE_ADVANTAGES:
-        # OpenRLHF's KL-in-reward for per-sequence estimators: A at the last token, -beta KL
-        # on every token, returns with gamma = 1: A_it = A_i - beta sum_{s >= t} KL_is.
-        m = jnp.asarray(mask_BT, jnp.float32)
-        adv = adv_lib.returns_to_go(adv_lib.token_rewards(adv, m, kl_BT, c.kl_coef))
+    adv = _sequence_kl_in_reward(c, adv, mask_BT, kl_BT)
     # Rows without a learning signal carry A = 0 (rejected ones are masked out under "drop";
     # under "zero" this is what keeps them in the loss without a policy gradient).
     learn = signal & keep
@@ -267,6 +260,26 @@ _ESTIMATORS: dict[str, Callable[[AlgorithmConfig, _EstimatorInputs], _Estimate]]
     "reinforce_pp": _reinforce_pp,
     "reinforce_pp_baseline": _reinforce_pp,
 }
+
+
+def _estimate(c: AlgorithmConfig, x: _EstimatorInputs) -> _Estimate:
+    """The advantages (and the critic's returns) of config.advantage's estimator."""
+    estimator = _ESTIMATORS.get(c.advantage)
+    if estimator is None:
+        raise ValueError(f"advantage={c.advantage!r}: choose one of {ADVANTAGES}.")
+    return estimator(c, x)
+
+
+def _sequence_kl_in_reward(
+    c: AlgorithmConfig, adv: jnp.ndarray, mask_BT: jnp.ndarray, kl_BT: jnp.ndarray | None
+) -> jnp.ndarray:
+    """OpenRLHF's KL-in-reward for per-sequence estimators: A at the last token, -beta KL on
+    every token, returns with gamma = 1: A_it = A_i - beta sum_{s >= t} KL_is. Other
+    estimators took the KL themselves (or there is none): adv unchanged."""
+    if kl_BT is None or c.advantage not in SEQUENCE_ADVANTAGES:
+        return adv
+    m = jnp.asarray(mask_BT, jnp.float32)
+    return adv_lib.returns_to_go(adv_lib.token_rewards(adv, m, kl_BT, c.kl_coef))
 
 
 def _advantage_metrics(
