@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from absl import flags
 
@@ -37,6 +37,11 @@ from jaxrl4llm.config import cli, paths
 from jaxrl4llm.config.errors import EXIT_USER_ERROR, UserError, one_line
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.config.checks import validate
+
+if TYPE_CHECKING:  # jax and the models load after the flags are parsed
+    from jax.sharding import Mesh
+
+    from jaxrl4llm.models.config import ModelConfig
 
 for _name in _train.FLAG_NAMES:
     flags.declare_key_flag(_name)
@@ -58,8 +63,8 @@ class _Facts:
     """What one check finds and a later one uses."""
 
     devices: list
-    mesh: Any = None
-    model_config: Any = None
+    mesh: Mesh | None = None
+    model_config: ModelConfig | None = None
 
 
 def run_checks(
@@ -132,6 +137,7 @@ def _param_bytes(config: TrainConfig, facts: _Facts) -> int:
     from jaxrl4llm.train.config import param_dtype
 
     size = param_dtype(config.model.param_dtype)(0).dtype.itemsize
+    assert facts.model_config is not None  # the model check ran first
     return facts.model_config.num_params * size
 
 
@@ -263,7 +269,7 @@ def _device_memory(config: TrainConfig, facts: _Facts) -> tuple[str, str]:
 
 
 def peak_estimate(
-    config: TrainConfig, model_config: Any, mesh: Any, platform: str
+    config: TrainConfig, model_config: ModelConfig, mesh: Mesh, platform: str
 ) -> tuple[float, str]:
     """(bytes, program) of the planner's per-device estimate of the step's largest program:
     the update beside the reference params, the rollout and the logprobs pass beside the

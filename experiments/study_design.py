@@ -137,7 +137,7 @@ def update_weights(
     return np.asarray(policy), np.asarray(token)
 
 
-def fingerprint(config: Any, batches: Sequence[dict[str, np.ndarray]]) -> Fingerprint:
+def fingerprint(config: TrainConfig, batches: Sequence[dict[str, np.ndarray]]) -> Fingerprint:
     """`config`: a resolved TrainConfig."""
     alg = config.algorithm
     group_size = config.rollout.group_size

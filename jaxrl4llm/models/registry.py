@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxrl4llm import parallel
 from jaxrl4llm.config.errors import ModelNotFoundError
@@ -159,7 +160,7 @@ def is_available(name_or_path: str) -> bool:
 
 def load_model(
     name_or_path: str | os.PathLike,
-    mesh: Any = None,
+    mesh: Mesh | None = None,
     dtype: Any = jnp.float32,
     rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
     with_tokenizer: bool = True,

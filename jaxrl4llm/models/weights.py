@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import Mesh, Sharding
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models import schema, transformer
@@ -84,7 +85,7 @@ class SafetensorsSource:
         )
 
 
-def _place(buffer: np.ndarray, sharding: Any) -> jax.Array:
+def _place(buffer: np.ndarray, sharding: Sharding | None) -> jax.Array:
     if sharding is None:
         return jnp.asarray(buffer)
     # Each device (and each host) reads only its shard out of the host buffer.
@@ -94,7 +95,7 @@ def _place(buffer: np.ndarray, sharding: Any) -> jax.Array:
 def load_params(
     source: Any,
     config: ModelConfig,
-    mesh: Any = None,
+    mesh: Mesh | None = None,
     rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
     dtype: Any = jnp.float32,
     skip: tuple[str, ...] = (),
@@ -128,7 +129,7 @@ def load_params(
 
 
 def _param_shardings(
-    config: ModelConfig, mesh: Any, rules: parallel.LogicalRules, dtype: Any
+    config: ModelConfig, mesh: Mesh | None, rules: parallel.LogicalRules, dtype: Any
 ) -> Any:
     """The params tree of shardings on `mesh` (None without a mesh)."""
     if mesh is None:
@@ -194,7 +195,7 @@ def _check_all_used(unread: set[str], config: ModelConfig) -> None:
 def load_hf(
     path: str | os.PathLike,
     config: ModelConfig | None = None,
-    mesh: Any = None,
+    mesh: Mesh | None = None,
     rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
     dtype: Any = jnp.float32,
 ) -> tuple[ModelConfig, transformer.Params]:
@@ -286,7 +287,7 @@ def export_hf(
 def load_gguf(
     path: str | os.PathLike,
     config: ModelConfig | None = None,
-    mesh: Any = None,
+    mesh: Mesh | None = None,
     rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
     dtype: Any = jnp.float32,
 ) -> tuple[ModelConfig, transformer.Params]:

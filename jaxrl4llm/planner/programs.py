@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ from jaxrl4llm.planner import abstract as abs_lib
 from jaxrl4llm.planner import estimate as plan_estimate
 from jaxrl4llm.planner import hlo_analysis
 from jaxrl4llm.planner.abstract import per_device_bytes
+from jaxrl4llm.planner.topology import Chip, Topology
 from jaxrl4llm.sampling import buckets, decode
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 from jaxrl4llm.train.programs import StepPrograms
@@ -125,7 +126,7 @@ def _link_bytes(ops: Any) -> float:
     return sum(op.link_bytes for op in ops)
 
 
-def _measure(compiled: Any, calls: int, chip: Any, unknown_trip_count: int = 1) -> dict:
+def _measure(compiled: Any, calls: int, chip: Chip, unknown_trip_count: int = 1) -> dict:
     hlo = compiled.as_text()
     mem = compiled.memory_analysis()
     ops = hlo_analysis.collectives(hlo, unknown_trip_count=unknown_trip_count)
@@ -150,7 +151,7 @@ class Setup:
     states, and the bytes that stay resident beside the programs."""
 
     programs: StepPrograms
-    chip: Any
+    chip: Chip
     est: plan_estimate.Estimate
     base: Any  # the policy's params (under LoRA the frozen base)
     trained: Any  # what the optimizer trains: the params, or the LoRA adapters
@@ -188,7 +189,9 @@ class Setup:
         )
 
 
-def setup(config: TrainConfig, model_config: ModelConfig, topo: Any, devices: Any) -> Setup:
+def setup(
+    config: TrainConfig, model_config: ModelConfig, topo: Topology, devices: Sequence[Any]
+) -> Setup:
     """The run's programs on a mesh of `devices`, and their abstract params and states."""
     c = config
     mesh = parallel.make_mesh(c.run.mesh, devices)
@@ -224,7 +227,9 @@ def setup(config: TrainConfig, model_config: ModelConfig, topo: Any, devices: An
     )
 
 
-def plan(config: TrainConfig, model_config: ModelConfig, topo: Any, devices: Any) -> Plan:
+def plan(
+    config: TrainConfig, model_config: ModelConfig, topo: Topology, devices: Sequence[Any]
+) -> Plan:
     """Every program of one training step of `config`, compiled and measured."""
     s = setup(config, model_config, topo, devices)
     rows = [create_row(s)]

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxrl4llm import parallel
 from jaxrl4llm.rl.algorithm_config import AlgorithmConfig
@@ -196,7 +197,7 @@ def _one_round(
     return part, t_sample, time.perf_counter() - t0
 
 
-def on_device(part: ScoredRows, mesh: Any) -> ScoredRows:
+def on_device(part: ScoredRows, mesh: Mesh | None) -> ScoredRows:
     """The selected rows back on the devices, laid out like the sampler's (same shapes every
     step, so later passes do not recompile)."""
 

@@ -267,7 +267,7 @@ def _prompts_per_host(config: TrainConfig, mesh: Mesh) -> int:
 
 
 def _create_critic(
-    config: TrainConfig, params: Any, model_config: ModelConfig, mesh: Any
+    config: TrainConfig, params: Any, model_config: ModelConfig, mesh: Mesh
 ) -> TrainState | None:
     """PPO's critic state (None for every other algorithm): from --critic_model, else the
     policy's weights with a zero head, laid out like the policy."""

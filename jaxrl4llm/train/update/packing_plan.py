@@ -6,12 +6,13 @@ rows goes (`placements`, `row_segments`). Plain numpy: nothing here runs on a de
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.attention import AttentionConfig
+from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.masks import row_block_visibility
 from jaxrl4llm.sampling import buckets
 
@@ -39,7 +40,7 @@ class SlotFlops:
     window: int | None = None
 
     @classmethod
-    def of(cls, config: Any, attention: AttentionConfig = AttentionConfig()) -> SlotFlops:
+    def of(cls, config: ModelConfig, attention: AttentionConfig = AttentionConfig()) -> SlotFlops:
         dtype = config.compute_dtype or "float32"
         per_token = transformer.flops_per_token(config)
         return cls(*per_token, attention, config.head_dim, dtype, config.sliding_window)
