@@ -1,9 +1,10 @@
 """The planner lowers the trainer's own programs: for the quickstart configuration (and a PPO
-run of it, which adds the critic's programs), every program a training step runs is lowered
-once through the trainer's path (recorded as the step calls it, on its real arrays) and once
-through the planner's (planner/programs.py, on abstract inputs of the same shapes), and the
-two HLO texts are identical. A static setting, an input's dtype, sharding or presence that
-differs between the run and the plan fails here."""
+run of it with a KL term, which adds the reference's logprobs and the critic's programs; on
+the toy model, to keep it quick), every program a training step runs is lowered once through
+the trainer's path (recorded as the step calls it, on its real arrays) and once through the
+planner's (planner/programs.py, on abstract inputs of the same shapes), and the two HLO texts
+are identical. A static setting, an input's dtype, sharding or presence that differs between
+the run and the plan fails here."""
 
 from __future__ import annotations
 
@@ -25,7 +26,13 @@ from jaxrl4llm.train.config import TrainConfig
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGFILE = os.path.join(REPO, "experiments", "configs", "quickstart.flags")
 # One short step: the programs' settings are the quickstart's, their shapes small.
-SHORT = ["--num_steps=1", "--eval_every=0", "--checkpoint_every=1", "--max_new_tokens=16"]
+SHORT = [
+    "--num_steps=1",
+    "--eval_every=0",
+    "--eval_prompts=0",
+    "--checkpoint_every=1",
+    "--max_new_tokens=16",
+]
 
 
 def _config(workdir: str, *extra: str) -> TrainConfig:
@@ -92,14 +99,19 @@ def _planned(config: TrainConfig, model_config: ModelConfig, run: dict) -> dict[
         ([], {"create", "sample", "advantages", "policy_update"}),
         (
             # PPO's KL in the reward: the reference's logprobs too.
-            ["--algorithm=ppo", "--critic_warmup_steps=0", "--kl_coef=0.01", "--kl_in=reward"],
+            ["TOY", "--algorithm=ppo", "--critic_warmup_steps=0", "--kl_coef=0.01"]
+            + ["--kl_in=reward", "--max_prompt_tokens=32", "--instruction="],
             {"create", "sample", "logprobs", "values", "advantages", "policy_update"}
             | {"critic_update"},
         ),
     ],
     ids=["quickstart", "ppo"],
 )
-def test_the_planner_lowers_the_programs_the_trainer_runs(extra, names, tmp_path, monkeypatch):
+def test_the_planner_lowers_the_programs_the_trainer_runs(
+    extra, names, tmp_path, monkeypatch, toy_model_dir, copy_task_file
+):
+    toy = [f"--model={toy_model_dir}", f"--data={copy_task_file}"]
+    extra = [f for flag in extra for f in (toy if flag == "TOY" else [flag])]
     config = _config(str(tmp_path / "run"), *extra)
     run, model_config = _run_recording(config, monkeypatch)
     assert names <= set(run), sorted(run)
