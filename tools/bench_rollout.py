@@ -136,15 +136,15 @@ def waste(
 
 
 def _update_batch(out: Any, group: int, max_new_tokens: int, share_prompts: bool = True) -> Any:
-    """The rollout `out` as the update's batch (step.UpdateBatch), cut to the bucket of its
+    """The rollout `out` as the update's batch (batch.UpdateBatch), cut to the bucket of its
     longest completion as the trainer cuts it, its prompt block to the bucket of its longest
     prompt (the bench's samplers share one larger prompt bucket)."""
     import jax.numpy as jnp
 
     from jaxrl4llm.sampling.buckets import bucket_completion_length, bucket_prompt_length
     from jaxrl4llm.sampling.layout import RowLayout
+    from jaxrl4llm.train.update.batch import UpdateBatch
     from jaxrl4llm.train.update.logprobs import Sequences
-    from jaxrl4llm.train.update.step import UpdateBatch
 
     rows = out.tokens_BT.shape[0]
     out = out.trimmed(bucket_completion_length(int(out.num_steps), max_new_tokens))

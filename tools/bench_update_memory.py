@@ -25,9 +25,10 @@ from jaxrl4llm import rl  # noqa: E402
 from jaxrl4llm.config import cli
 from jaxrl4llm.models import transformer  # noqa: E402
 from jaxrl4llm.models.config import ModelConfig  # noqa: E402
+from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.logprobs import Sequences  # noqa: E402
 from jaxrl4llm.train.update.state import OptimizerConfig, TrainState  # noqa: E402
-from jaxrl4llm.train.update.step import UpdateBatch, train_step  # noqa: E402
+from jaxrl4llm.train.update.step import train_step  # noqa: E402
 
 MODEL = ModelConfig(
     vocab_size=1024,

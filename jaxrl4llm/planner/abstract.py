@@ -18,8 +18,8 @@ from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.lora import LoraConfig
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.update import critic, packing
+from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.logprobs import Sequences
-from jaxrl4llm.train.update.step import UpdateBatch
 
 
 def abstract(shape: Any, dtype: Any, sharding: Any) -> jax.Array:

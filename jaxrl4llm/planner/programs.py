@@ -36,10 +36,10 @@ from jaxrl4llm.planner.topology import Chip, Topology
 from jaxrl4llm.sampling import buckets, decode
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 from jaxrl4llm.train.programs import StepPrograms
-from jaxrl4llm.train.update import minibatches, packing, step
+from jaxrl4llm.train.update import minibatches, packing
 from jaxrl4llm.train.update import state as state_lib
+from jaxrl4llm.train.update.batch import UpdateBatch, length_classes
 from jaxrl4llm.train.update.logprobs import Sequences
-from jaxrl4llm.train.update.step import UpdateBatch
 
 
 @dataclasses.dataclass
@@ -412,7 +412,7 @@ def lower_update(s: Setup, P: int, N: int) -> Any:
     if c.update.micro_batch_tokens:  # the packed rows hold the prompts
         policy_batch, packed = packing.for_update(batch), abs_lib.packed_rows(c, s.mesh)
     sort = minibatches.sorts_by_length(c)
-    classes = step.length_classes(N, c.update.micro_batch_length_classes) if sort else ()
+    classes = length_classes(N, c.update.micro_batch_length_classes) if sort else ()
     program = s.programs.policy_update(s.programs.update_group(batch), classes)
     frozen = s.base if s.lora else None
     return program.lower(s.state, policy_batch, packed=packed, frozen=frozen, dropout_key=None)

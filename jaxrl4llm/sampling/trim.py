@@ -6,7 +6,7 @@ the first stop token (none when the row was truncated at max_new_tokens), then p
 * `text_token_ids`: what a completion's text decodes from: its tokens less the stop token
   (Sampler.decode).
 * `cut_columns`: [B, T, ...] arrays cut to their first `length` completion columns
-  (SampleOutput.trimmed, train.update.step.UpdateBatch.trimmed). The length the
+  (SampleOutput.trimmed, train.update.batch.UpdateBatch.trimmed). The length the
   teacher-forced passes and the update cut to is buckets.bucket_completion_length of the
   longest row, so only padding is cut.
 """

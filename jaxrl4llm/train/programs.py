@@ -34,6 +34,7 @@ from jaxrl4llm.sampling import sampler
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.config.optimizer import OptimizerConfig
 from jaxrl4llm.train.update import advantages, critic, logprobs, packing, step
+from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.state import create_jit
 
 
@@ -73,7 +74,7 @@ class StepPrograms:
         chunks = parallel.num_row_chunks(rows, self.config.rollout.rollout_micro_batch, group)
         return layout.prompt_group(rows, chunks, self.data_parallel), chunks
 
-    def update_group(self, batch: step.UpdateBatch) -> int:
+    def update_group(self, batch: UpdateBatch) -> int:
         """The prompt group of a mini-batch's micro-batches: rows still in their groups run
         each group's prompt once."""
         rows = batch.keep_B.shape[0]

@@ -16,10 +16,10 @@ from jaxrl4llm.train.infra import host_memory
 from jaxrl4llm.train.infra import metrics as metrics_lib
 from jaxrl4llm.train.services import Services
 from jaxrl4llm.train.update import packing
+from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.minibatches import minibatches
 from jaxrl4llm.train.update.models import Models
 from jaxrl4llm.train.update.packing import PackedBatch
-from jaxrl4llm.train.update.step import UpdateBatch
 
 
 @dataclasses.dataclass

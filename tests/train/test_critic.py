@@ -16,9 +16,9 @@ from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.config.checks import validate
 from jaxrl4llm.train.infra.metrics import read_metrics
 from jaxrl4llm.train.update import critic
+from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.logprobs import Sequences
 from jaxrl4llm.train.update.state import create_state
-from jaxrl4llm.train.update.step import UpdateBatch
 
 from tests.train.float_checks import LINEAR_OPT, assert_trees_close, param_step
 from tests.train.test_loop import _config, _one_device

@@ -17,14 +17,9 @@ from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.sampling.buckets import bucket_completion_length
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.update import minibatches
+from jaxrl4llm.train.update.batch import UpdateBatch, length_classes, micro_batch_order
 from jaxrl4llm.train.update.logprobs import Sequences, completion_logprobs_jit
-from jaxrl4llm.train.update.step import (
-    UpdateBatch,
-    accumulate,
-    accumulate_gradients,
-    length_classes,
-    micro_batch_order,
-)
+from jaxrl4llm.train.update.step import accumulate, accumulate_gradients
 
 CONFIG = ModelConfig(
     vocab_size=48,

@@ -13,9 +13,10 @@ from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.train import loop
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.infra.metrics import read_metrics
+from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.logprobs import Sequences, completion_logprobs
 from jaxrl4llm.train.update.state import OptimizerConfig, TrainState
-from jaxrl4llm.train.update.step import UpdateBatch, train_step
+from jaxrl4llm.train.update.step import train_step
 
 from tests.train.float_checks import LINEAR_OPT
 

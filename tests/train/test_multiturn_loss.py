@@ -15,8 +15,8 @@ from jaxrl4llm.models import transformer, unembedding
 from jaxrl4llm.rl.losses import AGG_MODES
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.train.update import step
+from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.logprobs import Sequences
-from jaxrl4llm.train.update.step import UpdateBatch
 
 P, T = 5, 10
 # Per row: (prompt length, completion pattern: "m" model token, "o" observation token).

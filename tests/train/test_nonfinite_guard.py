@@ -11,9 +11,10 @@ import pytest
 from jaxrl4llm import rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.logprobs import Sequences
 from jaxrl4llm.train.update.state import OptimizerConfig, TrainState
-from jaxrl4llm.train.update.step import UpdateBatch, train_step
+from jaxrl4llm.train.update.step import train_step
 
 CONFIG = ModelConfig(
     vocab_size=16,

@@ -23,8 +23,9 @@ from jaxrl4llm import parallel, rl
 from jaxrl4llm.models import transformer, weights
 from jaxrl4llm.models.attention import AttentionConfig
 from jaxrl4llm.train.update import critic, packing
+from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.logprobs import Sequences, completion_logprobs_jit
-from jaxrl4llm.train.update.step import UpdateBatch, accumulate_gradients, accumulate_packed
+from jaxrl4llm.train.update.step import accumulate_gradients, accumulate_packed
 
 from tests.train import test_packing
 

@@ -14,8 +14,9 @@ from jaxrl4llm.models import attention, masks, transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.train.config.checks import validate
 from jaxrl4llm.train.update import packing, packing_plan
+from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.logprobs import Sequences, completion_logprobs_jit
-from jaxrl4llm.train.update.step import UpdateBatch, accumulate_gradients, accumulate_packed
+from jaxrl4llm.train.update.step import accumulate_gradients, accumulate_packed
 
 CONFIG = ModelConfig(
     vocab_size=48,

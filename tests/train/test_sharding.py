@@ -17,9 +17,10 @@ from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.planner import hlo_analysis
 from jaxrl4llm.train.infra import checkpoint
+from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.logprobs import Sequences
 from jaxrl4llm.train.update.state import OptimizerConfig, abstract_state, create_state
-from jaxrl4llm.train.update.step import UpdateBatch, accumulate_gradients, train_step
+from jaxrl4llm.train.update.step import accumulate_gradients, train_step
 
 from tests.train.float_checks import LINEAR_OPT, assert_trees_close, param_step
 

@@ -12,6 +12,7 @@ from jaxrl4llm import rl
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling.layout import RowLayout
+from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.logprobs import (
     Sequences,
     completion_logprobs,
@@ -19,7 +20,7 @@ from jaxrl4llm.train.update.logprobs import (
     logits_chunk_size,
 )
 from jaxrl4llm.train.update.state import OptimizerConfig, TrainState
-from jaxrl4llm.train.update.step import UpdateBatch, accumulate_gradients, train_step
+from jaxrl4llm.train.update.step import accumulate_gradients, train_step
 
 from tests.train.float_checks import LINEAR_OPT, assert_trees_close, param_step
 

@@ -15,8 +15,9 @@ from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling.buckets import bucket_completion_length
 from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.logprobs import Sequences, completion_logprobs_jit
-from jaxrl4llm.train.update.step import UpdateBatch, accumulate_gradients
+from jaxrl4llm.train.update.step import accumulate_gradients
 
 CONFIG = ModelConfig(
     vocab_size=48,

@@ -26,8 +26,8 @@ from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.infra import metrics as metrics_lib
 from jaxrl4llm.train.programs import StepPrograms
 from jaxrl4llm.train.update import packing
+from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.logprobs import Sequences
-from jaxrl4llm.train.update.step import UpdateBatch
 
 
 def _global_rows(ctx: RolloutContext, local: np.ndarray) -> jax.Array:

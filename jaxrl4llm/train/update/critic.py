@@ -31,11 +31,11 @@ from jaxrl4llm.models import registry, transformer, weights
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.train.update import packing
+from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.logprobs import Sequences, completion_hidden_states, over_row_chunks
 from jaxrl4llm.train.update.state import OptimizerConfig, TrainState
 from jaxrl4llm.train.update.step import (
     UPDATE_STATICS,
-    UpdateBatch,
     accumulate,
     apply_update,
     mini_batch_denominator,

@@ -14,7 +14,7 @@ from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import buckets
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.update import packing
-from jaxrl4llm.train.update.step import UpdateBatch, length_classes, micro_batch_order
+from jaxrl4llm.train.update.batch import UpdateBatch, length_classes, micro_batch_order
 
 
 class PackingChoice(NamedTuple):
@@ -51,7 +51,7 @@ def minibatches(
     cut to the longest row of all, a mini-batch of fewer rows is often shorter still (the
     columns cut are padding, so the update is unchanged). With --micro_batch_length_classes
     > 1 its rows are also ordered so that each micro-batch holds rows of similar length
-    (step.micro_batch_order; rows leave their prompt groups), and each micro-batch runs at
+    (batch.micro_batch_order; rows leave their prompt groups), and each micro-batch runs at
     the first of the length classes that holds it (the update's sum over micro-batches does
     not depend on the order). With --micro_batch_tokens the mini-batch is packed instead
     (train/update/packing.py), uncut, where that models fewer FLOPs on `model_config` than its

@@ -200,7 +200,7 @@ def pack_on_mesh(
 
 
 def for_update(batch: Any) -> Any:
-    """The step.UpdateBatch the packed update takes beside its PackedBatch: the prompts cut
+    """The batch.UpdateBatch the packed update takes beside its PackedBatch: the prompts cut
     to no columns (the packed rows hold them), so the compiled update does not depend on
     the rollout's prompt bucket."""
     seqs = batch.seqs
