@@ -26,7 +26,8 @@ Symbols (per device; "rows" are those one device holds of the slice that runs at
   rollout   Pb + n Wl s / T (every layer gathered once, before the decode loop, in the compute
             dtype: decode.loop_params gathers before any matmul converts)
             + 2 D V/T (c + s) (embedding and unembedding gathered, and converted)
-            + 2 n b K H (P + N - 1) s / T_kv (keys and values of one chunk) + R
+            + 2 n b K H (P + N - 1) kv / T_kv (keys and values of one chunk, kv the cache
+            dtype's bytes: the compute dtype's on an accelerator, 4 on CPU) + R
   logprobs  Pb + b Lb F/T (2 x 4 + s) (gate, up in float32, their product) + b Lb D 4
             + D V/T c (unembedding gathered) + R
 """
@@ -59,10 +60,12 @@ class Estimate:
         model_config: ModelConfig,
         mesh: Mesh,
         gather_bytes: int = CPU_GATHER_BYTES,
+        cache_bytes: int | None = None,
     ) -> None:
         c, m = config, model_config
         self.c, self.m = c, m
         self.s = param_dtype(c.model.param_dtype)(0).dtype.itemsize
+        self.kv = cache_bytes or self.s  # the KV cache's dtype (the run's, planner/programs.py)
         self.g = max(gather_bytes, self.s)
         shape = dict(zip(mesh.axis_names, mesh.devices.shape))
         self.T = shape["tensor"]
@@ -121,7 +124,7 @@ class Estimate:
         m, s = self.m, self.s
         b = self.c.batch_size / num_chunks / self.dp
         weights = m.num_layers * self.Wl * s / self.T + 2 * self.DV * (self.g + s)
-        cache = 2 * m.num_layers * b * m.num_kv_heads * m.head_dim * self.L * s / self.T_kv
+        cache = 2 * m.num_layers * b * m.num_kv_heads * m.head_dim * self.L * self.kv / self.T_kv
         return self.Pb + weights + cache + resident
 
     def logprobs(self, num_chunks: int, group: int, resident: float, unembed: bool = True) -> float:
@@ -168,8 +171,9 @@ class LoraEstimate(Estimate):
         model_config: ModelConfig,
         mesh: Mesh,
         gather_bytes: int = CPU_GATHER_BYTES,
+        cache_bytes: int | None = None,
     ) -> None:
-        super().__init__(config, model_config, mesh, gather_bytes=gather_bytes)
+        super().__init__(config, model_config, mesh, gather_bytes, cache_bytes)
         self.Na = adapter_params(model_config, config.lora)
         self.A = self.Na * _F32
 

@@ -163,7 +163,8 @@ class Setup:
     frozen_bytes: float  # LoRA: the frozen base, outside the state (also the reference)
     ref_bytes: float  # the reference's copy (none under LoRA)
     critic_bytes: float
-    backend: str  # what the planned devices compile for (topology.Topology.backend)
+    # The KV cache the planned devices' run allocates (float32 on the CPU test devices).
+    cache_dtype: Any
 
     @property
     def config(self) -> TrainConfig:
@@ -208,11 +209,13 @@ def setup(
             critic_params, programs.critic_optimizer, c.run.seed
         )
     est_class = plan_estimate.LoraEstimate if lora else plan_estimate.Estimate
+    compute = param_dtype(c.model.compute_dtype or c.model.param_dtype)
+    cache_dtype = decode.cache_dtype_of(compute, backend=topo.backend)
     param_bytes = per_device_bytes(trained)
     return Setup(
         programs=programs,
         chip=topo.chip,
-        est=est_class(c, model_config, mesh),
+        est=est_class(c, model_config, mesh, cache_bytes=jnp.dtype(cache_dtype).itemsize),
         base=base,
         trained=trained,
         params=params,
@@ -223,7 +226,7 @@ def setup(
         frozen_bytes=per_device_bytes(base) if lora else 0.0,
         ref_bytes=param_bytes if c.needs_reference and not lora else 0.0,
         critic_bytes=per_device_bytes(critic_state) if critic_state is not None else 0.0,
-        backend=topo.backend,
+        cache_dtype=cache_dtype,
     )
 
 
@@ -293,11 +296,7 @@ def lower_sample(s: Setup, P: int) -> Any:
     Bs, Gs, sample_chunks = sample_layout(s)
     remax = s.config.algorithm.advantage == "remax"
     args, kwargs = sample_inputs(s, Bs, P, remax)
-    # The cache the planned devices' run allocates (float32 on the CPU test devices).
-    c = s.config
-    compute = c.model.compute_dtype or c.model.param_dtype
-    cache_dtype = decode.cache_dtype_of(param_dtype(compute), backend=s.backend)
-    program = s.programs.sample(Gs, sample_chunks, greedy=remax, cache_dtype=cache_dtype)
+    program = s.programs.sample(Gs, sample_chunks, greedy=remax, cache_dtype=s.cache_dtype)
     return program.lower(*args, **kwargs)
 
 

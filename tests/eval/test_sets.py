@@ -126,7 +126,7 @@ def test_trainer_logs_each_set_and_their_mean(toy_model_dir, copy_task_file, tmp
         checkpoint_every=1000,
         workdir=str(tmp_path),
         answer_mode="lenient",
-        tensorboard=False,
+        trackers="",
     )
     summary = loop.run(config, devices=jax.devices()[:1])
     records = read_metrics(str(tmp_path))

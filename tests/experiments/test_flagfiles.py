@@ -40,6 +40,8 @@ ADDED = {
 # Deliberate changes since, as (old, new) by key of the old config.json ("optimizer.x" for the
 # optimizer's). Everywhere: k3 is capped at 10 (issue 14).
 CHANGED_EVERYWHERE = {"k3_clamp": (None, 10.0)}
+# --tensorboard is a deprecated alias of --trackers now (issue 49): unset unless given.
+TENSORBOARD_UNSET = {"tensorboard": (True, None)}
 # Issue 14: the Minimalist flagfiles follow the authors' scripts (docs/algorithms.md).
 _MINIMALIST = {
     "dual_clip": (None, 3.0),
@@ -157,6 +159,7 @@ def test_flags_parse_to_the_config_of_the_old_code(path, parsed, monkeypatch):
     fixture = os.path.basename(path)[: -len(".json")]
     fixed = {
         **CHANGED_EVERYWHERE,
+        **({} if any("tensorboard" in flag for flag in argv) else TENSORBOARD_UNSET),
         **FIXED.get(fixture, {}),
         **DATA_BY_NAME.get(fixture, {}),
         **PLANNED.get(fixture, {}),

@@ -36,7 +36,7 @@ def _args(model, data, workdir, *extra):
         "--max_prompt_tokens=16",
         "--answer_mode=lenient",
         "--eval_prompts=0",
-        "--tensorboard=false",
+        "--trackers=",
         f"--workdir={workdir}",
         *extra,
     ]

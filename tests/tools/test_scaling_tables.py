@@ -86,8 +86,9 @@ def test_figures_are_read_from_the_plans_output():
 
 
 def test_tables_quote_the_plans_bold_where_a_program_does_not_fit(monkeypatch):
-    """The limits row: the study's PPO run of the K&K flagfile as shipped and with the change;
-    a variants row: the change against the knobs' flagfile and its topology."""
+    """The limits row: the DAPO flagfile as shipped and with the change (the plans' figures
+    here are made up); a variants row: the change against the knobs' flagfile and its
+    topology."""
     settings = {
         "reinforce_pp_knights_knaves": [
             scaling_tables.Setting(("--flagfile=kk", "--topology=8xh100"), "kk", "ppo")
@@ -96,17 +97,17 @@ def test_tables_quote_the_plans_bold_where_a_program_does_not_fit(monkeypatch):
             scaling_tables.Setting(("--flagfile=dapo", "--topology=8xh200"), "dapo", "dapo")
         ],
     }
-    done = {s.argv: (0, _output("8xh100", rollout=66.2)) for ss in settings.values() for s in ss}
+    done = {s.argv: (0, _output("8xh200", rollout=89.6)) for ss in settings.values() for s in ss}
     for s in scaling_tables.limit_settings(settings):
-        done.setdefault(s.argv, (1, _output("8xh100", rollout=77.1)))
+        done.setdefault(s.argv, (1, _output("8xh200", rollout=133.1)))
     knob = scaling_tables._against(scaling_tables.KNOBS_FLAGFILE, ("--topology=v5e-8",), "v5p-64")
     done[knob.argv] = (1, _output("v5e-8", create=1.0, rollout=20.0, logprobs=2.0, update=3.0))
     monkeypatch.setattr(scaling_tables, "_DONE", done)
     limits = scaling_tables.limits_table(settings).splitlines()
-    assert limits[2] == (
-        "| `reinforce_pp_knights_knaves.flags` (ppo) on 8xh100 | rollout | 66.2 | "
-        "`--rollout_micro_batch=0` | **77.1** | 72.0 |"
-    )
+    assert limits[2:] == [
+        "| `tricks_or_traps_qwen3_8b_dapo.flags` (dapo) on 8xh200 | rollout | 89.6 | "
+        "`--rollout_micro_batch=512` | **133.1** | 126.9 |"
+    ]
     variants = scaling_tables.variants_table([("--topology=v5e-8",)], "v5p-64").splitlines()
     assert variants[2] == "| (none) | v5e-8 | 1.0 | **20.0** | 2.0 | 3.0 | 1200.0 | 2.5 | 10.0 |"
 

@@ -32,7 +32,7 @@ def test_log_kl_ref_loads_the_reference_only_when_on(toy_model_dir, copy_task_fi
             checkpoint_every=1000,
             workdir=str(tmp_path / name),
             answer_mode="lenient",
-            tensorboard=False,
+            trackers="",
         )
         return loop.run(config, devices=jax.devices()[:1]), read_metrics(str(tmp_path / name))
 

@@ -68,7 +68,7 @@ def test_keep_one_run_ends_with_its_final_checkpoint_and_resumes(
         eval_prompts=0,
         workdir=str(tmp_path),
         answer_mode="lenient",
-        tensorboard=False,
+        trackers="",
     )
     loop.run(config, devices=jax.devices()[:1])  # saves 2, then the final 3 (not a multiple)
     assert _steps_on_disk(tmp_path / "checkpoints") == [3]

@@ -75,7 +75,7 @@ def _config(model_dir, data, workdir, **overrides):
         checkpoint_every=1000,
         workdir=str(workdir),
         answer_mode="lenient",
-        tensorboard=False,
+        trackers="",
         algorithm=rl.AlgorithmConfig(name="grpo"),
     )
     return TrainConfig().replace(**dict(base, **overrides))

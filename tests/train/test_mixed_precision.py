@@ -140,7 +140,7 @@ def test_bf16_compute_run_learns_the_copy_task(toy_model_dir, copy_task_file, tm
         checkpoint_every=1000,
         workdir=str(tmp_path),
         answer_mode="lenient",
-        tensorboard=False,
+        trackers="",
         compute_dtype="bfloat16",
     )
     summary = loop.run(config, devices=jax.devices()[:1])

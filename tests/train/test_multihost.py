@@ -67,7 +67,7 @@ def _config(model_dir, data, workdir):
         checkpoint_every=1,
         workdir=str(workdir),
         answer_mode="lenient",
-        tensorboard=False,
+        trackers="",
     )
 
 
@@ -138,7 +138,7 @@ FOUR_HOSTS = dict(
     eval_prompts=0,
     checkpoint_every=1,
     answer_mode="lenient",
-    tensorboard=False,
+    trackers="",
 )
 
 

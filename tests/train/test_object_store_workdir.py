@@ -98,7 +98,7 @@ def _train(workdir, model, data, steps, wait_for_step=None):
         data,
         workdir,
         "--max_new_tokens=2",
-        "--tensorboard=true",
+        "--trackers=tensorboard",
         "--algorithm=grpo",
         "--learning_rate=0.01",
         f"--num_steps={steps}",

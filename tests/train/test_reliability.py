@@ -40,7 +40,7 @@ def _config(model_dir, data, workdir, **overrides):
         checkpoint_every=1000,
         workdir=str(workdir),
         answer_mode="lenient",
-        tensorboard=False,
+        trackers="",
     )
     base.update(overrides)
     return TrainConfig().replace(**base)
