@@ -180,6 +180,11 @@ class Setup:
         return self.config.lora if self.config.lora.enabled else None
 
     @property
+    def rollout_chunks(self) -> int:
+        """The row chunks the rollout's sampler and teacher-forced passes run the batch in."""
+        return self.programs.teacher_forced_chunks(self.config.batch_size)[1]
+
+    @property
     def rows(self) -> tuple[int, int, int]:
         """(B, P, N): the rollout's rows, prompt columns (bucketed) and completion columns."""
         r = self.config.rollout
@@ -266,9 +271,8 @@ def sample_layout(s: Setup) -> tuple[int, int, int]:
     of whole prompts on whole data-parallel shards."""
     c = s.config
     G, B = c.rollout.group_size, c.batch_size
-    num_chunks = parallel.num_row_chunks(B, c.rollout.rollout_micro_batch, G)
     if c.algorithm.advantage != "remax":
-        return B, G, num_chunks
+        return B, G, s.rollout_chunks
     Gs, Bs = G + 1, B // G * (G + 1)
     unit, R = math.lcm(Gs, s.programs.data_parallel), c.rollout.rollout_micro_batch
     chunk = unit * max(1, R // unit) if R and R < Bs else unit
@@ -302,8 +306,7 @@ def lower_sample(s: Setup, P: int) -> Any:
 
 def sample_row(s: Setup) -> tuple[Row, Rollout]:
     """The rollout: all rows of a step, in row chunks; and its weight traffic."""
-    c, (B, P, N) = s.config, s.rows
-    num_chunks = parallel.num_row_chunks(B, c.rollout.rollout_micro_batch, c.rollout.group_size)
+    (_, P, N), num_chunks = s.rows, s.rollout_chunks
     Bs, _, sample_chunks = sample_layout(s)
     lowered = lower_sample(s, P)
     # One device: nothing is partitioned, no collective to read.
@@ -452,8 +455,7 @@ def update_rows(s: Setup) -> list[Row]:
 
 
 def _title(s: Setup, model_config: ModelConfig) -> str:
-    c, (B, _, N) = s.config, s.rows
-    num_chunks = parallel.num_row_chunks(B, c.rollout.rollout_micro_batch, c.rollout.group_size)
+    c, (B, _, N), num_chunks = s.config, s.rows, s.rollout_chunks
     lora = s.lora
     return (
         f"{os.path.basename(c.run.workdir)}: {model_config.num_params / 1e9:.2f}B params "

@@ -7,10 +7,8 @@ as TrainConfig's fields and their flags.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the models layer is below; a type only here
-    from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.config import ModelConfig
 
 DTYPES = ("float32", "bfloat16")
 # --trackers' names (train/infra/trackers.py writes to them).
