@@ -16,15 +16,17 @@ def test_eight_fake_devices_are_available():
 @pytest.mark.parametrize(
     "text,expected",
     [
-        ("data=1,fsdp=4,tensor=2", (1, 4, 2)),
-        ("data:2,fsdp:-1,tensor:1", (2, 4, 1)),
-        ("fsdp:-1", (1, 8, 1)),
-        ("data:1,fsdp:1,tensor:-1", (1, 1, 8)),
+        ("data=1,fsdp=4,tensor=2", (1, 4, 1, 2)),
+        ("data:2,fsdp:-1,tensor:1", (2, 4, 1, 1)),
+        ("fsdp:-1", (1, 8, 1, 1)),
+        ("data:1,fsdp:1,tensor:-1", (1, 1, 1, 8)),
+        ("fsdp:2,expert:-1", (1, 2, 4, 1)),
+        ("expert:2,tensor:2,fsdp:-1", (1, 2, 2, 2)),
     ],
 )
 def test_mesh_from_spec(text, expected):
     mesh = parallel.make_mesh(text)
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")
     assert tuple(mesh.shape.values()) == expected
     assert mesh.devices.size == 8
 
@@ -35,7 +37,8 @@ def test_mesh_from_spec(text, expected):
         ("data=1,fsdp=3,tensor=2", "needs 6 devices but 8 are available"),
         ("data=3,fsdp=-1", "does not divide the 8 available devices"),
         ("data=-1,fsdp=-1", "more than one axis of size -1"),
-        ("pipeline=2", "AXIS one of data, fsdp, tensor"),
+        ("pipeline=2", "AXIS one of data, fsdp, expert, tensor"),
+        ("expert=3,fsdp=-1", "does not divide the 8 available devices"),
         ("data=two", "is not an integer"),
         ("data=0", "0 or below -1"),
     ],
@@ -51,7 +54,13 @@ def test_mesh_over_a_subset_of_devices():
 
 
 def test_logical_rules_map_to_partition_specs():
-    assert parallel.logical_to_partition_spec(("batch", "length")) == P(("data", "fsdp"), None)
+    assert parallel.logical_to_partition_spec(("batch", "length")) == P(
+        ("data", "fsdp", "expert"), None
+    )
+    # A mixture of experts' expert weights: experts over expert, width over fsdp, MLP tensor.
+    assert parallel.logical_to_partition_spec(("experts", "embed", "mlp")) == P(
+        "expert", "fsdp", "tensor"
+    )
     assert parallel.logical_to_partition_spec(("embed", "mlp")) == P("fsdp", "tensor")
     assert parallel.logical_to_partition_spec(("layers", "embed", "heads", "head_dim")) == P(
         None, "fsdp", "tensor", None
@@ -80,7 +89,7 @@ def test_sharded_pytree_keeps_values_and_layout():
     assert sharded["b"].sharding.spec == P("tensor")
 
 
-def test_batch_sharding_splits_rows_over_data_and_fsdp():
+def test_batch_sharding_splits_rows_over_the_data_parallel_axes():
     mesh = parallel.make_mesh("data:2,fsdp:2,tensor:2")
     x = jax.device_put(jnp.zeros((8, 5)), parallel.batch_sharding(mesh, 2))
     assert x.addressable_shards[0].data.shape == (2, 5)
@@ -128,14 +137,25 @@ def test_activation_sharding_constrains_and_counts_shards():
     assert sharding.shards("vocab", 10) == 2 and sharding.shards("length", 8) == 1
     f = jax.jit(lambda x: sharding.constrain(x * 2, ("batch", None, "heads")))
     y = f(jnp.ones((8, 3, 4)))
+    # (A compiled program's output names no axis of size 1: here the expert axis.)
     assert y.sharding.spec == P(("data", "fsdp"), None, "tensor")
     assert parallel.constrain(y, ("batch",), None) is y
 
 
+def test_a_mesh_without_an_axis_drops_it_from_the_rules():
+    """A mesh made without the expert axis (jax.make_mesh by hand) still takes the rules."""
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    assert parallel.batch_sharding(mesh, 2).spec == P(("data", "fsdp"), None)
+    assert parallel.logical_to_partition_spec(("experts", "mlp"), mesh=mesh) == P(None, None)
+    assert parallel.data_parallel_size(mesh) == 8
+
+
 def test_without_batch_axes_takes_the_batchs_mesh_axes_out_of_the_weights():
     rules = dict(parallel.without_batch_axes())
-    assert rules["batch"] == ("data", "fsdp") and rules["embed"] is None
+    assert rules["batch"] == ("data", "fsdp", "expert") and rules["embed"] is None
     assert rules["vocab"] == rules["mlp"] == rules["heads"] == "tensor"
+    # The experts stay split: their tokens go to them (models/moe.py).
+    assert rules["experts"] == "expert"
     # Weights over fsdp and tensor, a batch over data only: fsdp stays, tensor too.
     custom = (("batch", "data"), ("embed", ("fsdp", "data")), ("mlp", "tensor"), ("norm", None))
     assert parallel.without_batch_axes(custom) == (

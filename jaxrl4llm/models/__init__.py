@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from jaxrl4llm.models.config import PRESETS, ModelConfig, RopeScaling
 from jaxrl4llm.models.kv_cache import KVCache, init_kv_cache
+from jaxrl4llm.models.moe import Routing
+from jaxrl4llm.models.moe_config import MoeConfig
 from jaxrl4llm.models.transformer import (
     Params,
     forward,
@@ -11,6 +13,7 @@ from jaxrl4llm.models.transformer import (
     init_params,
     param_logical_axes,
     positions_from_mask,
+    routed_hidden_states,
 )
 from jaxrl4llm.models.unembedding import unembed
 
@@ -19,6 +22,7 @@ __all__ = [
     "ModelConfig",
     "RopeScaling",
     "KVCache",
+    "MoeConfig",
     "Params",
     "forward",
     "hidden_states",
@@ -26,6 +30,8 @@ __all__ = [
     "init_params",
     "param_logical_axes",
     "positions_from_mask",
+    "routed_hidden_states",
+    "Routing",
     "unembed",
     "load_model",
 ]

@@ -1,4 +1,5 @@
-"""ModelConfig: the static description of a decoder (Llama / Qwen2 / Qwen3 / Mistral families).
+"""ModelConfig: the static description of a decoder (Llama / Qwen2 / Qwen3 / Mistral families,
+and the Qwen3-MoE / Qwen2-MoE mixtures of experts).
 
 Built from a Hugging Face `config.json` (transformers 4 or 5 layout), written back for export,
 and hashable so it can be a static argument of `jax.jit`.
@@ -11,6 +12,8 @@ import json
 import os
 from typing import Any, Mapping
 
+from jaxrl4llm.models.moe_config import MoeConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:
@@ -22,6 +25,9 @@ class Family:
     sliding_window: config.json's `sliding_window` limits attention (Mistral); see
         ModelConfig.sliding_window.
     gguf_permutes_qk: llama.cpp stores this family's q/k rows RoPE-interleaved.
+    moe: the MLP of some layers is a mixture of experts (models/moe.py; ModelConfig.moe).
+    shared_expert: each MoE layer also runs one dense expert on every token, scaled by
+        sigmoid(x . shared_expert_gate) (Qwen2-MoE).
     hf_extra: fixed keys written into an exported config.json.
     """
 
@@ -31,6 +37,8 @@ class Family:
     qk_norm: bool = False
     sliding_window: bool = False
     gguf_permutes_qk: bool = False
+    moe: bool = False
+    shared_expert: bool = False
     hf_extra: tuple[tuple[str, Any], ...] = ()
 
 
@@ -46,6 +54,21 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen2ForCausalLM", attention_bias=True),
         Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, hf_extra=(("attention_bias", False),)),
         Family("mistral", "MistralForCausalLM", sliding_window=True, gguf_permutes_qk=True),
+        Family(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            qk_norm=True,
+            moe=True,
+            hf_extra=(("attention_bias", False),),
+        ),
+        Family(
+            "qwen2_moe",
+            "Qwen2MoeForCausalLM",
+            attention_bias=True,
+            moe=True,
+            shared_expert=True,
+            hf_extra=(("qkv_bias", True),),
+        ),
     )
 }
 _ARCH_TO_TYPE = {f.architecture: f.model_type for f in FAMILIES.values()}
@@ -92,6 +115,8 @@ class ModelConfig:
     # weights cast to bfloat16 at the start, over float32 master params (None: the params'
     # dtype); see transformer.cast_for_compute. Not part of the HF config.
     compute_dtype: str | None = None
+    # A `moe` family's mixture of experts (the default: none, every layer dense).
+    moe: MoeConfig = MoeConfig()
 
     def __post_init__(self):
         if self.model_type not in FAMILIES:
@@ -121,18 +146,44 @@ class ModelConfig:
                 f"rope_scaling.rope_type={self.rope_scaling.rope_type!r} is not "
                 "supported; only 'llama3' (or no scaling) is."
             )
+        _check_moe(self)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts."""
+        return self.moe.sparse_layers(self.num_layers)
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is the dense one (every layer of a dense model)."""
+        sparse = set(self.moe_layers)
+        return tuple(i for i in range(self.num_layers) if i not in sparse)
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        """The layers that hold a per-layer weight of `kind` (schema.Leaf.layers): "all",
+        "dense" or "moe"."""
+        if kind == "all":
+            return tuple(range(self.num_layers))
+        return self.dense_layers if kind == "dense" else self.moe_layers
+
+    def mlp_params(self, active: bool = False) -> int:
+        """The MLP weights of all layers; `active`: only those one token runs (its
+        experts_per_token experts of each MoE layer)."""
+        moe = self.moe.layer_params(self.hidden_size, active)
+        dense = 3 * self.hidden_size * self.intermediate_size
+        return len(self.dense_layers) * dense + len(self.moe_layers) * moe
 
     @property
     def num_params(self) -> int:
-        d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
+        d, h = self.hidden_size, self.head_dim
         attn = d * h * (2 * self.num_heads + 2 * self.num_kv_heads)
-        per_layer = attn + 3 * d * f + 2 * d
+        per_layer = attn + 2 * d
         if self.attention_bias:
             per_layer += h * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             per_layer += 2 * h
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + d
+        return self.num_layers * per_layer + self.mlp_params() + emb + d
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike) -> "ModelConfig":
@@ -176,6 +227,8 @@ class ModelConfig:
         out.update(family.hf_extra)
         if family.sliding_window:
             out["sliding_window"] = self.sliding_window
+        if family.moe:
+            out.update(self.moe.to_hf(family.shared_expert))
         return out
 
 
@@ -225,7 +278,25 @@ def _from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         pad_token_id=None if pad is None else int(pad),
         model_type=model_type,
         sliding_window=None if sliding_window is None else int(sliding_window),
+        moe=MoeConfig.from_hf(cfg, family.shared_expert) if family.moe else MoeConfig(),
     )
+
+
+def _check_moe(config: ModelConfig) -> None:
+    """Refuses a mixture of experts that this family does not have."""
+    moe, family = config.moe, FAMILIES[config.model_type]
+    moe.validate()
+    if moe.num_experts and not family.moe:
+        raise ValueError(
+            f"ModelConfig.moe.num_experts={moe.num_experts}: {config.model_type} is a dense "
+            f"family; experts need one of {sorted(m for m, f in FAMILIES.items() if f.moe)}."
+        )
+    if config.moe_layers and family.shared_expert != (moe.shared_expert_intermediate_size > 0):
+        raise ValueError(
+            f"ModelConfig.moe.shared_expert_intermediate_size="
+            f"{moe.shared_expert_intermediate_size}: a {config.model_type} model "
+            + ("has a shared expert; give its width." if family.shared_expert else "has none.")
+        )
 
 
 def _family_from_hf(cfg: Mapping[str, Any]) -> tuple[str, Family]:
@@ -267,6 +338,11 @@ def _check_hf_supported(cfg: Mapping[str, Any], model_type: str, family: Family)
         raise ValueError(
             f"config.json field attention_bias=true is not supported for "
             f"{model_type} (it would add an o_proj bias)."
+        )
+    if cfg.get("qkv_bias") is False and family.attention_bias:
+        raise ValueError(
+            f"config.json field qkv_bias=false is not supported for {model_type} "
+            "(its q/k/v projections carry biases)."
         )
 
 

@@ -1,5 +1,6 @@
 """One pre-norm decoder layer and its parts: RMS norm, RoPE, the projections (with their
-LoRA adapters) and the activations' logical axes.
+LoRA adapters), the MLP (dense, or a mixture of experts: models/moe.py) and the activations'
+logical axes.
 
 Matmuls take the weights' dtype and accumulate in float32 (`dot`); norms and RoPE run in
 float32. `transformer` stacks these layers into the model's passes; the sampler's slot decoder
@@ -18,7 +19,7 @@ from jax import lax
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models import attention as attn_lib
-from jaxrl4llm.models import lora
+from jaxrl4llm.models import lora, moe
 from jaxrl4llm.models.attention import AttentionConfig
 from jaxrl4llm.models.config import ModelConfig
 
@@ -110,11 +111,41 @@ def apply_layer(
     query_prefix_BT: jax.Array | None = None,
     packed_positions_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, Any]:
-    """One pre-norm decoder block. `kv_fn(k_BKHT, v_BKTH)` -> (keys_BKHS, values_BKSH,
-    key_valid_BS, offset, aux) picks the attended keys: the new ones (no cache), the updated
-    cache layer or a shared prefix ++ the new ones; query t sits at key slot t + offset.
-    `query_prefix_BT`, `packed_positions_BT`: packed rows' prefix segments and positions,
-    by which the window counts (attention.attention; self-attention, no cache)."""
+    """One pre-norm decoder block: attention_block, then mlp_block (the router's own choice
+    of experts in a MoE layer). Returns (h_BTD, kv_fn's aux)."""
+    h_BTD, aux = attention_block(
+        config,
+        h_BTD,
+        lp,
+        (cos_BTF, sin_BTF),
+        kv_fn,
+        sharding,
+        attention,
+        query_prefix_BT=query_prefix_BT,
+        packed_positions_BT=packed_positions_BT,
+    )
+    return mlp_block(config, h_BTD, lp, sharding)[0], aux
+
+
+def attention_block(
+    config: ModelConfig,
+    h_BTD: jax.Array,
+    lp: Params,
+    rope: tuple[jax.Array, jax.Array],
+    kv_fn: KVFn,
+    sharding: Sharding,
+    attention: AttentionConfig,
+    *,
+    query_prefix_BT: jax.Array | None = None,
+    packed_positions_BT: jax.Array | None = None,
+) -> tuple[jax.Array, Any]:
+    """h_BTD plus its pre-norm attention, and kv_fn's aux. rope: (cos_BTF, sin_BTF) of the
+    tokens' positions (rope_tables). `kv_fn(k_BKHT, v_BKTH)` ->
+    (keys_BKHS, values_BKSH, key_valid_BS, offset, aux) picks the attended keys: the new ones
+    (no cache), the updated cache layer or a shared prefix ++ the new ones; query t sits at
+    key slot t + offset. `query_prefix_BT`, `packed_positions_BT`: packed rows' prefix
+    segments and positions, by which the window counts (attention.attention; self-attention,
+    no cache)."""
     c = config
     act = functools.partial(parallel.constrain, sharding=sharding)
     h_BTD = act(h_BTD, H_AXES)
@@ -128,8 +159,8 @@ def apply_layer(
         q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
     dtype = lp["q"].dtype
-    q = _apply_rope(q, cos_BTF, sin_BTF)
-    k = _apply_rope(k, cos_BTF, sin_BTF)
+    q = _apply_rope(q, *rope)
+    k = _apply_rope(k, *rope)
     keys, values, key_valid_BS, offset, aux = kv_fn(
         k.transpose(0, 2, 3, 1), jnp.swapaxes(v.astype(dtype), 1, 2)
     )
@@ -148,9 +179,40 @@ def apply_layer(
     attn_BTM = act(attn_BTM, ("batch", "length", "heads"))
     # One [N*H, D] matrix (a free reshape): as "btnh,nhd" XLA transposed o every call.
     lp_o = {**lp, "o": lp["o"].reshape(-1, lp["o"].shape[-1])}
-    h_BTD = act(h_BTD + _project("btm,md->btd", attn_BTM, lp_o, "o"), H_AXES)
-    x_BTD = rms_norm(h_BTD, lp["mlp_norm"], c.rms_norm_eps)
-    gate = act(_project("btd,df->btf", x_BTD, lp, "gate"), _MLP_AXES)
-    up = act(_project("btd,df->btf", x_BTD, lp, "up"), _MLP_AXES)
-    h_BTD = act(h_BTD + _project("btf,fd->btd", jax.nn.silu(gate) * up, lp, "down"), H_AXES)
-    return h_BTD, aux
+    return act(h_BTD + _project("btm,md->btd", attn_BTM, lp_o, "o"), H_AXES), aux
+
+
+def mlp_block(
+    config: ModelConfig,
+    h_BTD: jax.Array,
+    lp: Params,
+    sharding: Sharding = None,
+    experts_BTK: jax.Array | None = None,
+) -> tuple[jax.Array, moe.Routing | None]:
+    """h_BTD plus its pre-norm MLP, and the layer's routing (None in a dense layer). A layer
+    whose params hold a router is a mixture of experts (models/moe.py): its tokens run
+    `experts_BTK` when given (routing replay), else their router's top-k; a shared expert,
+    where the family has one, adds sigmoid(x . shared_expert_gate) times its dense MLP."""
+    act = functools.partial(parallel.constrain, sharding=sharding)
+    x_BTD = rms_norm(h_BTD, lp["mlp_norm"], config.rms_norm_eps)
+    if "router" not in lp:
+        if experts_BTK is not None:
+            raise ValueError("mlp_block: experts_BTK given for a dense layer (no router).")
+        return act(h_BTD + _dense_mlp(x_BTD, lp, ("gate", "up", "down"), sharding), H_AXES), None
+    y_BTD, routing = moe.moe_mlp(config, lp, x_BTD, sharding, experts_BTK)
+    if "shared_gate" in lp:
+        share_BT1 = jax.nn.sigmoid(dot("btd,d->bt", x_BTD, lp["shared_expert_gate"]))[..., None]
+        shared = _dense_mlp(x_BTD, lp, ("shared_gate", "shared_up", "shared_down"), sharding)
+        y_BTD = y_BTD + share_BT1 * shared
+    return act(h_BTD + y_BTD, H_AXES), routing
+
+
+def _dense_mlp(
+    x_BTD: jax.Array, lp: Params, names: tuple[str, str, str], sharding: Sharding
+) -> jax.Array:
+    """The SwiGLU MLP down(silu(x gate) * x up) of the layer's projections `names`."""
+    act = functools.partial(parallel.constrain, sharding=sharding)
+    gate, up, down = names
+    g = act(_project("btd,df->btf", x_BTD, lp, gate), _MLP_AXES)
+    u = act(_project("btd,df->btf", x_BTD, lp, up), _MLP_AXES)
+    return _project("btf,fd->btd", jax.nn.silu(g) * u, lp, down)

@@ -15,12 +15,13 @@ import numpy as np
 from jaxrl4llm.models import schema
 from jaxrl4llm.models.config import FAMILIES, ModelConfig
 
-# GGUF tensor name -> HF name, from the parameter schema.
+# GGUF tensor name -> HF name, from the parameter schema (the experts' leaves have none:
+# llama.cpp stores them fused, and no MoE family loads from GGUF).
 _GLOBAL_NAMES = {leaf.gguf: leaf.hf for leaf in schema.PARAMS if not leaf.per_layer}
 _LAYER_NAMES = {
     leaf.gguf.removeprefix(schema.GGUF_LAYER): leaf.hf.removeprefix(schema.HF_LAYER)
     for leaf in schema.PARAMS
-    if leaf.per_layer
+    if leaf.per_layer and leaf.gguf
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -55,10 +56,12 @@ class GGUFSource:
             raise FileNotFoundError(f"GGUF file {path!r} does not exist.") from None
         self._tensors = {_hf_name(t.name): t for t in self._reader.tensors}
         self.arch = self._field("general.architecture")
-        if self.arch not in FAMILIES:
+        dense = sorted(m for m, f in FAMILIES.items() if not f.moe)
+        if self.arch not in dense:
             raise ValueError(
                 f"GGUF {path!r}: metadata field general.architecture={self.arch!r} is "
-                f"not supported; supported: {sorted(FAMILIES)}."
+                f"not supported; supported: {dense} (mixtures of experts load from "
+                "Hugging Face folders)."
             )
         if "rope_freqs.weight" in self._tensors:
             raise ValueError(

@@ -93,6 +93,19 @@ class LoraConfig:
             raise ValueError(f"--lora_dropout={self.dropout} must be in [0, 1) (0: off).")
 
 
+def check_model(config: ModelConfig, lora: LoraConfig) -> None:
+    """Refuses adapters on projections the model's layers lack: the MoE layers of a mixture
+    of experts have a router and experts, not the dense gate / up / down (its attention
+    projections take adapters as any model's do)."""
+    mlp = [t for t in lora.targets if t in ("gate", "up", "down")]
+    if lora.enabled and mlp and config.moe_layers:
+        raise ValueError(
+            f"--lora_targets={','.join(lora.targets)}: {','.join(mlp)} are dense MLP "
+            f"projections, which the mixture-of-experts layers of this {config.model_type} "
+            "model do not have; adapt its attention projections (--lora_targets=q,k,v,o)."
+        )
+
+
 def _leaf(name: str) -> schema.Leaf:
     return next(leaf for leaf in schema.PARAMS if leaf.name == name)
 

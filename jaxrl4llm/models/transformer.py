@@ -1,7 +1,9 @@
-"""The decoder (Llama / Qwen2 / Qwen3 / Mistral) as pure functions over a params pytree.
+"""The decoder (Llama / Qwen2 / Qwen3 / Mistral, and the Qwen3-MoE / Qwen2-MoE mixtures of
+experts) as pure functions over a params pytree.
 
 Params are a nested dict of arrays; the per-layer weights are stacked along a leading
-[L, ...] axis and run with `lax.scan`, so compile time does not grow with depth. Matmuls
+[L, ...] axis and run with `lax.scan`, so compile time does not grow with depth (a mixture
+of experts with some dense layers runs them as a loop: layer_stack.py). Matmuls
 take the params' dtype (float32 or bfloat16) and accumulate in float32; the residual
 stream, norms, RoPE and softmax are float32; logits are float32. A config with a
 `sliding_window` (Mistral) attends over that many tokens in every pass: the teacher-forced
@@ -19,13 +21,17 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxrl4llm import parallel
-from jaxrl4llm.models import lora, schema
+from jaxrl4llm.models import layer_stack, lora, moe, schema
 from jaxrl4llm.models.attention import AttentionConfig
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.models.decoder_layer import H_AXES, Sharding, apply_layer, rms_norm, rope_tables
+from jaxrl4llm.models.decoder_layer import (
+    H_AXES,
+    Sharding,
+    rms_norm,
+    rope_tables,
+)
 from jaxrl4llm.models.kv_cache import KVCache
 from jaxrl4llm.models.unembedding import unembed
 
@@ -104,28 +110,17 @@ def cast_for_compute(params: Params, config: ModelConfig) -> Params:
 # ----------------------------------------------------------------------------- the model
 
 
-def unstack_layers(params: Params) -> Params:
-    """params with "layers" as a tuple of per-layer dicts instead of stacked [L, ...] arrays.
-
-    For decode loops on CPU: XLA upcasts the dynamic slice that `lax.scan` takes of stacked
-    bfloat16 weights to float32 (a float32 copy of every weight, then a slow dot), and a slice
-    taken inside the loop is copied every step. Slicing once before the loop gives each layer
-    its own buffer, read in place. Costs one copy of the layer weights while it lives.
-    """
-    layers = params["layers"]
-    if isinstance(layers, (tuple, list)):
-        return params
-    L = jax.tree.leaves(layers)[0].shape[0]
-    return {**params, "layers": tuple(jax.tree.map(lambda w, i=i: w[i], layers) for i in range(L))}
+def unstack_layers(params: Params, config: ModelConfig | None = None) -> Params:
+    """See layer_stack.unstack_layers: per-layer weight buffers for decode loops."""
+    return layer_stack.unstack_layers(params, config)
 
 
-def _layer_params(layers: Any, index: int) -> Params:
-    if isinstance(layers, (tuple, list)):
-        return layers[index]
-    return jax.tree.map(lambda w: w[index], layers)
+def unstacked_logical_axes(config: ModelConfig) -> Params:
+    """The logical axes of `unstack_layers(params, config)`: each layer's own leaves."""
+    return layer_stack.unstacked_logical_axes(config)
 
 
-def hidden_states(
+def routed_hidden_states(
     params: Params,
     config: ModelConfig,
     tokens_BT: jax.Array,
@@ -139,9 +134,11 @@ def hidden_states(
     attention: AttentionConfig = AttentionConfig(),
     segment_ids_BT: jax.Array | None = None,
     prefix_ids_BT: jax.Array | None = None,
-) -> tuple[jax.Array, KVCache | None]:
+    experts_LBTK: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache | None, moe.Routing | None]:
     """Runs the decoder stack; returns (h_BTD after the final norm, in the params' dtype;
-    the updated cache or None).
+    the updated cache or None; the routing of the mixture-of-experts layers, stacked
+    [L_moe, B, T, ...], or None in a dense model). `hidden_states` returns the first two.
 
     positions_BT index RoPE (left-padded rows: cumsum(mask) - 1, clipped at 0). mask_BT marks
     real tokens. Without a cache, query i sees key j iff j <= i and mask_BT[:, j]. With a
@@ -149,10 +146,9 @@ def hidden_states(
     slots s <= p whose cache mask is set. With `config.sliding_window` W, also only j > i - W
     (s > p - W): the token itself and the W - 1 before it, as in transformers' Mistral.
 
-    params["layers"] may be stacked (run with lax.scan without a cache) or a tuple of per-layer
-    dicts (`unstack_layers`; run as a Python loop). With a cache the layers always run as a
-    Python loop, one cache buffer per layer. `sharding` (a mesh) constrains the activations
-    (see parallel.ActivationSharding); `attention` picks the attention implementation.
+    params["layers"]: stacked or per-layer (layer_stack.py says how each runs). `sharding` (a
+    mesh) constrains the activations (parallel.ActivationSharding); `attention` picks the
+    attention implementation.
 
     `segment_ids_BT` (no cache): packed rows, several sequences per row; int32 ids, 0 where
     there is no token, each sequence's tokens contiguous with one id. Query i then also needs
@@ -161,46 +157,33 @@ def hidden_states(
     which it also sees: a completion packed after its group's shared prompt passes the
     prompt's id (its positions continue from the prompt's), every other token its own id.
     On packed rows the window counts positions_BT (j's position > i's - W), not slots.
+
+    `experts_LBTK` (int, [L_moe, B, T, experts_per_token]): routing replay; each MoE layer
+    runs these experts for each token instead of its router's top-k (models/moe.py).
     """
-    T = tokens_BT.shape[1]
     mask_BT = mask_BT.astype(bool)
     _check_packed_rows(segment_ids_BT, prefix_ids_BT, kv_cache)
-    key_valid_BT = mask_BT if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
-    layer = _decoder_layer(config, positions_BT, sharding, attention, segment_ids_BT, prefix_ids_BT)
-    h_BTD = embed_tokens(params, tokens_BT, sharding)
-    new_cache: KVCache | None = None
+    # Packed rows: the window counts positions, which a shared prompt's later completions do
+    # not follow slot by slot (masks.py).
+    packed = None if segment_ids_BT is None else positions_BT
+    layer = layer_stack.decoder_layer(config, sharding, attention, prefix_ids_BT, packed)
+    rope = rope_tables(config, positions_BT)
+    h_BTD, layers = embed_tokens(params, tokens_BT, sharding), params["layers"]
     if kv_cache is None:
-        h_BTD = _run_layers(layer, h_BTD, params["layers"], key_valid_BT, remat)
-    else:
-        _check_cache_index(cache_index, kv_cache.max_len, new_tokens=T)
-        h_BTD, new_cache = _run_cached_layers(
-            layer, h_BTD, params["layers"], config.num_layers, mask_BT, kv_cache, cache_index, remat
+        key_valid_BT = mask_BT if segment_ids_BT is None else segment_ids_BT.astype(jnp.int32)
+        h_BTD, routing = layer_stack.run_uncached(
+            config, layer, rope, h_BTD, layers, key_valid_BT, experts_LBTK, remat
         )
-    return _final_norm(params, config, h_BTD), new_cache
-
-
-def _decoder_layer(
-    config: ModelConfig,
-    positions_BT: jax.Array,
-    sharding: Sharding,
-    attention: AttentionConfig,
-    segment_ids_BT: jax.Array | None,
-    prefix_ids_BT: jax.Array | None,
-) -> Callable[..., Any]:
-    """apply_layer with the pass's RoPE tables and attention settings bound."""
-    cos_BTF, sin_BTF = rope_tables(config, positions_BT)
-    return functools.partial(
-        apply_layer,
-        config,
-        cos_BTF=cos_BTF,
-        sin_BTF=sin_BTF,
-        sharding=sharding,
-        attention=attention,
-        query_prefix_BT=prefix_ids_BT,
-        # Packed rows: the window counts positions, which a shared prompt's later
-        # completions do not follow slot by slot (masks.py).
-        packed_positions_BT=None if segment_ids_BT is None else positions_BT,
+        return _final_norm(params, config, h_BTD), None, routing
+    cache_index = _check_cache_index(cache_index, kv_cache.max_len, tokens_BT.shape[1])
+    h_BTD, cache, routing = layer_stack.run_cached(
+        config, layer, rope, h_BTD, layers, mask_BT, kv_cache, cache_index, remat, experts_LBTK
     )
+    return _final_norm(params, config, h_BTD), cache, routing
+
+
+# (h_BTD, cache or None): routed_hidden_states without the routing.
+hidden_states = layer_stack.without_routing(routed_hidden_states)
 
 
 def _final_norm(params: Params, config: ModelConfig, h_BTD: jax.Array) -> jax.Array:
@@ -220,27 +203,10 @@ def _check_packed_rows(
         )
 
 
-def _run_layers(
-    layer: Callable[..., Any], h_BTD: jax.Array, layers: Any, key_valid_BT: jax.Array, remat: bool
-) -> jax.Array:
-    """The stack without a cache: lax.scan over stacked layers, a Python loop over a tuple."""
-
-    def body(h, lp):
-        return layer(h, lp, kv_fn=lambda k, v: (k.astype(v.dtype), v, key_valid_BT, 0, None))[0]
-
-    if remat:
-        body = jax.checkpoint(body, prevent_cse=False)
-    if isinstance(layers, (tuple, list)):
-        for lp in layers:
-            h_BTD = body(h_BTD, lp)
-        return h_BTD
-    h_BTD, _ = lax.scan(lambda h, lp: (body(h, lp), None), h_BTD, layers)
-    return h_BTD
-
-
 def _check_cache_index(
     cache_index: jax.Array | int | None, cache_len: int, new_tokens: int
-) -> None:
+) -> jax.Array | int:
+    """`cache_index`, checked: given, and in the cache when static."""
     if cache_index is None:
         raise ValueError(
             "hidden_states/forward: kv_cache was given without cache_index; "
@@ -252,43 +218,7 @@ def _check_cache_index(
             f"cache_index={cache_index} + {new_tokens} new tokens does not fit the "
             f"KV cache of {cache_len} slots; allocate a longer cache."
         )
-
-
-def _run_cached_layers(
-    layer: Callable[..., Any],
-    h_BTD: jax.Array,
-    layers: Any,
-    num_layers: int,
-    mask_BT: jax.Array,
-    kv_cache: KVCache,
-    cache_index: jax.Array | int | None,
-    remat: bool,
-) -> tuple[jax.Array, KVCache]:
-    """The stack with a cache: a Python loop, the new tokens' keys and values written into
-    each layer's buffer at slot cache_index."""
-    i0 = jnp.asarray(cache_index, jnp.int32)
-    # A static index stays static: the kernels need their causal offset at trace time.
-    offset = cache_index if isinstance(cache_index, int) else i0
-    cache_mask_BS = lax.dynamic_update_slice(kv_cache.mask_BS, mask_BT, (0, i0))
-
-    def body(h, lp, k_cache, v_cache):
-        def kv_fn(k, v):
-            k_new = lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, i0))
-            v_new = lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, i0, 0))
-            return k_new, v_new, cache_mask_BS, offset, (k_new, v_new)
-
-        return layer(h, lp, kv_fn=kv_fn)
-
-    if remat:
-        body = jax.checkpoint(body, prevent_cse=False)
-    ks, vs = [], []
-    for i in range(num_layers):
-        h_BTD, (k_cache, v_cache) = body(
-            h_BTD, _layer_params(layers, i), kv_cache.k_BKHS[i], kv_cache.v_BKSH[i]
-        )
-        ks.append(k_cache)
-        vs.append(v_cache)
-    return h_BTD, KVCache(k_BKHS=tuple(ks), v_BKSH=tuple(vs), mask_BS=cache_mask_BS)
+    return cache_index
 
 
 def embed_tokens(params: Params, tokens_BT: jax.Array, sharding: Sharding) -> jax.Array:
@@ -297,7 +227,7 @@ def embed_tokens(params: Params, tokens_BT: jax.Array, sharding: Sharding) -> ja
     return parallel.constrain(h_BTD, H_AXES, sharding)
 
 
-def hidden_states_shared_prefix(
+def routed_hidden_states_shared_prefix(
     params: Params,
     config: ModelConfig,
     prefix_tokens_GP: jax.Array,
@@ -309,7 +239,9 @@ def hidden_states_shared_prefix(
     remat: bool = False,
     sharding: Sharding = None,
     attention: AttentionConfig = AttentionConfig(),
-) -> tuple[jax.Array, jax.Array]:
+    experts_LGPK: jax.Array | None = None,
+    experts_LBTK: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, tuple[moe.Routing, moe.Routing] | None]:
     """Teacher-forced hidden states of rows that share a prefix in blocks of `group` rows.
 
     Row b is `prefix_GP[b // group] ++ tokens_BT[b]` (B = G * group): a GRPO group is one
@@ -318,9 +250,14 @@ def hidden_states_shared_prefix(
     `hidden_states` on the concatenated rows, columns split as (prefix [G, P, D], rest
     [B, T, D]); gradients through the shared prefix sum over the block, as they would.
     Prefixes are left-padded (`prefix_mask_GP`); `mask_BT` marks the rows' real tokens.
+
+    Also returns the MoE layers' routing of the prefixes and of the rows (stacked over the
+    MoE layers; None in a dense model); `hidden_states_shared_prefix` returns the first two.
+    `experts_LGPK` / `experts_LBTK`: routing replay of the prefixes' / rows' tokens (both or
+    neither; see routed_hidden_states).
     """
     G = prefix_tokens_GP.shape[0]
-    _check_shared_prefix(params, G, tokens_BT.shape[0], group)
+    _check_shared_prefix(G, tokens_BT.shape[0], group, experts_LGPK, experts_LBTK)
     prefix_mask_GP = prefix_mask_GP.astype(bool)
     mask_BT = mask_BT.astype(bool)
     positions_GP, positions_BT = _shared_prefix_positions(prefix_mask_GP, mask_BT, group)
@@ -329,30 +266,42 @@ def hidden_states_shared_prefix(
     # A row's token t (key slot P + t) sees its block's real prefix tokens and its own real
     # tokens <= t.
     key_valid_BS = jnp.concatenate([jnp.repeat(prefix_mask_GP, group, axis=0), mask_BT], axis=1)
-    layer = functools.partial(apply_layer, config, sharding=sharding, attention=attention)
     body = _shared_prefix_layer(
-        layer, rope_p, rope_c, prefix_mask_GP, key_valid_BS, group, sharding
+        layer_stack.decoder_layer(config, sharding, attention),
+        rope_p,
+        rope_c,
+        prefix_mask_GP,
+        key_valid_BS,
+        group,
+        sharding,
     )
-    if remat:
-        body = jax.checkpoint(body, prevent_cse=False)
     carry = (
         embed_tokens(params, prefix_tokens_GP, sharding),
         embed_tokens(params, tokens_BT, sharding),
     )
-    (hp_GPD, hc_BTD), _ = lax.scan(body, carry, params["layers"])
-    return _final_norm(params, config, hp_GPD), _final_norm(params, config, hc_BTD)
+    replay = None if experts_LGPK is None else (experts_LGPK, experts_LBTK)
+    (hp_GPD, hc_BTD), routing = layer_stack.run_layers(
+        config, body, carry, params["layers"], replay, remat
+    )
+    return _final_norm(params, config, hp_GPD), _final_norm(params, config, hc_BTD), routing
 
 
-def _check_shared_prefix(params: Params, G: int, B: int, group: int) -> None:
+# (h_GPD, h_BTD): routed_hidden_states_shared_prefix without the routing.
+hidden_states_shared_prefix = layer_stack.without_routing(routed_hidden_states_shared_prefix)
+
+
+def _check_shared_prefix(
+    G: int, B: int, group: int, experts_LGPK: jax.Array | None, experts_LBTK: jax.Array | None
+) -> None:
     if G * group != B:
         raise ValueError(
             f"hidden_states_shared_prefix: {B} rows are not {G} prefixes x "
             f"group={group}; rows [i*group, (i+1)*group) must share prefix i."
         )
-    if isinstance(params["layers"], (tuple, list)):
+    if (experts_LGPK is None) != (experts_LBTK is None):
         raise ValueError(
-            "hidden_states_shared_prefix runs stacked layers (lax.scan); pass "
-            "params as loaded, not unstack_layers(params)."
+            "hidden_states_shared_prefix: routing replay needs the experts of both the "
+            "prefixes (experts_LGPK) and the rows (experts_LBTK)."
         )
 
 
@@ -378,20 +327,22 @@ def _shared_prefix_layer(
     group: int,
     sharding: Sharding,
 ) -> Callable[..., Any]:
-    """The scan body over layers: a layer over the prefixes, then over the rows, whose keys
-    and values are their block's prefix keys and values ++ their own."""
+    """The body over layers (layer_stack.run_layers): a layer over the prefixes, then over
+    the rows, whose keys and values are their block's prefix keys and values ++ their own."""
     P = prefix_mask_GP.shape[1]
     rows = functools.partial(
         parallel.constrain, logical_axes=("batch", "kv_heads"), sharding=sharding
     )
 
-    def body(carry, lp):
+    def body(carry, lp, experts):
         hp_GPD, hc_BTD = carry
-        hp_GPD, (kp, vp) = layer(
+        experts_GPK, experts_BTK = (None, None) if experts is None else experts
+        hp_GPD, (kp, vp), routing_p = layer(
             hp_GPD,
             lp,
-            *rope_p,
-            kv_fn=lambda k, v: (k.astype(v.dtype), v, prefix_mask_GP, 0, (k.astype(v.dtype), v)),
+            rope_p,
+            lambda k, v: (k.astype(v.dtype), v, prefix_mask_GP, 0, (k.astype(v.dtype), v)),
+            experts_GPK,
         )
 
         def kv_rows(k, v):
@@ -399,8 +350,9 @@ def _shared_prefix_layer(
             values = jnp.concatenate([rows(jnp.repeat(vp, group, axis=0)), v], axis=2)
             return keys, values, key_valid_BS, P, None
 
-        hc_BTD, _ = layer(hc_BTD, lp, *rope_c, kv_fn=kv_rows)
-        return (hp_GPD, hc_BTD), None
+        hc_BTD, _, routing_c = layer(hc_BTD, lp, rope_c, kv_rows, experts_BTK)
+        routing = None if routing_p is None else (routing_p, routing_c)
+        return (hp_GPD, hc_BTD), routing
 
     return body
 
@@ -441,14 +393,12 @@ def positions_from_mask(mask_BT: jax.Array) -> jax.Array:
 
 def flops_per_token(config: ModelConfig) -> tuple[float, float, float]:
     """Forward matmul FLOPs (2 per multiply-add): (the decoder layers per token, the
-    unembedding per token, attention per (query, key) pair over all layers)."""
+    unembedding per token, attention per (query, key) pair over all layers). A mixture of
+    experts counts the experts a token runs (and its router and shared expert)."""
     c = config
-    per_layer = (
-        c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
-        + 3 * c.hidden_size * c.intermediate_size
-    )
+    projections = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
     return (
-        2.0 * c.num_layers * per_layer,
+        2.0 * (c.num_layers * projections + c.mlp_params(active=True)),
         2.0 * c.vocab_size * c.hidden_size,
         4.0 * c.num_layers * c.num_heads * c.head_dim,
     )

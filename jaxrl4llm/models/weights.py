@@ -4,8 +4,11 @@ Loading streams one tensor at a time: for each stacked leaf ([L, ...]) a host bu
 target dtype is filled layer by layer from memory-mapped files, then placed on the mesh with
 `jax.make_array_from_callback`, which hands every device only its own shard. Peak host
 memory is therefore one stacked leaf in the target dtype (the largest is the MLP gate/up:
-L * hidden * intermediate elements, ~2.9 GB for a 7B model in bfloat16) plus one layer's
-tensor as stored -- never a full model copy, let alone one per device.
+L * hidden * intermediate elements, ~2.9 GB for a 7B model in bfloat16; of a mixture of
+experts, one expert matrix of every layer and expert, ~19 GB for Qwen3-30B-A3B) plus one
+tensor as stored -- never a full model copy, let alone one per device. A mixture's experts
+are one HF tensor each (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`, as
+transformers' save_pretrained writes them), stacked into our [L, E, ...] leaves.
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ def load_params(
     np_dtype = np.dtype(dtype)
     for leaf in schema.leaves(config):
         if leaf.name in skip:
-            used.add(leaf.hf_name(None if not leaf.per_layer else 0))
+            used.update(name for name, _ in leaf.tensors(config))
             continue
         buffer, names = _read_leaf(source, available, leaf, config, np_dtype)
         used.update(names)
@@ -150,14 +153,12 @@ def _read_leaf(
     source: Any, available: set[str], leaf: schema.Leaf, config: ModelConfig, np_dtype: Any
 ) -> tuple[np.ndarray, list[str]]:
     """One params leaf as a host buffer in our layout and `np_dtype` (per-layer tensors
-    stacked [L, ...]), and the names of the tensors it was read from."""
-    shape = leaf.our_shape(config)
-    layers = range(config.num_layers) if leaf.per_layer else (None,)
+    stacked [L, ...], per-expert ones [L, E, ...]), and the names of the tensors it was read
+    from."""
     hf_shape = leaf.dims(config, leaf.hf_shape)
-    buffer = np.empty(((config.num_layers,) if leaf.per_layer else ()) + shape, np_dtype)
+    buffer = np.empty(leaf.stacked(config) + leaf.our_shape(config), np_dtype)
     names: list[str] = []
-    for i in layers:
-        name = leaf.hf_name(i)
+    for name, index in leaf.tensors(config):
         if name not in available:
             raise KeyError(
                 f"Checkpoint is missing tensor {name!r} (needed for params "
@@ -169,11 +170,7 @@ def _read_leaf(
                 f"needs {hf_shape} (params {leaf.name}); check that "
                 "config.json matches the weights."
             )
-        value = leaf.to_ours(config, source.read(name))
-        if leaf.per_layer:
-            buffer[i] = value
-        else:
-            buffer[...] = value
+        buffer[index] = leaf.to_ours(config, source.read(name))
         names.append(name)
     return buffer, names
 
@@ -264,11 +261,8 @@ def export_hf(
             jax.device_get(params["layers"][leaf.name] if leaf.per_layer else params[leaf.name])
         )
         dtype = dtype or value.dtype
-        if leaf.per_layer:
-            for i in range(config.num_layers):
-                tensors[leaf.hf_name(i)] = np.ascontiguousarray(leaf.to_hf(config, value[i]))
-        else:
-            tensors[leaf.hf_name()] = np.ascontiguousarray(leaf.to_hf(config, value))
+        for name, index in leaf.tensors(config):
+            tensors[name] = np.ascontiguousarray(leaf.to_hf(config, value[index]))
     tensors.update(extra_tensors or {})
     _write_safetensors(os.path.join(path, "model.safetensors"), tensors)
     written = config.to_hf_config()

@@ -1,9 +1,12 @@
 """The device mesh and multi-host start-up.
 
-One `jax.sharding.Mesh` with the named axes (data, fsdp, tensor) holds the policy, the
-reference model and the sampler (sharding.py maps arrays' logical axes onto it).
+One `jax.sharding.Mesh` with the named axes (data, fsdp, expert, tensor) holds the policy,
+the reference model and the sampler (sharding.py maps arrays' logical axes onto it). The
+expert axis splits a mixture-of-experts model's experts; everything else treats it as one
+more data-parallel axis (models/moe.py moves each token to its experts' devices).
 
     mesh = make_mesh("data:1,fsdp:4,tensor:2")
+    mesh = make_mesh("fsdp:2,expert:4")
 """
 
 from __future__ import annotations
@@ -19,15 +22,19 @@ from jax.sharding import AxisType, Mesh
 
 from jaxrl4llm.parallel import slurm
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
+# Outermost to innermost: the axes whose collectives move most (tensor, then the experts'
+# token exchange) get the devices nearest each other.
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "tensor")
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-    """Sizes of the (data, fsdp, tensor) mesh axes; at most one may be -1 ("the rest")."""
+    """Sizes of the (data, fsdp, expert, tensor) mesh axes; at most one may be -1 ("the
+    rest")."""
 
     data: int = 1
     fsdp: int = -1
+    expert: int = 1
     tensor: int = 1
 
     @classmethod
@@ -53,7 +60,7 @@ class MeshSpec:
 
     def resolve(self, num_devices: int) -> tuple[int, ...]:
         """Returns concrete axis sizes whose product is `num_devices`, or raises a clear error."""
-        sizes = [self.data, self.fsdp, self.tensor]
+        sizes = [self.data, self.fsdp, self.expert, self.tensor]
         if any(s == 0 or s < -1 for s in sizes):
             raise ValueError(
                 f"Mesh {self} has a size that is 0 or below -1; sizes are positive, "
@@ -75,14 +82,14 @@ class MeshSpec:
         if int(np.prod(sizes)) != num_devices:
             raise ValueError(
                 f"Mesh {self} needs {int(np.prod(sizes))} devices but {num_devices} are available. "
-                f"Make data*fsdp*tensor equal {num_devices}, or set one axis to -1 "
+                f"Make data*fsdp*expert*tensor equal {num_devices}, or set one axis to -1 "
                 "(e.g. --mesh=data:1,fsdp:-1,tensor:1)."
             )
         return tuple(sizes)
 
 
 def make_mesh(spec: MeshSpec | str = MeshSpec(), devices: Sequence[Any] | None = None) -> Mesh:
-    """Builds the (data, fsdp, tensor) mesh over `devices` (default: all devices).
+    """Builds the (data, fsdp, expert, tensor) mesh over `devices` (default: all devices).
 
     Axis types are Auto (jit in/out shardings drive the partitioning), spelled out because
     `jax.make_mesh` defaults to Explicit axes in jax 0.10.

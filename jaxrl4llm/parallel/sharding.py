@@ -1,4 +1,4 @@
-"""Logical-axis sharding rules: how arrays are laid out on the (data, fsdp, tensor) mesh.
+"""Logical-axis sharding rules: how arrays are laid out on the (data, fsdp, expert, tensor) mesh.
 
 Arrays carry *logical* axis names ("embed", "vocab",
 "heads", ...); one rules table maps each logical name to mesh axes, so a model or a
@@ -22,7 +22,9 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 LogicalRules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
 DEFAULT_RULES: LogicalRules = (
-    ("batch", ("data", "fsdp")),  # examples: split over every data-parallel axis
+    # Examples: split over every data-parallel axis. Outside the experts the expert axis is
+    # one of them; models/moe.py brings each token to its experts' devices.
+    ("batch", ("data", "fsdp", "expert")),
     ("length", None),  # sequence positions stay whole
     ("vocab", "tensor"),
     ("embed", "fsdp"),  # FSDP shards parameters along the model width
@@ -30,9 +32,14 @@ DEFAULT_RULES: LogicalRules = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
+    ("experts", "expert"),  # a mixture of experts' experts (expert parallelism)
     ("layers", None),  # the scanned layer axis is never split
     ("norm", None),
 )
+# Logical axes whose weights stay split in the decode layout (without_batch_axes) although
+# their mesh axes also carry the batch: the tokens travel to the experts, not the experts'
+# weights to the tokens.
+_SPLIT_IN_DECODE = ("experts",)
 
 
 def _rules_dict(rules: LogicalRules) -> Mapping[str, str | tuple[str, ...] | None]:
@@ -48,7 +55,8 @@ def logical_to_partition_spec(
     """Maps logical axis names to a PartitionSpec.
 
     A mesh axis is used at most once per array (the first dimension that asks for it wins).
-    When `shape` and `mesh` are given, a dimension that the mesh axes do not divide is
+    With `mesh`, mesh axes it lacks are left out (a mesh built without an expert axis). When
+    `shape` and `mesh` are given, a dimension that the mesh axes do not divide is
     replicated instead (e.g. 3 KV heads on tensor=2), so small models still run on big meshes.
     """
     table = _rules_dict(rules)
@@ -60,9 +68,9 @@ def logical_to_partition_spec(
             continue
         if name not in table:
             raise KeyError(f"Logical axis {name!r} has no sharding rule; known: {sorted(table)}")
-        target = table[name]
-        axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
-        axes = tuple(a for a in axes if a not in used)
+        axes = tuple(a for a in mesh_axes(table[name]) if a not in used)
+        if mesh is not None:
+            axes = tuple(a for a in axes if a in mesh.shape)
         if shape is not None and mesh is not None and axes:
             size = int(np.prod([mesh.shape[a] for a in axes]))
             if shape[dim] % size:
@@ -81,6 +89,11 @@ def logical_to_partition_spec(
     return PartitionSpec(*spec)
 
 
+def mesh_axes(target: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """A rule's target (or a PartitionSpec entry) as a tuple of mesh axes."""
+    return () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+
+
 def _is_axes_leaf(x: Any) -> bool:
     # A plain tuple of names (not a NamedTuple such as optax's EmptyState()).
     return type(x) is tuple and all(a is None or isinstance(a, str) for a in x)
@@ -92,7 +105,7 @@ def logical_to_sharding(
     """A pytree of logical-axis tuples (and optional matching shapes) -> NamedShardings."""
     if shapes is None:
         return jax.tree.map(
-            lambda axes: NamedSharding(mesh, logical_to_partition_spec(axes, rules)),
+            lambda axes: NamedSharding(mesh, logical_to_partition_spec(axes, rules, mesh=mesh)),
             logical_axes_tree,
             is_leaf=_is_axes_leaf,
         )
@@ -114,7 +127,8 @@ def shard_pytree(
 
 def batch_sharding(mesh: Mesh, ndim: int, rules: LogicalRules = DEFAULT_RULES) -> NamedSharding:
     """Sharding of a [B, ...] batch array: rows over the data-parallel axes, the rest whole."""
-    return NamedSharding(mesh, logical_to_partition_spec(("batch",) + (None,) * (ndim - 1), rules))
+    axes = ("batch",) + (None,) * (ndim - 1)
+    return NamedSharding(mesh, logical_to_partition_spec(axes, rules, mesh=mesh))
 
 
 def on_batch_axes(tree: Any, mesh: Mesh) -> Any:
@@ -215,16 +229,13 @@ def num_row_chunks(rows: int, max_rows: int, group: int = 1) -> int:
 def without_batch_axes(rules: LogicalRules = DEFAULT_RULES) -> LogicalRules:
     """`rules` with the batch's mesh axes taken out of every other logical axis: the layout of
     weights that multiply batch-sharded activations with no collective (FSDP's shards
-    gathered, tensor parallelism kept), e.g. once before a decode loop."""
-    table = _rules_dict(rules)
-    target = table.get("batch")
-    batch = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+    gathered, tensor parallelism kept), e.g. once before a decode loop. The experts stay
+    split over their axis: models/moe.py moves the tokens to them instead."""
+    batch = mesh_axes(_rules_dict(rules).get("batch"))
     out = []
     for name, target in rules:
-        if name != "batch" and target is not None:
-            axes = tuple(
-                a for a in ((target,) if isinstance(target, str) else target) if a not in batch
-            )
+        if name != "batch" and name not in _SPLIT_IN_DECODE and target is not None:
+            axes = tuple(a for a in mesh_axes(target) if a not in batch)
             target = None if not axes else axes[0] if len(axes) == 1 else axes
         out.append((name, target))
     return tuple(out)
@@ -232,6 +243,5 @@ def without_batch_axes(rules: LogicalRules = DEFAULT_RULES) -> LogicalRules:
 
 def data_parallel_size(mesh: Mesh | AbstractMesh, rules: LogicalRules = DEFAULT_RULES) -> int:
     """How many shards the batch axis is split into (the product of its mesh axes)."""
-    axes = logical_to_partition_spec(("batch",), rules)[0] or ()
-    axes = (axes,) if isinstance(axes, str) else axes
-    return int(np.prod([mesh.shape[a] for a in axes]))
+    axes = mesh_axes(logical_to_partition_spec(("batch",), rules)[0])
+    return int(np.prod([mesh.shape[a] for a in axes if a in mesh.shape]))

@@ -119,20 +119,14 @@ def loop_params(
         # LoRA adapters folded into the weights: decoding then runs no adapter matmuls, and
         # the folded weights are the per-layer copy made here anyway (docs/performance.md).
         params = transformer.unstack_layers(
-            transformer.cast_for_compute(lora.fold(params), model_config)
+            transformer.cast_for_compute(lora.fold(params), model_config), model_config
         )
         if sharding is None:
             return params
-        stacked = transformer.param_logical_axes(model_config)
-        axes = {
-            **stacked,
-            "layers": tuple(
-                {k: v[1:] for k, v in stacked["layers"].items()} for _ in params["layers"]
-            ),
-        }
         layout = parallel.ActivationSharding(
             sharding.mesh, parallel.without_batch_axes(sharding.rules)
         )
+        axes = transformer.unstacked_logical_axes(model_config)
         return parallel.constrain_tree(params, axes, layout)
 
 

@@ -15,10 +15,12 @@ from tqdm.auto import tqdm
 
 from jaxrl4llm import parallel
 from jaxrl4llm.config import options, paths
+from jaxrl4llm.config.errors import flag_errors
 from jaxrl4llm.data import make_iterator, make_source
 from jaxrl4llm.envs import EnvService, open_env_service
 from jaxrl4llm.eval import evaluator
 from jaxrl4llm.eval.config import EvalConfig
+from jaxrl4llm.models import lora as lora_lib
 from jaxrl4llm.models import registry
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.rewards import RewardFn
@@ -202,6 +204,8 @@ def _load_models(config: TrainConfig, mesh: Mesh) -> LoadedModels:
     # Before anything compiles: a prompt + completion longer than the model's context.
     config.validate_context(model_config.max_position_embeddings)
     model_config = config.model.compute_config(model_config)  # --compute_dtype
+    with flag_errors():  # LoRA targets the model's layers lack (a MoE's dense MLP)
+        lora_lib.check_model(model_config, config.lora)
     lora = config.lora if config.lora.enabled else None
     if lora is not None:
         # The base is frozen outside the state (never donated): it is the reference too.

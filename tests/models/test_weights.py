@@ -71,18 +71,23 @@ FAMILIES = {
 _fwd = jax.jit(T.forward, static_argnums=1, static_argnames="attention")
 
 
+def save_random_model(hf_config: object, path: str) -> object:
+    """A random torch model of `hf_config`, saved to `path` by transformers."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so a mix-up shows
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p) if p.ndim == 1 else 2.0 * p)
+    model.save_pretrained(path)
+    return model
+
+
 @functools.cache
 def _saved_model(family: str, root: str) -> tuple[object, str]:
     """A random torch model of `family`, saved to a folder (cached per test session)."""
     cls, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cls(**_SMALL, **extra)).eval()
-    with torch.no_grad():  # non-trivial norms and biases, so a mix-up shows
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn_like(p) if p.ndim == 1 else 2.0 * p)
     path = os.path.join(root, family)
-    model.save_pretrained(path)
-    return model, path
+    return save_random_model(cls(**_SMALL, **extra), path), path
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,178 @@
+"""The mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE): router, top-k, dropless grouped matmuls,
+and on a mesh the experts split over the `expert` axis.
+
+A token's router logits x W_r [E] give probabilities softmax(logits); the token runs the
+`experts_per_token` experts of highest probability, weighted by those probabilities
+(renormalised to sum to 1 when config.moe.norm_topk_prob), and the block returns the weighted
+sum of their SwiGLU MLPs. Every token reaches all of its experts: the token copies are
+sorted by expert and multiplied in one grouped matmul per projection (`lax.ragged_dot`, one
+group of rows per expert), with no capacity and nothing dropped.
+
+Routing replay: given the experts a token chose elsewhere (`experts_BTK`, e.g. in the
+sampler), the block runs those experts instead of its own top-k, weighted by its own
+router probabilities at them (renormalised as the family does), so gradients still reach
+the router. The block returns what it chose (`Routing`), which such a caller records.
+
+On a mesh (`_on_mesh`), each device holds E / expert of the experts (the
+"experts" logical axis) and its own rows of tokens. Inside `shard_map`, the devices of one
+expert group all-gather their tokens (with their choices and weights), each runs its own
+experts on the tokens routed to them, and a reduce-scatter sums the experts' outputs back
+onto the tokens' devices. XLA:CPU has no ragged all-to-all and a dense all-to-all is
+dropless only with k * expert times the buffer, while these two collectives move
+tokens x width x (expert - 1) each way per device: the bytes of an ideal all-to-all of
+the k token copies when expert = k, fewer when expert < k (Qwen3-30B-A3B: k = 8).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxrl4llm import parallel
+from jaxrl4llm.models.config import ModelConfig
+
+_F32 = jnp.float32
+
+
+class Routing(NamedTuple):
+    """What a MoE layer's router chose for each token: the experts it runs (int32, in
+    descending router probability unless replayed) and the router logits (float32). Stacked
+    over the MoE layers by transformer.routed_hidden_states ([L, B, T, ...])."""
+
+    experts_BTK: jax.Array
+    logits_BTE: jax.Array
+
+
+def router_logits(x_BTD: jax.Array, router_DE: jax.Array) -> jax.Array:
+    """x W_r in the router's dtype, accumulated and returned in float32."""
+    return jnp.einsum(
+        "btd,de->bte", x_BTD.astype(router_DE.dtype), router_DE, preferred_element_type=_F32
+    )
+
+
+def route(
+    logits_BTE: jax.Array, k: int, normalize: bool, experts_BTK: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """(experts_BTK int32, weights_BTK float32): the k most probable experts of each token,
+    or the given `experts_BTK` (replay), weighted by their router probabilities,
+    renormalised over the k when `normalize` (transformers' norm_topk_prob)."""
+    probs_BTE = jax.nn.softmax(logits_BTE.astype(_F32), axis=-1)
+    if experts_BTK is None:
+        weights_BTK, experts_BTK = lax.top_k(probs_BTE, k)
+    else:
+        if experts_BTK.shape != logits_BTE.shape[:-1] + (k,):
+            raise ValueError(
+                f"Replayed experts of shape {experts_BTK.shape} do not match the tokens "
+                f"{logits_BTE.shape[:-1]} x experts_per_token={k}."
+            )
+        experts_BTK = experts_BTK.astype(jnp.int32)
+        weights_BTK = jnp.take_along_axis(probs_BTE, experts_BTK, axis=-1)
+    if normalize:
+        weights_BTK = weights_BTK / jnp.sum(weights_BTK, axis=-1, keepdims=True)
+    return experts_BTK.astype(jnp.int32), weights_BTK
+
+
+def expert_mlp(
+    x_MD: jax.Array,
+    experts_MK: jax.Array,
+    weights_MK: jax.Array,
+    w: tuple[jax.Array, jax.Array, jax.Array],
+    first_expert: jax.Array | int = 0,
+) -> jax.Array:
+    """sum_k weights_MK[m, k] * MLP_{experts_MK[m, k]}(x_MD[m]) [M, D] float32, over the
+    experts this call holds: w = (gate [G, D, F], up [G, D, F], down [G, F, D]) are experts
+    first_expert .. first_expert + G - 1; copies routed to any other expert add nothing.
+
+    The M * K token copies are sorted by expert (the others last), each projection is one
+    grouped matmul over the groups, and the outputs go back to their tokens' rows."""
+    gate, up, down = w
+    G = gate.shape[0]
+    M, K = experts_MK.shape
+    local_A = experts_MK.reshape(M * K) - first_expert
+    held_A = (local_A >= 0) & (local_A < G)
+    group_A = jnp.where(held_A, local_A, G)  # group G: the copies of other calls' experts
+    order_A = jnp.argsort(group_A, stable=True)
+    sizes_G = jnp.bincount(group_A, length=G + 1)[:G].astype(jnp.int32)
+    x_AD = x_MD[order_A // K].astype(gate.dtype)
+    g_AF = lax.ragged_dot(x_AD, gate, sizes_G, preferred_element_type=_F32)
+    u_AF = lax.ragged_dot(x_AD, up, sizes_G, preferred_element_type=_F32)
+    h_AF = (jax.nn.silu(g_AF) * u_AF).astype(down.dtype)
+    y_AD = lax.ragged_dot(h_AF, down, sizes_G, preferred_element_type=_F32)
+    # Back to token order; rows past the groups are not defined by ragged_dot: masked.
+    unsort_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(M * K, dtype=order_A.dtype))
+    y_MKD = y_AD[unsort_A].reshape(M, K, -1)
+    y_MKD = jnp.where(held_A.reshape(M, K, 1), y_MKD, 0.0)
+    return jnp.sum(y_MKD * weights_MK.astype(_F32)[..., None], axis=1)
+
+
+def moe_mlp(
+    config: ModelConfig,
+    lp: dict[str, Any],
+    x_BTD: jax.Array,
+    sharding: parallel.ActivationSharding | None = None,
+    experts_BTK: jax.Array | None = None,
+) -> tuple[jax.Array, Routing]:
+    """The routed experts' output [B, T, D] float32 (without any shared expert) and the
+    routing (the replayed `experts_BTK` when given)."""
+    logits_BTE = parallel.constrain(
+        router_logits(x_BTD, lp["router"]), ("batch", "length", None), sharding
+    )
+    experts_BTK, weights_BTK = route(
+        logits_BTE, config.moe.experts_per_token, config.moe.norm_topk_prob, experts_BTK
+    )
+    w = (lp["expert_gate"], lp["expert_up"], lp["expert_down"])
+    if sharding is None:
+        y_MD = expert_mlp(_rows(x_BTD), _rows(experts_BTK), _rows(weights_BTK), w)
+        y_BTD = y_MD.reshape(x_BTD.shape)
+    else:
+        y_BTD = _on_mesh(x_BTD, experts_BTK, weights_BTK, w, sharding)
+    return y_BTD, Routing(experts_BTK, logits_BTE)
+
+
+def _rows(a_BT_: jax.Array) -> jax.Array:
+    """A [B, T, ...] array as [B * T, ...] token rows."""
+    return a_BT_.reshape((a_BT_.shape[0] * a_BT_.shape[1],) + a_BT_.shape[2:])
+
+
+def _on_mesh(
+    x_BTD: jax.Array,
+    experts_BTK: jax.Array,
+    weights_BTK: jax.Array,
+    w: tuple[jax.Array, jax.Array, jax.Array],
+    sharding: parallel.ActivationSharding,
+) -> jax.Array:
+    """expert_mlp under shard_map: rows over the batch's mesh axes, experts over theirs, the
+    experts' MLP width over tensor (the module docstring says how tokens meet experts).
+    FSDP's shards of the expert weights are gathered on entry, as the dense MLP's are."""
+    mesh = sharding.mesh
+    rows = parallel.mesh_axes(sharding.spec(("batch",), x_BTD.shape[:1])[0])
+    in_spec = sharding.spec(("experts", None, "mlp"), w[0].shape)
+    out_spec = sharding.spec(("experts", "mlp", None), w[2].shape)
+    split = parallel.mesh_axes(in_spec[0])
+    gather = tuple(a for a in split if a in rows)  # token rows of one expert group
+    summed = parallel.mesh_axes(in_spec[2]) + tuple(a for a in split if a not in rows)
+    held = w[0].shape[0] // math.prod(mesh.shape[a] for a in split)
+
+    def per_device(x, experts, weights, *w_local):
+        if gather:
+            x, experts, weights = (
+                lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, experts, weights)
+            )
+        first = lax.axis_index(split) * held if split else 0
+        y_MD = expert_mlp(_rows(x), _rows(experts), _rows(weights), w_local, first)
+        y_BTD = y_MD.reshape(x.shape)
+        if gather:
+            y_BTD = lax.psum_scatter(y_BTD, gather, scatter_dimension=0, tiled=True)
+        return lax.psum(y_BTD, summed) if summed else y_BTD
+
+    row = jax.sharding.PartitionSpec(rows or None)
+    return jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(row, row, row, in_spec, in_spec, out_spec),
+        out_specs=row,
+    )(x_BTD, experts_BTK, weights_BTK, *w)
