@@ -3,6 +3,8 @@ prompt block they follow (sampler.generate, continuous.py's slots, multiturn.py'
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
 import numpy as np
@@ -27,6 +29,8 @@ class SampleOutput(flax.struct.PyTreeNode):
     num_steps      int32 scalar: decode steps run (<= max_new_tokens; = the longest row).
     slot_steps     int32 scalar: rows computed, summed over the decode steps (finished rows
                    are compacted away, see decode.py): the decode loop's work.
+    engine_stats   the paged engine's counts (paged.PagedStats: decode steps, live rows and
+                   pages in use summed over them, tokens decoded, preemptions), else None.
     observation_BT bool or None: multi-turn rollouts (multiturn.py): the observation tokens
                    appended between model turns: in the sequence, off mask_BT (no logprob,
                    off the loss). None: single-turn (every real token is the model's).
@@ -43,6 +47,7 @@ class SampleOutput(flax.struct.PyTreeNode):
     num_steps: jax.Array
     slot_steps: jax.Array | None = None
     observation_BT: jax.Array | None = None
+    engine_stats: Any = None
 
     @property
     def num_dropped(self) -> int:
