@@ -17,12 +17,15 @@ group into the pool writes its full prompt pages once, shared by its G rows (ref
 G), and copies the last partial prompt page into one private page per row (copy-on-write done
 at admission).
 
-Admission policy: a pending group is admitted when the rows have free decode rows and the
-pool keeps, after its prompt pages and one page per sample, a reserve of one free page per
-RESERVE_ROWS live rows (room to grow without preempting at once). Running out of pages is
-resolved as vLLM does, by preemption and recompute: while the rows crossing a page boundary
-need more pages than are free, the most recently admitted group is preempted (its live rows
-stop, their pages return) and put back at the head of the queue; its finished rows are kept.
+Admission policy: a pending group is admitted when there are free decode rows for it and the
+pool keeps, after its prompt pages and one page per sample, a reserve of `growth` times the
+pages every live row (the group's included) would still fill up to its cap (SGLang's "new
+token ratio"). `growth` starts optimistic (GROWTH_START: RL completions mostly stop well
+before the cap) and each preemption raises it (GROWTH_STEP, up to 1: every cap reserved, no
+preemption possible). Running out of pages is resolved as vLLM does, by preemption and
+recompute: while the rows crossing a page boundary need more pages than are free, the most
+recently admitted group is preempted (its live rows stop, their pages return) and put back at
+the head of the queue; its finished rows are kept.
 On readmission its prompt is prefilled again and its unfinished rows decode again from their
 first token. Row r draws token t with fold_in(row_key[r], t), so the recomputed tokens are
 the same: a row's samples do not depend on page layout, admission order, pool size or
@@ -48,16 +51,15 @@ import dataclasses
 import functools
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl4llm import parallel
 from jaxrl4llm.config.errors import FlagError
-from jaxrl4llm.models import decoder_layer, kv_cache, transformer, unembedding
+from jaxrl4llm.models import kv_cache
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import continuous, decode, strategies
+from jaxrl4llm.sampling import continuous, decode, paged_state, paged_step, strategies
 from jaxrl4llm.sampling import page_pool as pages_lib
 from jaxrl4llm.sampling.page_pool import PagePool
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -65,9 +67,6 @@ from jaxrl4llm.sampling.strategies import SamplingConfig
 # Tokens per page. 16 as in vLLM's default block: small enough that a row's last page wastes
 # little, large enough that a table stays short.
 PAGE_SIZE = 16
-# Admission keeps one free page per this many live rows, so that rows crossing a page
-# boundary right after an admission rarely force a preemption.
-RESERVE_ROWS = 4
 
 
 def pool_pages_for(rows: int, prompt_len: int, max_new_tokens: int, page_size: int) -> int:
@@ -95,77 +94,6 @@ def check_pool(
             f"{group} rows of {max_new_tokens} new tokens); use "
             f"--kv_cache_tokens={need * page_size} or more."
         )
-
-
-class PagedStats(flax.struct.PyTreeNode):
-    """What the engine did, summed over its decode steps (int32 scalars)."""
-
-    steps: jax.Array  # decode steps
-    live_rows: jax.Array  # rows that decoded a token, summed over steps
-    pages_in_use: jax.Array  # pages held, summed over steps
-    decoded: jax.Array  # tokens decoded, recomputed ones included
-    preemptions: jax.Array  # groups preempted
-    pages_left: jax.Array  # pages still held when the loop ended (0: every page came back)
-
-
-class DecodeRows(flax.struct.PyTreeNode):
-    """The rows decoding (_S: `max_rows` decode rows; a free one has live_S False)."""
-
-    table_SM: jax.Array  # the row's pages in logical order, SCRATCH past them
-    row_S: jax.Array  # the bucket row it decodes
-    step_S: jax.Array  # the row's index of the completion token produced next
-    last_S: jax.Array  # the token produced at step - 1 (fed in this step)
-    position_S: jax.Array  # its position = its logical cache slot
-    live_S: jax.Array
-    keys_S: jax.Array
-    cap_S: jax.Array
-    admit_S: jax.Array  # admission number of the row's group (preemption takes the latest)
-    greedy_S: jax.Array | None = None
-
-    def take(self, index: jax.Array) -> "DecodeRows":
-        return jax.tree.map(lambda x: jnp.take(x, index, axis=0), self)
-
-    def put(self, index: jax.Array, values: "DecodeRows") -> "DecodeRows":
-        return jax.tree.map(lambda x, v: x.at[index].set(v, mode="drop"), self, values)
-
-
-class Pending(flax.struct.PyTreeNode):
-    """Prefilled groups waiting for admission (_J: `refill_groups` of them, _JG their rows)."""
-
-    cache: kv_cache.KVCache  # [J, ...]: each group's prompt, left-padded as prefilled
-    group_J: jax.Array
-    prompt_len_J: jax.Array
-    first_JG: jax.Array  # each row's first completion token
-    live_JG: jax.Array  # rows that go on decoding after it
-
-
-class PagedState(flax.struct.PyTreeNode):
-    pool: PagePool
-    rows: DecodeRows
-    pending: Pending
-    pend_next: jax.Array
-    pend_end: jax.Array
-    next_group: jax.Array  # queue index of the next group to prefill
-    retry_Q: jax.Array  # preempted groups, a stack (the last pushed is readmitted first)
-    retry_len: jax.Array
-    admitted: jax.Array  # groups admitted so far (admission numbers)
-    length_R: jax.Array
-    done_R: jax.Array
-    tokens_RT: jax.Array
-    logprobs_RT: jax.Array
-    slot_steps: jax.Array
-    stats: PagedStats
-
-
-class PagedOutput(flax.struct.PyTreeNode):
-    """The rows' completions (caller's order), the decode work and the engine's stats."""
-
-    tokens_RT: jax.Array
-    logprobs_RT: jax.Array
-    length_R: jax.Array
-    done_R: jax.Array
-    slot_steps: jax.Array
-    stats: PagedStats
 
 
 def refill_groups(max_rows: int, group: int) -> int:
@@ -198,7 +126,7 @@ def generate_paged(
     row_caps_B: jax.Array | None = None,
     prompt_group: int = 1,
     cache_dtype: Any = None,
-) -> PagedOutput:
+) -> paged_state.PagedOutput:
     """The compiled paged sampler over one bucket (arguments as sampler.generate_tokens): the
     active rows decode `max_rows` at a time from a pool of `num_pages` pages of `page_size`
     tokens, groups of `prompt_group` rows admitted as pages free (module docstring)."""
@@ -225,7 +153,7 @@ def generate_paged(
     )
     more = functools.partial(_more_work, engine.num_groups)
     state = jax.lax.while_loop(more, lambda s: engine.admit(engine.step(s)), state)
-    return PagedOutput(
+    return paged_state.PagedOutput(
         tokens_RT=state.tokens_RT,
         logprobs_RT=state.logprobs_RT,
         length_R=state.length_R,
@@ -247,24 +175,24 @@ def _widths(max_pages: int) -> tuple[int, ...]:
     return tuple(dict.fromkeys(max(1, -(-max_pages // d)) for d in (1, 2, 4)))
 
 
-def _waiting(s: PagedState, num_groups: jax.Array) -> jax.Array:
+def _waiting(s: paged_state.PagedState, num_groups: jax.Array) -> jax.Array:
     return (s.next_group < num_groups) | (s.retry_len > 0) | (s.pend_next < s.pend_end)
 
 
-def _more_work(num_groups: jax.Array, s: PagedState) -> jax.Array:
+def _more_work(num_groups: jax.Array, s: paged_state.PagedState) -> jax.Array:
     return _waiting(s, num_groups) | jnp.any(s.rows.live_S)
 
 
 def _start(
     engine: "_Engine", pool: PagePool, S: int, J: int, max_len: int, cache_dtype: Any
-) -> PagedState:
+) -> paged_state.PagedState:
     """Free decode rows, an empty pending block, every group queued; then the first
     admissions."""
     P, G = engine.queue.prompt_BP.shape[1], engine.group
     B, N = engine.queue.prompt_BP.shape[0], max_len - P
     M = pages_lib.pages_for(max_len, pool.page_size)
     zero = jnp.array(0, jnp.int32)
-    rows = DecodeRows(
+    rows = paged_state.DecodeRows(
         table_SM=jnp.full((S, M), pool.num_pages, jnp.int32),
         row_S=jnp.zeros((S,), jnp.int32),
         step_S=jnp.ones((S,), jnp.int32),
@@ -276,14 +204,15 @@ def _start(
         admit_S=jnp.zeros((S,), jnp.int32),
         greedy_S=None if engine.queue.greedy_B is None else jnp.zeros((S,), bool),
     )
-    pending = Pending(
+    pending = paged_state.Pending(
         cache=kv_cache.init_kv_cache(engine.model_config, J, P, cache_dtype),
         group_J=jnp.zeros((J,), jnp.int32),
         prompt_len_J=jnp.zeros((J,), jnp.int32),
         first_JG=jnp.zeros((J, G), jnp.int32),
         live_JG=jnp.zeros((J, G), bool),
+        cap_JG=jnp.zeros((J, G), jnp.int32),
     )
-    state = PagedState(
+    state = paged_state.PagedState(
         pool=pool,
         rows=rows,
         pending=pending,
@@ -293,12 +222,13 @@ def _start(
         retry_Q=jnp.zeros((B // G,), jnp.int32),
         retry_len=zero,
         admitted=zero,
+        growth=jnp.array(paged_state.GROWTH_START, jnp.float32),
         length_R=jnp.zeros((B,), jnp.int32),
         done_R=jnp.zeros((B,), bool),
         tokens_RT=jnp.full((B, N), engine.pad_id, jnp.int32),
         logprobs_RT=jnp.zeros((B, N), jnp.float32),
         slot_steps=zero,
-        stats=PagedStats(zero, zero, zero, zero, zero, zero),
+        stats=paged_state.PagedStats(zero, zero, zero, zero, zero, zero),
     )
     return engine.admit(state)
 
@@ -322,22 +252,22 @@ class _Engine:
     def num_groups(self) -> jax.Array:
         return self.queue.num_queued // self.group
 
-    def admit(self, s: PagedState) -> PagedState:
+    def admit(self, s: paged_state.PagedState) -> paged_state.PagedState:
         """Admits waiting groups while the next one fits, prefilling the pending block when
         it is used up."""
 
-        def due(s: PagedState) -> jax.Array:
+        def due(s: paged_state.PagedState) -> jax.Array:
             has_pending = s.pend_next < s.pend_end
             more_groups = (s.next_group < self.num_groups) | (s.retry_len > 0)
             free_rows = jnp.sum(~s.rows.live_S) >= self.group
-            return jnp.where(has_pending, _fits(s, self.group), more_groups & free_rows)
+            return jnp.where(has_pending, paged_state.fits(s, self.group), more_groups & free_rows)
 
-        def one(s: PagedState) -> PagedState:
+        def one(s: paged_state.PagedState) -> paged_state.PagedState:
             return jax.lax.cond(s.pend_next < s.pend_end, self._admit_next, self._prefill, s)
 
         return jax.lax.while_loop(due, one, s)
 
-    def _prefill(self, s: PagedState) -> PagedState:
+    def _prefill(self, s: paged_state.PagedState) -> paged_state.PagedState:
         """Prefills the next J waiting groups (preempted ones first, then the queue's) into the
         pending block and draws each row's first token (fold_in(row_key, 0)); rows a
         preempted group already finished keep their output."""
@@ -363,17 +293,18 @@ class _Engine:
             self.sharding,
         )
         tok_JG, lp_JG = self._first_tokens(logits_JV, row_JG)
-        start_JG = valid_J[:, None] & ~_finished(s, q.caps_B, row_JG)
+        start_JG = valid_J[:, None] & ~paged_state.finished(s, q.caps_B, row_JG)
         stop_JG = decode.is_stop(tok_JG.reshape(-1), self.stop_ids_S).reshape(J, G)
         out = jnp.where(start_JG, row_JG, q.prompt_BP.shape[0]).reshape(-1)
         n_retry = jnp.minimum(s.retry_len, J)
         return s.replace(
-            pending=Pending(
+            pending=paged_state.Pending(
                 cache=cache,
                 group_J=group_J,
                 prompt_len_J=jnp.sum(q.prompt_mask_BP[group_J * G], axis=1, dtype=jnp.int32),
                 first_JG=tok_JG,
                 live_JG=start_JG & ~stop_JG & (q.caps_B[row_JG] > 1),
+                cap_JG=q.caps_B[row_JG],
             ),
             pend_next=jnp.array(0, jnp.int32),
             pend_end=jnp.sum(valid_J, dtype=jnp.int32),
@@ -396,10 +327,10 @@ class _Engine:
         tok, lp = strategies.sample(jnp.repeat(logits_JV, G, axis=0), keys, self.sampling, greedy)
         return tok.reshape(J, G), lp.reshape(J, G)
 
-    def _admit_next(self, s: PagedState) -> PagedState:
-        """Moves the next pending group into the pool and the free decode rows (_fits said it
-        fits): its prompt's full pages once, a private page per live row holding the prompt's
-        last partial page."""
+    def _admit_next(self, s: paged_state.PagedState) -> paged_state.PagedState:
+        """Moves the next pending group (it fits: paged_state.fits) into the pool and the
+        free decode rows: its prompt's full pages once, a private page per live row holding
+        the prompt's last partial page."""
         G, j = self.group, s.pend_next
         pool, pending = s.pool, s.pending
         ps, Np = pool.page_size, pool.num_pages
@@ -414,22 +345,24 @@ class _Engine:
         shared_M = jnp.where(m < full, free[jnp.minimum(m, Mp + G - 1)], Np)
         rank_G = jnp.cumsum(live_G) - 1
         private_G = jnp.where(live_G, free[jnp.minimum(full + rank_G, Mp + G - 1)], Np)
-        pool = _write_prompt(pool, pending.cache, j, P - p, shared_M, private_G, full)
+        pool = paged_state.write_prompt(pool, pending.cache, j, P - p, shared_M, private_G, full)
         refs = pages_lib.hold(pool.refs_N, shared_M, n_live)
         pool = pool.replace(refs_N=pages_lib.hold(refs, private_G))
         return s.replace(
             pool=pool,
-            rows=_place_rows(s, self.queue, pending, j, shared_M, private_G, full),
+            rows=paged_state.place_rows(s, self.queue, pending, j, shared_M, private_G, full),
             pend_next=j + 1,
             admitted=s.admitted + 1,
         )
 
-    def step(self, s: PagedState) -> PagedState:
+    def step(self, s: paged_state.PagedState) -> paged_state.PagedState:
         """One token for every live row: pages for rows crossing a page boundary (after
         preempting the latest groups while they do not fit), the live rows moved first (only
         their small state moves; their KV stays in the pool) and decoded at the smallest
         level that holds them, the outputs, and the pages of rows that ended returned."""
-        s = _allocate(jax.lax.while_loop(_short_of_pages, _preempt_latest, s))
+        s = paged_state.allocate(
+            jax.lax.while_loop(paged_state.short_of_pages, paged_state.preempt_latest, s)
+        )
         x = s.rows.take(jnp.argsort(~s.rows.live_S, stable=True))
         B, Np = s.length_R.shape[0], s.pool.num_pages
         live_S = x.live_S
@@ -448,7 +381,7 @@ class _Engine:
         )
         slot_S = jnp.minimum(x.position_S // s.pool.page_size, x.table_SM.shape[1] - 1)
         page_S = jnp.where(live_S, x.table_SM[jnp.arange(live_S.shape[0]), slot_S], Np)
-        pool = write_new_tokens(s.pool, page_S, x.position_S, k_LSKH, v_LSKH)
+        pool = paged_step.write_new_tokens(s.pool, page_S, x.position_S, k_LSKH, v_LSKH)
         out_S = jnp.where(live_S, x.row_S, B)
         stop_S = decode.is_stop(tok_S, self.stop_ids_S)
         step_S = x.step_S + live_S.astype(jnp.int32)
@@ -468,18 +401,18 @@ class _Engine:
             tokens_RT=s.tokens_RT.at[out_S, x.step_S].set(tok_S, mode="drop"),
             logprobs_RT=s.logprobs_RT.at[out_S, x.step_S].set(lp_S, mode="drop"),
             slot_steps=s.slot_steps + jnp.array(sizes, jnp.int32)[row_level],
-            stats=_count(s.stats, live_S, pool.num_pages - pool.num_free()),
+            stats=paged_state.count(s.stats, live_S, pool.num_pages - pool.num_free()),
         )
 
     def _decode_first(
-        self, size: int, width: int, x: DecodeRows, pool: PagePool
+        self, size: int, width: int, x: paged_state.DecodeRows, pool: PagePool
     ) -> tuple[jax.Array, ...]:
         """The decode step of the first `size` rows (every live one among them), reading
         the first `width` pages of their tables (all they hold): their tokens, logprobs
         (pad / 0 past them) and each layer's new keys and values (zeros past them)."""
         S = x.live_S.shape[0]
         x = jax.tree.map(lambda a: a[:size], x)
-        logits, ks, vs = paged_decode_step(
+        logits, ks, vs = paged_step.paged_decode_step(
             self.params,
             self.model_config,
             x.last_S,
@@ -497,245 +430,6 @@ class _Engine:
         return pad(tok, self.pad_id), pad(lp), *new_kv
 
 
-def _count(stats: PagedStats, live_S: jax.Array, pages_in_use: jax.Array) -> PagedStats:
-    n = jnp.sum(live_S, dtype=jnp.int32)
-    return stats.replace(
-        steps=stats.steps + 1,
-        live_rows=stats.live_rows + n,
-        pages_in_use=stats.pages_in_use + pages_in_use,
-        decoded=stats.decoded + n,
-    )
-
-
-def _finished(s: PagedState, caps_B: jax.Array, row: jax.Array) -> jax.Array:
-    """Rows that already ended (a preempted group's finished rows)."""
-    return s.done_R[row] | (s.length_R[row] >= caps_B[row])
-
-
-def _fits(s: PagedState, group: int) -> jax.Array:
-    """The next pending group fits: decode rows for its live rows, and pages for its prompt
-    and a page per live row with one free page per RESERVE_ROWS live rows to spare."""
-    j = s.pend_next
-    n = jnp.sum(s.pending.live_JG[j], dtype=jnp.int32)
-    full = s.pending.prompt_len_J[j] // s.pool.page_size
-    live = jnp.sum(s.rows.live_S, dtype=jnp.int32)
-    reserve = (live + RESERVE_ROWS - 1) // RESERVE_ROWS
-    rows_ok = s.rows.live_S.shape[0] - live >= n
-    pages_ok = s.pool.num_free() >= jnp.where(n > 0, full + n + reserve, 0)
-    return rows_ok & pages_ok
-
-
-def _write_prompt(
-    pool: PagePool,
-    cache: kv_cache.KVCache,
-    j: jax.Array,
-    pad: jax.Array,
-    shared_M: jax.Array,
-    private_G: jax.Array,
-    full: jax.Array,
-) -> PagePool:
-    """Pending group j's prompt (left-padded by `pad` in its dense cache) into the pool: its
-    logical slots from 0, full pages at shared_M, the partial last page at each private_G."""
-    ps = pool.page_size
-    Mp = shared_M.shape[0]
-    slot = jnp.minimum(pad + jnp.arange(Mp * ps), cache.max_len - 1)
-    ks, vs = [], []
-    for k_pages, v_pages, k_BKHS, v_BKSH in zip(
-        pool.k_pages, pool.v_pages, cache.k_BKHS, cache.v_BKSH
-    ):
-        k_KMPH = k_BKHS[j][:, :, slot].transpose(0, 2, 1).reshape(-1, Mp, ps, k_BKHS.shape[2])
-        v_KMPH = v_BKSH[j][:, slot].reshape(-1, Mp, ps, v_BKSH.shape[3])
-        ks.append(_scatter_prompt(k_pages, k_KMPH, shared_M, private_G, full))
-        vs.append(_scatter_prompt(v_pages, v_KMPH, shared_M, private_G, full))
-    return pool.replace(k_pages=tuple(ks), v_pages=tuple(vs))
-
-
-def _scatter_prompt(
-    pages_KNPH: jax.Array,
-    prompt_KMPH: jax.Array,
-    shared_M: jax.Array,
-    private_G: jax.Array,
-    full: jax.Array,
-) -> jax.Array:
-    prompt_KMPH = prompt_KMPH.astype(pages_KNPH.dtype)
-    pages_KNPH = pages_KNPH.at[:, shared_M].set(prompt_KMPH)
-    tail_KPH = jax.lax.dynamic_index_in_dim(
-        prompt_KMPH, jnp.minimum(full, prompt_KMPH.shape[1] - 1), 1, False
-    )
-    tail_KGPH = jnp.broadcast_to(
-        tail_KPH[:, None], (tail_KPH.shape[0], private_G.shape[0], *tail_KPH.shape[1:])
-    )
-    return pages_KNPH.at[:, private_G].set(tail_KGPH)
-
-
-def _place_rows(
-    s: PagedState,
-    queue: continuous.Queue,
-    pending: Pending,
-    j: jax.Array,
-    shared_M: jax.Array,
-    private_G: jax.Array,
-    full: jax.Array,
-) -> DecodeRows:
-    """The decode rows with pending group j's live rows in the first free ones."""
-    G = private_G.shape[0]
-    S, M = s.rows.table_SM.shape
-    Np = s.pool.num_pages
-    live_G = pending.live_JG[j]
-    row_G = pending.group_J[j] * G + jnp.arange(G, dtype=jnp.int32)
-    m = jnp.arange(M)
-    shared = jnp.where(m < shared_M.shape[0], shared_M[jnp.minimum(m, shared_M.shape[0] - 1)], Np)
-    table_GM = jnp.where(m[None, :] == full, private_G[:, None], shared[None, :])
-    free_S = jnp.argsort(s.rows.live_S, stable=True)  # free decode rows first
-    rank_G = jnp.cumsum(live_G) - 1
-    dest_G = jnp.where(live_G, free_S[jnp.minimum(rank_G, S - 1)], S)
-    new = DecodeRows(
-        table_SM=table_GM,
-        row_S=row_G,
-        step_S=jnp.ones((G,), jnp.int32),
-        last_S=pending.first_JG[j],
-        position_S=jnp.broadcast_to(pending.prompt_len_J[j], (G,)),
-        live_S=live_G,
-        keys_S=queue.row_keys_B[row_G],
-        cap_S=queue.caps_B[row_G],
-        admit_S=jnp.broadcast_to(s.admitted, (G,)),
-        greedy_S=None if queue.greedy_B is None else queue.greedy_B[row_G],
-    )
-    return s.rows.put(dest_G, new)
-
-
-def _needs_page(s: PagedState) -> jax.Array:
-    """Live rows whose next token starts a page they do not hold yet."""
-    x = s.rows
-    slot_S = jnp.minimum(x.position_S // s.pool.page_size, x.table_SM.shape[1] - 1)
-    page_S = x.table_SM[jnp.arange(slot_S.shape[0]), slot_S]
-    return x.live_S & (page_S == s.pool.num_pages)
-
-
-def _short_of_pages(s: PagedState) -> jax.Array:
-    return jnp.sum(_needs_page(s), dtype=jnp.int32) > s.pool.num_free()
-
-
-def _preempt_latest(s: PagedState) -> PagedState:
-    """Stops the live rows of the most recently admitted group, returns their pages and
-    pushes the group back at the head of the queue."""
-    x = s.rows
-    latest = jnp.max(jnp.where(x.live_S, x.admit_S, -1))
-    victims_S = x.live_S & (x.admit_S == latest)
-    group = jnp.max(jnp.where(victims_S, x.row_S, -1)) // _group_size(s)
-    return s.replace(
-        pool=s.pool.replace(refs_N=pages_lib.release(s.pool.refs_N, x.table_SM, victims_S)),
-        rows=x.replace(
-            table_SM=jnp.where(victims_S[:, None], s.pool.num_pages, x.table_SM),
-            live_S=x.live_S & ~victims_S,
-        ),
-        retry_Q=s.retry_Q.at[s.retry_len].set(group),
-        retry_len=s.retry_len + 1,
-        stats=s.stats.replace(preemptions=s.stats.preemptions + 1),
-    )
-
-
-def _group_size(s: PagedState) -> int:
-    return s.pending.live_JG.shape[1]
-
-
-def _allocate(s: PagedState) -> PagedState:
-    """A free page for every live row whose next token starts a new page (they fit)."""
-    x = s.rows
-    need_S = _needs_page(s)
-    S = need_S.shape[0]
-    free = pages_lib.first_free(s.pool.refs_N, S)
-    rank_S = jnp.cumsum(need_S) - 1
-    new_S = jnp.where(need_S, free[jnp.clip(rank_S, 0, S - 1)], s.pool.num_pages)
-    slot_S = jnp.minimum(x.position_S // s.pool.page_size, x.table_SM.shape[1] - 1)
-    current = x.table_SM[jnp.arange(S), slot_S]
-    table_SM = x.table_SM.at[jnp.arange(S), slot_S].set(jnp.where(need_S, new_S, current))
-    return s.replace(
-        pool=s.pool.replace(refs_N=pages_lib.hold(s.pool.refs_N, new_S)),
-        rows=x.replace(table_SM=table_SM),
-    )
-
-
-def paged_decode_step(
-    params: Any,
-    model_config: ModelConfig,
-    token_S: jax.Array,
-    position_S: jax.Array,
-    table_SM: jax.Array,
-    pool: PagePool,
-    sharding: parallel.ActivationSharding | None = None,
-) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """decode.slot_decode_step on pages: row i's token at logical slot position_S[i]
-    attends to its row's slots before it, read from the pages of table_SM, and to itself
-    (with a sliding window W, the last W). The pool is only read: returns (next-token logits
-    [S, V], each layer's new keys [S, K, H], its new values [S, K, H]) for the caller to
-    write (write_new_tokens), so a program that picks among decode steps by their shapes
-    passes the pool through unchanged."""
-    L = table_SM.shape[1] * pool.page_size
-    key_L = jnp.arange(L)
-    valid_SL = key_L[None, :] <= position_S[:, None]
-    if model_config.sliding_window is not None:
-        valid_SL &= key_L[None, :] > position_S[:, None] - model_config.sliding_window
-    layer_config = dataclasses.replace(model_config, sliding_window=None)
-    cos, sin = decoder_layer.rope_tables(model_config, position_S[:, None])
-    h = transformer.embed_tokens(params, token_S[:, None], sharding)
-    ks, vs = [], []
-    for lp, k_pages, v_pages in zip(params["layers"], pool.k_pages, pool.v_pages):
-        kv_fn = functools.partial(
-            _paged_kv, k_pages=k_pages, v_pages=v_pages, table_SM=table_SM, position_S=position_S
-        )
-        h, (k_SKH, v_SKH) = decoder_layer.apply_layer(
-            layer_config, h, lp, cos, sin, functools.partial(kv_fn, valid_SL=valid_SL), sharding
-        )
-        ks.append(k_SKH)
-        vs.append(v_SKH)
-    h = decoder_layer.rms_norm(h, params["final_norm"], model_config.rms_norm_eps)
-    logits_SV = unembedding.unembed(
-        params, model_config, h.astype(params["embed"].dtype), sharding
-    )[:, 0]
-    return logits_SV, tuple(ks), tuple(vs)
-
-
-def write_new_tokens(
-    pool: PagePool,
-    page_S: jax.Array,
-    position_S: jax.Array,
-    k_LSKH: tuple[jax.Array, ...],
-    v_LSKH: tuple[jax.Array, ...],
-) -> PagePool:
-    """The pool with each layer's new keys and values at (page_S, position_S % page_size)."""
-    offset_S = position_S % pool.page_size
-    return pool.replace(
-        k_pages=tuple(
-            pages_lib.write_tokens(p, page_S, offset_S, k) for p, k in zip(pool.k_pages, k_LSKH)
-        ),
-        v_pages=tuple(
-            pages_lib.write_tokens(p, page_S, offset_S, v) for p, v in zip(pool.v_pages, v_LSKH)
-        ),
-    )
-
-
-def _paged_kv(
-    k_SKH1: jax.Array,
-    v_SK1H: jax.Array,
-    *,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
-    table_SM: jax.Array,
-    position_S: jax.Array,
-    valid_SL: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array, int, tuple[jax.Array, jax.Array]]:
-    """apply_layer's kv_fn: the rows' pages gathered as dense keys and values (page_pool's
-    reference path), the new token's key and value placed in that copy at its slot."""
-    S = position_S.shape[0]
-    rows = jnp.arange(S)
-    keys = pages_lib.gather_keys(k_pages, table_SM)
-    values = pages_lib.gather_values(v_pages, table_SM)
-    keys = keys.at[rows, :, :, position_S].set(k_SKH1[..., 0].astype(keys.dtype), mode="drop")
-    values = values.at[rows, :, position_S].set(v_SK1H[:, :, 0].astype(values.dtype), mode="drop")
-    return keys, values, valid_SL, keys.shape[-1] - 1, (k_SKH1[..., 0], v_SK1H[:, :, 0])
-
-
 def check_engine(mesh: Mesh | None, rules: parallel.LogicalRules = parallel.DEFAULT_RULES) -> None:
     """Refuses a mesh whose batch axis is split: the pool is one per program, not per data
     shard, so rows on different devices would share pages across devices."""
@@ -745,3 +439,11 @@ def check_engine(mesh: Mesh | None, rules: parallel.LogicalRules = parallel.DEFA
             f"this mesh splits the batch {parallel.data_parallel_size(mesh, rules)} ways; "
             "use --kv_cache_tokens=0 (the compacted sampler) on a data-parallel mesh."
         )
+
+
+def pool_pages(tokens: int, rows: int, prompt_len: int, max_new_tokens: int, group: int) -> int:
+    """The page pool of a bucket of `rows` rows of `prompt_len`-token prompts: `tokens` in
+    pages of PAGE_SIZE, or with 0 every row at full length; at least one group at full length
+    (min_pool_pages)."""
+    pages = tokens // PAGE_SIZE or pool_pages_for(rows, prompt_len, max_new_tokens, PAGE_SIZE)
+    return max(pages, min_pool_pages(prompt_len, max_new_tokens, group, PAGE_SIZE))

@@ -7,6 +7,7 @@ from typing import Any
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm.sampling import trim
@@ -77,3 +78,28 @@ class SampleOutput(flax.struct.PyTreeNode):
         return prompt_completion_rows(
             self.prompt_tokens_BP, self.prompt_mask_BP, self.tokens_BT, self.sequence_mask_BT
         )
+
+
+@jax.jit
+def from_engine(
+    out: Any,
+    prompt_BP: jax.Array,
+    prompt_mask_BP: jax.Array,
+    active_B: jax.Array,
+) -> SampleOutput:
+    """A slot or paged engine's output (continuous.SlotOutput, paged_state.PagedOutput: per
+    row tokens, logprobs, length, done) as a SampleOutput (num_steps: the longest row)."""
+    N = out.tokens_RT.shape[1]
+    return SampleOutput(
+        tokens_BT=out.tokens_RT,
+        logprobs_BT=out.logprobs_RT,
+        mask_BT=jnp.arange(N)[None, :] < out.length_R[:, None],
+        lengths_B=out.length_R,
+        truncated_B=active_B & ~out.done_R,
+        prompt_tokens_BP=prompt_BP,
+        prompt_mask_BP=prompt_mask_BP.astype(bool),
+        dropped_B=jnp.zeros(active_B.shape, bool),
+        num_steps=jnp.maximum(jnp.max(out.length_R), 1),
+        slot_steps=out.slot_steps,
+        engine_stats=getattr(out, "stats", None),
+    )

@@ -41,7 +41,7 @@ from jaxrl4llm import parallel
 from jaxrl4llm.models import kv_cache
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.program import Program
-from jaxrl4llm.sampling import buckets, continuous, decode, paged
+from jaxrl4llm.sampling import buckets, continuous, decode, paged, sample_output
 from jaxrl4llm.sampling.decode import decode_step, prefill  # noqa: F401  (re-exported)
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.row_io import (
@@ -363,9 +363,8 @@ def generate(
     not apply: the slots bound the rows at once); with a mesh, a multiple of the
     data-parallel size. A row stopped by its row_caps token limit reads as truncated_B
     unless that token is a stop token (e.g. tools/bench_rollout.py --length_mix).
-    `kv_cache_tokens` (not None): the paged engine (paged.py) with a pool of that many tokens
-    of KV (0: every row at full length), rows admitted as its pages free; `max_rows` then caps
-    the rows decoding at once (the same samples)."""
+    `kv_cache_tokens` (not None): the paged engine (paged.py), a pool of that many tokens (0:
+    every row at full length); `max_rows` then caps the rows decoding at once."""
     if kv_cache_tokens is not None:
         paged.check_engine(mesh, rules)
     elif decode_slots:
@@ -399,20 +398,14 @@ class _Decoding:
     decode_slots: int
     kv_cache_tokens: int | None = None
 
-    def kv_pages(self, rows: int, prompt_len: int, max_new_tokens: int, group: int) -> int:
-        """The paged engine's pool for a bucket (0: not paged; see pool_pages)."""
+    def paged_settings(
+        self, rows: int, prompt_len: int, max_new_tokens: int, group: int
+    ) -> dict[str, int]:
+        """decode_program's paged engine settings for a bucket (none: not paged)."""
         if self.kv_cache_tokens is None:
-            return 0
-        return pool_pages(self.kv_cache_tokens, rows, prompt_len, max_new_tokens, group)
-
-
-def pool_pages(tokens: int, rows: int, prompt_len: int, max_new_tokens: int, group: int) -> int:
-    """The page pool of a bucket of `rows` rows of `prompt_len`-token prompts: `tokens` in
-    pages of paged.PAGE_SIZE, or with 0 every row at full length; at least one group at full
-    length (paged.min_pool_pages)."""
-    ps = paged.PAGE_SIZE
-    pages = tokens // ps or paged.pool_pages_for(rows, prompt_len, max_new_tokens, ps)
-    return max(pages, paged.min_pool_pages(prompt_len, max_new_tokens, group, ps))
+            return {}
+        pages = paged.pool_pages(self.kv_cache_tokens, rows, prompt_len, max_new_tokens, group)
+        return {"kv_pages": pages, "max_rows": self.max_rows or 0}
 
 
 def _generate(
@@ -431,10 +424,9 @@ def _generate(
     multihost = mesh is not None and jax.process_count() > 1
     multiple = batch_multiple(mesh, rules, multihost)
     n = request.layout.group_size
-    paged_rows = decoding.max_rows if decoding.kv_cache_tokens is not None else None
-    chunk = rows_per_chunk(
-        None if paged_rows is not None else decoding.max_rows, len(prompts) * n, n, multiple
-    )
+    # The paged engine takes max_rows as its rows decoding at once, not as chunks.
+    max_rows = None if decoding.kv_cache_tokens is not None else decoding.max_rows
+    chunk = rows_per_chunk(max_rows, len(prompts) * n, n, multiple)
     # A chunk is whole data-parallel shards.
     rows = prompt_rows(
         prompts, model_config, key, request, batch_multiple=chunk or multiple, multihost=multihost
@@ -453,12 +445,11 @@ def _generate(
         decode_slots=decoding.decode_slots,
         greedy=rows.greedy_B is not None,
         row_caps=rows.caps_B is not None,
-        kv_pages=decoding.kv_pages(B, P, request.max_new_tokens, rows.prompt_group),
-        max_rows=paged_rows or 0,
+        **decoding.paged_settings(B, P, request.max_new_tokens, rows.prompt_group),
     )
     raw = program(params, *inputs, stop_S, np.int32(request.pad_id), **optional)
     out: SampleOutput = (
-        _slot_sample_output(raw, *inputs[:3])
+        sample_output.from_engine(raw, *inputs[:3])
         if decoding.decode_slots or decoding.kv_cache_tokens is not None
         else raw
     )
@@ -485,28 +476,3 @@ def _check_generate_args(
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}.")
-
-
-@jax.jit
-def _slot_sample_output(
-    out: continuous.SlotOutput | paged.PagedOutput,
-    prompt_BP: jax.Array,
-    prompt_mask_BP: jax.Array,
-    active_B: jax.Array,
-) -> SampleOutput:
-    """The continuous or paged sampler's rows as a SampleOutput (num_steps: the longest
-    row)."""
-    N = out.tokens_RT.shape[1]
-    return SampleOutput(
-        tokens_BT=out.tokens_RT,
-        logprobs_BT=out.logprobs_RT,
-        mask_BT=jnp.arange(N)[None, :] < out.length_R[:, None],
-        lengths_B=out.length_R,
-        truncated_B=active_B & ~out.done_R,
-        prompt_tokens_BP=prompt_BP,
-        prompt_mask_BP=prompt_mask_BP.astype(bool),
-        dropped_B=jnp.zeros(active_B.shape, bool),
-        num_steps=jnp.maximum(jnp.max(out.length_R), 1),
-        slot_steps=out.slot_steps,
-        engine_stats=getattr(out, "stats", None),
-    )

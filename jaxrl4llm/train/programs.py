@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.program import Program
-from jaxrl4llm.sampling import sampler
+from jaxrl4llm.sampling import paged, sampler
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.config.optimizer import OptimizerConfig
 from jaxrl4llm.train.update import advantages, critic, logprobs, packing, step
@@ -105,12 +105,12 @@ class StepPrograms:
         rows decode greedily, ReMax's baseline). `cache_dtype`: the KV cache's (default:
         the backend's choice, decode.cache_dtype_for; a planner on CPU passes the one the
         planned accelerator would choose). With the paged engine, `rows` x `prompt_len` is
-        the bucket, which sizes its page pool (sampler.pool_pages)."""
+        the bucket, which sizes its page pool (paged.pool_pages)."""
         r = self.config.rollout
         kv_pages = (
             0
             if r.pool_tokens is None
-            else sampler.pool_pages(r.pool_tokens, rows, prompt_len, r.max_new_tokens, prompt_group)
+            else paged.pool_pages(r.pool_tokens, rows, prompt_len, r.max_new_tokens, prompt_group)
         )
         return sampler.decode_program(
             model_config=self.model_config,

@@ -160,3 +160,21 @@ def test_pallas_paged_attention_kernel_matches_the_reference():
     with pltpu.force_tpu_interpret_mode():
         out = page_pool.pallas_attention(q, k_pages, v_pages, table, lengths, pages_per_block=2)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-2)
+
+
+def test_on_a_tensor_parallel_mesh_and_its_refusal(toy_policy):
+    """On a mesh that splits heads (tensor) but not the batch, the same samples; a mesh that
+    splits the batch is refused (one pool per program)."""
+    from jaxrl4llm import parallel
+    from jaxrl4llm.sampling import Sampler
+
+    config, params = toy_policy
+    with pytest.raises(FlagError, match="splits the batch 4 ways"):
+        Sampler(config, mesh=parallel.make_mesh("data:2,fsdp:2,tensor:2"), kv_cache_tokens=0)
+    mesh = parallel.make_mesh("data:1,fsdp:1,tensor:2", jax.devices()[:2])
+    smp = Sampler(config, mesh=mesh, stop_ids=STOP, kv_cache_tokens=400)
+    prompts = _prompts(config, [5, 2, 7, 4], seed=5)
+    key = jax.random.key(1)
+    b = smp.generate(smp.shard_params(params), prompts, SAMPLED, N, key, group_size=2)
+    a = sampler.generate(params, config, prompts, SAMPLED, N, key, n=2, stop_ids=STOP)
+    _assert_same_samples(a, b)

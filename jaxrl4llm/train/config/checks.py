@@ -181,13 +181,6 @@ def _validate_values(config: TrainConfig) -> None:
         f"--decode_slots={r.decode_slots} must be >= 0 (0: every "
         "row at once, finished rows compacted away).",
     )
-    if r.decode_slots:
-        logging.warning(
-            "--decode_slots is a deprecated alias and goes in the next release: use "
-            "--rollout_engine=paged --kv_cache_tokens=%d (the KV %d slots held).",
-            r.pool_tokens,
-            r.decode_slots,
-        )
 
 
 def _validate_turns(config: TrainConfig) -> None:
@@ -257,6 +250,13 @@ def _validate_engine(config: TrainConfig, num_devices: int, data_parallel: int |
     require(r.kv_cache_tokens >= 0, f"--kv_cache_tokens={r.kv_cache_tokens} must be >= 0.")
     if not r.paged:
         return
+    if r.decode_slots:
+        logging.warning(
+            "--decode_slots is a deprecated alias and goes in the next release: use "
+            "--rollout_engine=paged --kv_cache_tokens=%d (the KV %d slots held).",
+            r.pool_tokens,
+            r.decode_slots,
+        )
     engine = "--rollout_engine=paged" + (" (--decode_slots)" if r.decode_slots else "")
     require(
         not r.env and r.turns.max_turns == 1,
@@ -277,7 +277,8 @@ def _validate_engine(config: TrainConfig, num_devices: int, data_parallel: int |
         "data or fsdp axes.",
     )
     G = r.group_size if r.share_prompts else 1
-    ps, tokens = paged.PAGE_SIZE, r.pool_tokens or 0
+    # The --decode_slots alias may round below a group's pages; the engine raises it there.
+    ps, tokens = paged.PAGE_SIZE, r.kv_cache_tokens if r.rollout_engine == "paged" else 0
     need = paged.min_pool_pages(r.max_prompt_tokens, r.max_new_tokens, G, ps) * ps
     require(
         tokens == 0 or tokens >= need,
