@@ -41,6 +41,11 @@ tokens on, temperature --temperature) and prints, over --rollouts rollouts:
                         same prompts and keys (the same samples), measured in the same run
   continuous_ratio      (--time) wall time of continuous batching / the compacted sampler
                         (compact_s, continuous_s: the times, same run)
+  paged_time_ratio_*    (--time) then tools/bench_paged.py: the paged engine against the
+                        other decoders with and without a KV budget, SmolLM2 cut to 4 layers,
+                        both forced length mixes (its docstring); per mix, lines
+                        mix=M paged_time_ratio_bound=, paged_time_ratio_rich=,
+                        sampler_useful_paged=, rows and pages per decode step
 
 --length_mix forces the completion lengths instead of sampling them: no stop tokens, and each
 row stops at its own cap (generate's row_caps), drawn with a seed per rollout from
@@ -58,6 +63,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -341,7 +347,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--decode_slots",
         type=int,
-        default=64,
+        default=0,
         help="slots of the continuous-batching sampler (0: run none)",
     )
     parser.add_argument(
@@ -349,7 +355,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also time the compacted sampler against continuous batching "
         "(and, with the natural mix, the uncompacted one); compiles "
-        "each first",
+        "each first; then tools/bench_paged.py's comparison of the paged engine "
+        "(paged_time_ratio_bound=, paged_time_ratio_rich=, sampler_useful_paged=)",
     )
     return parser.parse_args(argv)
 
@@ -461,6 +468,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         # The sampled lengths, so other update layouts can be worked out from this rollout.
         print("lengths=" + ",".join(str(int(x)) for x in lengths), flush=True)
+    _finish(args, results)
+    return 0
+
+
+def _finish(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
+    """The means over the rollouts, then (--time) tools/bench_paged.py's comparison."""
     keys = [
         k
         for k in (
@@ -487,7 +500,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "mean over rollouts: "
         + ", ".join(f"{k} {np.mean([r[k] for r in results]):.3f}" for k in keys)
     )
-    return 0
+    if args.time:
+        # Its own process (it imports this module's length mixes; a fresh JAX too).
+        subprocess.run(
+            [sys.executable, os.path.join(os.path.dirname(__file__), "bench_paged.py")], check=True
+        )
 
 
 if __name__ == "__main__":

@@ -300,7 +300,9 @@ def lower_sample(s: Setup, P: int) -> Any:
     Bs, Gs, sample_chunks = sample_layout(s)
     remax = s.config.algorithm.advantage == "remax"
     args, kwargs = sample_inputs(s, Bs, P, remax)
-    program = s.programs.sample(Gs, sample_chunks, greedy=remax, cache_dtype=s.cache_dtype)
+    program = s.programs.sample(
+        Gs, sample_chunks, greedy=remax, cache_dtype=s.cache_dtype, rows=Bs, prompt_len=P
+    )
     return program.lower(*args, **kwargs)
 
 

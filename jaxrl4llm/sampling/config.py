@@ -11,6 +11,9 @@ from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.sampling.turns import TurnLimits
 
+# --rollout_engine's values: how a call's rows decode (RolloutConfig.rollout_engine).
+ROLLOUT_ENGINES = ("compacted", "paged")
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
@@ -31,9 +34,14 @@ class RolloutConfig:
         with their tokens and logprobs (0 = off; see train/rollout/partial.py).
     max_staleness: With --partial_rollout_tokens: steps a group may wait in the carried buffer
         before it is dropped (and counted).
-    decode_slots: Continuous batching: rows decoded at once, a finished row's slot taking the
-        next queued row (0 = every row at once, finished rows compacted away); a multiple of
-        the data-parallel devices. The same samples either way.
+    rollout_engine: How rows decode: compacted (every row at once, finished rows compacted
+        away) or paged (a pool of KV pages: rows hold only the pages their tokens fill, a
+        group's prompt pages are shared, and queued groups start as pages free; see
+        sampling/paged.py). The same samples either way.
+    kv_cache_tokens: With --rollout_engine=paged: tokens of KV the page pool holds (0 = every
+        row of a call at full length).
+    decode_slots: Deprecated alias: S > 0 means --rollout_engine=paged with
+        --kv_cache_tokens=S*(max_prompt_tokens+max_new_tokens), the KV S fixed slots held.
     turns: Multi-turn rollouts (with an environment): turns and token budgets per trajectory.
     env: Environment that answers the model's turns, NAME?key=value&... (verifier,
         calculator, python, guess; see docs/environments.md); empty: single-turn rollouts
@@ -50,9 +58,26 @@ class RolloutConfig:
     rollout_micro_batch: int = 0
     partial_rollout_tokens: int = 0
     max_staleness: int = 2
+    rollout_engine: str = "compacted"
+    kv_cache_tokens: int = 0
     decode_slots: int = 0
     turns: TurnLimits = group(TurnLimits)
     env: str = ""
+
+    @property
+    def paged(self) -> bool:
+        """The paged engine decodes (--rollout_engine=paged, or the --decode_slots alias)."""
+        return self.rollout_engine == "paged" or self.decode_slots > 0
+
+    @property
+    def pool_tokens(self) -> int | None:
+        """The paged engine's pool in tokens (0: every row at full length), or None: the
+        compacted sampler."""
+        if not self.paged:
+            return None
+        if self.decode_slots > 0 and self.rollout_engine != "paged":
+            return self.decode_slots * (self.max_prompt_tokens + self.max_new_tokens)
+        return self.kv_cache_tokens
 
     @property
     def layout(self) -> RowLayout:

@@ -91,7 +91,7 @@ class RolloutContext:
             max_prompt_len=rollout.max_prompt_tokens,
             long_prompts=rollout.long_prompts,
             max_rows=rollout.rollout_micro_batch or None,
-            decode_slots=rollout.decode_slots,
+            kv_cache_tokens=rollout.pool_tokens,
             **sampler_options,
         )
         return cls(sampler, reward_fn, data, rollout, turn_handlers)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import flax.struct
 import jax
@@ -196,28 +196,43 @@ def slot_decode_step(
     window = model_config.sliding_window
     if window is not None:
         valid_SL &= key_L[None, :] > write_S[:, None] - window
-    # The per-row causal and window rules are in valid_SL: the query sits past every slot.
+
+    def kv_fn(k_SKH1, v_SK1H, k_cache, v_cache):
+        k_new = k_cache.at[slot_n, :, :, write_S].set(k_SKH1[..., 0].astype(k_cache.dtype))
+        v_new = v_cache.at[slot_n, :, write_S, :].set(v_SK1H[:, :, 0].astype(v_cache.dtype))
+        return k_new, v_new, valid_SL, L - 1, (k_new, v_new)
+
+    kv_fns = [
+        functools.partial(kv_fn, k_cache=k, v_cache=v) for k, v in zip(cache.k_BKHS, cache.v_BKSH)
+    ]
+    logits_SV, new = one_token_pass(params, model_config, token_S, position_S, kv_fns, sharding)
+    ks, vs = zip(*new)
+    return logits_SV, kv_cache.KVCache(k_BKHS=tuple(ks), v_BKSH=tuple(vs), mask_BS=mask_SL)
+
+
+def one_token_pass(
+    params: Any,
+    model_config: ModelConfig,
+    token_S: jax.Array,
+    position_S: jax.Array,
+    kv_fns: Sequence[decoder_layer.KVFn],
+    sharding: parallel.ActivationSharding | None = None,
+) -> tuple[jax.Array, list[Any]]:
+    """One token per row through the layers, layer l's attended keys chosen by kv_fns[l]
+    (decoder_layer.apply_layer), whose masks hold the per-row causal and window rules (the
+    query sits past every key). Returns (next-token logits [S, V], each kv_fn's aux)."""
     layer_config = dataclasses.replace(model_config, sliding_window=None)
     cos, sin = decoder_layer.rope_tables(model_config, position_S[:, None])
     h = transformer.embed_tokens(params, token_S[:, None], sharding)
-    ks, vs = [], []
-    for lp, k_cache, v_cache in zip(params["layers"], cache.k_BKHS, cache.v_BKSH):
-
-        def kv_fn(k_SKH1, v_SK1H, k_cache=k_cache, v_cache=v_cache):
-            k_new = k_cache.at[slot_n, :, :, write_S].set(k_SKH1[..., 0].astype(k_cache.dtype))
-            v_new = v_cache.at[slot_n, :, write_S, :].set(v_SK1H[:, :, 0].astype(v_cache.dtype))
-            return k_new, v_new, valid_SL, L - 1, (k_new, v_new)
-
-        h, (k_new, v_new) = decoder_layer.apply_layer(
-            layer_config, h, lp, cos, sin, kv_fn, sharding
-        )
-        ks.append(k_new)
-        vs.append(v_new)
+    auxes = []
+    for lp, kv_fn in zip(params["layers"], kv_fns):
+        h, aux = decoder_layer.apply_layer(layer_config, h, lp, cos, sin, kv_fn, sharding)
+        auxes.append(aux)
     h = decoder_layer.rms_norm(h, params["final_norm"], model_config.rms_norm_eps)
     logits_SV = unembedding.unembed(
         params, model_config, h.astype(params["embed"].dtype), sharding
     )[:, 0]
-    return logits_SV, kv_cache.KVCache(k_BKHS=tuple(ks), v_BKSH=tuple(vs), mask_BS=mask_SL)
+    return logits_SV, auxes
 
 
 def is_stop(tokens_B: jax.Array, stop_ids_S: jax.Array) -> jax.Array:

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import buckets, continuous, multiturn, trim
+from jaxrl4llm.sampling import buckets, continuous, multiturn, paged, trim
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.row_io import host_rows
 from jaxrl4llm.sampling.sample_output import SampleOutput
@@ -60,7 +60,10 @@ class Sampler:
     `compact=False` keeps finished rows in the decode batch (decode.py; the same samples).
     `decode_slots` > 0 decodes that many rows at a time, a finished row's slot taking the next
     queued row (continuous batching, continuous.py; the same samples); with a mesh, a
-    multiple of its data-parallel size.
+    multiple of its data-parallel size. `kv_cache_tokens` (not None): the paged engine
+    (paged.py), a pool of that many tokens of KV (0: every row of a call at full length),
+    groups admitted as its pages free, at most `max_rows` rows decoding at once (the same
+    samples).
     """
 
     def __init__(
@@ -79,10 +82,13 @@ class Sampler:
         max_rows: int | None = None,
         compact: bool = True,
         decode_slots: int = 0,
+        kv_cache_tokens: int | None = None,
     ):
         if long_prompts not in LONG_PROMPT_MODES:
             raise ValueError(f"long_prompts={long_prompts!r} must be one of {LONG_PROMPT_MODES}.")
         continuous.check_slots(decode_slots, mesh, rules)
+        if kv_cache_tokens is not None:
+            paged.check_engine(mesh, rules)
         if stop_ids is None:
             stop_ids = list(model_config.eos_token_ids)
             stop_ids += list(getattr(tokenizer, "stop_token_ids", ()))
@@ -100,6 +106,7 @@ class Sampler:
         self.max_rows = max_rows
         self.compact = compact
         self.decode_slots = decode_slots
+        self.kv_cache_tokens = kv_cache_tokens
 
     def shard_params(self, params: Any) -> Any:
         """Places params on the sampler's mesh (a no-op without one)."""
@@ -170,6 +177,7 @@ class Sampler:
             compact=self.compact,
             decode_slots=self.decode_slots,
             row_caps=row_caps,
+            kv_cache_tokens=self.kv_cache_tokens,
             **self._row_settings(),
         )
 

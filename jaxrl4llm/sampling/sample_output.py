@@ -3,8 +3,11 @@ prompt block they follow (sampler.generate, continuous.py's slots, multiturn.py'
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm.sampling import trim
@@ -27,6 +30,8 @@ class SampleOutput(flax.struct.PyTreeNode):
     num_steps      int32 scalar: decode steps run (<= max_new_tokens; = the longest row).
     slot_steps     int32 scalar: rows computed, summed over the decode steps (finished rows
                    are compacted away, see decode.py): the decode loop's work.
+    engine_stats   the paged engine's counts (paged.PagedStats: decode steps, live rows and
+                   pages in use summed over them, tokens decoded, preemptions), else None.
     observation_BT bool or None: multi-turn rollouts (multiturn.py): the observation tokens
                    appended between model turns: in the sequence, off mask_BT (no logprob,
                    off the loss). None: single-turn (every real token is the model's).
@@ -43,6 +48,7 @@ class SampleOutput(flax.struct.PyTreeNode):
     num_steps: jax.Array
     slot_steps: jax.Array | None = None
     observation_BT: jax.Array | None = None
+    engine_stats: Any = None
 
     @property
     def num_dropped(self) -> int:
@@ -72,3 +78,28 @@ class SampleOutput(flax.struct.PyTreeNode):
         return prompt_completion_rows(
             self.prompt_tokens_BP, self.prompt_mask_BP, self.tokens_BT, self.sequence_mask_BT
         )
+
+
+@jax.jit
+def from_engine(
+    out: Any,
+    prompt_BP: jax.Array,
+    prompt_mask_BP: jax.Array,
+    active_B: jax.Array,
+) -> SampleOutput:
+    """A slot or paged engine's output (continuous.SlotOutput, paged_state.PagedOutput: per
+    row tokens, logprobs, length, done) as a SampleOutput (num_steps: the longest row)."""
+    N = out.tokens_RT.shape[1]
+    return SampleOutput(
+        tokens_BT=out.tokens_RT,
+        logprobs_BT=out.logprobs_RT,
+        mask_BT=jnp.arange(N)[None, :] < out.length_R[:, None],
+        lengths_B=out.length_R,
+        truncated_B=active_B & ~out.done_R,
+        prompt_tokens_BP=prompt_BP,
+        prompt_mask_BP=prompt_mask_BP.astype(bool),
+        dropped_B=jnp.zeros(active_B.shape, bool),
+        num_steps=jnp.maximum(jnp.max(out.length_R), 1),
+        slot_steps=out.slot_steps,
+        engine_stats=getattr(out, "stats", None),
+    )

@@ -41,7 +41,7 @@ from jaxrl4llm import parallel
 from jaxrl4llm.models import kv_cache
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.program import Program
-from jaxrl4llm.sampling import buckets, continuous, decode
+from jaxrl4llm.sampling import buckets, continuous, decode, paged, sample_output
 from jaxrl4llm.sampling.decode import decode_step, prefill  # noqa: F401  (re-exported)
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.row_io import (
@@ -286,11 +286,15 @@ def decode_program(
     greedy: bool = False,
     row_caps: bool = False,
     cache_dtype: Any = None,
+    kv_pages: int = 0,
+    max_rows: int = 0,
 ) -> Program:
     """The compiled decode of one bucket of rows as `generate` runs it (Program "sample"):
     generate_tokens (rows in `num_chunks` strided chunks of whole groups of `prompt_group`,
     finished rows compacted away with `compact`), or with `decode_slots` > 0 the
-    continuous-batching continuous.generate_slots (`num_chunks` and `compact` unused).
+    continuous-batching continuous.generate_slots (`num_chunks` and `compact` unused), or
+    with `kv_pages` > 0 the paged engine paged.generate_paged (a pool of that many pages of
+    paged.PAGE_SIZE tokens; at most `max_rows` rows decoding at once, 0: every row).
     `greedy` / `row_caps`: the calls pass greedy_B / row_caps_B (else they are bound to
     None). `cache_dtype`: the KV cache's (default: the weights' compute dtype, float32 on
     CPU; see decode.cache_dtype_for). Called, or lowered on abstract inputs, as
@@ -311,6 +315,9 @@ def decode_program(
         static["greedy_B"] = None
     if not row_caps:
         static["row_caps_B"] = None
+    if kv_pages:
+        rows = {"max_rows": max_rows or 1 << 30, "num_pages": kv_pages}
+        return Program("sample", paged.generate_paged, {**static, **rows})
     if decode_slots:
         return Program("sample", continuous.generate_slots, {**static, "slots": decode_slots})
     return Program(
@@ -341,6 +348,7 @@ def generate(
     compact: bool = True,
     decode_slots: int = 0,
     row_caps: Sequence[int] | None = None,
+    kv_cache_tokens: int | None = None,
 ) -> SampleOutput:
     """Samples `n` completions of each prompt (lists of token ids, unpadded), rows laid out
     as RowLayout(n, share_prompts) and the prompt options as row_io.RowRequest says
@@ -354,8 +362,12 @@ def generate(
     and a finished row's slot takes the next queued row (the same samples; `max_rows` does
     not apply: the slots bound the rows at once); with a mesh, a multiple of the
     data-parallel size. A row stopped by its row_caps token limit reads as truncated_B
-    unless that token is a stop token (e.g. tools/bench_rollout.py --length_mix)."""
-    if decode_slots:
+    unless that token is a stop token (e.g. tools/bench_rollout.py --length_mix).
+    `kv_cache_tokens` (not None): the paged engine (paged.py), a pool of that many tokens (0:
+    every row at full length); `max_rows` then caps the rows decoding at once."""
+    if kv_cache_tokens is not None:
+        paged.check_engine(mesh, rules)
+    elif decode_slots:
         continuous.check_slots(decode_slots, mesh, rules)
         max_rows = None
     _check_generate_args(len(prompts) * n, sampling, max_new_tokens, row_caps)
@@ -371,7 +383,7 @@ def generate(
         row_caps=row_caps,
     )
     stop_S = stop_id_array(model_config.eos_token_ids if stop_ids is None else stop_ids)
-    decoding = _Decoding(mesh, rules, max_rows, compact, decode_slots)
+    decoding = _Decoding(mesh, rules, max_rows, compact, decode_slots, kv_cache_tokens)
     return _generate(params, model_config, prompts, sampling, key, request, stop_S, decoding)
 
 
@@ -384,6 +396,16 @@ class _Decoding:
     max_rows: int | None
     compact: bool
     decode_slots: int
+    kv_cache_tokens: int | None = None
+
+    def paged_settings(
+        self, rows: int, prompt_len: int, max_new_tokens: int, group: int
+    ) -> dict[str, int]:
+        """decode_program's paged engine settings for a bucket (none: not paged)."""
+        if self.kv_cache_tokens is None:
+            return {}
+        pages = paged.pool_pages(self.kv_cache_tokens, rows, prompt_len, max_new_tokens, group)
+        return {"kv_pages": pages, "max_rows": self.max_rows or 0}
 
 
 def _generate(
@@ -402,12 +424,15 @@ def _generate(
     multihost = mesh is not None and jax.process_count() > 1
     multiple = batch_multiple(mesh, rules, multihost)
     n = request.layout.group_size
-    chunk = rows_per_chunk(decoding.max_rows, len(prompts) * n, n, multiple)
+    # The paged engine takes max_rows as its rows decoding at once, not as chunks.
+    max_rows = None if decoding.kv_cache_tokens is not None else decoding.max_rows
+    chunk = rows_per_chunk(max_rows, len(prompts) * n, n, multiple)
     # A chunk is whole data-parallel shards.
     rows = prompt_rows(
         prompts, model_config, key, request, batch_multiple=chunk or multiple, multihost=multihost
     )
     inputs, optional = place_inputs(rows, mesh=mesh, rules=rules, multihost=multihost)
+    B, P = rows.batch.prompt_BP.shape
     program = decode_program(
         model_config=model_config,
         sampling=sampling,
@@ -420,9 +445,14 @@ def _generate(
         decode_slots=decoding.decode_slots,
         greedy=rows.greedy_B is not None,
         row_caps=rows.caps_B is not None,
+        **decoding.paged_settings(B, P, request.max_new_tokens, rows.prompt_group),
     )
     raw = program(params, *inputs, stop_S, np.int32(request.pad_id), **optional)
-    out: SampleOutput = _slot_sample_output(raw, *inputs[:3]) if decoding.decode_slots else raw
+    out: SampleOutput = (
+        sample_output.from_engine(raw, *inputs[:3])
+        if decoding.decode_slots or decoding.kv_cache_tokens is not None
+        else raw
+    )
     return mark_dropped_rows(out, rows.batch, mesh=mesh, rules=rules, multihost=multihost)
 
 
@@ -446,23 +476,3 @@ def _check_generate_args(
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
     if not isinstance(sampling, SamplingConfig):
         raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}.")
-
-
-@jax.jit
-def _slot_sample_output(
-    out: continuous.SlotOutput, prompt_BP: jax.Array, prompt_mask_BP: jax.Array, active_B: jax.Array
-) -> SampleOutput:
-    """The continuous sampler's rows as a SampleOutput (num_steps: the longest row)."""
-    N = out.tokens_RT.shape[1]
-    return SampleOutput(
-        tokens_BT=out.tokens_RT,
-        logprobs_BT=out.logprobs_RT,
-        mask_BT=jnp.arange(N)[None, :] < out.length_R[:, None],
-        lengths_B=out.length_R,
-        truncated_B=active_B & ~out.done_R,
-        prompt_tokens_BP=prompt_BP,
-        prompt_mask_BP=prompt_mask_BP.astype(bool),
-        dropped_B=jnp.zeros(active_B.shape, bool),
-        num_steps=jnp.maximum(jnp.max(out.length_R), 1),
-        slot_steps=out.slot_steps,
-    )

@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.program import Program
-from jaxrl4llm.sampling import sampler
+from jaxrl4llm.sampling import paged, sampler
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.config.optimizer import OptimizerConfig
 from jaxrl4llm.train.update import advantages, critic, logprobs, packing, step
@@ -97,13 +97,21 @@ class StepPrograms:
         greedy: bool = False,
         compact: bool = True,
         cache_dtype: Any = None,
+        rows: int = 0,
+        prompt_len: int = 0,
     ) -> Program:
         """The rollout's decode program for rows in `num_chunks` chunks of whole groups of
         `prompt_group` (sampler.generate picks both for a bucket of rows; `greedy`: some
         rows decode greedily, ReMax's baseline). `cache_dtype`: the KV cache's (default:
         the backend's choice, decode.cache_dtype_for; a planner on CPU passes the one the
-        planned accelerator would choose)."""
+        planned accelerator would choose). With the paged engine, `rows` x `prompt_len` is
+        the bucket, which sizes its page pool (paged.pool_pages)."""
         r = self.config.rollout
+        kv_pages = (
+            0
+            if r.pool_tokens is None
+            else paged.pool_pages(r.pool_tokens, rows, prompt_len, r.max_new_tokens, prompt_group)
+        )
         return sampler.decode_program(
             model_config=self.model_config,
             sampling=r.sampling,
@@ -113,9 +121,10 @@ class StepPrograms:
             prompt_group=prompt_group,
             num_chunks=num_chunks,
             compact=compact,
-            decode_slots=r.decode_slots,
             greedy=greedy,
             cache_dtype=cache_dtype,
+            kv_pages=kv_pages,
+            max_rows=r.rollout_micro_batch,
         )
 
     def logprobs(self, rows: int) -> Program:

@@ -9,7 +9,7 @@ import pytest
 
 from jaxrl4llm import parallel
 from jaxrl4llm.program import Program
-from jaxrl4llm.sampling import Sampler, sampler
+from jaxrl4llm.sampling import Sampler, paged, sampler
 
 from tests.sampling.test_sampler import SAMPLING, TINY_UNTIED, _peaked_params, _prompts
 
@@ -30,6 +30,20 @@ CASES = {
     "continuous_greedy": (
         dict(decode_slots=4, greedy_last=1),
         dict(prompt_group=2, num_chunks=1, decode_slots=4, greedy=True, row_caps=False),
+    ),
+    # The paged engine: its pool sized for the bucket (8 rows of 16-token prompts) as
+    # StepPrograms.sample sizes it.
+    "paged_greedy": (
+        dict(kv_cache_tokens=0, greedy_last=1),
+        dict(
+            prompt_group=2,
+            num_chunks=1,
+            decode_slots=0,
+            greedy=True,
+            row_caps=False,
+            kv_pages=paged.pool_pages(0, 8, 16, N, 2),
+            max_rows=0,
+        ),
     ),
 }
 

@@ -17,9 +17,9 @@ from jaxrl4llm.config.errors import DependencyError, flag_errors
 from jaxrl4llm.config.options import require
 from jaxrl4llm.data import prompts
 from jaxrl4llm.rewards.shaping import SCALES
-from jaxrl4llm.sampling import rounds
+from jaxrl4llm.sampling import paged, rounds
 from jaxrl4llm.sampling.buckets import LONG_PROMPT_MODES
-from jaxrl4llm.sampling.config import RolloutConfig
+from jaxrl4llm.sampling.config import ROLLOUT_ENGINES, RolloutConfig
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.config.groups import DTYPES, PACKAGES
 
@@ -95,6 +95,7 @@ def validate_all(
     prompts.expand(config.data.instruction, "--instruction")
     prompts.example_turns(config.data.example)
     _validate_batches(config, num_devices, data_parallel)
+    _validate_engine(config, num_devices, data_parallel)
     _validate_packing(config, num_devices, data_parallel, num_hosts)
     rl.validate(config.algorithm, config.rollout.group_size)
     _validate_critic(config)
@@ -236,11 +237,55 @@ def _validate_batches(config: TrainConfig, num_devices: int, data_parallel: int 
         f"of --group_size={r.group_size} and of the {data_parallel} data-parallel "
         f"devices of --mesh={run.mesh} (or 0: all rows at once).",
     )
+
+
+def _validate_engine(config: TrainConfig, num_devices: int, data_parallel: int | None) -> None:
+    """--rollout_engine and --kv_cache_tokens: the paged engine's pool and what it runs
+    (docs/architecture.md, "Rollout kinds and engines")."""
+    r = config.rollout
     require(
-        r.decode_slots % data_parallel == 0,
-        f"--decode_slots={r.decode_slots} must be a multiple of the {data_parallel} "
-        f"data-parallel devices of --mesh={run.mesh} (each decodes as many slots), "
-        "or 0.",
+        r.rollout_engine in ROLLOUT_ENGINES,
+        f"--rollout_engine={r.rollout_engine!r}: choose one of {', '.join(ROLLOUT_ENGINES)}.",
+    )
+    require(r.kv_cache_tokens >= 0, f"--kv_cache_tokens={r.kv_cache_tokens} must be >= 0.")
+    if not r.paged:
+        return
+    if r.decode_slots:
+        logging.warning(
+            "--decode_slots is a deprecated alias and goes in the next release: use "
+            "--rollout_engine=paged --kv_cache_tokens=%d (the KV %d slots held).",
+            r.pool_tokens,
+            r.decode_slots,
+        )
+    engine = "--rollout_engine=paged" + (" (--decode_slots)" if r.decode_slots else "")
+    require(
+        not r.env and r.turns.max_turns == 1,
+        f"{engine} runs single-turn rollouts; multi-turn ones (--env, --max_turns) decode in "
+        "their own engine (sampling/multiturn.py): use --rollout_engine=compacted.",
+    )
+    require(
+        r.partial_rollout_tokens == 0,
+        f"{engine} does not run partial rollouts (--partial_rollout_tokens): use "
+        "--rollout_engine=compacted.",
+    )
+    if data_parallel is None:
+        data_parallel = _data_parallel(config, num_devices)
+    require(
+        data_parallel == 1,
+        f"{engine} keeps one page pool per program: --mesh={config.run.mesh} splits the "
+        f"batch {data_parallel} ways; use --rollout_engine=compacted, or a mesh without "
+        "data or fsdp axes.",
+    )
+    G = r.group_size if r.share_prompts else 1
+    # The --decode_slots alias may round below a group's pages; the engine raises it there.
+    ps, tokens = paged.PAGE_SIZE, r.kv_cache_tokens if r.rollout_engine == "paged" else 0
+    need = paged.min_pool_pages(r.max_prompt_tokens, r.max_new_tokens, G, ps) * ps
+    require(
+        tokens == 0 or tokens >= need,
+        f"--kv_cache_tokens={tokens} holds less than one group at full length "
+        f"({need} tokens: a {r.max_prompt_tokens}-token prompt once and {G} rows of "
+        f"{r.max_new_tokens} new tokens in {ps}-token pages); use --kv_cache_tokens={need} "
+        "or more, or 0 (every row at full length).",
     )
 
 

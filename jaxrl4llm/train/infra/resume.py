@@ -16,6 +16,7 @@ allowed and logged:
   --memory_limit_mb;
 - memory / speed knobs that compute the same update: --micro_batch_size,
   --micro_batch_length_classes, --micro_batch_tokens, --rollout_micro_batch, --decode_slots,
+  --rollout_engine, --kv_cache_tokens,
   --remat, --share_prompts;
 - the learning-rate schedule: --learning_rate, --warmup_steps, --lr_schedule, --decay_steps,
   --critic_learning_rate (the Adam moments stay valid; lowering the rate after a spike is a
@@ -57,6 +58,8 @@ RESUMABLE = frozenset(
         "micro_batch_tokens",
         "rollout_micro_batch",
         "decode_slots",
+        "rollout_engine",
+        "kv_cache_tokens",
         "remat",
         "share_prompts",
         "compute_dtype",

@@ -1,0 +1,149 @@
+"""The paged KV cache: a pool of fixed-size pages shared by every row, per-row page tables,
+reference counts, and the reference (gather) decode attention over a row's pages.
+
+A row's cache is the list of pages in its table (`table_SM`, M = pages of the longest row);
+logical slot l of the row lives in page table[l // page_size] at offset l % page_size, and a
+row's logical slot is its token's RoPE position (the prompt stored from slot 0, no padding).
+Entries past the row's pages hold SCRATCH (= num_pages): a page no row owns, where the
+writes of free slots land and which attention never reads unmasked.
+
+Pages are allocated as a row grows and returned when it ends. A page's reference count is the
+number of tables holding it: the G samples of a prompt hold the same full prompt pages (the
+prompt is stored once); the last partial prompt page, which each sample goes on writing, is
+copied per sample at admission (copy-on-write done eagerly). A page is free when its count is
+0.
+
+Layout: per layer keys and values [K, num_pages + 1, page_size, H] each, the layout of JAX's
+Pallas paged attention kernel for TPU (jax.experimental.pallas.ops.tpu.paged_attention), so the
+same pool serves that kernel and this module's gather reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxrl4llm.models.config import ModelConfig
+
+
+class PagePool(flax.struct.PyTreeNode):
+    """Per-layer keys and values [K, num_pages + 1, page_size, H] (page num_pages: SCRATCH)
+    and the reference counts refs_N [num_pages] (0: free)."""
+
+    k_pages: tuple[jax.Array, ...]
+    v_pages: tuple[jax.Array, ...]
+    refs_N: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.refs_N.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages[0].shape[2]
+
+    def num_free(self) -> jax.Array:
+        return jnp.sum(self.refs_N == 0, dtype=jnp.int32)
+
+
+def init_pool(config: ModelConfig, num_pages: int, page_size: int, dtype: Any) -> PagePool:
+    """An empty pool: zero pages, every one free."""
+    shape = (config.num_kv_heads, num_pages + 1, page_size, config.head_dim)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))  # noqa: E731
+    return PagePool(k_pages=zeros(), v_pages=zeros(), refs_N=jnp.zeros((num_pages,), jnp.int32))
+
+
+def pages_for(tokens: Any, page_size: int) -> Any:
+    """Pages that hold `tokens` tokens (ceil)."""
+    return -(-tokens // page_size)
+
+
+def first_free(refs_N: jax.Array, n: int) -> jax.Array:
+    """The first `n` free pages in index order, SCRATCH (= num_pages) past the free ones."""
+    return jnp.nonzero(refs_N == 0, size=n, fill_value=refs_N.shape[0])[0].astype(jnp.int32)
+
+
+def hold(refs_N: jax.Array, pages: jax.Array, count: Any = 1) -> jax.Array:
+    """refs_N with `count` more references to each of `pages` (SCRATCH entries ignored)."""
+    return refs_N.at[pages.reshape(-1)].add(count, mode="drop")
+
+
+def release(refs_N: jax.Array, table_SM: jax.Array, rows_S: jax.Array) -> jax.Array:
+    """refs_N with the references of the tables of `rows_S` (bool [S]) dropped."""
+    pages = jnp.where(rows_S[:, None], table_SM, refs_N.shape[0])
+    return refs_N.at[pages.reshape(-1)].add(-1, mode="drop")
+
+
+def write_tokens(
+    pages_KNPH: jax.Array, page_S: jax.Array, offset_S: jax.Array, x_SKH: jax.Array
+) -> jax.Array:
+    """One layer's key (or value) pages with token i's heads at (page_S[i], offset_S[i])."""
+    return pages_KNPH.at[:, page_S, offset_S].set(
+        jnp.swapaxes(x_SKH, 0, 1).astype(pages_KNPH.dtype)
+    )
+
+
+def gather_keys(k_pages_KNPH: jax.Array, table_SM: jax.Array) -> jax.Array:
+    """The rows' keys as one dense array [S, K, H, M * page_size], the layout the attention
+    einsum takes as stored (the reference path copies every row's whole table)."""
+    K, _, P, H = k_pages_KNPH.shape
+    S, M = table_SM.shape
+    return k_pages_KNPH[:, table_SM].transpose(1, 0, 4, 2, 3).reshape(S, K, H, M * P)
+
+
+def gather_values(v_pages_KNPH: jax.Array, table_SM: jax.Array) -> jax.Array:
+    """The rows' values as one dense array [S, K, M * page_size, H]."""
+    K, _, P, H = v_pages_KNPH.shape
+    S, M = table_SM.shape
+    return v_pages_KNPH[:, table_SM].transpose(1, 0, 2, 3, 4).reshape(S, K, M * P, H)
+
+
+def reference_attention(
+    q_SNH: jax.Array,
+    k_pages_KNPH: jax.Array,
+    v_pages_KNPH: jax.Array,
+    table_SM: jax.Array,
+    length_S: jax.Array,
+) -> jax.Array:
+    """Decode attention of one query per row over its first length_S[i] logical slots, read
+    from its pages: softmax(q k) v per head (q pre-scaled, as the kernel takes it), GQA heads
+    grouped on their kv head, float32 scores. [S, N, H] in q's dtype. The reference the Pallas
+    kernel is tested against (tests/sampling/test_paged.py)."""
+    S, N, H = q_SNH.shape
+    k_SKHL = gather_keys(k_pages_KNPH, table_SM)
+    v_SKLH = gather_values(v_pages_KNPH, table_SM)
+    K, L = k_SKHL.shape[1], k_SKHL.shape[3]
+    q_SKGH = q_SNH.reshape(S, K, N // K, H)
+    scores = jnp.einsum("skgh,skhl->skgl", q_SKGH, k_SKHL, preferred_element_type=jnp.float32)
+    visible_SL = jnp.arange(L)[None, :] < length_S[:, None]
+    scores = jnp.where(visible_SL[:, None, None, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_SKLH.dtype)
+    out = jnp.einsum("skgl,sklh->skgh", probs, v_SKLH, preferred_element_type=jnp.float32)
+    return out.reshape(S, N, H).astype(q_SNH.dtype)
+
+
+def pallas_attention(
+    q_SNH: jax.Array,
+    k_pages_KNPH: jax.Array,
+    v_pages_KNPH: jax.Array,
+    table_SM: jax.Array,
+    length_S: jax.Array,
+    pages_per_block: int = 1,
+) -> jax.Array:
+    """reference_attention by JAX's Pallas paged attention kernel (TPU; on CPU under
+    pltpu.force_tpu_interpret_mode()): it reads only a row's filled pages, `pages_per_block`
+    (a divisor of M) at a time. Its matmuls run at the TPU's default precision (bfloat16
+    passes), so it agrees with the float32 reference to ~1e-2 on unit-scale inputs."""
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    return paged_attention(
+        q_SNH,
+        k_pages_KNPH,
+        v_pages_KNPH,
+        length_S.astype(jnp.int32),
+        table_SM.astype(jnp.int32),
+        pages_per_compute_block=pages_per_block,
+    )

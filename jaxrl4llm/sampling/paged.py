@@ -1,0 +1,449 @@
+"""The paged rollout engine: rows decode from a shared pool of KV pages (page_pool.py), and a
+queued group starts as soon as its prompt's pages and a page per sample are free.
+
+Why pages: a fixed batch (decode.py) or fixed slots (continuous.py) reserve a full-length
+cache row per row, so at any memory budget they hold as many rows as full-length rows fit,
+and every decode step reads the weights for that few rows. Here a row holds only the pages
+its tokens fill, a group's G samples hold its prompt's full pages once, and pages come back
+when a row ends: the same memory holds more rows at a time, which is what continuous batching
+needs to pay for itself.
+
+The whole rollout is one compiled program, like continuous.py's: one lax.while_loop whose
+body (1) gives every live row crossing a page boundary a new page, (2) decodes one token for
+each of the `max_rows` decode rows, (3) returns the pages of rows that ended, then admits
+waiting groups while they fit. Groups are prefilled `refill_groups` at a time into a dense
+pending block (a prompt's KV written once, its G samples' first tokens drawn there); moving a
+group into the pool writes its full prompt pages once, shared by its G rows (reference count
+G), and copies the last partial prompt page into one private page per row (copy-on-write done
+at admission).
+
+Admission policy: a pending group is admitted when there are free decode rows for it and the
+pool keeps, after its prompt pages and one page per sample, a reserve of `growth` times the
+pages every live row (the group's included) would still fill up to its cap (SGLang's "new
+token ratio"). `growth` starts optimistic (GROWTH_START: RL completions mostly stop well
+before the cap) and each preemption raises it (GROWTH_STEP, up to 1: every cap reserved, no
+preemption possible). Running out of pages is resolved as vLLM does, by preemption and
+recompute: while the rows crossing a page boundary need more pages than are free, the most
+recently admitted group is preempted (its live rows stop, their pages return) and put back at
+the head of the queue; its finished rows are kept.
+On readmission its prompt is prefilled again and its unfinished rows decode again from their
+first token. Row r draws token t with fold_in(row_key[r], t), so the recomputed tokens are
+the same: a row's samples do not depend on page layout, admission order, pool size or
+preemption. A pool that holds one group at full length (check_pool) always progresses (the
+oldest group is never preempted while another group runs), so the loop cannot deadlock.
+
+Each decode step computes only the live rows: they are moved to the front (their small
+state only: the KV stays in the pool, so moving a row is free, unlike compaction in decode.py
+and continuous.py, which copies cache rows), and the step runs at the smallest of the halving
+row levels max_rows, max_rows/2, ... (down to decode.MIN_COMPACT_ROWS) that holds them,
+reading the narrowest prefix of the page tables (all, 1/2 or 1/4) that holds their pages: one
+compiled decode step per (rows, pages) pair, picked by lax.switch. The pool is only read
+inside the switch and the new keys and values written after it, so the switch does not copy
+the pool.
+
+Attention reads a row's pages through page_pool (the gather reference; on TPU JAX's Pallas
+paged attention kernel reads only the filled pages).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxrl4llm import parallel
+from jaxrl4llm.config.errors import FlagError
+from jaxrl4llm.models import kv_cache
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.sampling import continuous, decode, paged_state, paged_step, strategies
+from jaxrl4llm.sampling import page_pool as pages_lib
+from jaxrl4llm.sampling.page_pool import PagePool
+from jaxrl4llm.sampling.strategies import SamplingConfig
+
+# Tokens per page. 16 as in vLLM's default block: small enough that a row's last page wastes
+# little, large enough that a table stays short.
+PAGE_SIZE = 16
+
+
+def pool_pages_for(rows: int, prompt_len: int, max_new_tokens: int, page_size: int) -> int:
+    """Pages of `rows` full-length rows (prompt + completion), each in its own pages: the pool
+    that holds the same KV as a fixed batch of `rows` rows."""
+    return rows * pages_lib.pages_for(prompt_len + max_new_tokens, page_size)
+
+
+def min_pool_pages(prompt_len: int, max_new_tokens: int, group: int, page_size: int) -> int:
+    """The smallest pool that holds one group at full length (its prompt's pages once, then
+    a private page per row for the prompt's last partial page and the completion)."""
+    per_row = 1 + pages_lib.pages_for(max_new_tokens, page_size)
+    return pages_lib.pages_for(prompt_len, page_size) + group * per_row
+
+
+def check_pool(
+    num_pages: int, prompt_len: int, max_new_tokens: int, group: int, page_size: int
+) -> None:
+    """Refuses a pool too small to finish a group on its own (the loop could not progress)."""
+    need = min_pool_pages(prompt_len, max_new_tokens, group, page_size)
+    if num_pages < need:
+        raise FlagError(
+            f"--kv_cache_tokens holds {num_pages} pages of {page_size} tokens, fewer than one "
+            f"group at full length needs ({need}: a {prompt_len}-token prompt once and "
+            f"{group} rows of {max_new_tokens} new tokens); use "
+            f"--kv_cache_tokens={need * page_size} or more."
+        )
+
+
+def refill_groups(max_rows: int, group: int) -> int:
+    """Groups per pending prefill: about max_rows / REFILL_FRACTION rows (continuous.py)."""
+    return max(1, max_rows // (group * continuous.REFILL_FRACTION))
+
+
+STATIC = (*decode.STATIC_SETTINGS, "max_rows", "num_pages", "page_size", "cache_dtype")
+
+
+@functools.partial(jax.jit, static_argnames=STATIC)
+def generate_paged(
+    params: Any,
+    prompt_BP: jax.Array,
+    prompt_mask_BP: jax.Array,
+    active_B: jax.Array,
+    row_keys_B: jax.Array,
+    stop_ids_S: jax.Array,
+    pad_id: jax.Array,
+    *,
+    model_config: ModelConfig,
+    sampling: SamplingConfig,
+    max_new_tokens: int,
+    max_rows: int,
+    num_pages: int,
+    page_size: int = PAGE_SIZE,
+    mesh: Mesh | None = None,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+    greedy_B: jax.Array | None = None,
+    row_caps_B: jax.Array | None = None,
+    prompt_group: int = 1,
+    cache_dtype: Any = None,
+) -> paged_state.PagedOutput:
+    """The compiled paged sampler over one bucket (arguments as sampler.generate_tokens): the
+    active rows decode `max_rows` at a time from a pool of `num_pages` pages of `page_size`
+    tokens, groups of `prompt_group` rows admitted as pages free (module docstring)."""
+    B, P = prompt_BP.shape
+    N, G = max_new_tokens, prompt_group
+    S = max(G, min(max_rows, B) // G * G)
+    check_pool(num_pages, P, N, G, page_size)
+    params, sharding, cache_dtype = decode.loop_setup(
+        params, model_config, mesh, rules, cache_dtype
+    )
+    queue = continuous._queue(
+        prompt_BP, prompt_mask_BP, active_B, row_keys_B, greedy_B, row_caps_B, N
+    )
+    engine = _Engine(
+        params, queue, model_config, sampling, stop_ids_S, pad_id, G, sharding, _floor(S)
+    )
+    state = _start(
+        engine,
+        pages_lib.init_pool(model_config, num_pages, page_size, cache_dtype),
+        S,
+        refill_groups(S, G),
+        P + N,
+        cache_dtype,
+    )
+    more = functools.partial(_more_work, engine.num_groups)
+    state = jax.lax.while_loop(more, lambda s: engine.admit(engine.step(s)), state)
+    return paged_state.PagedOutput(
+        tokens_RT=state.tokens_RT,
+        logprobs_RT=state.logprobs_RT,
+        length_R=state.length_R,
+        done_R=state.done_R,
+        slot_steps=state.slot_steps,
+        stats=state.stats.replace(pages_left=num_pages - state.pool.num_free()),
+    )
+
+
+def _floor(max_rows: int) -> int:
+    """The fewest rows a decode step computes: decode.MIN_COMPACT_ROWS (below it a step
+    costs about the weights' read whatever the rows, and each level is one more compiled
+    decode step)."""
+    return min(max_rows, decode.MIN_COMPACT_ROWS)
+
+
+def _widths(max_pages: int) -> tuple[int, ...]:
+    """Table prefixes a decode step may read: every page, then halves down to a quarter."""
+    return tuple(dict.fromkeys(max(1, -(-max_pages // d)) for d in (1, 2, 4)))
+
+
+def _waiting(s: paged_state.PagedState, num_groups: jax.Array) -> jax.Array:
+    return (s.next_group < num_groups) | (s.retry_len > 0) | (s.pend_next < s.pend_end)
+
+
+def _more_work(num_groups: jax.Array, s: paged_state.PagedState) -> jax.Array:
+    return _waiting(s, num_groups) | jnp.any(s.rows.live_S)
+
+
+def _start(
+    engine: "_Engine", pool: PagePool, S: int, J: int, max_len: int, cache_dtype: Any
+) -> paged_state.PagedState:
+    """Free decode rows, an empty pending block, every group queued; then the first
+    admissions."""
+    P, G = engine.queue.prompt_BP.shape[1], engine.group
+    B, N = engine.queue.prompt_BP.shape[0], max_len - P
+    M = pages_lib.pages_for(max_len, pool.page_size)
+    zero = jnp.array(0, jnp.int32)
+    rows = paged_state.DecodeRows(
+        table_SM=jnp.full((S, M), pool.num_pages, jnp.int32),
+        row_S=jnp.zeros((S,), jnp.int32),
+        step_S=jnp.ones((S,), jnp.int32),
+        last_S=jnp.full((S,), engine.pad_id, jnp.int32),
+        position_S=jnp.zeros((S,), jnp.int32),
+        live_S=jnp.zeros((S,), bool),
+        keys_S=jax.random.split(jax.random.key(0), S),
+        cap_S=jnp.full((S,), N, jnp.int32),
+        admit_S=jnp.zeros((S,), jnp.int32),
+        greedy_S=None if engine.queue.greedy_B is None else jnp.zeros((S,), bool),
+    )
+    pending = paged_state.Pending(
+        cache=kv_cache.init_kv_cache(engine.model_config, J, P, cache_dtype),
+        group_J=jnp.zeros((J,), jnp.int32),
+        prompt_len_J=jnp.zeros((J,), jnp.int32),
+        first_JG=jnp.zeros((J, G), jnp.int32),
+        live_JG=jnp.zeros((J, G), bool),
+        cap_JG=jnp.zeros((J, G), jnp.int32),
+    )
+    state = paged_state.PagedState(
+        pool=pool,
+        rows=rows,
+        pending=pending,
+        pend_next=zero,
+        pend_end=zero,
+        next_group=zero,
+        retry_Q=jnp.zeros((B // G,), jnp.int32),
+        retry_len=zero,
+        admitted=zero,
+        growth=jnp.array(paged_state.GROWTH_START, jnp.float32),
+        length_R=jnp.zeros((B,), jnp.int32),
+        done_R=jnp.zeros((B,), bool),
+        tokens_RT=jnp.full((B, N), engine.pad_id, jnp.int32),
+        logprobs_RT=jnp.zeros((B, N), jnp.float32),
+        slot_steps=zero,
+        stats=paged_state.PagedStats(zero, zero, zero, zero, zero, zero),
+    )
+    return engine.admit(state)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Engine:
+    """The loop's steps with what they read besides the state: the weights, the queue (of
+    rows; groups are G consecutive rows, queued in order), the stop ids and the settings."""
+
+    params: Any
+    queue: continuous.Queue
+    model_config: ModelConfig
+    sampling: SamplingConfig
+    stop_ids_S: jax.Array
+    pad_id: jax.Array
+    group: int
+    sharding: parallel.ActivationSharding | None
+    floor: int  # the smallest decode level (rows per decode step)
+
+    @property
+    def num_groups(self) -> jax.Array:
+        return self.queue.num_queued // self.group
+
+    def admit(self, s: paged_state.PagedState) -> paged_state.PagedState:
+        """Admits waiting groups while the next one fits, prefilling the pending block when
+        it is used up."""
+
+        def due(s: paged_state.PagedState) -> jax.Array:
+            has_pending = s.pend_next < s.pend_end
+            more_groups = (s.next_group < self.num_groups) | (s.retry_len > 0)
+            free_rows = jnp.sum(~s.rows.live_S) >= self.group
+            return jnp.where(has_pending, paged_state.fits(s, self.group), more_groups & free_rows)
+
+        def one(s: paged_state.PagedState) -> paged_state.PagedState:
+            return jax.lax.cond(s.pend_next < s.pend_end, self._admit_next, self._prefill, s)
+
+        return jax.lax.while_loop(due, one, s)
+
+    def _prefill(self, s: paged_state.PagedState) -> paged_state.PagedState:
+        """Prefills the next J waiting groups (preempted ones first, then the queue's) into the
+        pending block and draws each row's first token (fold_in(row_key, 0)); rows a
+        preempted group already finished keep their output."""
+        q, G = self.queue, self.group
+        J = s.pending.group_J.shape[0]
+        j = jnp.arange(J, dtype=jnp.int32)
+        from_retry = j < s.retry_len
+        queue_j = s.next_group + j - jnp.minimum(s.retry_len, J)
+        valid_J = from_retry | (queue_j < self.num_groups)
+        first_row = q.order_Q[jnp.clip(queue_j, 0, q.order_Q.shape[0] // G - 1) * G]
+        retry_group = s.retry_Q[jnp.clip(s.retry_len - 1 - j, 0, s.retry_Q.shape[0] - 1)]
+        group_J = jnp.where(from_retry, retry_group, first_row // G)
+        row_JG = group_J[:, None] * G + jnp.arange(G)[None, :]
+        cache = kv_cache.init_kv_cache(
+            self.model_config, J, q.prompt_BP.shape[1], s.pending.cache.k_BKHS[0].dtype
+        )
+        logits_JV, cache = decode.prefill(
+            self.params,
+            self.model_config,
+            q.prompt_BP[group_J * G],
+            q.prompt_mask_BP[group_J * G],
+            cache,
+            self.sharding,
+        )
+        tok_JG, lp_JG = self._first_tokens(logits_JV, row_JG)
+        start_JG = valid_J[:, None] & ~paged_state.finished(s, q.caps_B, row_JG)
+        stop_JG = decode.is_stop(tok_JG.reshape(-1), self.stop_ids_S).reshape(J, G)
+        out = jnp.where(start_JG, row_JG, q.prompt_BP.shape[0]).reshape(-1)
+        n_retry = jnp.minimum(s.retry_len, J)
+        return s.replace(
+            pending=paged_state.Pending(
+                cache=cache,
+                group_J=group_J,
+                prompt_len_J=jnp.sum(q.prompt_mask_BP[group_J * G], axis=1, dtype=jnp.int32),
+                first_JG=tok_JG,
+                live_JG=start_JG & ~stop_JG & (q.caps_B[row_JG] > 1),
+                cap_JG=q.caps_B[row_JG],
+            ),
+            pend_next=jnp.array(0, jnp.int32),
+            pend_end=jnp.sum(valid_J, dtype=jnp.int32),
+            retry_len=s.retry_len - n_retry,
+            next_group=s.next_group + jnp.sum(valid_J & ~from_retry, dtype=jnp.int32),
+            length_R=s.length_R.at[out].set(1, mode="drop"),
+            done_R=s.done_R.at[out].set(stop_JG.reshape(-1), mode="drop"),
+            tokens_RT=s.tokens_RT.at[out, 0].set(tok_JG.reshape(-1), mode="drop"),
+            logprobs_RT=s.logprobs_RT.at[out, 0].set(lp_JG.reshape(-1), mode="drop"),
+        )
+
+    def _first_tokens(self, logits_JV: jax.Array, row_JG: jax.Array) -> tuple[jax.Array, ...]:
+        """Each row's first completion token from its group's prompt logits."""
+        J, G = row_JG.shape
+        rows = row_JG.reshape(-1)
+        keys = jax.vmap(jax.random.fold_in)(
+            self.queue.row_keys_B[rows], jnp.zeros((J * G,), jnp.uint32)
+        )
+        greedy = None if self.queue.greedy_B is None else self.queue.greedy_B[rows]
+        tok, lp = strategies.sample(jnp.repeat(logits_JV, G, axis=0), keys, self.sampling, greedy)
+        return tok.reshape(J, G), lp.reshape(J, G)
+
+    def _admit_next(self, s: paged_state.PagedState) -> paged_state.PagedState:
+        """Moves the next pending group (it fits: paged_state.fits) into the pool and the
+        free decode rows: its prompt's full pages once, a private page per live row holding
+        the prompt's last partial page."""
+        G, j = self.group, s.pend_next
+        pool, pending = s.pool, s.pending
+        ps, Np = pool.page_size, pool.num_pages
+        P = pending.cache.max_len
+        Mp = pages_lib.pages_for(P, ps)
+        p = pending.prompt_len_J[j]
+        live_G = pending.live_JG[j]
+        n_live = jnp.sum(live_G, dtype=jnp.int32)
+        full = p // ps
+        free = pages_lib.first_free(pool.refs_N, Mp + G)
+        m = jnp.arange(Mp)
+        shared_M = jnp.where(m < full, free[jnp.minimum(m, Mp + G - 1)], Np)
+        rank_G = jnp.cumsum(live_G) - 1
+        private_G = jnp.where(live_G, free[jnp.minimum(full + rank_G, Mp + G - 1)], Np)
+        pool = paged_state.write_prompt(pool, pending.cache, j, P - p, shared_M, private_G, full)
+        refs = pages_lib.hold(pool.refs_N, shared_M, n_live)
+        pool = pool.replace(refs_N=pages_lib.hold(refs, private_G))
+        return s.replace(
+            pool=pool,
+            rows=paged_state.place_rows(s, self.queue, pending, j, shared_M, private_G, full),
+            pend_next=j + 1,
+            admitted=s.admitted + 1,
+        )
+
+    def step(self, s: paged_state.PagedState) -> paged_state.PagedState:
+        """One token for every live row: pages for rows crossing a page boundary (after
+        preempting the latest groups while they do not fit), the live rows moved first (only
+        their small state moves; their KV stays in the pool) and decoded at the smallest
+        level that holds them, the outputs, and the pages of rows that ended returned."""
+        s = paged_state.allocate(
+            jax.lax.while_loop(paged_state.short_of_pages, paged_state.preempt_latest, s)
+        )
+        x = s.rows.take(jnp.argsort(~s.rows.live_S, stable=True))
+        B, Np = s.length_R.shape[0], s.pool.num_pages
+        live_S = x.live_S
+        sizes = decode.levels(live_S.shape[0], True, self.floor)
+        widths = _widths(x.table_SM.shape[1])
+        # The smallest row level holding the live rows and the narrowest table prefix
+        # holding their pages: the step computes no more rows and reads no more pages.
+        row_level = jnp.sum(jnp.sum(live_S) <= jnp.array(sizes), dtype=jnp.int32) - 1
+        pages = jnp.max(jnp.where(live_S, x.position_S // s.pool.page_size + 1, 1))
+        width_level = jnp.sum(pages <= jnp.array(widths), dtype=jnp.int32) - 1
+        branches = [
+            functools.partial(self._decode_first, size, width) for size in sizes for width in widths
+        ]
+        tok_S, lp_S, k_LSKH, v_LSKH = jax.lax.switch(
+            row_level * len(widths) + width_level, branches, x, s.pool
+        )
+        slot_S = jnp.minimum(x.position_S // s.pool.page_size, x.table_SM.shape[1] - 1)
+        page_S = jnp.where(live_S, x.table_SM[jnp.arange(live_S.shape[0]), slot_S], Np)
+        pool = paged_step.write_new_tokens(s.pool, page_S, x.position_S, k_LSKH, v_LSKH)
+        out_S = jnp.where(live_S, x.row_S, B)
+        stop_S = decode.is_stop(tok_S, self.stop_ids_S)
+        step_S = x.step_S + live_S.astype(jnp.int32)
+        still_S = live_S & ~stop_S & (step_S < x.cap_S)
+        ended_S = live_S & ~still_S
+        return s.replace(
+            pool=pool.replace(refs_N=pages_lib.release(pool.refs_N, x.table_SM, ended_S)),
+            rows=x.replace(
+                table_SM=jnp.where(ended_S[:, None], Np, x.table_SM),
+                step_S=step_S,
+                last_S=tok_S,
+                position_S=x.position_S + 1,
+                live_S=still_S,
+            ),
+            length_R=s.length_R.at[out_S].add(1, mode="drop"),
+            done_R=s.done_R.at[out_S].set(stop_S, mode="drop"),
+            tokens_RT=s.tokens_RT.at[out_S, x.step_S].set(tok_S, mode="drop"),
+            logprobs_RT=s.logprobs_RT.at[out_S, x.step_S].set(lp_S, mode="drop"),
+            slot_steps=s.slot_steps + jnp.array(sizes, jnp.int32)[row_level],
+            stats=paged_state.count(s.stats, live_S, pool.num_pages - pool.num_free()),
+        )
+
+    def _decode_first(
+        self, size: int, width: int, x: paged_state.DecodeRows, pool: PagePool
+    ) -> tuple[jax.Array, ...]:
+        """The decode step of the first `size` rows (every live one among them), reading
+        the first `width` pages of their tables (all they hold): their tokens, logprobs
+        (pad / 0 past them) and each layer's new keys and values (zeros past them)."""
+        S = x.live_S.shape[0]
+        x = jax.tree.map(lambda a: a[:size], x)
+        logits, ks, vs = paged_step.paged_decode_step(
+            self.params,
+            self.model_config,
+            x.last_S,
+            x.position_S,
+            x.table_SM[:, :width],
+            pool,
+            self.sharding,
+        )
+        keys = jax.vmap(jax.random.fold_in)(x.keys_S, x.step_S.astype(jnp.uint32))
+        tok, lp = strategies.sample(logits, keys, self.sampling, x.greedy_S)
+        pad = lambda a, value=0: jnp.pad(  # noqa: E731
+            a, [(0, S - size)] + [(0, 0)] * (a.ndim - 1), constant_values=value
+        )
+        new_kv = jax.tree.map(lambda a: pad(a.astype(pool.k_pages[0].dtype)), (ks, vs))
+        return pad(tok, self.pad_id), pad(lp), *new_kv
+
+
+def check_engine(mesh: Mesh | None, rules: parallel.LogicalRules = parallel.DEFAULT_RULES) -> None:
+    """Refuses a mesh whose batch axis is split: the pool is one per program, not per data
+    shard, so rows on different devices would share pages across devices."""
+    if mesh is not None and parallel.data_parallel_size(mesh, rules) > 1:
+        raise FlagError(
+            "--kv_cache_tokens (the paged rollout engine) runs on one data-parallel shard: "
+            f"this mesh splits the batch {parallel.data_parallel_size(mesh, rules)} ways; "
+            "use --kv_cache_tokens=0 (the compacted sampler) on a data-parallel mesh."
+        )
+
+
+def pool_pages(tokens: int, rows: int, prompt_len: int, max_new_tokens: int, group: int) -> int:
+    """The page pool of a bucket of `rows` rows of `prompt_len`-token prompts: `tokens` in
+    pages of PAGE_SIZE, or with 0 every row at full length; at least one group at full length
+    (min_pool_pages)."""
+    pages = tokens // PAGE_SIZE or pool_pages_for(rows, prompt_len, max_new_tokens, PAGE_SIZE)
+    return max(pages, min_pool_pages(prompt_len, max_new_tokens, group, PAGE_SIZE))

@@ -1,0 +1,180 @@
+"""The paged rollout engine (sampling/paged.py, page_pool.py): the compacted sampler's samples
+whatever the pool size, the rows decoding at once or preemptions; a full pool preempts and
+loses no row; a group's prompt pages are held once; decode attention over pages against
+numpy and JAX's Pallas paged attention kernel (interpret mode)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl4llm.config.errors import FlagError
+from jaxrl4llm.sampling import page_pool, paged, sampler
+from jaxrl4llm.sampling.strategies import GREEDY, SamplingConfig
+
+from tests.sampling.test_continuous import STOP, _assert_same_samples, _prompts
+
+N = 40
+SAMPLED = SamplingConfig(temperature=1.0, top_k=12)
+
+
+def _both(config, params, prompts, sampling, *, kv_cache_tokens, max_rows=None, **kw):
+    """(the compacted sampler's output, the paged engine's), same prompts and key."""
+    args = (params, config, prompts, sampling, N, jax.random.key(3))
+    kw = {"stop_ids": STOP, "n": 4, **kw}
+    return (
+        sampler.generate(*args, **kw),
+        sampler.generate(*args, kv_cache_tokens=kv_cache_tokens, max_rows=max_rows, **kw),
+    )
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "pool,max_rows",
+    [(0, None), (400, None), (0, 8)],
+    ids=["rich", "small-pool", "8-rows"],
+)
+def test_same_samples_as_the_compacted_sampler(toy_policy, sampling, pool, max_rows):
+    """Every row's tokens equal the compacted sampler's, whether the pool holds every row
+    (rich), a few groups at a time (400 tokens: 25 pages; groups wait for pages),
+    or at most 8 rows decode at once."""
+    config, params = toy_policy
+    prompts = _prompts(config, [3, 11, 6, 2, 9, 5, 20, 17])
+    a, b = _both(config, params, prompts, sampling, kv_cache_tokens=pool, max_rows=max_rows)
+    _assert_same_samples(a, b)
+    lengths = np.asarray(b.lengths_B)
+    assert lengths.min() < N // 4 and lengths.max() > N // 2  # short and long rows
+    stats = jax.tree.map(int, b.engine_stats)
+    assert stats.pages_left == 0  # every page came back
+    if pool:
+        assert stats.steps > lengths.max()  # groups waited for pages
+    if max_rows:
+        assert stats.live_rows <= 8 * stats.steps
+
+
+def test_a_full_pool_preempts_and_loses_no_row(toy_policy):
+    """The smallest pool the engine accepts (one group at full length): groups wait and are
+    preempted, the loop ends, and every row is the compacted sampler's."""
+    config, params = toy_policy
+    prompts = _prompts(config, [9, 20, 4, 14], seed=1)
+    # A one-page request: sampler.pool_pages raises it to paged.min_pool_pages.
+    a, b = _both(config, params, prompts, GREEDY, kv_cache_tokens=paged.PAGE_SIZE, stop_ids=())
+    _assert_same_samples(a, b)
+    stats = jax.tree.map(int, b.engine_stats)
+    assert np.all(np.asarray(b.lengths_B) == N)
+    assert stats.preemptions > 0 and stats.pages_left == 0
+    # Recomputed tokens are the only extra work: decoded = final tokens + recomputed ones.
+    assert stats.decoded >= int(np.sum(np.asarray(b.lengths_B) - 1))
+
+
+def test_a_groups_prompt_pages_are_held_once(toy_policy):
+    """One group of 4 rows after a 40-token prompt (2 full pages of 16, 8 tokens in the third):
+    each decode step holds the 2 full pages once plus one private page per row (the copied
+    partial page), 6 pages, against 12 if every row held its own prompt."""
+    config, params = toy_policy
+    prompt = _prompts(config, [40], seed=2)
+    out = sampler.generate(
+        params,
+        config,
+        prompt,
+        GREEDY,
+        3,
+        jax.random.key(0),
+        n=4,
+        stop_ids=(),
+        kv_cache_tokens=0,
+        min_prompt_bucket=64,
+    )
+    stats = jax.tree.map(int, out.engine_stats)
+    assert stats.steps == 2  # the first token comes from the prefill
+    assert stats.pages_in_use == 2 * (2 + 4)
+
+
+def test_dropped_prompts_greedy_rows_and_row_caps(toy_policy):
+    """Dropped prompts (no rows queued), ReMax's greedy last row and per-row caps decode as in
+    the compacted sampler."""
+    config, params = toy_policy
+    prompts = _prompts(config, [3, 25, 6, 2, 9], seed=3)
+    caps = np.random.default_rng(0).integers(1, N + 1, size=20)
+    a, b = _both(
+        config,
+        params,
+        prompts,
+        SAMPLED,
+        kv_cache_tokens=600,
+        max_prompt_len=16,
+        long_prompts="drop",
+        greedy_last=1,
+        row_caps=caps,
+    )
+    _assert_same_samples(a, b)
+    assert np.asarray(b.dropped_B).sum() == 4
+
+
+def test_a_pool_smaller_than_one_group_is_refused():
+    with pytest.raises(FlagError, match="--kv_cache_tokens=.* or more"):
+        paged.check_pool(10, 32, 64, 4, 16)
+
+
+def _random_pool(rng, K=2, num_pages=13, ps=16, H=8):
+    shape = (K, num_pages + 1, ps, H)
+    return (
+        jnp.asarray(rng.standard_normal(shape), jnp.float32),
+        jnp.asarray(rng.standard_normal(shape), jnp.float32),
+    )
+
+
+def test_reference_attention_matches_numpy():
+    """Each row's query against the first length_S tokens its table lists, by numpy loops."""
+    rng = np.random.default_rng(0)
+    k_pages, v_pages = _random_pool(rng)
+    K, _, ps, H = k_pages.shape
+    table = jnp.asarray(rng.permutation(12)[:9].reshape(3, 3), jnp.int32)
+    lengths = jnp.array([1, 20, 48], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((3, 4, H)), jnp.float32)  # 4 heads on 2 kv heads
+    out = np.asarray(page_pool.reference_attention(q, k_pages, v_pages, table, lengths))
+    kp, vp, tb = np.asarray(k_pages), np.asarray(v_pages), np.asarray(table)
+    for s in range(3):
+        slots = [(tb[s, t // ps], t % ps) for t in range(int(lengths[s]))]
+        for n in range(4):
+            k = np.stack([kp[n // 2, p, o] for p, o in slots])
+            v = np.stack([vp[n // 2, p, o] for p, o in slots])
+            w = np.exp(k @ np.asarray(q[s, n]) - np.max(k @ np.asarray(q[s, n])))
+            np.testing.assert_allclose(out[s, n], (w / w.sum()) @ v, rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_paged_attention_kernel_matches_the_reference():
+    """JAX's Pallas paged attention kernel (the TPU path), run by the TPU interpreter on CPU,
+    reads the same pool layout and agrees with the gather reference. Its matmuls run at the
+    TPU's default precision (bfloat16 passes), hence the 2e-2 on unit-scale inputs."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    rng = np.random.default_rng(1)
+    k_pages, v_pages = _random_pool(rng, K=2, num_pages=16, ps=16, H=128)
+    table = jnp.asarray(rng.permutation(16)[:16].reshape(4, 4), jnp.int32)
+    lengths = jnp.array([1, 17, 40, 64], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((4, 4, 128)) / np.sqrt(128), jnp.float32)
+    ref = page_pool.reference_attention(q, k_pages, v_pages, table, lengths)
+    with pltpu.force_tpu_interpret_mode():
+        out = page_pool.pallas_attention(q, k_pages, v_pages, table, lengths, pages_per_block=2)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-2)
+
+
+def test_on_a_tensor_parallel_mesh_and_its_refusal(toy_policy):
+    """On a mesh that splits heads (tensor) but not the batch, the same samples; a mesh that
+    splits the batch is refused (one pool per program)."""
+    from jaxrl4llm import parallel
+    from jaxrl4llm.sampling import Sampler
+
+    config, params = toy_policy
+    with pytest.raises(FlagError, match="splits the batch 4 ways"):
+        Sampler(config, mesh=parallel.make_mesh("data:2,fsdp:2,tensor:2"), kv_cache_tokens=0)
+    mesh = parallel.make_mesh("data:1,fsdp:1,tensor:2", jax.devices()[:2])
+    smp = Sampler(config, mesh=mesh, stop_ids=STOP, kv_cache_tokens=400)
+    prompts = _prompts(config, [5, 2, 7, 4], seed=5)
+    key = jax.random.key(1)
+    b = smp.generate(smp.shard_params(params), prompts, SAMPLED, N, key, group_size=2)
+    a = sampler.generate(params, config, prompts, SAMPLED, N, key, n=2, stop_ids=STOP)
+    _assert_same_samples(a, b)

@@ -1,0 +1,80 @@
+"""--rollout_engine=paged in the trainer: the same run as the compacted sampler, the
+combinations it refuses at validation (exit 2, naming the flag), and --decode_slots as its
+alias."""
+
+import numpy as np
+import pytest
+
+from jaxrl4llm import rl
+from jaxrl4llm.config.errors import FlagError
+from jaxrl4llm.train import loop
+from jaxrl4llm.train.config.checks import validate
+from jaxrl4llm.train.infra.metrics import read_metrics
+
+from tests.train.float_checks import LINEAR_OPT
+from tests.train.test_loop import _config, _one_device
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        dict(algorithm=rl.get_preset("remax"), lora_rank=4),
+        dict(algorithm=rl.get_preset("dapo"), eval_prompts=8, eval_every=2),
+    ],
+    ids=["grpo", "remax-greedy-rows-lora", "dapo-dynamic-sampling-eval"],
+)
+def test_a_paged_run_equals_a_compacted_one(overrides, toy_model_dir, copy_task_file, tmp_path):
+    """Two steps with a pool of a few groups (the rows wait for pages): the same rewards and
+    losses as the compacted sampler's run (the same samples; LINEAR_OPT as in
+    test_loop.test_sharded_run_matches_unsharded), also with ReMax's greedy baseline rows on
+    LoRA adapters (folded into the decode weights), and DAPO's dynamic-sampling rounds with
+    the evaluation, which samples through the same engine."""
+    kwargs = dict(num_steps=2, max_new_tokens=12, optimizer=LINEAR_OPT, **overrides)
+    plain = _config(toy_model_dir, copy_task_file, tmp_path / "compacted", **kwargs)
+    loop.run(plain, devices=_one_device())
+    paged = plain.replace(
+        workdir=str(tmp_path / "paged"), rollout_engine="paged", kv_cache_tokens=512
+    )
+    loop.run(paged, devices=_one_device())
+    a, b = read_metrics(str(tmp_path / "compacted")), read_metrics(str(tmp_path / "paged"))
+    assert len(a) == len(b) >= 2
+    for ra, rb in zip(a, b):
+        assert {k: v for k, v in ra.items() if k.startswith("eval")} == {
+            k: v for k, v in rb.items() if k.startswith("eval")
+        }
+        if "reward/mean" not in ra:
+            continue  # an evaluation record
+        assert ra["reward/mean"] == rb["reward/mean"]
+        assert ra["response/length_mean"] == rb["response/length_mean"]
+        np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(env="calculator", max_turns=2), "runs single-turn rollouts"),
+        (dict(max_turns=3), "runs single-turn rollouts"),
+        (dict(partial_rollout_tokens=4), "does not run partial rollouts"),
+        (dict(mesh="data:2,fsdp:1,tensor:1"), "splits the batch 2 ways"),
+        (dict(kv_cache_tokens=100), "holds less than one group at full length"),
+        (dict(rollout_engine="vllm"), "choose one of compacted, paged"),
+    ],
+)
+def test_paged_combinations_refused_at_validation(
+    overrides, message, toy_model_dir, copy_task_file, tmp_path
+):
+    base = dict(rollout_engine="paged") if "rollout_engine" not in overrides else {}
+    config = _config(toy_model_dir, copy_task_file, tmp_path, **base, **overrides)
+    with pytest.raises(FlagError, match=message):
+        validate(config, num_devices=2 if "mesh" in overrides else 1)
+
+
+def test_decode_slots_is_an_alias_of_the_paged_engine(toy_model_dir, copy_task_file, tmp_path):
+    """--decode_slots=S: the paged engine with the KV S full-length slots held."""
+    config = _config(toy_model_dir, copy_task_file, tmp_path, decode_slots=8)
+    r = config.rollout
+    assert r.paged and r.pool_tokens == 8 * (r.max_prompt_tokens + r.max_new_tokens)
+    validate(config, num_devices=1)
+    with pytest.raises(FlagError, match=r"--rollout_engine=paged \(--decode_slots\)"):
+        validate(config.replace(partial_rollout_tokens=4), num_devices=1)
