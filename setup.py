@@ -91,8 +91,11 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
-    packages=find_packages(include=["jaxrl4llm", "jaxrl4llm.*", "experiments", "experiments.*"]),
-    package_data={"experiments": ["configs/*.flags"]},
+    # The trainer's package only: experiments/ (entry points, flagfiles) and tools/ run from a
+    # checkout (`python -m experiments.train` in the repository), so no top-level
+    # `experiments` lands in a user's environment. The math alone, with jax and numpy as its
+    # only requirements, is the distribution jaxrl4llm-rl (packaging/rl/setup.py).
+    packages=find_packages(include=["jaxrl4llm", "jaxrl4llm.*"]),
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS_REQUIRE,
 )

@@ -66,7 +66,8 @@ class DegenerateDesignError(UserError):
 class Fingerprint:
     """What an arm's update sees: the config outside WEIGHT_FIELDS and the weights."""
 
-    rest: Any  # the TrainConfig, WEIGHT_FIELDS at their defaults, seed and workdir blanked
+    rest: Any  # (the TrainConfig with a default algorithm, seed and workdir blanked; the
+    # algorithm's fields outside WEIGHT_FIELDS)
     policy: np.ndarray  # policy-gradient weights of every batch, concatenated
     regulariser: np.ndarray
 
@@ -141,11 +142,19 @@ def fingerprint(config: TrainConfig, batches: Sequence[dict[str, np.ndarray]]) -
     """`config`: a resolved TrainConfig."""
     alg = config.algorithm
     group_size = config.rollout.group_size
-    defaults = algorithm_config.AlgorithmConfig()
-    rest = dataclasses.replace(
-        config,
-        algorithm=dataclasses.replace(alg, **{f: getattr(defaults, f) for f in WEIGHT_FIELDS}),
-        run=dataclasses.replace(config.run, seed=0, workdir=""),
+    # The algorithm's other fields as data: with WEIGHT_FIELDS at their defaults they need
+    # not make a valid config (RAFT's objective='nll' with advantage='normalized').
+    rest = (
+        dataclasses.replace(
+            config,
+            algorithm=algorithm_config.AlgorithmConfig(),
+            run=dataclasses.replace(config.run, seed=0, workdir=""),
+        ),
+        {
+            f.name: getattr(alg, f.name)
+            for f in dataclasses.fields(alg)
+            if f.name not in WEIGHT_FIELDS
+        },
     )
     tables = [update_weights(alg, group_size, batch) for batch in batches]
     return Fingerprint(

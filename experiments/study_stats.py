@@ -154,6 +154,27 @@ def identical_arms(records: Mapping[tuple[str, int], Sequence[dict]], arms: Sequ
     return out
 
 
+def mark_untestable(claims: list[dict], identical: Sequence[dict]) -> list[dict]:
+    """Claims between arms that ran identical steps: when they did in every seed finished in
+    both, the claim is "untestable at this scale" (d = 0 by construction: the option that
+    separates the arms never acted at this scale); when in some seeds, its `why` names them."""
+    for c in claims:
+        pair = next((p for p in identical if {p["a"], p["b"]} == {c["a"], c["b"]}), None)
+        if pair is None:
+            continue
+        same = [s for s, step in pair["first_divergence"].items() if step is None]
+        seeds = f"seed{'s' * (len(same) > 1)} {', '.join(map(str, same))}"
+        if len(same) == len(pair["first_divergence"]):
+            c["verdict"] = "untestable at this scale"
+            c["why"] = (
+                f"{c['a']} and {c['b']} ran identical steps in every seed ({seeds}): the option "
+                "that separates them never acted, so their difference is 0 by construction"
+            )
+        else:
+            c["why"] += f"; {c['a']} and {c['b']} ran identical steps in {seeds} (d = 0 there)"
+    return claims
+
+
 def mean_se(values: Sequence[float]) -> dict[str, Any]:
     x = np.asarray(values, float)
     n = len(x)
@@ -418,6 +439,7 @@ def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "
         _claim_row(c, resolve_quantity(c.quantity, primary, threshold), arms, run_rows)
         for c in study.claims
     ]
+    identical = identical_arms(finished_records, arm_names)
     spec = os.path.abspath(study.path)
     if spec.startswith(REPO + os.sep):
         spec = os.path.relpath(spec, REPO)
@@ -434,6 +456,6 @@ def build_report(study: Study, scale: str, runs: Sequence[Run], command: str = "
         "runs": run_rows,
         "arms": arms,
         "differences": _differences(arms, headline),
-        "identical": identical_arms(finished_records, arm_names),
-        "claims": claims,
+        "identical": identical,
+        "claims": mark_untestable(claims, identical),
     }

@@ -1,11 +1,13 @@
 """jaxrl4llm.rl: the RL math for LLM reasoning as pure, jittable jax.numpy (depends on jax only).
 
-To use only the math in another codebase, install the package without its dependencies and
-bring jax yourself:
+To use only the math in another codebase, install the distribution jaxrl4llm-rl (this package
+and the two pure-Python modules of jaxrl4llm.config it imports; requires jax and numpy only)
+from a checkout of the repository:
 
-    pip install jax
-    pip install --no-deps jaxrl4llm     # or: pip install --no-deps -e /path/to/jaxrl4llm
+    pip install ./packaging/rl
     python -c "import jaxrl4llm.rl"      # imports jax and numpy, nothing else (tested)
+
+docs/library.md is a walk-through with a standalone training loop.
 
 Shapes: B rows = P prompts x G samples (a group is G contiguous rows), T completion tokens.
 A verifier yields ``rewards_B`` (float) and ``correct_B`` (bool): filters read ``correct``,
@@ -14,35 +16,66 @@ advantages read the reward. Masks are bool or {0,1} float [B, T]; ``keep_B`` is 
 Public API (stable):
 
 Presets (presets.py), the config (algorithm_config.py) and the two entry points (algorithms.py)
-    AlgorithmConfig(...)                       frozen dataclass of every knob (hashable: a static
-                                               jit arg)
+    AlgorithmConfig(...)                       frozen dataclass of every knob, checked when built
+                                               (hashable: a static jit arg; a pytree whose float
+                                               knobs may be traced: TRACED_FIELDS)
     get_preset(name, **overrides) -> AlgorithmConfig
         names: grpo, dr_grpo, reinforce, reinforce_rej, reinforce_pp, reinforce_pp_baseline,
-        lite_ppo, rloo, raft, raft_pp, gspo, remax, dapo, ppo  (PRESETS maps name -> constructor)
-    validate(config, group_size) -> config      raises ValueError naming the knob and the fix
+        lite_ppo, rloo, raft, raft_pp, gspo, remax, dapo, ppo, cispo, sapo, gmpo, clip_cov,
+        kl_cov, gpg, opo, grpo_passk  (PRESETS maps name -> constructor)
+    validate(config, group_size) -> config      adds the group-size checks; ValueError naming
+                                               the knob and the fix
     compute_advantages(config, rewards_B, correct_B, mask_BT, group_size, *,
                        truncated_B=None, logp_BT=None, ref_logp_BT=None, valid_B=None,
-                       baseline_B=None, baseline_correct_B=None)
-        -> (advantages [B] or [B, T], keep_B, metrics)
+                       baseline_B=None, baseline_correct_B=None, sum_pi_squared_BT=None,
+                       values_BT=None, axis_name=None)
+        -> (advantages [B] or [B, T] (no gradient), keep_B, metrics)
         keep_B: rows in the loss; rows rejected by a filter are out of it (rejected_rows="drop")
         or in it with A = 0 (rejected_rows="zero", Minimal-RL's convention); valid_B=False
         rows (no reward) leave the loss and every statistic. baseline_B: ReMax's greedy reward.
-    compute_advantages_and_returns(..., values_BT=None) -> (advantages, returns_BT, keep_B, metrics)
+        sum_pi_squared_BT: advantage="otb"'s sum of squared probabilities. axis_name: the
+        batch axis under shard_map (batch statistics and metrics then span every shard).
+    compute_advantages_and_returns(same arguments) -> (advantages, returns_BT, keep_B, metrics)
         the same, with the critic's targets for advantage="gae" (PPO; values_BT: the critic's
         V(s_t) of the rollout); returns_BT is None for every other estimator.
     policy_loss(config, logp_BT, old_logp_BT, advantages, mask_BT, keep_B=None, *,
-                ref_logp_BT=None, entropy_BT=None, behaviour_logp_BT=None)
+                ref_logp_BT=None, entropy_BT=None, behaviour_logp_BT=None, key=None,
+                axis_name=None)
         -> (loss_sum, denominator, metrics)
+        config.objective's registered loss plus the KL and entropy terms, in float32.
         old_logp_BT=None means on-policy (ratio 1); pass entropy_BT (entropy_from_logits)
         whenever the logits are at hand: it is then always logged, and enters the loss when
         entropy_coef != 0. With ref_logp_BT the KL to the reference is logged as
-        "policy/kl_ref" whether or not it is in the loss (config.log_kl_ref tells a trainer to
-        pass it with no KL term). With behaviour_logp_BT (the sampler's logprobs) the
-        sampler-trainer gap is logged ("mismatch/...") and config.is_correction applies.
+        "policy/kl_ref" whether or not it is in the loss. With behaviour_logp_BT (the
+        sampler's logprobs) the sampler-trainer gap is logged ("mismatch/...") and
+        config.is_correction applies. key: Clip-Cov's draw (None: drawn from the batch).
     loss_denominator(config, mask_BT, keep_B=None) -> denominator of the whole mini-batch
+    Arguments are checked for rank, shape and dtype (the error names the argument).
+
+Registries (registry.py): the estimators and losses by name
+    register_advantage(name, *, kl_in_reward="sequence", min_group_size=1)(fn)
+        fn(config, AdvantageInputs) -> (advantages, returns_BT or None)
+    register_policy_loss(name, *, sequence_level=False, aggs=None, dual_clip=False,
+                         sequence_ratio=False)(fn)
+        fn(config, PolicyInputs) -> (loss_BT, bool [B, T] indicators)
+    the built-in ones register in estimators.py and objectives.py; the names are the values
+    of config.advantage / config.objective (and of the trainer's flags).
+
+Policy losses (policy_losses.py), each (loss_BT, aux)
+    cispo_loss, sapo_loss (sapo_gate), gmpo_loss, clip_cov_loss (clip_cov_draws), kl_cov_loss,
+    gpg_loss, token_covariance(logp_BT, advantages, mask_BT, axis_name=None)
+
+Group estimators (group_estimators.py)
+    opo_advantages(rewards_B, lengths_B, group_size, keep_B=None)
+    grpo_passk_advantages(rewards_B, group_size, *, std_normalize, ddof, eps, keep_B)
+    passk_advantages(correct_B, group_size, k, *, eps, keep_B)
+    gpg_advantages(rewards_B, group_size, keep_B=None, axis_name=None)
+    optimal_token_baseline_advantages(rewards_B, mask_BT, logp_BT, sum_pi_squared_BT,
+        group_size, *, is_weights_BT=None, zero_tail=False, eps=1e-8, keep_B=None)
 
 Advantages (advantages.py)
-    normalized_advantages(rewards_B, group_size, *, mean, std, ddof=1, eps=1e-6, keep_B=None) -> [B]
+    normalized_advantages(rewards_B, group_size, *, mean, std, ddof=1, eps=1e-6, keep_B=None,
+                          axis_name=None) -> [B]
     rloo_advantages(rewards_B, group_size, keep_B=None) -> [B]
     reinforce_advantages(rewards_B, keep_B=None) -> [B]
     reinforce_pp_advantages(rewards_B, mask_BT, *, kl_BT=None, kl_coef=0., group_size=1,
@@ -79,6 +112,9 @@ Losses (losses.py)
     finalize_loss(sum, denominator)
 
 Sampler-trainer mismatch (correction.py): d = old_logp (trainer) - behaviour_logp (sampler)
+    verl_rejection(correction, level, lower, upper) -> verl's (rollout_rs, rollout_rs_threshold)
+        of the same band (verl bounds the inverse ratio); rejection_log_ratio: the band's
+        statistic (each token clamped to [-20, 20] before a sequence's sum or mean)
     is_weights(correction, old_logp_BT, behaviour_logp_BT, mask_BT, *, level="token", cap=2.,
                lower=0.5, upper=2.) -> (w_BT, corrected_BT)
         the per-token weight of the policy-gradient term (stop-gradient): "tis" min(r, cap),
@@ -92,7 +128,8 @@ Sampler-trainer mismatch (correction.py): d = old_logp (trainer) - behaviour_log
 Metrics (metrics.py)
     Metric(total, count, reduce): a metric of part of a batch with its reduction (sum, mean,
         min, max); the entry points return {final name: Metric}, e.g. "policy/entropy"
-    combine_metrics(a, b) (by each metric's reduction), finalize_metrics(m) -> {name: value}
+    combine_metrics(a, b) (by each metric's reduction), finalize_metrics(m) -> {name: value},
+    reduce_metrics(m, axis_name): one shard's metrics -> the whole batch's
 
 How the trainer combines micro-batches (exact, for every aggregation mode):
     Both parts of every (loss_sum, denominator) pair are sums over rows, so for micro-batches k of
@@ -114,11 +151,17 @@ from jaxrl4llm.rl import (
     advantages,
     algorithm_config,
     algorithms,
+    collectives,
     correction,
+    estimators,
     filters,
+    group_estimators,
     losses,
     metrics,
+    objectives,
+    policy_losses,
     presets,
+    registry,
     value,
 )
 from jaxrl4llm.rl.advantages import (
@@ -156,6 +199,13 @@ from jaxrl4llm.rl.filters import (
     raft_positives,
     rejected_group_fraction,
 )
+from jaxrl4llm.rl.group_estimators import (
+    gpg_advantages,
+    grpo_passk_advantages,
+    opo_advantages,
+    optimal_token_baseline_advantages,
+    passk_advantages,
+)
 from jaxrl4llm.rl.losses import (
     AGG_MODES,
     KL_ESTIMATORS,
@@ -168,8 +218,24 @@ from jaxrl4llm.rl.losses import (
     log_ratio,
     nll_loss,
 )
-from jaxrl4llm.rl.metrics import Metric, combine_metrics, finalize_metrics
+from jaxrl4llm.rl.metrics import Metric, combine_metrics, finalize_metrics, reduce_metrics
+from jaxrl4llm.rl.policy_losses import (
+    cispo_loss,
+    clip_cov_loss,
+    gmpo_loss,
+    gpg_loss,
+    kl_cov_loss,
+    sapo_gate,
+    sapo_loss,
+    token_covariance,
+)
 from jaxrl4llm.rl.presets import PRESETS, get_preset
+from jaxrl4llm.rl.registry import (
+    AdvantageInputs,
+    PolicyInputs,
+    register_advantage,
+    register_policy_loss,
+)
 from jaxrl4llm.rl.value import gae_advantages, masked_whiten, ppo_advantages, value_loss
 
 __all__ = [
@@ -229,4 +295,28 @@ __all__ = [
     "mismatch_metrics",
     "correction_metrics",
     "level_log_ratio",
+    "collectives",
+    "estimators",
+    "group_estimators",
+    "objectives",
+    "policy_losses",
+    "registry",
+    "reduce_metrics",
+    "cispo_loss",
+    "sapo_loss",
+    "sapo_gate",
+    "gmpo_loss",
+    "clip_cov_loss",
+    "kl_cov_loss",
+    "gpg_loss",
+    "token_covariance",
+    "opo_advantages",
+    "grpo_passk_advantages",
+    "passk_advantages",
+    "gpg_advantages",
+    "optimal_token_baseline_advantages",
+    "register_advantage",
+    "register_policy_loss",
+    "AdvantageInputs",
+    "PolicyInputs",
 ]

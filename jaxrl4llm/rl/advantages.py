@@ -10,11 +10,15 @@ Conventions (see docs/algorithms.md):
     rows than ``ddof``, has no spread: under std scaling by that scope its advantages are 0
     (not (r - mu) / eps).
   * ``keep_B`` removes rows from every statistic; advantages of removed rows are 0.
+  * ``axis_name``: under shard_map over the batch axis, the batch statistics (batch mean and
+    std, whitening) combine every shard (exact); group statistics need whole groups per shard.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+
+from jaxrl4llm.rl import collectives
 
 MEANS = ("group", "batch", "none")
 STDS = ("group", "batch", "none")
@@ -40,8 +44,20 @@ def _weights(x: jnp.ndarray, keep: jnp.ndarray | None) -> jnp.ndarray:
     return keep.astype(jnp.float32)
 
 
-def _stats(x, w, axis, ddof):
-    """Weighted mean, std (with ddof) and a 'no spread' flag along ``axis`` (keepdims).
+def _sum(x, axis, axis_name):
+    return collectives.total(x, axis_name) if axis is None else x.sum(axis=axis, keepdims=True)
+
+
+def _extremes(x, w, axis, axis_name):
+    hi_x, lo_x = jnp.where(w > 0, x, -jnp.inf), jnp.where(w > 0, x, jnp.inf)
+    if axis is None:
+        return collectives.maximum(hi_x, axis_name), collectives.minimum(lo_x, axis_name)
+    return hi_x.max(axis=axis, keepdims=True), lo_x.min(axis=axis, keepdims=True)
+
+
+def _stats(x, w, axis, ddof, axis_name=None):
+    """Weighted mean, std (with ddof) and a 'no spread' flag along ``axis`` (keepdims; None:
+    the whole batch, every shard of ``axis_name``).
 
     The mean is taken around a pivot, one of the kept values: mu = pivot + mean(x - pivot).
     When the kept values are all equal every x - pivot is exactly 0, so mu equals them
@@ -49,16 +65,14 @@ def _stats(x, w, axis, ddof):
     multiply by a rounded reciprocal or fuse a multiply-add; a plain sum / n then leaves
     x - mu ~ 1e-8, which whitening divides by ~1e-6).
     """
-    n = w.sum(axis=axis, keepdims=True)
-    hi = jnp.where(w > 0, x, -jnp.inf).max(axis=axis, keepdims=True)
-    lo = jnp.where(w > 0, x, jnp.inf).min(axis=axis, keepdims=True)
+    n = _sum(w, axis, axis_name)
+    hi, lo = _extremes(x, w, axis, axis_name)
     pivot = jnp.where(n > 0, hi, 0.0)
     offset = jnp.where(w > 0, x - pivot, 0.0)
-    mu = pivot + offset.sum(axis=axis, keepdims=True) / jnp.maximum(n, 1.0)
+    mu = pivot + _sum(offset, axis, axis_name) / jnp.maximum(n, 1.0)
     dof = n - ddof
-    var = jnp.where(w > 0, jnp.square(x - mu), 0.0).sum(axis=axis, keepdims=True) / jnp.where(
-        dof > 0, dof, 1.0
-    )
+    sq = _sum(jnp.where(w > 0, jnp.square(x - mu), 0.0), axis, axis_name)
+    var = sq / jnp.where(dof > 0, dof, 1.0)
     std = jnp.where(dof > 0, jnp.sqrt(var), 0.0)
     # Exact constancy test (max == min) rather than std < tol: a scope of equal values has
     # no spread, whatever rounding left in its std.
@@ -75,6 +89,7 @@ def normalized_advantages(
     ddof: int = 1,
     eps: float = 1e-6,
     keep_B: jnp.ndarray | None = None,
+    axis_name: str | None = None,
 ) -> jnp.ndarray:
     """A_i = (r_i - mu) / (sigma + eps) with mu, sigma from the chosen scopes. Returns [B].
 
@@ -92,7 +107,7 @@ def normalized_advantages(
     g_mu, g_std, g_flat = (
         a.repeat(group_size, axis=1).reshape(-1) for a in _stats(r_PG, w_PG, 1, ddof)
     )
-    b_mu, b_std, b_flat = _stats(r_B, w_B, None, ddof)
+    b_mu, b_std, b_flat = _stats(r_B, w_B, None, ddof, axis_name)
 
     mu = {"group": g_mu, "batch": b_mu, "none": 0.0}[mean]
     centered = r_B - mu
@@ -164,11 +179,17 @@ def returns_to_go(token_rewards_BT: jnp.ndarray) -> jnp.ndarray:
 
 
 def whiten(
-    values_BT: jnp.ndarray, weights_BT: jnp.ndarray, *, ddof: int = 1, eps: float = 1e-6
+    values_BT: jnp.ndarray,
+    weights_BT: jnp.ndarray,
+    *,
+    ddof: int = 1,
+    eps: float = 1e-6,
+    axis_name: str | None = None,
 ) -> jnp.ndarray:
-    """(x - mean) / (std + eps) over all weighted (valid) entries; 0 elsewhere."""
+    """(x - mean) / (std + eps) over all weighted (valid) entries of the batch (every shard of
+    axis_name); 0 elsewhere."""
     w = jnp.asarray(weights_BT, jnp.float32)
-    mu, std, flat = _stats(values_BT, w, None, ddof)
+    mu, std, flat = _stats(values_BT, w, None, ddof, axis_name)
     out = jnp.where(flat, 0.0, (values_BT - mu) / (std + eps))
     return jnp.where(w > 0, out, 0.0)
 
@@ -184,6 +205,7 @@ def reinforce_pp_advantages(
     keep_B: jnp.ndarray | None = None,
     ddof: int = 1,
     eps: float = 1e-6,
+    axis_name: str | None = None,
 ) -> jnp.ndarray:
     """REINFORCE++ (baseline=False) and REINFORCE++-baseline (baseline=True). Returns [B, T].
 
@@ -203,4 +225,4 @@ def reinforce_pp_advantages(
         r_B = r_B - mu_PG.repeat(group_size, axis=1).reshape(-1)
     m = jnp.asarray(mask_BT, jnp.float32)
     ret_BT = returns_to_go(token_rewards(r_B, m, kl_BT, kl_coef))
-    return whiten(ret_BT, m * w_B[:, None], ddof=ddof, eps=eps)
+    return whiten(ret_BT, m * w_B[:, None], ddof=ddof, eps=eps, axis_name=axis_name)

@@ -2,20 +2,34 @@
 ``policy_loss`` (per micro-batch), with ``loss_denominator``.
 
 The trainer calls only these; what they compute is set by an ``AlgorithmConfig``
-(algorithm_config.py, with ``validate`` and the knobs' choices; all importable from here too).
+(algorithm_config.py, with ``validate`` and the knobs' choices; all importable from here too):
+its ``advantage`` and ``objective`` name entries of the registries (registry.py), the built-in
+ones in estimators.py and objectives.py.
+
+jit: ``config`` and ``group_size`` fix shapes and branches; pass them static
+(``jax.jit(rl.compute_advantages, static_argnames=("config", "group_size"))``,
+``jax.jit(rl.policy_loss, static_argnames="config")``), or pass ``config`` as an ordinary
+argument to trace its float hyperparameters (a kl_coef or clip schedule then compiles once).
+``axis_name`` (a static string) names the batch axis under shard_map: batch-wide statistics
+and the metrics then combine every shard.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxrl4llm.rl import advantages as adv_lib
-from jaxrl4llm.rl import correction, filters, losses
-from jaxrl4llm.rl import value as value_lib
+from jaxrl4llm.rl import (
+    correction,
+    estimators,
+    filters,
+    losses,
+    objectives,  # noqa: F401  (the built-in losses register on import)
+    registry,
+)
 from jaxrl4llm.rl.algorithm_config import (
     ADVANTAGES,
     IMPORTANCE,
@@ -26,7 +40,8 @@ from jaxrl4llm.rl.algorithm_config import (
     AlgorithmConfig,
     validate,
 )
-from jaxrl4llm.rl.metrics import Metric
+from jaxrl4llm.rl.metrics import Metric, reduce_metrics
+from jaxrl4llm.rl.shapes import batch_shape, expect_BT, expect_float, expect_shape
 
 # The config's names are re-exported: ``from jaxrl4llm.rl.algorithms import X`` keeps working.
 __all__ = [
@@ -51,13 +66,22 @@ def compute_advantages(
     correct_B: jnp.ndarray,
     mask_BT: jnp.ndarray,
     group_size: int,
-    **kwargs: jnp.ndarray | None,
+    *,
+    truncated_B: jnp.ndarray | None = None,
+    logp_BT: jnp.ndarray | None = None,
+    ref_logp_BT: jnp.ndarray | None = None,
+    valid_B: jnp.ndarray | None = None,
+    baseline_B: jnp.ndarray | None = None,
+    baseline_correct_B: jnp.ndarray | None = None,
+    sum_pi_squared_BT: jnp.ndarray | None = None,
+    values_BT: jnp.ndarray | None = None,
+    axis_name: str | None = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, Metric]]:
-    """Advantages for one rollout batch: (advantages [B] or [B, T], keep_B bool, metrics);
-    ``compute_advantages_and_returns`` without the critic's returns (same arguments)."""
-    adv, _, keep, metrics = compute_advantages_and_returns(
-        config, rewards_B, correct_B, mask_BT, group_size, **kwargs
-    )
+    """(advantages [B] or [B, T], keep_B, metrics): ``compute_advantages_and_returns`` without
+    the critic's returns (see it for every argument). Under jit, group_size is static
+    (``static_argnames=("config", "group_size")``, or config traced; axis_name static too)."""
+    # Every argument, by name.
+    adv, _, keep, metrics = compute_advantages_and_returns(**locals())
     return adv, keep, metrics
 
 
@@ -67,58 +91,100 @@ def compute_advantages_and_returns(
     correct_B: jnp.ndarray,
     mask_BT: jnp.ndarray,
     group_size: int,
-    *,
-    truncated_B: jnp.ndarray | None = None,
-    logp_BT: jnp.ndarray | None = None,
-    ref_logp_BT: jnp.ndarray | None = None,
-    valid_B: jnp.ndarray | None = None,
-    baseline_B: jnp.ndarray | None = None,
-    baseline_correct_B: jnp.ndarray | None = None,
-    values_BT: jnp.ndarray | None = None,
+    **rollout: jnp.ndarray | str | None,
 ) -> tuple[jnp.ndarray, jnp.ndarray | None, jnp.ndarray, dict[str, Metric]]:
-    """Advantages for one rollout batch. Returns (advantages [B] or [B, T], returns_BT (the
-    critic's targets; None unless advantage="gae"), keep_B bool, metrics: rl.metrics.Metric
-    values by final name, "adv/...").
+    """Advantages for one rollout batch. Returns (advantages [B] or [B, T] (float32, without
+    gradient), returns_BT (the critic's targets; None unless advantage="gae"), keep_B bool,
+    metrics: rl.metrics.Metric values by final name, "adv/...").
+
+    Arguments (B rows = P prompts x group_size contiguous rows, T completion tokens):
+    rewards_B float [B], correct_B bool [B] (the verifier's verdicts), mask_BT [B, T] (bool
+    or {0, 1}), and these keywords (``compute_advantages`` lists them in its signature):
+    truncated_B bool [B]: hit max_new_tokens (needed by config.overlong_filter).
+    logp_BT, ref_logp_BT float [B, T]: the sampling policy's and the reference's logprobs
+        (kl_in='reward' needs both; advantage='otb' needs logp_BT).
+    valid_B bool [B] (default all True): rows with a reward at all. A row without one leaves
+        the loss and every statistic, and its group is judged (all-correct / all-wrong, best
+        of group) by its valid rows only.
+    baseline_B, baseline_correct_B [B]: advantage="remax" only: each row's baseline reward
+        and verdict, those of its prompt's greedy completion (binary_reward maps the verdict).
+    sum_pi_squared_BT float [B, T]: advantage="otb" only: sum_v pi_v^2 of the sampling
+        policy at each token.
+    values_BT float [B, T]: advantage="gae" only: the critic's values (V(s_t) at token t).
+    axis_name: the batch axis under shard_map (each shard holds whole groups).
 
     keep_B marks the rows that enter the loss. Group rejection and RAFT's selection decide
     which rows carry a learning signal and enter the statistics (batch mean/std, whitening);
     a row they reject is out of the loss (rejected_rows="drop") or in it with A = 0
-    (rejected_rows="zero"). Overlong filtering (truncated_B, when config.overlong_filter)
-    only removes rows from the loss, so a truncated sample still counts in its group's
-    statistics (as in DAPO). kl_in='reward' needs logp_BT (the sampling policy) and
-    ref_logp_BT.
-    valid_B (bool [B], default all True): rows with a reward at all. A row without one (its
-    verification timed out or crashed, or its prompt was dropped as too long) leaves the loss
-    and every statistic, and its group is judged (all-correct / all-wrong, best of group) by
-    its valid rows only.
-    baseline_B, baseline_correct_B: advantage="remax" only: each row's baseline reward and
-    verdict, those of its prompt's greedy completion (binary_reward maps the verdict).
-    values_BT: advantage="gae" only: the critic's values of the rollout (V(s_t) at token t).
+    (rejected_rows="zero"). Overlong filtering only removes rows from the loss, so a
+    truncated sample still counts in its group's statistics (as in DAPO).
     """
+    args = _rollout_args(rollout, rewards_B, correct_B, mask_BT)
     c = config
-    r_B, valid, signal = _rewards_and_signal(c, rewards_B, correct_B, group_size, valid_B)
-    keep = _loss_rows(c, valid, signal, truncated_B)
-    kl_BT = _reward_kl(c, logp_BT, ref_logp_BT)
-    adv, returns_BT = _estimate(
-        c,
-        _EstimatorInputs(
-            rewards_B=r_B,
-            mask_BT=mask_BT,
-            group_size=group_size,
-            signal_B=signal,
-            valid_B=valid,
-            kl_BT=kl_BT,
-            baseline_B=baseline_B,
-            baseline_correct_B=baseline_correct_B,
-            values_BT=values_BT,
-        ),
+    r_B, valid, signal = _rewards_and_signal(c, rewards_B, correct_B, group_size, args["valid_B"])
+    keep = _loss_rows(c, valid, signal, args["truncated_B"])
+    entry = registry.advantage_entry(c.advantage)
+    x = registry.AdvantageInputs(
+        rewards_B=r_B,
+        correct_B=jnp.asarray(correct_B, bool) & valid,
+        mask_BT=jnp.asarray(mask_BT, jnp.float32),
+        group_size=group_size,
+        signal_B=signal,
+        valid_B=valid,
+        kl_BT=_reward_kl(c, args["logp_BT"], args["ref_logp_BT"]),
+        **{k: args[k] for k in _ESTIMATOR_ARGS},
     )
-    adv = _sequence_kl_in_reward(c, adv, mask_BT, kl_BT)
+    adv, returns_BT = entry.fn(c, x)
+    if entry.kl_in_reward == "sequence":
+        adv = _sequence_kl_in_reward(c, adv, x.mask_BT, x.kl_BT)
     # Rows without a learning signal carry A = 0 (rejected ones are masked out under "drop";
     # under "zero" this is what keeps them in the loss without a policy gradient).
     learn = signal & keep
     adv = jnp.where(learn if adv.ndim == 1 else learn[:, None], adv, 0.0)
-    return adv, returns_BT, keep, _advantage_metrics(adv, learn, signal, mask_BT, group_size)
+    metrics = _advantage_metrics(adv, learn, signal, x.mask_BT, group_size)
+    return jax.lax.stop_gradient(adv), returns_BT, keep, reduce_metrics(metrics, x.axis_name)
+
+
+# The keywords of compute_advantages (and of compute_advantages_and_returns).
+_ROLLOUT_ARGS = (
+    "truncated_B",
+    "logp_BT",
+    "ref_logp_BT",
+    "valid_B",
+    "baseline_B",
+    "baseline_correct_B",
+    "sum_pi_squared_BT",
+    "values_BT",
+    "axis_name",
+)
+# Those an estimator reads as they are (AdvantageInputs fields).
+_ESTIMATOR_ARGS = (
+    "baseline_B",
+    "baseline_correct_B",
+    "values_BT",
+    "logp_BT",
+    "sum_pi_squared_BT",
+    "axis_name",
+)
+
+
+def _rollout_args(
+    rollout: dict[str, Any], rewards_B: jnp.ndarray, correct_B: jnp.ndarray, mask_BT: jnp.ndarray
+) -> dict[str, Any]:
+    """Every keyword of _ROLLOUT_ARGS (None where not given), each array checked against
+    mask_BT's [B, T] (the error names the argument that disagrees)."""
+    unknown = sorted(set(rollout) - set(_ROLLOUT_ARGS))
+    if unknown:
+        raise TypeError(f"unknown argument(s) {unknown}; valid: {', '.join(_ROLLOUT_ARGS)}.")
+    args = {k: rollout.get(k) for k in _ROLLOUT_ARGS}
+    B, T = batch_shape("mask_BT", mask_BT)
+    for name, x in (("rewards_B", rewards_B), ("correct_B", correct_B)):
+        expect_shape(name, x, (B,), "[B], one per row of mask_BT")
+    for name in ("truncated_B", "valid_B", "baseline_B", "baseline_correct_B"):
+        expect_shape(name, args[name], (B,), "[B], one per row of mask_BT")
+    for name in ("logp_BT", "ref_logp_BT", "sum_pi_squared_BT", "values_BT"):
+        expect_BT(name, args[name], "mask_BT", (B, T))
+    return args
 
 
 def _rewards_and_signal(
@@ -136,7 +202,7 @@ def _rewards_and_signal(
     valid = jnp.ones(correct.shape, bool) if valid_B is None else jnp.asarray(valid_B, bool)
     correct = correct & valid
     if c.binary_reward is not None:
-        r_B = _binary_rewards(c.binary_reward, correct)
+        r_B = estimators.binary_rewards(c.binary_reward, correct)
     signal = valid & filters.group_keep_mask(
         correct,
         group_size,
@@ -165,121 +231,42 @@ def _loss_rows(
     return keep
 
 
+def _is_zero(x: object) -> bool:
+    """A coefficient known to be 0 (a traced one may be anything: its term stays)."""
+    return isinstance(x, (int, float)) and x == 0
+
+
+def _term_input(coef: object, x: jnp.ndarray | None, message: str) -> jnp.ndarray | None:
+    """x when the term of `coef` applies, else None: a nonzero number needs its input x
+    (else ValueError(message)); a traced coefficient applies when x is given."""
+    if _is_zero(coef):
+        return None
+    if x is None and isinstance(coef, (int, float)):
+        raise ValueError(message)
+    return x
+
+
 def _reward_kl(
     c: AlgorithmConfig, logp_BT: jnp.ndarray | None, ref_logp_BT: jnp.ndarray | None
 ) -> jnp.ndarray | None:
     """The per-token KL that enters the reward (kl_in='reward'), else None."""
-    if c.kl_in != "reward" or c.kl_coef == 0:
+    message = "kl_in='reward' needs logp_BT (sampling policy) and ref_logp_BT (reference model)."
+    ref = _term_input(c.kl_coef, ref_logp_BT, message) if c.kl_in == "reward" else None
+    if ref is None:
         return None
-    if logp_BT is None or ref_logp_BT is None:
-        raise ValueError(
-            "kl_in='reward' needs logp_BT (sampling policy) and ref_logp_BT (reference model)."
-        )
-    return losses.kl_estimate(logp_BT, ref_logp_BT, c.kl_estimator, c.k3_clamp)
-
-
-@dataclasses.dataclass(frozen=True)
-class _EstimatorInputs:
-    """What an advantage estimator may read of one rollout batch (signal_B: the rows in its
-    statistics)."""
-
-    rewards_B: jnp.ndarray
-    mask_BT: jnp.ndarray
-    group_size: int
-    signal_B: jnp.ndarray
-    valid_B: jnp.ndarray
-    kl_BT: jnp.ndarray | None
-    baseline_B: jnp.ndarray | None
-    baseline_correct_B: jnp.ndarray | None
-    values_BT: jnp.ndarray | None
-
-
-# An estimator returns (advantages [B] or [B, T], the critic's returns or None).
-_Estimate = tuple[jnp.ndarray, "jnp.ndarray | None"]
-
-
-def _normalized(c: AlgorithmConfig, x: _EstimatorInputs) -> _Estimate:
-    adv = adv_lib.normalized_advantages(
-        x.rewards_B, x.group_size, mean=c.mean, std=c.std, ddof=c.ddof, eps=c.eps, keep_B=x.signal_B
-    )
-    return adv, None
-
-
-def _rloo(c: AlgorithmConfig, x: _EstimatorInputs) -> _Estimate:
-    return adv_lib.rloo_advantages(x.rewards_B, x.group_size, keep_B=x.signal_B), None
-
-
-def _positives(c: AlgorithmConfig, x: _EstimatorInputs) -> _Estimate:
-    return x.signal_B.astype(jnp.float32), None
-
-
-def _remax(c: AlgorithmConfig, x: _EstimatorInputs) -> _Estimate:
-    return x.rewards_B - _baseline(c, x.baseline_B, x.baseline_correct_B), None
-
-
-def _gae(c: AlgorithmConfig, x: _EstimatorInputs) -> _Estimate:
-    if x.values_BT is None:
-        raise ValueError(
-            "advantage='gae' (PPO) needs values_BT: the critic's values of the rollout."
-        )
-    adv, returns_BT = value_lib.ppo_advantages(
-        x.rewards_B,
-        x.values_BT,
-        x.mask_BT,
-        gamma=c.gamma,
-        lam=c.lam,
-        kl_BT=x.kl_BT,
-        kl_coef=c.kl_coef,
-        keep_B=x.signal_B,
-    )
-    return adv, jnp.where(x.valid_B[:, None], returns_BT, 0.0)
-
-
-def _reinforce_pp(c: AlgorithmConfig, x: _EstimatorInputs) -> _Estimate:
-    adv = adv_lib.reinforce_pp_advantages(
-        x.rewards_B,
-        x.mask_BT,
-        kl_BT=x.kl_BT,
-        kl_coef=c.kl_coef,
-        group_size=x.group_size,
-        baseline=c.advantage == "reinforce_pp_baseline",
-        keep_B=x.signal_B,
-        ddof=c.ddof,
-        eps=c.eps,
-    )
-    return adv, None
-
-
-# config.advantage -> its estimator.
-_ESTIMATORS: dict[str, Callable[[AlgorithmConfig, _EstimatorInputs], _Estimate]] = {
-    "normalized": _normalized,
-    "rloo": _rloo,
-    "positives": _positives,
-    "remax": _remax,
-    "gae": _gae,
-    "reinforce_pp": _reinforce_pp,
-    "reinforce_pp_baseline": _reinforce_pp,
-}
-
-
-def _estimate(c: AlgorithmConfig, x: _EstimatorInputs) -> _Estimate:
-    """The advantages (and the critic's returns) of config.advantage's estimator."""
-    estimator = _ESTIMATORS.get(c.advantage)
-    if estimator is None:
-        raise ValueError(f"advantage={c.advantage!r}: choose one of {ADVANTAGES}.")
-    return estimator(c, x)
+    if logp_BT is None:
+        raise ValueError(message)
+    return losses.kl_estimate(logp_BT, ref, c.kl_estimator, c.k3_clamp)
 
 
 def _sequence_kl_in_reward(
     c: AlgorithmConfig, adv: jnp.ndarray, mask_BT: jnp.ndarray, kl_BT: jnp.ndarray | None
 ) -> jnp.ndarray:
     """OpenRLHF's KL-in-reward for per-sequence estimators: A at the last token, -beta KL on
-    every token, returns with gamma = 1: A_it = A_i - beta sum_{s >= t} KL_is. Other
-    estimators took the KL themselves (or there is none): adv unchanged."""
-    if kl_BT is None or c.advantage not in SEQUENCE_ADVANTAGES:
+    every token, returns with gamma = 1: A_it = A_i - beta sum_{s >= t} KL_is."""
+    if kl_BT is None:
         return adv
-    m = jnp.asarray(mask_BT, jnp.float32)
-    return adv_lib.returns_to_go(adv_lib.token_rewards(adv, m, kl_BT, c.kl_coef))
+    return adv_lib.returns_to_go(adv_lib.token_rewards(adv, mask_BT, kl_BT, c.kl_coef))
 
 
 def _advantage_metrics(
@@ -290,42 +277,17 @@ def _advantage_metrics(
     group_size: int,
 ) -> dict[str, Metric]:
     """The "adv/..." metrics, over the rows that learn (a per-token advantage is averaged over
-    its row's tokens)."""
+    its row's tokens), as (total, count) so that shards combine exactly."""
     lf = learn.astype(jnp.float32)
-    n_learn = jnp.maximum(lf.sum(), 1.0)
-    adv_B = (
-        adv
-        if adv.ndim == 1
-        else adv.sum(1) / jnp.maximum(jnp.asarray(mask_BT, jnp.float32).sum(1), 1.0)
-    )
+    n_learn = lf.sum()
+    adv_B = adv if adv.ndim == 1 else adv.sum(1) / jnp.maximum(mask_BT.sum(1), 1.0)
+    kept_P = adv_lib.to_groups(signal, group_size).any(axis=1).astype(jnp.float32)
     return {
-        "adv/frac_groups_rejected": Metric.mean(
-            filters.rejected_group_fraction(signal, group_size)
-        ),
-        "adv/frac_rows_kept": Metric.mean(lf.mean()),
-        "adv/adv_mean": Metric.mean((adv_B * lf).sum() / n_learn),
-        "adv/adv_abs_mean": Metric.mean((jnp.abs(adv_B) * lf).sum() / n_learn),
+        "adv/frac_groups_rejected": Metric.mean(kept_P.size - kept_P.sum(), kept_P.size),
+        "adv/frac_rows_kept": Metric.mean(lf.sum(), lf.size),
+        "adv/adv_mean": Metric.mean((adv_B * lf).sum(), n_learn),
+        "adv/adv_abs_mean": Metric.mean((jnp.abs(adv_B) * lf).sum(), n_learn),
     }
-
-
-def _baseline(
-    c: AlgorithmConfig, baseline_B: jnp.ndarray | None, baseline_correct_B: jnp.ndarray | None
-) -> jnp.ndarray:
-    """ReMax's baseline per row, mapped like the rewards when binary_reward is set."""
-    if baseline_B is None or (c.binary_reward is not None and baseline_correct_B is None):
-        raise ValueError(
-            "advantage='remax' needs baseline_B (and baseline_correct_B with "
-            "binary_reward): the reward and verdict of each prompt's greedy "
-            "completion."
-        )
-    if c.binary_reward is None:
-        return jnp.asarray(baseline_B, jnp.float32)
-    return _binary_rewards(c.binary_reward, jnp.asarray(baseline_correct_B, bool))
-
-
-def _binary_rewards(wrong_right: tuple[float, float], correct_B: jnp.ndarray) -> jnp.ndarray:
-    """float32 [B]: config.binary_reward's (wrong, right) value for each verdict."""
-    return jnp.where(correct_B, wrong_right[1], wrong_right[0]).astype(jnp.float32)
 
 
 def loss_denominator(
@@ -347,42 +309,41 @@ def policy_loss(
     ref_logp_BT: jnp.ndarray | None = None,
     entropy_BT: jnp.ndarray | None = None,
     behaviour_logp_BT: jnp.ndarray | None = None,
+    key: jax.Array | None = None,
+    axis_name: str | None = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray, dict[str, Metric]]:
     """(loss_sum, denominator, metrics) of one (micro-)batch; keep_B=None keeps every row.
 
-    loss per token = policy term (clipped surrogate, or RAFT's -A logp with A = 1 on positives)
-    + kl_coef * KL_ref (when kl_in='loss') - entropy_coef * H, aggregated with config.agg.
-    With ref_logp_BT, the KL to the reference is always a metric ("policy/kl_ref", the
-    config's estimator), whether or not it is in the loss. old_logp_BT=None means
-    on-policy (ratio 1, gradient still flows through logp_BT). Combine micro-batches by
-    summing loss_sum and denominator (or divide each loss_sum by loss_denominator() of the
-    whole mini-batch). `metrics` are rl.metrics.Metric values by final name ("policy/..."):
-    merge parts with combine_metrics and read them with finalize_metrics.
-
-    behaviour_logp_BT: the sampler's logprobs of the same tokens. With them the gap
-    old_logp - behaviour_logp is logged ("mismatch/...", old_logp = sg(logp_BT) on-policy),
-    and config.is_correction weights the policy-gradient term per token (correction.py;
-    "is/..." metrics); is_correction needs them.
+    Per token: config.objective's registered loss (e.g. the clipped surrogate) + kl_coef *
+    KL_ref (kl_in='loss') - entropy_coef * H, aggregated with config.agg; float32 whatever
+    the inputs' dtype, advantages without gradient. old_logp_BT=None: on-policy (ratio 1).
+    ref_logp_BT: the KL to the reference, always logged ("policy/kl_ref"). Combine
+    micro-batches by summing loss_sum and denominator (or divide each loss_sum by
+    loss_denominator() of the mini-batch); merge the Metric values with combine_metrics.
+    behaviour_logp_BT: the sampler's logprobs of the tokens: the gap is logged
+    ("mismatch/...") and config.is_correction weights the policy term ("is/...").
+    key: objective 'clip_cov''s draw (None: a key drawn from the batch itself).
+    axis_name: the batch axis under shard_map: Clip-Cov / KL-Cov select over every shard and
+    the metrics are the whole batch's; loss_sum and denominator stay this shard's (psum them).
     """
     c = config
-    if old_logp_BT is None:
-        old_logp_BT = jax.lax.stop_gradient(logp_BT)
-    # The trainer's pi_old of the sampled tokens, before GSPO turns it into a sequence ratio.
-    trainer_logp_BT = old_logp_BT
-    if keep_B is None:
-        keep_B = jnp.ones(logp_BT.shape[:1], bool)
-    w = losses.row_weights(mask_BT, keep_B)
-    if c.objective != "nll" and c.importance == "sequence":
-        old_logp_BT = losses.sequence_old_logp(logp_BT, old_logp_BT, mask_BT)
-    pg_BT, aux = _policy_term(c, logp_BT, old_logp_BT, advantages)
-    pg_BT, is_metrics = _importance_corrected(
-        c, pg_BT, trainer_logp_BT, behaviour_logp_BT, mask_BT, w
+    _check_loss_inputs(logp_BT, old_logp_BT, advantages, mask_BT, keep_B)
+    _check_like_logp(
+        logp_BT, ref_logp_BT=ref_logp_BT, entropy_BT=entropy_BT, behaviour_logp_BT=behaviour_logp_BT
     )
-    total_BT, kl_BT = _with_kl_and_entropy(c, pg_BT, logp_BT, ref_logp_BT, entropy_BT)
+    x, trainer_logp_BT, keep_B = _policy_inputs(
+        c, logp_BT, old_logp_BT, advantages, mask_BT, keep_B, key, axis_name
+    )
+    entry = registry.policy_loss_entry(c.objective)
+    pg_BT, aux = entry.fn(c, x)
+    pg_BT, is_metrics = _importance_corrected(
+        c, entry, pg_BT, trainer_logp_BT, behaviour_logp_BT, mask_BT, x.mask_BT
+    )
+    total_BT, kl_BT = _with_kl_and_entropy(c, pg_BT, x.logp_BT, ref_logp_BT, entropy_BT)
     loss_sum, denom = losses.aggregate(total_BT, mask_BT, keep_B, c.agg, c.max_tokens)
-    d = losses.log_ratio(logp_BT, old_logp_BT)
+    d = losses.log_ratio(x.logp_BT, x.old_logp_BT)
     metrics = losses.token_metrics(
-        w,
+        x.mask_BT,
         keep_B,
         ratio_BT=jnp.exp(d),
         log_ratio_BT=d,
@@ -391,41 +352,80 @@ def policy_loss(
         kl_ref_BT=kl_BT,
         entropy_BT=entropy_BT,
     )
-    metrics.update(is_metrics)
-    metrics = jax.tree_util.tree_map(jax.lax.stop_gradient, metrics)
-    return loss_sum, denom, metrics
+    metrics = jax.tree_util.tree_map(jax.lax.stop_gradient, {**metrics, **is_metrics})
+    return loss_sum, denom, reduce_metrics(metrics, axis_name)
 
 
-def _policy_term(
-    c: AlgorithmConfig, logp_BT: jnp.ndarray, old_logp_BT: jnp.ndarray, advantages: jnp.ndarray
-) -> tuple[jnp.ndarray, dict[str, jnp.ndarray] | None]:
-    """(per-token policy loss, the clipping's aux or None): RAFT's -A logp (objective="nll")
-    or the clipped surrogate."""
-    if c.objective == "nll":
-        # A = 0 on rows kept only for the denominator (rejected_rows="zero").
-        return (
-            losses.nll_loss(logp_BT) * losses.broadcast_advantages(advantages, logp_BT.shape),
-            None,
-        )
-    return losses.clipped_surrogate(
-        logp_BT,
-        old_logp_BT,
-        advantages,
-        clip_low=c.clip_low,
-        clip_high=c.clip_high,
-        dual_clip=c.dual_clip,
+def _policy_inputs(
+    c: AlgorithmConfig,
+    logp_BT: jnp.ndarray,
+    old_logp_BT: jnp.ndarray | None,
+    advantages: jnp.ndarray,
+    mask_BT: jnp.ndarray,
+    keep_B: jnp.ndarray | None,
+    key: jax.Array | None,
+    axis_name: str | None,
+) -> tuple[registry.PolicyInputs, jnp.ndarray, jnp.ndarray]:
+    """(the loss's inputs in float32, the trainer's pi_old before GSPO's sequence ratio,
+    keep_B with None as all rows)."""
+    logp_BT = jnp.asarray(logp_BT, jnp.float32)
+    old = logp_BT if old_logp_BT is None else jnp.asarray(old_logp_BT, jnp.float32)
+    trainer_logp_BT = jax.lax.stop_gradient(old)
+    if keep_B is None:
+        keep_B = jnp.ones(logp_BT.shape[:1], bool)
+    if c.importance == "sequence":
+        old = losses.sequence_old_logp(logp_BT, old, mask_BT)
+    x = registry.PolicyInputs(
+        logp_BT=logp_BT,
+        old_logp_BT=jax.lax.stop_gradient(old),
+        advantages_BT=losses.broadcast_advantages(advantages, logp_BT.shape),
+        mask_BT=losses.row_weights(mask_BT, keep_B),
+        key=key,
+        axis_name=axis_name,
     )
+    return x, trainer_logp_BT, keep_B
+
+
+def _check_loss_inputs(
+    logp_BT: jnp.ndarray,
+    old_logp_BT: jnp.ndarray | None,
+    advantages: jnp.ndarray,
+    mask_BT: jnp.ndarray,
+    keep_B: jnp.ndarray | None,
+) -> None:
+    """The policy term's arrays against logp_BT's [B, T], naming the one that disagrees."""
+    expect_float("logp_BT", logp_BT)
+    B, T = _check_like_logp(logp_BT, old_logp_BT=old_logp_BT)
+    expect_shape(
+        "mask_BT", mask_BT, (B, T), "[B, T] like logp_BT; a mask that broadcasts scales the loss"
+    )
+    expect_shape("keep_B", keep_B, (B,), "[B], one per row of logp_BT")
+    if tuple(jnp.shape(advantages)) not in ((B,), (B, T)):
+        raise ValueError(
+            f"advantages have shape {jnp.shape(advantages)}; expected [B]={(B,)} or "
+            f"[B, T]={(B, T)}."
+        )
+
+
+def _check_like_logp(logp_BT: jnp.ndarray, **arrays_BT: jnp.ndarray | None) -> tuple[int, int]:
+    """(B, T) of logp_BT; each given float [B, T] array must have that shape."""
+    B, T = batch_shape("logp_BT", logp_BT)
+    for name, x in arrays_BT.items():
+        expect_BT(name, x, "logp_BT", (B, T))
+    return B, T
 
 
 def _importance_corrected(
     c: AlgorithmConfig,
+    entry: registry.PolicyLoss,
     pg_BT: jnp.ndarray,
     trainer_logp_BT: jnp.ndarray,
     behaviour_logp_BT: jnp.ndarray | None,
     mask_BT: jnp.ndarray,
     w: jnp.ndarray,
 ) -> tuple[jnp.ndarray, dict[str, Metric]]:
-    """(policy term weighted by config.is_correction, the "mismatch/..." and "is/..." metrics)."""
+    """(policy term weighted by config.is_correction, the "mismatch/..." and "is/..." metrics).
+    A per-sequence loss takes the geometric mean of its row's weights (as verl's geo_mean)."""
     is_metrics: dict[str, Metric] = {}
     if behaviour_logp_BT is not None:
         is_metrics = correction.mismatch_metrics(trainer_logp_BT, behaviour_logp_BT, mask_BT)
@@ -439,16 +439,17 @@ def _importance_corrected(
     is_w_BT, corrected_BT = correction.is_weights(
         c.is_correction,
         trainer_logp_BT,
-        behaviour_logp_BT,
+        jnp.asarray(behaviour_logp_BT, jnp.float32),
         mask_BT,
         level=c.is_level,
         cap=c.is_cap,
         lower=c.is_lower,
         upper=c.is_upper,
     )
-    pg_BT = pg_BT * is_w_BT
+    if entry.sequence_level:
+        is_w_BT = correction.geometric_row_weights(is_w_BT, mask_BT)
     is_metrics.update(correction.correction_metrics(is_w_BT, corrected_BT, w))
-    return pg_BT, is_metrics
+    return pg_BT * is_w_BT, is_metrics
 
 
 def _with_kl_and_entropy(
@@ -464,17 +465,12 @@ def _with_kl_and_entropy(
     kl_BT = None
     if ref_logp_BT is not None:
         kl_BT = losses.kl_estimate(logp_BT, ref_logp_BT, c.kl_estimator, c.k3_clamp)
-    if c.kl_in == "loss" and c.kl_coef != 0:
-        if kl_BT is None:
-            raise ValueError(
-                "kl_in='loss' with kl_coef > 0 needs ref_logp_BT (reference-model log-probs)."
-            )
-        total_BT = total_BT + c.kl_coef * kl_BT
-    if c.entropy_coef != 0:
-        if entropy_BT is None:
-            raise ValueError(
-                "entropy_coef != 0 needs entropy_BT (losses.entropy_from_logits of "
-                "the policy logits)."
-            )
-        total_BT = total_BT - c.entropy_coef * entropy_BT
+    message = "kl_in='loss' with kl_coef > 0 needs ref_logp_BT (reference-model log-probs)."
+    kl_in_loss_BT = _term_input(c.kl_coef, kl_BT, message) if c.kl_in == "loss" else None
+    if kl_in_loss_BT is not None:
+        total_BT = total_BT + c.kl_coef * kl_in_loss_BT
+    message = "entropy_coef != 0 needs entropy_BT (losses.entropy_from_logits of the logits)."
+    entropy_in_loss_BT = _term_input(c.entropy_coef, entropy_BT, message)
+    if entropy_in_loss_BT is not None:
+        total_BT = total_BT - c.entropy_coef * jnp.asarray(entropy_in_loss_BT, jnp.float32)
     return total_BT, kl_BT

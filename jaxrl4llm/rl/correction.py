@@ -17,6 +17,9 @@ and the weights:
   mis       w = r * 1[lower <= r <= upper]           masked IS (token or sequence)
   icepop    w = r_t * 1[lower <= r_t <= upper]       IcePop: masked IS per token
   geo_mask  w = 1[lower <= g_i <= upper]             geometric-mean sequence masking
+The band is tested on rejection_log_ratio (each token's d clamped to [-20, 20] before a
+sequence's sum or mean, as verl's rejection mask); verl_rejection translates a band into
+verl's options (its bounds apply to the inverse ratio).
 docs/algorithms.md ("Sampler-trainer mismatch") cites the formulas of verl and OpenRLHF.
 """
 
@@ -83,10 +86,49 @@ def is_weights(
         corrected = r > cap
         w = jnp.minimum(r, cap)
     else:
-        inside = (r >= lower) & (r <= upper)
+        log_s = rejection_log_ratio(old_logp_BT, behaviour_logp_BT, mask_BT, level)
+        inside = (log_s >= jnp.log(lower)) & (log_s <= jnp.log(upper))
         corrected = ~inside
         w = inside.astype(jnp.float32) * (1.0 if correction == "geo_mask" else r)
     return jnp.where(valid, w, 0.0), corrected & valid
+
+
+def rejection_log_ratio(
+    old_logp_BT: jnp.ndarray, behaviour_logp_BT: jnp.ndarray, mask_BT: jnp.ndarray, level: str
+) -> jnp.ndarray:
+    """The statistic the band of mis, icepop and geo_mask is tested on, as verl's
+    compute_rollout_rejection_mask: each token's d clamped to [-20, 20] *before* the row's
+    sum ("sequence") or mean ("geometric"), not clamped after (a weight's log-ratio,
+    level_log_ratio, clamps the sum instead). [B, T], 0 at padding."""
+    m = jnp.asarray(mask_BT, jnp.float32)
+    d = _masked(jnp.clip(old_logp_BT - behaviour_logp_BT, -SAFETY_BOUND, SAFETY_BOUND), m > 0)
+    if level == "token":
+        return d
+    s_B1 = d.sum(axis=1, keepdims=True)
+    if level == "geometric":
+        s_B1 = s_B1 / jnp.maximum(m.sum(axis=1, keepdims=True), 1.0)
+    return _masked(jnp.broadcast_to(s_B1, d.shape), m > 0)
+
+
+# is_correction (and is_level) -> verl's rollout_rs option of the same rejection.
+VERL_REJECTION = {("mis", "token"): "token_k1", ("mis", "sequence"): "seq_sum_k1"}
+VERL_REJECTION.update({("icepop", "token"): "token_k1", ("geo_mask", "token"): "seq_mean_k1"})
+
+
+def verl_rejection(correction: str, level: str, lower: float, upper: float) -> tuple[str, str]:
+    """(rollout_rs, rollout_rs_threshold) of verl's compute_rollout_rejection_mask that keeps
+    the same tokens as (correction, level, [lower, upper]). verl's k1 statistic is
+    -log(pi_old / mu), so its band "lo_up" bounds the inverse ratio mu / pi_old: the band
+    [lower, upper] on the ratio is verl's "1/upper_1/lower" (lower = 0: an upper bound inf);
+    a symmetric band [1/u, u] reads the same both ways, an asymmetric one does not."""
+    option = VERL_REJECTION.get((correction, level))
+    if option is None:
+        raise ValueError(
+            f"is_correction={correction!r} with is_level={level!r} has no verl rejection "
+            f"option; choose one of {sorted(VERL_REJECTION)}."
+        )
+    inv_upper = "inf" if lower == 0 else repr(1.0 / lower)
+    return option, f"{1.0 / upper!r}_{inv_upper}"
 
 
 def mismatch_metrics(
@@ -125,3 +167,13 @@ def correction_metrics(
         ),
         "is/weight_mean": Metric.mean(jnp.where(valid, w_BT, 0.0).sum(), n_tokens),
     }
+
+
+def geometric_row_weights(w_BT: jnp.ndarray, mask_BT: jnp.ndarray) -> jnp.ndarray:
+    """A per-sequence loss's IS weight [B, T]: the geometric mean of the row's token weights,
+    exp(mean_t log(w_t + 1e-10)) over its valid tokens, on every token (verl's weighting of
+    its geo_mean loss: a masked token, w = 0, pulls the row's weight towards 0)."""
+    m = jnp.asarray(mask_BT, jnp.float32)
+    log_w = jnp.where(m > 0, jnp.log(w_BT + 1e-10), 0.0)
+    g_B = jnp.exp(log_w.sum(axis=1) / (m.sum(axis=1) + 1e-8))
+    return jnp.broadcast_to(g_B[:, None], m.shape)

@@ -24,6 +24,8 @@ padded [B, T] array share it, which keeps the combination exact.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -48,7 +50,9 @@ def row_weights(mask_BT: jnp.ndarray, keep_B: jnp.ndarray | None) -> jnp.ndarray
 
 
 def broadcast_advantages(advantages: jnp.ndarray, shape_BT: tuple[int, ...]) -> jnp.ndarray:
-    adv = jnp.asarray(advantages, jnp.float32)
+    """float32 [B, T] advantages from [B] or [B, T], without gradient: an advantage is a
+    weight of the policy gradient, never differentiated (a critic's included)."""
+    adv = jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32))
     if adv.ndim == 1:
         adv = adv[:, None]
     if adv.shape not in ((shape_BT[0], 1), tuple(shape_BT)):
@@ -60,8 +64,10 @@ def broadcast_advantages(advantages: jnp.ndarray, shape_BT: tuple[int, ...]) -> 
 
 
 def log_ratio(logp_BT: jnp.ndarray, old_logp_BT: jnp.ndarray) -> jnp.ndarray:
-    """logp - old_logp clamped to [-20, 20] so exp() stays finite."""
-    return jnp.clip(logp_BT - old_logp_BT, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    """logp - old_logp in float32 (whatever the inputs' dtype) clamped to [-20, 20] so exp()
+    stays finite."""
+    d = jnp.asarray(logp_BT, jnp.float32) - jnp.asarray(old_logp_BT, jnp.float32)
+    return jnp.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
 def clipped_surrogate(
@@ -109,14 +115,15 @@ def sequence_old_logp(
     is GSPO's s_i A_i (1/|y_i|) sum_t grad log pi(y_it) (arXiv:2507.18071, eqs. 5-7, 10-11).
     """
     m = jnp.asarray(mask_BT).astype(jnp.float32)
-    d = jnp.where(m > 0, logp_BT - old_logp_BT, 0.0)
+    logp_BT = jnp.asarray(logp_BT, jnp.float32)
+    d = jnp.where(m > 0, logp_BT - jnp.asarray(old_logp_BT, jnp.float32), 0.0)
     log_s_B = d.sum(axis=1) / jnp.maximum(m.sum(axis=1), 1.0)
     return jax.lax.stop_gradient(logp_BT - log_s_B[:, None])
 
 
 def nll_loss(logp_BT: jnp.ndarray) -> jnp.ndarray:
-    """RAFT's supervised loss per token: -log pi(token)."""
-    return -logp_BT
+    """RAFT's supervised loss per token: -log pi(token), in float32."""
+    return -jnp.asarray(logp_BT, jnp.float32)
 
 
 def kl_estimate(
@@ -130,9 +137,10 @@ def kl_estimate(
     k1 = d; k2 = d^2 / 2; k3 = exp(-d) + d - 1, evaluated on d clamped to [-20, 20] (the
     ratio's clamp, so exp(-d) cannot overflow) and then capped at k3_clamp (default 10, as
     verl's low_var_kl and OpenRLHF's compute_approx_kl; None = no cap). Without the cap one
-    token at d = -20 contributes 4.9e8. k1 and k2 are not clamped.
+    token at d = -20 contributes 4.9e8. k1 and k2 are not clamped. d is taken in float32
+    whatever the inputs' dtype (in bfloat16, k3 at d = -0.01 rounds to 0).
     """
-    d = logp_BT - ref_logp_BT
+    d = jnp.asarray(logp_BT, jnp.float32) - jnp.asarray(ref_logp_BT, jnp.float32)
     if estimator == "k1":
         return d
     if estimator == "k2":
@@ -225,7 +233,8 @@ def token_metrics(
     entropy_BT: jnp.ndarray | None = None,
 ) -> dict[str, Metric]:
     """The policy-loss diagnostics of one (micro-)batch, by final name: means over its valid
-    kept tokens (w_BT > 0) or rows, and ratio extremes. Combine parts with combine_metrics."""
+    kept tokens (w_BT > 0) or rows, and ratio extremes. Combine parts with combine_metrics.
+    clip_aux: the loss's bool [B, T] indicators (see _indicator_metrics)."""
     valid = w_BT > 0
     n_tokens = valid.astype(jnp.float32).sum()
 
@@ -242,15 +251,32 @@ def token_metrics(
         "policy/ratio_min": Metric.min(jnp.where(valid, ratio_BT, jnp.inf).min()),
         "policy/ratio_max": Metric.max(jnp.where(valid, ratio_BT, -jnp.inf).max()),
     }
-    if clip_aux is not None:
-        m["policy/clip_frac"] = token_mean(clip_aux["clipped_low"] | clip_aux["clipped_high"])
-        m["policy/clip_frac_low"] = token_mean(clip_aux["clipped_low"])
-        m["policy/clip_frac_high"] = token_mean(clip_aux["clipped_high"])
-        m["policy/dual_clip_frac"] = token_mean(clip_aux["dual_clipped"])
+    m.update(_indicator_metrics(clip_aux or {}, token_mean))
     if pg_loss_BT is not None:
         m["policy/pg_loss"] = token_mean(pg_loss_BT)
     if kl_ref_BT is not None:
         m["policy/kl_ref"] = token_mean(kl_ref_BT)
     if entropy_BT is not None:
         m["policy/entropy"] = token_mean(entropy_BT)
+    return m
+
+
+# Indicator names whose metric keeps its established name.
+_INDICATOR_NAMES = {"dual_clipped": "policy/dual_clip_frac"}
+
+
+def _indicator_metrics(
+    aux: dict[str, jnp.ndarray], token_mean: Callable[[jnp.ndarray], Metric]
+) -> dict[str, Metric]:
+    """Token fractions of a loss's bool indicators: clipped_low / clipped_high give
+    policy/clip_frac(_low, _high), dual_clipped policy/dual_clip_frac, any other key k
+    policy/k_frac. Non-bool entries (the ratio) are not indicators."""
+    m = {}
+    if "clipped_low" in aux and "clipped_high" in aux:
+        m["policy/clip_frac"] = token_mean(aux["clipped_low"] | aux["clipped_high"])
+        m["policy/clip_frac_low"] = token_mean(aux["clipped_low"])
+        m["policy/clip_frac_high"] = token_mean(aux["clipped_high"])
+    for k, v in aux.items():
+        if k not in ("clipped_low", "clipped_high") and v.dtype == jnp.bool_:
+            m[_INDICATOR_NAMES.get(k, f"policy/{k}_frac")] = token_mean(v)
     return m

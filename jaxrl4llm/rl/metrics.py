@@ -116,3 +116,20 @@ def identity_metrics(metrics: Metrics) -> dict[str, Metric]:
         ).identity()
         for k, m in metrics.items()
     }
+
+
+def reduce_metrics(metrics: Metrics, axis_name: str | None) -> dict[str, Metric]:
+    """One shard's metrics -> the whole batch's (every shard of `axis_name` under shard_map):
+    totals and counts summed, extremes reduced; unchanged when axis_name is None."""
+    if axis_name is None:
+        return dict(metrics)
+    out = {}
+    for k, m in metrics.items():
+        if m.reduce == "min":
+            out[k] = Metric(jax.lax.pmin(m.total, axis_name), m.count, "min")
+        elif m.reduce == "max":
+            out[k] = Metric(jax.lax.pmax(m.total, axis_name), m.count, "max")
+        else:
+            count = jax.lax.psum(m.count, axis_name) if m.reduce == "mean" else m.count
+            out[k] = Metric(jax.lax.psum(m.total, axis_name), count, m.reduce)
+    return out

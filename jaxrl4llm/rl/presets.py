@@ -218,6 +218,121 @@ def ppo() -> AlgorithmConfig:
     )
 
 
+def cispo() -> AlgorithmConfig:
+    """CISPO: MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning
+    Attention" (arXiv:2506.13585, Sec. 3.1).
+
+    GRPO's group-normalised advantage; the REINFORCE token loss weighted by the clipped,
+    stop-gradient IS ratio, -sg(clip(r, 1 - clip_low, 1 + clip_high)) A log pi; no lower
+    bound (clip_low 1: the paper bounds the weight from above only; verl's example sets
+    clip_ratio_low=10, the same band); clip_high 0.2 (verl's example
+    run_cispo_qwen2_5_0_5b_gsm8k.sh: the paper tunes it and states no default); token-mean
+    (the paper's normalisation by the batch's token count); no KL.
+    """
+    return AlgorithmConfig(
+        name="cispo", objective="cispo", agg="token-mean", clip_low=1.0, clip_high=0.2
+    )
+
+
+def sapo() -> AlgorithmConfig:
+    """SAPO: Gao et al. 2025, "Soft Adaptive Policy Optimization" (arXiv:2511.20347).
+
+    GRPO's group-normalised advantage; the hard clip replaced by the soft gate
+    f(r) = sigmoid(tau (r - 1)) 4 / tau, tau_pos 1.0 for A > 0 and tau_neg 1.05 for A <= 0
+    (the paper's values, verl's actor.yaml); per-sequence token mean (seq-mean-token-mean,
+    as the paper's objective and verl's compute_policy_loss_sapo); no KL.
+    """
+    return AlgorithmConfig(
+        name="sapo",
+        objective="sapo",
+        agg="seq-mean-token-mean",
+        sapo_tau_pos=1.0,
+        sapo_tau_neg=1.05,
+    )
+
+
+def gmpo() -> AlgorithmConfig:
+    """GMPO: Zhao et al. 2025, "Geometric-Mean Policy Optimization" (arXiv:2507.20673).
+
+    GRPO's group-normalised advantage; each sequence's loss -A_i times the geometric mean of
+    its token ratios, each clipped in log space to [-0.4, 0.4] on the pessimistic side of A
+    (the paper's range (e^-0.4, e^0.4), verl's examples/gmpo_trainer); the mean over
+    sequences (seq-mean-token-mean; verl's compute_policy_loss_geo_mean); no KL.
+    """
+    return AlgorithmConfig(
+        name="gmpo", objective="gmpo", agg="seq-mean-token-mean", clip_low=0.4, clip_high=0.4
+    )
+
+
+def clip_cov() -> AlgorithmConfig:
+    """Clip-Cov: Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
+    Reasoning Language Models" (arXiv:2505.22617).
+
+    GRPO's group-normalised advantage; PPO's clipped surrogate with the gradient of up to
+    2e-4 of the batch's tokens detached, drawn among those with covariance in (1, 5);
+    clip_low = clip_high = 1 (the ratio band [0, 2]); token-mean; no KL: the authors'
+    recipe/dapo/7b_clip_cov.sh (which also runs DAPO's group filter).
+    """
+    return AlgorithmConfig(
+        name="clip_cov",
+        objective="clip_cov",
+        agg="token-mean",
+        clip_low=1.0,
+        clip_high=1.0,
+        clip_cov_ratio=2e-4,
+        clip_cov_lb=1.0,
+        clip_cov_ub=5.0,
+    )
+
+
+def kl_cov() -> AlgorithmConfig:
+    """KL-Cov: Cui et al. 2025 (arXiv:2505.22617).
+
+    GRPO's group-normalised advantage; the unclipped surrogate -A r plus |log r| (coefficient
+    1) on the 2e-3 of the batch's tokens with the largest covariance; token-mean; no KL: the
+    authors' recipe/dapo/7b_kl_cov.sh (k_percent 0.2 %, ppo_kl_coef 1; their 32B script
+    uses 0.02 %, verl's default kl_cov_ratio 2e-4, and verl's yaml has ppo_kl_coef 0.1).
+    """
+    return AlgorithmConfig(
+        name="kl_cov", objective="kl_cov", agg="token-mean", kl_cov_ratio=2e-3, kl_cov_coef=1.0
+    )
+
+
+def gpg() -> AlgorithmConfig:
+    """GPG: Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline for
+    Model Reasoning" (arXiv:2504.02546).
+
+    A = alpha (r - group mean) with alpha = B / (B - M), M the rows of groups without reward
+    spread, F_norm = 1 (the paper's setting of its best table row); the plain policy
+    gradient -A log pi (no ratio, no clip); per-sequence token mean (seq-mean-token-mean, as
+    the authors' grpo_trainer.py); no KL.
+    """
+    return AlgorithmConfig(name="gpg", advantage="gpg", objective="gpg", agg="seq-mean-token-mean")
+
+
+def opo() -> AlgorithmConfig:
+    """OPO: Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline" (arXiv:2505.23585).
+
+    A = r - sum_j |o_j| r_j / sum_j |o_j| (the length-weighted group mean), no std division;
+    the clipped surrogate, which on policy (one update per rollout: the paper's exact
+    on-policy training) is the plain policy gradient; token-mean (verl's default); no KL and
+    no entropy bonus (verl's docs/algo/opo.md).
+    """
+    return AlgorithmConfig(name="opo", advantage="opo", agg="token-mean")
+
+
+def grpo_passk() -> AlgorithmConfig:
+    """GRPO for pass@k: verl's grpo_passk estimator, after Tang et al. 2025, "Optimizing
+    Language Models for Inference Time Objectives using Reinforcement Learning"
+    (arXiv:2503.19595).
+
+    Only each group's best sample learns, A = (r_max - r_second) / (group std + 1e-6)
+    (verl's norm_adv_by_std_in_grpo; std='none' drops the division); clipped surrogate
+    (clip 0.2), token-mean (verl's defaults); no KL.
+    """
+    return AlgorithmConfig(name="grpo_passk", advantage="grpo_passk", agg="token-mean")
+
+
 PRESETS = {
     f.__name__: f
     for f in (
@@ -235,12 +350,21 @@ PRESETS = {
         remax,
         dapo,
         ppo,
+        cispo,
+        sapo,
+        gmpo,
+        clip_cov,
+        kl_cov,
+        gpg,
+        opo,
+        grpo_passk,
     )
 }
 
 
 def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
-    """The named preset, with any knob overridden (dataclasses.replace)."""
+    """The named preset, with any knob overridden (dataclasses.replace); the result is
+    checked like any config (ValueError naming the knob)."""
     key = name.lower().replace("-", "_")
     if key not in PRESETS:
         raise ValueError(f"unknown algorithm {name!r}; valid names: {', '.join(sorted(PRESETS))}.")

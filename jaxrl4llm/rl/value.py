@@ -50,19 +50,24 @@ def gae_advantages(
         carry = (jnp.where(m_t > 0, v_t, next_v), jnp.where(m_t > 0, a_t, next_a))
         return carry, carry[1]
 
-    zeros_B = jnp.zeros(r.shape[:1], jnp.float32)
+    # zeros_like keeps the rows' sharding type (shard_map's scan needs carry in = carry out).
+    zeros_B = jnp.zeros_like(r[:, 0])
     _, adv_TB = jax.lax.scan(step, (zeros_B, zeros_B), (r.T, v.T, m.T), reverse=True)
     adv_BT = adv_TB.T * m
     return adv_BT, (adv_BT + v) * m
 
 
 def masked_whiten(
-    values_BT: jnp.ndarray, weights_BT: jnp.ndarray, eps: float = WHITEN_EPS
+    values_BT: jnp.ndarray,
+    weights_BT: jnp.ndarray,
+    eps: float = WHITEN_EPS,
+    axis_name: str | None = None,
 ) -> jnp.ndarray:
-    """(x - mean) * rsqrt(var + eps) over the weighted entries (var with ddof=1, as verl's
-    masked_whiten); 0 elsewhere, and 0 everywhere when those entries are all equal."""
+    """(x - mean) * rsqrt(var + eps) over the weighted entries of the batch (every shard of
+    axis_name; var with ddof=1, as verl's masked_whiten); 0 elsewhere, and 0 everywhere when
+    those entries are all equal."""
     w = jnp.asarray(weights_BT, jnp.float32)
-    mu, std, flat = adv_lib._stats(values_BT, w, None, 1)
+    mu, std, flat = adv_lib._stats(values_BT, w, None, 1, axis_name)
     out = jnp.where(flat, 0.0, (values_BT - mu) * jax.lax.rsqrt(jnp.square(std) + eps))
     return jnp.where(w > 0, out, 0.0)
 
@@ -77,6 +82,7 @@ def ppo_advantages(
     kl_BT: jnp.ndarray | None = None,
     kl_coef: float = 0.0,
     keep_B: jnp.ndarray | None = None,
+    axis_name: str | None = None,
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """PPO's (advantages_BT, returns_BT): token rewards (r at the last real token, minus
     kl_coef * KL_t on every real token), GAE, advantages whitened over the kept rows' real
@@ -86,7 +92,7 @@ def ppo_advantages(
     r_BT = adv_lib.token_rewards(rewards_B, m, kl_BT, kl_coef)
     adv_BT, ret_BT = gae_advantages(r_BT, values_BT, m, gamma=gamma, lam=lam)
     w_BT = losses.row_weights(m, keep_B)
-    return masked_whiten(adv_BT, w_BT), ret_BT
+    return masked_whiten(adv_BT, w_BT, axis_name=axis_name), ret_BT
 
 
 def value_loss(

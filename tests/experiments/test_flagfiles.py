@@ -36,6 +36,16 @@ ADDED = {
     "is_cap": 2.0,
     "is_lower": 0.5,
     "is_upper": 2.0,
+    # issue 51: the knobs of the 2025 losses and estimators (unread by the old objectives)
+    "sapo_tau_pos": 1.0,
+    "sapo_tau_neg": 1.05,
+    "clip_cov_ratio": 2e-4,
+    "clip_cov_lb": 1.0,
+    "clip_cov_ub": 5.0,
+    "kl_cov_ratio": 2e-3,
+    "kl_cov_coef": 1.0,
+    "passk_k": None,
+    "otb_zero_tail": False,
 }
 # Deliberate changes since, as (old, new) by key of the old config.json ("optimizer.x" for the
 # optimizer's). Everywhere: k3 is capped at 10 (issue 14).

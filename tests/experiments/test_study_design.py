@@ -74,7 +74,14 @@ def test_a_constant_factor_and_a_flag_without_effect_are_reported(tmp_path):
 
 @pytest.mark.parametrize(
     "name",
-    ["minimalist_fig4", "raft_vs_grpo", "tricks_norm", "dapo_vs_lite_ppo", "reinforcepp_vs_grpo"],
+    [
+        "minimalist_fig4",
+        "raft_vs_grpo",
+        "tricks_norm",
+        "dapo_vs_lite_ppo",
+        "reinforcepp_vs_grpo",
+        "policy_losses",
+    ],
 )
 def test_shipped_cpu_designs_pass_without_warnings(name):
     check = _check(name)

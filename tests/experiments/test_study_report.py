@@ -135,6 +135,7 @@ SHIPPED = [
     "reinforcepp_vs_grpo",
     "tricks_norm",
     "dapo_vs_lite_ppo",
+    "policy_losses",
 ]
 
 

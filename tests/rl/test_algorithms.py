@@ -107,6 +107,26 @@ EXPECTED = {
     "raft": (POSITIVES.astype(float), POSITIVES, 1.0 + 0 * MASK),
     # Wrong samples stay in the denominator with A = 0 (Minimal-RL's convention).
     "raft_pp": _per_sequence(POSITIVES.astype(float)),
+    # -sg(r = 1) A log pi with log pi = -1: +A per token.
+    "cispo": (A_GRPO, ONES, A_GRPO[:, None] + 0 * MASK),
+    # The gate at r = 1 is 2 / tau: tau_pos = 1 for A > 0, tau_neg = 1.05 for A <= 0.
+    "sapo": (
+        A_GRPO,
+        ONES,
+        -np.where(A_GRPO > 0, 2.0, 2 / 1.05)[:, None] * A_GRPO[:, None] + 0 * MASK,
+    ),
+    # exp(mean of zero log-ratios) = 1: -A_i per sequence.
+    "gmpo": _per_sequence(A_GRPO),
+    # Every log pi equal: every covariance 0, no token selected (Clip-Cov's band is (1, 5));
+    # KL-Cov penalises one token by |log r| = 0.
+    "clip_cov": _per_sequence(A_GRPO),
+    "kl_cov": _per_sequence(A_GRPO),
+    # alpha = B / (B - M) = 8 / 4 (the flat group's 4 rows); -A log pi = +A.
+    "gpg": (2 * CENTERED, ONES, 2 * CENTERED[:, None] + 0 * MASK),
+    # Baseline sum(len r) / sum(len) = 3 / 9 in the mixed group (lengths 3 2 1 3).
+    "opo": _per_sequence(np.r_[2 / 3, -1 / 3, -1 / 3, -1 / 3, np.zeros(4)]),
+    # Only the mixed group's best row learns: (1 - 0) / (std 0.5 + eps); the flat group ties.
+    "grpo_passk": _per_sequence(np.r_[1 / (0.5 + EPS), np.zeros(7)]),
 }
 
 
@@ -158,8 +178,8 @@ def test_preset_docstrings_name_a_paper():
 
 
 def test_get_preset_errors_and_overrides():
-    with pytest.raises(ValueError, match="valid names: dapo, dr_grpo, grpo"):
-        rl.get_preset("trpo")  # (dapo sorts first)
+    with pytest.raises(ValueError, match="valid names: cispo, clip_cov, dapo, dr_grpo, gmpo"):
+        rl.get_preset("trpo")  # (sorted)
     with pytest.raises(ValueError, match="clip_hi"):
         rl.get_preset("grpo", clip_hi=0.28)
     cfg = rl.get_preset("GRPO", clip_high=0.28, kl_coef=0.0, kl_in=None)
@@ -185,7 +205,7 @@ def test_get_preset_errors_and_overrides():
         ({"rejected_rows": "keep"}, 4, "rejected_rows='keep': choose one of"),
         ({"k3_clamp": 0.0}, 4, "k3_clamp=0.0 must be > 0"),
         ({"dual_clip": 0.5}, 4, "dual_clip=0.5 must be > 1"),
-        ({"clip_low": 1.0}, 4, "clip_low=1.0"),
+        ({"clip_low": -0.1}, 4, "clip_low=-0.1"),
         ({"agg": "mean"}, 4, "agg='mean'"),
         ({"objective": "nll"}, 4, "objective='nll'"),
         ({"eps": 0.0}, 4, "eps=0.0"),

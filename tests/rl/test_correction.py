@@ -48,11 +48,32 @@ def _verl_tis(old, behaviour, mask, level, threshold):
     return np.minimum(w, threshold)
 
 
+def _verl_rejection_mask(old, behaviour, mask, option, threshold):
+    """compute_rollout_rejection_mask at volcengine/verl b178a3cd (2026-01-29): log_ratio =
+    old_log_prob - rollout_log_prob clamped to [-SAFETY_BOUND, SAFETY_BOUND] per token,
+    token_k1 = -log_ratio; token_k1 as is, seq_sum_k1 its masked sum, seq_mean_k1 its masked
+    mean (sum / (n + 1e-8)); kept when log(lower) <= stat <= log(upper), the threshold
+    "lower_upper" (one number u: lower = 1 / u); applied to the response mask."""
+    lr = np.clip(old.astype(np.float64) - behaviour, -20.0, 20.0)
+    k1 = -lr
+    lower, upper = (float(x) for x in threshold.split("_", 1))
+    if option == "token_k1":
+        stat = k1
+    else:
+        total = (k1 * mask).sum(1, keepdims=True)
+        if option == "seq_mean_k1":
+            total = total / (mask.sum(1, keepdims=True) + 1e-8)
+        stat = np.repeat(total, T, axis=1)
+    return (stat >= np.log(lower)) & (stat <= np.log(upper)) & mask
+
+
 def _verl_rs_mask(old, behaviour, mask, level, upper, lower):
-    """compute_rollout_rejection_mask (rollout_rs = token | sequence | geometric):
-    (w >= lower) & (w <= upper), applied to the response mask."""
-    w = np.exp(_np_level_log_ratio(old, behaviour, mask, level))
-    return ((w >= lower) & (w <= upper)) & mask
+    """verl's rejection of the same band, through rl.correction.verl_rejection."""
+    kind = {"token": "mis", "sequence": "mis", "geometric": "geo_mask"}[level]
+    option, threshold = correction.verl_rejection(
+        kind, "token" if kind == "geo_mask" else level, lower, upper
+    )
+    return _verl_rejection_mask(old, behaviour, mask, option, threshold)
 
 
 def _openrlhf_weights(kind, old, behaviour, mask, low, high):
@@ -297,3 +318,57 @@ def test_every_correction_validates():
     for kind in correction.CORRECTIONS:
         rl.validate(rl.get_preset("grpo", is_correction=kind), group_size=4)
     rl.validate(rl.get_preset("grpo", is_correction="mis", is_level="sequence"), group_size=4)
+
+
+# ---- the translation to verl's rejection options -----------------------------------------
+
+
+def test_verl_rejection_translation_is_pinned():
+    """verl's k1 bounds are on mu / pi_old: the band [lower, upper] of the ratio pi_old / mu
+    is verl's "1/upper_1/lower"."""
+    assert correction.verl_rejection("mis", "token", 0.5, 3.0) == (
+        "token_k1",
+        "0.3333333333333333_2.0",
+    )
+    assert correction.verl_rejection("mis", "sequence", 0.8, 1.25) == ("seq_sum_k1", "0.8_1.25")
+    assert correction.verl_rejection("icepop", "token", 0.0, 2.0) == ("token_k1", "0.5_inf")
+    assert correction.verl_rejection("geo_mask", "token", 0.9, 1.2)[0] == "seq_mean_k1"
+    with pytest.raises(ValueError, match="no verl rejection option"):
+        correction.verl_rejection("tis", "token", 0.5, 2.0)
+
+
+@pytest.mark.parametrize(
+    "kind,level",
+    [("mis", "token"), ("icepop", "token"), ("mis", "sequence"), ("geo_mask", "token")],
+)
+@pytest.mark.parametrize("band", [(0.5, 3.0), (0.7, 1.2), (0.0, 1.6)])
+def test_an_asymmetric_band_keeps_verls_tokens_once_inverted(kind, level, band):
+    old, behaviour, mask = _inputs(11, scale=0.5 if level == "token" else 0.15)
+    lo, hi = band
+    _, corrected = _weights(kind, old, behaviour, mask, level=level, lower=lo, upper=hi)
+    option, threshold = correction.verl_rejection(kind, level, lo, hi)
+    keep = _verl_rejection_mask(old, behaviour, mask, option, threshold)
+    np.testing.assert_array_equal(corrected, mask & ~keep)
+    # Copied without inverting, the asymmetric band keeps other tokens.
+    naive = _verl_rejection_mask(old, behaviour, mask, option, f"{max(lo, 1e-12)!r}_{hi!r}")
+    if lo > 0 and option == "token_k1":
+        assert (naive != keep).any()
+
+
+def test_sequence_statistics_clamp_each_token_first():
+    """verl clamps each token's log-ratio to [-20, 20] before a sequence's sum or mean: a
+    row with one token at d = +35 and the rest at -2 has the clamped sum 20 - 2 (n - 1)."""
+    old, behaviour, mask = _inputs(12, scale=0.05)
+    old[0, 0] = behaviour[0, 0] + 35.0
+    old[0, 1:] = behaviour[0, 1:] - 2.0
+    for kind, level in (("mis", "sequence"), ("geo_mask", "token")):
+        _, corrected = _weights(kind, old, behaviour, mask, level=level, lower=0.5, upper=2.0)
+        option, threshold = correction.verl_rejection(kind, level, 0.5, 2.0)
+        keep = _verl_rejection_mask(old, behaviour, mask, option, threshold)
+        np.testing.assert_array_equal(corrected, mask & ~keep)
+    stat = np.asarray(
+        correction.rejection_log_ratio(
+            jnp.asarray(old), jnp.asarray(behaviour), jnp.asarray(mask), "sequence"
+        )
+    )
+    assert stat[0, 0] == pytest.approx(20.0 - 2.0 * 6, rel=1e-5)

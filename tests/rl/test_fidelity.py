@@ -117,6 +117,14 @@ BASELINE_PRESETS = (
     "gspo",
     "dapo",
     "remax",
+    "cispo",
+    "sapo",
+    "gmpo",
+    "clip_cov",
+    "kl_cov",
+    "gpg",
+    "opo",
+    "grpo_passk",
 )
 
 

@@ -112,6 +112,7 @@ def validate_all(
         not (a.advantage == "remax" and num_hosts > 1),
         rounds.ONE_HOST_ONLY,
     )
+    _validate_rollout_inputs(a)
     config.optimizer.validate()
     config.lora.validate()
     require(
@@ -315,6 +316,16 @@ def _validate_packing(
         num_hosts == 1,
         f"--micro_batch_tokens={N} packs each mini-batch on the host, which needs all "
         f"of its rows: run on one host (this run has {num_hosts}) or set it to 0.",
+    )
+
+
+def _validate_rollout_inputs(a: rl.AlgorithmConfig) -> None:
+    """Estimators that read what the rollout does not record."""
+    require(
+        a.advantage != "otb",
+        "--advantage=otb needs the sampling policy's sum of squared token probabilities "
+        "(sum_pi_squared_BT), which the trainer's rollout does not record; it runs through "
+        "jaxrl4llm.rl.compute_advantages only. Choose another --advantage.",
     )
 
 
