@@ -120,8 +120,6 @@ def _report(mix: str, rows: int, caps: Any, seconds: dict, outs: dict, same_rows
         "sampler_useful_paged_rich": useful / int(outs["paged_rich"].slot_steps),
         "sampler_useful_compact_bound": useful / int(outs["compact_bound"].slot_steps),
         "rows_per_step_paged": stats.live_rows / stats.steps,
-        "rows_per_step_compact_bound": int(outs["compact_bound"].slot_steps)
-        / max(1, int(outs["compact_bound"].num_steps)),
         "pages_per_step_paged": stats.pages_in_use / stats.steps,
         "preemptions": stats.preemptions,
         "rows_identical": min(same_rows(outs["compact"], outs[n]) for n in ENGINES[1:]),

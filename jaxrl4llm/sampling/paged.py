@@ -34,15 +34,16 @@ oldest group is never preempted while another group runs), so the loop cannot de
 
 Each decode step computes only the live rows: they are moved to the front (their small
 state only: the KV stays in the pool, so moving a row is free, unlike compaction in decode.py
-and continuous.py, which copies cache rows), and the step runs at the smallest of the halving
-row levels max_rows, max_rows/2, ... (down to decode.MIN_COMPACT_ROWS) that holds them,
-reading the narrowest prefix of the page tables (all, 1/2 or 1/4) that holds their pages: one
-compiled decode step per (rows, pages) pair, picked by lax.switch. The pool is only read
-inside the switch and the new keys and values written after it, so the switch does not copy
-the pool.
+and continuous.py, which copies cache rows), and the step runs at the smallest row level
+holding them (max_rows, then steps of about 3/4 in multiples of decode.MIN_COMPACT_ROWS:
+_row_levels), reading the page tables' first quarter when it holds their pages, else the
+whole tables (_widths): one compiled decode step per (rows, pages) pair, picked by
+lax.switch. The pool is only read inside the switch and the new keys and values written
+after it, so the switch does not copy the pool.
 
-Attention reads a row's pages through page_pool (the gather reference; on TPU JAX's Pallas
-paged attention kernel reads only the filled pages).
+Attention reads a row's pages through page_pool's gather reference on every backend;
+page_pool.pallas_attention, JAX's Pallas paged attention kernel on the same pool layout (it
+reads only a row's filled pages), is tested against it but not yet the decode step's.
 """
 
 from __future__ import annotations
@@ -171,8 +172,20 @@ def _floor(max_rows: int) -> int:
 
 
 def _widths(max_pages: int) -> tuple[int, ...]:
-    """Table prefixes a decode step may read: every page, then halves down to a quarter."""
-    return tuple(dict.fromkeys(max(1, -(-max_pages // d)) for d in (1, 2, 4)))
+    """Table prefixes a decode step may read: every page, or the first quarter (most rows of
+    a long-tailed mix: long tables are sized for the longest row)."""
+    return tuple(dict.fromkeys(max(1, -(-max_pages // d)) for d in (1, 4)))
+
+
+def _row_levels(max_rows: int, floor: int) -> tuple[int, ...]:
+    """Rows a decode step may compute: max_rows, then steps of about 3/4 in multiples of
+    `floor` down to it. Computed rows cost about their compute on CPU and halving levels
+    would leave up to half of them idle; each level is one more compiled decode step."""
+    sizes = [max_rows]
+    while sizes[-1] > floor:
+        smaller = -(-(sizes[-1] * 3 // 4) // floor) * floor
+        sizes.append(max(floor, smaller if smaller < sizes[-1] else sizes[-1] - floor))
+    return tuple(sizes)
 
 
 def _waiting(s: paged_state.PagedState, num_groups: jax.Array) -> jax.Array:
@@ -366,7 +379,7 @@ class _Engine:
         x = s.rows.take(jnp.argsort(~s.rows.live_S, stable=True))
         B, Np = s.length_R.shape[0], s.pool.num_pages
         live_S = x.live_S
-        sizes = decode.levels(live_S.shape[0], True, self.floor)
+        sizes = _row_levels(live_S.shape[0], self.floor)
         widths = _widths(x.table_SM.shape[1])
         # The smallest row level holding the live rows and the narrowest table prefix
         # holding their pages: the step computes no more rows and reads no more pages.
