@@ -4,10 +4,11 @@
     python -m experiments.train --flagfile=... --algorithm=lite_ppo --clip_high=0.28
 
 Every field of jaxrl4llm.train.config.TrainConfig is a flag (`--helpfull` lists them by
-sub-config). `--algorithm` picks a preset (dapo, dr_grpo, grpo, gspo, lite_ppo, ppo, raft,
-raft_pp, reinforce, reinforce_pp, reinforce_pp_baseline, reinforce_rej, remax, rloo); every
-knob of rl.AlgorithmConfig is also a flag of the same name that overrides the preset. Flags on the
-command line override the flagfile. The resolved configuration is written to
+sub-config). `--algorithm` picks a preset (cispo, clip_cov, dapo, dr_grpo, gmpo, gpg, grpo,
+grpo_passk, gspo, kl_cov, lite_ppo, opo, ppo, raft, raft_pp, reinforce, reinforce_pp,
+reinforce_pp_baseline, reinforce_rej, remax, rloo, sapo); every knob of rl.AlgorithmConfig is
+also a flag of the same name that overrides the preset. Flags on the command line override the
+flagfile. The resolved configuration is written to
 WORKDIR/config.json. The console shows a progress bar, one line per step, warnings and
 errors; `--verbosity=1` (or 0: INFO only) adds the libraries' log lines.
 

@@ -56,7 +56,7 @@ def test_a_good_config_passes_every_check(good_checks):
     ]
     assert all(status in ("ok", "-") for status, _ in rows.values()), rows
     assert rows["devices"][1].startswith("8 x cpu")
-    assert rows["mesh"][1] == "--mesh=data:1,fsdp:-1,tensor:1 -> data:1, fsdp:8, tensor:1"
+    assert rows["mesh"][1] == "--mesh=data:1,fsdp:-1,tensor:1 -> data:1, fsdp:8, expert:1, tensor:1"
     assert rows["data"][0] == "ok" and rows["reward workers"][0] == "ok"
     assert rows["device memory"][0] == "-"  # CPUs report no device memory
 

@@ -15,7 +15,9 @@ from jaxrl4llm.config.errors import EXIT_USER_ERROR
 from jaxrl4llm.models import registry
 from jaxrl4llm.train.config import TrainConfig
 
-SIGNED = {"seed", "entropy_coef"}  # any finite value is meaningful (a negative bonus too)
+# Any finite value is meaningful: a seed, a negative entropy bonus, a Clip-Cov covariance
+# band's lower end (a token's covariance may be negative; only lb < ub is checked).
+SIGNED = {"seed", "entropy_coef", "clip_cov_lb"}
 
 
 class ModelLoadStarted(Exception):

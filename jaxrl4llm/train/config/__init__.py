@@ -32,7 +32,7 @@ from jaxrl4llm.rewards.registry import TASK_VERIFIERS, RewardConfig
 from jaxrl4llm.rewards.sandbox import ISOLATION as CODE_ISOLATION
 from jaxrl4llm.rewards.shaping import SCALES
 from jaxrl4llm.sampling.buckets import LONG_PROMPT_MODES
-from jaxrl4llm.sampling.config import RolloutConfig
+from jaxrl4llm.sampling.config import ROLLOUT_ENGINES, RolloutConfig
 from jaxrl4llm.train.config.groups import (
     DTYPES,
     CriticOptions,
@@ -62,7 +62,10 @@ class TrainConfig:
         choices={"param_dtype": DTYPES, "compute_dtype": DTYPES},
     )
     data: DataConfig = group(DataConfig, flags={"source": "data", "revision": "data_revision"})
-    rollout: RolloutConfig = group(RolloutConfig, choices={"long_prompts": LONG_PROMPT_MODES})
+    rollout: RolloutConfig = group(
+        RolloutConfig,
+        choices={"long_prompts": LONG_PROMPT_MODES, "rollout_engine": ROLLOUT_ENGINES},
+    )
     reward: RewardConfig = group(
         RewardConfig,
         flags={"scale": "reward_scale", "num_workers": "reward_workers"},
