@@ -188,7 +188,7 @@ def generate_slots(
     dp = 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
     # Rows per prefill: whole groups, each device prefilling whole prompts.
     R = refill_rows(S, prompt_group * dp)
-    queue = _queue(prompt_BP, prompt_mask_BP, active_B, row_keys_B, greedy_B, row_caps_B, N)
+    queue = row_queue(prompt_BP, prompt_mask_BP, active_B, row_keys_B, greedy_B, row_caps_B, N)
     loop = _SlotLoop(
         params, queue, model_config, sampling, stop_ids_S, P, prompt_group, cache_dtype, sharding
     )
@@ -207,7 +207,7 @@ def generate_slots(
     return state.output()
 
 
-def _queue(
+def row_queue(
     prompt_BP: jax.Array,
     prompt_mask_BP: jax.Array,
     active_B: jax.Array,

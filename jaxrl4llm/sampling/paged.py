@@ -97,6 +97,18 @@ def check_pool(
         )
 
 
+def program_settings(
+    tokens: int | None, max_rows: int | None, rows: int, prompt_len: int, N: int, group: int
+) -> dict[str, int]:
+    """sampler.decode_program's settings of the paged engine for a bucket of `rows` rows of
+    `prompt_len`-token prompts, `tokens` of KV (pool_pages) and at most `max_rows` decoding
+    at once (None / 0: every row); {} where `tokens` is None (not paged)."""
+    if tokens is None:
+        return {}
+    pages = pool_pages(tokens, rows, prompt_len, N, group)
+    return {"kv_pages": pages, "max_rows": max_rows or 0}
+
+
 def refill_groups(max_rows: int, group: int) -> int:
     """Groups per pending prefill: about max_rows / REFILL_FRACTION rows (continuous.py)."""
     return max(1, max_rows // (group * continuous.REFILL_FRACTION))
@@ -138,7 +150,7 @@ def generate_paged(
     params, sharding, cache_dtype = decode.loop_setup(
         params, model_config, mesh, rules, cache_dtype
     )
-    queue = continuous._queue(
+    queue = continuous.row_queue(
         prompt_BP, prompt_mask_BP, active_B, row_keys_B, greedy_B, row_caps_B, N
     )
     engine = _Engine(
@@ -392,18 +404,17 @@ class _Engine:
         tok_S, lp_S, k_LSKH, v_LSKH = jax.lax.switch(
             row_level * len(widths) + width_level, branches, x, s.pool
         )
-        slot_S = jnp.minimum(x.position_S // s.pool.page_size, x.table_SM.shape[1] - 1)
-        page_S = jnp.where(live_S, x.table_SM[jnp.arange(live_S.shape[0]), slot_S], Np)
+        page_S = jnp.where(live_S, x.current_page(s.pool.page_size, Np)[1], Np)
         pool = paged_step.write_new_tokens(s.pool, page_S, x.position_S, k_LSKH, v_LSKH)
         out_S = jnp.where(live_S, x.row_S, B)
         stop_S = decode.is_stop(tok_S, self.stop_ids_S)
         step_S = x.step_S + live_S.astype(jnp.int32)
         still_S = live_S & ~stop_S & (step_S < x.cap_S)
-        ended_S = live_S & ~still_S
+        stats = paged_state.count(s.stats, live_S, pool.num_pages - pool.num_free())
+        pool, x = paged_state.release_rows(pool, x, live_S & ~still_S)
         return s.replace(
-            pool=pool.replace(refs_N=pages_lib.release(pool.refs_N, x.table_SM, ended_S)),
+            pool=pool,
             rows=x.replace(
-                table_SM=jnp.where(ended_S[:, None], Np, x.table_SM),
                 step_S=step_S,
                 last_S=tok_S,
                 position_S=x.position_S + 1,
@@ -414,7 +425,7 @@ class _Engine:
             tokens_RT=s.tokens_RT.at[out_S, x.step_S].set(tok_S, mode="drop"),
             logprobs_RT=s.logprobs_RT.at[out_S, x.step_S].set(lp_S, mode="drop"),
             slot_steps=s.slot_steps + jnp.array(sizes, jnp.int32)[row_level],
-            stats=paged_state.count(s.stats, live_S, pool.num_pages - pool.num_free()),
+            stats=stats,
         )
 
     def _decode_first(
@@ -450,7 +461,7 @@ def check_engine(mesh: Mesh | None, rules: parallel.LogicalRules = parallel.DEFA
         raise FlagError(
             "--kv_cache_tokens (the paged rollout engine) runs on one data-parallel shard: "
             f"this mesh splits the batch {parallel.data_parallel_size(mesh, rules)} ways; "
-            "use --kv_cache_tokens=0 (the compacted sampler) on a data-parallel mesh."
+            "use --rollout_engine=compacted on a data-parallel mesh."
         )
 
 

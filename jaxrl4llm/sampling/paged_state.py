@@ -51,6 +51,11 @@ class DecodeRows(flax.struct.PyTreeNode):
     def take(self, index: jax.Array) -> "DecodeRows":
         return jax.tree.map(lambda x: jnp.take(x, index, axis=0), self)
 
+    def current_page(self, page_size: int, scratch: int) -> tuple[jax.Array, jax.Array]:
+        """(the table slot of each row's next token, the page there; `scratch` if none yet)."""
+        slot_S = jnp.minimum(self.position_S // page_size, self.table_SM.shape[1] - 1)
+        return slot_S, self.table_SM[jnp.arange(slot_S.shape[0]), slot_S]
+
     def put(self, index: jax.Array, values: "DecodeRows") -> "DecodeRows":
         return jax.tree.map(lambda x, v: x.at[index].set(v, mode="drop"), self, values)
 
@@ -133,10 +138,16 @@ def fits(s: PagedState, group: int) -> jax.Array:
 
 def needs_page(s: PagedState) -> jax.Array:
     """Live rows whose next token starts a page they do not hold yet."""
-    x = s.rows
-    slot_S = jnp.minimum(x.position_S // s.pool.page_size, x.table_SM.shape[1] - 1)
-    page_S = x.table_SM[jnp.arange(slot_S.shape[0]), slot_S]
-    return x.live_S & (page_S == s.pool.num_pages)
+    _, page_S = s.rows.current_page(s.pool.page_size, s.pool.num_pages)
+    return s.rows.live_S & (page_S == s.pool.num_pages)
+
+
+def release_rows(pool: PagePool, rows: DecodeRows, gone_S: jax.Array) -> tuple:
+    """(the pool without the references of rows gone_S, the rows with their tables emptied)."""
+    return (
+        pool.replace(refs_N=pages_lib.release(pool.refs_N, rows.table_SM, gone_S)),
+        rows.replace(table_SM=jnp.where(gone_S[:, None], pool.num_pages, rows.table_SM)),
+    )
 
 
 def short_of_pages(s: PagedState) -> jax.Array:
@@ -150,12 +161,10 @@ def preempt_latest(s: PagedState) -> PagedState:
     latest = jnp.max(jnp.where(x.live_S, x.admit_S, -1))
     victims_S = x.live_S & (x.admit_S == latest)
     group = jnp.max(jnp.where(victims_S, x.row_S, -1)) // _group_size(s)
+    pool, x = release_rows(s.pool, x, victims_S)
     return s.replace(
-        pool=s.pool.replace(refs_N=pages_lib.release(s.pool.refs_N, x.table_SM, victims_S)),
-        rows=x.replace(
-            table_SM=jnp.where(victims_S[:, None], s.pool.num_pages, x.table_SM),
-            live_S=x.live_S & ~victims_S,
-        ),
+        pool=pool,
+        rows=x.replace(live_S=x.live_S & ~victims_S),
         retry_Q=s.retry_Q.at[s.retry_len].set(group),
         retry_len=s.retry_len + 1,
         growth=jnp.minimum(s.growth + GROWTH_STEP, 1.0),
@@ -175,8 +184,7 @@ def allocate(s: PagedState) -> PagedState:
     free = pages_lib.first_free(s.pool.refs_N, S)
     rank_S = jnp.cumsum(need_S) - 1
     new_S = jnp.where(need_S, free[jnp.clip(rank_S, 0, S - 1)], s.pool.num_pages)
-    slot_S = jnp.minimum(x.position_S // s.pool.page_size, x.table_SM.shape[1] - 1)
-    current = x.table_SM[jnp.arange(S), slot_S]
+    slot_S, current = x.current_page(s.pool.page_size, s.pool.num_pages)
     table_SM = x.table_SM.at[jnp.arange(S), slot_S].set(jnp.where(need_S, new_S, current))
     return s.replace(
         pool=s.pool.replace(refs_N=pages_lib.hold(s.pool.refs_N, new_S)),

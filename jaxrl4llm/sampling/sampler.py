@@ -402,10 +402,9 @@ class _Decoding:
         self, rows: int, prompt_len: int, max_new_tokens: int, group: int
     ) -> dict[str, int]:
         """decode_program's paged engine settings for a bucket (none: not paged)."""
-        if self.kv_cache_tokens is None:
-            return {}
-        pages = paged.pool_pages(self.kv_cache_tokens, rows, prompt_len, max_new_tokens, group)
-        return {"kv_pages": pages, "max_rows": self.max_rows or 0}
+        return paged.program_settings(
+            self.kv_cache_tokens, self.max_rows, rows, prompt_len, max_new_tokens, group
+        )
 
 
 def _generate(

@@ -105,12 +105,10 @@ class StepPrograms:
         rows decode greedily, ReMax's baseline). `cache_dtype`: the KV cache's (default:
         the backend's choice, decode.cache_dtype_for; a planner on CPU passes the one the
         planned accelerator would choose). With the paged engine, `rows` x `prompt_len` is
-        the bucket, which sizes its page pool (paged.pool_pages)."""
+        the bucket, which sizes its page pool (paged.program_settings, as sampler.generate)."""
         r = self.config.rollout
-        kv_pages = (
-            0
-            if r.pool_tokens is None
-            else paged.pool_pages(r.pool_tokens, rows, prompt_len, r.max_new_tokens, prompt_group)
+        paged_settings = paged.program_settings(
+            r.pool_tokens, r.rollout_micro_batch, rows, prompt_len, r.max_new_tokens, prompt_group
         )
         return sampler.decode_program(
             model_config=self.model_config,
@@ -123,8 +121,8 @@ class StepPrograms:
             compact=compact,
             greedy=greedy,
             cache_dtype=cache_dtype,
-            kv_pages=kv_pages,
-            max_rows=r.rollout_micro_batch,
+            kv_pages=paged_settings.get("kv_pages", 0),
+            max_rows=paged_settings.get("max_rows", 0),
         )
 
     def logprobs(self, rows: int) -> Program:
