@@ -16,7 +16,10 @@ A mount may also derive a field from another option (`derived={"max_new_tokens":
 "max_new_tokens"}`: the reward's copy of the rollout length, not an option of its own), and
 give the group presets (`preset=rl.get_preset` with the preset name as the option renamed
 from `name`): the preset option picks a whole sub-config, and the group's other options
-override it only where they are set.
+override it only where they are set. A group of another layer's knobs that a preset also sets
+follows that preset option (`preset_from="algorithm"`, with `preset` mapping the preset's name
+to this group's values): DAPO's dynamic sampling is the trainer's, not the loss library's, yet
+`--algorithm=dapo` turns it on.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Mount:
     derived: Mapping[str, str] = dataclasses.field(default_factory=dict)
     preset: Callable[[str], Any] | None = None  # name -> sub-config (e.g. rl.get_preset)
     preset_field: str = "name"
+    preset_from: str | None = None  # another group's preset option that picks this group too
 
 
 def group(default: Callable[[], Any], **mount: Any) -> Any:
@@ -111,7 +115,9 @@ def _walk(cls: type, path: tuple[str, ...], mount: Mount, out: list[Option]) -> 
         if f.name in mount.derived:
             continue
         role = "value"
-        if mount.preset is not None:
+        if mount.preset_from is not None:
+            role = "override"
+        elif mount.preset is not None:
             role = "preset" if f.name == mount.preset_field else "override"
         out.append(
             Option(
@@ -307,6 +313,19 @@ def _has_derived(cls: type, mount: Mount) -> bool:
     )
 
 
+def _follow_preset(
+    flat: dict[str, Any], specs: tuple[Option, ...], groups: dict, option: str, value: Any
+) -> None:
+    """Sets in `flat` the options of every group mounted with `preset_from=option` to their
+    values for the preset `value`."""
+    for path, _, mount in groups.values():
+        if mount.preset_from == option:
+            preset = mount.preset(value)
+            flat.update(
+                {o.name: _get(preset, o.path[len(path) :]) for o in specs if o.path[:-1] == path}
+            )
+
+
 def replace(tree: Any, **values: Any) -> Any:
     """`tree` with options set by flat name.
 
@@ -322,7 +341,7 @@ def replace(tree: Any, **values: Any) -> Any:
     plain = {}
     for name, value in values.items():
         if name in groups and dataclasses.is_dataclass(value) and not isinstance(value, type):
-            path = groups[name][0]
+            path, _, mount = groups[name]
             flat.update(
                 {
                     o.name: _get(value, o.path[len(path) :])
@@ -330,6 +349,13 @@ def replace(tree: Any, **values: Any) -> Any:
                     if o.path[: len(path)] == path
                 }
             )
+            if mount.preset is not None:  # the groups that follow its preset follow its name
+                preset_option = next(
+                    o.name for o in specs if o.path == path + (mount.preset_field,)
+                )
+                _follow_preset(
+                    flat, specs, groups, preset_option, getattr(value, mount.preset_field)
+                )
         elif name in by_name and by_name[name].role == "preset":
             path = by_name[name].path[:-1]
             mount = next(m for p, _, m in groups.values() if p == path)
@@ -338,6 +364,7 @@ def replace(tree: Any, **values: Any) -> Any:
             flat.update(
                 {o.name: _get(preset, o.path[len(path) :]) for o in specs if o.path[:-1] == path}
             )
+            _follow_preset(flat, specs, groups, name, value)
         elif name in by_name:
             plain[name] = value
         else:

@@ -78,8 +78,6 @@ class AlgorithmConfig:
     kl_coef: KL coefficient (>= 0).
     k3_clamp: Cap on the k3 KL estimate per token (10 as verl's low_var_kl and OpenRLHF; none
         = no cap).
-    log_kl_ref: Trainer: log the KL to the reference (policy/kl_ref, kl_estimator) even when
-        no KL term is in the loss or reward; loads the reference model.
     entropy_coef: Entropy bonus coefficient (loss -= entropy_coef * agg(H)).
     reject_all_correct, reject_all_wrong: Drop groups whose samples are all correct / all
         wrong.
@@ -87,11 +85,6 @@ class AlgorithmConfig:
         the loss's numerator and every denominator) or "zero" (kept in the loss with advantage
         0, so they count in its denominators, KL and entropy terms, as Minimal-RL's code).
     overlong_filter: Drop samples that hit max_new_tokens without a stop token from the loss.
-    dynamic_sampling: Trainer: DAPO's dynamic sampling, resampling (next prompts) until the
-        batch holds prompts_per_step groups with both correct and wrong samples.
-    max_resample_rounds: Trainer: cap on dynamic sampling's extra rollout rounds per step; a
-        batch still short is filled with groups without spread (kept out of the loss by
-        reject_all_correct / reject_all_wrong).
     positives: RAFT selection, "correct" or "best" (see filters.raft_positives).
     binary_reward: None to use the verifier's reward as is, or "wrong,right" to replace it by
         a value chosen from `correct` (e.g. -1,1 or 0,1).
@@ -140,14 +133,11 @@ class AlgorithmConfig:
     kl_estimator: str = "k3"
     kl_coef: float = 0.0
     k3_clamp: Optional[float] = losses.K3_CLAMP
-    log_kl_ref: bool = False
     entropy_coef: float = 0.0
     reject_all_correct: bool = False
     reject_all_wrong: bool = False
     rejected_rows: str = "drop"
     overlong_filter: bool = False
-    dynamic_sampling: bool = False
-    max_resample_rounds: int = 10
     positives: str = "correct"
     binary_reward: Optional[tuple[float, float]] = None
     gamma: float = 1.0
@@ -260,11 +250,6 @@ def _validate_ranges(c: AlgorithmConfig) -> None:
         isinstance(c.ddof, int) and c.ddof >= 0,
         f"ddof={c.ddof!r} must be an int >= 0 (1 = torch.std, 0 = numpy default).",
     )
-    require(
-        isinstance(c.max_resample_rounds, int) and c.max_resample_rounds >= 0,
-        f"max_resample_rounds={c.max_resample_rounds!r} must be an int >= 0 "
-        "(extra rounds per step).",
-    )
     _check(c.eps, lambda x: x > 0, f"eps={c.eps!r} must be > 0 (default 1e-6).")
     _check(
         c.gamma,
@@ -333,11 +318,6 @@ def _validate_loss_knobs(c: AlgorithmConfig) -> None:
 
 def _validate_group_size(c: AlgorithmConfig, G: int) -> None:
     """The knobs that need more than one completion per prompt."""
-    require(
-        not (c.dynamic_sampling and G < 2),
-        "dynamic_sampling keeps groups with both correct and wrong samples; it needs "
-        f"group_size >= 2, got {G}.",
-    )
     if c.advantage == "normalized":
         require(
             not (c.std == "group" and G <= c.ddof),

@@ -174,9 +174,11 @@ def dapo() -> AlgorithmConfig:
     (arXiv:2503.14476).
 
     GRPO's group-normalised advantage; clip-higher (clip_low 0.2, clip_high 0.28); token-level
-    loss (token-mean); no KL; dynamic sampling: groups whose samples are all correct or all
-    wrong are resampled (up to max_resample_rounds extra rounds) and kept out of the loss.
-    The soft overlong punishment is a reward option (--overlong_buffer, --overlong_penalty).
+    loss (token-mean); no KL; groups whose samples are all correct or all wrong are kept out
+    of the loss. Dynamic sampling (resampling such groups, §3.2) is the trainer's rollout
+    (--dynamic_sampling, --max_resample_rounds; --algorithm=dapo turns it on), and the soft
+    overlong punishment its reward (--overlong_buffer, --overlong_penalty): a loop of your
+    own draws its batches itself.
     """
     return AlgorithmConfig(
         name="dapo",
@@ -187,7 +189,6 @@ def dapo() -> AlgorithmConfig:
         clip_high=0.28,
         reject_all_correct=True,
         reject_all_wrong=True,
-        dynamic_sampling=True,
     )
 
 
@@ -362,6 +363,14 @@ PRESETS = {
 }
 
 
+# Knobs of the recipes that the trainer runs, not the loss: where each lives.
+TRAINER_FLAGS = {
+    "dynamic_sampling": "--dynamic_sampling, the rollout's",
+    "max_resample_rounds": "--max_resample_rounds, the rollout's",
+    "log_kl_ref": "--log_kl_ref, the update's",
+}
+
+
 def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
     """The named preset, with any knob overridden (dataclasses.replace); the result is
     checked like any config (ValueError naming the knob)."""
@@ -370,6 +379,12 @@ def get_preset(name: str, **overrides: Any) -> AlgorithmConfig:
         raise ValueError(f"unknown algorithm {name!r}; valid names: {', '.join(sorted(PRESETS))}.")
     known = {f.name for f in dataclasses.fields(AlgorithmConfig)}
     unknown = sorted(set(overrides) - known)
+    trainer = [k for k in unknown if k in TRAINER_FLAGS]
+    if trainer:
+        raise ValueError(
+            f"{', '.join(trainer)}: the trainer's flags ({TRAINER_FLAGS[trainer[0]]}), not knobs "
+            "of the loss library; pass them to the trainer (the library never reads them)."
+        )
     if unknown:
         raise ValueError(
             f"unknown AlgorithmConfig knob(s) {unknown}; valid knobs: {', '.join(sorted(known))}."

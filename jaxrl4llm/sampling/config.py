@@ -6,13 +6,45 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxrl4llm.config.options import group
+from jaxrl4llm.config.options import group, require
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.sampling.turns import TurnLimits
 
 # --rollout_engine's values: how a call's rows decode (RolloutConfig.rollout_engine).
 ROLLOUT_ENGINES = ("compacted", "paged")
+
+
+# The algorithm presets whose recipe samples dynamically (DAPO, arXiv:2503.14476 §3.2).
+DYNAMIC_SAMPLING_PRESETS = frozenset({"dapo"})
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicSampling:
+    """DAPO's dynamic sampling: a rollout knob that --algorithm=dapo turns on (the group follows
+    the --algorithm preset; these flags override it).
+
+    dynamic_sampling: Resample (next prompts) until the batch holds prompts_per_step groups
+        with both correct and wrong samples (DAPO; on with --algorithm=dapo).
+    max_resample_rounds: Cap on dynamic sampling's extra rollout rounds per step; a batch
+        still short is filled with groups without spread (kept out of the loss by
+        --reject_all_correct / --reject_all_wrong).
+    """
+
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = 10
+
+    def __post_init__(self):
+        require(
+            isinstance(self.max_resample_rounds, int) and self.max_resample_rounds >= 0,
+            f"--max_resample_rounds={self.max_resample_rounds!r} must be an int >= 0 "
+            "(extra rounds per step).",
+        )
+
+    @classmethod
+    def for_preset(cls, algorithm: str) -> "DynamicSampling":
+        """The values --algorithm=`algorithm` sets."""
+        return cls(dynamic_sampling=algorithm in DYNAMIC_SAMPLING_PRESETS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +74,7 @@ class RolloutConfig:
         row of a call at full length).
     decode_slots: Deprecated alias: S > 0 means --rollout_engine=paged with
         --kv_cache_tokens=S*(max_prompt_tokens+max_new_tokens), the KV S fixed slots held.
+    dynamic: DAPO's dynamic sampling (follows the --algorithm preset).
     turns: Multi-turn rollouts (with an environment): turns and token budgets per trajectory.
     env: Environment that answers the model's turns, NAME?key=value&... (verifier,
         calculator, python, guess; see docs/environments.md); empty: single-turn rollouts
@@ -61,6 +94,9 @@ class RolloutConfig:
     rollout_engine: str = "compacted"
     kv_cache_tokens: int = 0
     decode_slots: int = 0
+    dynamic: DynamicSampling = group(
+        DynamicSampling, preset=DynamicSampling.for_preset, preset_from="algorithm"
+    )
     turns: TurnLimits = group(TurnLimits)
     env: str = ""
 

@@ -9,7 +9,7 @@ teacher-forced passes, the update) is the same whatever happened here:
 * ReMax (Rounds.greedy_baseline): each prompt is sampled G + 1 times in the same sampler
   call, the last row greedily; that row is scored, its reward becomes the group's baseline,
   and it leaves the batch (it is not trained on).
-* Dynamic sampling (DAPO, Rounds.dynamic_sampling): groups whose valid rows are all correct
+* Dynamic sampling (DAPO, RolloutConfig.dynamic): groups whose valid rows are all correct
   or all wrong carry no signal; they are set aside and further rounds (the next prompts of
   the data iterator, or the same prompts again without one) are sampled until P groups with
   both verdicts are gathered or `max_resample_rounds` extra rounds have run. A batch still
@@ -34,6 +34,7 @@ from jaxrl4llm import parallel
 from jaxrl4llm.rl.algorithm_config import AlgorithmConfig
 from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.sampling import multiturn
+from jaxrl4llm.sampling.config import DynamicSampling
 from jaxrl4llm.sampling.context import RolloutContext, RowVerdicts
 from jaxrl4llm.sampling.frontend import Samples
 from jaxrl4llm.sampling.layout import RowLayout
@@ -48,7 +49,7 @@ ONE_HOST_ONLY = (
 @dataclasses.dataclass(frozen=True)
 class Rounds:
     """How records' groups are drawn. The default, one plain sampler call, is the evaluator's;
-    the trainer's follows its algorithm (`for_algorithm`).
+    the trainer's follows its algorithm and --dynamic_sampling (`for_run`).
 
     greedy_baseline: ReMax: one more greedy row per prompt, whose reward is the baseline.
     dynamic_sampling: DAPO: resample until every group holds a correct and a wrong row.
@@ -60,11 +61,11 @@ class Rounds:
     max_resample_rounds: int = 0
 
     @classmethod
-    def for_algorithm(cls, algorithm: AlgorithmConfig) -> Rounds:
+    def for_run(cls, algorithm: AlgorithmConfig, dynamic: DynamicSampling) -> Rounds:
         return cls(
             greedy_baseline=algorithm.advantage == "remax",
-            dynamic_sampling=algorithm.dynamic_sampling,
-            max_resample_rounds=algorithm.max_resample_rounds,
+            dynamic_sampling=dynamic.dynamic_sampling,
+            max_resample_rounds=dynamic.max_resample_rounds,
         )
 
 

@@ -12,7 +12,9 @@ import pytest
 from absl import flags
 
 from jaxrl4llm.config import cli, options
+from jaxrl4llm.sampling.config import DynamicSampling
 from jaxrl4llm.train.config import TrainConfig
+from jaxrl4llm.train.config.checks import validate
 
 from tests.experiments.flagfile_paths import REPO
 
@@ -54,13 +56,34 @@ def test_preset_knobs_override_only_when_given(parsed):
     assert c.algorithm.kl_in is None and c.algorithm.kl_coef == 0.0 and not c.needs_reference
     # The KL as a metric only: the reference is loaded, the loss has no KL term.
     c = parsed("--algorithm=raft_pp", "--log_kl_ref")
-    assert c.needs_reference and c.algorithm.kl_in is None and c.algorithm.log_kl_ref
+    assert c.needs_reference and c.algorithm.kl_in is None and c.update.log_kl_ref
     c = parsed("--algorithm=reinforce_rej", "--rejected_rows=drop", "--k3_clamp=none")
     assert (c.algorithm.rejected_rows, c.algorithm.k3_clamp) == ("drop", None)
     with pytest.raises(flags.IllegalFlagValueError, match="choose one of drop|zero"):
         parsed("--rejected_rows=keep")
     c = parsed("--algorithm=reinforce_rej", "--reject_all_wrong=false")
     assert (c.algorithm.reject_all_correct, c.algorithm.reject_all_wrong) == (True, False)
+
+
+def test_the_dapo_preset_turns_on_the_rollouts_dynamic_sampling(parsed):
+    """Dynamic sampling is a rollout flag (the loss library does not read it), yet
+    --algorithm=dapo sets it as the preset's other knobs: on unless overridden, and off for
+    every other preset."""
+    assert parsed("--algorithm=dapo").rollout.dynamic == DynamicSampling(True, 10)
+    c = parsed("--algorithm=dapo", "--nodynamic_sampling", "--max_resample_rounds=3")
+    assert c.rollout.dynamic == DynamicSampling(False, 3)
+    assert parsed("--algorithm=grpo").rollout.dynamic == DynamicSampling(False, 10)
+    assert parsed("--algorithm=grpo", "--dynamic_sampling").rollout.dynamic.dynamic_sampling
+    # A config written when the knobs were the algorithm's resumes with them.
+    data = json.loads(parsed("--algorithm=dapo").to_json())
+    data["algorithm"].update(data["rollout"].pop("dynamic"), log_kl_ref=True)
+    del data["update"]["log_kl_ref"]
+    old = TrainConfig.from_json(json.dumps(data))
+    assert old.rollout.dynamic.dynamic_sampling and old.update.log_kl_ref
+    with pytest.raises(ValueError, match="--max_resample_rounds=-1 must be"):
+        parsed("--max_resample_rounds=-1")
+    with pytest.raises(ValueError, match="--dynamic_sampling .* needs --group_size >= 2, got 1"):
+        validate(parsed("--algorithm=dapo", "--group_size=1", "--noreject_all_wrong"), 1)
 
 
 def test_reward_and_optimizer_options_are_flags(parsed):

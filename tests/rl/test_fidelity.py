@@ -238,7 +238,7 @@ def test_k3_is_capped_at_10_by_default():
 
 @pytest.mark.parametrize("kl_in,kl_coef", [(None, 0.0), ("loss", 0.001)])
 def test_kl_ref_metric_has_one_name_with_or_without_a_kl_term(kl_in, kl_coef):
-    cfg = rl.get_preset("raft_pp", kl_in=kl_in, kl_coef=kl_coef, log_kl_ref=True)
+    cfg = rl.get_preset("raft_pp", kl_in=kl_in, kl_coef=kl_coef)
     lp = jnp.full((2, 3), -1.0)
     _, _, m = policy_loss(cfg, lp, lp, jnp.ones(2), jnp.ones((2, 3)), ref_logp_BT=lp - 0.3)
     assert float(rl.finalize_metrics(m)["policy/kl_ref"]) == pytest.approx(

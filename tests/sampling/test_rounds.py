@@ -2,6 +2,7 @@
 (which groups it keeps, where it stops, what it logs, how rounds of different prompt widths
 join)."""
 
+import dataclasses
 import types
 
 import jax
@@ -12,6 +13,7 @@ import pytest
 from jaxrl4llm import rl
 from jaxrl4llm.rewards.base import RewardBatch
 from jaxrl4llm.rl.metrics import finalize_metrics
+from jaxrl4llm.sampling.config import DynamicSampling
 from jaxrl4llm.sampling.frontend import Samples
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.rounds import Rounds, sample_and_score
@@ -80,7 +82,9 @@ def _ctx(verdicts, widths=(4,)):
 
 
 def _rounds(preset, **overrides):
-    return Rounds.for_algorithm(rl.get_preset(preset, **overrides))
+    """The rounds of --algorithm=preset (DynamicSampling follows it) with `overrides`."""
+    dynamic = dataclasses.replace(DynamicSampling.for_preset(preset), **overrides)
+    return Rounds.for_run(rl.get_preset(preset), dynamic)
 
 
 def _feed(batches):

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from jax._src import dispatch
 
-from jaxrl4llm import rl
 from jaxrl4llm.train import loop
 from jaxrl4llm.train.infra.metrics import read_metrics
 
@@ -35,8 +34,14 @@ def test_dynamic_sampling_recompiles_nothing_and_stops_at_the_cap(
     rounds: each step's batch is P x G rows whatever the rounds. A random policy copies the
     digit with p ~ 1/32, so at G = 4 about 1 group in 9 has a correct sample and the cap of 2
     extra rounds is hit."""
-    algorithm = rl.get_preset("dapo", max_resample_rounds=2)
-    first = _config(toy_model_dir, copy_task_file, tmp_path / "a", algorithm=algorithm, num_steps=1)
+    first = _config(
+        toy_model_dir,
+        copy_task_file,
+        tmp_path / "a",
+        algorithm="dapo",
+        max_resample_rounds=2,
+        num_steps=1,
+    )
     loop.run(first, devices=_one_device())
     assert compiles, "the listener saw no compilation: the count below would prove nothing"
     compiles.clear()
@@ -58,9 +63,7 @@ def test_resume_with_extra_rounds_or_greedy_rows_equals_an_uninterrupted_run(
 ):
     """Dynamic sampling draws extra prompts from the data iterator and ReMax extra greedy rows;
     a run killed and resumed from its checkpoint still reproduces the straight run exactly."""
-    kwargs = dict(
-        num_steps=3, checkpoint_every=1, algorithm=rl.get_preset(preset, max_resample_rounds=2)
-    )
+    kwargs = dict(num_steps=3, checkpoint_every=1, algorithm=preset, max_resample_rounds=2)
     straight = loop.run(
         _config(toy_model_dir, copy_task_file, tmp_path / "a", **kwargs), devices=_one_device()
     )

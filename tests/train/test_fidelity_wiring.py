@@ -15,7 +15,7 @@ from jaxrl4llm.train.update.state import OptimizerConfig
 
 
 def test_log_kl_ref_loads_the_reference_only_when_on(toy_model_dir, copy_task_file, tmp_path):
-    def run(name, **algorithm):
+    def run(name, **update):
         config = TrainConfig().replace(
             model=toy_model_dir,
             data=copy_task_file,
@@ -24,7 +24,7 @@ def test_log_kl_ref_loads_the_reference_only_when_on(toy_model_dir, copy_task_fi
             group_size=4,
             max_prompt_tokens=16,
             max_new_tokens=1,
-            algorithm=rl.get_preset("reinforce", **algorithm),
+            algorithm="reinforce",
             optimizer=OptimizerConfig(learning_rate=1e-2),
             num_steps=2,
             mesh="data:1,fsdp:1,tensor:1",
@@ -33,6 +33,7 @@ def test_log_kl_ref_loads_the_reference_only_when_on(toy_model_dir, copy_task_fi
             workdir=str(tmp_path / name),
             answer_mode="lenient",
             trackers="",
+            **update,
         )
         return loop.run(config, devices=jax.devices()[:1]), read_metrics(str(tmp_path / name))
 

@@ -163,7 +163,7 @@ class TrainConfig:
     @property
     def needs_reference(self) -> bool:
         a = self.algorithm
-        return (a.kl_coef > 0 and a.kl_in is not None) or a.log_kl_ref
+        return (a.kl_coef > 0 and a.kl_in is not None) or self.update.log_kl_ref
 
     @property
     def needs_critic(self) -> bool:
@@ -293,7 +293,9 @@ class TrainConfig:
         nested)."""
         data = json.loads(text)
         if not isinstance(data.get("model"), str):
+            _move_trainer_knobs(data)
             return options.from_dict(cls, data)
+        data.update({k: data["algorithm"].pop(k) for k in _TRAINER_KNOBS if k in data["algorithm"]})
         algorithm = options.from_dict(rl.AlgorithmConfig, data.pop("algorithm"))
         optimizer = options.from_dict(OptimizerConfig, data.pop("optimizer"))
         known = options.option_map(cls)
@@ -302,3 +304,24 @@ class TrainConfig:
             optimizer=optimizer,
             **{k: v for k, v in data.items() if k in known},
         )
+
+
+# Knobs that algorithm held in config.json before they moved to the trainer's groups:
+# {knob: the path of its group now}.
+_TRAINER_KNOBS = {
+    "dynamic_sampling": ("rollout", "dynamic"),
+    "max_resample_rounds": ("rollout", "dynamic"),
+    "log_kl_ref": ("update",),
+}
+
+
+def _move_trainer_knobs(data: dict[str, Any]) -> None:
+    """A config.json written when these knobs were the algorithm's: moved to their groups, so
+    that a DAPO run resumes with its dynamic sampling."""
+    algorithm = data.get("algorithm", {})
+    for knob, path in _TRAINER_KNOBS.items():
+        if knob in algorithm:
+            node = data
+            for name in path:
+                node = node.setdefault(name, {})
+            node.setdefault(knob, algorithm.pop(knob))

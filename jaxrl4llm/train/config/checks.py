@@ -142,6 +142,7 @@ def _validate_values(config: TrainConfig) -> None:
     )
     require(r.prompts_per_step >= 1, "--prompts_per_step must be >= 1.")
     require(r.group_size >= 1, "--group_size must be >= 1.")
+    _validate_dynamic_sampling(r)
     require(
         r.max_new_tokens >= 1 and r.max_prompt_tokens >= 1,
         "--max_new_tokens and --max_prompt_tokens must be >= 1.",
@@ -181,6 +182,14 @@ def _validate_values(config: TrainConfig) -> None:
         r.decode_slots >= 0,
         f"--decode_slots={r.decode_slots} must be >= 0 (0: every "
         "row at once, finished rows compacted away).",
+    )
+
+
+def _validate_dynamic_sampling(r: RolloutConfig) -> None:
+    require(
+        not (r.dynamic.dynamic_sampling and r.group_size < 2),
+        "--dynamic_sampling keeps groups with both correct and wrong samples; it needs "
+        f"--group_size >= 2, got {r.group_size}.",
     )
 
 
@@ -366,7 +375,7 @@ def _validate_partial(config: TrainConfig, num_hosts: int) -> None:
     unsupported = [
         flag
         for flag, on in (
-            ("--dynamic_sampling", a.dynamic_sampling),
+            ("--dynamic_sampling", r.dynamic.dynamic_sampling),
             ("--advantage=remax", a.advantage == "remax"),
             ("--norecompute_old_logprobs", not config.update.recompute_old_logprobs),
         )

@@ -84,6 +84,8 @@ class UpdateConfig:
         sampler's logprobs).
     max_nonfinite_steps: Consecutive steps whose every update had a NaN / inf loss or
         gradient (skipped, the state kept) after which the run stops with an error.
+    log_kl_ref: Log the KL to the reference (policy/kl_ref, --kl_estimator) even when no KL
+        term is in the loss or reward; loads the reference model.
     """
 
     mini_batch_size: int = 0
@@ -93,6 +95,7 @@ class UpdateConfig:
     ppo_epochs: int = 1
     recompute_old_logprobs: bool = True
     max_nonfinite_steps: int = 3
+    log_kl_ref: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

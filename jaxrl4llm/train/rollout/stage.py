@@ -79,7 +79,7 @@ def rollout(
             records,
             key,
             config.rollout.layout,
-            Rounds.for_algorithm(config.algorithm),
+            Rounds.for_run(config.algorithm, config.rollout.dynamic),
             next_records,
         )
     t0 = time.perf_counter()
