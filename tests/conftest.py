@@ -29,8 +29,9 @@ def _deterministic_seeds():
 TOY_WORDS = ["copy", "answer", "is"] + [str(d) for d in range(10)]
 
 
-def build_toy_model(path, seed: int = 0):
-    """Writes a HF folder (config.json, model.safetensors, tokenizer) for trainer tests.
+def build_toy_model(path, seed: int = 0, **config_overrides):
+    """Writes a HF folder (config.json, model.safetensors, tokenizer) for trainer tests;
+    `config_overrides` replace ModelConfig fields (e.g. a mixture of experts).
 
     Vocabulary: specials, chat roles, a few words and the digits 0-9; a prompt "copy 3" with
     the answer "3" is a task a random policy almost never solves (p ~ 1/V).
@@ -70,6 +71,7 @@ def build_toy_model(path, seed: int = 0):
         max_position_embeddings=64,
         eos_token_ids=(vocab["<|im_end|>"],),
         pad_token_id=vocab["<pad>"],
+        **config_overrides,
     )
     params = transformer.init_params(config, jax.random.key(seed))
     weights.export_hf(params, config, str(path), tokenizer=hf)

@@ -104,7 +104,7 @@ def expert_mlp(
     y_AD = lax.ragged_dot(h_AF, down, sizes_G, preferred_element_type=_F32)
     # Back to token order; rows past the groups are not defined by ragged_dot: masked.
     unsort_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(M * K, dtype=order_A.dtype))
-    y_MKD = y_AD[unsort_A].reshape(M, K, -1)
+    y_MKD = y_AD[unsort_A].reshape(M, K, down.shape[-1])  # (not -1: M may be 0)
     y_MKD = jnp.where(held_A.reshape(M, K, 1), y_MKD, 0.0)
     return jnp.sum(y_MKD * weights_MK.astype(_F32)[..., None], axis=1)
 
