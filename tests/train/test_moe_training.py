@@ -14,16 +14,7 @@ from tests.train.test_loop import _accuracy, _config, _one_device
 
 # 4 experts of width 32 in both layers, each token routed to 2 with renormalised weights
 # (Qwen3-MoE's rule). Models mixing dense and MoE layers: tests/models/test_moe.py.
-TOY_MOE = dict(
-    model_type="qwen3_moe",
-    qk_norm=True,
-    moe=MoeConfig(
-        num_experts=4,
-        experts_per_token=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
-    ),
-)
+TOY_MOE = dict(model_type="qwen3_moe", qk_norm=True, moe=MoeConfig(4, 2, 32, norm_topk_prob=True))
 
 
 @pytest.fixture(scope="module")
