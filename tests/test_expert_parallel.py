@@ -177,3 +177,29 @@ def test_decode_loop_moves_no_weight_and_keeps_experts_split(mesh_spec):
     assert once and all(op.kind == "all-gather" and op.executions == 1 for op in once)
     # Gathered over fsdp only: each device keeps its own experts (E / expert of them).
     assert sum(op.bytes for op in once) == _gathered_bytes(mesh)
+
+
+def test_the_routing_record_on_a_mesh_equals_one_devices():
+    """The sampler's routing record (routing replay), its rows over the batch axes and the
+    experts split over `expert`, holds the one-device run's tokens and experts."""
+    params = _params(MOE)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+    run = functools.partial(
+        sampler.generate,
+        model_config=MOE,
+        prompts=prompts,
+        sampling=SamplingConfig(1.0),
+        max_new_tokens=5,
+        key=jax.random.key(3),
+        n=2,
+        stop_ids=(),
+        record_routing=True,
+    )
+    one = run(params)
+    mesh = parallel.make_mesh("data:2,fsdp:2,expert:2", jax.devices()[:8])
+    many = run(parallel.shard_pytree(params, T.param_logical_axes(MOE), mesh), mesh=mesh)
+    np.testing.assert_array_equal(many.tokens_BT, one.tokens_BT)
+    for name in ("prompt_experts_BPLK", "experts_BTLK"):
+        np.testing.assert_array_equal(
+            np.sort(getattr(many, name), -1), np.sort(getattr(one, name), -1), err_msg=name
+        )

@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logits_BV = jax.random.normal(jax.random.key(1), (B, V), jnp.float32)
 
     def step(params, token_B, position_B, cache, index, keys_B):
-        logits_BV, cache = decode.decode_step(params, config, token_B, position_B, cache, index)
+        logits_BV, cache, _ = decode.decode_step(params, config, token_B, position_B, cache, index)
         return strategies.sample(logits_BV, keys_B, sampling), cache
 
     def layers(params, token_B, position_B, cache, index):

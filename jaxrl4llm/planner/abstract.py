@@ -92,13 +92,30 @@ def count(tree: Any) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
 
 
-def sequences(mesh: Mesh, B: int, P: int, T: int) -> Sequences:
-    """B rollout rows of P prompt and T completion columns."""
-    return Sequences(
+def sequences(
+    mesh: Mesh,
+    B: int,
+    P: int,
+    T: int,
+    record: tuple[int, int] | None = None,
+    replay: bool = False,
+) -> Sequences:
+    """B rollout rows of P prompt and T completion columns; with `record` (MoE layers,
+    experts per token: StepPrograms.routing_record) the sampler's routing record beside
+    them, run by the passes with `replay`."""
+    seqs = Sequences(
         prompt_tokens_BP=rows(mesh, (B, P), jnp.int32),
         prompt_mask_BP=rows(mesh, (B, P), bool),
         completion_tokens_BT=rows(mesh, (B, T), jnp.int32),
         completion_mask_BT=rows(mesh, (B, T), bool),
+    )
+    if record is None:
+        return seqs
+    L, K = record
+    return seqs.replace(
+        prompt_experts_BPLK=rows(mesh, (B, P, L, K), jnp.uint8),
+        experts_BTLK=rows(mesh, (B, T, L, K), jnp.uint8),
+        replay=replay,
     )
 
 

@@ -336,8 +336,10 @@ def sample_row(s: Setup) -> tuple[Row, Rollout]:
 
 
 def lower_logprobs(s: Setup, B: int, P: int, T: int) -> Any:
-    """The teacher-forced logprobs of B rows of P prompt and T completion columns."""
-    seqs = abs_lib.sequences(s.mesh, B, P, T)
+    """The teacher-forced logprobs of B rows of P prompt and T completion columns (with
+    --routing_replay, the old-policy pass's: the routing record beside them)."""
+    replay = s.config.router.routing_replay
+    seqs = abs_lib.sequences(s.mesh, B, P, T, s.programs.routing_record if replay else None)
     return s.programs.logprobs(B).lower(s.params, seqs=seqs)
 
 
@@ -389,7 +391,9 @@ def mini_batch(s: Setup, P: int, N: int) -> UpdateBatch:
     """One mini-batch of the rollout's rows (P prompt, N completion columns) as the update
     receives it."""
     c, M = s.config, s.config.mini_batch
-    seqs: Sequences = abs_lib.sequences(s.mesh, M, P, N)
+    seqs: Sequences = abs_lib.sequences(
+        s.mesh, M, P, N, s.programs.routing_record, c.router.routing_replay
+    )
     adv = jax.eval_shape(
         functools.partial(rl.compute_advantages, c.algorithm, group_size=c.rollout.group_size),
         jax.ShapeDtypeStruct((M,), jnp.float32),

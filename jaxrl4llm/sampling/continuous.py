@@ -364,7 +364,7 @@ class _SlotLoop:
         )
         keys_J = queue.row_keys_B[row_J]
         greedy_J = None if queue.greedy_B is None else queue.greedy_B[row_J]
-        tok_J, lp_J, cache = decode.prefill_first_tokens(
+        tok_J, lp_J, cache, _ = decode.prefill_first_tokens(
             self.params,
             self.model_config,
             prompt_BP[row_J[::group]],

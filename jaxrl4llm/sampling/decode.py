@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl4llm import parallel
-from jaxrl4llm.models import decoder_layer, kv_cache, lora, transformer, unembedding
+from jaxrl4llm.models import decoder_layer, kv_cache, lora, moe, transformer, unembedding
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import strategies
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -55,6 +55,18 @@ def cache_dtype_of(compute_dtype: Any, backend: str | None = None) -> Any:
     return jnp.float32 if backend == "cpu" else jnp.dtype(compute_dtype)
 
 
+def routed_experts(routing: moe.Routing | None) -> jax.Array | None:
+    """The experts a pass's tokens ran, [B, T, L_moe, K] in the smallest integer dtype that
+    holds the expert ids (uint8 up to 256 experts): what the sampler records for routing
+    replay (rows first, so they slice, chunk and gather like the tokens). None: dense."""
+    if routing is None:
+        return None
+    experts_LBTK = routing.experts_BTK
+    num_experts = routing.logits_BTE.shape[-1]
+    dtype = jnp.uint8 if num_experts <= 256 else jnp.int16
+    return jnp.moveaxis(experts_LBTK, 0, 2).astype(dtype)
+
+
 def prefill(
     params: Any,
     model_config: ModelConfig,
@@ -62,15 +74,17 @@ def prefill(
     prompt_mask_BP: jax.Array,
     cache: kv_cache.KVCache,
     sharding: parallel.ActivationSharding | None = None,
-) -> tuple[jax.Array, kv_cache.KVCache]:
+) -> tuple[jax.Array, kv_cache.KVCache, jax.Array | None]:
     """Writes the left-padded prompt block into cache slots [0, P); returns the logits of each
-    row's last prompt token [B, V] (only that column is unembedded) and the cache."""
+    row's last prompt token [B, V] (only that column is unembedded), the cache and the
+    prompt tokens' experts (routed_experts; None in a dense model)."""
     positions_BP = transformer.positions_from_mask(prompt_mask_BP)
-    h_BPD, new_cache = transformer.hidden_states(
+    h_BPD, new_cache, routing = transformer.routed_hidden_states(
         params, model_config, prompt_BP, positions_BP, prompt_mask_BP, cache, 0, sharding=sharding
     )
     assert new_cache is not None  # hidden_states returns the cache it is given, updated
-    return unembedding.unembed(params, model_config, h_BPD[:, -1:], sharding)[:, 0], new_cache
+    logits_BV = unembedding.unembed(params, model_config, h_BPD[:, -1:], sharding)[:, 0]
+    return logits_BV, new_cache, routed_experts(routing)
 
 
 def prefill_first_tokens(
@@ -83,19 +97,24 @@ def prefill_first_tokens(
     sampling: SamplingConfig,
     greedy_B: jax.Array | None,
     sharding: parallel.ActivationSharding | None = None,
-) -> tuple[jax.Array, jax.Array, kv_cache.KVCache]:
+) -> tuple[jax.Array, jax.Array, kv_cache.KVCache, jax.Array | None]:
     """Prefills each group's prompt once (G prompts, cache of G rows) for B = G * g rows
     (rows [i*g, (i+1)*g) continue prompt i), copies its cache rows and logits to its g rows
     and samples every row's first completion token with fold_in(row_key, 0): returns
-    (tokens [B], logprobs [B], the cache of B rows)."""
+    (tokens [B], logprobs [B], the cache of B rows, the prompt tokens' experts [B, P, L, K]
+    or None in a dense model)."""
     B = keys_B.shape[0]
     group = B // prompt_GP.shape[0]
-    logits_BV, cache = prefill(params, model_config, prompt_GP, prompt_mask_GP, cache, sharding)
+    logits_BV, cache, experts = prefill(
+        params, model_config, prompt_GP, prompt_mask_GP, cache, sharding
+    )
     if group > 1:
-        logits_BV, cache = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0), (logits_BV, cache))
+        logits_BV, cache, experts = jax.tree.map(
+            lambda x: jnp.repeat(x, group, axis=0), (logits_BV, cache, experts)
+        )
     first_keys_B = jax.vmap(jax.random.fold_in)(keys_B, jnp.zeros((B,), jnp.uint32))
     tok_B, lp_B = strategies.sample(logits_BV, first_keys_B, sampling, greedy_B)
-    return tok_B, lp_B, cache
+    return tok_B, lp_B, cache, experts
 
 
 # The named scope of the weights' layout change before the loops: its collectives are the
@@ -159,10 +178,11 @@ def decode_step(
     cache: kv_cache.KVCache,
     cache_index: jax.Array,
     sharding: parallel.ActivationSharding | None = None,
-) -> tuple[jax.Array, kv_cache.KVCache]:
-    """Feeds one token per row at slot `cache_index`; returns (next-token logits [B, V], cache)."""
+) -> tuple[jax.Array, kv_cache.KVCache, jax.Array | None]:
+    """Feeds one token per row at slot `cache_index`; returns (next-token logits [B, V], cache,
+    the fed tokens' experts [B, 1, L, K] or None in a dense model)."""
     B = token_B.shape[0]
-    h_B1D, new_cache = transformer.hidden_states(
+    h_B1D, new_cache, routing = transformer.routed_hidden_states(
         params,
         model_config,
         token_B[:, None],
@@ -173,7 +193,8 @@ def decode_step(
         sharding=sharding,
     )
     assert new_cache is not None  # hidden_states returns the cache it is given, updated
-    return unembedding.unembed(params, model_config, h_B1D, sharding)[:, 0], new_cache
+    logits_BV = unembedding.unembed(params, model_config, h_B1D, sharding)[:, 0]
+    return logits_BV, new_cache, routed_experts(routing)
 
 
 def slot_decode_step(
@@ -256,6 +277,10 @@ class LoopState(flax.struct.PyTreeNode):
     slot_steps: jax.Array  # int32: sum over decode steps of the slots computed
     greedy_S: jax.Array | None = None  # rows that decode greedily (ReMax's baseline row)
     cap_S: jax.Array | None = None  # the row's own token limit (<= max_new_tokens)
+    # Routing record (a mixture of experts, when asked): the prompt tokens' experts and each
+    # completion token's, column t written when token t is fed (the last token never is).
+    prompt_experts_RPLK: jax.Array | None = None
+    experts_RTLK: jax.Array | None = None
 
 
 def live(s: LoopState) -> jax.Array:
@@ -333,9 +358,11 @@ def decode(
 def _write(
     buf_RT: jax.Array, row_S: jax.Array, step: jax.Array, x_S: jax.Array, in_place: bool
 ) -> jax.Array:
-    """buf_RT with each slot's x written at its row's column `step`."""
+    """buf_RT with each slot's x (a scalar or an array per slot) written at its row's column
+    `step`."""
     if in_place:
-        return jax.lax.dynamic_update_slice(buf_RT, x_S[:, None], (0, step))
+        start = (0, step) + (0,) * (x_S.ndim - 1)
+        return jax.lax.dynamic_update_slice(buf_RT, x_S[:, None], start)
     return buf_RT.at[row_S, step].set(x_S)
 
 
@@ -353,9 +380,14 @@ def _decode_body(
 ) -> LoopState:
     """One decode step of every slot. Finished rows still in a slot keep feeding tokens
     (harmless: they only attend to themselves) and write pad / 0 at their own row."""
-    logits_SV, cache = decode_step(
+    logits_SV, cache, experts_S1LK = decode_step(
         params, model_config, s.last_S, s.position_S, s.cache, prompt_len + s.step - 1, sharding
     )
+    if s.experts_RTLK is not None:  # the fed token is completion token step - 1
+        assert experts_S1LK is not None  # recorded only for a mixture of experts
+        s = s.replace(
+            experts_RTLK=_write(s.experts_RTLK, s.row_S, s.step - 1, experts_S1LK[:, 0], in_place)
+        )
     keys_S = jax.vmap(jax.random.fold_in)(s.keys_S, jnp.full(s.row_S.shape, s.step, jnp.uint32))
     tok_S, lp_S = strategies.sample(logits_SV, keys_S, sampling, s.greedy_S)
     live_S = live(s)

@@ -63,7 +63,8 @@ class Sampler:
     multiple of its data-parallel size. `kv_cache_tokens` (not None): the paged engine
     (paged.py), a pool of that many tokens of KV (0: every row of a call at full length),
     groups admitted as its pages free, at most `max_rows` rows decoding at once (the same
-    samples).
+    samples). `record_routing`: a mixture of experts' samples carry each token's experts
+    (SampleOutput.prompt_experts_BPLK / experts_BTLK; routing replay).
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class Sampler:
         compact: bool = True,
         decode_slots: int = 0,
         kv_cache_tokens: int | None = None,
+        record_routing: bool = False,
     ):
         if long_prompts not in LONG_PROMPT_MODES:
             raise ValueError(f"long_prompts={long_prompts!r} must be one of {LONG_PROMPT_MODES}.")
@@ -107,6 +109,7 @@ class Sampler:
         self.compact = compact
         self.decode_slots = decode_slots
         self.kv_cache_tokens = kv_cache_tokens
+        self.record_routing = record_routing
 
     def shard_params(self, params: Any) -> Any:
         """Places params on the sampler's mesh (a no-op without one)."""
@@ -178,6 +181,7 @@ class Sampler:
             decode_slots=self.decode_slots,
             row_caps=row_caps,
             kv_cache_tokens=self.kv_cache_tokens,
+            record_routing=self.record_routing,
             **self._row_settings(),
         )
 

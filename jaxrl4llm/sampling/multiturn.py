@@ -37,9 +37,15 @@ from jax.sharding import Mesh
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import buckets, sampler, turn_programs
+from jaxrl4llm.sampling import buckets, turn_programs
 from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.sampling.row_io import PromptRows, RowRequest, place_inputs, prompt_rows
+from jaxrl4llm.sampling.row_io import (
+    PromptRows,
+    RowRequest,
+    place_inputs,
+    prompt_rows,
+    stop_id_array,
+)
 from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.sampling.turn_programs import TurnState, chunk_length, stop_sequence_array
@@ -439,7 +445,7 @@ def generate_turns(
         limits,
         sampling,
         budget,
-        stop_ids_S=sampler.stop_id_array(stop_ids),
+        stop_ids_S=stop_id_array(stop_ids),
         pad_id=pad_id,
         prompt_group=inputs.prompt_group,
         mesh=mesh,

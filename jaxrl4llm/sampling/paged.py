@@ -309,7 +309,7 @@ class _Engine:
         cache = kv_cache.init_kv_cache(
             self.model_config, J, q.prompt_BP.shape[1], s.pending.cache.k_BKHS[0].dtype
         )
-        logits_JV, cache = decode.prefill(
+        logits_JV, cache, _ = decode.prefill(
             self.params,
             self.model_config,
             q.prompt_BP[group_J * G],

@@ -95,8 +95,12 @@ def _take(part: ScoredRows, rows: np.ndarray) -> ScoredRows:
     )
 
 
-def _left_pad(x: jax.Array | np.ndarray, width: int, value: Any) -> np.ndarray:
-    return np.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=value)
+def _left_pad(x: Any, width: int, value: Any) -> Any:
+    """[B, P, ...] -> [B, width, ...], padded on the left (None stays None)."""
+    if x is None:
+        return None
+    pad = ((0, 0), (width - x.shape[1], 0)) + ((0, 0),) * (np.ndim(x) - 2)
+    return np.pad(x, pad, constant_values=value)
 
 
 def _concat(parts: Sequence[ScoredRows], pad_id: int) -> ScoredRows:
@@ -108,6 +112,7 @@ def _concat(parts: Sequence[ScoredRows], pad_id: int) -> ScoredRows:
         p.samples.out.replace(
             prompt_tokens_BP=_left_pad(p.samples.out.prompt_tokens_BP, width, pad_id),
             prompt_mask_BP=_left_pad(p.samples.out.prompt_mask_BP, width, False),
+            prompt_experts_BPLK=_left_pad(p.samples.out.prompt_experts_BPLK, width, 0),
         )
         for p in parts
     ]

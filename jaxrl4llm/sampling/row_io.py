@@ -26,6 +26,7 @@ from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import buckets
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.sample_output import SampleOutput
+from jaxrl4llm.sampling.strategies import SamplingConfig
 
 
 @jax.jit
@@ -282,3 +283,33 @@ def host_rows(x: jax.Array, num_rows: int) -> np.ndarray:
     block = full.shape[0] // jax.process_count()
     start = jax.process_index() * block
     return full[start : start + num_rows]
+
+
+def check_generate_args(
+    num_rows: int, sampling: Any, max_new_tokens: Any, row_caps: Sequence[int] | None
+) -> None:
+    if row_caps is not None:
+        caps = np.asarray(row_caps)
+        if (
+            caps.shape != (num_rows,)
+            or not np.issubdtype(caps.dtype, np.integer)
+            or caps.min(initial=1) < 1
+            or caps.max(initial=1) > max_new_tokens
+        ):
+            raise ValueError(
+                f"row_caps must hold len(prompts) * n = {num_rows} ints "
+                f"in 1..max_new_tokens={max_new_tokens}; got shape {caps.shape}, "
+                f"dtype {caps.dtype}."
+            )
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}.")
+
+
+def stop_id_array(stop_ids: Sequence[int]) -> np.ndarray:
+    """Stop ids as an int32 array padded with -1 to a multiple of 8 (few distinct shapes)."""
+    ids = sorted({int(s) for s in stop_ids})
+    out = np.full(8 * max(1, -(-len(ids) // 8)), -1, np.int32)
+    out[: len(ids)] = ids
+    return out

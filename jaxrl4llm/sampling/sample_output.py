@@ -35,6 +35,10 @@ class SampleOutput(flax.struct.PyTreeNode):
     observation_BT bool or None: multi-turn rollouts (multiturn.py): the observation tokens
                    appended between model turns: in the sequence, off mask_BT (no logprob,
                    off the loss). None: single-turn (every real token is the model's).
+    prompt_experts_BPLK / experts_BTLK   a mixture of experts' routing record (the sampler
+                   asked to record it), else None: the experts [L_moe, K] each prompt token
+                   and each completion token ran; completion column t is written when token
+                   t is fed, so the last token's is 0 (no logprob reads it).
     """
 
     tokens_BT: jax.Array
@@ -49,6 +53,8 @@ class SampleOutput(flax.struct.PyTreeNode):
     slot_steps: jax.Array | None = None
     observation_BT: jax.Array | None = None
     engine_stats: Any = None
+    prompt_experts_BPLK: jax.Array | None = None
+    experts_BTLK: jax.Array | None = None
 
     @property
     def num_dropped(self) -> int:
@@ -63,6 +69,7 @@ class SampleOutput(flax.struct.PyTreeNode):
             logprobs_BT=trim.cut_columns(self.logprobs_BT, length),
             mask_BT=trim.cut_columns(self.mask_BT, length),
             observation_BT=trim.cut_columns(self.observation_BT, length),
+            experts_BTLK=trim.cut_columns(self.experts_BTLK, length),
         )
 
     @property

@@ -47,10 +47,12 @@ from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.row_io import (
     RowRequest,
     batch_multiple,
+    check_generate_args,
     mark_dropped_rows,
     place_inputs,
     prompt_rows,
     rows_per_chunk,
+    stop_id_array,
 )
 from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -72,14 +74,6 @@ def cache_sharding(
     )
 
 
-def stop_id_array(stop_ids: Sequence[int]) -> np.ndarray:
-    """Stop ids as an int32 array padded with -1 to a multiple of 8 (few distinct shapes)."""
-    ids = sorted({int(s) for s in stop_ids})
-    out = np.full(8 * max(1, -(-len(ids) // 8)), -1, np.int32)
-    out[: len(ids)] = ids
-    return out
-
-
 class _Rows(flax.struct.PyTreeNode):
     """One block of rows of generate_tokens (the optional per-row inputs None when absent)."""
 
@@ -92,7 +86,14 @@ class _Rows(flax.struct.PyTreeNode):
 
 
 @functools.partial(
-    jax.jit, static_argnames=(*decode.STATIC_SETTINGS, "num_chunks", "cache_dtype", "compact")
+    jax.jit,
+    static_argnames=(
+        *decode.STATIC_SETTINGS,
+        "num_chunks",
+        "cache_dtype",
+        "compact",
+        "record_routing",
+    ),
 )
 def generate_tokens(
     params: Any,
@@ -114,6 +115,7 @@ def generate_tokens(
     greedy_B: jax.Array | None = None,
     compact: bool = True,
     row_caps_B: jax.Array | None = None,
+    record_routing: bool = False,
 ) -> SampleOutput:
     """The compiled sampler over one bucket. Rows must hold at least one prompt token
     (left-padded); inactive rows (batch padding, dropped prompts) produce nothing.
@@ -125,7 +127,9 @@ def generate_tokens(
     (default: decode.cache_dtype_for) is the KV cache's dtype. `greedy_B` (bool, optional): rows
     that decode greedily (see strategies.sample). `compact`: decode finished rows away in
     levels of halving batches (decode.py; not on a mesh). `row_caps_B` (int32, optional,
-    1..max_new_tokens): each row's own token limit; a row stopped by it is truncated."""
+    1..max_new_tokens): each row's own token limit; a row stopped by it is truncated.
+    `record_routing` (a mixture of experts): the output also holds the experts each prompt
+    and completion token ran (SampleOutput.prompt_experts_BPLK, experts_BTLK)."""
     _check_chunks(prompt_BP.shape[0], num_chunks, prompt_group)
     # Per-layer buffers in the decode matmuls' layout, made once here, not in every step.
     params, sharding, cache_dtype = decode.loop_setup(
@@ -142,6 +146,7 @@ def generate_tokens(
         prompt_group,
         cache_dtype,
         compact,
+        record_routing and bool(model_config.moe_layers),
     )
     rows = _Rows(prompt_BP, prompt_mask_BP, active_B, row_keys_B, greedy_B, row_caps_B)
     if num_chunks == 1:
@@ -195,6 +200,7 @@ class _Block:
     prompt_group: int
     cache_dtype: Any
     compact: bool
+    record_routing: bool = False
 
     def __call__(self, rows: _Rows) -> SampleOutput:
         state = decode.decode(
@@ -218,7 +224,7 @@ class _Block:
         N = self.max_new_tokens
         g = self.prompt_group
         cache = kv_cache.init_kv_cache(self.model_config, B // g, P + N - 1, self.cache_dtype)
-        tok_B, lp_B, cache = decode.prefill_first_tokens(
+        tok_B, lp_B, cache, prompt_experts = decode.prefill_first_tokens(
             self.params,
             self.model_config,
             rows.prompt_BP[::g],
@@ -251,6 +257,18 @@ class _Block:
             slot_steps=jnp.array(0, jnp.int32),
             greedy_S=rows.greedy_B,
             cap_S=rows.row_caps_B,
+            **(self._routing_record(prompt_experts, N) if self.record_routing else {}),
+        )
+
+    def _routing_record(self, prompt_experts_BPLK: Any, N: int) -> dict[str, jax.Array]:
+        """The loop state's routing record: the prompt's experts and an empty completion
+        record, laid out over the batch axes as the tokens are."""
+        B, _, L, K = prompt_experts_BPLK.shape
+        experts_BNLK = jnp.zeros((B, N, L, K), prompt_experts_BPLK.dtype)
+        rows = ("batch", None, None, None)
+        return dict(
+            prompt_experts_RPLK=parallel.constrain(prompt_experts_BPLK, rows, self.sharding),
+            experts_RTLK=parallel.constrain(experts_BNLK, rows, self.sharding),
         )
 
 
@@ -269,6 +287,8 @@ def _rows_output(state: decode.LoopState, rows: _Rows) -> SampleOutput:
         dropped_B=jnp.zeros((B,), bool),
         num_steps=state.step,
         slot_steps=state.slot_steps,
+        prompt_experts_BPLK=state.prompt_experts_RPLK,
+        experts_BTLK=state.experts_RTLK,
     )
 
 
@@ -288,6 +308,7 @@ def decode_program(
     cache_dtype: Any = None,
     kv_pages: int = 0,
     max_rows: int = 0,
+    record_routing: bool = False,
 ) -> Program:
     """The compiled decode of one bucket of rows as `generate` runs it (Program "sample"):
     generate_tokens (rows in `num_chunks` strided chunks of whole groups of `prompt_group`,
@@ -297,7 +318,9 @@ def decode_program(
     paged.PAGE_SIZE tokens; at most `max_rows` rows decoding at once, 0: every row).
     `greedy` / `row_caps`: the calls pass greedy_B / row_caps_B (else they are bound to
     None). `cache_dtype`: the KV cache's (default: the weights' compute dtype, float32 on
-    CPU; see decode.cache_dtype_for). Called, or lowered on abstract inputs, as
+    CPU; see decode.cache_dtype_for). `record_routing`: generate_tokens records each token's
+    experts (a mixture of experts; the other engines do not). Called, or lowered on abstract
+    inputs, as
 
         program(params, prompt_BP, prompt_mask_BP, active_B, row_keys_B, stop_ids_S, pad_id,
                 [greedy_B=...], [row_caps_B=...])
@@ -320,9 +343,8 @@ def decode_program(
         return Program("sample", paged.generate_paged, {**static, **rows})
     if decode_slots:
         return Program("sample", continuous.generate_slots, {**static, "slots": decode_slots})
-    return Program(
-        "sample", generate_tokens, {**static, "num_chunks": num_chunks, "compact": compact}
-    )
+    loop = {"num_chunks": num_chunks, "compact": compact, "record_routing": record_routing}
+    return Program("sample", generate_tokens, {**static, **loop})
 
 
 def generate(
@@ -349,6 +371,7 @@ def generate(
     decode_slots: int = 0,
     row_caps: Sequence[int] | None = None,
     kv_cache_tokens: int | None = None,
+    record_routing: bool = False,
 ) -> SampleOutput:
     """Samples `n` completions of each prompt (lists of token ids, unpadded), rows laid out
     as RowLayout(n, share_prompts) and the prompt options as row_io.RowRequest says
@@ -364,13 +387,13 @@ def generate(
     data-parallel size. A row stopped by its row_caps token limit reads as truncated_B
     unless that token is a stop token (e.g. tools/bench_rollout.py --length_mix).
     `kv_cache_tokens` (not None): the paged engine (paged.py), a pool of that many tokens (0:
-    every row at full length); `max_rows` then caps the rows decoding at once."""
-    if kv_cache_tokens is not None:
-        paged.check_engine(mesh, rules)
-    elif decode_slots:
-        continuous.check_slots(decode_slots, mesh, rules)
-        max_rows = None
-    _check_generate_args(len(prompts) * n, sampling, max_new_tokens, row_caps)
+    every row at full length); `max_rows` then caps the rows decoding at once.
+    `record_routing`: a mixture of experts' output holds each token's experts (routing
+    replay; the compacted sampler only: the other engines refuse it)."""
+    max_rows = None if decode_slots and kv_cache_tokens is None else max_rows
+    engine = (decode_slots, kv_cache_tokens, record_routing)
+    decoding = _Decoding(mesh, rules, max_rows, compact, *engine)
+    check_generate_args(len(prompts) * n, sampling, max_new_tokens, row_caps)
     request = RowRequest(
         RowLayout(n, share_prompts),
         max_new_tokens=max_new_tokens,
@@ -383,7 +406,6 @@ def generate(
         row_caps=row_caps,
     )
     stop_S = stop_id_array(model_config.eos_token_ids if stop_ids is None else stop_ids)
-    decoding = _Decoding(mesh, rules, max_rows, compact, decode_slots, kv_cache_tokens)
     return _generate(params, model_config, prompts, sampling, key, request, stop_S, decoding)
 
 
@@ -397,6 +419,19 @@ class _Decoding:
     compact: bool
     decode_slots: int
     kv_cache_tokens: int | None = None
+    record_routing: bool = False
+
+    def __post_init__(self):
+        """The engine's refusals (ValueError): its mesh, its slots, a routing record."""
+        if self.kv_cache_tokens is not None:
+            paged.check_engine(self.mesh, self.rules)
+        elif self.decode_slots:
+            continuous.check_slots(self.decode_slots, self.mesh, self.rules)
+        if self.record_routing and (self.decode_slots or self.kv_cache_tokens is not None):
+            raise ValueError(
+                "record_routing: only the compacted sampler records routing (not decode_slots "
+                "or kv_cache_tokens)."
+            )
 
     def paged_settings(
         self, rows: int, prompt_len: int, max_new_tokens: int, group: int
@@ -444,6 +479,7 @@ def _generate(
         decode_slots=decoding.decode_slots,
         greedy=rows.greedy_B is not None,
         row_caps=rows.caps_B is not None,
+        record_routing=decoding.record_routing,
         **decoding.paged_settings(B, P, request.max_new_tokens, rows.prompt_group),
     )
     raw = program(params, *inputs, stop_S, np.int32(request.pad_id), **optional)
@@ -453,25 +489,3 @@ def _generate(
         else raw
     )
     return mark_dropped_rows(out, rows.batch, mesh=mesh, rules=rules, multihost=multihost)
-
-
-def _check_generate_args(
-    num_rows: int, sampling: Any, max_new_tokens: Any, row_caps: Sequence[int] | None
-) -> None:
-    if row_caps is not None:
-        caps = np.asarray(row_caps)
-        if (
-            caps.shape != (num_rows,)
-            or not np.issubdtype(caps.dtype, np.integer)
-            or caps.min(initial=1) < 1
-            or caps.max(initial=1) > max_new_tokens
-        ):
-            raise ValueError(
-                f"row_caps must hold len(prompts) * n = {num_rows} ints "
-                f"in 1..max_new_tokens={max_new_tokens}; got shape {caps.shape}, "
-                f"dtype {caps.dtype}."
-            )
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")
-    if not isinstance(sampling, SamplingConfig):
-        raise TypeError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}.")

@@ -163,7 +163,7 @@ def prefill(
     cache = kv_cache.init_kv_cache(
         model_config, B // group, P + N + chunk, decode.cache_dtype_for(weights)
     )
-    tok_B, lp_B, cache = decode.prefill_first_tokens(
+    tok_B, lp_B, cache, _ = decode.prefill_first_tokens(
         weights,
         model_config,
         prompt_BP[::group],

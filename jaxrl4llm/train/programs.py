@@ -63,6 +63,15 @@ class StepPrograms:
     def num_micro(self) -> int:
         return self.config.mini_batch // self.config.micro_batch
 
+    @property
+    def routing_record(self) -> tuple[int, int] | None:
+        """(MoE layers, experts per token) of the sampler's routing record, which a mixture
+        of experts' compacted single-turn rollouts keep (TrainConfig.records_routing); None
+        when there is none."""
+        if not (self.model_config.moe_layers and self.config.records_routing):
+            return None
+        return len(self.model_config.moe_layers), self.model_config.moe.experts_per_token
+
     # -- settings that follow from a batch's rows ----------------------------------------
 
     def teacher_forced_chunks(self, rows: int) -> tuple[int, int]:
@@ -123,6 +132,7 @@ class StepPrograms:
             cache_dtype=cache_dtype,
             kv_pages=paged_settings.get("kv_pages", 0),
             max_rows=paged_settings.get("max_rows", 0),
+            record_routing=self.routing_record is not None,
         )
 
     def logprobs(self, rows: int) -> Program:
@@ -175,7 +185,13 @@ class StepPrograms:
         micro-batches' completion lengths, --micro_batch_length_classes)."""
         lora = self.config.lora if self.config.lora.enabled else None
         static = self._update_static(prompt_group, self.config.optimizer)
-        static.update(temperature=self.temperature, lora=lora, length_classes=length_classes)
+        router = self.config.router
+        static.update(
+            temperature=self.temperature,
+            lora=lora,
+            length_classes=length_classes,
+            router_coefs=(router.router_aux_loss_coef, router.router_z_loss_coef),
+        )
         return Program("policy_update", step.train_step, static)
 
     def critic_update(self, prompt_group: int) -> Program:

@@ -26,7 +26,7 @@ from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.rewards import RewardFn
 from jaxrl4llm.sampling import buckets
 from jaxrl4llm.sampling.context import RolloutContext
-from jaxrl4llm.train.config import TrainConfig, param_dtype
+from jaxrl4llm.train.config import TrainConfig, checks, param_dtype
 from jaxrl4llm.train.infra import metrics as metrics_lib
 from jaxrl4llm.train.infra.checkpoint import Checkpointer, abstract_like
 from jaxrl4llm.train.infra.resume import check_resume
@@ -122,6 +122,7 @@ def setup(config: TrainConfig, devices: list) -> tuple[Models, Services]:
         config.data,
         config.rollout,
         turn_handlers=env_service,
+        record_routing=StepPrograms(config, loaded.model_config, mesh).routing_record is not None,
     )
     checkpointer = Checkpointer(
         paths.join(workdir, "checkpoints"), run.checkpoint_every, run.keep_checkpoints
@@ -206,6 +207,7 @@ def _load_models(config: TrainConfig, mesh: Mesh) -> LoadedModels:
     model_config = config.model.compute_config(model_config)  # --compute_dtype
     with flag_errors():  # LoRA targets the model's layers lack (a MoE's dense MLP)
         lora_lib.check_model(model_config, config.lora)
+        checks.check_router(config, model_config)  # router flags on a dense model
     lora = config.lora if config.lora.enabled else None
     if lora is not None:
         # The base is frozen outside the state (never donated): it is the reference too.

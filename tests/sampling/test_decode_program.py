@@ -93,6 +93,7 @@ def test_generate_runs_the_program_a_planner_lowers(tiny, monkeypatch, case):
         mesh=mesh,
         rules=parallel.DEFAULT_RULES,
         compact=True,
+        record_routing=False,  # a dense model: no routing record
         **planned_settings,
     )
     assert built[0][0] == settings

@@ -145,12 +145,12 @@ def test_cache_parity_with_mixed_left_padding(tiny, window):
     @jax.jit
     def incremental(params):
         cache = kv_cache.init_kv_cache(config, 4, P + steps - 1)
-        logits, cache = sampler.prefill(params, config, batch.prompt_BP, batch.mask_BP, cache)
+        logits, cache, _ = sampler.prefill(params, config, batch.prompt_BP, batch.mask_BP, cache)
         out = [logits]
         pos_B = batch.mask_BP.sum(1)
         for t in range(steps - 1):
             tok_B = jnp.concatenate([cont_BT[:, t], jnp.zeros((1,), int)])
-            logits, cache = sampler.decode_step(params, config, tok_B, pos_B + t, cache, P + t)
+            logits, cache, _ = sampler.decode_step(params, config, tok_B, pos_B + t, cache, P + t)
             out.append(logits)
         return jnp.stack(out, axis=1)[:3]
 

@@ -37,6 +37,7 @@ from jaxrl4llm.train.config.groups import (
     DTYPES,
     CriticOptions,
     ModelOptions,
+    RouterConfig,
     RunConfig,
     UpdateConfig,
 )
@@ -104,6 +105,7 @@ class TrainConfig:
         choices={"schedule": SCHEDULES},
     )
     update: UpdateConfig = group(UpdateConfig)
+    router: RouterConfig = group(RouterConfig)
     lora: LoraConfig = group(
         LoraConfig,
         flags={
@@ -164,6 +166,14 @@ class TrainConfig:
     def needs_reference(self) -> bool:
         a = self.algorithm
         return (a.kl_coef > 0 and a.kl_in is not None) or self.update.log_kl_ref
+
+    @property
+    def records_routing(self) -> bool:
+        """Whether the rollout's sampler records a mixture of experts' routing (routing replay
+        and the router/flip_frac metric): the compacted single-turn sampler does, the
+        others cannot (--routing_replay is refused with them)."""
+        r = self.rollout
+        return not (r.paged or r.env or r.partial_rollout_tokens)
 
     @property
     def needs_critic(self) -> bool:

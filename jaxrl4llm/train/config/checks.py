@@ -16,12 +16,13 @@ from jaxrl4llm.config import options, paths
 from jaxrl4llm.config.errors import DependencyError, flag_errors
 from jaxrl4llm.config.options import require
 from jaxrl4llm.data import prompts
+from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.rewards.shaping import SCALES
 from jaxrl4llm.sampling import paged, rounds
 from jaxrl4llm.sampling.buckets import LONG_PROMPT_MODES
 from jaxrl4llm.sampling.config import ROLLOUT_ENGINES, RolloutConfig
 from jaxrl4llm.train.config import TrainConfig
-from jaxrl4llm.train.config.groups import DTYPES, PACKAGES
+from jaxrl4llm.train.config.groups import DTYPES, PACKAGES, RouterConfig
 
 PARTIAL_ONE_HOST_ONLY = (
     "--partial_rollout_tokens picks rows on the host and runs on one host only; "
@@ -185,6 +186,38 @@ def _validate_values(config: TrainConfig) -> None:
     )
 
 
+def _validate_router(config: TrainConfig) -> None:
+    """What the router options combine with (whether the model is a mixture of experts is
+    checked when it loads: check_router)."""
+    u = config.update
+    if config.router.routing_replay:
+        require(
+            config.records_routing,
+            "--routing_replay replays the routing the compacted single-turn sampler records; "
+            "drop --rollout_engine=paged / --decode_slots, --env and --partial_rollout_tokens, "
+            "or --routing_replay.",
+        )
+    require(
+        not (config.router.enabled and u.micro_batch_tokens),
+        f"--micro_batch_tokens={u.micro_batch_tokens}: the packed passes carry neither the "
+        "routing record nor the router's losses; drop it (0), or the router flags.",
+    )
+
+
+def check_router(config: TrainConfig, model: ModelConfig) -> None:
+    """Router flags on a dense model: refused (FlagError), once the model's config is read."""
+    set_flags = [
+        f"--{name}"
+        for name in ("routing_replay", "router_aux_loss_coef", "router_z_loss_coef")
+        if getattr(config.router, name) != getattr(RouterConfig(), name)
+    ]
+    require(
+        not set_flags or bool(model.moe_layers),
+        f"{', '.join(set_flags)}: --model={config.model.name} is dense (no "
+        "mixture-of-experts layer, no router); drop them.",
+    )
+
+
 def _validate_dynamic_sampling(r: RolloutConfig) -> None:
     require(
         not (r.dynamic.dynamic_sampling and r.group_size < 2),
@@ -251,7 +284,8 @@ def _validate_batches(config: TrainConfig, num_devices: int, data_parallel: int 
 
 def _validate_engine(config: TrainConfig, num_devices: int, data_parallel: int | None) -> None:
     """--rollout_engine and --kv_cache_tokens: the paged engine's pool and what it runs
-    (docs/architecture.md, "Rollout kinds and engines")."""
+    (docs/architecture.md, "Rollout kinds and engines"); the router flags' needs of it."""
+    _validate_router(config)
     r = config.rollout
     require(
         r.rollout_engine in ROLLOUT_ENGINES,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxrl4llm.config.options import require
 from jaxrl4llm.models.config import ModelConfig
 
 DTYPES = ("float32", "bfloat16")
@@ -96,6 +97,39 @@ class UpdateConfig:
     recompute_old_logprobs: bool = True
     max_nonfinite_steps: int = 3
     log_kl_ref: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """A mixture-of-experts policy's routers in training (models/moe.py; refused for a dense
+    model).
+
+    routing_replay: Rollout routing replay (R3, arXiv:2510.11370 §3): the sampler records the
+        experts each token ran, and the policy's teacher-forced passes (old logprobs, the
+        update) run those experts instead of their routers' top-k; the trainer's router
+        still weighs them (its softmax at the replayed experts, renormalised where the
+        family renormalises), so the router gets gradients. The reference pass routes
+        itself. The compacted single-turn sampler only.
+    router_aux_loss_coef: Load-balancing auxiliary loss (Switch Transformer; transformers'
+        load_balancing_loss_func) times this is added to the policy loss, the mean over the
+        micro-batches (0 = off, as the GSPO and Qwen3 RL recipes).
+    router_z_loss_coef: Router z-loss (ST-MoE: mean logsumexp(router logits)^2) times this is
+        added to the policy loss (0 = off).
+    """
+
+    routing_replay: bool = False
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+
+    def __post_init__(self):
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, name)
+            require(value >= 0, f"--{name}={value:g} must be >= 0 (0 = off).")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any router option is set (each needs a mixture of experts)."""
+        return self != RouterConfig()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -120,6 +120,10 @@ def _update_batch(
         completion_tokens_BT=out.tokens_BT,
         completion_mask_BT=out.mask_BT,
         observation_mask_BT=out.observation_BT,
+        # A mixture of experts' routing record (None when the sampler kept none).
+        prompt_experts_BPLK=out.prompt_experts_BPLK,
+        experts_BTLK=out.experts_BTLK,
+        replay=programs.config.router.routing_replay,
     )
     if programs.mesh is not None:  # the layout the passes compile for (and the plan plans)
         seqs = parallel.on_batch_axes(seqs, programs.mesh)
@@ -188,15 +192,18 @@ def _teacher_forced(
         if packing.packed_flops(packed, flops) < padded_flops(flops):
             logprobs, values = _packed_passes(programs, seqs, packed)
             packed_tokens = (real, slots)
-    ref_logp = logprobs(ref_params) if config.needs_reference else None
+    # The reference and the critic route themselves; the policy replays (--routing_replay).
+    own = seqs.replace(prompt_experts_BPLK=None, experts_BTLK=None)
+    ref_logp = logprobs(ref_params, seqs=own) if config.needs_reference else None
     old_logp = None
     if config.needs_old_logprobs:
-        old_logp = logprobs(params) if recompute else out.logprobs_BT
+        policy = seqs if seqs.replay else own
+        old_logp = logprobs(params, seqs=policy) if recompute else out.logprobs_BT
     return TeacherForced(
         ref_logp_BT=ref_logp,
         old_logp_BT=old_logp,
         behaviour_logp_BT=old_logp if old_logp is not None else out.logprobs_BT,
-        values_BT=None if critic_params is None else values(critic_params),
+        values_BT=None if critic_params is None else values(critic_params, seqs=own),
         packed_tokens=packed_tokens,
     )
 

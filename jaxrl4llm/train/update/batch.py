@@ -43,6 +43,7 @@ class UpdateBatch(flax.struct.PyTreeNode):
                 completion_tokens_BT=cut(self.seqs.completion_tokens_BT),
                 completion_mask_BT=cut(self.seqs.completion_mask_BT),
                 observation_mask_BT=cut(self.seqs.observation_mask_BT),
+                experts_BTLK=cut(self.seqs.experts_BTLK),
             ),
             advantages=cut(self.advantages) if self.advantages.ndim == 2 else self.advantages,
             old_logp_BT=cut(self.old_logp_BT),

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl4llm import parallel
-from jaxrl4llm.models import decoder_layer, transformer, unembedding
+from jaxrl4llm.models import decoder_layer, layer_stack, transformer, unembedding
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling.layout import prompt_completion_rows
 
@@ -40,6 +40,13 @@ class Sequences(flax.struct.PyTreeNode):
     # sequence, so the forward pass reads them, but off completion_mask_BT: no loss, KL,
     # entropy or denominator counts them). None: every real completion token is the model's.
     observation_mask_BT: jax.Array | None = None
+    # A mixture of experts' routing record: the experts [L_moe, K] the sampler ran for each
+    # prompt token and each completion token (SampleOutput's). With `replay` the passes run
+    # them instead of their routers' top-k (--routing_replay); without, the update only
+    # compares its routers' choice with them (router/flip_frac). None: no record.
+    prompt_experts_BPLK: jax.Array | None = None
+    experts_BTLK: jax.Array | None = None
+    replay: bool = flax.struct.field(pytree_node=False, default=True)
 
     @property
     def sequence_mask_BT(self) -> jax.Array:
@@ -89,7 +96,7 @@ def logits_chunk_size(batch: int, length: int, vocab_size: int) -> int:
     return min(1 << (fit.bit_length() - 1), length)
 
 
-def completion_logprobs(
+def routed_completion_logprobs(
     params: Any,
     config: ModelConfig,
     seqs: Sequences,
@@ -98,9 +105,10 @@ def completion_logprobs(
     remat: bool = False,
     prompt_group: int = 1,
     sharding: Sharding = None,
-) -> tuple[jax.Array, jax.Array]:
-    """Returns (logp_BT, entropy_BT) of the completion tokens, float32, at `temperature`:
-    the sampler's logprob temperature (SamplingConfig.effective_temperature: 1 for greedy).
+) -> tuple[jax.Array, jax.Array, TokenRouting | None]:
+    """Returns (logp_BT, entropy_BT) of the completion tokens, float32, at `temperature` (the
+    sampler's logprob temperature, SamplingConfig.effective_temperature: 1 for greedy), and
+    the pass's TokenRouting (None in a dense model); `completion_logprobs` returns the two.
 
     The [B, T, V] logits are never materialised whole: the completion is unembedded in chunks
     of `chunk_size` positions (default: `logits_chunk_size`), each rematerialised in the
@@ -117,12 +125,17 @@ def completion_logprobs(
     device holds).
     """
     params = transformer.cast_for_compute(params, config)  # mixed precision (compute_dtype)
-    h_BTD = completion_hidden_states(
+    h_BTD, routing = routed_completion_hidden_states(
         params, config, seqs, remat=remat, prompt_group=prompt_group, sharding=sharding
     )
-    return logprobs_from_hidden(
+    logp_BT, entropy_BT = logprobs_from_hidden(
         params, config, h_BTD, seqs.completion_tokens_BT, temperature, chunk_size, sharding
     )
+    return logp_BT, entropy_BT, routing
+
+
+# (logp_BT, entropy_BT): routed_completion_logprobs without the routing.
+completion_logprobs = layer_stack.without_routing(routed_completion_logprobs)
 
 
 def logprobs_from_hidden(
@@ -171,7 +184,46 @@ def logprobs_from_hidden(
     )(w.astype(boundary), h_BTD, targets_BT)
 
 
+class TokenRouting(flax.struct.PyTreeNode):
+    """The routing of a teacher-forced pass's tokens, flattened over them: router logits
+    [L_moe, N, E], the experts run [L_moe, N, K] (the replayed ones under replay), and the
+    tokens' weights [N] (1 for a real token; 0 for padding). A shared prompt counts once per
+    group. models/routing_stats.py reads it (as [L, 1, N, ...])."""
+
+    logits_LNE: jax.Array
+    experts_LNK: jax.Array
+    weight_N: jax.Array
+    recorded_LNK: jax.Array | None = None  # the sampler's experts (replay's record), if any
+
+
 def completion_hidden_states(
+    params: Any, config: ModelConfig, seqs: Sequences, **options: Any
+) -> jax.Array:
+    """h_BTD: the last layer's hidden state (after the final norm) at the column that predicts
+    each completion token, i.e. of the prefix before it; `params` already cast for compute.
+    The policy unembeds it into logprobs, the critic's head reads V(s_t) from it. With
+    `seqs`' routing record (replay), the MoE layers run the recorded experts. `options`:
+    routed_completion_hidden_states' keywords (remat, prompt_group, sharding)."""
+    return routed_completion_hidden_states(params, config, seqs, **options)[0]
+
+
+def _layers_first(experts_BTLK: jax.Array) -> jax.Array:
+    """A routing record [B, T, L, K] as the layers take it: [L, B, T, K] int32."""
+    return jnp.moveaxis(experts_BTLK, 2, 0).astype(jnp.int32)
+
+
+def _replayed(experts_BTLK: jax.Array | None, replay: bool) -> jax.Array | None:
+    return _layers_first(experts_BTLK) if replay and experts_BTLK is not None else None
+
+
+def _record(seqs: Sequences) -> tuple[jax.Array, jax.Array] | None:
+    """(the prompt's record [B, P, L, K], the fed completion tokens' [B, T - 1, L, K])."""
+    if seqs.experts_BTLK is None or seqs.prompt_experts_BPLK is None:
+        return None
+    return seqs.prompt_experts_BPLK, seqs.experts_BTLK[:, :-1]
+
+
+def routed_completion_hidden_states(
     params: Any,
     config: ModelConfig,
     seqs: Sequences,
@@ -179,14 +231,16 @@ def completion_hidden_states(
     remat: bool = False,
     prompt_group: int = 1,
     sharding: Sharding = None,
-) -> jax.Array:
-    """h_BTD: the last layer's hidden state (after the final norm) at the column that predicts
-    each completion token, i.e. of the prefix before it; `params` already cast for compute.
-    The policy unembeds it into logprobs, the critic's head reads V(s_t) from it."""
+) -> tuple[jax.Array, TokenRouting | None]:
+    """(completion_hidden_states, the pass's TokenRouting; None in a dense model)."""
     num_prompt = seqs.prompt_tokens_BP.shape[1]
+    record, replay = _record(seqs), seqs.replay
+    masks: tuple[jax.Array, ...]
     if prompt_group > 1:
         g = prompt_group
-        h_GPD, h_rest_BTD = transformer.hidden_states_shared_prefix(
+        prompt_experts, rest_experts = (None, None) if record is None else record
+        prompt_experts = None if prompt_experts is None else prompt_experts[::g]
+        h_GPD, h_rest_BTD, routing = transformer.routed_hidden_states_shared_prefix(
             params,
             config,
             seqs.prompt_tokens_BP[::g],
@@ -196,15 +250,44 @@ def completion_hidden_states(
             group=g,
             remat=remat,
             sharding=sharding,
+            experts_LGPK=_replayed(prompt_experts, replay),
+            experts_LBTK=_replayed(rest_experts, replay),
         )
         h_BTD = jnp.concatenate([jnp.repeat(h_GPD[:, -1:], g, axis=0), h_rest_BTD], axis=1)
+        parts = None if routing is None else list(zip(routing, (prompt_experts, rest_experts)))
+        masks = (seqs.prompt_mask_BP[::g], seqs.sequence_mask_BT[:, :-1])
     else:
         tokens, positions, mask = _inputs(seqs)
-        hidden_BLD, _ = transformer.hidden_states(
-            params, config, tokens, positions, mask, remat=remat, sharding=sharding
+        experts = None if record is None else jnp.concatenate(record, axis=1)
+        hidden_BLD, _, one = transformer.routed_hidden_states(
+            params,
+            config,
+            tokens,
+            positions,
+            mask,
+            remat=remat,
+            sharding=sharding,
+            experts_LBTK=_replayed(experts, replay),
         )
         h_BTD = hidden_BLD[:, num_prompt - 1 :]
-    return parallel.constrain(h_BTD, decoder_layer.H_AXES, sharding)
+        parts, masks = (None if one is None else [(one, experts)]), (mask,)
+    h_BTD = parallel.constrain(h_BTD, decoder_layer.H_AXES, sharding)
+    return h_BTD, None if parts is None else _token_routing(parts, masks)
+
+
+def _token_routing(parts: list, masks: tuple) -> TokenRouting:
+    """TokenRouting of passes' (moe.Routing, recorded experts [B, T, L, K] or None) parts."""
+
+    def flat(x_LBT_: jax.Array) -> jax.Array:  # [L, B, T, ...] -> [L, B * T, ...]
+        return x_LBT_.reshape((x_LBT_.shape[0], -1) + x_LBT_.shape[3:])
+
+    logits = jnp.concatenate([flat(r.logits_BTE) for r, _ in parts], axis=1)
+    experts = jnp.concatenate([flat(r.experts_BTK) for r, _ in parts], axis=1)
+    weight = jnp.concatenate([m.reshape(-1).astype(jnp.float32) for m in masks])
+    recorded = None
+    if all(e is not None for _, e in parts):
+        recorded = jnp.concatenate([flat(_layers_first(e)) for _, e in parts], axis=1)
+    return TokenRouting(logits, experts, weight, recorded)
 
 
 def _chunked_logprobs(

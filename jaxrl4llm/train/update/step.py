@@ -31,12 +31,13 @@ import jax.numpy as jnp
 import optax
 
 from jaxrl4llm import parallel, rl
+from jaxrl4llm.models import routing_stats
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.models.lora import LoraConfig
 from jaxrl4llm.rl.metrics import Metric, identity_metrics
 from jaxrl4llm.train.update import adapters
 from jaxrl4llm.train.update.batch import UpdateBatch
-from jaxrl4llm.train.update.logprobs import completion_logprobs
+from jaxrl4llm.train.update.logprobs import TokenRouting, routed_completion_logprobs
 from jaxrl4llm.train.update.packing import PackedBatch, packed_logprobs, unpack
 from jaxrl4llm.train.update.state import (
     OptimizerConfig,
@@ -60,11 +61,13 @@ def _micro_loss(
     frozen: Any = None,
     lora: LoraConfig | None = None,
     dropout_key: jax.Array | None = None,
+    router_coefs: tuple[float, float] = (0.0, 0.0),
+    micro_share: float = 1.0,
 ) -> tuple[jax.Array, dict[str, Metric]]:
     # With LoRA, `params` are the adapters and the base is a constant here: its weights get
     # no gradient (none is computed; tests/train/test_lora_training.py checks the HLO).
     policy = adapters.policy(lora, frozen, params, dropout_key)
-    logp_BT, entropy_BT = completion_logprobs(
+    logp_BT, entropy_BT, routing = routed_completion_logprobs(
         policy,
         model_config,
         micro_batch.seqs,
@@ -84,7 +87,41 @@ def _micro_loss(
         entropy_BT=entropy_BT,
         behaviour_logp_BT=micro_batch.behaviour_logp_BT,
     )
-    return loss_sum / denominator, metric_sums
+    loss = loss_sum / denominator
+    if routing is not None:  # a mixture of experts: its routers' terms and metrics
+        router_loss, router_metrics = router_terms(
+            routing, model_config.moe.experts_per_token, router_coefs
+        )
+        loss, metric_sums = loss + micro_share * router_loss, {**metric_sums, **router_metrics}
+    return loss, metric_sums
+
+
+def router_terms(
+    routing: TokenRouting, k: int, coefs: tuple[float, float]
+) -> tuple[jax.Array, dict[str, Metric]]:
+    """(aux_coef * load-balancing loss + z_coef * z-loss, the router metrics) of a pass's
+    routing (models/routing_stats.py): the two losses, the experts' load (max tokens per
+    expert over the mean, 1 when balanced) and, with the sampler's record, the share of
+    (layer, token) pairs whose top-k set differs between the sampler and this pass's
+    routers (its own top-k, replayed or not)."""
+    logits, experts = routing.logits_LNE[:, None], routing.experts_LNK[:, None]
+    w_1N = routing.weight_N[None]
+    balance = routing_stats.load_balancing_loss(logits, k, w_1N, experts)
+    z = routing_stats.router_z_loss(logits, w_1N)
+    load = routing_stats.expert_load(experts, logits.shape[-1], w_1N)
+    metrics = {
+        "router/aux_loss": Metric.mean(balance),
+        "router/z_loss": Metric.mean(z),
+        "router/load_max_over_mean": Metric.mean(load.max_tokens / load.mean_tokens),
+    }
+    if routing.recorded_LNK is not None:
+        own = jax.lax.top_k(logits, k)[1]
+        flipped = routing_stats.routing_flip_fraction(own, routing.recorded_LNK[:, None], w_1N)
+        layers = logits.shape[0]
+        tokens = layers * jnp.sum(routing.weight_N)
+        metrics["router/flip_frac"] = Metric.mean(flipped * tokens, tokens)
+    aux_coef, z_coef = coefs
+    return aux_coef * balance + z_coef * z, metrics
 
 
 def mini_batch_denominator(algorithm: rl.AlgorithmConfig, batch: UpdateBatch) -> jax.Array:
@@ -109,6 +146,7 @@ def accumulate_gradients(
     frozen: Any = None,
     lora: LoraConfig | None = None,
     dropout_key: jax.Array | None = None,
+    router_coefs: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[jax.Array, Any, dict]:
     """(loss, grads, metrics) of a mini-batch, scanning over `num_micro` strided micro-batches;
     metrics are rl.metrics.Metric values by final name, merged over the micro-batches.
@@ -130,6 +168,8 @@ def accumulate_gradients(
             frozen=frozen,
             lora=lora,
             dropout_key=dropout_key,
+            router_coefs=router_coefs,
+            micro_share=1.0 / num_micro,  # the router's losses: the micro-batches' mean
         ),
         has_aux=True,
     )
@@ -306,7 +346,7 @@ UPDATE_STATICS = (
 @functools.partial(
     jax.jit,
     donate_argnames=("state",),
-    static_argnames=UPDATE_STATICS + ("temperature", "length_classes", "lora"),
+    static_argnames=UPDATE_STATICS + ("temperature", "length_classes", "lora", "router_coefs"),
 )
 def train_step(
     state: TrainState,
@@ -355,13 +395,15 @@ def policy_gradients(
     lora: LoraConfig | None = None,
     frozen: Any = None,
     dropout_key: jax.Array | None = None,
+    router_coefs: tuple[float, float] = (0.0, 0.0),
 ) -> tuple[jax.Array, Any, dict]:
     """(loss, grads, metrics) of the policy on a mini-batch. `packed` (--micro_batch_tokens):
     its sequences packed into token-budget micro-batches (`accumulate_packed`; num_micro,
     prompt_group and length_classes unused). LoRA (`lora` enabled):
     `params` are the adapters, `frozen` the base params (not donated, not updated: no
     gradient and no optimizer state of theirs), `dropout_key` the key of --lora_dropout
-    (None when it is 0)."""
+    (None when it is 0). `router_coefs`: a mixture of experts' (load-balancing, z) loss
+    coefficients (the padded update; router_terms)."""
     common: dict[str, Any] = dict(
         model_config=model_config,
         algorithm=algorithm,
@@ -377,6 +419,7 @@ def policy_gradients(
             num_micro=num_micro,
             prompt_group=prompt_group,
             length_classes=length_classes,
+            router_coefs=router_coefs,
             **adapter,
             **common,
         )
