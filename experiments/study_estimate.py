@@ -31,7 +31,8 @@ from experiments import study_stats
 from experiments.study_spec import Run, resolve_config
 from jaxrl4llm.config import paths
 from jaxrl4llm.config.errors import UserError
-from jaxrl4llm.models.config import ARCHITECTURES, PRESETS, ModelConfig
+from jaxrl4llm.models.architectures import ARCHITECTURES
+from jaxrl4llm.models.config import PRESETS, ModelConfig
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 from jaxrl4llm.train.infra.metrics import read_metrics
 

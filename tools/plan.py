@@ -4,10 +4,10 @@
         --topology=v5p-64
     python tools/plan.py --flagfile=... --topology=8xh100 --mesh=data:1,fsdp:8,tensor:1
 
-Builds the flagfile's model architecture from its name (models/config.py ARCHITECTURES, or a
-local folder's config.json; no weights are read or allocated), fakes the topology's devices
-on the CPU (--xla_force_host_platform_device_count), and compiles every program of one step
-with abstract (jax.ShapeDtypeStruct) inputs carrying the run's shardings:
+Builds the flagfile's model architecture from its name (models/architectures.py
+ARCHITECTURES, or a local folder's config.json; no weights are read or allocated), fakes the
+topology's devices on the CPU (--xla_force_host_platform_device_count), and compiles every
+program of one step with abstract (jax.ShapeDtypeStruct) inputs carrying the run's shardings:
 
   create    TrainState.create with the optimizer state laid out like the params
   rollout   the sampler over all rows (prefill + decode, in --rollout_micro_batch row chunks)
@@ -33,7 +33,10 @@ For the rollout it also prints the weights' gathers read from the HLO right afte
 partitioning: once per step before the decode loops (what the sampler does), against once per
 prefill and decode step (where the partitioner puts them when the weights enter the loop in
 their storage layout), with the rollout time of each; and any collective a decode step
-repeats on unchanged values (none). With a completion length profile
+repeats on unchanged values (none). For a mixture of experts it prints the experts' layout
+(read from the params' shardings) and the expert exchange's all-gather and reduce-scatter
+bytes (models/moe.py EXCHANGE_SCOPE, read from each program's HLO) per call and per step.
+With a completion length profile
 (--completion_mean, --completion_p99) it prints the rollout's expected slot utilisation with
 a fixed batch and with continuous batching (tools/slots.py: the model is written there).
 
@@ -93,7 +96,7 @@ flags.DEFINE_string(
     "architecture",
     None,
     "Override the model architecture (a key of "
-    "models/config.py ARCHITECTURES); default: from --model's name.",
+    "models/architectures.py ARCHITECTURES); default: from --model's name.",
 )
 flags.DEFINE_bool("markdown", False, "Print the table as Markdown (docs/scaling.md).")
 flags.DEFINE_float(

@@ -36,6 +36,10 @@ from jaxrl4llm import parallel
 from jaxrl4llm.models.config import ModelConfig
 
 _F32 = jnp.float32
+# The named scope of the expert exchange's collectives (the tokens' all-gather onto their
+# experts' devices, the outputs' reduce-scatter back): planner/programs.py reads their bytes
+# from the HLO by it.
+EXCHANGE_SCOPE = "expert_exchange"
 
 
 class Routing(NamedTuple):
@@ -159,14 +163,16 @@ def _on_mesh(
 
     def per_device(x, experts, weights, *w_local):
         if gather:
-            x, experts, weights = (
-                lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, experts, weights)
-            )
+            with jax.named_scope(EXCHANGE_SCOPE):
+                x, experts, weights = (
+                    lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, experts, weights)
+                )
         first = lax.axis_index(split) * held if split else 0
         y_MD = expert_mlp(_rows(x), _rows(experts), _rows(weights), w_local, first)
         y_BTD = y_MD.reshape(x.shape)
         if gather:
-            y_BTD = lax.psum_scatter(y_BTD, gather, scatter_dimension=0, tiled=True)
+            with jax.named_scope(EXCHANGE_SCOPE):
+                y_BTD = lax.psum_scatter(y_BTD, gather, scatter_dimension=0, tiled=True)
         return lax.psum(y_BTD, summed) if summed else y_BTD
 
     row = jax.sharding.PartitionSpec(rows or None)

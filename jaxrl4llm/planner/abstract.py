@@ -152,3 +152,28 @@ def packed_rows(config: TrainConfig, mesh: Mesh) -> packing.PackedBatch:
         start_M=abstract((M,), jnp.int32, whole),
         num_micro=abstract((), jnp.int32, whole),
     )
+
+
+def expert_layout(params: Any, model_config: ModelConfig, mesh: Mesh) -> str:
+    """How a mixture of experts' weights lie on `mesh`, read from the params' shardings: the
+    experts' split, each expert's (its [D, M] projections), the dense weights' ("" for a
+    model without experts)."""
+    if not model_config.moe_layers:
+        return ""
+
+    def axes(spec: Any) -> str:
+        names = [a for e in spec for a in parallel.mesh_axes(e) if mesh.shape[a] > 1]
+        return " x ".join(f"{a}:{mesh.shape[a]}" for a in names) or "none (whole)"
+
+    layers = params["layers"]  # per-layer leaves: [layer, ...], the layer axis whole
+    split = layers["expert_gate"].sharding.spec[1:]
+    per_device = model_config.moe.num_experts // math.prod(
+        mesh.shape[a] for a in parallel.mesh_axes(split[0])
+    )
+    return (
+        f"{model_config.moe.num_experts} experts per MoE layer over {axes(split[:1])} "
+        f"({per_device} per device), each expert's weights over {axes(split[1:])}; "
+        f"attention over {axes(layers['q'].sharding.spec[1:])}, router over "
+        f"{axes(layers['router'].sharding.spec[1:])}, embeddings over "
+        f"{axes(params['embed'].sharding.spec)}; each weight whole across the axes not named"
+    )

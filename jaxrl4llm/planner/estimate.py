@@ -3,8 +3,15 @@
 Symbols (per device; "rows" are those one device holds of the slice that runs at once):
   Np parameters, n layers, D width, F MLP width, V vocabulary, K kv heads, H head_dim
   s  bytes per parameter (2 for bfloat16); S = fsdp x tensor weight shards; T = tensor
-  Pb = Np s / S                       the params' shard
-  Wl = one layer's weights            (q, k, v, o, gate, up, down, norms)
+  X  the expert axis; a mixture of experts' expert weights (Ne of the Np, 3 D M E per MoE
+     layer: E experts of width M, k per token) are split over X x S, the rest over S
+  Nb = Np - Ne + Ne / X               a device's share of the weights times S (Np when dense)
+  Pb = Nb s / S                       the params' shard
+  n Wl = the layers' weights a device gathers: every layer's (q, k, v, o, MLP or router,
+     norms), an MoE layer's experts only the E / X it holds
+  F  the MLP width a token row costs: the dense MLP's, or in an MoE layer X k M (the grouped
+     matmuls run all k copies of the expert group's X x rows, held or not; models/moe.py)
+  C  = X k D in an MoE model (0 dense): a token row's sorted copies in an MoE layer
   c  bytes per element of a gathered weight. XLA's CPU compiler (the one plan.py runs)
      computes bfloat16 matmuls in float32, so it converts weights before gathering: c = 4.
      On TPU / GPU c = s, and the converted copies below are not there.
@@ -16,9 +23,10 @@ Symbols (per device; "rows" are those one device holds of the slice that runs at
      reference params, the rollout batch), counted exactly, not estimated
 
   create    Pb + 3 Pb (params and Adam moments out) + R
-  update    3 Pb (params + moments, donated) + 2 (4 Np / S) (float32 gradient accumulator,
+  update    3 Pb (params + moments, donated) + 2 (4 Nb / S) (float32 gradient accumulator,
             float32 weight shards) + n b L D 4 (remat checkpoints: one float32 residual per
             layer) + 6 b Lb F/T 4 (the recomputed MLP and its gradients) + 4 b Lb D 4
+            + 2 b Lb C 4 (an MoE layer's token copies in and out)
             + 4 D V/T 4 (unembedding gathered in float32, its gradient, the reduction buffer,
             a conversion) + R; with --micro_batch_tokens=Nt (packed micro-batches: one row
             of Nt / (data x fsdp) tokens per device) b L = b Lb = Nt / (data x fsdp), whatever
@@ -29,7 +37,7 @@ Symbols (per device; "rows" are those one device holds of the slice that runs at
             + 2 n b K H (P + N - 1) kv / T_kv (keys and values of one chunk, kv the cache
             dtype's bytes: the compute dtype's on an accelerator, 4 on CPU) + R
   logprobs  Pb + b Lb F/T (2 x 4 + s) (gate, up in float32, their product) + b Lb D 4
-            + D V/T c (unembedding gathered) + R
+            + b Lb C (c + 4) (an MoE layer's token copies) + D V/T c (unembedding gathered) + R
 """
 
 from __future__ import annotations
@@ -71,14 +79,21 @@ class Estimate:
         self.T = shape["tensor"]
         self.dp = parallel.data_parallel_size(mesh)
         self.S = shape["fsdp"] * self.T
-        self.Pb = m.num_params * self.s / self.S
         layer = transformer.param_shapes(m)["layers"]
-        self.Wl = sum(math.prod(v[1:]) for v in layer.values())
+        X = shape.get("expert", 1)
+        Ne = sum(math.prod(v) for k, v in layer.items() if k.startswith("expert_"))
+        self.Nb = m.num_params - Ne + Ne / X
+        self.Pb = self.Nb * self.s / self.S
+        self.nWl = sum(math.prod(v) for v in layer.values()) - Ne + Ne / X
         self.P = buckets.bucket_prompt_length(c.rollout.max_prompt_tokens)
         self.N = c.rollout.max_new_tokens
         self.L = self.P + self.N - 1  # a row's tokens without prompt sharing
         self.DV = m.hidden_size * m.vocab_size / self.T
-        self.F = m.intermediate_size / self.T
+        moe = m.moe if m.moe_layers else None
+        dense_F = m.intermediate_size if m.dense_layers else 0
+        moe_F = X * moe.experts_per_token * moe.moe_intermediate_size if moe else 0
+        self.F = max(dense_F, moe_F) / self.T
+        self.C = X * moe.experts_per_token * m.hidden_size if moe else 0
         self.T_kv = self.T if m.num_kv_heads % self.T == 0 else 1
 
     def create(self, resident: float) -> float:
@@ -98,8 +113,9 @@ class Estimate:
         with --micro_batch_tokens (the critic's)."""
         m, D = self.m, self.m.hidden_size
         bL, bLb = self._update_tokens(group, packed)
-        state = 3 * self.Pb + 2 * _F32 * m.num_params / self.S
+        state = 3 * self.Pb + 2 * _F32 * self.Nb / self.S
         activations = (m.num_layers * bL * D + 6 * bLb * self.F + 4 * bLb * D) * _F32
+        activations += 2 * bLb * self.C * _F32
         return state + activations + 4 * self.DV * _F32 * unembed + resident
 
     def _update_tokens(self, group: int, packed: bool) -> tuple[float, float]:
@@ -123,7 +139,7 @@ class Estimate:
     def rollout(self, num_chunks: int, resident: float) -> float:
         m, s = self.m, self.s
         b = self.c.batch_size / num_chunks / self.dp
-        weights = m.num_layers * self.Wl * s / self.T + 2 * self.DV * (self.g + s)
+        weights = self.nWl * s / self.T + 2 * self.DV * (self.g + s)
         cache = 2 * m.num_layers * b * m.num_kv_heads * m.head_dim * self.L * self.kv / self.T_kv
         return self.Pb + weights + cache + resident
 
@@ -132,6 +148,7 @@ class Estimate:
         b, D = self.c.batch_size / num_chunks / self.dp, self.m.hidden_size
         _, Lb = self._tokens(group)
         layer = b * Lb * self.F * (2 * _F32 + self.s) + b * Lb * D * _F32
+        layer += b * Lb * self.C * (self.g + _F32)
         return self.Pb + layer + self.DV * self.g * unembed + resident
 
     def rollout_hbm_bytes(self, num_chunks: int) -> float:
@@ -140,12 +157,13 @@ class Estimate:
         m, s = self.m, self.s
         b = self.c.batch_size / num_chunks / self.dp
         kv = 2 * m.num_layers * b * (self.P + self.N / 2) * m.num_kv_heads * m.head_dim * s
-        return num_chunks * self.N * (m.num_params * s / self.T + kv / self.T_kv)
+        return num_chunks * self.N * (self.Nb * s / self.T + kv / self.T_kv)
 
     def textbook_update_collectives(self, num_micro: int) -> float:
-        """Payload bytes of textbook FSDP per update: per micro-batch every weight gathered
-        for the forward and again for the backward, and every gradient reduce-scattered."""
-        return num_micro * 3 * self.m.num_params * self.s / self.T
+        """Payload bytes of textbook FSDP per update: per micro-batch every weight a device
+        computes with (an MoE layer's held experts) gathered for the forward and again for
+        the backward, and every gradient reduce-scattered."""
+        return num_micro * 3 * self.Nb * self.s / self.T
 
 
 class LoraEstimate(Estimate):
@@ -158,7 +176,7 @@ class LoraEstimate(Estimate):
 
       create    A + 3 A (adapters and Adam moments out) + R (the base among it)
       update    3 A (adapters + moments, donated) + Pb (the base) + 4 Na (float32 gradient
-                accumulator) + 4 Np / S (float32 weight shards) + the full update's
+                accumulator) + 4 Nb / S (float32 weight shards) + the full update's
                 activations + 2 D V/T 4 (unembedding gathered in float32 and converted: no
                 gradient of its own) + R
       rollout   the full rollout's + A (the adapters, folded into the gathered weights)
@@ -184,8 +202,8 @@ class LoraEstimate(Estimate):
         self, group: int, resident: float, unembed: bool = True, packed: bool = True
     ) -> float:
         full = super().update(group, 0.0, unembed, packed)
-        full_state = 3 * self.Pb + 2 * _F32 * self.m.num_params / self.S
-        state = 3 * self.A + self.Pb + _F32 * self.Na + _F32 * self.m.num_params / self.S
+        full_state = 3 * self.Pb + 2 * _F32 * self.Nb / self.S
+        state = 3 * self.A + self.Pb + _F32 * self.Na + _F32 * self.Nb / self.S
         return full - full_state - 2 * self.DV * _F32 * unembed + state + resident
 
     def rollout(self, num_chunks: int, resident: float) -> float:
@@ -197,7 +215,7 @@ class LoraEstimate(Estimate):
     def textbook_update_collectives(self, num_micro: int) -> float:
         """Per micro-batch every base weight gathered twice (forward and backward), no
         gradient of the base to reduce-scatter."""
-        return num_micro * 2 * self.m.num_params * self.s / self.T
+        return num_micro * 2 * self.Nb * self.s / self.T
 
 
 def adapter_params(model_config: ModelConfig, lora: LoraConfig) -> int:

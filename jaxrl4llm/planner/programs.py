@@ -27,7 +27,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxrl4llm import parallel, rl
-from jaxrl4llm.models.config import ARCHITECTURES, ModelConfig
+from jaxrl4llm.models.architectures import ARCHITECTURES
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.moe import EXCHANGE_SCOPE
 from jaxrl4llm.planner import abstract as abs_lib
 from jaxrl4llm.planner import estimate as plan_estimate
 from jaxrl4llm.planner import hlo_analysis
@@ -57,6 +59,8 @@ class Row:
     t_compute: float
     t_comm: float
     t_hbm: float
+    # The expert exchange's share of `collectives` (models/moe.py EXCHANGE_SCOPE): bytes per call.
+    exchange: dict = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -94,6 +98,7 @@ class Plan:
     update_vs_textbook: float
     rollout: Rollout
     trained_params: int  # what the optimizer trains: every parameter, or the LoRA adapters'
+    expert_layout: str = ""  # abstract.expert_layout: "" without experts
 
     def rollout_seconds(self, per_token: bool) -> tuple[float, float]:
         """(rollout roofline time, its communication term) per call, the weights gathered
@@ -116,7 +121,7 @@ def architecture(model: str) -> ModelConfig:
     if name not in ARCHITECTURES:
         raise ValueError(
             f"--model={model!r}: no config.json there and {name!r} is not in "
-            f"models/config.py ARCHITECTURES ({', '.join(sorted(ARCHITECTURES))}); "
+            f"models/architectures.py ARCHITECTURES ({', '.join(sorted(ARCHITECTURES))}); "
             "pass --architecture=NAME or add the architecture there."
         )
     return ARCHITECTURES[name]
@@ -139,6 +144,7 @@ def _measure(compiled: Any, calls: int, chip: Chip, unknown_trip_count: int = 1)
         output=mem.output_size_in_bytes,
         alias=mem.alias_size_in_bytes,
         collectives=summary,
+        exchange=hlo_analysis.summarize(op for op in ops if EXCHANGE_SCOPE in op.op_name),
         flops=flops,
         t_compute=flops / chip.peak_flops,
         t_comm=summary.get("link", 0.0) / chip.link_bw,
@@ -255,6 +261,7 @@ def plan(
         update_bytes / textbook,
         rollout,
         abs_lib.count(s.trained),
+        abs_lib.expert_layout(s.base, model_config, s.mesh),
     )
 
 

@@ -1,5 +1,6 @@
 """The planner's printed tables: per-program memory and time, the rollout's weight gathers,
-and the slot utilisation of a completion length profile."""
+a mixture of experts' layout and expert exchange, and the slot utilisation of a completion
+length profile."""
 
 from __future__ import annotations
 
@@ -100,6 +101,30 @@ def print_plan(result: programs.Plan, markdown: bool = False) -> None:
         + ("SOME PROGRAM DOES NOT FIT" if over_budget(result) else "every program fits")
     )
     print_weight_gathers(result)
+    print_experts(result)
+
+
+def print_experts(result: programs.Plan) -> None:
+    """A mixture of experts' layout (from the params' shardings) and the bytes of its expert
+    exchange (models/moe.py: the tokens' all-gather onto their experts' devices, the outputs'
+    reduce-scatter back), read from each program's HLO: per device, per call and per step."""
+    if not result.expert_layout:
+        return
+    print(f"expert layout: {result.expert_layout}")
+    step: dict[str, float] = {}
+    parts = []
+    for r in result.rows:
+        kinds = {k: v for k, v in r.exchange.items() if k != "link"}
+        for k, v in kinds.items():
+            step[k] = step.get(k, 0.0) + v * r.calls
+        if kinds:
+            cells = " + ".join(f"{_SHORT[k]} {_fmt_gb(v)}" for k, v in sorted(kinds.items()))
+            parts.append(f"{r.program} {cells} GB/call x {r.calls}")
+    total = " + ".join(f"{k} {_fmt_gb(v)} GB" for k, v in sorted(step.items())) or "none"
+    print(
+        f"expert exchange (HLO collectives of the token exchange, per device): {total} per "
+        "step" + (f" ({'; '.join(parts)})" if parts else "")
+    )
 
 
 def print_weight_gathers(result: programs.Plan) -> None:

@@ -134,6 +134,8 @@ PAPER_EVAL_SETS = {
         f"{n};avg@8;t=1.0"
         for n in ("math500", "olympiadbench", "minerva_math", "aime24", "aime25", "amc23")
     ),
+    # GSPO's Figure 1: AIME'24 (LiveCodeBench and CodeForces are not in the registry).
+    "gspo": "aime24;avg@32;t=1.0",
     "reinforce_pp_aime24": "aime25;pass@1;pass@16;t=1.0,aime24;pass@1;t=1.0",
     # ToRL's Table 1 (the README's tables): five sets, one answer each.
     "torl": ",".join(
@@ -169,7 +171,7 @@ def test_paper_flagfile_names_its_data_and_evaluates_the_papers_sets(name, parse
 @pytest.mark.parametrize("name", ["reinforce_pp_math", "reinforce_pp_aime24"])
 def test_reinforce_pp_math_runs_fit_the_base_models_context(name, parsed):
     from jaxrl4llm.config.errors import FlagError
-    from jaxrl4llm.models.config import ARCHITECTURES
+    from jaxrl4llm.models.architectures import ARCHITECTURES
 
     config = parsed(f"--flagfile={REPO}/experiments/configs/{name}.flags")
     context = ARCHITECTURES["qwen2.5-math-7b"].max_position_embeddings

@@ -13,7 +13,8 @@ import pytest
 
 from jaxrl4llm import rl
 from jaxrl4llm.models import transformer
-from jaxrl4llm.models.config import ARCHITECTURES, TINY
+from jaxrl4llm.models.architectures import ARCHITECTURES
+from jaxrl4llm.models.config import TINY
 from jaxrl4llm.train.config import TrainConfig
 
 TOOLS = os.path.join(

@@ -2,8 +2,9 @@
 another algorithm (or a reference, a critic): at full size on the topology its header names,
 where every program must fit (tools/scaling_tables.py's settings, the K&K flagfile as PPO
 among them), and scaled down (each one's algorithm and settings, a tiny model of its
-architecture's family, 4 simulated devices, a few rows of 16 + 16 tokens). Both slow (every
-program of each is compiled; at full size about half a minute a plan): `pytest -m slow`."""
+architecture's family, its experts too, 4 simulated devices, a few rows of 16 + 16 tokens).
+Both slow (every program of each is compiled; at full size about half a minute a plan):
+`pytest -m slow`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import sys
 import pytest
 from absl import flags
 
+from jaxrl4llm import parallel
 from jaxrl4llm.models.config import TINY
 from jaxrl4llm.train.config import TrainConfig
 
@@ -44,6 +46,8 @@ def _id(run: scaling_tables.Run | scaling_tables.Setting) -> str:
     """reinforce_pp_knights_knaves, or reinforce_pp_knights_knaves+reinforcepp_vs_grpo.ppo for
     a study's run of it."""
     name = os.path.basename(_flagfile(run.argv))[: -len(".flags")]
+    if len(TOPOLOGIES.get(name, ())) > 1 and isinstance(run, scaling_tables.Setting):
+        name += "@" + run.argv[-1].removeprefix("--topology=")  # one plan per topology
     if not run.where:
         return name
     m = re.match(r"study (\S+), arm (\S+) ", run.where)
@@ -69,7 +73,26 @@ _FAMILY = (
 
 
 def tiny_like(model_config):
-    return dataclasses.replace(TINY, num_layers=1, **{f: getattr(model_config, f) for f in _FAMILY})
+    """TINY with the family's fields, and a mixture of experts in its one layer when the
+    model has one: 4 experts of width 32, 2 per token (the family's renormalisation and
+    shared expert kept)."""
+    tiny = dataclasses.replace(TINY, num_layers=1, **{f: getattr(model_config, f) for f in _FAMILY})
+    moe = model_config.moe
+    if not moe.num_experts:
+        return tiny
+    shared = 32 if moe.shared_expert_intermediate_size else 0
+    return dataclasses.replace(
+        tiny,
+        moe=dataclasses.replace(
+            moe,
+            num_experts=4,
+            experts_per_token=min(2, moe.experts_per_token),
+            moe_intermediate_size=32,
+            decoder_sparse_step=1,
+            mlp_only_layers=(),
+            shared_expert_intermediate_size=shared,
+        ),
+    )
 
 
 def scaled_down(config: TrainConfig) -> list[str]:
@@ -95,6 +118,8 @@ def scaled_down(config: TrainConfig) -> list[str]:
         out.append(f"--decode_slots={DEVICES}")
     if config.reward.overlong_buffer:
         out.append("--overlong_buffer=4")
+    if parallel.MeshSpec.parse(config.run.mesh).expert > 1:  # experts split 2 ways, fsdp 2
+        out.append("--mesh=data:1,fsdp:-1,expert:2,tensor:1")
     return out
 
 

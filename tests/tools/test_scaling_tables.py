@@ -22,10 +22,17 @@ from jaxrl4llm.config.errors import FlagError  # noqa: E402
 
 def test_flagfiles_name_their_topology_in_the_plan_command():
     topologies = scaling_tables.named_topologies()
-    assert topologies["reinforce_pp_knights_knaves"] == "8xh100"
-    assert topologies["tricks_or_traps_qwen3_8b_dapo"] == "8xh200"  # one GPU node
-    assert topologies["minimalist_qwen25_math_7b_grpo"] == "v5p-64"
+    assert topologies["reinforce_pp_knights_knaves"] == ("8xh100",)
+    assert topologies["tricks_or_traps_qwen3_8b_dapo"] == ("8xh200",)  # one GPU node
+    assert topologies["minimalist_qwen25_math_7b_grpo"] == ("v5p-64",)
     assert "quickstart" not in topologies
+    # A header with two plan commands is planned on both, one setting each.
+    two = {"gspo_qwen3_30b_a3b": ("v5p-64", "8xh200")}
+    gspo = scaling_tables.flagfile_settings(two)["gspo_qwen3_30b_a3b"]
+    assert [s.heading for s in gspo] == [
+        "`gspo_qwen3_30b_a3b.flags` on v5p-64",
+        "`gspo_qwen3_30b_a3b.flags` on 8xh200",
+    ]
 
 
 def test_blocks_are_replaced_between_their_markers_and_split_into_sections():
@@ -113,7 +120,7 @@ def test_tables_quote_the_plans_bold_where_a_program_does_not_fit(monkeypatch):
 
 
 def test_only_names_blocks_or_flagfiles():
-    topologies = {"a": "v5p-64", "b": "8xh100"}
+    topologies = {"a": ("v5p-64",), "b": ("8xh100",)}
     assert scaling_tables._wanted(None, topologies) == (list(scaling_tables.BLOCKS), ["a", "b"])
     assert scaling_tables._wanted(["b", "lora"], topologies) == (
         ["summary", "plans", "lora"],
