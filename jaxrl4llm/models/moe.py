@@ -80,6 +80,13 @@ def route(
     return experts_BTK.astype(jnp.int32), weights_BTK
 
 
+# Token copies (tokens x k) one pass of grouped matmuls holds at most: a longer input runs as
+# a loop over chunks of tokens, each sorted and multiplied on its own and rematerialised in
+# the backward pass, so the copies' activations (k times the tokens, at the experts' width)
+# are bounded by a chunk whatever the batch (the same result: a token's output is its own).
+EXPERT_CHUNK_COPIES = 32768
+
+
 def expert_mlp(
     x_MD: jax.Array,
     experts_MK: jax.Array,
@@ -92,7 +99,28 @@ def expert_mlp(
     first_expert .. first_expert + G - 1; copies routed to any other expert add nothing.
 
     The M * K token copies are sorted by expert (the others last), each projection is one
-    grouped matmul over the groups, and the outputs go back to their tokens' rows."""
+    grouped matmul over the groups, and the outputs go back to their tokens' rows; in chunks
+    of at most EXPERT_CHUNK_COPIES copies."""
+    M, K = experts_MK.shape
+    chunk = max(1, EXPERT_CHUNK_COPIES // K)
+    if M <= chunk:
+        return _expert_mlp_block(x_MD, experts_MK, weights_MK, w, first_expert)
+    n = -(-M // chunk)
+    # Padded tokens: expert 0 at weight 0, so they add nothing; cut off at the end.
+    pad = lambda a: jnp.pad(a, ((0, n * chunk - M),) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
+    chunks = tuple(pad(a).reshape((n, chunk) + a.shape[1:]) for a in (x_MD, experts_MK, weights_MK))
+    block = jax.checkpoint(lambda xs: _expert_mlp_block(*xs, w, first_expert))
+    return lax.map(block, chunks).reshape(n * chunk, -1)[:M]
+
+
+def _expert_mlp_block(
+    x_MD: jax.Array,
+    experts_MK: jax.Array,
+    weights_MK: jax.Array,
+    w: tuple[jax.Array, jax.Array, jax.Array],
+    first_expert: jax.Array | int,
+) -> jax.Array:
+    """expert_mlp on one chunk of tokens."""
     gate, up, down = w
     G = gate.shape[0]
     M, K = experts_MK.shape

@@ -9,9 +9,11 @@ Symbols (per device; "rows" are those one device holds of the slice that runs at
   Pb = Nb s / S                       the params' shard
   n Wl = the layers' weights a device gathers: every layer's (q, k, v, o, MLP or router,
      norms), an MoE layer's experts only the E / X it holds
-  F  the MLP width a token row costs: the dense MLP's, or in an MoE layer X k M (the grouped
-     matmuls run all k copies of the expert group's X x rows, held or not; models/moe.py)
-  C  = X k D in an MoE model (0 dense): a token row's sorted copies in an MoE layer
+  F  the dense MLP's width (0 when every layer is a mixture of experts)
+  C  = X D in an MoE model (0 dense): the expert group's X rows of tokens an MoE layer
+     gathers per token row (models/moe.py)
+  Q  = Qc (D + 3 M) 4 in an MoE model (0 dense): one chunk of sorted token copies and their
+     three projections, Qc = moe.EXPERT_CHUNK_COPIES copies whatever the rows
   c  bytes per element of a gathered weight. XLA's CPU compiler (the one plan.py runs)
      computes bfloat16 matmuls in float32, so it converts weights before gathering: c = 4.
      On TPU / GPU c = s, and the converted copies below are not there.
@@ -26,7 +28,8 @@ Symbols (per device; "rows" are those one device holds of the slice that runs at
   update    3 Pb (params + moments, donated) + 2 (4 Nb / S) (float32 gradient accumulator,
             float32 weight shards) + n b L D 4 (remat checkpoints: one float32 residual per
             layer) + 6 b Lb F/T 4 (the recomputed MLP and its gradients) + 4 b Lb D 4
-            + 2 b Lb C 4 (an MoE layer's token copies in and out)
+            + 2 b Lb C 4 + 2 Q (an MoE layer's gathered tokens in and out, a chunk of copies
+            and its recomputation)
             + 4 D V/T 4 (unembedding gathered in float32, its gradient, the reduction buffer,
             a conversion) + R; with --micro_batch_tokens=Nt (packed micro-batches: one row
             of Nt / (data x fsdp) tokens per device) b L = b Lb = Nt / (data x fsdp), whatever
@@ -37,7 +40,8 @@ Symbols (per device; "rows" are those one device holds of the slice that runs at
             + 2 n b K H (P + N - 1) kv / T_kv (keys and values of one chunk, kv the cache
             dtype's bytes: the compute dtype's on an accelerator, 4 on CPU) + R
   logprobs  Pb + b Lb F/T (2 x 4 + s) (gate, up in float32, their product) + b Lb D 4
-            + b Lb C (c + 4) (an MoE layer's token copies) + D V/T c (unembedding gathered) + R
+            + b Lb C (c + 4) + Q (an MoE layer's gathered tokens, a chunk of copies)
+            + D V/T c (unembedding gathered) + R
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from typing import TYPE_CHECKING
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models import lora as lora_lib
+from jaxrl4llm.models import moe as moe_lib
 from jaxrl4llm.models import transformer
 from jaxrl4llm.sampling import buckets
 from jaxrl4llm.train.config import TrainConfig, param_dtype
@@ -89,11 +94,10 @@ class Estimate:
         self.N = c.rollout.max_new_tokens
         self.L = self.P + self.N - 1  # a row's tokens without prompt sharing
         self.DV = m.hidden_size * m.vocab_size / self.T
-        moe = m.moe if m.moe_layers else None
-        dense_F = m.intermediate_size if m.dense_layers else 0
-        moe_F = X * moe.experts_per_token * moe.moe_intermediate_size if moe else 0
-        self.F = max(dense_F, moe_F) / self.T
-        self.C = X * moe.experts_per_token * m.hidden_size if moe else 0
+        moe_M = m.moe.moe_intermediate_size if m.moe_layers else 0
+        self.F = (m.intermediate_size if m.dense_layers else 0) / self.T
+        self.C = X * m.hidden_size if moe_M else 0
+        self.Q = moe_lib.EXPERT_CHUNK_COPIES * (m.hidden_size + 3 * moe_M) * _F32 if moe_M else 0
         self.T_kv = self.T if m.num_kv_heads % self.T == 0 else 1
 
     def create(self, resident: float) -> float:
@@ -115,7 +119,7 @@ class Estimate:
         bL, bLb = self._update_tokens(group, packed)
         state = 3 * self.Pb + 2 * _F32 * self.Nb / self.S
         activations = (m.num_layers * bL * D + 6 * bLb * self.F + 4 * bLb * D) * _F32
-        activations += 2 * bLb * self.C * _F32
+        activations += 2 * bLb * self.C * _F32 + 2 * self.Q
         return state + activations + 4 * self.DV * _F32 * unembed + resident
 
     def _update_tokens(self, group: int, packed: bool) -> tuple[float, float]:
@@ -148,7 +152,7 @@ class Estimate:
         b, D = self.c.batch_size / num_chunks / self.dp, self.m.hidden_size
         _, Lb = self._tokens(group)
         layer = b * Lb * self.F * (2 * _F32 + self.s) + b * Lb * D * _F32
-        layer += b * Lb * self.C * (self.g + _F32)
+        layer += b * Lb * self.C * (self.g + _F32) + self.Q
         return self.Pb + layer + self.DV * self.g * unembed + resident
 
     def rollout_hbm_bytes(self, num_chunks: int) -> float:

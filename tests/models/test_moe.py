@@ -263,8 +263,11 @@ def test_route_is_softmax_top_k_and_replay_gathers():
         moe.route(jnp.asarray(logits), 2, True, jnp.asarray(replay))
 
 
-def test_expert_mlp_is_the_weighted_sum_of_the_held_experts():
-    """Tokens over 8 experts, this call holding experts 2..4: a numpy loop over tokens."""
+@pytest.mark.parametrize("chunk_copies", [moe.EXPERT_CHUNK_COPIES, 6])
+def test_expert_mlp_is_the_weighted_sum_of_the_held_experts(monkeypatch, chunk_copies):
+    """Tokens over 8 experts, this call holding experts 2..4: a numpy loop over tokens; in
+    one block, and in chunks of 2 tokens (the last padded), value and gradients alike."""
+    monkeypatch.setattr(moe, "EXPERT_CHUNK_COPIES", chunk_copies)
     rng = np.random.default_rng(0)
     M, K, D, F, first, G = 13, 3, 8, 6, 2, 3
     x = rng.standard_normal((M, D)).astype(np.float32)
@@ -284,6 +287,28 @@ def test_expert_mlp_is_the_weighted_sum_of_the_held_experts():
     )
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert np.abs(want).max() > 0 and (np.abs(want).sum(-1) == 0).any()  # some rows: no held expert
+    # d/dx and d/dw of sum(y * probe) against numpy: y is linear in w, and dy/dx by the
+    # chain rule through the held experts' SwiGLU.
+    probe = rng.standard_normal((M, D)).astype(np.float32)
+    dx, dw = jax.grad(
+        lambda x_, w_: jnp.sum(
+            moe.expert_mlp(x_, jnp.asarray(experts), w_, (gate, up, down), first) * probe
+        ),
+        argnums=(0, 1),
+    )(jnp.asarray(x), jnp.asarray(w))
+    want_dx, want_dw = np.zeros((M, D)), np.zeros((M, K))
+    for m in range(M):
+        for k in range(K):
+            e = experts[m, k] - first
+            if 0 <= e < G:
+                g, u = x[m] @ gate[e], x[m] @ up[e]
+                sig = 1 / (1 + np.exp(-g))
+                want_dw[m, k] = ((g * sig * u) @ down[e]) @ probe[m]
+                dh = down[e] @ probe[m] * w[m, k]
+                dg = dh * u * (sig + g * sig * (1 - sig))
+                want_dx[m] += gate[e] @ dg + up[e] @ (dh * g * sig)
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-4)
 
 
 def test_config_reads_both_expert_count_names_and_refuses_what_it_cannot_run():

@@ -38,8 +38,10 @@ def test_moe_weights_are_split_over_expert_and_fsdp():
     assert est.Nb == 66368 and est.Pb == 132736
     # The layers a device gathers: 2 x 37248 - 49152 + 24576.
     assert est.nWl == 49920
-    # An MoE layer's row: X k M = 2 x 2 x 32 wide, X k D = 2 x 2 x 64 copies.
-    assert (est.F, est.C) == (128, 256)
+    # No dense layer; an MoE layer gathers X = 2 rows of width 64 per row, and one chunk of
+    # 32768 copies holds their width 64 and three projections of 32, in float32.
+    assert (est.F, est.C) == (0, 128)
+    assert est.Q == 32768 * (64 + 3 * 32) * 4
     # Textbook FSDP per micro-batch: 3 x Nb x 4 bytes.
     assert est.textbook_update_collectives(1) == 3 * 66368 * 4
 
