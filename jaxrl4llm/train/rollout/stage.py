@@ -228,12 +228,15 @@ def _packed_passes(
     programs: StepPrograms, seqs: Sequences, packed: packing.PackedBatch
 ) -> tuple[Any, Any]:
     """`_padded_passes`' two functions, run on the batch's sequences `packed`: micro-batches
-    of packed rows over the data-parallel devices, read back into the [B, T] layout."""
+    of packed rows over the data-parallel devices, read back into the [B, T] layout. Packed
+    rows carry no routing record (--routing_replay refuses packing): the `seqs` a caller
+    passes to choose its record is not read."""
     passes = dict(packed=packed, mask_MT=seqs.completion_mask_BT)
-    return (
-        functools.partial(programs.packed_logprobs, **passes),
-        functools.partial(programs.packed_values, **passes),
-    )
+
+    def on_packed(program: Any) -> Any:
+        return lambda params, seqs=None: program(params, **passes)
+
+    return on_packed(programs.packed_logprobs), on_packed(programs.packed_values)
 
 
 @dataclasses.dataclass(frozen=True)
