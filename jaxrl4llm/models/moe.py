@@ -109,7 +109,7 @@ def expert_mlp(
     # Padded tokens: expert 0 at weight 0, so they add nothing; cut off at the end.
     pad = lambda a: jnp.pad(a, ((0, n * chunk - M),) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
     chunks = tuple(pad(a).reshape((n, chunk) + a.shape[1:]) for a in (x_MD, experts_MK, weights_MK))
-    block = jax.checkpoint(lambda xs: _expert_mlp_block(*xs, w, first_expert))
+    block = jax.checkpoint(lambda xs: _expert_mlp_block(xs[0], xs[1], xs[2], w, first_expert))
     return lax.map(block, chunks).reshape(n * chunk, -1)[:M]
 
 
