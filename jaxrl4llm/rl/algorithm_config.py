@@ -176,7 +176,8 @@ jax.tree_util.register_dataclass(
 
 
 def _concrete(x: Any) -> bool:
-    """Whether x is a number to check now (not a traced or placeholder leaf)."""
+    """Whether x is a number to check now: a Python or numpy scalar, not a traced value or an
+    abstract array (those are checked when they are concrete)."""
     return isinstance(x, (int, float, np.number)) and not isinstance(x, bool)
 
 
