@@ -30,7 +30,7 @@ from jaxrl4llm.sampling.strategies import SamplingConfig
 
 
 @jax.jit
-def _row_keys(key: jax.Array, prompt_index_B: jax.Array, sample_index_B: jax.Array) -> jax.Array:
+def sample_keys(key: jax.Array, prompt_index_B: jax.Array, sample_index_B: jax.Array) -> jax.Array:
     """Key of sample g of prompt p: fold_in(fold_in(key, p), g), whatever else is batched."""
     return jax.vmap(lambda p, g: jax.random.fold_in(jax.random.fold_in(key, p), g))(
         prompt_index_B, sample_index_B
@@ -45,8 +45,9 @@ class RowRequest:
     skipped and flagged in dropped_B ("drop"); left-padded with `pad_id` to a prompt bucket
     of at least `min_prompt_bucket`; the last `greedy_last` samples of each prompt greedy
     (ReMax's baseline completion); `row_keys` (one per real row) instead of keys derived
-    from the call's key; `row_caps` (one per real row, in 1..max_new_tokens) each row's own
-    token limit."""
+    from the call's key; `row_caps` (one per real row, in 0..max_new_tokens) each row's own
+    token limit, 0 for a row that does not run (a prompt's n rows all or none: a group is
+    prefilled together); it produces nothing, like a dropped prompt's."""
 
     layout: RowLayout
     max_new_tokens: int
@@ -104,6 +105,10 @@ def prompt_rows(
     # Prompt indices are global (offset by this host's share) so no two hosts draw alike.
     prompt_index_B = batch.prompt_index_B + (jax.process_index() * len(prompts) if multihost else 0)
     greedy_last = request.greedy_last
+    caps_B = _padded_row_caps(request.row_caps, batch.num_rows, B, request.max_new_tokens)
+    if caps_B is not None:  # a cap of 0: the row does not run
+        batch = dataclasses.replace(batch, active_B=batch.active_B & (caps_B > 0))
+        caps_B = np.maximum(caps_B, 1)
     return PromptRows(
         batch=batch,
         keys_B=_keys(key, batch, prompt_index_B, request.row_keys),
@@ -111,7 +116,7 @@ def prompt_rows(
         # prepare_batch lays each prompt's n samples out as consecutive rows (batch padding
         # rows are all alike): with whole groups the prompt is prefilled once per group.
         prompt_group=request.layout.prompt_group(B),
-        caps_B=_padded_row_caps(request.row_caps, batch.num_rows, B, request.max_new_tokens),
+        caps_B=caps_B,
     )
 
 
@@ -141,12 +146,12 @@ def _keys(
 ) -> jax.Array:
     """Each row's key: `row_keys` for the real rows if given, else derived from `key`."""
     if row_keys is None:
-        return _row_keys(key, jnp.asarray(prompt_index_B), jnp.asarray(batch.sample_index_B))
+        return sample_keys(key, jnp.asarray(prompt_index_B), jnp.asarray(batch.sample_index_B))
     if len(row_keys) != batch.num_rows:
         raise ValueError(
             f"row_keys has {len(row_keys)} keys; expected len(prompts) * n = {batch.num_rows}."
         )
-    extra = _row_keys(
+    extra = sample_keys(
         key,
         jnp.asarray(prompt_index_B[batch.num_rows :]),
         jnp.asarray(batch.sample_index_B[batch.num_rows :]),
@@ -286,20 +291,30 @@ def host_rows(x: jax.Array, num_rows: int) -> np.ndarray:
 
 
 def check_generate_args(
-    num_rows: int, sampling: Any, max_new_tokens: Any, row_caps: Sequence[int] | None
+    num_rows: int,
+    sampling: Any,
+    max_new_tokens: Any,
+    row_caps: Sequence[int] | None,
+    group_size: int = 1,
 ) -> None:
     if row_caps is not None:
         caps = np.asarray(row_caps)
         if (
             caps.shape != (num_rows,)
             or not np.issubdtype(caps.dtype, np.integer)
-            or caps.min(initial=1) < 1
+            or caps.min(initial=1) < 0
             or caps.max(initial=1) > max_new_tokens
         ):
             raise ValueError(
                 f"row_caps must hold len(prompts) * n = {num_rows} ints "
-                f"in 1..max_new_tokens={max_new_tokens}; got shape {caps.shape}, "
+                f"in 0..max_new_tokens={max_new_tokens}; got shape {caps.shape}, "
                 f"dtype {caps.dtype}."
+            )
+        off_G = (caps == 0).reshape(-1, group_size)
+        if np.any(off_G.any(axis=1) & ~off_G.all(axis=1)):
+            raise ValueError(
+                f"row_caps: a prompt's {group_size} rows are all 0 (the prompt does not run) "
+                "or none is."
             )
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int.")

@@ -393,7 +393,7 @@ def generate(
     max_rows = None if decode_slots and kv_cache_tokens is None else max_rows
     engine = (decode_slots, kv_cache_tokens, record_routing)
     decoding = _Decoding(mesh, rules, max_rows, compact, *engine)
-    check_generate_args(len(prompts) * n, sampling, max_new_tokens, row_caps)
+    check_generate_args(len(prompts) * n, sampling, max_new_tokens, row_caps, n)
     request = RowRequest(
         RowLayout(n, share_prompts),
         max_new_tokens=max_new_tokens,

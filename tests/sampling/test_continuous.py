@@ -239,13 +239,41 @@ def test_row_caps_same_samples_in_both_decoders(toy):
     assert int(caps.sum() - caps.size) <= int(b.slot_steps)
 
 
+@pytest.mark.parametrize("engine", [{}, {"decode_slots": 4}, {"kv_cache_tokens": 0}])
+def test_a_prompt_capped_at_zero_does_not_run(toy, engine):
+    """Cap 0 (partial rollouts' finished rows and bucket filler): the prompt's rows produce
+    nothing; the other rows are those of the call with every row
+    (a row's key is its prompt's and sample's)."""
+    config, params = toy
+    prompts = _prompts(config, [3, 11, 6, 2], seed=8)
+    key = jax.random.key(6)
+    kw = dict(stop_ids=STOP, n=2, **engine)
+    full = sampler.generate(params, config, prompts, SAMPLED, N, key, **kw)
+    caps = np.array([N, N, 0, 0, N, N, 0, 0])
+    part = sampler.generate(params, config, prompts, SAMPLED, N, key, row_caps=caps, **kw)
+    on = caps > 0
+    np.testing.assert_array_equal(np.asarray(part.lengths_B)[~on], 0)
+    assert not np.asarray(part.truncated_B)[~on].any()
+    for r in np.flatnonzero(on):
+        n = int(full.lengths_B[r])
+        assert int(part.lengths_B[r]) == n
+        np.testing.assert_array_equal(
+            np.asarray(part.tokens_BT[r, :n]), np.asarray(full.tokens_BT[r, :n])
+        )
+    assert int(part.slot_steps) <= int(full.slot_steps)
+
+
 def test_row_caps_refused(toy):
     config, params = toy
     with pytest.raises(
         ValueError,
         match=r"row_caps must hold len\(prompts\) \* n = 4 ints in "
-        r"1..max_new_tokens=8",
+        r"0..max_new_tokens=8",
     ):
         sampler.generate(
             params, config, [[1], [2]], SAMPLED, 8, jax.random.key(0), n=2, row_caps=[1, 2, 9, 3]
+        )
+    with pytest.raises(ValueError, match=r"a prompt's 2 rows are all 0"):
+        sampler.generate(
+            params, config, [[1], [2]], SAMPLED, 8, jax.random.key(0), n=2, row_caps=[1, 0, 2, 3]
         )

@@ -17,6 +17,7 @@ import pytest
 from jaxrl4llm import rl
 from jaxrl4llm.models import registry
 from jaxrl4llm.rewards.base import RewardBatch
+from jaxrl4llm.sampling import paged, row_io
 from jaxrl4llm.sampling.frontend import Sampler
 from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.sampling.strategies import GREEDY
@@ -50,6 +51,12 @@ def _token(record: str, position: int) -> int:
     return 10 * (RECORDS.index(record) + 1) + position
 
 
+def _place(round_key, row_key):
+    """The buffer place (0..3: P = 2 groups of G = 2) whose key is `row_key`."""
+    keys = jax.random.key_data(row_io.sample_keys(round_key, np.arange(4), np.zeros(4, np.int32)))
+    return int(np.flatnonzero((keys == jax.random.key_data(row_key)).all(axis=1))[0])
+
+
 class ScriptedSampler:
     """A sampler that continues each row from its prefix along SCRIPT, within the budget."""
 
@@ -62,16 +69,38 @@ class ScriptedSampler:
     def encode(self, messages):
         return [[900 + RECORDS.index(m)] for m in messages]
 
-    def generate(self, params, prompts, sampling, budget, key, prefixes=None):
-        self.calls.append([len(p) for p in prefixes])
+    def generate(
+        self,
+        params,
+        prompts,
+        sampling,
+        budget,
+        key,
+        *,
+        group_size=1,
+        share_prompts=True,
+        row_keys=None,
+        prefixes=None,
+        row_caps=None,
+    ):
+        """Row r's place in the round's buffer (hence its row of the group) is read from its
+        key, fold_in(fold_in(round key, place), 0): the keys partial.py must give."""
+        prompts = [p for p in prompts for _ in range(group_size)]
+        prefixes = prefixes or [()] * len(prompts)
+        places = [_place(key, k) for k in row_keys]
+        self.calls.append(
+            [(place, len(x), cap) for place, x, cap in zip(places, prefixes, row_caps)]
+        )
         B = len(prompts)
         tokens, logp = np.zeros((B, budget), np.int32), np.zeros((B, budget), np.float32)
         lengths, truncated = np.zeros(B, np.int32), np.zeros(B, bool)
-        for r, (prompt, prefix) in enumerate(zip(prompts, prefixes)):
+        for r, (prompt, prefix, cap) in enumerate(zip(prompts, prefixes, row_caps)):
+            if cap == 0:
+                continue
             record, start = RECORDS[prompt[0] - 900], len(prefix)
-            stop = SCRIPT[record][r % 2]
-            n = budget if stop is None or stop - start > budget else stop - start
-            lengths[r], truncated[r] = n, stop is None or stop - start > budget
+            stop = SCRIPT[record][places[r] % 2]
+            n = cap if stop is None or stop - start > cap else stop - start
+            lengths[r], truncated[r] = n, stop is None or stop - start > cap
             for i in range(n):
                 tokens[r, i] = _token(record, start + i + 1)
                 logp[r, i] = -0.01 * tokens[r, i]
@@ -143,13 +172,24 @@ def test_the_buffer_carries_resumes_and_drops_stale_groups():
     assert tokens == [[11], [11, 12], [31, 32], [31]]
     np.testing.assert_allclose(logp[1], [-0.11, -0.12], rtol=1e-6)
     assert out.truncated_B.tolist() == [False] * 4
-    assert ctx.sampler.calls == [[0, 0, 0, 0], [2, 2, 0, 0]]
+    # (buffer place, prefix length, cap) of each row of each call: round 1 starts a and b as
+    # groups; round 2 starts c (places 2, 3: after b, still in flight) and resumes b's two
+    # rows (places 0, 1).
+    assert ctx.sampler.calls == [
+        [(0, 0, 2), (1, 0, 2), (2, 0, 2), (3, 0, 2)],
+        [(2, 0, 2), (3, 0, 2)],
+        [(0, 2, 2), (1, 2, 2)],
+    ]
     assert [g.record for g in carried.groups] == ["b"] and carried.groups[0].age == 1
     assert carried.groups[0].lengths_G.tolist() == [4, 3] and carried.pending == ("d",)
     assert rows.verdicts.rewards.tolist() == [1, 1, 0, 0]
     assert {k: m[k].value for k in m if k.startswith("partial/")} == {
         "partial/rounds": 1 * 2,
         "partial/new_groups": 3,
+        # Round 1: a 1 + 2, b 2 + 2 tokens, 2 prompts; round 2: c 2 + 1, b 2 + 1 tokens,
+        # c's prompt and b's two rows (prompt 1 + 2 tokens each).
+        "partial/decoded_tokens": 13,
+        "partial/prefilled_tokens": 9,
         "partial/carried_rows": 2,
         "partial/dropped_rows": 0,
         "partial/staleness_0": 4,
@@ -173,7 +213,18 @@ def test_the_buffer_carries_resumes_and_drops_stale_groups():
     # b's behaviour logprobs: its parts of step 1 and step 2, concatenated.
     np.testing.assert_allclose(logp[0], [-0.21, -0.22, -0.23, -0.24, -0.25, -0.26], rtol=1e-6)
     assert out.truncated_B.tolist() == [True, False, False, False]
-    assert ctx.sampler.calls[2:] == [[4, 0, 0, 0], [2, 2, 0, 0]]  # d (carried) before e
+    # Round 1: d starts (places 2, 3) and b (carried, place 0) resumes only its unfinished
+    # row 0, capped at the 2 tokens --max_new_tokens leaves it. Round 2: b is done, so d moves
+    # to places 0, 1 and resumes, and e starts in places 2, 3.
+    assert ctx.sampler.calls[3:] == [
+        [(2, 0, 2), (3, 0, 2)],
+        [(0, 4, 2)],
+        [(2, 0, 2), (3, 0, 2)],
+        [(0, 2, 2), (1, 2, 2)],
+    ]
+    # Decoded: b 2, d 4 + 4, e 2. Prefilled: b's row (1 + 4), d's and e's prompts once each,
+    # d's two rows (1 + 2) each.
+    assert (m["partial/decoded_tokens"].value, m["partial/prefilled_tokens"].value) == (12, 13)
     assert [(g.record, g.age) for g in carried2.groups] == [("d", 1)]
     assert carried2.pending == ("f",)
     assert (m["partial/staleness_0"].value, m["partial/staleness_1"].value) == (2, 2)
@@ -293,16 +344,32 @@ def _partial_config(model, data, workdir, **overrides):
 
 
 def test_a_partial_run_carries_rows_and_counts_them(early_stop_model, copy_task_file, tmp_path):
-    loop.run(
-        _partial_config(early_stop_model, copy_task_file, tmp_path, num_steps=3),
-        devices=_one_device(),
-    )
-    records = read_metrics(str(tmp_path))
+    """Three steps that carry rows; the paged engine, with a pool of one group at full
+    length (rows wait for pages), runs the same steps."""
+    config = _partial_config(early_stop_model, copy_task_file, tmp_path / "a", num_steps=3)
+    loop.run(config, devices=_one_device())
+    records = read_metrics(str(tmp_path / "a"))
     for r in records:  # every step trains P = 4 full groups, staleness 0..2
         assert sum(r[f"partial/staleness_{k}"] for k in range(3)) == 8
         assert r["reward/accuracy"] == r["reward/accuracy"]  # scored, not NaN
     assert any(r["partial/carried_rows"] > 0 for r in records)
     assert any(r["partial/staleness_1"] + r["partial/staleness_2"] > 0 for r in records)
+
+    r = config.rollout
+    pool = paged.min_pool_pages(r.max_prompt_tokens, r.max_new_tokens, 2, paged.PAGE_SIZE)
+    loop.run(
+        config.replace(
+            workdir=str(tmp_path / "b"),
+            rollout_engine="paged",
+            kv_cache_tokens=pool * paged.PAGE_SIZE,
+        ),
+        devices=_one_device(),
+    )
+    for ra, rb in zip(records, read_metrics(str(tmp_path / "b")), strict=True):
+        for k in ra:
+            if k.startswith(("partial/", "reward/", "response/")):
+                assert ra[k] == rb[k], k
+        np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)
 
 
 def test_a_killed_partial_run_resumes_bit_identically(early_stop_model, copy_task_file, tmp_path):

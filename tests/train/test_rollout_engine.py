@@ -29,7 +29,8 @@ def test_a_paged_run_equals_a_compacted_one(overrides, toy_model_dir, copy_task_
     losses as the compacted sampler's run (the same samples; LINEAR_OPT as in
     test_loop.test_sharded_run_matches_unsharded), also with ReMax's greedy baseline rows on
     LoRA adapters (folded into the decode weights), and DAPO's dynamic-sampling rounds with
-    the evaluation, which samples through the same engine."""
+    the evaluation, which samples through the same engine (partial rollouts:
+    test_partial.test_a_partial_run_carries_rows_and_counts_them)."""
     kwargs = dict(num_steps=2, max_new_tokens=12, optimizer=LINEAR_OPT, **overrides)
     plain = _config(toy_model_dir, copy_task_file, tmp_path / "compacted", **kwargs)
     loop.run(plain, devices=_one_device())
@@ -55,7 +56,6 @@ def test_a_paged_run_equals_a_compacted_one(overrides, toy_model_dir, copy_task_
     [
         (dict(env="calculator", max_turns=2), "runs single-turn rollouts"),
         (dict(max_turns=3), "runs single-turn rollouts"),
-        (dict(partial_rollout_tokens=4), "does not run partial rollouts"),
         (dict(mesh="data:2,fsdp:1,tensor:1"), "splits the batch 2 ways"),
         (dict(kv_cache_tokens=100), "holds less than one group at full length"),
         (dict(rollout_engine="vllm"), "choose one of compacted, paged"),
@@ -77,4 +77,4 @@ def test_decode_slots_is_an_alias_of_the_paged_engine(toy_model_dir, copy_task_f
     assert r.paged and r.pool_tokens == 8 * (r.max_prompt_tokens + r.max_new_tokens)
     validate(config, num_devices=1)
     with pytest.raises(FlagError, match=r"--rollout_engine=paged \(--decode_slots\)"):
-        validate(config.replace(partial_rollout_tokens=4), num_devices=1)
+        validate(config.replace(max_turns=3), num_devices=1)

@@ -307,11 +307,6 @@ def _validate_engine(config: TrainConfig, num_devices: int, data_parallel: int |
         f"{engine} runs single-turn rollouts; multi-turn ones (--env, --max_turns) decode in "
         "their own engine (sampling/multiturn.py): use --rollout_engine=compacted.",
     )
-    require(
-        r.partial_rollout_tokens == 0,
-        f"{engine} does not run partial rollouts (--partial_rollout_tokens): use "
-        "--rollout_engine=compacted.",
-    )
     if data_parallel is None:
         data_parallel = _data_parallel(config, num_devices)
     require(

@@ -21,11 +21,22 @@ policy, as AReaL's decoupled objective; --norecompute_old_logprobs is refused), 
 update per step the ratio is 1 and the update is an ordinary policy-gradient step on
 possibly stale samples.
 
-Resuming a row: its prompt followed by its completion so far is prefilled as one prompt
-(`Sampler.generate(prefixes=...)`, which rebuilds the KV cache) and decoding continues.
+What a round runs (`sample_round`, at most two sampler calls). Groups no row of which has
+started run as groups: their prompt is prefilled once (--share_prompts) and their G rows
+decode. An unfinished row of a started group resumes: its prompt followed by its completion
+so far is prefilled as one prompt (`Sampler.generate(prefixes=...)`, which rebuilds the KV
+cache) and decoding continues. Each row stops at its own cap, the smaller of N and what
+--max_new_tokens leaves it (the sampler's row_caps), so no token is decoded past the limit.
+A finished row does not run again, also when its group is still generating: nothing is
+decoded twice. Each call's rows are padded (with rows that do not run, cap 0) to
+buckets.two_per_octave rows, so a run compiles a few call shapes. The history of a resumed
+row is prefilled again each round it runs in; `partial/decoded_tokens` and
+`partial/prefilled_tokens` count what the step's rounds decoded and prefilled
+(tools/bench_partial.py compares them with a step without partial rollouts).
 
 Keys. Round i of a step samples with fold_in(step's rollout key, i), and its row r (slots in
-buffer order, G rows per group) with the sampler's fold_in(fold_in(round key, r), 0). The
+buffer order, G rows per group) with fold_in(fold_in(round key, r), 0), whichever call runs
+it. The
 buffer (groups with their tokens, logprobs, ages; prompts drawn but not started) is saved
 with each checkpoint (`InFlight.get_state`, in the data state beside the iterator's), so a
 resumed run is bit-identical to one that never stopped.
@@ -38,11 +49,12 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm.data.records import Record
 from jaxrl4llm.rl.metrics import Metric
-from jaxrl4llm.sampling import buckets
+from jaxrl4llm.sampling import buckets, row_io
 from jaxrl4llm.sampling.context import RolloutContext
 from jaxrl4llm.sampling.frontend import Samples
 from jaxrl4llm.sampling.rounds import ScoredRows, on_device
@@ -200,28 +212,160 @@ def _start_groups(ctx: RolloutContext, records: Sequence[Any]) -> list[Group]:
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class RoundWork:
+    """What a round asked of the sampler: decode loop work (slot steps), tokens decoded, and
+    prompt tokens prefilled (a shared prompt once per group; a resumed row's prompt + its
+    completion so far)."""
+
+    slot_steps: int = 0
+    decoded: int = 0
+    prefilled: int = 0
+
+    def __add__(self, other: "RoundWork") -> "RoundWork":
+        return RoundWork(
+            *(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other)))
+        )
+
+
 def sample_round(
-    sampler: Any, params: Any, groups: Sequence[Group], sampling: Any, budget: int, key: jax.Array
-) -> tuple[list[Group], int]:
-    """One round: every unfinished row of `groups` continues by up to `budget` tokens (one
-    sampler call over all their rows; finished rows run from their bare prompt and their
-    tokens are discarded, so the call's shape stays fixed). Returns the groups and the
-    decode loop's work (slot steps)."""
-    prompts, prefixes = [], []
-    for g in groups:
-        for i, done in enumerate(g.done_G):
-            prompts.append(g.prompt)
-            prefixes.append(() if done else g.tokens_GT[i, : g.lengths_G[i]].tolist())
-    out = jax.device_get(
-        sampler.generate(params, prompts, sampling, budget, key, prefixes=prefixes)
+    sampler: Any, params: Any, groups: Sequence[Group], rollout: Any, key: jax.Array
+) -> tuple[list[Group], RoundWork]:
+    """One round: every unfinished row of `groups` continues by up to
+    --partial_rollout_tokens tokens, cut at --max_new_tokens (its row cap). Groups no row of
+    which has started run as groups (their prompt prefilled once with --share_prompts);
+    unfinished rows of started groups resume from prompt + completion so far; finished rows
+    do not run. Row r of the round (buffer order, G rows per group) draws with
+    fold_in(fold_in(key, r), 0) whichever call runs it."""
+    G, T = rollout.group_size, rollout.max_new_tokens
+    budget = min(rollout.partial_rollout_tokens, T)
+    multihost = sampler.mesh is not None and jax.process_count() > 1
+    offset = jax.process_index() * len(groups) * G if multihost else 0
+    keys_R = row_io.sample_keys(
+        key, jnp.arange(len(groups) * G) + offset, jnp.zeros(len(groups) * G, jnp.int32)
     )
-    G = groups[0].tokens_GT.shape[0]
-    split = [
-        np.asarray(x).reshape(len(groups), G, *np.shape(x)[1:])
-        for x in (out.tokens_BT, out.logprobs_BT, out.lengths_B, out.truncated_B)
+    fresh = [i for i, g in enumerate(groups) if not g.lengths_G.any()]
+    resumed = [
+        (i, int(j))
+        for i, g in enumerate(groups)
+        if g.lengths_G.any()
+        for j in np.flatnonzero(~g.done_G)
     ]
-    extended = [extend(g, tok, lp, n, ~trunc) for g, tok, lp, n, trunc in zip(groups, *split)]
-    return extended, int(out.slot_steps) if out.slot_steps is not None else 0
+    parts = {i: _no_part(G, budget) for i in range(len(groups))}
+    work = RoundWork()
+    if fresh:
+        out, w = _run_fresh(sampler, params, groups, fresh, rollout, (budget, key, keys_R))
+        for n, i in enumerate(fresh):
+            parts[i] = tuple(x[n * G : (n + 1) * G] for x in out)
+        work += w
+    if resumed:
+        out, w = _run_resumed(sampler, params, groups, resumed, rollout, (budget, key, keys_R))
+        for n, (i, j) in enumerate(resumed):
+            for x, part in zip(out, parts[i]):
+                part[j] = x[n]
+        work += w
+    return [extend(g, *parts[i]) for i, g in enumerate(groups)], work
+
+
+def _no_part(G: int, budget: int) -> tuple[np.ndarray, ...]:
+    """A group's part of a round before its rows run: nothing (rows that do not run keep it)."""
+    return (
+        np.zeros((G, budget), np.int32),
+        np.zeros((G, budget), np.float32),
+        np.zeros(G, np.int32),
+        np.zeros(G, bool),
+    )
+
+
+def _padded(n: int) -> int:
+    """Rows (or groups) a call runs: n rounded up to buckets.two_per_octave, the rest not run
+    (cap 0), so a run compiles a few call shapes, not one per row count."""
+    return buckets.two_per_octave(n)
+
+
+def _run_fresh(
+    sampler: Any,
+    params: Any,
+    groups: Sequence[Group],
+    fresh: Sequence[int],
+    rollout: Any,
+    call: tuple[int, jax.Array, jax.Array],
+) -> tuple[tuple[np.ndarray, ...], RoundWork]:
+    """Groups `fresh` (no row started) as groups of G rows. `call`: (the round's budget, its
+    key, its rows' keys)."""
+    G, F = rollout.group_size, len(fresh)
+    pad = _padded(F) - F
+    prompts = [groups[i].prompt for i in fresh]
+    rows = [i * G + j for i in fresh for j in range(G)]
+    layout = dict(group_size=G, share_prompts=rollout.share_prompts)
+    out = _generate(sampler, params, rollout, call, prompts, rows, [call[0]] * (F * G), pad, layout)
+    per_prompt = 1 if rollout.share_prompts else G
+    return _read(out, F * G, per_prompt * sum(len(p) for p in prompts))
+
+
+def _run_resumed(
+    sampler: Any,
+    params: Any,
+    groups: Sequence[Group],
+    rows: Sequence[tuple[int, int]],
+    rollout: Any,
+    call: tuple[int, jax.Array, jax.Array],
+) -> tuple[tuple[np.ndarray, ...], RoundWork]:
+    """The unfinished rows (group i, row j) of started groups, each from prompt + its
+    completion so far, capped at what --max_new_tokens leaves. `call` as _run_fresh's."""
+    G, R = rollout.group_size, len(rows)
+    pad = _padded(R) - R
+    lengths = [int(groups[i].lengths_G[j]) for i, j in rows]
+    prompts = [groups[i].prompt for i, _ in rows]
+    prefixes = [groups[i].tokens_GT[j, :n].tolist() for (i, j), n in zip(rows, lengths)]
+    caps = [min(call[0], rollout.max_new_tokens - n) for n in lengths]
+    places = [i * G + j for i, j in rows]
+    layout = dict(prefixes=prefixes + [[]] * pad)
+    out = _generate(sampler, params, rollout, call, prompts, places, caps, pad, layout)
+    return _read(out, R, sum(len(p) for p in prompts) + sum(lengths))
+
+
+def _generate(
+    sampler: Any,
+    params: Any,
+    rollout: Any,
+    call: tuple[int, jax.Array, jax.Array],
+    prompts: list[tuple[int, ...]],
+    places: list[int],
+    caps: list[int],
+    pad: int,
+    layout: dict[str, Any],
+) -> SampleOutput:
+    """One sampler call: `prompts` (laid out by `layout`) and `pad` more that do not run (cap
+    0), their rows keyed as the round's buffer places `places`, capped at `caps`."""
+    budget, key, keys_R = call
+    filler = len(places) // len(prompts) * pad  # rows per prompt x prompts added
+    return sampler.generate(
+        params,
+        prompts + prompts[:1] * pad,
+        rollout.sampling,
+        budget,
+        key,
+        row_keys=_padded_keys(keys_R, np.array(places), filler),
+        row_caps=caps + [0] * filler,
+        **layout,
+    )
+
+
+def _padded_keys(keys_R: jax.Array, rows: np.ndarray, pad: int) -> jax.Array:
+    """The keys of buffer rows `rows`, then `pad` keys for rows that do not run."""
+    picked = keys_R[jnp.asarray(rows)]
+    return jnp.concatenate([picked, jnp.repeat(picked[:1], pad)]) if pad else picked
+
+
+def _read(out: SampleOutput, rows: int, prefilled: int) -> tuple[tuple[np.ndarray, ...], RoundWork]:
+    """The first `rows` rows of a call's output on the host (tokens, logprobs, lengths,
+    stopped) and the call's work."""
+    out = jax.device_get(out)
+    fields = (out.tokens_BT, out.logprobs_BT, out.lengths_B, ~np.asarray(out.truncated_B))
+    part = tuple(np.asarray(x)[:rows] for x in fields)
+    steps = int(out.slot_steps) if out.slot_steps is not None else 0
+    return part, RoundWork(steps, int(np.sum(part[2])), prefilled)
 
 
 def batch_output(ctx: RolloutContext, groups: Sequence[Group], slot_steps: int) -> SampleOutput:
@@ -280,26 +424,19 @@ def sample_and_score(
     pending = list(carried.pending) + list(records)
     ready = [g for g in carried.groups if g.done]
     flight = [g for g in carried.groups if not g.done]
-    t0, rounds, slot_steps, started = time.perf_counter(), 0, 0, 0
+    t0, rounds, work, started = time.perf_counter(), 0, RoundWork(), 0
     while len(ready) < P:
         while len(flight) < P:  # the free slots take new prompts
             need = P - len(flight)
             for g in _start_groups(ctx, [_next_record(pending, more) for _ in range(need)]):
                 (ready if g.done else flight).append(g)
             started += need
-        flight, work = sample_round(
-            ctx.sampler,
-            params,
-            flight,
-            r.sampling,
-            r.partial_rollout_tokens,
-            jax.random.fold_in(key, rounds),
-        )
-        rounds, slot_steps = rounds + 1, slot_steps + work
+        flight, done = sample_round(ctx.sampler, params, flight, r, jax.random.fold_in(key, rounds))
+        rounds, work = rounds + 1, work + done
         ready += [g for g in flight if g.done]
         flight = [g for g in flight if not g.done]
     trained, waiting = ready[:P], ready[P:] + flight
-    out = batch_output(ctx, trained, slot_steps)
+    out = batch_output(ctx, trained, work.slot_steps)
     t_sample = time.perf_counter() - t0
     t0 = time.perf_counter()
     texts = ctx.sampler.decode(out, P * G)
@@ -315,6 +452,8 @@ def sample_and_score(
         "time/reward_s": t_reward,
         "partial/rounds": Metric.mean(float(rounds)),
         "partial/new_groups": Metric.sum(float(started)),
+        "partial/decoded_tokens": Metric.sum(float(work.decoded)),
+        "partial/prefilled_tokens": Metric.sum(float(work.prefilled)),
         "partial/carried_rows": Metric.sum(float(G * len(kept))),
         "partial/dropped_rows": Metric.sum(float(G * (len(aged) - len(kept)))),
         **{
