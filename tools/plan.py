@@ -38,7 +38,12 @@ repeats on unchanged values (none). For a mixture of experts it prints the exper
 bytes (models/moe.py EXCHANGE_SCOPE, read from each program's HLO) per call and per step.
 With a completion length profile
 (--completion_mean, --completion_p99) it prints the rollout's expected slot utilisation with
-a fixed batch and with continuous batching (tools/slots.py: the model is written there).
+a fixed batch and with continuous batching (planner/slots.py: the model is written there),
+and the page pool section (planner/pool.py): in the flagfile's KV per device and in the KV
+the chip leaves the compiled rollout, the rows a fixed batch and fixed slots hold at full
+length, the rows the page pool admits in steady state, the pool's pages and GB, and each
+one's decode steps and roofline rollout time. A paged run (--rollout_engine=paged) without a
+profile prints that section for the worst case, every completion at --max_new_tokens.
 
 The simulated devices are CPUs: the compiler is XLA's CPU backend, whose fusion and buffer
 decisions differ from the TPU / GPU compilers (and which cannot compile the splash / cuDNN
@@ -87,6 +92,7 @@ from jaxrl4llm.planner.report import (  # noqa: E402
     not_fitting_line,
     over_budget,
     print_plan,
+    print_pool,
     print_slot_use,
 )
 from jaxrl4llm.train.config.checks import validate  # noqa: E402
@@ -102,8 +108,11 @@ flags.DEFINE_bool("markdown", False, "Print the table as Markdown (docs/scaling.
 flags.DEFINE_float(
     "completion_mean",
     None,
-    "Mean completion length in tokens: with "
-    "--completion_p99, prints the rollout's slot utilisation.",
+    "Mean completion length in tokens: with --completion_p99, prints the rollout's slot "
+    "utilisation and the page pool's rows, memory and rollout time against fixed slots and a "
+    "fixed batch. Unset: no such section, but for a paged run (--rollout_engine=paged), "
+    "whose page pool section then assumes the worst case, every completion at "
+    "--max_new_tokens (mean = p99 = max_new_tokens).",
 )
 flags.DEFINE_float(
     "completion_p99",
@@ -150,6 +159,10 @@ def main(argv):
     print_plan(result, markdown=FLAGS.markdown)
     if None not in profile:
         print_slot_use(result, *profile)
+    if None in profile and config.rollout.paged:  # the worst case: every row at its cap
+        profile = (config.rollout.max_new_tokens,) * 2
+    if None not in profile:
+        print_pool(result, *profile, markdown=FLAGS.markdown)
     if over_budget(result):  # the last line names them; exit status 1
         print(not_fitting_line(result))
         return 1

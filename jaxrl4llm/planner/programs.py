@@ -99,6 +99,7 @@ class Plan:
     rollout: Rollout
     trained_params: int  # what the optimizer trains: every parameter, or the LoRA adapters'
     expert_layout: str = ""  # abstract.expert_layout: "" without experts
+    estimate: Any = None  # the hand estimate's symbols (planner/pool.py reads them)
 
     def rollout_seconds(self, per_token: bool) -> tuple[float, float]:
         """(rollout roofline time, its communication term) per call, the weights gathered
@@ -262,6 +263,7 @@ def plan(
         rollout,
         abs_lib.count(s.trained),
         abs_lib.expert_layout(s.base, model_config, s.mesh),
+        estimate=s.est,
     )
 
 

@@ -1,11 +1,13 @@
 """The planner's printed tables: per-program memory and time, the rollout's weight gathers,
-a mixture of experts' layout and expert exchange, and the slot utilisation of a completion
-length profile."""
+a mixture of experts' layout and expert exchange, and from a completion length profile the
+slot utilisation and the page pool's rows against fixed slots and a fixed batch."""
 
 from __future__ import annotations
 
-from jaxrl4llm.planner import programs, slots
+from jaxrl4llm.planner import pool, programs, slots
 from jaxrl4llm.planner.topology import GB, HEADROOM
+from jaxrl4llm.sampling.paged import PAGE_SIZE
+from jaxrl4llm.sampling.paged_state import GROWTH_START
 
 _SHORT = {
     "all-gather": "AG",
@@ -63,6 +65,19 @@ def _cells(r: programs.Row, budget_bytes: float) -> list[str]:
     ]
 
 
+def print_table(head: list[str], lines: list[list[str]], markdown: bool) -> None:
+    """A table as Markdown or as aligned columns."""
+    if markdown:
+        print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
+        for line in lines:
+            print("| " + " | ".join(line) + " |")
+    else:
+        widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
+        print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+        for line in lines:
+            print("  ".join(c.ljust(w) for c, w in zip(line, widths)))
+
+
 def print_plan(result: programs.Plan, markdown: bool = False) -> None:
     topo, rows = result.topology, result.rows
     budget_bytes = budget(result)
@@ -85,15 +100,7 @@ def print_plan(result: programs.Plan, markdown: bool = False) -> None:
         f" GB, budget {_fmt_gb(budget_bytes)} GB with {HEADROOM:.0%} headroom), "
         f"mesh {result.mesh}\n"
     )
-    if markdown:
-        print("| " + " | ".join(head) + " |\n|" + " --- |" * len(head))
-        for line in lines:
-            print("| " + " | ".join(line) + " |")
-    else:
-        widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(head)]
-        print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
-        for line in lines:
-            print("  ".join(c.ljust(w) for c, w in zip(line, widths)))
+    print_table(head, lines, markdown)
     step = sum(r.seconds * r.calls for r in rows)
     print(
         f"\nroofline step time: {step:.1f} s; update collectives "
@@ -156,4 +163,51 @@ def print_slot_use(result: programs.Plan, mean: float, p99: float) -> None:
         f"({use.fixed_steps:.0f} decode steps), {use.continuous_utilisation:.2f} with "
         f"continuous batching ({use.continuous_steps:.0f} decode steps; "
         f"{r.rows // r.slots * r.max_new_tokens} at the length limit)"
+    )
+
+
+def _pool_lines(name: str, c: pool.Column, rows: int) -> list[list[str]]:
+    """One KV budget's rows of the page pool table ("-": the engine holds no row there)."""
+    kv, gb = f"{name} {_fmt_gb(c.kv_bytes)}", _fmt_gb(c.kv_bytes)
+    pool_gb = f"{_fmt_gb(c.pool_bytes)} ({c.pages} pages)"
+    engines = [
+        ("fixed batch", c.batch_rows, f"{c.batch_rows} x {c.chunks} chunks", gb),
+        ("fixed slots", c.slots, str(c.slots), gb),
+        ("page pool", c.pool_rows, f"{c.pool_rows}" + (" (all)" * (c.pool_rows >= rows)), pool_gb),
+    ]
+    steps = {
+        "fixed batch": (c.batch_steps, c.batch_seconds),
+        "fixed slots": (c.slot_steps, c.slot_seconds),
+        "page pool": (c.pool_steps, c.pool_seconds),
+    }
+    return [
+        [kv, engine, held, mem, f"{steps[engine][0]:.0f}", f"{steps[engine][1]:.1f}"]
+        if n
+        else [kv, engine, "0", mem, "-", "-"]
+        for engine, n, held, mem in engines
+    ]
+
+
+def print_pool(result: programs.Plan, mean: float, p99: float, markdown: bool = False) -> None:
+    """The page pool's rows, memory and rollout time against fixed slots and a fixed batch,
+    in the flagfile's KV and in the KV the chip leaves the rollout (planner/pool.py)."""
+    s = pool.setup(result)
+    lengths = pool.Lengths.fit(mean, p99, s.max_new_tokens)
+    columns = {
+        k: pool.column(s, lengths, v) for k, v in pool.budgets(result, s, budget(result)).items()
+    }
+    some = next(iter(columns.values()))
+    print(
+        f"\npage pool (planner/pool.py): lengths lognormal (mean {mean:g}, p99 {p99:g}, cut at "
+        f"{s.max_new_tokens}: mean {lengths.mean:.0f}, a live row at {lengths.tau:.0f} on "
+        f"average); a live row holds {some.held:.1f} pages of {PAGE_SIZE} tokens, "
+        f"admission reserves {GROWTH_START:g} x its {some.rest:.1f} to go; "
+        f"{s.rows} rows per step, {s.shards} data-parallel shard(s)\n"
+    )
+    head = ["KV GB/device", "engine", "rows at once", "KV GB", "decode steps", "rollout s"]
+    lines = [line for k, c in columns.items() for line in _pool_lines(k, c, s.rows)]
+    print_table(head, lines, markdown)
+    print(
+        f"a pool that admits all {s.rows} rows at once (steady-state pages per row): "
+        f"{_fmt_gb(some.all_rows_bytes)} GB per device"
     )

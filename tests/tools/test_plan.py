@@ -99,10 +99,13 @@ def test_plan_of_a_tiny_run_on_eight_devices(capsys):
     )
     plan.print_plan(result, markdown=True)
     plan.print_slot_use(result, 6, 14)
+    plan.print_pool(result, 6, 14, markdown=True)
     out = capsys.readouterr().out
     assert "| update | 2 |" in out and "every program fits" in out
     assert "decode loop: no collective on unchanged values" in out
     assert "32 rows in 16 slots: slot utilisation" in out
+    # The flagfile's KV: 16-row chunks of 2 rows per shard hold no group of 4 at full length.
+    assert "| page pool | 0 |" in out and "| fixed batch | 16 x 2 chunks |" in out
 
 
 def test_plan_of_a_remax_run_samples_the_greedy_rows_too():
