@@ -9,6 +9,7 @@ float32. `transformer` stacks these layers into the model's passes; the sampler'
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -30,6 +31,16 @@ Sharding = parallel.ActivationSharding | None
 # A layer's choice of attended keys (apply_layer): (k_BKHT, v_BKTH) -> (keys_BKHS,
 # values_BKSH, key_valid_BS, offset, aux).
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array, Any, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Attend:
+    """A layer's own attention, given in a KVFn's place (the paged decode step's kernel,
+    sampling/paged_step.py): fn(q_BTNH, k_BKHT, v_BKTH) -> (attn_BTM float32, aux), the
+    queries and keys after RoPE, queries and values in the weights' dtype."""
+
+    fn: Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
 
 # Logical axes of activations: rows over the data-parallel axes, the model width whole,
 # heads / MLP over tensor (see parallel.ActivationSharding).
@@ -105,7 +116,7 @@ def apply_layer(
     lp: Params,
     cos_BTF: jax.Array,
     sin_BTF: jax.Array,
-    kv_fn: KVFn,
+    kv_fn: KVFn | Attend,
     sharding: Sharding = None,
     attention: AttentionConfig = AttentionConfig(),
     query_prefix_BT: jax.Array | None = None,
@@ -132,7 +143,7 @@ def attention_block(
     h_BTD: jax.Array,
     lp: Params,
     rope: tuple[jax.Array, jax.Array],
-    kv_fn: KVFn,
+    kv_fn: KVFn | Attend,
     sharding: Sharding,
     attention: AttentionConfig,
     *,
@@ -140,7 +151,8 @@ def attention_block(
     packed_positions_BT: jax.Array | None = None,
 ) -> tuple[jax.Array, Any]:
     """h_BTD plus its pre-norm attention, and kv_fn's aux. rope: (cos_BTF, sin_BTF) of the
-    tokens' positions (rope_tables). `kv_fn(k_BKHT, v_BKTH)` ->
+    tokens' positions (rope_tables). kv_fn an Attend: its own attention; else
+    `kv_fn(k_BKHT, v_BKTH)` ->
     (keys_BKHS, values_BKSH, key_valid_BS, offset, aux) picks the attended keys: the new ones
     (no cache), the updated cache layer or a shared prefix ++ the new ones; query t sits at
     key slot t + offset. `query_prefix_BT`, `packed_positions_BT`: packed rows' prefix
@@ -161,21 +173,23 @@ def attention_block(
     dtype = lp["q"].dtype
     q = _apply_rope(q, *rope)
     k = _apply_rope(k, *rope)
-    keys, values, key_valid_BS, offset, aux = kv_fn(
-        k.transpose(0, 2, 3, 1), jnp.swapaxes(v.astype(dtype), 1, 2)
-    )
-    attn_BTM = attn_lib.attention(
-        q.astype(dtype),
-        keys,
-        values,
-        key_valid_BS,
-        offset,
-        attention,
-        sharding,
-        window=c.sliding_window,
-        query_prefix_BT=query_prefix_BT,
-        positions_BS=packed_positions_BT,
-    )
+    k_BKHT, v_BKTH = k.transpose(0, 2, 3, 1), jnp.swapaxes(v.astype(dtype), 1, 2)
+    if isinstance(kv_fn, Attend):
+        attn_BTM, aux = kv_fn.fn(q.astype(dtype), k_BKHT, v_BKTH)
+    else:
+        keys, values, key_valid_BS, offset, aux = kv_fn(k_BKHT, v_BKTH)
+        attn_BTM = attn_lib.attention(
+            q.astype(dtype),
+            keys,
+            values,
+            key_valid_BS,
+            offset,
+            attention,
+            sharding,
+            window=c.sliding_window,
+            query_prefix_BT=query_prefix_BT,
+            positions_BS=packed_positions_BT,
+        )
     attn_BTM = act(attn_BTM, ("batch", "length", "heads"))
     # One [N*H, D] matrix (a free reshape): as "btnh,nhd" XLA transposed o every call.
     lp_o = {**lp, "o": lp["o"].reshape(-1, lp["o"].shape[-1])}

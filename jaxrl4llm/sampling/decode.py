@@ -236,7 +236,7 @@ def one_token_pass(
     model_config: ModelConfig,
     token_S: jax.Array,
     position_S: jax.Array,
-    kv_fns: Sequence[decoder_layer.KVFn],
+    kv_fns: Sequence[decoder_layer.KVFn | decoder_layer.Attend],
     sharding: parallel.ActivationSharding | None = None,
 ) -> tuple[jax.Array, list[Any]]:
     """One token per row through the layers, layer l's attended keys chosen by kv_fns[l]

@@ -1,5 +1,6 @@
 """The paged KV cache: a pool of fixed-size pages shared by every row, per-row page tables,
-reference counts, and the reference (gather) decode attention over a row's pages.
+reference counts, and decode attention over a row's pages: the reference (gather) and JAX's
+Pallas paged attention kernel.
 
 A row's cache is the list of pages in its table (`table_SM`, M = pages of the longest row);
 logical slot l of the row lives in page table[l // page_size] at offset l % page_size, and a
@@ -15,11 +16,12 @@ copied per sample at admission (copy-on-write done eagerly). A page is free when
 
 Layout: per layer keys and values [K, num_pages + 1, page_size, H] each, the layout of JAX's
 Pallas paged attention kernel for TPU (jax.experimental.pallas.ops.tpu.paged_attention), so the
-same pool serves that kernel and this module's gather reference.
+same pool serves that kernel (pallas_attention) and the gather reference (reference_attention).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import flax.struct
@@ -27,6 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl4llm.models.config import ModelConfig
+
+# Pages the Pallas kernel reads per step: 128 tokens of 16-token pages.
+PAGES_PER_BLOCK = 8
 
 
 class PagePool(flax.struct.PyTreeNode):
@@ -131,19 +136,28 @@ def pallas_attention(
     v_pages_KNPH: jax.Array,
     table_SM: jax.Array,
     length_S: jax.Array,
-    pages_per_block: int = 1,
+    pages_per_block: int = PAGES_PER_BLOCK,
 ) -> jax.Array:
-    """reference_attention by JAX's Pallas paged attention kernel (TPU; on CPU under
-    pltpu.force_tpu_interpret_mode()): it reads only a row's filled pages, `pages_per_block`
-    (a divisor of M) at a time. Its matmuls run at the TPU's default precision (bfloat16
-    passes), so it agrees with the float32 reference to ~1e-2 on unit-scale inputs."""
+    """reference_attention by JAX's Pallas paged attention kernel: it reads only a row's
+    filled pages, `pages_per_block` at a time (the table padded with SCRATCH to a multiple
+    of them). A row of length 0 reads its first slot (the kernel skips empty rows and leaves
+    their output unset). On TPU; elsewhere in the Pallas TPU interpreter (tests). It reads
+    keys and values as bfloat16 (float32 pages are rounded) and computes in float32, so on
+    float32 pages it agrees with the float32 reference to ~1e-2 on unit-scale inputs."""
+    from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
-    return paged_attention(
-        q_SNH,
-        k_pages_KNPH,
-        v_pages_KNPH,
-        length_S.astype(jnp.int32),
-        table_SM.astype(jnp.int32),
-        pages_per_compute_block=pages_per_block,
-    )
+    M = table_SM.shape[1]
+    block = min(pages_per_block, M)
+    scratch = k_pages_KNPH.shape[1] - 1
+    table_SM = jnp.pad(table_SM, ((0, 0), (0, -M % block)), constant_values=scratch)
+    on_tpu = jax.default_backend() == "tpu"
+    with contextlib.nullcontext() if on_tpu else pltpu.force_tpu_interpret_mode():
+        return paged_attention(
+            q_SNH,
+            k_pages_KNPH,
+            v_pages_KNPH,
+            jnp.maximum(length_S, 1).astype(jnp.int32),
+            table_SM.astype(jnp.int32),
+            pages_per_compute_block=block,
+        )

@@ -32,18 +32,23 @@ the same: a row's samples do not depend on page layout, admission order, pool si
 preemption. A pool that holds one group at full length (check_pool) always progresses (the
 oldest group is never preempted while another group runs), so the loop cannot deadlock.
 
-Each decode step computes only the live rows: they are moved to the front (their small
-state only: the KV stays in the pool, so moving a row is free, unlike compaction in decode.py
-and continuous.py, which copies cache rows), and the step runs at the smallest row level
-holding them (max_rows, then steps of about 3/4 in multiples of decode.MIN_COMPACT_ROWS:
-_row_levels), reading the page tables' first quarter when it holds their pages, else the
-whole tables (_widths): one compiled decode step per (rows, pages) pair, picked by
-lax.switch. The pool is only read inside the switch and the new keys and values written
-after it, so the switch does not copy the pool.
+The live rows are moved to the front of the decode rows (their small state only: the KV
+stays in the pool, so moving a row is free, unlike compaction in decode.py and continuous.py,
+which copies cache rows). Decode attention (`attention`, paged_step.uses_kernel) is, on TPU,
+JAX's Pallas paged attention kernel (page_pool.pallas_attention), which reads only a row's
+filled pages; elsewhere (CPU, GPU) and with a sliding window, page_pool's gather reference,
+which copies each row's table prefix:
 
-Attention reads a row's pages through page_pool's gather reference on every backend;
-page_pool.pallas_attention, JAX's Pallas paged attention kernel on the same pool layout (it
-reads only a row's filled pages), is tested against it but not yet the decode step's.
+  kernel     one decode step over every decode row and whole tables (a free row reads one
+             slot of SCRATCH): each layer writes the new keys and values into the pool, then
+             attends, and with no switch around it the pool is written in place.
+  reference  the step computes only the live rows: it runs at the smallest row level holding
+             them (max_rows, then steps of about 3/4 in multiples of decode.MIN_COMPACT_ROWS:
+             paged_step.row_levels), gathering the tables' first quarter when it holds their
+             pages, else the whole tables (paged_step.widths): one compiled decode step per
+             (rows, pages) pair, picked by lax.switch. The pool is only read inside the
+             switch and the new keys and values written after it, so the switch does not
+             copy the pool.
 """
 
 from __future__ import annotations
@@ -98,15 +103,22 @@ def check_pool(
 
 
 def program_settings(
-    tokens: int | None, max_rows: int | None, rows: int, prompt_len: int, N: int, group: int
-) -> dict[str, int]:
+    tokens: int | None,
+    max_rows: int | None,
+    rows: int,
+    prompt_len: int,
+    N: int,
+    group: int,
+    attention: str = "auto",
+) -> dict[str, Any]:
     """sampler.decode_program's settings of the paged engine for a bucket of `rows` rows of
-    `prompt_len`-token prompts, `tokens` of KV (pool_pages) and at most `max_rows` decoding
-    at once (None / 0: every row); {} where `tokens` is None (not paged)."""
+    `prompt_len`-token prompts, `tokens` of KV (pool_pages), at most `max_rows` decoding
+    at once (None / 0: every row) and decode attention by `attention`; {} where `tokens` is
+    None (not paged)."""
     if tokens is None:
         return {}
     pages = pool_pages(tokens, rows, prompt_len, N, group)
-    return {"kv_pages": pages, "max_rows": max_rows or 0}
+    return {"kv_pages": pages, "max_rows": max_rows or 0, "paged_attention": attention}
 
 
 def refill_groups(max_rows: int, group: int) -> int:
@@ -114,7 +126,7 @@ def refill_groups(max_rows: int, group: int) -> int:
     return max(1, max_rows // (group * continuous.REFILL_FRACTION))
 
 
-STATIC = (*decode.STATIC_SETTINGS, "max_rows", "num_pages", "page_size", "cache_dtype")
+STATIC = (*decode.STATIC_SETTINGS, "max_rows", "num_pages", "page_size", "cache_dtype", "attention")
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
@@ -139,10 +151,12 @@ def generate_paged(
     row_caps_B: jax.Array | None = None,
     prompt_group: int = 1,
     cache_dtype: Any = None,
+    attention: str = "auto",
 ) -> paged_state.PagedOutput:
     """The compiled paged sampler over one bucket (arguments as sampler.generate_tokens): the
     active rows decode `max_rows` at a time from a pool of `num_pages` pages of `page_size`
-    tokens, groups of `prompt_group` rows admitted as pages free (module docstring)."""
+    tokens, groups of `prompt_group` rows admitted as pages free (module docstring); decode
+    attention by `attention` (paged_step.uses_kernel)."""
     B, P = prompt_BP.shape
     N, G = max_new_tokens, prompt_group
     S = max(G, min(max_rows, B) // G * G)
@@ -153,9 +167,9 @@ def generate_paged(
     queue = continuous.row_queue(
         prompt_BP, prompt_mask_BP, active_B, row_keys_B, greedy_B, row_caps_B, N
     )
-    engine = _Engine(
-        params, queue, model_config, sampling, stop_ids_S, pad_id, G, sharding, _floor(S)
-    )
+    kernel = paged_step.uses_kernel(attention, model_config)
+    settings = (G, sharding, paged_step.fewest_rows(S), kernel)
+    engine = _Engine(params, queue, model_config, sampling, stop_ids_S, pad_id, *settings)
     state = _start(
         engine,
         pages_lib.init_pool(model_config, num_pages, page_size, cache_dtype),
@@ -174,30 +188,6 @@ def generate_paged(
         slot_steps=state.slot_steps,
         stats=state.stats.replace(pages_left=num_pages - state.pool.num_free()),
     )
-
-
-def _floor(max_rows: int) -> int:
-    """The fewest rows a decode step computes: decode.MIN_COMPACT_ROWS (below it a step
-    costs about the weights' read whatever the rows, and each level is one more compiled
-    decode step)."""
-    return min(max_rows, decode.MIN_COMPACT_ROWS)
-
-
-def _widths(max_pages: int) -> tuple[int, ...]:
-    """Table prefixes a decode step may read: every page, or the first quarter (most rows of
-    a long-tailed mix: long tables are sized for the longest row)."""
-    return tuple(dict.fromkeys(max(1, -(-max_pages // d)) for d in (1, 4)))
-
-
-def _row_levels(max_rows: int, floor: int) -> tuple[int, ...]:
-    """Rows a decode step may compute: max_rows, then steps of about 3/4 in multiples of
-    `floor` down to it. Computed rows cost about their compute on CPU and halving levels
-    would leave up to half of them idle; each level is one more compiled decode step."""
-    sizes = [max_rows]
-    while sizes[-1] > floor:
-        smaller = -(-(sizes[-1] * 3 // 4) // floor) * floor
-        sizes.append(max(floor, smaller if smaller < sizes[-1] else sizes[-1] - floor))
-    return tuple(sizes)
 
 
 def _waiting(s: paged_state.PagedState, num_groups: jax.Array) -> jax.Array:
@@ -272,6 +262,7 @@ class _Engine:
     group: int
     sharding: parallel.ActivationSharding | None
     floor: int  # the smallest decode level (rows per decode step)
+    kernel: bool  # attention by the Pallas kernel (paged_step.pallas_decode_step)
 
     @property
     def num_groups(self) -> jax.Array:
@@ -383,29 +374,14 @@ class _Engine:
     def step(self, s: paged_state.PagedState) -> paged_state.PagedState:
         """One token for every live row: pages for rows crossing a page boundary (after
         preempting the latest groups while they do not fit), the live rows moved first (only
-        their small state moves; their KV stays in the pool) and decoded at the smallest
-        level that holds them, the outputs, and the pages of rows that ended returned."""
+        their small state moves; their KV stays in the pool) and decoded (_decode), the
+        outputs, and the pages of rows that ended returned."""
         s = paged_state.allocate(
             jax.lax.while_loop(paged_state.short_of_pages, paged_state.preempt_latest, s)
         )
         x = s.rows.take(jnp.argsort(~s.rows.live_S, stable=True))
-        B, Np = s.length_R.shape[0], s.pool.num_pages
-        live_S = x.live_S
-        sizes = _row_levels(live_S.shape[0], self.floor)
-        widths = _widths(x.table_SM.shape[1])
-        # The smallest row level holding the live rows and the narrowest table prefix
-        # holding their pages: the step computes no more rows and reads no more pages.
-        row_level = jnp.sum(jnp.sum(live_S) <= jnp.array(sizes), dtype=jnp.int32) - 1
-        pages = jnp.max(jnp.where(live_S, x.position_S // s.pool.page_size + 1, 1))
-        width_level = jnp.sum(pages <= jnp.array(widths), dtype=jnp.int32) - 1
-        branches = [
-            functools.partial(self._decode_first, size, width) for size in sizes for width in widths
-        ]
-        tok_S, lp_S, k_LSKH, v_LSKH = jax.lax.switch(
-            row_level * len(widths) + width_level, branches, x, s.pool
-        )
-        page_S = jnp.where(live_S, x.current_page(s.pool.page_size, Np)[1], Np)
-        pool = paged_step.write_new_tokens(s.pool, page_S, x.position_S, k_LSKH, v_LSKH)
+        B, live_S = s.length_R.shape[0], x.live_S
+        tok_S, lp_S, pool, computed = self._decode(x, s.pool)
         out_S = jnp.where(live_S, x.row_S, B)
         stop_S = decode.is_stop(tok_S, self.stop_ids_S)
         step_S = x.step_S + live_S.astype(jnp.int32)
@@ -424,29 +400,61 @@ class _Engine:
             done_R=s.done_R.at[out_S].set(stop_S, mode="drop"),
             tokens_RT=s.tokens_RT.at[out_S, x.step_S].set(tok_S, mode="drop"),
             logprobs_RT=s.logprobs_RT.at[out_S, x.step_S].set(lp_S, mode="drop"),
-            slot_steps=s.slot_steps + jnp.array(sizes, jnp.int32)[row_level],
+            slot_steps=s.slot_steps + computed,
             stats=stats,
         )
+
+    def _decode(self, x: paged_state.DecodeRows, pool: PagePool) -> tuple[Any, ...]:
+        """The rows' (live ones first) next tokens and logprobs, the pool with their new keys
+        and values, and the rows the step computed. The kernel: one step over every row and
+        whole tables (it reads only a row's filled pages), which writes the pool in place.
+        The reference: the smallest row level holding the live rows and the narrowest table
+        prefix holding their pages (no more rows computed, no more pages gathered), picked by
+        lax.switch; the pool is only read inside the switch and written after it."""
+        Np, live_S = pool.num_pages, x.live_S
+        page_S = jnp.where(live_S, x.current_page(pool.page_size, Np)[1], Np)
+        if self.kernel:
+            length_S = jnp.where(live_S, x.position_S + 1, 1)
+            logits, pool = paged_step.pallas_decode_step(
+                *self._step_args(x), length_S, page_S, x.table_SM, pool, self.sharding
+            )
+            return *self._sample(logits, x), pool, jnp.int32(live_S.shape[0])
+        sizes = paged_step.row_levels(live_S.shape[0], self.floor)
+        widths = paged_step.widths(x.table_SM.shape[1])
+        row_level = jnp.sum(jnp.sum(live_S) <= jnp.array(sizes), dtype=jnp.int32) - 1
+        pages = jnp.max(jnp.where(live_S, x.position_S // pool.page_size + 1, 1))
+        width_level = jnp.sum(pages <= jnp.array(widths), dtype=jnp.int32) - 1
+        branches = [
+            functools.partial(self._decode_first, size, width) for size in sizes for width in widths
+        ]
+        tok_S, lp_S, k_LSKH, v_LSKH = jax.lax.switch(
+            row_level * len(widths) + width_level, branches, x, pool
+        )
+        pool = paged_step.write_new_tokens(pool, page_S, x.position_S, k_LSKH, v_LSKH)
+        return tok_S, lp_S, pool, jnp.array(sizes, jnp.int32)[row_level]
+
+    def _step_args(
+        self, x: paged_state.DecodeRows
+    ) -> tuple[Any, ModelConfig, jax.Array, jax.Array]:
+        return self.params, self.model_config, x.last_S, x.position_S
+
+    def _sample(self, logits_SV: jax.Array, x: paged_state.DecodeRows) -> tuple[jax.Array, ...]:
+        """Each row's token and logprob, row r's token t drawn with fold_in(row_key[r], t)."""
+        keys = jax.vmap(jax.random.fold_in)(x.keys_S, x.step_S.astype(jnp.uint32))
+        return strategies.sample(logits_SV, keys, self.sampling, x.greedy_S)
 
     def _decode_first(
         self, size: int, width: int, x: paged_state.DecodeRows, pool: PagePool
     ) -> tuple[jax.Array, ...]:
-        """The decode step of the first `size` rows (every live one among them), reading
-        the first `width` pages of their tables (all they hold): their tokens, logprobs
-        (pad / 0 past them) and each layer's new keys and values (zeros past them)."""
+        """The reference decode step of the first `size` rows (every live one among them),
+        reading the first `width` pages of their tables (all they hold): their tokens,
+        logprobs (pad / 0 past them) and each layer's new keys and values (zeros past them)."""
         S = x.live_S.shape[0]
         x = jax.tree.map(lambda a: a[:size], x)
         logits, ks, vs = paged_step.paged_decode_step(
-            self.params,
-            self.model_config,
-            x.last_S,
-            x.position_S,
-            x.table_SM[:, :width],
-            pool,
-            self.sharding,
+            *self._step_args(x), x.table_SM[:, :width], pool, self.sharding
         )
-        keys = jax.vmap(jax.random.fold_in)(x.keys_S, x.step_S.astype(jnp.uint32))
-        tok, lp = strategies.sample(logits, keys, self.sampling, x.greedy_S)
+        tok, lp = self._sample(logits, x)
         pad = lambda a, value=0: jnp.pad(  # noqa: E731
             a, [(0, S - size)] + [(0, 0)] * (a.ndim - 1), constant_values=value
         )

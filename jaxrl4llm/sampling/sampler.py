@@ -308,6 +308,7 @@ def decode_program(
     cache_dtype: Any = None,
     kv_pages: int = 0,
     max_rows: int = 0,
+    paged_attention: str = "auto",
     record_routing: bool = False,
 ) -> Program:
     """The compiled decode of one bucket of rows as `generate` runs it (Program "sample"):
@@ -315,7 +316,8 @@ def decode_program(
     finished rows compacted away with `compact`), or with `decode_slots` > 0 the
     continuous-batching continuous.generate_slots (`num_chunks` and `compact` unused), or
     with `kv_pages` > 0 the paged engine paged.generate_paged (a pool of that many pages of
-    paged.PAGE_SIZE tokens; at most `max_rows` rows decoding at once, 0: every row).
+    paged.PAGE_SIZE tokens; at most `max_rows` rows decoding at once, 0: every row; decode
+    attention by `paged_attention`: paged_step.uses_kernel).
     `greedy` / `row_caps`: the calls pass greedy_B / row_caps_B (else they are bound to
     None). `cache_dtype`: the KV cache's (default: the weights' compute dtype, float32 on
     CPU; see decode.cache_dtype_for). `record_routing`: generate_tokens records each token's
@@ -340,6 +342,7 @@ def decode_program(
         static["row_caps_B"] = None
     if kv_pages:
         rows = {"max_rows": max_rows or 1 << 30, "num_pages": kv_pages}
+        static["attention"] = paged_attention
         return Program("sample", paged.generate_paged, {**static, **rows})
     if decode_slots:
         return Program("sample", continuous.generate_slots, {**static, "slots": decode_slots})
@@ -372,26 +375,27 @@ def generate(
     row_caps: Sequence[int] | None = None,
     kv_cache_tokens: int | None = None,
     record_routing: bool = False,
+    paged_attention: str = "auto",
 ) -> SampleOutput:
     """Samples `n` completions of each prompt (lists of token ids, unpadded), rows laid out
     as RowLayout(n, share_prompts) and the prompt options as row_io.RowRequest says
     (max_prompt_len, long_prompts, min_prompt_bucket, greedy_last, row_keys, row_caps).
     stop_ids defaults to model_config.eos_token_ids. With a mesh, params must already be
     placed on it (e.g. parallel.shard_pytree with transformer.param_logical_axes).
-    `max_rows` (global rows, all hosts) caps the rows decoded at once: more rows run as
-    strided chunks of whole prompts, one after another, in the same program (same samples).
-    `compact=False` keeps finished rows in the decode batch (the same samples; decode.py).
-    `decode_slots` > 0: continuous batching (continuous.py): that many rows decode at a time
-    and a finished row's slot takes the next queued row (the same samples; `max_rows` does
-    not apply: the slots bound the rows at once); with a mesh, a multiple of the
-    data-parallel size. A row stopped by its row_caps token limit reads as truncated_B
-    unless that token is a stop token (e.g. tools/bench_rollout.py --length_mix).
-    `kv_cache_tokens` (not None): the paged engine (paged.py), a pool of that many tokens (0:
-    every row at full length); `max_rows` then caps the rows decoding at once.
-    `record_routing`: a mixture of experts' output holds each token's experts (routing
-    replay; the compacted sampler only: the other engines refuse it)."""
+    `max_rows` (global rows, all hosts) caps the rows decoded at once: more rows run as strided
+    chunks of whole prompts, one after another, in the same program (same samples). `compact=False`
+    keeps finished rows in the decode batch (the same samples; decode.py). `decode_slots` > 0:
+    continuous batching (continuous.py): that many rows decode at a time and a finished row's slot
+    takes the next queued row (the same samples; `max_rows` does not apply: the slots bound the rows
+    at once); with a mesh, a multiple of the data-parallel size. A row stopped by its row_caps token
+    limit reads as truncated_B unless that token is a stop token (e.g. tools/bench_rollout.py
+    --length_mix). `kv_cache_tokens` (not None): the paged engine (paged.py), a pool of that many
+    tokens (0: every row at full length); `max_rows` then caps its rows decoding at once,
+    `paged_attention` its attention (paged_step.uses_kernel). `record_routing`: a mixture of
+    experts' output holds each token's experts (routing replay; the compacted sampler only: the
+    other engines refuse it)."""
     max_rows = None if decode_slots and kv_cache_tokens is None else max_rows
-    engine = (decode_slots, kv_cache_tokens, record_routing)
+    engine = (decode_slots, kv_cache_tokens, record_routing, paged_attention)
     decoding = _Decoding(mesh, rules, max_rows, compact, *engine)
     check_generate_args(len(prompts) * n, sampling, max_new_tokens, row_caps, n)
     request = RowRequest(
@@ -405,8 +409,7 @@ def generate(
         row_keys=row_keys,
         row_caps=row_caps,
     )
-    stop_S = stop_id_array(model_config.eos_token_ids if stop_ids is None else stop_ids)
-    return _generate(params, model_config, prompts, sampling, key, request, stop_S, decoding)
+    return _generate(params, model_config, prompts, sampling, key, request, stop_ids, decoding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,6 +423,7 @@ class _Decoding:
     decode_slots: int
     kv_cache_tokens: int | None = None
     record_routing: bool = False
+    paged_attention: str = "auto"
 
     def __post_init__(self):
         """The engine's refusals (ValueError): its mesh, its slots, a routing record."""
@@ -435,11 +439,10 @@ class _Decoding:
 
     def paged_settings(
         self, rows: int, prompt_len: int, max_new_tokens: int, group: int
-    ) -> dict[str, int]:
+    ) -> dict[str, Any]:
         """decode_program's paged engine settings for a bucket (none: not paged)."""
-        return paged.program_settings(
-            self.kv_cache_tokens, self.max_rows, rows, prompt_len, max_new_tokens, group
-        )
+        t, a = self.kv_cache_tokens, self.paged_attention
+        return paged.program_settings(t, self.max_rows, rows, prompt_len, max_new_tokens, group, a)
 
 
 def _generate(
@@ -449,11 +452,12 @@ def _generate(
     sampling: SamplingConfig,
     key: jax.Array,
     request: RowRequest,
-    stop_S: np.ndarray,
+    stop_ids: Sequence[int] | None,
     decoding: _Decoding,
 ) -> SampleOutput:
     """generate's rows laid out on this host and placed on the mesh, decoded by
     decode_program's program, with the dropped prompts flagged."""
+    stop_S = stop_id_array(model_config.eos_token_ids if stop_ids is None else stop_ids)
     mesh, rules = decoding.mesh, decoding.rules
     multihost = mesh is not None and jax.process_count() > 1
     multiple = batch_multiple(mesh, rules, multihost)

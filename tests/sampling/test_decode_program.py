@@ -43,6 +43,7 @@ CASES = {
             row_caps=False,
             kv_pages=paged.pool_pages(0, 8, 16, N, 2),
             max_rows=0,
+            paged_attention="auto",
         ),
     ),
 }

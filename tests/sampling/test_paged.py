@@ -1,9 +1,12 @@
 """The paged rollout engine (sampling/paged.py, page_pool.py): the compacted sampler's samples
 whatever the pool size, the rows decoding at once or preemptions; a full pool preempts and
 loses no row; a group's prompt pages are held once; decode attention over pages against
-numpy and JAX's Pallas paged attention kernel (interpret mode)."""
+numpy and JAX's Pallas paged attention kernel (interpret mode), and the engine decoding with
+that kernel samples the gather reference's tokens."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -145,21 +148,59 @@ def test_reference_attention_matches_numpy():
             np.testing.assert_allclose(out[s, n], (w / w.sum()) @ v, rtol=1e-5, atol=1e-5)
 
 
-def test_pallas_paged_attention_kernel_matches_the_reference():
+@pytest.mark.parametrize("pages_per_block", [2, 3])
+def test_pallas_paged_attention_kernel_matches_the_reference(pages_per_block):
     """JAX's Pallas paged attention kernel (the TPU path), run by the TPU interpreter on CPU,
-    reads the same pool layout and agrees with the gather reference. Its matmuls run at the
-    TPU's default precision (bfloat16 passes), hence the 2e-2 on unit-scale inputs."""
-    from jax.experimental.pallas import tpu as pltpu
-
+    reads the same pool layout and agrees with the gather reference, with the table padded
+    to whole blocks (3 pages a block: 4 pages padded to 6) and a row of length 0 reading its
+    first slot. It reads the float32 pages as bfloat16, hence the 2e-2 on unit-scale inputs."""
     rng = np.random.default_rng(1)
     k_pages, v_pages = _random_pool(rng, K=2, num_pages=16, ps=16, H=128)
     table = jnp.asarray(rng.permutation(16)[:16].reshape(4, 4), jnp.int32)
-    lengths = jnp.array([1, 17, 40, 64], jnp.int32)
+    lengths = jnp.array([0, 17, 40, 64], jnp.int32)
     q = jnp.asarray(rng.standard_normal((4, 4, 128)) / np.sqrt(128), jnp.float32)
-    ref = page_pool.reference_attention(q, k_pages, v_pages, table, lengths)
-    with pltpu.force_tpu_interpret_mode():
-        out = page_pool.pallas_attention(q, k_pages, v_pages, table, lengths, pages_per_block=2)
+    ref = page_pool.reference_attention(q, k_pages, v_pages, table, jnp.maximum(lengths, 1))
+    out = page_pool.pallas_attention(q, k_pages, v_pages, table, lengths, pages_per_block)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-2)
+
+
+def test_the_engine_decodes_with_the_pallas_kernel_as_with_the_reference(toy_policy):
+    """The whole engine with its decode attention by the Pallas kernel (the TPU path, here in
+    the TPU interpreter) samples the gather reference's tokens, logprobs within 2e-3, through
+    a preemption (a 6-page pool), on grouped-query heads (the toy model's 4 on 2 kv heads).
+    bfloat16 weights and pool, as on TPU: the kernel reads keys and values as bfloat16."""
+    config, params = toy_policy
+    assert config.num_kv_heads < config.num_heads
+    params = jax.tree.map(
+        lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a, params
+    )
+    prompts = _prompts(config, [13, 3, 12, 14], seed=1)
+    args = (params, config, prompts, SAMPLED, 12, jax.random.key(3))
+    kw = dict(n=2, stop_ids=(), kv_cache_tokens=6 * paged.PAGE_SIZE, min_prompt_bucket=16)
+    ref = sampler.generate(*args, **kw, paged_attention="reference")
+    out = sampler.generate(*args, **kw, paged_attention="pallas")
+    np.testing.assert_array_equal(np.asarray(out.tokens_BT), np.asarray(ref.tokens_BT))
+    np.testing.assert_array_equal(np.asarray(out.lengths_B), np.asarray(ref.lengths_B))
+    np.testing.assert_allclose(
+        np.asarray(out.logprobs_BT), np.asarray(ref.logprobs_BT), atol=2e-3, rtol=0
+    )
+    stats = jax.tree.map(int, out.engine_stats)
+    assert stats.preemptions > 0 and stats.pages_left == 0
+
+
+def test_decode_attention_choice(toy_policy):
+    """ "auto" runs the kernel only on TPU; the kernel has no sliding window."""
+    from jaxrl4llm.sampling import paged_step
+
+    config, _ = toy_policy
+    assert not paged_step.uses_kernel("auto", config)  # CPU
+    assert paged_step.uses_kernel("pallas", config)
+    windowed = dataclasses.replace(config, sliding_window=4)
+    assert not paged_step.uses_kernel("auto", windowed)
+    with pytest.raises(ValueError, match="no sliding window"):
+        paged_step.uses_kernel("pallas", windowed)
+    with pytest.raises(ValueError, match="choose one of"):
+        paged_step.uses_kernel("splash", config)
 
 
 def test_on_a_tensor_parallel_mesh_and_its_refusal(toy_policy):
