@@ -18,8 +18,11 @@ one-device ones. Several hosts are refused (MULTIHOST).
 
 Limits (turns.TurnLimits): a turn ended by EOS or the budget (max_total_tokens completion
 tokens, model and observation) ends the trajectory; so do a reply with `done`, the
-max_turns-th turn and a budget with no room for a token after the observation. Each
-observation is cut to max_observation_tokens and to the room left. Every turn end is
+max_turns-th turn, and a turn whose observation (cut to max_observation_tokens; an
+environment cuts inside its chat template, keeping the template whole) does not fit in the
+budget with room for a model token after it: that trajectory ends at the turn, truncated,
+and the observation is not appended, so no row trains on a cut template or on a model turn
+squeezed into the budget's last token. Every turn end is
 submitted, the last one included, and the row finishes when that turn's reply arrives (its
 reward counts; its observation is not appended).
 """
@@ -220,13 +223,12 @@ class _HostLoop:
         st.crashes_B[r] += int(reply.status == "crash")
         st.final_status_B[r] = reply.status
         self.tools_s += reply.seconds
-        if row.final or reply.done:
+        obs = [int(t) for t in reply.observation_ids[: self.limits.max_observation_tokens]]
+        fits = len(obs) <= self.budget - step - 1  # the observation, then a model token
+        if row.final or reply.done or not fits:
             row.finished = True
+            row.truncated |= not (row.final or reply.done)  # the budget ended it
             return None
-        room = self.budget - step - 1
-        obs = [
-            int(t) for t in reply.observation_ids[: min(self.limits.max_observation_tokens, room)]
-        ]
         st.observation_tokens_B[r] += len(obs)
         return obs
 

@@ -164,8 +164,9 @@ def test_observations_appended_and_cache_matches_a_fresh_forward(toy_policy, win
             expect += turn
             model += [True] * len(turn)
             if i + 1 < len(turns):  # the last reply's observation is not appended
-                # cut to leave the budget room for a model token
-                observation = list(replies[i].observation_ids)[: budget - len(expect) - 1]
+                # appended whole: one that does not fit ends the trajectory
+                observation = list(replies[i].observation_ids)[:8]
+                assert len(expect) + len(observation) < budget
                 expect += observation
                 model += [False] * len(observation)
         assert tokens[r, :n].tolist() == expect
@@ -317,12 +318,21 @@ def test_max_turns_budget_and_observation_cut(toy_policy):
         assert 1 <= len(submits) <= 2 and stats.turns_B[r] == len(submits)
         n_obs = int(obs[r].sum())
         assert n_obs == stats.observation_tokens_B[r]
-        if len(submits) == 2:
-            first_len = len(submits[0][1])
-            assert n_obs == min(4, 18 - first_len - 1)
-            assert np.asarray(out.tokens_BT)[r, first_len : first_len + n_obs].tolist() == list(
-                range(14, 14 + n_obs)
-            )
+        first_len, how = len(submits[0][1]), submits[0][2]
+        # The observation, cut to 4 tokens, goes on only with room for a model token after it.
+        goes_on = how == "stop" and first_len + 4 + 1 <= 18
+        assert len(submits) == 1 + goes_on
+        if goes_on:
+            assert n_obs == 4
+            assert np.asarray(out.tokens_BT)[r, first_len : first_len + 4].tolist() == [
+                14,
+                15,
+                16,
+                17,
+            ]
+        else:  # ended by the budget (a long turn, or no room for the observation) or EOS
+            assert n_obs == 0 and lengths[r] == first_len
+            assert out.truncated_B[r] == (how == "length" or first_len + 4 + 1 > 18)
         if submits[-1][2] == "length":
             assert out.truncated_B[r] and lengths[r] == 18
     assert (stats.turns_B == 2).any(), "some rows should reach the turn limit"
