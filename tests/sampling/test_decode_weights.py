@@ -18,7 +18,7 @@ from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import TINY
 from jaxrl4llm.planner import hlo_analysis
-from jaxrl4llm.sampling import continuous, decode, sampler
+from jaxrl4llm.sampling import continuous, decode, paged, sampler
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
 # The 7B plans' architecture features: untied unembedding, q/k/v biases.
@@ -26,8 +26,8 @@ MODEL = dataclasses.replace(TINY, tie_word_embeddings=False, attention_bias=True
 ROWS, PROMPT, NEW = 16, 16, 8
 
 
-def _lower(mesh_spec: str, num_chunks: int, slots: int = 0):
-    mesh = parallel.make_mesh(mesh_spec)
+def _lower(mesh_spec: str, num_chunks: int, slots: int = 0, pages: int = 0):
+    mesh = parallel.make_mesh(mesh_spec, jax.devices()[: math.prod(_sizes(mesh_spec))])
     # Stored as the trainer stores them: bfloat16, laid out by the default rules.
     structs = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16),
@@ -56,11 +56,17 @@ def _lower(mesh_spec: str, num_chunks: int, slots: int = 0):
         jax.ShapeDtypeStruct((), jnp.int32),
     )
     common = dict(model_config=MODEL, sampling=SamplingConfig(), max_new_tokens=NEW, mesh=mesh)
+    if pages:  # the paged engine (one pool per program: the batch is not split)
+        return mesh, paged.generate_paged.lower(*inputs, num_pages=pages, max_rows=8, **common)
     if slots:  # the continuous-batching decoder
         return mesh, continuous.generate_slots.lower(*inputs, slots=slots, **common)
     return mesh, sampler.generate_tokens.lower(
         *inputs, prompt_group=1, num_chunks=num_chunks, cache_dtype=jnp.bfloat16, **common
     )
+
+
+def _sizes(mesh_spec: str) -> list[int]:
+    return [int(part.split(":")[1]) for part in mesh_spec.split(",")]
 
 
 def _gathered_bytes(mesh) -> int:
@@ -98,3 +104,15 @@ def test_decode_loop_gathers_no_weight(mesh_spec, num_chunks, slots):
     once = [op for op in ops if f"/{decode.WEIGHTS_SCOPE}/" in op.op_name]
     assert once and all(op.kind == "all-gather" and op.executions == 1 for op in once)
     assert sum(op.bytes for op in once) == _gathered_bytes(mesh)
+
+
+def test_the_paged_engines_loop_repeats_no_collective_of_its_weights():
+    """The paged engine on a mesh that splits heads (the meshes it runs on): its loop
+    (admission, prefill, decode steps) holds no collective whose operands do not change from
+    one iteration to the next, e.g. a weight gathered again at every step."""
+    _, lowered = _lower("data:1,fsdp:1,tensor:2", 1, pages=40)
+    _, hlo = hlo_analysis.partitioned_hlo(lowered)
+    assert " while(" in hlo
+    assert hlo_analysis.collectives(hlo), "the heads' split should need collectives"
+    repeated = hlo_analysis.loop_invariant_collectives(hlo)
+    assert not repeated, [(op.kind, op.result, op.op_name) for op in repeated]
