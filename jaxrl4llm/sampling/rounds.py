@@ -116,7 +116,11 @@ def _concat(parts: Sequence[ScoredRows], pad_id: int) -> ScoredRows:
         )
         for p in parts
     ]
+    stats = [o.engine_stats for o in outs]
+    outs = [o.replace(engine_stats=None) for o in outs]
     out = jax.tree.map(lambda *xs: max(xs) if np.ndim(xs[0]) == 0 else np.concatenate(xs), *outs)
+    if all(x is not None for x in stats):  # the paged engine's counts add up over rounds
+        out = out.replace(engine_stats=jax.tree.map(lambda *xs: sum(xs), *stats))
     verdicts = parts[0].verdicts.join(*(p.verdicts for p in parts[1:]))
     base = [
         None if getattr(parts[0], f) is None else np.concatenate([getattr(p, f) for p in parts])

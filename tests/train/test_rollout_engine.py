@@ -49,6 +49,12 @@ def test_a_paged_run_equals_a_compacted_one(overrides, toy_model_dir, copy_task_
         assert ra["reward/mean"] == rb["reward/mean"]
         assert ra["response/length_mean"] == rb["response/length_mean"]
         np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)
+        # The engine's counts: at most every row of the step at once (8 prompts x 4, and
+        # ReMax's greedy row per group), at most the pool's 32 pages, none for the compacted.
+        assert "rollout/rows_per_decode_step" not in ra
+        assert 1 <= rb["rollout/rows_per_decode_step"] <= 8 * 5
+        assert 1 <= rb["rollout/pages_per_decode_step"] <= 512 // 16
+        assert rb["rollout/preemptions"] >= 0
 
 
 @pytest.mark.parametrize(

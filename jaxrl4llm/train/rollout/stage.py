@@ -310,6 +310,7 @@ def _rollout_metrics(
         ),
         **{f"reward_reason/{k}": Metric.sum(float(v)) for k, v in verdicts.metrics().items()},
         **{k: v for k, v in round_metrics.items() if isinstance(v, Metric)},
+        **_engine_metrics(samples.out.engine_stats),
     }
     if isinstance(verdicts, multiturn.TurnVerdicts):
         host.update(_turn_metrics(verdicts.stats, lengths))
@@ -333,6 +334,22 @@ def _rollout_metrics(
         }
     )
     return metrics
+
+
+def _engine_metrics(stats: Any) -> dict[str, Metric]:
+    """The paged engine's (paged_state.PagedStats, summed over the step's calls; none for
+    the compacted sampler): rows and pages per decode step, groups preempted."""
+    if stats is None:
+        return {}
+    steps, rows, pages, preempted = (
+        float(np.asarray(x))
+        for x in (stats.steps, stats.live_rows, stats.pages_in_use, stats.preemptions)
+    )
+    return {
+        "rollout/rows_per_decode_step": Metric.mean(rows, steps),
+        "rollout/pages_per_decode_step": Metric.mean(pages, steps),
+        "rollout/preemptions": Metric.sum(preempted),
+    }
 
 
 def _turn_metrics(stats: multiturn.TurnStats, lengths: np.ndarray) -> dict[str, Metric]:
