@@ -15,7 +15,8 @@ within 4 * noise (each side off by the noise, in the engine and in the recomputa
 sampled row where the draw u (the engine's uniform for that row and step) lies within
 2 * noise * min(u, 1 - u) of the reference's CDF between the two tokens, plus twice the
 float32 CDF's own rounding (the sampler inverts a float32 cumsum: strategies.sample).
-Where the tokens agree the logprobs are within 5e-5 of the reference's. Divergences and
+Where the tokens agree the logprobs are within 5e-5 of the reference's (1e-4 on the full
+model: FULL_MODEL_LOGPROB_TOL). Divergences and
 their diagnostics are printed (`-s`); docs/performance.md records them.
 
 The full model is slow (several minutes on 2 cores: each pool size compiles its own
@@ -52,6 +53,10 @@ QUESTIONS = [
 ]
 N, G = 48, 4
 LOGPROB_TOL = 5e-5
+# The full model at temperature 1 reaches 6.9e-5 (docs/performance.md): rounding between the
+# decode programs, not the pool; the compacted sampler's 32-row batch differs from the same
+# batch-1 references by 6.1e-5.
+FULL_MODEL_LOGPROB_TOL = 1e-4
 T1 = SamplingConfig(temperature=1.0)
 
 
@@ -212,7 +217,8 @@ def _compare(model, case, name, out, ref, noise):
     differs = (tokens != ref_tokens) & valid
     first = np.where(differs.any(1), differs.argmax(1), N)
     agree = valid & (np.arange(N)[None, :] < first[:, None])
-    worst = float(np.max(np.abs(logprobs - ref_logprobs)[agree]))
+    diff = np.where(agree, np.abs(logprobs - ref_logprobs), 0.0)
+    worst, at = float(diff.max()), np.unravel_index(diff.argmax(), diff.shape)
     found = []
     for r in map(int, np.flatnonzero(first < N)):
         t = int(first[r])
@@ -221,7 +227,10 @@ def _compare(model, case, name, out, ref, noise):
         found.append(_diagnose(model, case.greedy(r), r, t, ref_token, token, logp, noise))
     for d in found:
         print(f"  {name}: {d}{'' if d.explained else '  NOT EXPLAINED BY NOISE'}")
-    print(f"  {name}: {len(found)} rows differ, max |logprob diff| where tokens agree {worst:.2e}")
+    print(
+        f"  {name}: {len(found)} rows differ, max |logprob diff| where tokens agree "
+        f"{worst:.2e} (row {at[0]}, step {at[1]}, reference logprob {ref_logprobs[at]:.3f})"
+    )
     return found, worst
 
 
@@ -234,7 +243,7 @@ def _pools(rows: int, P: int) -> dict[str, int]:
     return {"rich": 0, "half": full // 2 * paged.PAGE_SIZE, "small": small * paged.PAGE_SIZE}
 
 
-def _check_exact(model: Model, case: Case) -> dict:
+def _check_exact(model: Model, case: Case, logprob_tol: float = LOGPROB_TOL) -> dict:
     """Runs `case` on each pool and the single-row references; asserts that every difference
     is explained by the measured noise and the logprobs agree; returns the figures."""
     model = dataclasses.replace(model, prompts=model.prompts[: case.prompts])
@@ -293,7 +302,7 @@ def _check_exact(model: Model, case: Case) -> dict:
     assert stats["small"].preemptions > 0 and stats["small"].steps > stats["rich"].steps
     for name, (found, worst) in result.items():
         assert all(d.explained for d in found), (name, [d for d in found if not d.explained])
-        assert worst <= LOGPROB_TOL, (name, worst)
+        assert worst <= logprob_tol, (name, worst)
     return result
 
 
@@ -310,6 +319,6 @@ def test_the_first_two_layers_give_each_row_its_own_tokens(smollm2):
 def test_each_row_gets_its_own_tokens_whatever_the_pool(smollm2, sampling):
     """The full model: greedy rows equal the row decoded alone whatever the pool, sampled
     rows too except where measured float noise can flip the token (printed)."""
-    result = _check_exact(smollm2, Case(sampling))
+    result = _check_exact(smollm2, Case(sampling), FULL_MODEL_LOGPROB_TOL)
     if sampling.is_greedy:
         assert not any(found for found, _ in result.values())
