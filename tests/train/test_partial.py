@@ -401,6 +401,10 @@ def test_a_killed_partial_run_resumes_bit_identically(early_stop_model, copy_tas
             "does not combine with --dynamic_sampling",
         ),
         (
+            dict(partial_rollout_tokens=2, algorithm=rl.get_preset("remax")),
+            "does not combine with --advantage=remax",
+        ),
+        (
             dict(partial_rollout_tokens=2, recompute_old_logprobs=False),
             "does not combine with --norecompute_old_logprobs",
         ),
