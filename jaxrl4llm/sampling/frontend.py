@@ -147,7 +147,8 @@ class Sampler:
     ) -> SampleOutput:
         """`group_size` samples of each prompt (token ids), laid out as
         RowLayout(group_size, share_prompts), the last `greedy_last` of each greedy, row r
-        stopping at row_caps[r] tokens if given; see the module function `generate`.
+        stopping at row_caps[r] tokens if given (0: it does not run; a prompt's rows all or
+        none); see the module function `generate`.
 
         `prefixes` (one token list per prompt, group_size 1) continue completions begun
         earlier (partial rollouts): prompt r followed by prefixes[r] is prefilled as one
