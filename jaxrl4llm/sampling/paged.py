@@ -49,6 +49,9 @@ which copies each row's table prefix:
              (rows, pages) pair, picked by lax.switch. The pool is only read inside the
              switch and the new keys and values written after it, so the switch does not
              copy the pool.
+
+On a mesh that splits the batch, paged_mesh.py runs one engine per batch shard (its rows,
+its own pool of num_pages) under jax.shard_map; a mesh splitting heads runs one engine.
 """
 
 from __future__ import annotations
@@ -110,14 +113,15 @@ def program_settings(
     N: int,
     group: int,
     attention: str = "auto",
+    shards: int = 1,
 ) -> dict[str, Any]:
     """sampler.decode_program's settings of the paged engine for a bucket of `rows` rows of
-    `prompt_len`-token prompts, `tokens` of KV (pool_pages), at most `max_rows` decoding
-    at once (None / 0: every row) and decode attention by `attention`; {} where `tokens` is
-    None (not paged)."""
+    `prompt_len`-token prompts, `tokens` of KV (pool_pages) in each of `shards` batch shards'
+    pools (paged_mesh.py), at most `max_rows` decoding at once (None / 0: every row) and
+    decode attention by `attention`; {} where `tokens` is None (not paged)."""
     if tokens is None:
         return {}
-    pages = pool_pages(tokens, rows, prompt_len, N, group)
+    pages = pool_pages(tokens, max(1, rows // shards), prompt_len, N, group)
     return {"kv_pages": pages, "max_rows": max_rows or 0, "paged_attention": attention}
 
 
@@ -460,17 +464,6 @@ class _Engine:
         )
         new_kv = jax.tree.map(lambda a: pad(a.astype(pool.k_pages[0].dtype)), (ks, vs))
         return pad(tok, self.pad_id), pad(lp), *new_kv
-
-
-def check_engine(mesh: Mesh | None, rules: parallel.LogicalRules = parallel.DEFAULT_RULES) -> None:
-    """Refuses a mesh whose batch axis is split: the pool is one per program, not per data
-    shard, so rows on different devices would share pages across devices."""
-    if mesh is not None and parallel.data_parallel_size(mesh, rules) > 1:
-        raise FlagError(
-            "--kv_cache_tokens (the paged rollout engine) runs on one data-parallel shard: "
-            f"this mesh splits the batch {parallel.data_parallel_size(mesh, rules)} ways; "
-            "use --rollout_engine=compacted on a data-parallel mesh."
-        )
 
 
 def pool_pages(tokens: int, rows: int, prompt_len: int, max_new_tokens: int, group: int) -> int:

@@ -41,7 +41,7 @@ from jaxrl4llm import parallel
 from jaxrl4llm.models import kv_cache
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.program import Program
-from jaxrl4llm.sampling import buckets, continuous, decode, paged, sample_output
+from jaxrl4llm.sampling import buckets, continuous, decode, paged, paged_mesh, sample_output
 from jaxrl4llm.sampling.decode import decode_step, prefill  # noqa: F401  (re-exported)
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.row_io import (
@@ -343,7 +343,7 @@ def decode_program(
     if kv_pages:
         rows = {"max_rows": max_rows or 1 << 30, "num_pages": kv_pages}
         static["attention"] = paged_attention
-        return Program("sample", paged.generate_paged, {**static, **rows})
+        return Program("sample", paged_mesh.engine(mesh, rules), {**static, **rows})
     if decode_slots:
         return Program("sample", continuous.generate_slots, {**static, "slots": decode_slots})
     loop = {"num_chunks": num_chunks, "compact": compact, "record_routing": record_routing}
@@ -428,7 +428,7 @@ class _Decoding:
     def __post_init__(self):
         """The engine's refusals (ValueError): its mesh, its slots, a routing record."""
         if self.kv_cache_tokens is not None:
-            paged.check_engine(self.mesh, self.rules)
+            paged_mesh.check_mesh(self.mesh, self.rules)
         elif self.decode_slots:
             continuous.check_slots(self.decode_slots, self.mesh, self.rules)
         if self.record_routing and (self.decode_slots or self.kv_cache_tokens is not None):
@@ -441,8 +441,9 @@ class _Decoding:
         self, rows: int, prompt_len: int, max_new_tokens: int, group: int
     ) -> dict[str, Any]:
         """decode_program's paged engine settings for a bucket (none: not paged)."""
-        t, a = self.kv_cache_tokens, self.paged_attention
-        return paged.program_settings(t, self.max_rows, rows, prompt_len, max_new_tokens, group, a)
+        D = paged_mesh.shards(self.mesh, self.rules)
+        t, a, R = self.kv_cache_tokens, self.paged_attention, self.max_rows
+        return paged.program_settings(t, R, rows, prompt_len, max_new_tokens, group, a, D)
 
 
 def _generate(
@@ -460,8 +461,10 @@ def _generate(
     stop_S = stop_id_array(model_config.eos_token_ids if stop_ids is None else stop_ids)
     mesh, rules = decoding.mesh, decoding.rules
     multihost = mesh is not None and jax.process_count() > 1
-    multiple = batch_multiple(mesh, rules, multihost)
     n = request.layout.group_size
+    # The paged engine gives each batch shard whole groups (paged_mesh.py).
+    paged_rows = decoding.kv_cache_tokens is not None and paged_mesh.shards(mesh, rules) > 1
+    multiple = batch_multiple(mesh, rules, multihost) * (n if paged_rows else 1)
     # The paged engine takes max_rows as its rows decoding at once, not as chunks.
     max_rows = None if decoding.kv_cache_tokens is not None else decoding.max_rows
     chunk = rows_per_chunk(max_rows, len(prompts) * n, n, multiple)

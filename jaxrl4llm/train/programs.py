@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.program import Program
-from jaxrl4llm.sampling import paged, sampler
+from jaxrl4llm.sampling import paged, paged_mesh, sampler
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.config.optimizer import OptimizerConfig
 from jaxrl4llm.train.update import advantages, critic, logprobs, packing, step
@@ -117,7 +117,13 @@ class StepPrograms:
         the bucket, which sizes its page pool (paged.program_settings, as sampler.generate)."""
         r = self.config.rollout
         paged_settings = paged.program_settings(
-            r.pool_tokens, r.rollout_micro_batch, rows, prompt_len, r.max_new_tokens, prompt_group
+            r.pool_tokens,
+            r.rollout_micro_batch,
+            rows,
+            prompt_len,
+            r.max_new_tokens,
+            prompt_group,
+            shards=paged_mesh.shards(self.mesh, parallel.DEFAULT_RULES),
         )
         return sampler.decode_program(
             model_config=self.model_config,

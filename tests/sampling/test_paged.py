@@ -205,12 +205,12 @@ def test_decode_attention_choice(toy_policy):
 
 def test_on_a_tensor_parallel_mesh_and_its_refusal(toy_policy):
     """On a mesh that splits heads (tensor) but not the batch, the same samples; a mesh that
-    splits the batch is refused (one pool per program)."""
+    splits the batch and heads is refused (each batch shard's engine runs on one device)."""
     from jaxrl4llm import parallel
     from jaxrl4llm.sampling import Sampler
 
     config, params = toy_policy
-    with pytest.raises(FlagError, match="splits the batch 4 ways"):
+    with pytest.raises(FlagError, match="splits the batch 4 ways and also tensor:2"):
         Sampler(config, mesh=parallel.make_mesh("data:2,fsdp:2,tensor:2"), kv_cache_tokens=0)
     mesh = parallel.make_mesh("data:1,fsdp:1,tensor:2", jax.devices()[:2])
     smp = Sampler(config, mesh=mesh, stop_ids=STOP, kv_cache_tokens=400)
@@ -219,3 +219,40 @@ def test_on_a_tensor_parallel_mesh_and_its_refusal(toy_policy):
     b = smp.generate(smp.shard_params(params), prompts, SAMPLED, N, key, group_size=2)
     a = sampler.generate(params, config, prompts, SAMPLED, N, key, n=2, stop_ids=STOP)
     _assert_same_samples(a, b)
+
+
+@pytest.mark.parametrize("spec", ["data:2,fsdp:1,tensor:1", "data:2,fsdp:2,tensor:1"])
+def test_on_a_mesh_splitting_the_batch(toy_policy, spec):
+    """One engine and one pool per batch shard (paged_mesh.py): the one-device compacted
+    sampler's samples, with the smallest pool (one group at full length, per shard: groups
+    wait); the outputs split over the batch, the counts summed over the shards."""
+    from jaxrl4llm import parallel
+    from jaxrl4llm.sampling import Sampler
+
+    config, params = toy_policy
+    mesh = parallel.make_mesh(spec, jax.devices()[: 2 if "fsdp:1" in spec else 4])
+    smp = Sampler(config, mesh=mesh, stop_ids=STOP, kv_cache_tokens=paged.PAGE_SIZE)
+    prompts = _prompts(config, [3, 11, 6, 2, 9, 5, 20, 17, 8, 1, 14, 4, 12, 7, 19, 10], seed=4)
+    key = jax.random.key(3)
+    b = smp.generate(smp.shard_params(params), prompts, SAMPLED, N, key, group_size=4)
+    a = sampler.generate(params, config, prompts, SAMPLED, N, key, n=4, stop_ids=STOP)
+    _assert_same_samples(a, b)
+    lengths = np.asarray(b.lengths_B)
+    assert lengths.min() < N // 4 and lengths.max() > N // 2  # short and long rows
+    stats = jax.tree.map(int, b.engine_stats)
+    assert stats.pages_left == 0
+    # Summed over the shards: with every group admitted at once a shard would decode for
+    # its longest row's length - 1 steps; more steps: groups waited for pages.
+    D = parallel.data_parallel_size(mesh)
+    assert stats.steps > sum(rows.max() - 1 for rows in np.split(lengths, D))
+    assert b.tokens_BT.sharding.is_equivalent_to(parallel.batch_sharding(mesh, 2), 2)
+    assert stats.decoded >= int(np.sum(lengths - 1))
+
+
+def test_a_shard_takes_whole_groups():
+    """A batch that does not give each batch shard whole groups is refused."""
+    from jaxrl4llm.sampling import paged_mesh
+
+    paged_mesh.check_rows(16, 2, 4)
+    with pytest.raises(FlagError, match="--rollout_engine=compacted"):
+        paged_mesh.check_rows(12, 2, 4)

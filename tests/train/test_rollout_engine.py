@@ -62,7 +62,8 @@ def test_a_paged_run_equals_a_compacted_one(overrides, toy_model_dir, copy_task_
     [
         (dict(env="calculator", max_turns=2), "runs single-turn rollouts"),
         (dict(max_turns=3), "runs single-turn rollouts"),
-        (dict(mesh="data:2,fsdp:1,tensor:1"), "splits the batch 2 ways"),
+        (dict(mesh="data:2,fsdp:2,tensor:2"), "splits the batch 4 ways and also tensor:2"),
+        (dict(mesh="data:2,fsdp:1,tensor:1", prompts_per_step=3), "whole groups"),
         (dict(kv_cache_tokens=100), "holds less than one group at full length"),
         (dict(rollout_engine="vllm"), "choose one of compacted, paged"),
     ],
@@ -73,7 +74,35 @@ def test_paged_combinations_refused_at_validation(
     base = dict(rollout_engine="paged") if "rollout_engine" not in overrides else {}
     config = _config(toy_model_dir, copy_task_file, tmp_path, **base, **overrides)
     with pytest.raises(FlagError, match=message):
-        validate(config, num_devices=2 if "mesh" in overrides else 1)
+        sizes = [int(axis.split(":")[1]) for axis in overrides.get("mesh", "x:1").split(",")]
+        validate(config, num_devices=int(np.prod(sizes)))
+
+
+def test_a_paged_run_on_a_data_parallel_mesh(toy_model_dir, copy_task_file, tmp_path):
+    """--rollout_engine=paged on data:2 (one engine and page pool per batch shard,
+    sampling/paged_mesh.py) validates and runs the one-device compacted run: the same
+    rewards, the losses within float rounding (LINEAR_OPT: test_loop's sharded run)."""
+    import jax
+
+    kwargs = dict(num_steps=2, max_new_tokens=12, optimizer=LINEAR_OPT)
+    plain = _config(toy_model_dir, copy_task_file, tmp_path / "compacted", **kwargs)
+    loop.run(plain, devices=_one_device())
+    paged = plain.replace(
+        workdir=str(tmp_path / "paged"),
+        rollout_engine="paged",
+        kv_cache_tokens=256,
+        mesh="data:2,fsdp:1,tensor:1",
+    )
+    validate(paged, num_devices=2)
+    loop.run(paged, devices=jax.devices()[:2])
+    a, b = read_metrics(str(tmp_path / "compacted")), read_metrics(str(tmp_path / "paged"))
+    assert len(a) == len(b) == 2
+    for ra, rb in zip(a, b):
+        assert ra["reward/mean"] == rb["reward/mean"]
+        assert ra["response/length_mean"] == rb["response/length_mean"]
+        np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], atol=1e-4)
+        # Summed over the two shards' engines: at most every row of the step at once.
+        assert 1 <= rb["rollout/rows_per_decode_step"] <= 2 * 8 * 4
 
 
 def test_decode_slots_is_an_alias_of_the_paged_engine(toy_model_dir, copy_task_file, tmp_path):

@@ -18,7 +18,7 @@ from jaxrl4llm.config.options import require
 from jaxrl4llm.data import prompts
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.rewards.shaping import SCALES
-from jaxrl4llm.sampling import paged, rounds
+from jaxrl4llm.sampling import paged, paged_mesh, rounds
 from jaxrl4llm.sampling.buckets import LONG_PROMPT_MODES
 from jaxrl4llm.sampling.config import ROLLOUT_ENGINES, RolloutConfig
 from jaxrl4llm.train.config import TrainConfig
@@ -307,15 +307,17 @@ def _validate_engine(config: TrainConfig, num_devices: int, data_parallel: int |
         f"{engine} runs single-turn rollouts; multi-turn ones (--env, --max_turns) decode in "
         "their own engine (sampling/multiturn.py): use --rollout_engine=compacted.",
     )
-    if data_parallel is None:
-        data_parallel = _data_parallel(config, num_devices)
-    require(
-        data_parallel == 1,
-        f"{engine} keeps one page pool per program: --mesh={config.run.mesh} splits the "
-        f"batch {data_parallel} ways; use --rollout_engine=compacted, or a mesh without "
-        "data or fsdp axes.",
-    )
+    sizes = parallel.MeshSpec.parse(config.run.mesh).resolve(num_devices)
+    paged_mesh.check_mesh(jax.sharding.AbstractMesh(sizes, parallel.MESH_AXES))
     G = r.group_size if r.share_prompts else 1
+    D = data_parallel or _data_parallel(config, num_devices)
+    require(
+        config.batch_size % (D * G) == 0,
+        f"{engine} runs one page pool per batch shard, each with whole groups: the "
+        f"{config.batch_size} rows of a step are not a multiple of the {D} batch shards of "
+        f"--mesh={config.run.mesh} x {G} rows per group; make --prompts_per_step a multiple "
+        f"of {D}, or use --rollout_engine=compacted.",
+    )
     # The --decode_slots alias may round below a group's pages; the engine raises it there.
     ps, tokens = paged.PAGE_SIZE, r.kv_cache_tokens if r.rollout_engine == "paged" else 0
     need = paged.min_pool_pages(r.max_prompt_tokens, r.max_new_tokens, G, ps) * ps

@@ -1,0 +1,130 @@
+"""The paged engine (paged.py) on a mesh that splits the batch: one engine and one page pool
+per batch shard.
+
+On a mesh whose batch axes (data, fsdp, expert: parallel.data_parallel_size) split the rows
+D ways, `generate_sharded` runs the engine under jax.shard_map, manual over every mesh axis:
+each shard decodes its own B / D rows (whole groups of G consecutive rows) from its own pool
+of `num_pages` pages, with at most max_rows / D of them decoding at once, on one device and
+with no collective in its loop. The weights enter the body replicated (weights split over
+fsdp are gathered once, before the loop). A row's samples depend only on its key
+(fold_in(row_key, t)), so they are the ones the engine draws on one device. The outputs come
+back split over the batch like the compacted sampler's; the scalar counts (slot_steps,
+PagedStats) are summed over the shards.
+
+What it does not run (check_mesh refuses it, naming --rollout_engine=compacted): a split batch
+together with any other mesh axis of size > 1 (tensor: the engine inside a shard runs on one
+device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxrl4llm import parallel
+from jaxrl4llm.config.errors import FlagError
+from jaxrl4llm.sampling import paged, paged_state
+
+ENGINE = "the paged rollout engine (--rollout_engine=paged, --kv_cache_tokens)"
+
+
+def batch_axes(mesh: Mesh | AbstractMesh, rules: parallel.LogicalRules) -> tuple[str, ...]:
+    """The mesh axes the batch is split over (the batch rule's axes on this mesh)."""
+    axes = parallel.mesh_axes(parallel.logical_to_partition_spec(("batch",), rules)[0])
+    return tuple(a for a in axes if a in mesh.shape)
+
+
+def shards(mesh: Mesh | AbstractMesh | None, rules: parallel.LogicalRules) -> int:
+    """The batch shards (1 without a mesh): one engine and one page pool each."""
+    return 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
+
+
+def check_mesh(
+    mesh: Mesh | AbstractMesh | None, rules: parallel.LogicalRules = parallel.DEFAULT_RULES
+) -> None:
+    """Refuses a mesh that splits the batch and also another axis (e.g. tensor): each
+    shard's engine runs on one device."""
+    D = shards(mesh, rules)
+    if mesh is None or D == 1:
+        return
+    axes = batch_axes(mesh, rules)
+    other = {a: n for a, n in mesh.shape.items() if n > 1 and a not in axes}
+    if other:
+        split = ",".join(f"{a}:{n}" for a, n in other.items())
+        raise FlagError(
+            f"{ENGINE} runs one page pool per batch shard, each on one device: this mesh "
+            f"splits the batch {D} ways and also {split}; use --rollout_engine=compacted, or "
+            "a mesh whose only axes of size > 1 are data, fsdp and expert (or a mesh with "
+            "tensor but without data or fsdp axes)."
+        )
+
+
+def check_rows(rows: int, D: int, group: int) -> None:
+    """Refuses a batch that does not give each of the D shards whole groups."""
+    if rows % (D * group):
+        raise FlagError(
+            f"{ENGINE} on {D} batch shards gives each shard whole groups: {rows} rows are not "
+            f"a multiple of {D} shards x {group} rows per group; pad the batch to a multiple "
+            f"of {D * group} rows or use --rollout_engine=compacted."
+        )
+
+
+def engine(mesh: Mesh | None, rules: parallel.LogicalRules) -> Callable[..., Any]:
+    """The paged engine's compiled program on `mesh`: generate_sharded where it splits the
+    batch, else paged.generate_paged (the same arguments)."""
+    return generate_sharded if shards(mesh, rules) > 1 else paged.generate_paged
+
+
+@functools.partial(jax.jit, static_argnames=paged.STATIC)
+def generate_sharded(
+    params: Any,
+    *inputs: jax.Array,
+    mesh: Mesh,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+    max_rows: int,
+    prompt_group: int = 1,
+    greedy_B: jax.Array | None = None,
+    row_caps_B: jax.Array | None = None,
+    **settings: Any,
+) -> paged_state.PagedOutput:
+    """paged.generate_paged (the same arguments; `inputs`: prompt_BP, prompt_mask_BP,
+    active_B, row_keys_B, stop_ids_S, pad_id) on each batch shard of `mesh`, with no mesh:
+    the shard's rows, `max_rows` (all shards) split over the shards, and `settings`
+    (num_pages: each shard's pool, the rest as generate_paged's)."""
+    check_mesh(mesh, rules)
+    D, G = shards(mesh, rules), prompt_group
+    check_rows(inputs[0].shape[0], D, G)
+    axes = batch_axes(mesh, rules)
+    row: Any = P(axes)  # (Any: the specs fill PagedOutput's array fields)
+    whole: Any = P()
+    local_rows = max(G, max_rows // D)
+    given = dict(greedy_B=greedy_B, row_caps_B=row_caps_B)
+    optional = {k: v for k, v in given.items() if v is not None}
+
+    def body(params: Any, rows: tuple, stop: jax.Array, pad: jax.Array, optional: dict) -> Any:
+        out = paged.generate_paged(
+            params, *rows, stop, pad, max_rows=local_rows, prompt_group=G, **optional, **settings
+        )
+        total = lambda a: jax.lax.psum(a, axes)  # noqa: E731
+        return out.replace(slot_steps=total(out.slot_steps), stats=jax.tree.map(total, out.stats))
+
+    stats = [f.name for f in dataclasses.fields(paged_state.PagedStats)]
+    out_specs = paged_state.PagedOutput(
+        **dict.fromkeys(("tokens_RT", "logprobs_RT", "length_R", "done_R"), row),
+        slot_steps=whole,
+        stats=paged_state.PagedStats(**dict.fromkeys(stats, whole)),
+    )
+    run = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(whole, (row,) * 4, whole, whole, {k: row for k in optional}),
+        out_specs=out_specs,
+        check_vma=False,
+    )
+    return run(params, inputs[:4], inputs[4], inputs[5], optional)
