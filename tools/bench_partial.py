@@ -141,15 +141,15 @@ def run_mix(mix: str, args: argparse.Namespace) -> dict[str, float]:
     )
     counter = iter(range(1 << 30))
     more = lambda: [next(counter) for _ in range(P)]  # noqa: E731
-    carried, totals = partial.Carried(), np.zeros(6)
+    carried, rounds, trained, dropped = partial.Carried(), 0.0, 0, 0.0
     for step in range(args.steps):
         rows, carried, m = partial.sample_and_score(
             ctx, None, carried, more(), jax.random.key(step), more
         )
-        trained = int(np.sum(rows.samples.out.lengths_B))
-        totals += [m["partial/rounds"].value, trained, m["partial/dropped_rows"].value, 0, 0, 0]
-    rounds, trained, dropped, steps = *totals[:3], args.steps
-    decoded, prefilled = sampler.decoded, sampler.prefilled
+        rounds += m["partial/rounds"].value
+        trained += int(np.sum(rows.samples.out.lengths_B))
+        dropped += m["partial/dropped_rows"].value
+    steps, decoded, prefilled = args.steps, sampler.decoded, sampler.prefilled
     return {
         "max_new_tokens": T,
         "budget": budget,

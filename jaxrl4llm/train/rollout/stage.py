@@ -341,9 +341,9 @@ def _engine_metrics(stats: Any) -> dict[str, Metric]:
     the compacted sampler): rows and pages per decode step, groups preempted."""
     if stats is None:
         return {}
+    stats = jax.device_get(stats)  # one read of the counts
     steps, rows, pages, preempted = (
-        float(np.asarray(x))
-        for x in (stats.steps, stats.live_rows, stats.pages_in_use, stats.preemptions)
+        float(x) for x in (stats.steps, stats.live_rows, stats.pages_in_use, stats.preemptions)
     )
     return {
         "rollout/rows_per_decode_step": Metric.mean(rows, steps),
