@@ -86,8 +86,8 @@ class TurnStats:
     reply to the row's last turn ("" for a row that never ran, e.g. a dropped prompt).
     decode_s: wall time in the compiled programs; tools_s: the replies' own seconds (host
     time of the steps, overlapping decode); wait_s: time the host waited for replies with
-    no row decoding; evictions: rows whose KV was dropped for memory and recomputed later
-    (paged_turns.py)."""
+    no row decoding; evictions: rows whose KV was dropped for memory and recomputed later,
+    pages_left: KV pages still held when the rollout ended (paged_turns.py; 0: all back)."""
 
     reward_B: np.ndarray
     turns_B: np.ndarray
@@ -101,6 +101,7 @@ class TurnStats:
     tools_s: float = 0.0
     wait_s: float = 0.0
     evictions: int = 0
+    pages_left: int = 0
 
     @classmethod
     def empty(cls, rows: int) -> TurnStats:
@@ -135,6 +136,7 @@ class TurnStats:
             tools_s=sum(p.tools_s for p in parts),
             wait_s=sum(p.wait_s for p in parts),
             evictions=sum(p.evictions for p in parts),
+            pages_left=sum(p.pages_left for p in parts),
         )
 
 
@@ -295,6 +297,7 @@ def run(
         tools_s=host.tools_s,
         wait_s=host.wait_s,
         evictions=programs.evictions,
+        pages_left=programs.pages_left(state),
     )
     return _rows_out(state, host, batch), stats
 

@@ -166,6 +166,11 @@ class PagedPrograms:
         self.ready.discard(row)
         return programs_lib.release(state, jnp.int32(row))
 
+    def pages_left(self, state: TurnState) -> int:
+        """Pages still held (0 once every trajectory ended and returned its pages)."""
+        pool = state.cache.pool
+        return pool.num_pages - int(jax.device_get(pool.num_free()))
+
     def unblock(self, state: TurnState) -> TurnState:
         """Serves the rows waiting for memory lowest first while their pages are free; while
         none is served and no row decodes, evicts the highest-index row holding pages."""

@@ -446,3 +446,6 @@ class DensePrograms:
 
     def unblock(self, state: TurnState) -> TurnState:
         return state
+
+    def pages_left(self, state: TurnState) -> int:
+        return 0

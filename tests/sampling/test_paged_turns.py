@@ -55,17 +55,18 @@ def test_a_rich_pool_samples_the_dense_engines_rows(toy_policy, dense):
     several of them over more than one turn."""
     paged = _sample(toy_policy, 0)
     _assert_same_rows(dense, paged)
-    assert paged[2].evictions == 0
+    assert paged[2].evictions == 0 and paged[2].pages_left == 0
     assert (paged[2].turns_B > 1).sum() >= 3, "the toy model should end several turns"
 
 
-def test_a_small_pool_evicts_and_every_row_ends_with_the_dense_rows(toy_policy, dense):
-    """A pool of 8 pages, under three rows at full length (prompt bucket 24 + budget 24: 3
-    pages each) for 10 rows: rows stall, are evicted and restored by prefill, and end with
-    the dense engine's rows (restored KV is prefilled, not decoded: the same tokens on the
-    toy model, logprobs to float rounding)."""
-    paged = _sample(toy_policy, 8 * 16)
-    assert paged[2].evictions > 0
+def test_the_smallest_pool_evicts_and_every_row_ends_with_the_dense_rows(toy_policy, dense):
+    """A pool of one row at full length (prompt bucket 24 + budget 24: 3 pages of 16) for
+    10 rows: rows stall, parked and stalled rows are evicted and restored by prefill (some
+    with the observation they waited for), and every row ends with the dense engine's rows
+    (restored KV is prefilled, not decoded: the same tokens on the toy model, logprobs to
+    float rounding); every page comes back."""
+    paged = _sample(toy_policy, 3 * 16)
+    assert paged[2].evictions >= 5 and paged[2].pages_left == 0
     _assert_same_rows(dense, paged, logprob_atol=1e-4)
 
 
