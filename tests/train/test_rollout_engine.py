@@ -131,3 +131,4 @@ def test_a_multi_turn_run_on_pages(toy_model_dir, copy_task_file, tmp_path):
     loop.run(config, devices=_one_device())
     (record,) = read_metrics(str(tmp_path))
     assert 0 < record["response/length_mean"] <= 12
+    assert record["turns/evictions"] > 0  # 8 rows of 2 pages each in 3 pages
