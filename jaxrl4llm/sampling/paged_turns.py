@@ -12,8 +12,9 @@ Running out of pages (`PagedPrograms.unblock`, after each segment and its replie
     keeps its pages; a reply whose observation needs pages that are not free waits;
   - the rows waiting for memory (stalled rows, waiting observations, evicted rows that are
     ready to go on) are served lowest index first, while the pages each needs are free,
-    each with the pages for at least one new token; the first that does not fit stops the
-    round (a higher row does not take the pages a lower one waits for);
+    each with the pages for at least one new token; past the first that does not fit only
+    rows that need no new page go on (a higher row does not take the pages a lower one
+    waits for);
   - when no row decodes and none of them was served, the highest-index unfinished row holding
     pages is evicted: its pages return, its tokens stay; then the round runs again. An
     evicted row is restored when it is served: its prompt and completion so far (and the
@@ -198,14 +199,16 @@ class PagedPrograms:
         self, state: TurnState, rows: list[int], step_B: np.ndarray, held_B: np.ndarray, free: int
     ) -> tuple[TurnState, bool]:
         """Serves `rows` in order while the pages each needs (for its tokens so far, its
-        observation and its next token) are free; (the state, whether one was)."""
+        observation and its next token) are free; past the first that does not fit, only
+        rows that need no new page (they take none from it). (the state, whether one was)."""
         served = False
         for r in rows:
             extra = len(self.observations.get(r, ()))
             slots = int(self.plen_B[r] + step_B[r]) + extra
             need = max(0, pages_lib.pages_for(slots, paged.PAGE_SIZE) - int(held_B[r]))
             if need > free:
-                break
+                free = 0  # what frees next goes to this row first
+                continue
             free -= need
             state, served = self._resume(state, r, int(step_B[r])), True
         return state, served

@@ -1,7 +1,8 @@
 """Multi-turn rollouts on the paged KV cache (sampling/paged_turns.py): with a pool that
 holds every row the dense multi-turn engine's rows (tokens, masks, lengths, logprobs); with
-a pool that forces evictions, every row still ends with the dense engine's rows; a pool
-below one row at full length refused."""
+the smallest pool (one row at full length), which forces evictions, every row still ends
+with the dense engine's rows; a smaller pool and a mesh refused; the groups admitted at the
+start and their pages."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl4llm.config.errors import FlagError
-from jaxrl4llm.sampling import multiturn
+from jaxrl4llm.sampling import multiturn, paged_turn_programs
 from jaxrl4llm.sampling.turns import TurnLimits
 
 from tests.sampling.test_multiturn import SAMPLED, FakeHandler, _prompts, _run
@@ -86,3 +87,24 @@ def test_a_mesh_is_refused(toy_policy):
             params, config, [[7, 8]], SAMPLED, 8, jax.random.key(0), FakeHandler(), LIMITS,
             stop_ids=(3,), mesh=mesh, kv_cache_tokens=0,
         )  # fmt: skip
+
+
+def test_the_groups_that_fit_at_the_start_get_shared_and_private_pages():
+    """Pages of 16 tokens, a pool of 5: group 0 (5-token prompts, row 1 inactive) takes a
+    private page for row 0; group 1 (20-token prompts) its full page once and a private
+    page per row; group 2 (2 pages more) does not fit and starts evicted."""
+    N = 5
+    pages = paged_turn_programs.initial_pages(
+        np.array([5, 5, 20, 20, 3, 3]),
+        np.array([True, False, True, True, True, True]),
+        group=2,
+        num_pages=N,
+        M=4,
+        P=24,
+        ps=16,
+    )
+    np.testing.assert_array_equal(pages.admitted_B, [True, False, True, True, False, False])
+    expected = [[0, N, N, N], [N] * 4, [1, 2, N, N], [1, 3, N, N], [N] * 4, [N] * 4]
+    np.testing.assert_array_equal(pages.table_BM, expected)
+    np.testing.assert_array_equal(pages.shared_JM, [[N, N], [1, N], [N, N]])
+    np.testing.assert_array_equal(pages.private_JG, [[0, N], [2, 3], [N, N]])
