@@ -18,6 +18,10 @@ padding) and the rows stalled for want of a page.
             allocated for them), then its next token (turn_programs.resume_row);
   restore   an evicted row's prompt and completion so far prefilled from slot 0 into fresh
             pages (the same chunked prefill); `release` returns a row's pages.
+
+Decode attention is page_pool's gather reference (paged_step.paged_decode_step) on every
+backend, over every row and whole tables, as the dense engine computes every row: the
+single-turn engine's Pallas kernel and row levels (paged.py) are not used here.
 """
 
 from __future__ import annotations
