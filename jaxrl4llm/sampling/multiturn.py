@@ -273,7 +273,7 @@ def run(
     None, no mesh): the KV in a page pool of that many tokens (paged_turns.py)."""
     _check_limits(limits)
     if kv_cache_tokens is not None:
-        paged_turns.check_mesh(mesh, rules)
+        paged_turns.check_mesh(mesh)
     B = batch.prompt_BP.shape[0]
     stops = [handler.stop_sequences(r) if batch.active_B[r] else () for r in range(B)]
     stop_BQL = jnp.asarray(stop_sequence_array(stops))

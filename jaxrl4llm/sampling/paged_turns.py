@@ -42,12 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxrl4llm import parallel
 from jaxrl4llm.config.errors import FlagError
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.sampling import buckets, paged
 from jaxrl4llm.sampling import page_pool as pages_lib
-from jaxrl4llm.sampling import paged
 from jaxrl4llm.sampling import paged_turn_programs as programs_lib
 from jaxrl4llm.sampling.row_io import PromptRows
+from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.sampling.turn_programs import (
     SEGMENT_STEPS,
     RolloutSettings,
@@ -57,7 +58,7 @@ from jaxrl4llm.sampling.turn_programs import (
 )
 
 
-def check_mesh(mesh: Mesh | None, rules: parallel.LogicalRules = parallel.DEFAULT_RULES) -> None:
+def check_mesh(mesh: Mesh | None) -> None:
     """Refuses a mesh of more than one device: the paged multi-turn programs run on one."""
     if mesh is not None and mesh.size > 1:
         raise FlagError(
@@ -133,9 +134,9 @@ class PagedPrograms:
     weights: Any
     stop_ids_S: jax.Array
     stop_BQL: jax.Array
-    model_config: Any
-    sampling: Any
-    batch: Any  # buckets.PromptBatch: the prompts a restore prefills again
+    model_config: ModelConfig
+    sampling: SamplingConfig
+    batch: buckets.PromptBatch  # the prompts a restore prefills again
     plen_B: np.ndarray
     pad_id: int
     evicted: set[int] = dataclasses.field(default_factory=set)
