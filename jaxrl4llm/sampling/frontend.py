@@ -259,7 +259,8 @@ class Sampler:
         greedy_last: int = 0,
     ) -> tuple[SampleOutput, multiturn.TurnStats]:
         """Multi-turn trajectories of each prompt (token ids), answered by `handler`, rows
-        laid out as `generate`'s, on the sampler's mesh; see multiturn.generate_turns."""
+        laid out as `generate`'s, on the sampler's mesh, or with `kv_cache_tokens` on pages
+        (paged_turns.py: one device); see multiturn.generate_turns."""
         return multiturn.generate_turns(
             params,
             self.model_config,
@@ -273,6 +274,7 @@ class Sampler:
             max_prompt_len=self.max_prompt_len,
             share_prompts=layout.share_prompts,
             greedy_last=greedy_last,
+            kv_cache_tokens=self.kv_cache_tokens,
             **self._row_settings(),
         )
 

@@ -1,6 +1,8 @@
 """Multi-turn rollouts: the host loop that stops a row at its turn end, hands the turn to a
 `turns.TurnHandler` and resumes the row with the reply's observation tokens. The compiled
-programs it runs (prefill, segment, observe) and their device state are turn_programs.py's.
+programs it runs (prefill, segment, observe) and their device state are turn_programs.py's
+(a dense cache row per row) or, with `kv_cache_tokens`, paged_turns.py's (a pool of pages;
+rows that wait for pages are served by its `unblock`, which the loop calls every round).
 
 The host loop runs a segment, submits the turns that ended in it (handler.submit never
 blocks), takes the replies that are ready (handler.poll: without waiting while some row
@@ -40,7 +42,7 @@ from jax.sharding import Mesh
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import buckets, turn_programs
+from jaxrl4llm.sampling import buckets, paged_turns, turn_programs
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.row_io import (
     PromptRows,
@@ -51,14 +53,18 @@ from jaxrl4llm.sampling.row_io import (
 )
 from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.sampling.strategies import SamplingConfig
-from jaxrl4llm.sampling.turn_programs import TurnState, chunk_length, stop_sequence_array
+from jaxrl4llm.sampling.turn_programs import (
+    DensePrograms,
+    TurnState,
+    chunk_length,
+    stop_sequence_array,
+)
 from jaxrl4llm.sampling.turns import TurnEnd, TurnHandler, TurnLimits, TurnReply
 
-# Decode steps per segment when no row ends its turn: how long a ready reply may wait for
-# the host (one device-to-host sync per segment).
-SEGMENT_STEPS = 16
 # How long the host waits for a reply when every row is parked, per poll.
 POLL_S = 0.05
+# The compiled programs a rollout runs: every row in its own dense cache row, or in pages.
+Programs = DensePrograms | paged_turns.PagedPrograms
 # ended_B codes (turn_programs._emit): how this segment's turn of a row ended (0: it did not).
 _ENDS: dict[int, TurnEnd] = {1: "stop", 2: "eos", 3: "length"}
 # Why several hosts are refused: each host's loop would issue its own observation programs.
@@ -80,7 +86,8 @@ class TurnStats:
     reply to the row's last turn ("" for a row that never ran, e.g. a dropped prompt).
     decode_s: wall time in the compiled programs; tools_s: the replies' own seconds (host
     time of the steps, overlapping decode); wait_s: time the host waited for replies with
-    no row decoding."""
+    no row decoding; evictions: rows whose KV was dropped for memory and recomputed later,
+    pages_left: KV pages still held when the rollout ended (paged_turns.py; 0: all back)."""
 
     reward_B: np.ndarray
     turns_B: np.ndarray
@@ -93,6 +100,8 @@ class TurnStats:
     decode_s: float = 0.0
     tools_s: float = 0.0
     wait_s: float = 0.0
+    evictions: int = 0
+    pages_left: int = 0
 
     @classmethod
     def empty(cls, rows: int) -> TurnStats:
@@ -126,6 +135,8 @@ class TurnStats:
             decode_s=sum(p.decode_s for p in parts),
             tools_s=sum(p.tools_s for p in parts),
             wait_s=sum(p.wait_s for p in parts),
+            evictions=sum(p.evictions for p in parts),
+            pages_left=sum(p.pages_left for p in parts),
         )
 
 
@@ -237,50 +248,6 @@ class _HostLoop:
         return any(row.waiting for row in self.rows)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Programs:
-    """turn_programs' segment and observe with what every call of one rollout passes: the
-    laid-out weights, the stop ids and stop sequences, the prompt width and the static
-    settings (model_config, sampling, sharding)."""
-
-    weights: Any
-    stop_ids_S: jax.Array
-    stop_BQL: jax.Array
-    prompt_len: int
-    static: dict[str, Any]
-
-    def segment(self, state: TurnState) -> TurnState:
-        """Up to SEGMENT_STEPS decode steps of the live rows (until some row ends its turn)."""
-        state = turn_programs.segment(
-            self.weights,
-            state,
-            self.stop_ids_S,
-            self.stop_BQL,
-            prompt_len=self.prompt_len,
-            max_steps=SEGMENT_STEPS,
-            **self.static,
-        )
-        jax.block_until_ready(state.ended_B)
-        return state
-
-    def observe(self, state: TurnState, row: int, obs: list[int], pad_id: int) -> TurnState:
-        """Row `row` resumed after the observation tokens `obs`."""
-        chunk = np.full(chunk_length(len(obs) + 1), pad_id, np.int32)
-        chunk[0] = jax.device_get(state.last_B[row])
-        chunk[1 : 1 + len(obs)] = obs
-        return turn_programs.observe(
-            self.weights,
-            state,
-            jnp.int32(row),
-            jnp.asarray(chunk),
-            jnp.int32(len(obs)),
-            self.stop_ids_S,
-            self.stop_BQL,
-            prompt_len=self.prompt_len,
-            **self.static,
-        )
-
-
 def run(
     params: Any,
     model_config: ModelConfig,
@@ -297,22 +264,53 @@ def run(
     prompt_group: int,
     mesh: Mesh | None = None,
     rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+    kv_cache_tokens: int | None = None,
 ) -> tuple[dict[str, Any], TurnStats]:
     """Decodes every active row of `batch` over its turns; (per-row arrays: tokens_BT,
     logprobs_BT, model_BT, lengths_B, truncated_B, done_B, slot_steps; the turn stats).
     With a mesh (one host), params are placed on it and the rows (a multiple of the
-    data-parallel size) are split over its data-parallel devices."""
+    data-parallel size) are split over its data-parallel devices. `kv_cache_tokens` (not
+    None, no mesh): the KV in a page pool of that many tokens (paged_turns.py)."""
     _check_limits(limits)
-    B, P = batch.prompt_BP.shape
+    if kv_cache_tokens is not None:
+        paged_turns.check_mesh(mesh)
+    B = batch.prompt_BP.shape[0]
     stops = [handler.stop_sequences(r) if batch.active_B[r] else () for r in range(B)]
     stop_BQL = jnp.asarray(stop_sequence_array(stops))
-    stop_ids = jnp.asarray(stop_ids_S)
     sharding = None if mesh is None else parallel.ActivationSharding(mesh, rules)
     static = dict(model_config=model_config, sampling=sampling, sharding=sharding)
     host = _HostLoop(handler, limits, budget, batch.num_rows)
     t0 = time.perf_counter()
     weights = turn_programs.decode_weights(params, model_config, sharding)
     rows = PromptRows(batch, keys_B, greedy_B, prompt_group)
+    stop_ids = jnp.asarray(stop_ids_S)
+    chunk = chunk_length(limits.max_observation_tokens + 1)
+    settings = turn_programs.RolloutSettings(stop_ids, stop_BQL, pad_id, budget, chunk, static)
+    if kv_cache_tokens is None:
+        state, programs = _dense_start(weights, rows, settings, mesh, rules)
+    else:
+        state, programs = paged_turns.start(weights, rows, settings, kv_cache_tokens)
+    state, decode_s = _turn_loop(programs, host, state, t0, pad_id)
+    stats = dataclasses.replace(
+        host.stats,
+        decode_s=decode_s,
+        tools_s=host.tools_s,
+        wait_s=host.wait_s,
+        evictions=programs.evictions,
+        pages_left=programs.pages_left(state),
+    )
+    return _rows_out(state, host, batch), stats
+
+
+def _dense_start(
+    weights: Any,
+    rows: PromptRows,
+    settings: turn_programs.RolloutSettings,
+    mesh: Mesh | None,
+    rules: parallel.LogicalRules,
+) -> tuple[TurnState, Programs]:
+    """The prompts prefilled into dense cache rows, every row's first token; the programs."""
+    stop_ids, stop_BQL, pad_id, budget, chunk, static = settings
     inputs, optional = place_inputs(rows, mesh=mesh, rules=rules)
     state = turn_programs.prefill(
         weights,
@@ -322,16 +320,12 @@ def run(
         stop_BQL,
         jnp.int32(pad_id),
         max_new_tokens=budget,
-        chunk=chunk_length(limits.max_observation_tokens + 1),
-        group=prompt_group,
+        chunk=chunk,
+        group=rows.prompt_group,
         **static,
     )
-    programs = _Programs(weights, stop_ids, stop_BQL, P, static)
-    state, decode_s = _turn_loop(programs, host, state, t0, pad_id)
-    stats = dataclasses.replace(
-        host.stats, decode_s=decode_s, tools_s=host.tools_s, wait_s=host.wait_s
-    )
-    return _rows_out(state, host, batch), stats
+    P = rows.batch.prompt_BP.shape[1]
+    return state, DensePrograms(weights, stop_ids, stop_BQL, P, static)
 
 
 def _check_limits(limits: TurnLimits) -> None:
@@ -343,7 +337,7 @@ def _check_limits(limits: TurnLimits) -> None:
 
 
 def _turn_loop(
-    programs: _Programs, host: _HostLoop, state: TurnState, t0: float, pad_id: int
+    programs: Programs, host: _HostLoop, state: TurnState, t0: float, pad_id: int
 ) -> tuple[TurnState, float]:
     """The host loop (module docstring) from the prefilled `state` (its programs started at
     t0) until no row decodes and no reply is due; (the final state, seconds in programs)."""
@@ -367,10 +361,11 @@ def _turn_loop(
         t0 = time.perf_counter()
         if replies:
             state = _take_replies(programs, host, state, replies, pad_id)
+        state = programs.unblock(state)  # rows waiting for KV memory (paged_turns.py)
 
 
 def _take_replies(
-    programs: _Programs, host: _HostLoop, state: TurnState, replies: list[TurnReply], pad_id: int
+    programs: Programs, host: _HostLoop, state: TurnState, replies: list[TurnReply], pad_id: int
 ) -> TurnState:
     """Records the replies and resumes each row that goes on after its observation."""
     step_B = np.asarray(jax.device_get(state.step_B))
@@ -378,6 +373,8 @@ def _take_replies(
         obs = host.take_reply(reply, int(step_B[reply.row]))
         if obs is not None:
             state = programs.observe(state, reply.row, obs, pad_id)
+        else:  # the trajectory ended: its KV memory goes back
+            state = programs.finish(state, reply.row)
     return state
 
 
@@ -418,13 +415,15 @@ def generate_turns(
     greedy_last: int = 0,
     mesh: Mesh | None = None,
     rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+    kv_cache_tokens: int | None = None,
 ) -> tuple[SampleOutput, TurnStats]:
     """`n` multi-turn trajectories of each prompt (token ids), rows laid out as
     sampler.generate's (row p * n + g: sample g of prompt p; the handler's row indices), with
     the same per-row keys. The completion budget is limits.max_total_tokens, or
     `max_new_tokens` when that is 0. With a mesh of one host's devices (params placed on
     it), the rows are split over its data-parallel devices and the cache as the single-turn
-    sampler's; the samples are the same as on one device. One host only: see MULTIHOST."""
+    sampler's; the samples are the same as on one device. One host only: see MULTIHOST.
+    `kv_cache_tokens` (not None): the KV in a page pool (paged_turns.py), the same samples."""
     budget = _budget(limits, max_new_tokens)
     request = RowRequest(
         RowLayout(n, share_prompts),
@@ -452,6 +451,7 @@ def generate_turns(
         prompt_group=inputs.prompt_group,
         mesh=mesh,
         rules=rules,
+        kv_cache_tokens=kv_cache_tokens,
     )
     return _turn_output(rows, inputs.batch, budget), stats
 

@@ -25,8 +25,9 @@ single-turn sampler's (`_laid_out`); the weights are laid out once per rollout
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.struct
 import jax
@@ -41,12 +42,17 @@ from jaxrl4llm.sampling import decode, sampler, strategies
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
 _MIN_CHUNK = 16
+# Decode steps per segment when no row ends its turn: how long a ready reply may wait for
+# the host (one device-to-host sync per segment).
+SEGMENT_STEPS = 16
 
 
 class TurnState(flax.struct.PyTreeNode):
     """The device state of a multi-turn rollout, per row (B rows, N completion slots)."""
 
-    cache: kv_cache.KVCache  # [B, ...]: prompt at [0, P), completion token t at P + t
+    # The KV: here a dense cache [B, ...] (prompt at [0, P), completion token t at P + t);
+    # paged_turns.py's rollouts hold a paged_turns.PagedKV (pages and page tables) instead.
+    cache: Any
     plen_B: jax.Array  # prompt length: completion token t sits at RoPE position plen + t
     step_B: jax.Array  # completion tokens so far (the index of the next one)
     last_B: jax.Array  # token step - 1, not yet in the cache
@@ -174,8 +180,23 @@ def prefill(
         greedy_B,
         sharding,
     )
+    state = initial_state(cache, prompt_mask_BP, active_B, keys_B, greedy_B, pad_id, N)
+    return _laid_out(_emit(state, active_B, tok_B, lp_B, stop_ids_S, stop_BQL), sharding)
+
+
+def initial_state(
+    cache: Any,
+    prompt_mask_BP: jax.Array,
+    active_B: jax.Array,
+    keys_B: jax.Array,
+    greedy_B: jax.Array | None,
+    pad_id: jax.Array,
+    max_new_tokens: int,
+) -> TurnState:
+    """The rows before their first token: no completion token, the active rows live."""
+    B, N = prompt_mask_BP.shape[0], max_new_tokens
     zeros = jnp.zeros((B,), jnp.int32)
-    state = TurnState(
+    return TurnState(
         cache=cache,
         plen_B=jnp.sum(prompt_mask_BP, axis=1, dtype=jnp.int32),
         step_B=zeros,
@@ -191,7 +212,6 @@ def prefill(
         slot_steps=jnp.array(0, jnp.int32),
         greedy_B=greedy_B,
     )
-    return _laid_out(_emit(state, active_B, tok_B, lp_B, stop_ids_S, stop_BQL), sharding)
 
 
 def _sample_step(
@@ -222,10 +242,6 @@ def segment(
     """Decodes the live rows until one ends its turn or `max_steps` steps ran."""
     B = s.step_B.shape[0]
 
-    def cond(carry: tuple[TurnState, jax.Array]) -> jax.Array:
-        x, k = carry
-        return jnp.any(x.live_B) & (k < max_steps) & ~jnp.any(x.ended_B > 0)
-
     def body(carry: tuple[TurnState, jax.Array]) -> tuple[TurnState, jax.Array]:
         x, k = carry
         # A parked or finished row feeds its last token again at the same slot: the same
@@ -238,8 +254,15 @@ def segment(
         x = x.replace(cache=cache, slot_steps=x.slot_steps + B)
         return _laid_out(_emit(x, x.live_B, tok_B, lp_B, stop_ids_S, stop_BQL), sharding), k + 1
 
+    cond = functools.partial(segment_continues, max_steps)
     s, _ = jax.lax.while_loop(cond, body, (s, jnp.array(0, jnp.int32)))
     return s
+
+
+def segment_continues(max_steps: int, carry: tuple[TurnState, jax.Array]) -> jax.Array:
+    """A segment's loop condition: some row live, none ended its turn, under max_steps."""
+    x, k = carry
+    return jnp.any(x.live_B) & (k < max_steps) & ~jnp.any(x.ended_B > 0)
 
 
 def _row_access(
@@ -292,8 +315,7 @@ def observe(
     """Appends `num_obs` observation tokens (chunk_C[1 : 1 + num_obs]; chunk_C[0] is the
     row's last model token) to row `row`, prefills them into its cache row and samples the
     row's next model token, which starts its next turn."""
-    B, N = s.tokens_BT.shape
-    C = chunk_C.shape[0]
+    B, C = s.tokens_BT.shape[0], chunk_C.shape[0]
     n = s.step_B[row]
     take_row, put_row = _row_access(B, row, sharding is not None)
     cache_1 = jax.tree.map(take_row, s.cache)
@@ -314,11 +336,30 @@ def observe(
     assert cache_1 is not None  # hidden_states returns the cache it is given, updated
     h_11D = jax.lax.dynamic_slice_in_dim(h_1CD, num_obs, 1, axis=1)
     logits_1V = unembedding.unembed(weights, model_config, h_11D, sharding)[:, 0]
-    cache = jax.tree.map(put_row, s.cache, cache_1)
+    s = s.replace(cache=jax.tree.map(put_row, s.cache, cache_1))
+    s = resume_row(s, row, chunk_C, num_obs, logits_1V, stop_ids_S, stop_BQL, sampling)
+    return _laid_out(s, sharding)
+
+
+def resume_row(
+    s: TurnState,
+    row: jax.Array,
+    chunk_C: jax.Array,
+    num_obs: jax.Array,
+    logits_1V: jax.Array,
+    stop_ids_S: jax.Array,
+    stop_BQL: jax.Array,
+    sampling: SamplingConfig,
+) -> TurnState:
+    """Row `row` after its observation chunk (in its KV; `logits_1V` from the chunk's last
+    token): the observation tokens appended, the next model token sampled (fold_in(row_key,
+    step)), which starts the row's next turn."""
+    B, N = s.tokens_BT.shape
+    n = s.step_B[row]
+    index_C = jnp.arange(chunk_C.shape[0], dtype=jnp.int32)
     obs_at_C = jnp.where(index_C[1:] <= num_obs, n + index_C[1:] - 1, N)  # N: dropped
     step_B = s.step_B.at[row].add(num_obs)
     s = s.replace(
-        cache=cache,
         step_B=step_B,
         tokens_BT=s.tokens_BT.at[row, obs_at_C].set(chunk_C[1:], mode="drop"),
         turn_start_B=s.turn_start_B.at[row].set(step_B[row]),
@@ -330,9 +371,81 @@ def observe(
     emit_B = jnp.arange(B) == row
     tok_B = jnp.where(emit_B, tok_1[0], 0)
     lp_B = jnp.where(emit_B, lp_1[0], 0.0)
-    return _laid_out(_emit(s, emit_B, tok_B, lp_B, stop_ids_S, stop_BQL), sharding)
+    return _emit(s, emit_B, tok_B, lp_B, stop_ids_S, stop_BQL)
 
 
 def chunk_length(num_tokens: int) -> int:
     """Observation chunk slots for `num_tokens` tokens: a power of two >= 16 (few shapes)."""
     return max(_MIN_CHUNK, 1 << (num_tokens - 1).bit_length())
+
+
+def observe_inputs(
+    state: TurnState, row: int, obs: list[int], pad_id: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`observe`'s (row, chunk, observation tokens): the chunk is the row's last model token,
+    then the observation tokens, padded to chunk_length."""
+    chunk = np.full(chunk_length(len(obs) + 1), pad_id, np.int32)
+    chunk[0] = jax.device_get(state.last_B[row])
+    chunk[1 : 1 + len(obs)] = obs
+    return jnp.int32(row), jnp.asarray(chunk), jnp.int32(len(obs))
+
+
+class RolloutSettings(NamedTuple):
+    """What a rollout's programs are started with besides the weights and the rows."""
+
+    stop_ids_S: jax.Array
+    stop_BQL: jax.Array
+    pad_id: int
+    budget: int  # completion tokens per row
+    chunk: int  # the longest observation chunk (chunk_length)
+    static: dict[str, Any]  # model_config, sampling, sharding
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DensePrograms:
+    """segment and observe with what every call of one rollout passes (the laid-out weights,
+    the stop ids and stop sequences, the prompt width and the static settings: model_config,
+    sampling, sharding), as multiturn.py's host loop runs them; every row keeps its cache row,
+    so no row waits for memory (unblock, finish: nothing to do)."""
+
+    weights: Any
+    stop_ids_S: jax.Array
+    stop_BQL: jax.Array
+    prompt_len: int
+    static: dict[str, Any]
+    evictions: int = 0
+
+    def segment(self, state: TurnState) -> TurnState:
+        """Up to SEGMENT_STEPS decode steps of the live rows (until some row ends its turn)."""
+        state = segment(
+            self.weights,
+            state,
+            self.stop_ids_S,
+            self.stop_BQL,
+            prompt_len=self.prompt_len,
+            max_steps=SEGMENT_STEPS,
+            **self.static,
+        )
+        jax.block_until_ready(state.ended_B)
+        return state
+
+    def observe(self, state: TurnState, row: int, obs: list[int], pad_id: int) -> TurnState:
+        """Row `row` resumed after the observation tokens `obs`."""
+        return observe(
+            self.weights,
+            state,
+            *observe_inputs(state, row, obs, pad_id),
+            self.stop_ids_S,
+            self.stop_BQL,
+            prompt_len=self.prompt_len,
+            **self.static,
+        )
+
+    def finish(self, state: TurnState, row: int) -> TurnState:
+        return state
+
+    def unblock(self, state: TurnState) -> TurnState:
+        return state
+
+    def pages_left(self, state: TurnState) -> int:
+        return 0

@@ -302,12 +302,10 @@ def _validate_engine(config: TrainConfig, num_devices: int, data_parallel: int |
             r.decode_slots,
         )
     engine = "--rollout_engine=paged" + (" (--decode_slots)" if r.decode_slots else "")
-    require(
-        not r.env and r.turns.max_turns == 1,
-        f"{engine} runs single-turn rollouts; multi-turn ones (--env, --max_turns) decode in "
-        "their own engine (sampling/multiturn.py): use --rollout_engine=compacted.",
-    )
     sizes = parallel.MeshSpec.parse(config.run.mesh).resolve(num_devices)
+    if r.env or r.turns.max_turns > 1:
+        _validate_paged_turns(config, engine, math.prod(sizes))
+        return
     paged_mesh.check_mesh(jax.sharding.AbstractMesh(sizes, parallel.MESH_AXES))
     G = r.group_size if r.share_prompts else 1
     D = data_parallel or _data_parallel(config, num_devices)
@@ -327,6 +325,27 @@ def _validate_engine(config: TrainConfig, num_devices: int, data_parallel: int |
         f"({need} tokens: a {r.max_prompt_tokens}-token prompt once and {G} rows of "
         f"{r.max_new_tokens} new tokens in {ps}-token pages); use --kv_cache_tokens={need} "
         "or more, or 0 (every row at full length).",
+    )
+
+
+def _validate_paged_turns(config: TrainConfig, engine: str, devices: int) -> None:
+    """Multi-turn rollouts on pages (sampling/paged_turns.py): one device, a pool of at least
+    one row at full length (prompt and turn budget)."""
+    r = config.rollout
+    require(
+        devices == 1,
+        f"{engine} runs multi-turn rollouts (--env, --max_turns) on one device, not on the "
+        f"{devices} of --mesh={config.run.mesh}; use --rollout_engine=compacted on a mesh.",
+    )
+    ps, tokens = paged.PAGE_SIZE, r.kv_cache_tokens if r.rollout_engine == "paged" else 0
+    budget = r.turns.max_total_tokens or r.max_new_tokens
+    need = math.ceil((r.max_prompt_tokens + budget) / ps) * ps
+    require(
+        tokens == 0 or tokens >= need,
+        f"--kv_cache_tokens={tokens} holds less than one multi-turn row at full length "
+        f"({need} tokens: a {r.max_prompt_tokens}-token prompt and a {budget}-token budget "
+        f"in {ps}-token pages); use --kv_cache_tokens={need} or more, or 0 (every row at "
+        "full length).",
     )
 
 

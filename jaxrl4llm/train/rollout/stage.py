@@ -354,10 +354,12 @@ def _engine_metrics(stats: Any) -> dict[str, Metric]:
 
 def _turn_metrics(stats: multiturn.TurnStats, lengths: np.ndarray) -> dict[str, Metric]:
     """Multi-turn rollouts: turns and tool calls per trajectory, the tools' failures (sums over
-    the batch) and the share of completion tokens that are observations."""
+    the batch), the share of completion tokens that are observations and the rows the paged
+    engine evicted for memory (paged_turns.py; 0 with the dense one)."""
     return {
         "turns/mean": Metric.mean(float(stats.turns_B.mean())),
         "turns/max": Metric.max(float(stats.turns_B.max(initial=0))),
+        "turns/evictions": Metric.sum(float(stats.evictions)),
         "tool/calls": Metric.mean(float(stats.tool_calls_B.mean())),
         "tool/errors": Metric.sum(float(stats.errors_B.sum())),
         "tool/timeouts": Metric.sum(float(stats.timeouts_B.sum())),

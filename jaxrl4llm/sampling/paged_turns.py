@@ -1,0 +1,265 @@
+"""Multi-turn rollouts on the paged KV cache: multiturn.py's host loop over the compiled
+programs of paged_turn_programs.py, whose rows keep their KV in a pool of pages
+(page_pool.py) instead of a dense cache row of prompt + budget + chunk slots each.
+
+A row holds the pages its tokens fill: a group's full prompt pages once (shared), a private
+copy of the prompt's last partial page, then a page each time its tokens cross a page
+boundary (a decode step, or an observation chunk prefilled straight into its pages). Its
+pages return when its trajectory ends (the reply to its last turn).
+
+Running out of pages (`PagedPrograms.unblock`, after each segment and its replies):
+  - a row whose next token needs a page that is not free stalls: it stops decoding and
+    keeps its pages; a reply whose observation needs pages that are not free waits;
+  - the rows waiting for memory (stalled rows, waiting observations, evicted rows that are
+    ready to go on) are served lowest index first, while the pages each needs are free,
+    each with the pages for at least one new token; past the first that does not fit only
+    rows that need no new page go on (a higher row does not take the pages a lower one
+    waits for);
+  - when no row decodes and none of them was served, the highest-index unfinished row holding
+    pages is evicted: its pages return, its tokens stay; then the round runs again. An
+    evicted row is restored when it is served: its prompt and completion so far (and the
+    observation, when that reply is what it waited for) prefilled into fresh pages, then it
+    goes on. An evicted row waiting for its reply holds nothing until the reply comes.
+The pool must hold one row at full length (prompt + budget: `pool_pages` refuses less), so
+the lowest row waiting fits once every row above it (and, if need be, itself and the parked
+rows below it) is evicted: each round serves a row or evicts one, every served row makes a
+token, tokens are never lost and evictions between two served rows are at most the rows, so
+the rollout ends; no deadlock, no lost row, and memory never exceeds the pool.
+
+Row r draws completion token t with fold_in(row_key[r], t), as the dense engine, so with a
+pool that never evicts it samples the dense engine's tokens (up to float rounding: a restored
+row's KV is prefilled, not decoded). Groups that do not fit at the start begin evicted (their
+first tokens are drawn from the prompt prefill).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxrl4llm.config.errors import FlagError
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.sampling import buckets, paged
+from jaxrl4llm.sampling import page_pool as pages_lib
+from jaxrl4llm.sampling import paged_turn_programs as programs_lib
+from jaxrl4llm.sampling.row_io import PromptRows
+from jaxrl4llm.sampling.strategies import SamplingConfig
+from jaxrl4llm.sampling.turn_programs import (
+    SEGMENT_STEPS,
+    RolloutSettings,
+    TurnState,
+    chunk_length,
+    observe_inputs,
+)
+
+
+def check_mesh(mesh: Mesh | None) -> None:
+    """Refuses a mesh of more than one device: the paged multi-turn programs run on one."""
+    if mesh is not None and mesh.size > 1:
+        raise FlagError(
+            "Multi-turn rollouts (--env, --max_turns > 1) on the paged engine "
+            f"(--rollout_engine=paged) run on one device, not on --mesh's {mesh.size}; use "
+            "--rollout_engine=compacted on a mesh."
+        )
+
+
+def pool_pages(tokens: int, rows: int, prompt_len: int, budget: int) -> int:
+    """The pool's pages: `tokens` in pages of paged.PAGE_SIZE, or with 0 every row at full
+    length; refused (FlagError) below one row at full length (the longest prompt,
+    `prompt_len`, and the budget: the module docstring)."""
+    ps = paged.PAGE_SIZE
+    row = pages_lib.pages_for(prompt_len + budget, ps)
+    pages = tokens // ps or rows * row
+    if pages < row:
+        raise FlagError(
+            f"--kv_cache_tokens={tokens} holds {pages} pages of {ps} tokens, fewer than one "
+            f"multi-turn row at full length needs ({row}: a {prompt_len}-token prompt and a "
+            f"{budget}-token budget); use --kv_cache_tokens={row * ps} or more, or 0."
+        )
+    return pages
+
+
+def start(
+    weights: Any, rows: PromptRows, settings: RolloutSettings, kv_cache_tokens: int
+) -> tuple[TurnState, PagedPrograms]:
+    """The prompts of the groups that fit written into a pool of `kv_cache_tokens` tokens,
+    every row's first token, the rest evicted; the programs (multiturn.run's start)."""
+    batch, G = rows.batch, rows.prompt_group
+    stop_ids, stop_BQL, pad_id, budget, chunk, static = settings
+    B, P = batch.prompt_BP.shape
+    plen_B = batch.mask_BP.sum(axis=1).astype(np.int32)
+    longest = int(plen_B[batch.active_B].max(initial=1))
+    num_pages = pool_pages(kv_cache_tokens, int(batch.active_B.sum()), longest, budget)
+    M = pages_lib.pages_for(P + budget + chunk, paged.PAGE_SIZE)
+    pages = programs_lib.initial_pages(plen_B, batch.active_B, G, num_pages, M, P, paged.PAGE_SIZE)
+    greedy_B = None if rows.greedy_B is None else jnp.asarray(rows.greedy_B)
+    model_config, sampling = static["model_config"], static["sampling"]
+    inputs = tuple(map(jnp.asarray, (batch.prompt_BP, batch.mask_BP, batch.active_B)))
+    state = programs_lib.prefill(
+        weights,
+        (*inputs, rows.keys_B),
+        greedy_B,
+        (stop_ids, stop_BQL),
+        jnp.int32(pad_id),
+        pages,
+        model_config=model_config,
+        sampling=sampling,
+        max_new_tokens=budget,
+        num_pages=num_pages,
+        group=G,
+    )
+    programs = PagedPrograms(
+        weights, stop_ids, stop_BQL, model_config, sampling, batch, plen_B, pad_id
+    )
+    # Rows not admitted: evicted, ready to go on unless their first token ended their turn.
+    ended_B = np.asarray(jax.device_get(state.ended_B))
+    for r in np.flatnonzero(batch.active_B & ~np.asarray(pages.admitted_B)):
+        programs.evicted.add(int(r))
+        if not ended_B[r]:
+            programs.ready.add(int(r))
+    return programs.unblock(state), programs
+
+
+@dataclasses.dataclass(eq=False)
+class PagedPrograms:
+    """The paged programs as multiturn.py's host loop runs them, with the host's record of
+    the rows waiting for memory (module docstring): evicted rows, the evicted rows ready to
+    go on, the observations waiting for pages."""
+
+    weights: Any
+    stop_ids_S: jax.Array
+    stop_BQL: jax.Array
+    model_config: ModelConfig
+    sampling: SamplingConfig
+    batch: buckets.PromptBatch  # the prompts a restore prefills again
+    plen_B: np.ndarray
+    pad_id: int
+    evicted: set[int] = dataclasses.field(default_factory=set)
+    ready: set[int] = dataclasses.field(default_factory=set)
+    observations: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    evictions: int = 0
+
+    def segment(self, state: TurnState) -> TurnState:
+        """Up to SEGMENT_STEPS decode steps of the live rows (until some row ends its turn)."""
+        state = programs_lib.segment(
+            self.weights,
+            state,
+            (self.stop_ids_S, self.stop_BQL),
+            model_config=self.model_config,
+            sampling=self.sampling,
+            max_steps=SEGMENT_STEPS,
+        )
+        jax.block_until_ready(state.ended_B)
+        return state
+
+    def observe(self, state: TurnState, row: int, obs: list[int], pad_id: int) -> TurnState:
+        """Row `row`'s observation waits for `unblock` (served in row order as pages fit)."""
+        self.observations[row] = obs
+        return state
+
+    def finish(self, state: TurnState, row: int) -> TurnState:
+        """Row `row`'s trajectory ended: its pages go back."""
+        self.evicted.discard(row)
+        self.ready.discard(row)
+        return programs_lib.release(state, jnp.int32(row))
+
+    def pages_left(self, state: TurnState) -> int:
+        """Pages still held (0 once every trajectory ended and returned its pages)."""
+        pool = state.cache.pool
+        return pool.num_pages - int(jax.device_get(pool.num_free()))
+
+    def unblock(self, state: TurnState) -> TurnState:
+        """Serves the rows waiting for memory lowest first while their pages are free; while
+        none is served and no row decodes, evicts the highest-index row holding pages."""
+        N = state.cache.pool.num_pages
+        while True:
+            stalled_B, step_B, table_BM, live_B, free = jax.device_get(
+                (
+                    state.cache.stalled_B,
+                    state.step_B,
+                    state.cache.table_BM,
+                    state.live_B,
+                    state.cache.pool.num_free(),
+                )
+            )
+            waiting = set(np.flatnonzero(stalled_B).tolist()) | self.ready | set(self.observations)
+            if not waiting:
+                return state
+            held_B = (table_BM != N).sum(axis=1)
+            state, served = self._serve(state, sorted(waiting), step_B, held_B, int(free))
+            if served or live_B.any():
+                return state
+            state = self._evict(state, held_B, stalled_B)
+
+    def _serve(
+        self, state: TurnState, rows: list[int], step_B: np.ndarray, held_B: np.ndarray, free: int
+    ) -> tuple[TurnState, bool]:
+        """Serves `rows` in order while the pages each needs (for its tokens so far, its
+        observation and its next token) are free; past the first that does not fit, only
+        rows that need no new page (they take none from it). (the state, whether one was)."""
+        served = False
+        for r in rows:
+            extra = len(self.observations.get(r, ()))
+            slots = int(self.plen_B[r] + step_B[r]) + extra
+            need = max(0, pages_lib.pages_for(slots, paged.PAGE_SIZE) - int(held_B[r]))
+            if need > free:
+                free = 0  # what frees next goes to this row first
+                continue
+            free -= need
+            state, served = self._resume(state, r, int(step_B[r])), True
+        return state, served
+
+    def _resume(self, state: TurnState, row: int, step: int) -> TurnState:
+        """Row `row` goes on: restored if evicted, its waiting observation prefilled, else
+        (stalled) decoding again."""
+        obs = self.observations.pop(row, None)
+        if row in self.evicted:
+            state = self._restore(state, row, step, resume=obs is None)
+        elif obs is None:
+            state = programs_lib.unstall(state, jnp.arange(len(self.plen_B)) == row)
+        if obs is None:
+            return state
+        return programs_lib.observe(
+            self.weights,
+            state,
+            observe_inputs(state, row, obs, self.pad_id),
+            (self.stop_ids_S, self.stop_BQL),
+            model_config=self.model_config,
+            sampling=self.sampling,
+        )
+
+    def _restore(self, state: TurnState, row: int, step: int, resume: bool) -> TurnState:
+        """Evicted row `row`'s prompt and completion so far back in fresh pages."""
+        P, plen = self.batch.prompt_BP.shape[1], int(self.plen_B[row])
+        completion = np.asarray(jax.device_get(state.tokens_BT[row, : step - 1]))
+        tokens = np.concatenate([self.batch.prompt_BP[row, P - plen :], completion])
+        width = state.cache.table_BM.shape[1] * state.cache.pool.page_size
+        chunk_C = np.zeros(min(chunk_length(len(tokens)), width), np.int32)
+        chunk_C[: len(tokens)] = tokens
+        self.evicted.discard(row)
+        self.ready.discard(row)
+        return programs_lib.restore(
+            self.weights,
+            state,
+            jnp.int32(row),
+            jnp.asarray(chunk_C),
+            jnp.asarray(resume),
+            model_config=self.model_config,
+        )
+
+    def _evict(self, state: TurnState, held_B: np.ndarray, stalled_B: np.ndarray) -> TurnState:
+        """Evicts the highest-index row holding pages (none decodes)."""
+        holding = np.flatnonzero(held_B > 0)
+        if not len(holding):
+            raise RuntimeError("Rows wait for pages, but no row holds any (pool_pages).")
+        row = int(holding[-1])
+        self.evicted.add(row)
+        if stalled_B[row]:
+            self.ready.add(row)
+        self.evictions += 1
+        return programs_lib.release(state, jnp.int32(row))

@@ -1,0 +1,110 @@
+"""Multi-turn rollouts on the paged KV cache (sampling/paged_turns.py): with a pool that
+holds every row the dense multi-turn engine's rows (tokens, masks, lengths, logprobs); with
+the smallest pool (one row at full length), which forces evictions, every row still ends
+with the dense engine's rows; a smaller pool and a mesh refused; the groups admitted at the
+start and their pages."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl4llm.config.errors import FlagError
+from jaxrl4llm.sampling import multiturn, paged_turn_programs
+from jaxrl4llm.sampling.turns import TurnLimits
+
+from tests.sampling.test_multiturn import SAMPLED, FakeHandler, _prompts, _run
+
+LIMITS = TurnLimits(max_turns=3, max_observation_tokens=8)
+# Prompts of 5, 9, 3, 18 and 17 tokens: partial last pages, one of two full pages.
+LENGTHS = (5, 9, 3, 18, 17)
+
+
+def _rows(out, stats):
+    arrays = {
+        name: np.asarray(getattr(out, name))
+        for name in ("tokens_BT", "mask_BT", "observation_BT", "lengths_B", "truncated_B")
+    }
+    return arrays, np.asarray(out.logprobs_BT), stats
+
+
+def _sample(toy_policy, kv_cache_tokens):
+    config, _ = toy_policy
+    handler = FakeHandler(done_after=3)
+    prompts = _prompts(config, LENGTHS)
+    return _rows(*_run(toy_policy, handler, LIMITS, prompts, kv_cache_tokens=kv_cache_tokens))
+
+
+@pytest.fixture(scope="module")
+def dense(toy_policy):
+    """The dense multi-turn engine's rows (same prompts, keys and replies)."""
+    return _sample(toy_policy, None)
+
+
+def _assert_same_rows(dense, paged, logprob_atol=1e-5):
+    (a, lp_a, stats_a), (b, lp_b, stats_b) = dense, paged
+    for name in a:
+        np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+    np.testing.assert_allclose(lp_b, lp_a, atol=logprob_atol)
+    np.testing.assert_array_equal(stats_b.turns_B, stats_a.turns_B)
+    np.testing.assert_array_equal(stats_b.reward_B, stats_a.reward_B)
+
+
+def test_a_rich_pool_samples_the_dense_engines_rows(toy_policy, dense):
+    """Every row at full length (kv_cache_tokens=0): no eviction, the dense engine's rows,
+    several of them over more than one turn."""
+    paged = _sample(toy_policy, 0)
+    _assert_same_rows(dense, paged)
+    assert paged[2].evictions == 0 and paged[2].pages_left == 0
+    assert (paged[2].turns_B > 1).sum() >= 3, "the toy model should end several turns"
+
+
+def test_the_smallest_pool_evicts_and_every_row_ends_with_the_dense_rows(toy_policy, dense):
+    """A pool of one row at full length (prompt bucket 24 + budget 24: 3 pages of 16) for
+    10 rows: rows stall, parked and stalled rows are evicted and restored by prefill (some
+    with the observation they waited for), and every row ends with the dense engine's rows
+    (restored KV is prefilled, not decoded: the same tokens on the toy model, logprobs to
+    float rounding); every page comes back."""
+    paged = _sample(toy_policy, 3 * 16)
+    assert paged[2].evictions >= 5 and paged[2].pages_left == 0
+    _assert_same_rows(dense, paged, logprob_atol=1e-4)
+
+
+def test_a_pool_below_one_row_at_full_length_is_refused(toy_policy):
+    config, _ = toy_policy
+    # Prompt bucket 24 + budget 24: 3 pages of 16 tokens.
+    with pytest.raises(FlagError, match=r"--kv_cache_tokens=32 .* use --kv_cache_tokens=48"):
+        _run(toy_policy, FakeHandler(), LIMITS, _prompts(config, LENGTHS), kv_cache_tokens=32)
+
+
+def test_a_mesh_is_refused(toy_policy):
+    config, params = toy_policy
+    devices = np.array(jax.devices()[:2]).reshape(2, 1, 1, 1)
+    mesh = jax.sharding.Mesh(devices, ("data", "fsdp", "expert", "tensor"))
+    with pytest.raises(FlagError, match="--rollout_engine=compacted on a mesh"):
+        multiturn.generate_turns(
+            params, config, [[7, 8]], SAMPLED, 8, jax.random.key(0), FakeHandler(), LIMITS,
+            stop_ids=(3,), mesh=mesh, kv_cache_tokens=0,
+        )  # fmt: skip
+
+
+def test_the_groups_that_fit_at_the_start_get_shared_and_private_pages():
+    """Pages of 16 tokens, a pool of 5: group 0 (5-token prompts, row 1 inactive) takes a
+    private page for row 0; group 1 (20-token prompts) its full page once and a private
+    page per row; group 2 (2 pages more) does not fit and starts evicted."""
+    N = 5
+    pages = paged_turn_programs.initial_pages(
+        np.array([5, 5, 20, 20, 3, 3]),
+        np.array([True, False, True, True, True, True]),
+        group=2,
+        num_pages=N,
+        M=4,
+        P=24,
+        ps=16,
+    )
+    np.testing.assert_array_equal(pages.admitted_B, [True, False, True, True, False, False])
+    expected = [[0, N, N, N], [N] * 4, [1, 2, N, N], [1, 3, N, N], [N] * 4, [N] * 4]
+    np.testing.assert_array_equal(pages.table_BM, expected)
+    np.testing.assert_array_equal(pages.shared_JM, [[N, N], [1, N], [N, N]])
+    np.testing.assert_array_equal(pages.private_JG, [[0, N], [2, 3], [N, N]])
