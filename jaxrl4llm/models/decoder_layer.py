@@ -121,9 +121,10 @@ def apply_layer(
     attention: AttentionConfig = AttentionConfig(),
     query_prefix_BT: jax.Array | None = None,
     packed_positions_BT: jax.Array | None = None,
-) -> tuple[jax.Array, Any]:
+) -> tuple[jax.Array, Any, moe.Routing | None]:
     """One pre-norm decoder block: attention_block, then mlp_block (the router's own choice
-    of experts in a MoE layer). Returns (h_BTD, kv_fn's aux)."""
+    of experts in a MoE layer). Returns (h_BTD, kv_fn's aux, the layer's routing: None in a
+    dense layer)."""
     h_BTD, aux = attention_block(
         config,
         h_BTD,
@@ -135,7 +136,8 @@ def apply_layer(
         query_prefix_BT=query_prefix_BT,
         packed_positions_BT=packed_positions_BT,
     )
-    return mlp_block(config, h_BTD, lp, sharding)[0], aux
+    h_BTD, routing = mlp_block(config, h_BTD, lp, sharding)
+    return h_BTD, aux, routing
 
 
 def attention_block(

@@ -62,18 +62,21 @@ def route(
     logits_BTE: jax.Array, k: int, normalize: bool, experts_BTK: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
     """(experts_BTK int32, weights_BTK float32): the k most probable experts of each token,
-    or the given `experts_BTK` (replay), weighted by their router probabilities,
-    renormalised over the k when `normalize` (transformers' norm_topk_prob)."""
+    or the given `experts_BTK` (replay; a token given negative ids has no record and takes
+    its own top-k), weighted by their router probabilities, renormalised over the k when
+    `normalize` (transformers' norm_topk_prob)."""
     probs_BTE = jax.nn.softmax(logits_BTE.astype(_F32), axis=-1)
+    weights_BTK, own_BTK = lax.top_k(probs_BTE, k)
     if experts_BTK is None:
-        weights_BTK, experts_BTK = lax.top_k(probs_BTE, k)
+        experts_BTK = own_BTK
     else:
         if experts_BTK.shape != logits_BTE.shape[:-1] + (k,):
             raise ValueError(
                 f"Replayed experts of shape {experts_BTK.shape} do not match the tokens "
                 f"{logits_BTE.shape[:-1]} x experts_per_token={k}."
             )
-        experts_BTK = experts_BTK.astype(jnp.int32)
+        replayed_BTK = experts_BTK.astype(jnp.int32)
+        experts_BTK = jnp.where(replayed_BTK[..., :1] >= 0, replayed_BTK, own_BTK)
         weights_BTK = jnp.take_along_axis(probs_BTE, experts_BTK, axis=-1)
     if normalize:
         weights_BTK = weights_BTK / jnp.sum(weights_BTK, axis=-1, keepdims=True)

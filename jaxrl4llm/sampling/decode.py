@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models import decoder_layer, kv_cache, lora, moe, transformer, unembedding
 from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.models.layer_stack import stack as stack_layers
 from jaxrl4llm.sampling import strategies
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
@@ -62,9 +63,13 @@ def routed_experts(routing: moe.Routing | None) -> jax.Array | None:
     if routing is None:
         return None
     experts_LBTK = routing.experts_BTK
-    num_experts = routing.logits_BTE.shape[-1]
-    dtype = jnp.uint8 if num_experts <= 256 else jnp.int16
+    dtype = expert_id_dtype(routing.logits_BTE.shape[-1])
     return jnp.moveaxis(experts_LBTK, 0, 2).astype(dtype)
+
+
+def expert_id_dtype(num_experts: int) -> Any:
+    """The routing record's dtype: the smallest integer dtype holding the expert ids."""
+    return jnp.uint8 if num_experts <= 256 else jnp.int16
 
 
 def prefill(
@@ -226,7 +231,7 @@ def slot_decode_step(
     kv_fns = [
         functools.partial(kv_fn, k_cache=k, v_cache=v) for k, v in zip(cache.k_BKHS, cache.v_BKSH)
     ]
-    logits_SV, new = one_token_pass(params, model_config, token_S, position_S, kv_fns, sharding)
+    logits_SV, new, _ = one_token_pass(params, model_config, token_S, position_S, kv_fns, sharding)
     ks, vs = zip(*new)
     return logits_SV, kv_cache.KVCache(k_BKHS=tuple(ks), v_BKSH=tuple(vs), mask_BS=mask_SL)
 
@@ -238,22 +243,24 @@ def one_token_pass(
     position_S: jax.Array,
     kv_fns: Sequence[decoder_layer.KVFn | decoder_layer.Attend],
     sharding: parallel.ActivationSharding | None = None,
-) -> tuple[jax.Array, list[Any]]:
+) -> tuple[jax.Array, list[Any], jax.Array | None]:
     """One token per row through the layers, layer l's attended keys chosen by kv_fns[l]
     (decoder_layer.apply_layer), whose masks hold the per-row causal and window rules (the
-    query sits past every key). Returns (next-token logits [S, V], each kv_fn's aux)."""
+    query sits past every key). Returns (next-token logits [S, V], each kv_fn's aux, the fed
+    tokens' experts [S, 1, L, K]: routed_experts, None in a dense model)."""
     layer_config = dataclasses.replace(model_config, sliding_window=None)
     cos, sin = decoder_layer.rope_tables(model_config, position_S[:, None])
     h = transformer.embed_tokens(params, token_S[:, None], sharding)
-    auxes = []
+    auxes, routings = [], []
     for lp, kv_fn in zip(params["layers"], kv_fns):
-        h, aux = decoder_layer.apply_layer(layer_config, h, lp, cos, sin, kv_fn, sharding)
+        h, aux, routing = decoder_layer.apply_layer(layer_config, h, lp, cos, sin, kv_fn, sharding)
         auxes.append(aux)
+        routings += [] if routing is None else [routing]
     h = decoder_layer.rms_norm(h, params["final_norm"], model_config.rms_norm_eps)
     logits_SV = unembedding.unembed(
         params, model_config, h.astype(params["embed"].dtype), sharding
     )[:, 0]
-    return logits_SV, auxes
+    return logits_SV, auxes, routed_experts(stack_layers(routings))
 
 
 def is_stop(tokens_B: jax.Array, stop_ids_S: jax.Array) -> jax.Array:
@@ -278,7 +285,7 @@ class LoopState(flax.struct.PyTreeNode):
     greedy_S: jax.Array | None = None  # rows that decode greedily (ReMax's baseline row)
     cap_S: jax.Array | None = None  # the row's own token limit (<= max_new_tokens)
     # Routing record (a mixture of experts, when asked): the prompt tokens' experts and each
-    # completion token's, column t written when token t is fed (the last token never is).
+    # completion token's, column t written when a live row feeds token t (its last never is).
     prompt_experts_RPLK: jax.Array | None = None
     experts_RTLK: jax.Array | None = None
 
@@ -383,14 +390,15 @@ def _decode_body(
     logits_SV, cache, experts_S1LK = decode_step(
         params, model_config, s.last_S, s.position_S, s.cache, prompt_len + s.step - 1, sharding
     )
+    live_S = live(s)
     if s.experts_RTLK is not None:  # the fed token is completion token step - 1
         assert experts_S1LK is not None  # recorded only for a mixture of experts
-        s = s.replace(
-            experts_RTLK=_write(s.experts_RTLK, s.row_S, s.step - 1, experts_S1LK[:, 0], in_place)
-        )
+        # Only a live row's fed token is one it goes on from (not its last, not padding):
+        # the record then does not depend on which finished rows a level kept.
+        fed_SLK = jnp.where(live_S[:, None, None], experts_S1LK[:, 0], 0)
+        s = s.replace(experts_RTLK=_write(s.experts_RTLK, s.row_S, s.step - 1, fed_SLK, in_place))
     keys_S = jax.vmap(jax.random.fold_in)(s.keys_S, jnp.full(s.row_S.shape, s.step, jnp.uint32))
     tok_S, lp_S = strategies.sample(logits_SV, keys_S, sampling, s.greedy_S)
-    live_S = live(s)
     tok_S = jnp.where(live_S, tok_S, pad_id)
     lp_S = jnp.where(live_S, lp_S, 0.0)
     # A row stopped by its cap stays not done (truncated), even if pad is a stop id.

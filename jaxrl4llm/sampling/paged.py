@@ -52,6 +52,11 @@ which copies each row's table prefix:
 
 On a mesh that splits the batch, paged_mesh.py runs one engine per batch shard (its rows,
 its own pool of num_pages) under jax.shard_map; a mesh splitting heads runs one engine.
+
+With `record_routing` (a mixture of experts) the engine keeps the compacted sampler's routing
+record: a group's prompt experts from its prefill, and each live row's fed token's experts
+from the decode step, by either attention (paged_state.record_prompts, record_fed); a
+preempted row's recomputation writes the same values again.
 """
 
 from __future__ import annotations
@@ -130,7 +135,10 @@ def refill_groups(max_rows: int, group: int) -> int:
     return max(1, max_rows // (group * continuous.REFILL_FRACTION))
 
 
-STATIC = (*decode.STATIC_SETTINGS, "max_rows", "num_pages", "page_size", "cache_dtype", "attention")
+STATIC = (
+    *decode.STATIC_SETTINGS,
+    *("max_rows", "num_pages", "page_size", "cache_dtype", "attention", "record_routing"),
+)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC)
@@ -156,11 +164,14 @@ def generate_paged(
     prompt_group: int = 1,
     cache_dtype: Any = None,
     attention: str = "auto",
+    record_routing: bool = False,
 ) -> paged_state.PagedOutput:
     """The compiled paged sampler over one bucket (arguments as sampler.generate_tokens): the
     active rows decode `max_rows` at a time from a pool of `num_pages` pages of `page_size`
     tokens, groups of `prompt_group` rows admitted as pages free (module docstring); decode
-    attention by `attention` (paged_step.uses_kernel)."""
+    attention by `attention` (paged_step.uses_kernel). `record_routing` (a mixture of
+    experts): the output holds each prompt and completion token's experts, as the compacted
+    sampler records them."""
     B, P = prompt_BP.shape
     N, G = max_new_tokens, prompt_group
     S = max(G, min(max_rows, B) // G * G)
@@ -172,26 +183,23 @@ def generate_paged(
         prompt_BP, prompt_mask_BP, active_B, row_keys_B, greedy_B, row_caps_B, N
     )
     kernel = paged_step.uses_kernel(attention, model_config)
-    settings = (G, sharding, paged_step.fewest_rows(S), kernel)
+    record = _record_shape(model_config) if record_routing else None
+    settings = (G, sharding, paged_step.fewest_rows(S), kernel, record is not None)
     engine = _Engine(params, queue, model_config, sampling, stop_ids_S, pad_id, *settings)
-    state = _start(
-        engine,
-        pages_lib.init_pool(model_config, num_pages, page_size, cache_dtype),
-        S,
-        refill_groups(S, G),
-        P + N,
-        cache_dtype,
-    )
+    pool = pages_lib.init_pool(model_config, num_pages, page_size, cache_dtype)
+    pending = kv_cache.init_kv_cache(model_config, refill_groups(S, G), P, cache_dtype)
+    start = paged_state.initial_state(queue, pool, pending, S, G, N, pad_id, record)
     more = functools.partial(_more_work, engine.num_groups)
-    state = jax.lax.while_loop(more, lambda s: engine.admit(engine.step(s)), state)
-    return paged_state.PagedOutput(
-        tokens_RT=state.tokens_RT,
-        logprobs_RT=state.logprobs_RT,
-        length_R=state.length_R,
-        done_R=state.done_R,
-        slot_steps=state.slot_steps,
-        stats=state.stats.replace(pages_left=num_pages - state.pool.num_free()),
-    )
+    state = jax.lax.while_loop(more, lambda s: engine.admit(engine.step(s)), engine.admit(start))
+    return paged_state.output(state)
+
+
+def _record_shape(model_config: ModelConfig) -> tuple[int, int, int] | None:
+    """(MoE layers, experts per token, experts) of the routing record; None: dense."""
+    if not model_config.moe_layers:
+        return None
+    moe = model_config.moe
+    return len(model_config.moe_layers), moe.experts_per_token, moe.num_experts
 
 
 def _waiting(s: paged_state.PagedState, num_groups: jax.Array) -> jax.Array:
@@ -200,56 +208,6 @@ def _waiting(s: paged_state.PagedState, num_groups: jax.Array) -> jax.Array:
 
 def _more_work(num_groups: jax.Array, s: paged_state.PagedState) -> jax.Array:
     return _waiting(s, num_groups) | jnp.any(s.rows.live_S)
-
-
-def _start(
-    engine: "_Engine", pool: PagePool, S: int, J: int, max_len: int, cache_dtype: Any
-) -> paged_state.PagedState:
-    """Free decode rows, an empty pending block, every group queued; then the first
-    admissions."""
-    P, G = engine.queue.prompt_BP.shape[1], engine.group
-    B, N = engine.queue.prompt_BP.shape[0], max_len - P
-    M = pages_lib.pages_for(max_len, pool.page_size)
-    zero = jnp.array(0, jnp.int32)
-    rows = paged_state.DecodeRows(
-        table_SM=jnp.full((S, M), pool.num_pages, jnp.int32),
-        row_S=jnp.zeros((S,), jnp.int32),
-        step_S=jnp.ones((S,), jnp.int32),
-        last_S=jnp.full((S,), engine.pad_id, jnp.int32),
-        position_S=jnp.zeros((S,), jnp.int32),
-        live_S=jnp.zeros((S,), bool),
-        keys_S=jax.random.split(jax.random.key(0), S),
-        cap_S=jnp.full((S,), N, jnp.int32),
-        admit_S=jnp.zeros((S,), jnp.int32),
-        greedy_S=None if engine.queue.greedy_B is None else jnp.zeros((S,), bool),
-    )
-    pending = paged_state.Pending(
-        cache=kv_cache.init_kv_cache(engine.model_config, J, P, cache_dtype),
-        group_J=jnp.zeros((J,), jnp.int32),
-        prompt_len_J=jnp.zeros((J,), jnp.int32),
-        first_JG=jnp.zeros((J, G), jnp.int32),
-        live_JG=jnp.zeros((J, G), bool),
-        cap_JG=jnp.zeros((J, G), jnp.int32),
-    )
-    state = paged_state.PagedState(
-        pool=pool,
-        rows=rows,
-        pending=pending,
-        pend_next=zero,
-        pend_end=zero,
-        next_group=zero,
-        retry_Q=jnp.zeros((B // G,), jnp.int32),
-        retry_len=zero,
-        admitted=zero,
-        growth=jnp.array(paged_state.GROWTH_START, jnp.float32),
-        length_R=jnp.zeros((B,), jnp.int32),
-        done_R=jnp.zeros((B,), bool),
-        tokens_RT=jnp.full((B, N), engine.pad_id, jnp.int32),
-        logprobs_RT=jnp.zeros((B, N), jnp.float32),
-        slot_steps=zero,
-        stats=paged_state.PagedStats(zero, zero, zero, zero, zero, zero),
-    )
-    return engine.admit(state)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -267,6 +225,7 @@ class _Engine:
     sharding: parallel.ActivationSharding | None
     floor: int  # the smallest decode level (rows per decode step)
     kernel: bool  # attention by the Pallas kernel (paged_step.pallas_decode_step)
+    record: bool  # keeps the routing record (a mixture of experts' record_routing)
 
     @property
     def num_groups(self) -> jax.Array:
@@ -304,7 +263,7 @@ class _Engine:
         cache = kv_cache.init_kv_cache(
             self.model_config, J, q.prompt_BP.shape[1], s.pending.cache.k_BKHS[0].dtype
         )
-        logits_JV, cache, _ = decode.prefill(
+        logits_JV, cache, experts_JPLK = decode.prefill(
             self.params,
             self.model_config,
             q.prompt_BP[group_J * G],
@@ -317,6 +276,8 @@ class _Engine:
         stop_JG = decode.is_stop(tok_JG.reshape(-1), self.stop_ids_S).reshape(J, G)
         out = jnp.where(start_JG, row_JG, q.prompt_BP.shape[0]).reshape(-1)
         n_retry = jnp.minimum(s.retry_len, J)
+        B = q.prompt_BP.shape[0]
+        s = paged_state.record_prompts(s, experts_JPLK, jnp.where(valid_J[:, None], row_JG, B))
         return s.replace(
             pending=paged_state.Pending(
                 cache=cache,
@@ -385,8 +346,9 @@ class _Engine:
         )
         x = s.rows.take(jnp.argsort(~s.rows.live_S, stable=True))
         B, live_S = s.length_R.shape[0], x.live_S
-        tok_S, lp_S, pool, computed = self._decode(x, s.pool)
+        tok_S, lp_S, pool, computed, experts_SLK = self._decode(x, s.pool)
         out_S = jnp.where(live_S, x.row_S, B)
+        s = paged_state.record_fed(s, experts_SLK, out_S, x.step_S)
         stop_S = decode.is_stop(tok_S, self.stop_ids_S)
         step_S = x.step_S + live_S.astype(jnp.int32)
         still_S = live_S & ~stop_S & (step_S < x.cap_S)
@@ -410,8 +372,9 @@ class _Engine:
 
     def _decode(self, x: paged_state.DecodeRows, pool: PagePool) -> tuple[Any, ...]:
         """The rows' (live ones first) next tokens and logprobs, the pool with their new keys
-        and values, and the rows the step computed. The kernel: one step over every row and
-        whole tables (it reads only a row's filled pages), which writes the pool in place.
+        and values, the rows the step computed and (recording) the fed tokens' experts. The
+        kernel: one step over every row and whole tables (it reads only a row's filled
+        pages), which writes the pool in place.
         The reference: the smallest row level holding the live rows and the narrowest table
         prefix holding their pages (no more rows computed, no more pages gathered), picked by
         lax.switch; the pool is only read inside the switch and written after it."""
@@ -419,10 +382,11 @@ class _Engine:
         page_S = jnp.where(live_S, x.current_page(pool.page_size, Np)[1], Np)
         if self.kernel:
             length_S = jnp.where(live_S, x.position_S + 1, 1)
-            logits, pool = paged_step.pallas_decode_step(
+            logits, pool, experts = paged_step.pallas_decode_step(
                 *self._step_args(x), length_S, page_S, x.table_SM, pool, self.sharding
             )
-            return *self._sample(logits, x), pool, jnp.int32(live_S.shape[0])
+            fed = self._fed(experts)
+            return *self._sample(logits, x), pool, jnp.int32(live_S.shape[0]), fed
         sizes = paged_step.row_levels(live_S.shape[0], self.floor)
         widths = paged_step.widths(x.table_SM.shape[1])
         row_level = jnp.sum(jnp.sum(live_S) <= jnp.array(sizes), dtype=jnp.int32) - 1
@@ -431,11 +395,11 @@ class _Engine:
         branches = [
             functools.partial(self._decode_first, size, width) for size in sizes for width in widths
         ]
-        tok_S, lp_S, k_LSKH, v_LSKH = jax.lax.switch(
+        tok_S, lp_S, k_LSKH, v_LSKH, fed = jax.lax.switch(
             row_level * len(widths) + width_level, branches, x, pool
         )
         pool = paged_step.write_new_tokens(pool, page_S, x.position_S, k_LSKH, v_LSKH)
-        return tok_S, lp_S, pool, jnp.array(sizes, jnp.int32)[row_level]
+        return tok_S, lp_S, pool, jnp.array(sizes, jnp.int32)[row_level], fed
 
     def _step_args(
         self, x: paged_state.DecodeRows
@@ -452,10 +416,11 @@ class _Engine:
     ) -> tuple[jax.Array, ...]:
         """The reference decode step of the first `size` rows (every live one among them),
         reading the first `width` pages of their tables (all they hold): their tokens,
-        logprobs (pad / 0 past them) and each layer's new keys and values (zeros past them)."""
+        logprobs (pad / 0 past them), each layer's new keys and values (zeros past them) and
+        (recording) the fed tokens' experts (zeros past them)."""
         S = x.live_S.shape[0]
         x = jax.tree.map(lambda a: a[:size], x)
-        logits, ks, vs = paged_step.paged_decode_step(
+        logits, ks, vs, experts = paged_step.paged_decode_step(
             *self._step_args(x), x.table_SM[:, :width], pool, self.sharding
         )
         tok, lp = self._sample(logits, x)
@@ -463,7 +428,15 @@ class _Engine:
             a, [(0, S - size)] + [(0, 0)] * (a.ndim - 1), constant_values=value
         )
         new_kv = jax.tree.map(lambda a: pad(a.astype(pool.k_pages[0].dtype)), (ks, vs))
-        return pad(tok, self.pad_id), pad(lp), *new_kv
+        fed = self._fed(experts)
+        return pad(tok, self.pad_id), pad(lp), *new_kv, None if fed is None else pad(fed)
+
+    def _fed(self, experts_S1LK: jax.Array | None) -> jax.Array | None:
+        """The fed tokens' experts [S, L, K] when recording, else None."""
+        if not self.record:
+            return None
+        assert experts_S1LK is not None  # recorded only for a mixture of experts
+        return experts_S1LK[:, 0]
 
 
 def pool_pages(tokens: int, rows: int, prompt_len: int, max_new_tokens: int, group: int) -> int:

@@ -115,10 +115,13 @@ def generate_sharded(
         return out.replace(slot_steps=total(out.slot_steps), stats=jax.tree.map(total, out.stats))
 
     stats = [f.name for f in dataclasses.fields(paged_state.PagedStats)]
+    # The routing record, where kept, is per row like the tokens (None: no leaf, no spec).
+    record = row if settings.get("record_routing") and settings["model_config"].moe_layers else None
     out_specs = paged_state.PagedOutput(
         **dict.fromkeys(("tokens_RT", "logprobs_RT", "length_R", "done_R"), row),
         slot_steps=whole,
         stats=paged_state.PagedStats(**dict.fromkeys(stats, whole)),
+        **dict.fromkeys(("prompt_experts_RPLK", "experts_RTLK"), record),
     )
     run = jax.shard_map(
         body,

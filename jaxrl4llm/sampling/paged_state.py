@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl4llm.models import kv_cache
-from jaxrl4llm.sampling import continuous
+from jaxrl4llm.sampling import continuous, decode
 from jaxrl4llm.sampling import page_pool as pages_lib
 from jaxrl4llm.sampling.page_pool import PagePool
 
@@ -88,10 +88,15 @@ class PagedState(flax.struct.PyTreeNode):
     logprobs_RT: jax.Array
     slot_steps: jax.Array
     stats: PagedStats
+    # Routing record (record_routing): as decode.LoopState's, the prompt's experts written
+    # at prefill, completion column t when a live row feeds token t.
+    prompt_experts_RPLK: jax.Array | None = None
+    experts_RTLK: jax.Array | None = None
 
 
 class PagedOutput(flax.struct.PyTreeNode):
-    """The rows' completions (caller's order), the decode work and the engine's stats."""
+    """The rows' completions (caller's order), the decode work, the engine's stats and the
+    routing record (None unless recorded)."""
 
     tokens_RT: jax.Array
     logprobs_RT: jax.Array
@@ -99,6 +104,117 @@ class PagedOutput(flax.struct.PyTreeNode):
     done_R: jax.Array
     slot_steps: jax.Array
     stats: PagedStats
+    prompt_experts_RPLK: jax.Array | None = None
+    experts_RTLK: jax.Array | None = None
+
+
+def output(s: PagedState) -> PagedOutput:
+    """The finished loop's outputs (pages_left: the pages still held)."""
+    return PagedOutput(
+        tokens_RT=s.tokens_RT,
+        logprobs_RT=s.logprobs_RT,
+        length_R=s.length_R,
+        done_R=s.done_R,
+        slot_steps=s.slot_steps,
+        stats=s.stats.replace(pages_left=s.pool.num_pages - s.pool.num_free()),
+        prompt_experts_RPLK=s.prompt_experts_RPLK,
+        experts_RTLK=s.experts_RTLK,
+    )
+
+
+def initial_state(
+    queue: continuous.Queue,
+    pool: PagePool,
+    pending_cache: kv_cache.KVCache,
+    S: int,
+    G: int,
+    max_new_tokens: int,
+    pad_id: jax.Array,
+    record: tuple[int, int, int] | None,
+) -> PagedState:
+    """`S` free decode rows, an empty pending block of `pending_cache`'s groups of G rows,
+    every group queued, empty outputs; with `record` (MoE layers, experts per token,
+    experts) an empty routing record."""
+    B, P = queue.prompt_BP.shape
+    N = max_new_tokens
+    M = pages_lib.pages_for(P + N, pool.page_size)
+    J = pending_cache.k_BKHS[0].shape[0]
+    zero = jnp.array(0, jnp.int32)
+    rows = DecodeRows(
+        table_SM=jnp.full((S, M), pool.num_pages, jnp.int32),
+        row_S=jnp.zeros((S,), jnp.int32),
+        step_S=jnp.ones((S,), jnp.int32),
+        last_S=jnp.full((S,), pad_id, jnp.int32),
+        position_S=jnp.zeros((S,), jnp.int32),
+        live_S=jnp.zeros((S,), bool),
+        keys_S=jax.random.split(jax.random.key(0), S),
+        cap_S=jnp.full((S,), N, jnp.int32),
+        admit_S=jnp.zeros((S,), jnp.int32),
+        greedy_S=None if queue.greedy_B is None else jnp.zeros((S,), bool),
+    )
+    pending = Pending(
+        cache=pending_cache,
+        group_J=jnp.zeros((J,), jnp.int32),
+        prompt_len_J=jnp.zeros((J,), jnp.int32),
+        first_JG=jnp.zeros((J, G), jnp.int32),
+        live_JG=jnp.zeros((J, G), bool),
+        cap_JG=jnp.zeros((J, G), jnp.int32),
+    )
+    return PagedState(
+        pool=pool,
+        rows=rows,
+        pending=pending,
+        pend_next=zero,
+        pend_end=zero,
+        next_group=zero,
+        retry_Q=jnp.zeros((B // G,), jnp.int32),
+        retry_len=zero,
+        admitted=zero,
+        growth=jnp.array(GROWTH_START, jnp.float32),
+        length_R=jnp.zeros((B,), jnp.int32),
+        done_R=jnp.zeros((B,), bool),
+        tokens_RT=jnp.full((B, N), pad_id, jnp.int32),
+        logprobs_RT=jnp.zeros((B, N), jnp.float32),
+        slot_steps=zero,
+        stats=PagedStats(zero, zero, zero, zero, zero, zero),
+        **({} if record is None else empty_record(B, P, N, *record)),
+    )
+
+
+def empty_record(B: int, P: int, N: int, L: int, K: int, E: int) -> dict[str, jax.Array]:
+    """A routing record of B rows, all zeros: P prompt and N completion columns of L MoE
+    layers' K experts (ids of E experts, in decode.expert_id_dtype)."""
+    dtype = decode.expert_id_dtype(E)
+    return dict(
+        prompt_experts_RPLK=jnp.zeros((B, P, L, K), dtype),
+        experts_RTLK=jnp.zeros((B, N, L, K), dtype),
+    )
+
+
+def record_prompts(s: PagedState, experts_JPLK: jax.Array | None, row_JG: jax.Array) -> PagedState:
+    """The record with each prefilled group's prompt experts at its G rows (row_JG; rows past
+    the batch dropped). A readmitted group writes the same values again."""
+    if s.prompt_experts_RPLK is None:
+        return s
+    assert experts_JPLK is not None  # recorded only for a mixture of experts
+    G = row_JG.shape[1]
+    experts_RPLK = s.prompt_experts_RPLK.at[row_JG.reshape(-1)].set(
+        jnp.repeat(experts_JPLK, G, axis=0), mode="drop"
+    )
+    return s.replace(prompt_experts_RPLK=experts_RPLK)
+
+
+def record_fed(
+    s: PagedState, experts_SLK: jax.Array | None, out_S: jax.Array, step_S: jax.Array
+) -> PagedState:
+    """The record with each live row's fed token's experts at (its row out_S, column
+    step_S - 1: the fed token is completion token step - 1, as in decode.py); rows out_S
+    past the batch (not live) dropped. A recomputed row writes the same values again."""
+    if s.experts_RTLK is None:
+        return s
+    assert experts_SLK is not None  # recorded only for a mixture of experts
+    experts_RTLK = s.experts_RTLK.at[out_S, step_S - 1].set(experts_SLK, mode="drop")
+    return s.replace(experts_RTLK=experts_RTLK)
 
 
 def count(stats: PagedStats, live_S: jax.Array, pages_in_use: jax.Array) -> PagedStats:

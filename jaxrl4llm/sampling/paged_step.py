@@ -77,13 +77,14 @@ def paged_decode_step(
     table_SM: jax.Array,
     pool: PagePool,
     sharding: parallel.ActivationSharding | None = None,
-) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...], jax.Array | None]:
     """decode.slot_decode_step on pages: row i's token at logical slot position_S[i]
     attends to its row's slots before it, read from the pages of table_SM, and to itself
     (with a sliding window W, the last W). The pool is only read: returns (next-token logits
     [S, V], each layer's new keys [S, K, H], its new values [S, K, H]) for the caller to
     write (write_new_tokens), so a program that picks among decode steps by their shapes
-    passes the pool through unchanged."""
+    passes the pool through unchanged; and the fed tokens' experts [S, 1, L, K] (None in a
+    dense model)."""
     L = table_SM.shape[1] * pool.page_size
     key_L = jnp.arange(L)
     valid_SL = key_L[None, :] <= position_S[:, None]
@@ -145,12 +146,13 @@ def pallas_decode_step(
     table_SM: jax.Array,
     pool: PagePool,
     sharding: parallel.ActivationSharding | None = None,
-) -> tuple[jax.Array, PagePool]:
+) -> tuple[jax.Array, PagePool, jax.Array | None]:
     """paged_decode_step by the Pallas kernel: each layer writes the rows' new keys and
     values at (page_S, position_S % page_size) (SCRATCH for rows that do not decode), then
     row i's query attends to its first length_S[i] slots (its tokens, the new one included;
     at least 1), read from the pages of table_SM. No sliding window (uses_kernel). Returns
-    (next-token logits [S, V], the pool written)."""
+    (next-token logits [S, V], the pool written, the fed tokens' experts [S, 1, L, K] or
+    None)."""
     fns = _per_layer(
         _kernel_attend,
         pool,
@@ -161,8 +163,10 @@ def pallas_decode_step(
         sharding=sharding,
     )
     attends = [decoder_layer.Attend(fn) for fn in fns]
-    logits_SV, ks, vs = _layers(params, model_config, token_S, position_S, attends, sharding)
-    return logits_SV, pool.replace(k_pages=ks, v_pages=vs)
+    logits_SV, ks, vs, experts = _layers(
+        params, model_config, token_S, position_S, attends, sharding
+    )
+    return logits_SV, pool.replace(k_pages=ks, v_pages=vs), experts
 
 
 def _per_layer(fn: Any, pool: PagePool, **settings: Any) -> list[Any]:
@@ -180,12 +184,14 @@ def _layers(
     position_S: jax.Array,
     fns: list[Any],
     sharding: parallel.ActivationSharding | None,
-) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...], jax.Array | None]:
     """decode.one_token_pass with layer l's attention by fns[l], whose aux is a (keys,
-    values) pair: (logits [S, V], each layer's keys, each layer's values)."""
-    logits_SV, aux = decode.one_token_pass(params, model_config, token_S, position_S, fns, sharding)
+    values) pair: (logits [S, V], each layer's keys, each layer's values, the experts)."""
+    logits_SV, aux, experts = decode.one_token_pass(
+        params, model_config, token_S, position_S, fns, sharding
+    )
     ks, vs = zip(*aux)
-    return logits_SV, tuple(ks), tuple(vs)
+    return logits_SV, tuple(ks), tuple(vs), experts
 
 
 def _kernel_attend(

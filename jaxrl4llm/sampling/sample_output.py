@@ -37,8 +37,9 @@ class SampleOutput(flax.struct.PyTreeNode):
                    off the loss). None: single-turn (every real token is the model's).
     prompt_experts_BPLK / experts_BTLK   a mixture of experts' routing record (the sampler
                    asked to record it), else None: the experts [L_moe, K] each prompt token
-                   and each completion token ran; completion column t is written when token
-                   t is fed, so the last token's is 0 (no logprob reads it).
+                   and each completion token ran; completion column t is written when a
+                   row that goes on feeds token t, so its last token's is 0 (no logprob
+                   reads it; replay lets that token route itself).
     """
 
     tokens_BT: jax.Array
@@ -95,7 +96,8 @@ def from_engine(
     active_B: jax.Array,
 ) -> SampleOutput:
     """A slot or paged engine's output (continuous.SlotOutput, paged_state.PagedOutput: per
-    row tokens, logprobs, length, done) as a SampleOutput (num_steps: the longest row)."""
+    row tokens, logprobs, length, done; the paged engine's routing record if any) as a
+    SampleOutput (num_steps: the longest row)."""
     N = out.tokens_RT.shape[1]
     return SampleOutput(
         tokens_BT=out.tokens_RT,
@@ -109,4 +111,6 @@ def from_engine(
         num_steps=jnp.maximum(jnp.max(out.length_R), 1),
         slot_steps=out.slot_steps,
         engine_stats=getattr(out, "stats", None),
+        prompt_experts_BPLK=getattr(out, "prompt_experts_RPLK", None),
+        experts_BTLK=getattr(out, "experts_RTLK", None),
     )

@@ -320,9 +320,9 @@ def decode_program(
     attention by `paged_attention`: paged_step.uses_kernel).
     `greedy` / `row_caps`: the calls pass greedy_B / row_caps_B (else they are bound to
     None). `cache_dtype`: the KV cache's (default: the weights' compute dtype, float32 on
-    CPU; see decode.cache_dtype_for). `record_routing`: generate_tokens records each token's
-    experts (a mixture of experts; the other engines do not). Called, or lowered on abstract
-    inputs, as
+    CPU; see decode.cache_dtype_for). `record_routing`: generate_tokens and the paged engine
+    record each token's experts (a mixture of experts; continuous.py's slots do not). Called,
+    or lowered on abstract inputs, as
 
         program(params, prompt_BP, prompt_mask_BP, active_B, row_keys_B, stop_ids_S, pad_id,
                 [greedy_B=...], [row_caps_B=...])
@@ -342,7 +342,7 @@ def decode_program(
         static["row_caps_B"] = None
     if kv_pages:
         rows = {"max_rows": max_rows or 1 << 30, "num_pages": kv_pages}
-        static["attention"] = paged_attention
+        static.update(attention=paged_attention, record_routing=record_routing)
         return Program("sample", paged_mesh.engine(mesh, rules), {**static, **rows})
     if decode_slots:
         return Program("sample", continuous.generate_slots, {**static, "slots": decode_slots})
@@ -392,8 +392,8 @@ def generate(
     --length_mix). `kv_cache_tokens` (not None): the paged engine (paged.py), a pool of that many
     tokens (0: every row at full length); `max_rows` then caps its rows decoding at once,
     `paged_attention` its attention (paged_step.uses_kernel). `record_routing`: a mixture of
-    experts' output holds each token's experts (routing replay; the compacted sampler only: the
-    other engines refuse it)."""
+    experts' output holds each token's experts (routing replay; the compacted sampler and the
+    paged engine: decode_slots refuses it)."""
     max_rows = None if decode_slots and kv_cache_tokens is None else max_rows
     engine = (decode_slots, kv_cache_tokens, record_routing, paged_attention)
     decoding = _Decoding(mesh, rules, max_rows, compact, *engine)
@@ -431,10 +431,10 @@ class _Decoding:
             paged_mesh.check_mesh(self.mesh, self.rules)
         elif self.decode_slots:
             continuous.check_slots(self.decode_slots, self.mesh, self.rules)
-        if self.record_routing and (self.decode_slots or self.kv_cache_tokens is not None):
+        if self.record_routing and self.decode_slots and self.kv_cache_tokens is None:
             raise ValueError(
-                "record_routing: only the compacted sampler records routing (not decode_slots "
-                "or kv_cache_tokens)."
+                "record_routing: the compacted sampler and the paged engine (kv_cache_tokens) "
+                "record routing, decode_slots does not."
             )
 
     def paged_settings(

@@ -66,7 +66,7 @@ class StepPrograms:
     @property
     def routing_record(self) -> tuple[int, int] | None:
         """(MoE layers, experts per token) of the sampler's routing record, which a mixture
-        of experts' compacted single-turn rollouts keep (TrainConfig.records_routing); None
+        of experts' single-turn rollouts keep (TrainConfig.records_routing); None
         when there is none."""
         if not (self.model_config.moe_layers and self.config.records_routing):
             return None

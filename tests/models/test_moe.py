@@ -259,6 +259,14 @@ def test_route_is_softmax_top_k_and_replay_gathers():
     p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
     picked = np.take_along_axis(p, replay, -1)
     np.testing.assert_allclose(w, picked / picked.sum(-1, keepdims=True), rtol=1e-6)
+    # A token without a record (negative ids, e.g. a row's last token) takes its own top-k.
+    partial = replay.copy()
+    partial[1, 2:] = -1
+    experts, w = moe.route(jnp.asarray(logits), 3, True, jnp.asarray(partial))
+    want_e, want_w = _np_route(logits, 3, True)
+    np.testing.assert_array_equal(experts[1, 2:], want_e[1, 2:])
+    np.testing.assert_allclose(w[1, 2:], want_w[1, 2:], rtol=1e-6)
+    np.testing.assert_array_equal(experts[:, :2], replay[:, :2])
     with pytest.raises(ValueError, match="experts_per_token=2"):
         moe.route(jnp.asarray(logits), 2, True, jnp.asarray(replay))
 

@@ -137,9 +137,16 @@ def test_the_updates_router_losses_equal_transformers(sampled):
     assert float(metrics["router/flip_frac"].value) == 0.0
 
 
+# Metrics of the machine's time and memory, not of the run's numbers.
+_RUN_DEPENDENT = {"memory/peak_rss_gib", "throughput/rollout_tokens_per_s"} | {
+    f"time/{part}_s" for part in ("logprobs", "reward", "rollout", "step", "update")
+}
+
+
 def test_router_flags_through_the_trainer(tmp_path, copy_task_file):
-    """--routing_replay with the router's losses runs and logs the router metrics; the flags
-    are refused on a dense model and with an engine that keeps no record (exit 2)."""
+    """--routing_replay with the router's losses runs and logs the router metrics, by the
+    paged engine (its pool holds a group or two at a time) as by the compacted sampler; the
+    flags are refused on a dense model and with rollouts that keep no record (exit 2)."""
     model = build_toy_model(
         tmp_path / "moe", model_type="qwen3_moe", qk_norm=True, moe=MoeConfig(4, 2, 32)
     )
@@ -155,7 +162,20 @@ def test_router_flags_through_the_trainer(tmp_path, copy_task_file):
         router_z_loss_coef=0.001,
     )
     loop.run(config, devices=_one_device())
-    last = read_metrics(str(tmp_path / "run"))[-1]
+    # 12 pages, 8 rows decoding at once: groups wait for rows and pages.
+    paged = config.replace(
+        workdir=str(tmp_path / "paged"),
+        rollout_engine="paged",
+        kv_cache_tokens=192,
+        rollout_micro_batch=8,
+    )
+    loop.run(paged, devices=_one_device())
+    records = read_metrics(str(tmp_path / "run"))
+    for ra, rb in zip(records, read_metrics(str(tmp_path / "paged")), strict=True):
+        assert 1 <= rb["rollout/rows_per_decode_step"] <= 8
+        for name in ra.keys() - _RUN_DEPENDENT:
+            np.testing.assert_allclose(rb[name], ra[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    last = records[-1]
     # Two updates per rollout: the second mini-batch's routers moved after the first.
     assert 0 <= last["router/flip_frac"] < 0.5
     assert last["router/aux_loss"] >= 2.0 - 1e-4  # >= k, its balanced value
@@ -164,6 +184,6 @@ def test_router_flags_through_the_trainer(tmp_path, copy_task_file):
     with pytest.raises(FlagError, match="--routing_replay, --router_aux_loss_coef.*is dense"):
         loop.run(config.replace(model=dense, workdir=str(tmp_path / "d")), devices=_one_device())
     with pytest.raises(FlagError, match="--routing_replay replays the routing"):
-        validate(config.replace(rollout_engine="paged"), 1)
+        validate(config.replace(rollout_engine="paged", partial_rollout_tokens=2), 1)
     with pytest.raises(FlagError, match="--micro_batch_tokens=64: the packed passes"):
         validate(config.replace(micro_batch_tokens=64), 1)

@@ -170,10 +170,10 @@ class TrainConfig:
     @property
     def records_routing(self) -> bool:
         """Whether the rollout's sampler records a mixture of experts' routing (routing replay
-        and the router/flip_frac metric): the compacted single-turn sampler does, the
-        others cannot (--routing_replay is refused with them)."""
+        and the router/flip_frac metric): single-turn rollouts do, by either engine; the
+        multi-turn and partial ones cannot (--routing_replay is refused with them)."""
         r = self.rollout
-        return not (r.paged or r.env or r.partial_rollout_tokens)
+        return not (r.env or r.partial_rollout_tokens)
 
     @property
     def needs_critic(self) -> bool:

@@ -193,9 +193,8 @@ def _validate_router(config: TrainConfig) -> None:
     if config.router.routing_replay:
         require(
             config.records_routing,
-            "--routing_replay replays the routing the compacted single-turn sampler records; "
-            "drop --rollout_engine=paged / --decode_slots, --env and --partial_rollout_tokens, "
-            "or --routing_replay.",
+            "--routing_replay replays the routing the single-turn samplers record; "
+            "drop --env and --partial_rollout_tokens, or --routing_replay.",
         )
     require(
         not (config.router.enabled and u.micro_batch_tokens),

@@ -217,10 +217,14 @@ def _replayed(experts_BTLK: jax.Array | None, replay: bool) -> jax.Array | None:
 
 
 def _record(seqs: Sequences) -> tuple[jax.Array, jax.Array] | None:
-    """(the prompt's record [B, P, L, K], the fed completion tokens' [B, T - 1, L, K])."""
+    """(the prompt's record [B, P, L, K], the fed completion tokens' [B, T - 1, L, K] int32).
+    A token the sampler fed no further token after (a row's last, padding) has no record: -1,
+    so replay lets it route itself and the flip metric skips it."""
     if seqs.experts_BTLK is None or seqs.prompt_experts_BPLK is None:
         return None
-    return seqs.prompt_experts_BPLK, seqs.experts_BTLK[:, :-1]
+    fed_BT11 = seqs.sequence_mask_BT[:, 1:, None, None]
+    fed_BTLK = jnp.where(fed_BT11, seqs.experts_BTLK[:, :-1].astype(jnp.int32), -1)
+    return seqs.prompt_experts_BPLK, fed_BTLK
 
 
 def routed_completion_hidden_states(

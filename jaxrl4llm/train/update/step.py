@@ -116,9 +116,13 @@ def router_terms(
     }
     if routing.recorded_LNK is not None:
         own = jax.lax.top_k(logits, k)[1]
-        flipped = routing_stats.routing_flip_fraction(own, routing.recorded_LNK[:, None], w_1N)
+        # Tokens without a record (-1: a row's last token, never fed) have nothing to compare.
+        recorded_1N = w_1N * (routing.recorded_LNK[0, :, 0] >= 0)[None]
+        flipped = routing_stats.routing_flip_fraction(
+            own, routing.recorded_LNK[:, None], recorded_1N
+        )
         layers = logits.shape[0]
-        tokens = layers * jnp.sum(routing.weight_N)
+        tokens = layers * jnp.sum(recorded_1N)
         metrics["router/flip_frac"] = Metric.mean(flipped * tokens, tokens)
     aux_coef, z_coef = coefs
     return aux_coef * balance + z_coef * z, metrics
