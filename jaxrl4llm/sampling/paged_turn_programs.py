@@ -177,7 +177,7 @@ def segment(
         x, k = carry
         position_B = jnp.maximum(x.plen_B + x.step_B - 1, 0)  # of the token fed (last_B)
         kv, live_B = _allocate(x.cache, x.live_B, position_B)
-        logits_BV, k_LBKH, v_LBKH = paged_step.paged_decode_step(
+        logits_BV, k_LBKH, v_LBKH, _ = paged_step.paged_decode_step(
             weights, model_config, x.last_B, position_B, kv.table_BM, kv.pool
         )
         # Rows that do not decode write to SCRATCH.
