@@ -37,7 +37,7 @@ import numpy as np
 from jaxrl4llm.models import kv_cache, transformer, unembedding
 from jaxrl4llm.models.attention import AttentionConfig
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import decode, paged, paged_state, paged_step, turn_programs
+from jaxrl4llm.sampling import decode, paged, paged_state, paged_step, strategies, turn_programs
 from jaxrl4llm.sampling import page_pool as pages_lib
 from jaxrl4llm.sampling.page_pool import PagePool
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -112,20 +112,21 @@ def prefill(
     prompt_BP, prompt_mask_BP, active_B, keys_B = inputs
     B, P = prompt_BP.shape
     dtype = decode.cache_dtype_for(weights)
+    # One dense cache row per group (not per row): the pool is the rollout's memory bound.
     cache = kv_cache.init_kv_cache(model_config, B // group, P, dtype)
-    tok_B, lp_B, cache, _ = decode.prefill_first_tokens(
-        weights, model_config, prompt_BP[::group], prompt_mask_BP[::group], cache, keys_B,
-        sampling, greedy_B,
-    )  # fmt: skip
+    logits_JV, cache, _ = decode.prefill(
+        weights, model_config, prompt_BP[::group], prompt_mask_BP[::group], cache
+    )
+    first_keys_B = jax.vmap(jax.random.fold_in)(keys_B, jnp.zeros((B,), jnp.uint32))
+    logits_BV = jnp.repeat(logits_JV, group, axis=0)
+    tok_B, lp_B = strategies.sample(logits_BV, first_keys_B, sampling, greedy_B)
     plen_J = jnp.sum(prompt_mask_BP[::group], axis=1, dtype=jnp.int32)
     pool = pages_lib.init_pool(model_config, num_pages, paged.PAGE_SIZE, dtype)
 
     def write_group(j: jax.Array, pool: PagePool) -> PagePool:
         full = plen_J[j] // pool.page_size
         shared_M, private_G = pages.shared_JM[j], pages.private_JG[j]
-        return paged_state.write_prompt(
-            pool, cache, j * group, P - plen_J[j], shared_M, private_G, full
-        )
+        return paged_state.write_prompt(pool, cache, j, P - plen_J[j], shared_M, private_G, full)
 
     pool = jax.lax.fori_loop(0, B // group, write_group, pool)
     pool = pool.replace(refs_N=pages_lib.hold(pool.refs_N, pages.table_BM))

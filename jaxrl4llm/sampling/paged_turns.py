@@ -24,7 +24,9 @@ The pool must hold one row at full length (prompt + budget: `pool_pages` refuses
 the lowest row waiting fits once every row above it (and, if need be, itself and the parked
 rows below it) is evicted: each round serves a row or evicts one, every served row makes a
 token, tokens are never lost and evictions between two served rows are at most the rows, so
-the rollout ends; no deadlock, no lost row, and memory never exceeds the pool.
+the rollout ends; no deadlock, no lost row, and the rows' KV never exceeds the pool (the
+prompts are prefilled once per group into a dense block of one prompt per group, copied into
+the pool and dropped, as the single-turn engine's pending block).
 
 Row r draws completion token t with fold_in(row_key[r], t), as the dense engine, so with a
 pool that never evicts it samples the dense engine's tokens (up to float rounding: a restored
@@ -94,7 +96,9 @@ def start(
     B, P = batch.prompt_BP.shape
     plen_B = batch.mask_BP.sum(axis=1).astype(np.int32)
     longest = int(plen_B[batch.active_B].max(initial=1))
-    num_pages = pool_pages(kv_cache_tokens, int(batch.active_B.sum()), longest, budget)
+    # A batch with no active row (every prompt dropped) still gets a pool of one row.
+    active = max(int(batch.active_B.sum()), 1)
+    num_pages = pool_pages(kv_cache_tokens, active, longest, budget)
     M = pages_lib.pages_for(P + budget + chunk, paged.PAGE_SIZE)
     pages = programs_lib.initial_pages(plen_B, batch.active_B, G, num_pages, M, P, paged.PAGE_SIZE)
     greedy_B = None if rows.greedy_B is None else jnp.asarray(rows.greedy_B)

@@ -108,3 +108,17 @@ def test_the_groups_that_fit_at_the_start_get_shared_and_private_pages():
     np.testing.assert_array_equal(pages.table_BM, expected)
     np.testing.assert_array_equal(pages.shared_JM, [[N, N], [1, N], [N, N]])
     np.testing.assert_array_equal(pages.private_JG, [[0, N], [2, 3], [N, N]])
+
+
+def test_a_batch_whose_every_prompt_was_dropped_runs(toy_policy):
+    """Every prompt longer than max_prompt_len and dropped (--long_prompts=drop): no row
+    runs, on a pool sized for every row (kv_cache_tokens=0) as on the dense engine."""
+    config, _ = toy_policy
+    prompts = _prompts(config, (9, 18))
+    for tokens in (None, 0):
+        out, stats = _run(
+            toy_policy, FakeHandler(), LIMITS, prompts, max_prompt_len=4,
+            long_prompts="drop", kv_cache_tokens=tokens,
+        )  # fmt: skip
+        assert np.asarray(out.dropped_B).all() and not np.asarray(out.lengths_B).any()
+        assert not np.asarray(out.mask_BT).any() and stats.turns_B.sum() == 0

@@ -65,6 +65,10 @@ def test_a_paged_run_equals_a_compacted_one(overrides, toy_model_dir, copy_task_
             "runs multi-turn rollouts .* on one device, not on the 2",
         ),
         (dict(max_turns=3, kv_cache_tokens=16), "less than one multi-turn row at full length"),
+        (  # the alias's pool holds max_new_tokens, not the longer turn budget
+            dict(rollout_engine="compacted", decode_slots=1, max_turns=3, max_total_tokens=4096),
+            r"--decode_slots=1 \(\d+ tokens of KV\) holds less than one multi-turn row",
+        ),
         (dict(mesh="data:2,fsdp:2,tensor:2"), "splits the batch 4 ways and also tensor:2"),
         (dict(mesh="data:2,fsdp:1,tensor:1", prompts_per_step=3), "whole groups"),
         (dict(kv_cache_tokens=100), "holds less than one group at full length"),

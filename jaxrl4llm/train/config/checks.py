@@ -336,15 +336,19 @@ def _validate_paged_turns(config: TrainConfig, engine: str, devices: int) -> Non
         f"{engine} runs multi-turn rollouts (--env, --max_turns) on one device, not on the "
         f"{devices} of --mesh={config.run.mesh}; use --rollout_engine=compacted on a mesh.",
     )
-    ps, tokens = paged.PAGE_SIZE, r.kv_cache_tokens if r.rollout_engine == "paged" else 0
+    # The pool the sampler gets: --decode_slots's is sized by --max_new_tokens, not the turns'.
+    ps, tokens = paged.PAGE_SIZE, r.pool_tokens or 0
+    pool = f"--kv_cache_tokens={tokens}"
+    if r.rollout_engine != "paged":
+        pool = f"--decode_slots={r.decode_slots} ({tokens} tokens of KV)"
     budget = r.turns.max_total_tokens or r.max_new_tokens
     need = math.ceil((r.max_prompt_tokens + budget) / ps) * ps
     require(
         tokens == 0 or tokens >= need,
-        f"--kv_cache_tokens={tokens} holds less than one multi-turn row at full length "
-        f"({need} tokens: a {r.max_prompt_tokens}-token prompt and a {budget}-token budget "
-        f"in {ps}-token pages); use --kv_cache_tokens={need} or more, or 0 (every row at "
-        "full length).",
+        f"{pool} holds less than one multi-turn row at full length ({need} tokens: a "
+        f"{r.max_prompt_tokens}-token prompt and a {budget}-token budget in {ps}-token "
+        f"pages); use --rollout_engine=paged --kv_cache_tokens={need} or more, or 0 (every "
+        "row at full length).",
     )
 
 
