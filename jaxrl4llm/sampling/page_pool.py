@@ -71,6 +71,15 @@ def first_free(refs_N: jax.Array, n: int) -> jax.Array:
     return jnp.nonzero(refs_N == 0, size=n, fill_value=refs_N.shape[0])[0].astype(jnp.int32)
 
 
+def take_free(refs_N: jax.Array, need_X: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The next free page for each True entry of need_X (bool [X], in order; SCRATCH where
+    none is needed or none is left) and refs_N holding them."""
+    X = need_X.shape[0]
+    free_X = first_free(refs_N, X)
+    pages_X = jnp.where(need_X, free_X[jnp.clip(jnp.cumsum(need_X) - 1, 0, X - 1)], refs_N.shape[0])
+    return pages_X, hold(refs_N, pages_X)
+
+
 def hold(refs_N: jax.Array, pages: jax.Array, count: Any = 1) -> jax.Array:
     """refs_N with `count` more references to each of `pages` (SCRATCH entries ignored)."""
     return refs_N.at[pages.reshape(-1)].add(count, mode="drop")

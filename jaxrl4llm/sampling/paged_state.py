@@ -296,16 +296,11 @@ def allocate(s: PagedState) -> PagedState:
     """A free page for every live row whose next token starts a new page (they fit)."""
     x = s.rows
     need_S = needs_page(s)
-    S = need_S.shape[0]
-    free = pages_lib.first_free(s.pool.refs_N, S)
-    rank_S = jnp.cumsum(need_S) - 1
-    new_S = jnp.where(need_S, free[jnp.clip(rank_S, 0, S - 1)], s.pool.num_pages)
+    new_S, refs_N = pages_lib.take_free(s.pool.refs_N, need_S)
     slot_S, current = x.current_page(s.pool.page_size, s.pool.num_pages)
-    table_SM = x.table_SM.at[jnp.arange(S), slot_S].set(jnp.where(need_S, new_S, current))
-    return s.replace(
-        pool=s.pool.replace(refs_N=pages_lib.hold(s.pool.refs_N, new_S)),
-        rows=x.replace(table_SM=table_SM),
-    )
+    rows_S = jnp.arange(need_S.shape[0])
+    table_SM = x.table_SM.at[rows_S, slot_S].set(jnp.where(need_S, new_S, current))
+    return s.replace(pool=s.pool.replace(refs_N=refs_N), rows=x.replace(table_SM=table_SM))
 
 
 def write_prompt(

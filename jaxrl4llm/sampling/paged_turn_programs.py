@@ -145,11 +145,10 @@ def _allocate(kv: PagedKV, live_B: jax.Array, position_B: jax.Array) -> tuple[Pa
     rows, slot_B = jnp.arange(B), position_B // ps
     held_B = kv.table_BM[rows, slot_B]
     need_B = live_B & (held_B == N)
-    free_B = pages_lib.first_free(kv.pool.refs_N, B)
-    page_B = jnp.where(need_B, free_B[jnp.clip(jnp.cumsum(need_B) - 1, 0, B - 1)], N)
+    page_B, refs_N = pages_lib.take_free(kv.pool.refs_N, need_B)
     stall_B = need_B & (page_B == N)
     kv = kv.replace(
-        pool=kv.pool.replace(refs_N=pages_lib.hold(kv.pool.refs_N, page_B)),
+        pool=kv.pool.replace(refs_N=refs_N),
         table_BM=kv.table_BM.at[rows, slot_B].set(jnp.where(need_B, page_B, held_B)),
         stalled_B=kv.stalled_B | stall_B,
     )
@@ -201,10 +200,9 @@ def _grow(kv: PagedKV, row: jax.Array, slots: jax.Array) -> PagedKV:
     N, M = kv.pool.num_pages, kv.table_BM.shape[1]
     table_M = kv.table_BM[row]
     need_M = (jnp.arange(M) < pages_lib.pages_for(slots, kv.pool.page_size)) & (table_M == N)
-    free_M = pages_lib.first_free(kv.pool.refs_N, M)
-    new_M = jnp.where(need_M, free_M[jnp.clip(jnp.cumsum(need_M) - 1, 0, M - 1)], N)
+    new_M, refs_N = pages_lib.take_free(kv.pool.refs_N, need_M)
     return kv.replace(
-        pool=kv.pool.replace(refs_N=pages_lib.hold(kv.pool.refs_N, new_M)),
+        pool=kv.pool.replace(refs_N=refs_N),
         table_BM=kv.table_BM.at[row].set(jnp.where(need_M, new_M, table_M)),
     )
 

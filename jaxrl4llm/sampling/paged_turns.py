@@ -182,11 +182,12 @@ class PagedPrograms:
         none is served and no row decodes, evicts the highest-index row holding pages."""
         N = state.cache.pool.num_pages
         while True:
-            stalled_B, step_B, table_BM, live_B, free = jax.device_get(
+            # Each row's page count, not its table: the host needs no more after each segment.
+            stalled_B, step_B, held_B, live_B, free = jax.device_get(
                 (
                     state.cache.stalled_B,
                     state.step_B,
-                    state.cache.table_BM,
+                    jnp.sum(state.cache.table_BM != N, axis=1),
                     state.live_B,
                     state.cache.pool.num_free(),
                 )
@@ -194,7 +195,6 @@ class PagedPrograms:
             waiting = set(np.flatnonzero(stalled_B).tolist()) | self.ready | set(self.observations)
             if not waiting:
                 return state
-            held_B = (table_BM != N).sum(axis=1)
             state, served = self._serve(state, sorted(waiting), step_B, held_B, int(free))
             if served or live_B.any():
                 return state
