@@ -260,7 +260,8 @@ class Sampler:
     ) -> tuple[SampleOutput, multiturn.TurnStats]:
         """Multi-turn trajectories of each prompt (token ids), answered by `handler`, rows
         laid out as `generate`'s, on the sampler's mesh, or with `kv_cache_tokens` on pages
-        (paged_turns.py: one device); see multiturn.generate_turns."""
+        (paged_turns.py; on a mesh a pool per batch shard, paged_turns_mesh.py); see
+        multiturn.generate_turns."""
         return multiturn.generate_turns(
             params,
             self.model_config,

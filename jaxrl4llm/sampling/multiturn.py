@@ -2,7 +2,8 @@
 `turns.TurnHandler` and resumes the row with the reply's observation tokens. The compiled
 programs it runs (prefill, segment, observe) and their device state are turn_programs.py's
 (a dense cache row per row) or, with `kv_cache_tokens`, paged_turns.py's (a pool of pages;
-rows that wait for pages are served by its `unblock`, which the loop calls every round).
+rows that wait for pages are served by its `unblock`, which the loop calls every round; on a
+mesh a pool per batch shard, paged_turns_mesh.py).
 
 The host loop runs a segment, submits the turns that ended in it (handler.submit never
 blocks), takes the replies that are ready (handler.poll: without waiting while some row
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,7 @@ from jax.sharding import Mesh
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import buckets, paged_turns, turn_programs
+from jaxrl4llm.sampling import buckets, paged_turns, paged_turns_mesh, turn_programs
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.row_io import (
     PromptRows,
@@ -63,8 +64,24 @@ from jaxrl4llm.sampling.turns import TurnEnd, TurnHandler, TurnLimits, TurnReply
 
 # How long the host waits for a reply when every row is parked, per poll.
 POLL_S = 0.05
-# The compiled programs a rollout runs: every row in its own dense cache row, or in pages.
-Programs = DensePrograms | paged_turns.PagedPrograms
+# The device state of a rollout: one TurnState, or one per batch shard (paged_turns_mesh.py).
+State = TurnState | paged_turns_mesh.ShardedState
+
+
+class Programs(Protocol):
+    """The compiled programs a rollout runs over its State: every row in its own dense cache
+    row (turn_programs.DensePrograms), in pages (paged_turns.PagedPrograms), or in a pool per
+    batch shard (paged_turns_mesh.ShardedPrograms)."""
+
+    @property
+    def evictions(self) -> int: ...
+    def segment(self, state: Any) -> Any: ...
+    def observe(self, state: Any, row: int, obs: list[int], pad_id: int) -> Any: ...
+    def finish(self, state: Any, row: int) -> Any: ...
+    def unblock(self, state: Any) -> Any: ...
+    def pages_left(self, state: Any) -> int: ...
+
+
 # ended_B codes (turn_programs._emit): how this segment's turn of a row ended (0: it did not).
 _ENDS: dict[int, TurnEnd] = {1: "stop", 2: "eos", 3: "length"}
 # Why several hosts are refused: each host's loop would issue its own observation programs.
@@ -195,7 +212,7 @@ class _HostLoop:
         self.tools_s = 0.0
         self.wait_s = 0.0
 
-    def submit_ended(self, ended_B: np.ndarray, step_B: np.ndarray, state: TurnState) -> None:
+    def submit_ended(self, ended_B: np.ndarray, step_B: np.ndarray, state: State) -> None:
         """Submits every turn that ended (ended_B > 0) since the last call."""
         ended = np.flatnonzero(ended_B[: len(self.rows)])
         tokens_BT, start_B = jax.device_get((state.tokens_BT, state.turn_start_B))
@@ -270,10 +287,11 @@ def run(
     logprobs_BT, model_BT, lengths_B, truncated_B, done_B, slot_steps; the turn stats).
     With a mesh (one host), params are placed on it and the rows (a multiple of the
     data-parallel size) are split over its data-parallel devices. `kv_cache_tokens` (not
-    None, no mesh): the KV in a page pool of that many tokens (paged_turns.py)."""
+    None): the KV in a page pool of that many tokens (paged_turns.py), on a mesh one per
+    batch shard (paged_turns_mesh.py)."""
     _check_limits(limits)
     if kv_cache_tokens is not None:
-        paged_turns.check_mesh(mesh)
+        paged_turns_mesh.check_mesh(mesh, rules)
     B = batch.prompt_BP.shape[0]
     stops = [handler.stop_sequences(r) if batch.active_B[r] else () for r in range(B)]
     stop_BQL = jnp.asarray(stop_sequence_array(stops))
@@ -286,10 +304,7 @@ def run(
     stop_ids = jnp.asarray(stop_ids_S)
     chunk = chunk_length(limits.max_observation_tokens + 1)
     settings = turn_programs.RolloutSettings(stop_ids, stop_BQL, pad_id, budget, chunk, static)
-    if kv_cache_tokens is None:
-        state, programs = _dense_start(weights, rows, settings, mesh, rules)
-    else:
-        state, programs = paged_turns.start(weights, rows, settings, kv_cache_tokens)
+    state, programs = _start(weights, rows, settings, mesh, rules, kv_cache_tokens)
     state, decode_s = _turn_loop(programs, host, state, t0, pad_id)
     stats = dataclasses.replace(
         host.stats,
@@ -300,6 +315,23 @@ def run(
         pages_left=programs.pages_left(state),
     )
     return _rows_out(state, host, batch), stats
+
+
+def _start(
+    weights: Any,
+    rows: PromptRows,
+    settings: turn_programs.RolloutSettings,
+    mesh: Mesh | None,
+    rules: parallel.LogicalRules,
+    kv_cache_tokens: int | None,
+) -> tuple[State, Programs]:
+    """The prefilled state and its programs: dense cache rows (kv_cache_tokens None), a page
+    pool, or on a mesh of several devices a page pool per batch shard."""
+    if kv_cache_tokens is None:
+        return _dense_start(weights, rows, settings, mesh, rules)
+    if mesh is None or mesh.size == 1:
+        return paged_turns.start(weights, rows, settings, kv_cache_tokens)
+    return paged_turns_mesh.start(weights, rows, settings, kv_cache_tokens, mesh, rules)
 
 
 def _dense_start(
@@ -337,8 +369,8 @@ def _check_limits(limits: TurnLimits) -> None:
 
 
 def _turn_loop(
-    programs: Programs, host: _HostLoop, state: TurnState, t0: float, pad_id: int
-) -> tuple[TurnState, float]:
+    programs: Programs, host: _HostLoop, state: State, t0: float, pad_id: int
+) -> tuple[State, float]:
     """The host loop (module docstring) from the prefilled `state` (its programs started at
     t0) until no row decodes and no reply is due; (the final state, seconds in programs)."""
     decode_s = 0.0
@@ -347,9 +379,7 @@ def _turn_loop(
         decode_s += time.perf_counter() - t0
         if ended_B.any():
             host.submit_ended(ended_B, step_B, state)
-            state = state.replace(
-                ended_B=jax.device_put(np.zeros_like(ended_B), state.ended_B.sharding)
-            )
+            state = state.clear_ended()
         decoding = bool(live_B.any())
         if not decoding and not host.due:
             return state, decode_s
@@ -365,8 +395,8 @@ def _turn_loop(
 
 
 def _take_replies(
-    programs: Programs, host: _HostLoop, state: TurnState, replies: list[TurnReply], pad_id: int
-) -> TurnState:
+    programs: Programs, host: _HostLoop, state: State, replies: list[TurnReply], pad_id: int
+) -> State:
     """Records the replies and resumes each row that goes on after its observation."""
     step_B = np.asarray(jax.device_get(state.step_B))
     for reply in replies:
@@ -378,7 +408,7 @@ def _take_replies(
     return state
 
 
-def _rows_out(state: TurnState, host: _HostLoop, batch: buckets.PromptBatch) -> dict[str, Any]:
+def _rows_out(state: State, host: _HostLoop, batch: buckets.PromptBatch) -> dict[str, Any]:
     """The rollout's per-row arrays (numpy; see run)."""
     tokens_BT, logprobs_BT, model_BT, lengths_B, slot_steps = jax.device_get(
         (state.tokens_BT, state.logprobs_BT, state.model_BT, state.step_B, state.slot_steps)

@@ -42,7 +42,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
 from jaxrl4llm.config.errors import FlagError
 from jaxrl4llm.models.config import ModelConfig
@@ -58,16 +57,6 @@ from jaxrl4llm.sampling.turn_programs import (
     chunk_length,
     observe_inputs,
 )
-
-
-def check_mesh(mesh: Mesh | None) -> None:
-    """Refuses a mesh of more than one device: the paged multi-turn programs run on one."""
-    if mesh is not None and mesh.size > 1:
-        raise FlagError(
-            "Multi-turn rollouts (--env, --max_turns > 1) on the paged engine "
-            f"(--rollout_engine=paged) run on one device, not on --mesh's {mesh.size}; use "
-            "--rollout_engine=compacted on a mesh."
-        )
 
 
 def pool_pages(tokens: int, rows: int, prompt_len: int, budget: int) -> int:
@@ -148,8 +137,9 @@ class PagedPrograms:
     observations: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     evictions: int = 0
 
-    def segment(self, state: TurnState) -> TurnState:
-        """Up to SEGMENT_STEPS decode steps of the live rows (until some row ends its turn)."""
+    def segment(self, state: TurnState, wait: bool = True) -> TurnState:
+        """Up to SEGMENT_STEPS decode steps of the live rows (until some row ends its turn),
+        waited for unless `wait` is False (paged_turns_mesh.py starts every shard's first)."""
         state = programs_lib.segment(
             self.weights,
             state,
@@ -158,7 +148,8 @@ class PagedPrograms:
             sampling=self.sampling,
             max_steps=SEGMENT_STEPS,
         )
-        jax.block_until_ready(state.ended_B)
+        if wait:
+            jax.block_until_ready(state.ended_B)
         return state
 
     def observe(self, state: TurnState, row: int, obs: list[int], pad_id: int) -> TurnState:

@@ -67,6 +67,11 @@ class TurnState(flax.struct.PyTreeNode):
     slot_steps: jax.Array
     greedy_B: jax.Array | None = None
 
+    def clear_ended(self) -> TurnState:
+        """The state with no turn ended (the host submitted them), ended_B placed as before."""
+        zeros_B = np.zeros(self.ended_B.shape, self.ended_B.dtype)
+        return self.replace(ended_B=jax.device_put(zeros_B, self.ended_B.sharding))
+
 
 def _laid_out(s: TurnState, sharding: parallel.ActivationSharding | None) -> TurnState:
     """The state in its one layout on a mesh: rows over the data-parallel devices, the cache

@@ -1,7 +1,8 @@
 """Multi-turn rollouts on the paged KV cache (sampling/paged_turns.py): with a pool that
 holds every row the dense multi-turn engine's rows (tokens, masks, lengths, logprobs); with
 the smallest pool (one row at full length), which forces evictions, every row still ends
-with the dense engine's rows; a smaller pool and a mesh refused; the groups admitted at the
+with the dense engine's rows; the same on a mesh, a pool per batch shard; a smaller pool
+and a mesh splitting more than the batch refused; the groups admitted at the
 start and their pages."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrl4llm import parallel
 from jaxrl4llm.config.errors import FlagError
 from jaxrl4llm.sampling import multiturn, paged_turn_programs
 from jaxrl4llm.sampling.turns import TurnLimits
@@ -78,13 +80,32 @@ def test_a_pool_below_one_row_at_full_length_is_refused(toy_policy):
         _run(toy_policy, FakeHandler(), LIMITS, _prompts(config, LENGTHS), kv_cache_tokens=32)
 
 
-def test_a_mesh_is_refused(toy_policy):
+def test_on_a_mesh_each_batch_shard_samples_the_dense_engines_rows(toy_policy):
+    """data:2,fsdp:2 (4 batch shards, one group of 2 rows each, paged_turns_mesh.py), each
+    with the smallest pool (one row at full length: 3 pages of 16 for its 2 rows, so rows are
+    evicted inside their shard): the rows the dense engine samples on one device; every
+    shard's pages come back."""
+    config, _ = toy_policy
+    prompts = _prompts(config, LENGTHS[:4])
+    dense = _rows(*_run(toy_policy, FakeHandler(done_after=3), LIMITS, prompts))
+    mesh = parallel.make_mesh("data:2,fsdp:2,expert:1,tensor:1", jax.devices()[:4])
+    paged = _rows(
+        *_run(
+            toy_policy, FakeHandler(done_after=3), LIMITS, prompts, mesh=mesh,
+            kv_cache_tokens=3 * 16,
+        )
+    )  # fmt: skip
+    _assert_same_rows(dense, paged, logprob_atol=1e-4)
+    assert paged[2].pages_left == 0 and paged[2].evictions > 0
+    assert (paged[2].turns_B > 1).sum() >= 2, "the toy model should end several turns"
+
+
+def test_a_mesh_splitting_more_than_the_batch_is_refused(toy_policy):
     config, params = toy_policy
-    devices = np.array(jax.devices()[:2]).reshape(2, 1, 1, 1)
-    mesh = jax.sharding.Mesh(devices, ("data", "fsdp", "expert", "tensor"))
-    with pytest.raises(FlagError, match="--rollout_engine=compacted on a mesh"):
+    mesh = parallel.make_mesh("data:2,fsdp:1,expert:1,tensor:2", jax.devices()[:4])
+    with pytest.raises(FlagError, match="--mesh splits tensor:2; use a mesh whose only"):
         multiturn.generate_turns(
-            params, config, [[7, 8]], SAMPLED, 8, jax.random.key(0), FakeHandler(), LIMITS,
+            params, config, [[7, 8]] * 2, SAMPLED, 8, jax.random.key(0), FakeHandler(), LIMITS,
             stop_ids=(3,), mesh=mesh, kv_cache_tokens=0,
         )  # fmt: skip
 

@@ -61,8 +61,8 @@ def test_a_paged_run_equals_a_compacted_one(overrides, toy_model_dir, copy_task_
     "overrides,message",
     [
         (
-            dict(env="calculator", max_turns=2, mesh="data:2,fsdp:1,tensor:1"),
-            "runs multi-turn rollouts .* on one device, not on the 2",
+            dict(env="calculator", max_turns=2, mesh="data:2,fsdp:1,tensor:2"),
+            "run one page pool per batch shard, each on one device: --mesh splits tensor:2",
         ),
         (dict(max_turns=3, kv_cache_tokens=16), "less than one multi-turn row at full length"),
         (  # the alias's pool holds max_new_tokens, not the longer turn budget
@@ -119,20 +119,26 @@ def test_decode_slots_is_an_alias_of_the_paged_engine(toy_model_dir, copy_task_f
     assert r.paged and r.pool_tokens == 8 * (r.max_prompt_tokens + r.max_new_tokens)
     validate(config, num_devices=1)
     with pytest.raises(FlagError, match=r"--rollout_engine=paged \(--decode_slots\)"):
-        validate(config.replace(max_turns=3, mesh="data:2,fsdp:1,tensor:1"), num_devices=2)
+        validate(
+            config.replace(max_turns=3, mesh="data:2,fsdp:1,tensor:1", prompts_per_step=3),
+            num_devices=2,
+        )
 
 
 def test_a_multi_turn_run_on_pages(toy_model_dir, copy_task_file, tmp_path):
-    """--env with --rollout_engine=paged (sampling/paged_turns.py) and a pool of 3 pages (a
-    row at full length: 2) for the 8 rows validates and runs a step (the samples equal the
-    dense engine's: tests/sampling/test_paged_turns.py)."""
+    """--env with --rollout_engine=paged on data:2 (sampling/paged_turns_mesh.py: a pool per
+    batch shard) and pools of 3 pages (a row at full length: 2) for each shard's 4 rows
+    validates and runs a step (the samples equal the dense engine's:
+    tests/sampling/test_paged_turns.py)."""
+    import jax
+
     config = _config(
         toy_model_dir, copy_task_file, tmp_path, num_steps=1, max_new_tokens=12,
         env="calculator", max_turns=2, prompts_per_step=4, group_size=2,
-        rollout_engine="paged", kv_cache_tokens=48,
+        rollout_engine="paged", kv_cache_tokens=48, mesh="data:2,fsdp:1,tensor:1",
     )  # fmt: skip
-    validate(config, num_devices=1)
-    loop.run(config, devices=_one_device())
+    validate(config, num_devices=2)
+    loop.run(config, devices=jax.devices()[:2])
     (record,) = read_metrics(str(tmp_path))
     assert 0 < record["response/length_mean"] <= 12
-    assert record["turns/evictions"] > 0  # 8 rows of 2 pages each in 3 pages
+    assert record["turns/evictions"] > 0  # 4 rows of 2 pages each in 3 pages, per shard

@@ -18,7 +18,7 @@ from jaxrl4llm.config.options import require
 from jaxrl4llm.data import prompts
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.rewards.shaping import SCALES
-from jaxrl4llm.sampling import paged, paged_mesh, rounds
+from jaxrl4llm.sampling import paged, paged_mesh, paged_turns_mesh, rounds
 from jaxrl4llm.sampling.buckets import LONG_PROMPT_MODES
 from jaxrl4llm.sampling.config import ROLLOUT_ENGINES, RolloutConfig
 from jaxrl4llm.train.config import TrainConfig
@@ -302,10 +302,12 @@ def _validate_engine(config: TrainConfig, num_devices: int, data_parallel: int |
         )
     engine = "--rollout_engine=paged" + (" (--decode_slots)" if r.decode_slots else "")
     sizes = parallel.MeshSpec.parse(config.run.mesh).resolve(num_devices)
-    if r.env or r.turns.max_turns > 1:
-        _validate_paged_turns(config, engine, math.prod(sizes))
-        return
-    paged_mesh.check_mesh(jax.sharding.AbstractMesh(sizes, parallel.MESH_AXES))
+    mesh = jax.sharding.AbstractMesh(sizes, parallel.MESH_AXES)
+    turns = bool(r.env) or r.turns.max_turns > 1
+    if turns:
+        paged_turns_mesh.check_mesh(mesh)
+    else:
+        paged_mesh.check_mesh(mesh)
     G = r.group_size if r.share_prompts else 1
     D = data_parallel or _data_parallel(config, num_devices)
     require(
@@ -315,6 +317,9 @@ def _validate_engine(config: TrainConfig, num_devices: int, data_parallel: int |
         f"--mesh={config.run.mesh} x {G} rows per group; make --prompts_per_step a multiple "
         f"of {D}, or use --rollout_engine=compacted.",
     )
+    if turns:
+        _validate_paged_turns(config)
+        return
     # The --decode_slots alias may round below a group's pages; the engine raises it there.
     ps, tokens = paged.PAGE_SIZE, r.kv_cache_tokens if r.rollout_engine == "paged" else 0
     need = paged.min_pool_pages(r.max_prompt_tokens, r.max_new_tokens, G, ps) * ps
@@ -327,15 +332,10 @@ def _validate_engine(config: TrainConfig, num_devices: int, data_parallel: int |
     )
 
 
-def _validate_paged_turns(config: TrainConfig, engine: str, devices: int) -> None:
-    """Multi-turn rollouts on pages (sampling/paged_turns.py): one device, a pool of at least
-    one row at full length (prompt and turn budget)."""
+def _validate_paged_turns(config: TrainConfig) -> None:
+    """Multi-turn rollouts on pages (sampling/paged_turns.py): a pool (per batch shard) of
+    at least one row at full length (prompt and turn budget)."""
     r = config.rollout
-    require(
-        devices == 1,
-        f"{engine} runs multi-turn rollouts (--env, --max_turns) on one device, not on the "
-        f"{devices} of --mesh={config.run.mesh}; use --rollout_engine=compacted on a mesh.",
-    )
     # The pool the sampler gets: --decode_slots's is sized by --max_new_tokens, not the turns'.
     ps, tokens = paged.PAGE_SIZE, r.pool_tokens or 0
     pool = f"--kv_cache_tokens={tokens}"
