@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +56,7 @@ from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.sampling.turn_programs import (
     DensePrograms,
+    Programs,
     TurnState,
     chunk_length,
     stop_sequence_array,
@@ -64,24 +65,7 @@ from jaxrl4llm.sampling.turns import TurnEnd, TurnHandler, TurnLimits, TurnReply
 
 # How long the host waits for a reply when every row is parked, per poll.
 POLL_S = 0.05
-# The device state of a rollout: one TurnState, or one per batch shard (paged_turns_mesh.py).
-State = TurnState | paged_turns_mesh.ShardedState
-
-
-class Programs(Protocol):
-    """The compiled programs a rollout runs over its State: every row in its own dense cache
-    row (turn_programs.DensePrograms), in pages (paged_turns.PagedPrograms), or in a pool per
-    batch shard (paged_turns_mesh.ShardedPrograms)."""
-
-    @property
-    def evictions(self) -> int: ...
-    def segment(self, state: Any) -> Any: ...
-    def observe(self, state: Any, row: int, obs: list[int], pad_id: int) -> Any: ...
-    def finish(self, state: Any, row: int) -> Any: ...
-    def unblock(self, state: Any) -> Any: ...
-    def pages_left(self, state: Any) -> int: ...
-
-
+State = TurnState | paged_turns_mesh.ShardedState  # one per batch shard on a paged mesh
 # ended_B codes (turn_programs._emit): how this segment's turn of a row ended (0: it did not).
 _ENDS: dict[int, TurnEnd] = {1: "stop", 2: "eos", 3: "length"}
 # Why several hosts are refused: each host's loop would issue its own observation programs.
@@ -325,8 +309,7 @@ def _start(
     rules: parallel.LogicalRules,
     kv_cache_tokens: int | None,
 ) -> tuple[State, Programs]:
-    """The prefilled state and its programs: dense cache rows (kv_cache_tokens None), a page
-    pool, or on a mesh of several devices a page pool per batch shard."""
+    """The prefilled state and its programs: dense rows, a page pool, or one per shard."""
     if kv_cache_tokens is None:
         return _dense_start(weights, rows, settings, mesh, rules)
     if mesh is None or mesh.size == 1:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Protocol, Sequence
 
 import flax.struct
 import jax
@@ -404,6 +404,20 @@ class RolloutSettings(NamedTuple):
     budget: int  # completion tokens per row
     chunk: int  # the longest observation chunk (chunk_length)
     static: dict[str, Any]  # model_config, sampling, sharding
+
+
+class Programs(Protocol):
+    """The compiled programs a rollout runs over its State: every row in its own dense cache
+    row (turn_programs.DensePrograms), in pages (paged_turns.PagedPrograms), or in a pool per
+    batch shard (paged_turns_mesh.ShardedPrograms)."""
+
+    @property
+    def evictions(self) -> int: ...
+    def segment(self, state: Any) -> Any: ...
+    def observe(self, state: Any, row: int, obs: list[int], pad_id: int) -> Any: ...
+    def finish(self, state: Any, row: int) -> Any: ...
+    def unblock(self, state: Any) -> Any: ...
+    def pages_left(self, state: Any) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
