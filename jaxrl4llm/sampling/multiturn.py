@@ -65,7 +65,6 @@ from jaxrl4llm.sampling.turns import TurnEnd, TurnHandler, TurnLimits, TurnReply
 
 # How long the host waits for a reply when every row is parked, per poll.
 POLL_S = 0.05
-State = TurnState | paged_turns_mesh.ShardedState  # one per batch shard on a paged mesh
 # ended_B codes (turn_programs._emit): how this segment's turn of a row ended (0: it did not).
 _ENDS: dict[int, TurnEnd] = {1: "stop", 2: "eos", 3: "length"}
 # Why several hosts are refused: each host's loop would issue its own observation programs.
@@ -196,7 +195,7 @@ class _HostLoop:
         self.tools_s = 0.0
         self.wait_s = 0.0
 
-    def submit_ended(self, ended_B: np.ndarray, step_B: np.ndarray, state: State) -> None:
+    def submit_ended(self, ended_B: np.ndarray, step_B: np.ndarray, state: TurnState) -> None:
         """Submits every turn that ended (ended_B > 0) since the last call."""
         ended = np.flatnonzero(ended_B[: len(self.rows)])
         tokens_BT, start_B = jax.device_get((state.tokens_BT, state.turn_start_B))
@@ -308,7 +307,7 @@ def _start(
     mesh: Mesh | None,
     rules: parallel.LogicalRules,
     kv_cache_tokens: int | None,
-) -> tuple[State, Programs]:
+) -> tuple[TurnState, Programs]:
     """The prefilled state and its programs: dense rows, a page pool, or one per shard."""
     if kv_cache_tokens is None:
         return _dense_start(weights, rows, settings, mesh, rules)
@@ -352,8 +351,8 @@ def _check_limits(limits: TurnLimits) -> None:
 
 
 def _turn_loop(
-    programs: Programs, host: _HostLoop, state: State, t0: float, pad_id: int
-) -> tuple[State, float]:
+    programs: Programs, host: _HostLoop, state: TurnState, t0: float, pad_id: int
+) -> tuple[TurnState, float]:
     """The host loop (module docstring) from the prefilled `state` (its programs started at
     t0) until no row decodes and no reply is due; (the final state, seconds in programs)."""
     decode_s = 0.0
@@ -378,8 +377,8 @@ def _turn_loop(
 
 
 def _take_replies(
-    programs: Programs, host: _HostLoop, state: State, replies: list[TurnReply], pad_id: int
-) -> State:
+    programs: Programs, host: _HostLoop, state: TurnState, replies: list[TurnReply], pad_id: int
+) -> TurnState:
     """Records the replies and resumes each row that goes on after its observation."""
     step_B = np.asarray(jax.device_get(state.step_B))
     for reply in replies:
@@ -391,7 +390,7 @@ def _take_replies(
     return state
 
 
-def _rows_out(state: State, host: _HostLoop, batch: buckets.PromptBatch) -> dict[str, Any]:
+def _rows_out(state: TurnState, host: _HostLoop, batch: buckets.PromptBatch) -> dict[str, Any]:
     """The rollout's per-row arrays (numpy; see run)."""
     tokens_BT, logprobs_BT, model_BT, lengths_B, slot_steps = jax.device_get(
         (state.tokens_BT, state.logprobs_BT, state.model_BT, state.step_B, state.slot_steps)
@@ -404,7 +403,7 @@ def _rows_out(state: State, host: _HostLoop, batch: buckets.PromptBatch) -> dict
         model_BT=model_BT,
         lengths_B=lengths_B.astype(np.int32),
         truncated_B=truncated_B & batch.active_B,
-        slot_steps=np.int32(slot_steps),
+        slot_steps=np.int32(np.sum(slot_steps)),  # one count per shard on a paged mesh
     )
 
 

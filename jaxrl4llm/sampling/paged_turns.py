@@ -80,42 +80,67 @@ def start(
 ) -> tuple[TurnState, PagedPrograms]:
     """The prompts of the groups that fit written into a pool of `kv_cache_tokens` tokens,
     every row's first token, the rest evicted; the programs (multiturn.run's start)."""
-    batch, G = rows.batch, rows.prompt_group
-    stop_ids, stop_BQL, pad_id, budget, chunk, static = settings
-    B, P = batch.prompt_BP.shape
-    plen_B = batch.mask_BP.sum(axis=1).astype(np.int32)
-    longest = int(plen_B[batch.active_B].max(initial=1))
+    batch, plen_B = rows.batch, prompt_lengths(rows.batch)
     # A batch with no active row (every prompt dropped) still gets a pool of one row.
     active = max(int(batch.active_B.sum()), 1)
-    num_pages = pool_pages(kv_cache_tokens, active, longest, budget)
-    M = pages_lib.pages_for(P + budget + chunk, paged.PAGE_SIZE)
-    pages = programs_lib.initial_pages(plen_B, batch.active_B, G, num_pages, M, P, paged.PAGE_SIZE)
-    greedy_B = None if rows.greedy_B is None else jnp.asarray(rows.greedy_B)
-    model_config, sampling = static["model_config"], static["sampling"]
+    num_pages = pool_pages(kv_cache_tokens, active, longest(plen_B, batch), settings.budget)
+    pages = first_pages(batch, rows.prompt_group, settings, num_pages)
+    args, static = prefill_args(rows, settings, num_pages)
+    state = programs_lib.prefill(weights, *args, pages, **static)
+    programs = PagedPrograms.of(weights, settings, batch)
+    return admit(programs, state, pages.admitted_B), programs
+
+
+def prompt_lengths(batch: buckets.PromptBatch) -> np.ndarray:
+    return batch.mask_BP.sum(axis=1).astype(np.int32)
+
+
+def longest(plen_B: np.ndarray, batch: buckets.PromptBatch) -> int:
+    """The longest active prompt (1 with none)."""
+    return int(plen_B[batch.active_B].max(initial=1))
+
+
+def first_pages(
+    batch: buckets.PromptBatch, group: int, settings: RolloutSettings, num_pages: int
+) -> programs_lib.PromptPages:
+    """The pages of the groups admitted at the start (paged_turn_programs.initial_pages),
+    tables wide enough for a prompt, the budget and an observation chunk."""
+    P = batch.prompt_BP.shape[1]
+    M = pages_lib.pages_for(P + settings.budget + settings.chunk, paged.PAGE_SIZE)
+    plen_B = prompt_lengths(batch)
+    return programs_lib.initial_pages(
+        plen_B, batch.active_B, group, num_pages, M, P, paged.PAGE_SIZE
+    )
+
+
+def prefill_args(
+    rows: PromptRows, settings: RolloutSettings, num_pages: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """paged_turn_programs.prefill's arguments before the pages, and its static ones."""
+    batch = rows.batch
     inputs = tuple(map(jnp.asarray, (batch.prompt_BP, batch.mask_BP, batch.active_B)))
-    state = programs_lib.prefill(
-        weights,
-        (*inputs, rows.keys_B),
-        greedy_B,
-        (stop_ids, stop_BQL),
-        jnp.int32(pad_id),
-        pages,
-        model_config=model_config,
-        sampling=sampling,
-        max_new_tokens=budget,
+    greedy_B = None if rows.greedy_B is None else jnp.asarray(rows.greedy_B)
+    stops = (settings.stop_ids_S, settings.stop_BQL)
+    args = ((*inputs, rows.keys_B), greedy_B, stops, jnp.int32(settings.pad_id))
+    static = dict(
+        model_config=settings.static["model_config"],
+        sampling=settings.static["sampling"],
+        max_new_tokens=settings.budget,
         num_pages=num_pages,
-        group=G,
+        group=rows.prompt_group,
     )
-    programs = PagedPrograms(
-        weights, stop_ids, stop_BQL, model_config, sampling, batch, plen_B, pad_id
-    )
-    # Rows not admitted: evicted, ready to go on unless their first token ended their turn.
+    return args, static
+
+
+def admit(programs: PagedPrograms, state: Any, admitted_B: jax.Array) -> Any:
+    """After prefill: the active rows not admitted start evicted, ready to go on unless their
+    first token ended their turn; the rows that fit are served."""
     ended_B = np.asarray(jax.device_get(state.ended_B))
-    for r in np.flatnonzero(batch.active_B & ~np.asarray(pages.admitted_B)):
+    for r in np.flatnonzero(programs.batch.active_B & ~np.asarray(admitted_B)):
         programs.evicted.add(int(r))
         if not ended_B[r]:
             programs.ready.add(int(r))
-    return programs.unblock(state), programs
+    return programs.unblock(state)
 
 
 @dataclasses.dataclass(eq=False)
@@ -132,15 +157,34 @@ class PagedPrograms:
     batch: buckets.PromptBatch  # the prompts a restore prefills again
     plen_B: np.ndarray
     pad_id: int
+    # The programs' module; a batch shard's runs them on its part of a mesh's state
+    # (paged_turns_mesh.ShardPrograms, the same functions).
+    lib: Any = programs_lib
     evicted: set[int] = dataclasses.field(default_factory=set)
     ready: set[int] = dataclasses.field(default_factory=set)
     observations: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     evictions: int = 0
 
+    @classmethod
+    def of(
+        cls, weights: Any, settings: RolloutSettings, batch: buckets.PromptBatch, lib: Any = None
+    ) -> PagedPrograms:
+        """The programs of the rows of `batch` (a rollout's, or a batch shard's)."""
+        static, ids, pad = settings.static, settings.stop_ids_S, settings.pad_id
+        model_config, sampling, plen_B = (
+            static["model_config"],
+            static["sampling"],
+            prompt_lengths(batch),
+        )
+        return cls(
+            weights, ids, settings.stop_BQL, model_config, sampling, batch, plen_B, pad,
+            lib=lib or programs_lib,
+        )  # fmt: skip
+
     def segment(self, state: TurnState, wait: bool = True) -> TurnState:
         """Up to SEGMENT_STEPS decode steps of the live rows (until some row ends its turn),
         waited for unless `wait` is False (paged_turns_mesh.py starts every shard's first)."""
-        state = programs_lib.segment(
+        state = self.lib.segment(
             self.weights,
             state,
             (self.stop_ids_S, self.stop_BQL),
@@ -161,7 +205,7 @@ class PagedPrograms:
         """Row `row`'s trajectory ended: its pages go back."""
         self.evicted.discard(row)
         self.ready.discard(row)
-        return programs_lib.release(state, jnp.int32(row))
+        return self.lib.release(state, jnp.int32(row))
 
     def pages_left(self, state: TurnState) -> int:
         """Pages still held (0 once every trajectory ended and returned its pages)."""
@@ -216,10 +260,10 @@ class PagedPrograms:
         if row in self.evicted:
             state = self._restore(state, row, step, resume=obs is None)
         elif obs is None:
-            state = programs_lib.unstall(state, jnp.arange(len(self.plen_B)) == row)
+            state = self.lib.unstall(state, jnp.arange(len(self.plen_B)) == row)
         if obs is None:
             return state
-        return programs_lib.observe(
+        return self.lib.observe(
             self.weights,
             state,
             observe_inputs(state, row, obs, self.pad_id),
@@ -238,7 +282,7 @@ class PagedPrograms:
         chunk_C[: len(tokens)] = tokens
         self.evicted.discard(row)
         self.ready.discard(row)
-        return programs_lib.restore(
+        return self.lib.restore(
             self.weights,
             state,
             jnp.int32(row),
@@ -257,4 +301,4 @@ class PagedPrograms:
         if stalled_B[row]:
             self.ready.add(row)
         self.evictions += 1
-        return programs_lib.release(state, jnp.int32(row))
+        return self.lib.release(state, jnp.int32(row))

@@ -1,15 +1,21 @@
 """Multi-turn rollouts on the paged KV cache on a mesh that splits the batch: one page pool
-and one set of paged_turns.py programs per batch shard, each on one device.
+per batch shard, each shard's rows and pool on one device, every program compiled once.
 
 The rows are split into D shards of whole groups (D: the mesh's batch shards, the data,
-fsdp and expert axes; paged_mesh.shards). Shard d's rows run in their own pool of
---kv_cache_tokens on the mesh's d-th device, under paged_turns.py's policy inside that pool
-(stall, serve the lowest waiting row first, evict the highest), with the weights copied to
-each device once. multiturn.py's host loop sees one state over every row (ShardedState: the
-shards' per-row arrays, concatenated in row order) and one set of programs
-(ShardedPrograms): a segment is started on every shard before the loop waits for any, so the
-shards decode at the same time; a reply goes to its row's shard. A row draws its tokens with
-its own key (fold_in(row_key, t)), so the samples are the ones one device draws.
+fsdp and expert axes; paged_mesh.shards). The rollout's state is one TurnState whose arrays
+are the shards' states laid end to end on their first axis (the rows in order; a shard's
+pool on its device; slot_steps one count per shard), split over the batch axes. Each program
+of paged_turn_programs.py runs under jax.shard_map, manual over every mesh axis, on each
+shard's part as on one device (the weights enter replicated, with no collective inside):
+
+  prefill, segment   every shard at once (the shards decode together);
+  observe, restore,  one row of one shard: the program runs on every device, and the shards
+  release, unstall   other than the row's skip it (lax.cond, or an empty row set).
+
+paged_turns.py's memory policy runs per shard on the host (a PagedPrograms per shard, reading
+its shard's part of the state: ShardView, the device's own buffers, no copy), so a shard stalls,
+serves and evicts within its own pool. A row draws its tokens with its own key
+(fold_in(row_key, t)), so the samples are the ones one device draws.
 
 Refused (check_mesh): a mesh with another axis of size > 1 (tensor), since a shard's programs
 run on one device, and a batch whose shards would split a group (paged_mesh.check_rows).
@@ -18,17 +24,21 @@ run on one device, and a batch whose shards would split a group (paged_mesh.chec
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import functools
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxrl4llm import parallel
 from jaxrl4llm.config.errors import FlagError
 from jaxrl4llm.sampling import buckets, paged_mesh, paged_turns
+from jaxrl4llm.sampling import paged_turn_programs as programs_lib
 from jaxrl4llm.sampling.row_io import PromptRows
-from jaxrl4llm.sampling.turn_programs import RolloutSettings, TurnState
+from jaxrl4llm.sampling.turn_programs import SEGMENT_STEPS, RolloutSettings, TurnState
 
 
 def check_mesh(
@@ -51,76 +61,210 @@ def check_mesh(
     return paged_mesh.shards(mesh, rules)
 
 
+def _local(s: TurnState) -> TurnState:
+    """A shard's part of the state as one device's state (its one slot_steps a scalar)."""
+    return s.replace(slot_steps=s.slot_steps.reshape(()))
+
+
+def _part(s: TurnState) -> TurnState:
+    """One device's state as its shard's part of the mesh's state."""
+    return s.replace(slot_steps=s.slot_steps.reshape((1,)))
+
+
+def _map(body: Any, mesh: Mesh, axes: tuple[str, ...], args: tuple, specs: tuple) -> Any:
+    """`body` on each shard's parts of `args` (specs: P(axes) split, P() whole)."""
+    run = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(axes), check_vma=False)
+    return run(*args)
+
+
+_MESH = ("mesh", "axes")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(*_MESH, "model_config", "sampling", "max_new_tokens", "num_pages", "group"),
+)
+def _prefill(
+    weights: Any,
+    inputs: tuple,
+    optional: dict,
+    stops: tuple,
+    pad_id: jax.Array,
+    pages: programs_lib.PromptPages,
+    *,
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    **static: Any,
+) -> TurnState:
+    def body(w: Any, inputs: tuple, opt: dict, ids: Any, stop: Any, pad: Any, pages: Any) -> Any:
+        state = programs_lib.prefill(
+            w, inputs, opt.get("greedy_B"), (ids, stop), pad, pages, **static
+        )
+        return _part(state)
+
+    row, whole = P(axes), P()
+    args = (weights, inputs, optional, *stops, pad_id, pages)
+    return _map(body, mesh, axes, args, (whole, row, row, whole, row, whole, row))
+
+
+@functools.partial(
+    jax.jit, static_argnames=(*_MESH, "model_config", "sampling", "max_steps"), donate_argnums=1
+)
+def _segment(
+    weights: Any, s: TurnState, stops: tuple, *, mesh: Mesh, axes: tuple[str, ...], **static: Any
+) -> TurnState:
+    def body(w: Any, s: TurnState, ids: Any, stop: Any) -> TurnState:
+        return _part(programs_lib.segment(w, _local(s), (ids, stop), **static))
+
+    return _map(body, mesh, axes, (weights, s, *stops), (P(), P(axes), P(), P(axes)))
+
+
+@functools.partial(jax.jit, static_argnames=_MESH, donate_argnums=0)
+def _release(s: TurnState, row_D: jax.Array, *, mesh: Mesh, axes: tuple[str, ...]) -> TurnState:
+    """programs_lib.release of each shard's row_D (-1: none)."""
+    body = lambda s, row: _part(programs_lib.release(_local(s), row[0]))  # noqa: E731
+    return _map(body, mesh, axes, (s, row_D), (P(axes),) * 2)
+
+
+@functools.partial(jax.jit, static_argnames=_MESH, donate_argnums=0)
+def _unstall(s: TurnState, rows_B: jax.Array, *, mesh: Mesh, axes: tuple[str, ...]) -> TurnState:
+    body = lambda s, rows: _part(programs_lib.unstall(_local(s), rows))  # noqa: E731
+    return _map(body, mesh, axes, (s, rows_B), (P(axes),) * 2)
+
+
+@functools.partial(
+    jax.jit, static_argnames=(*_MESH, "program", "model_config", "sampling"), donate_argnums=1
+)
+def _row_program(
+    weights: Any,
+    s: TurnState,
+    args_D: tuple,
+    stops: tuple,
+    apply_D: jax.Array,
+    *,
+    program: str,
+    mesh: Mesh,
+    axes: tuple[str, ...],
+    **static: Any,
+) -> TurnState:
+    """paged_turn_programs' `program` ("observe" or "restore") on the shard where apply_D,
+    with its args_D (each [D, ...]: that shard's at its index); the other shards unchanged."""
+
+    def body(w: Any, s: TurnState, args: tuple, ids: Any, stop: Any, apply: Any) -> TurnState:
+        args = tuple(a[0] for a in args)
+        if program == "observe":
+            run = lambda x: programs_lib.observe(w, x, args, (ids, stop), **static)  # noqa: E731
+        else:
+            run = lambda x: programs_lib.restore(w, x, *args, **static)  # noqa: E731
+        return _part(jax.lax.cond(apply[0], run, lambda x: x, _local(s)))
+
+    row = P(axes)
+    return _map(
+        body, mesh, axes, (weights, s, args_D, *stops, apply_D), (P(), row, row, P(), row, row)
+    )
+
+
+class ShardView:
+    """Shard d's part of the mesh's state, read as one device's TurnState: each field's
+    arrays are the shard's own buffers on its device (no copy). Programs take `state`."""
+
+    def __init__(self, state: TurnState, d: int):
+        self.state, self.d = state, d
+
+    def __getattr__(self, name: str) -> Any:
+        return jax.tree.map(self._part, getattr(self.state, name))
+
+    def _part(self, a: jax.Array) -> jax.Array:
+        shards = sorted(a.addressable_shards, key=lambda s: s.index[0].start or 0)
+        return shards[self.d].data
+
+
 @dataclasses.dataclass(frozen=True)
-class ShardedState:
-    """The shards' TurnStates, read by the host loop as one state over every row."""
+class ShardPrograms:
+    """paged_turn_programs' row programs as one shard's PagedPrograms calls them (the same
+    signatures, on a ShardView): each runs on the whole mesh's state, for this shard only."""
 
-    shards: tuple[TurnState, ...]
+    d: int
+    D: int
+    rows: int
+    mesh: Mesh
+    axes: tuple[str, ...]
 
-    def _rows(self, name: str) -> np.ndarray:
-        return np.concatenate(jax.device_get([getattr(s, name) for s in self.shards]))
+    def _one(self, value: Any, empty: Any) -> jax.Array:
+        """[D, ...]: `value` at this shard's index, `empty` at the others'."""
+        value = np.asarray(jax.device_get(value))
+        out = np.broadcast_to(np.asarray(empty, value.dtype), (self.D, *value.shape)).copy()
+        out[self.d] = value
+        return jnp.asarray(out)
 
-    tokens_BT = property(lambda self: self._rows("tokens_BT"))
-    logprobs_BT = property(lambda self: self._rows("logprobs_BT"))
-    model_BT = property(lambda self: self._rows("model_BT"))
-    step_B = property(lambda self: self._rows("step_B"))
-    live_B = property(lambda self: self._rows("live_B"))
-    ended_B = property(lambda self: self._rows("ended_B"))
-    turn_start_B = property(lambda self: self._rows("turn_start_B"))
+    def release(self, view: ShardView, row: jax.Array) -> ShardView:
+        s = _release(view.state, self._one(row, -1), mesh=self.mesh, axes=self.axes)
+        return ShardView(s, self.d)
 
-    @property
-    def slot_steps(self) -> int:
-        return sum(int(s) for s in jax.device_get([s.slot_steps for s in self.shards]))
+    def unstall(self, view: ShardView, rows_B: jax.Array) -> ShardView:
+        rows = self._one(rows_B, False).reshape(-1)
+        return ShardView(_unstall(view.state, rows, mesh=self.mesh, axes=self.axes), self.d)
 
-    def clear_ended(self) -> ShardedState:
-        return ShardedState(tuple(s.clear_ended() for s in self.shards))
+    def observe(
+        self, w: Any, view: ShardView, observation: tuple, stops: tuple, **static: Any
+    ) -> ShardView:
+        return self._row("observe", w, view, observation, stops, static)
+
+    def restore(self, w: Any, view: ShardView, *args: Any, **static: Any) -> ShardView:
+        return self._row("restore", w, view, args, (), static)
+
+    def _row(
+        self, program: str, w: Any, view: ShardView, args: tuple, stops: tuple, static: dict
+    ) -> ShardView:
+        args_D = tuple(self._one(a, 0) for a in args)
+        stops = stops or (jnp.zeros((0,), jnp.int32), jnp.zeros((self.D * self.rows,), jnp.int32))
+        s = _row_program(
+            w, view.state, args_D, stops, self._one(True, False),
+            program=program, mesh=self.mesh, axes=self.axes, **static,
+        )  # fmt: skip
+        return ShardView(s, self.d)
 
 
 @dataclasses.dataclass(eq=False)
 class ShardedPrograms:
-    """paged_turns.PagedPrograms per shard, run as multiturn.py's host loop runs one set:
-    a call for a row goes to its shard (rows `rows` per shard, in order), a call for every
-    row to every shard, each on its device."""
+    """The programs multiturn.py's host loop runs over the mesh's state: a segment of every
+    shard at once; a call for a row through its shard's PagedPrograms (rows `rows` each)."""
 
     shards: tuple[paged_turns.PagedPrograms, ...]
-    devices: tuple[jax.Device, ...]
     rows: int
+    mesh: Mesh
+    axes: tuple[str, ...]
 
-    def _on(self, d: int, call: Callable[..., TurnState], *args: Any) -> TurnState:
-        with jax.default_device(self.devices[d]):  # the call's new arrays start there
-            return call(*args)
-
-    def _each(self, state: ShardedState, method: str, *args: Any) -> ShardedState:
-        return ShardedState(
-            tuple(
-                self._on(d, getattr(p, method), s, *args)
-                for d, (p, s) in enumerate(zip(self.shards, state.shards))
-            )
-        )
-
-    def _row(self, state: ShardedState, row: int, method: str, *args: Any) -> ShardedState:
-        d, local = divmod(row, self.rows)
-        shards = list(state.shards)
-        shards[d] = self._on(d, getattr(self.shards[d], method), shards[d], local, *args)
-        return ShardedState(tuple(shards))
-
-    def segment(self, state: ShardedState) -> ShardedState:
-        """Every shard's segment started, then waited for: the shards decode together."""
-        state = self._each(state, "segment", False)
-        jax.block_until_ready([s.ended_B for s in state.shards])
+    def segment(self, state: TurnState) -> TurnState:
+        p = self.shards[0]
+        state = _segment(
+            p.weights, state, (p.stop_ids_S, p.stop_BQL), mesh=self.mesh, axes=self.axes,
+            model_config=p.model_config, sampling=p.sampling, max_steps=SEGMENT_STEPS,
+        )  # fmt: skip
+        jax.block_until_ready(state.ended_B)
         return state
 
-    def observe(self, state: ShardedState, row: int, obs: list[int], pad_id: int) -> ShardedState:
-        return self._row(state, row, "observe", obs, pad_id)
+    def observe(self, state: TurnState, row: int, obs: list[int], pad_id: int) -> TurnState:
+        d, local = divmod(row, self.rows)
+        return self._on(d, "observe", state, local, obs, pad_id)
 
-    def finish(self, state: ShardedState, row: int) -> ShardedState:
-        return self._row(state, row, "finish")
+    def finish(self, state: TurnState, row: int) -> TurnState:
+        d, local = divmod(row, self.rows)
+        return self._on(d, "finish", state, local)
 
-    def unblock(self, state: ShardedState) -> ShardedState:
-        return self._each(state, "unblock")
+    def unblock(self, state: TurnState) -> TurnState:
+        for d in range(len(self.shards)):
+            state = self._on(d, "unblock", state)
+        return state
 
-    def pages_left(self, state: ShardedState) -> int:
-        return sum(p.pages_left(s) for p, s in zip(self.shards, state.shards))
+    def _on(self, d: int, method: str, state: TurnState, *args: Any) -> TurnState:
+        """Shard d's PagedPrograms `method` on its view of `state`; the mesh's new state."""
+        view: Any = ShardView(state, d)
+        return getattr(self.shards[d], method)(view, *args).state
+
+    def pages_left(self, state: TurnState) -> int:
+        views: list[Any] = [ShardView(state, d) for d in range(len(self.shards))]
+        return sum(p.pages_left(v) for p, v in zip(self.shards, views))
 
     @property
     def evictions(self) -> int:
@@ -134,32 +278,35 @@ def start(
     kv_cache_tokens: int,
     mesh: Mesh,
     rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
-) -> tuple[ShardedState, ShardedPrograms]:
-    """paged_turns.start on each batch shard of `mesh`, on its device, with a pool of
-    `kv_cache_tokens` each (0: every row of the shard at full length)."""
-    D = check_mesh(mesh, rules)
-    B = rows.batch.prompt_BP.shape[0]
+) -> tuple[TurnState, ShardedPrograms]:
+    """paged_turns.start on each batch shard of `mesh`, with a pool of `kv_cache_tokens` each
+    (0: every row of the fullest shard at full length; every shard's pool is one size)."""
+    D, axes, batch = check_mesh(mesh, rules), paged_mesh.batch_axes(mesh, rules), rows.batch
+    B = batch.prompt_BP.shape[0]
     paged_mesh.check_rows(B, D, rows.prompt_group)
     n = B // D
-    devices = tuple(mesh.devices.flat)
-    states, programs = [], []
-    for d, device in enumerate(devices):
-        part = slice(d * n, (d + 1) * n)
-        local = jax.device_put(
-            (weights, rows.keys_B[part], settings.stop_ids_S, settings.stop_BQL[part]), device
-        )
-        shard_rows = PromptRows(
-            _batch_rows(rows.batch, part, d * n),
-            local[1],
-            None if rows.greedy_B is None else rows.greedy_B[part],
-            rows.prompt_group,
-        )
-        shard_settings = settings._replace(stop_ids_S=local[2], stop_BQL=local[3])
-        with jax.default_device(device):
-            state, shard = paged_turns.start(local[0], shard_rows, shard_settings, kv_cache_tokens)
-        states.append(state)
-        programs.append(shard)
-    return ShardedState(tuple(states)), ShardedPrograms(tuple(programs), devices, n)
+    shards = [_batch_rows(batch, slice(d * n, (d + 1) * n), d * n) for d in range(D)]
+    active = max([int(b.active_B.sum()) for b in shards] + [1])
+    plen_B = paged_turns.prompt_lengths(batch)
+    longest = paged_turns.longest(plen_B, batch)
+    num_pages = paged_turns.pool_pages(kv_cache_tokens, active, longest, settings.budget)
+    pages = [paged_turns.first_pages(b, rows.prompt_group, settings, num_pages) for b in shards]
+    # Replicated once: every program reads the whole weights on each device.
+    weights = jax.device_put(weights, jax.sharding.NamedSharding(mesh, P()))
+    args, static = paged_turns.prefill_args(rows, settings, num_pages)
+    inputs, greedy_B, stops, pad = args
+    optional = {} if greedy_B is None else {"greedy_B": greedy_B}
+    all_pages = jax.tree.map(lambda *a: jnp.concatenate(a), *pages)
+    state = _prefill(
+        weights, inputs, optional, stops, pad, all_pages, mesh=mesh, axes=axes, **static
+    )
+    programs = []
+    for d, (shard, shard_pages) in enumerate(zip(shards, pages)):
+        lib = ShardPrograms(d, D, n, mesh, axes)
+        p = paged_turns.PagedPrograms.of(weights, settings, shard, lib)
+        state = paged_turns.admit(p, ShardView(state, d), shard_pages.admitted_B).state
+        programs.append(p)
+    return state, ShardedPrograms(tuple(programs), n, mesh, axes)
 
 
 def _batch_rows(batch: buckets.PromptBatch, part: slice, first: int) -> buckets.PromptBatch:

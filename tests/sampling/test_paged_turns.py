@@ -7,6 +7,8 @@ start and their pages."""
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import numpy as np
 import pytest
@@ -80,23 +82,26 @@ def test_a_pool_below_one_row_at_full_length_is_refused(toy_policy):
         _run(toy_policy, FakeHandler(), LIMITS, _prompts(config, LENGTHS), kv_cache_tokens=32)
 
 
-def test_on_a_mesh_each_batch_shard_samples_the_dense_engines_rows(toy_policy):
+def test_on_a_mesh_each_batch_shard_samples_the_dense_engines_rows(toy_policy, caplog):
     """data:2,fsdp:2 (4 batch shards, one group of 2 rows each, paged_turns_mesh.py), each
     with the smallest pool (one row at full length: 3 pages of 16 for its 2 rows, so rows are
     evicted inside their shard): the rows the dense engine samples on one device; every
-    shard's pages come back."""
+    shard's pages come back; the decode segment compiled once for the 4 shards."""
     config, _ = toy_policy
     prompts = _prompts(config, LENGTHS[:4])
     dense = _rows(*_run(toy_policy, FakeHandler(done_after=3), LIMITS, prompts))
     mesh = parallel.make_mesh("data:2,fsdp:2,expert:1,tensor:1", jax.devices()[:4])
-    paged = _rows(
-        *_run(
-            toy_policy, FakeHandler(done_after=3), LIMITS, prompts, mesh=mesh,
-            kv_cache_tokens=3 * 16,
-        )
-    )  # fmt: skip
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        paged = _rows(
+            *_run(
+                toy_policy, FakeHandler(done_after=3), LIMITS, prompts, mesh=mesh,
+                kv_cache_tokens=3 * 16,
+            )
+        )  # fmt: skip
     _assert_same_rows(dense, paged, logprob_atol=1e-4)
     assert paged[2].pages_left == 0 and paged[2].evictions > 0
+    compiled = [r for r in caplog.records if "Compiling jit(_segment)" in r.getMessage()]
+    assert len(compiled) == 1, "one program for every shard, not one per device"
     assert (paged[2].turns_B > 1).sum() >= 2, "the toy model should end several turns"
 
 
