@@ -10,7 +10,10 @@ padding) and the rows stalled for want of a page.
             (paged_state.write_prompt); every active row's first token;
   segment   decode steps of the live rows reading their pages (paged_step.paged_decode_step);
             a row whose next token starts a page gets a free one, or stalls (stops decoding,
-            keeps its pages) when none is free;
+            keeps its pages) when none is free; a step computes the live rows only, at the
+            smallest row level holding them (paged_step.row_levels): rows parked for a
+            reply cost nothing, as their KV stays in its pages (the dense engine computes
+            every row);
   observe   one row's chunk (its last model token and the observation tokens) prefilled at
             its position into its pages (`_prefill_chunk`: the row's pages gathered as a
             dense one-row cache, the chunk run through transformer.hidden_states as
@@ -20,8 +23,8 @@ padding) and the rows stalled for want of a page.
             pages (the same chunked prefill); `release` returns a row's pages.
 
 Decode attention is page_pool's gather reference (paged_step.paged_decode_step) on every
-backend, over every row and whole tables, as the dense engine computes every row: the
-single-turn engine's Pallas kernel and row levels (paged.py) are not used here.
+backend, over whole tables: the single-turn engine's Pallas kernel and table widths
+(paged.py) are not used here.
 """
 
 from __future__ import annotations
@@ -171,27 +174,67 @@ def segment(
     is live (ended, parked or stalled) or `max_steps` steps ran; `stops`: the stop ids and
     each row's stop sequences."""
     B = s.step_B.shape[0]
-    rows = jnp.arange(B)
+    sizes = paged_step.row_levels(B, paged_step.fewest_rows(B))
 
     def body(carry: tuple[TurnState, jax.Array]) -> tuple[TurnState, jax.Array]:
         x, k = carry
         position_B = jnp.maximum(x.plen_B + x.step_B - 1, 0)  # of the token fed (last_B)
         kv, live_B = _allocate(x.cache, x.live_B, position_B)
-        logits_BV, k_LBKH, v_LBKH, _ = paged_step.paged_decode_step(
-            weights, model_config, x.last_B, position_B, kv.table_BM, kv.pool
+        # The live rows first, in row order: a step computes the smallest row level holding
+        # them (parked rows, waiting for a reply, cost nothing; their KV stays in its pages).
+        order_J = jnp.argsort(~live_B, stable=True)
+        level = jnp.sum(jnp.sum(live_B) <= jnp.array(sizes), dtype=jnp.int32) - 1
+        branches = [
+            functools.partial(_decode_first, weights, model_config, sampling, size)
+            for size in sizes
+        ]
+        x = x.replace(cache=kv, live_B=live_B)
+        tok_J, lp_J, k_LJKH, v_LJKH = jax.lax.switch(level, branches, x, position_B, order_J)
+        # The pool is written after the switch (a write inside a branch copies it); slots
+        # past the live rows write to SCRATCH.
+        position_J, live_J = position_B[order_J], live_B[order_J]
+        page_J = jnp.where(
+            live_J, kv.table_BM[order_J, position_J // kv.pool.page_size], kv.pool.num_pages
         )
-        # Rows that do not decode write to SCRATCH.
-        page_B = jnp.where(
-            live_B, kv.table_BM[rows, position_B // kv.pool.page_size], kv.pool.num_pages
+        pool = paged_step.write_new_tokens(kv.pool, page_J, position_J, k_LJKH, v_LJKH)
+        x = x.replace(
+            cache=kv.replace(pool=pool), slot_steps=x.slot_steps + jnp.array(sizes)[level]
         )
-        pool = paged_step.write_new_tokens(kv.pool, page_B, position_B, k_LBKH, v_LBKH)
-        x = x.replace(cache=kv.replace(pool=pool), live_B=live_B, slot_steps=x.slot_steps + B)
-        tok_B, lp_B = turn_programs._sample_step(x, logits_BV, sampling)
+        tok_B, lp_B = (
+            jnp.zeros_like(tok_J).at[order_J].set(tok_J),
+            jnp.zeros_like(lp_J).at[order_J].set(lp_J),
+        )
         return turn_programs._emit(x, live_B, tok_B, lp_B, *stops), k + 1
 
     cond = functools.partial(turn_programs.segment_continues, max_steps)
     s, _ = jax.lax.while_loop(cond, body, (s, jnp.array(0, jnp.int32)))
     return s
+
+
+def _decode_first(
+    weights: Any,
+    model_config: ModelConfig,
+    sampling: SamplingConfig,
+    size: int,
+    x: TurnState,
+    position_B: jax.Array,
+    order_J: jax.Array,
+) -> tuple[jax.Array, ...]:
+    """One decode step of rows order_J[:size] (every live row among them): their tokens,
+    logprobs and each layer's new keys and values, in slot order, zero past `size` (J = B
+    slots). Row r's token is drawn with fold_in(row_key[r], its step), as every row's."""
+    B, idx_S = order_J.shape[0], order_J[:size]
+    logits_SV, k_LSKH, v_LSKH, _ = paged_step.paged_decode_step(
+        weights, model_config, x.last_B[idx_S], position_B[idx_S], x.cache.table_BM[idx_S],
+        x.cache.pool,
+    )  # fmt: skip
+    keys_S = jax.vmap(jax.random.fold_in)(x.keys_B[idx_S], x.step_B[idx_S].astype(jnp.uint32))
+    greedy_S = None if x.greedy_B is None else x.greedy_B[idx_S]
+    tok_S, lp_S = strategies.sample(logits_SV, keys_S, sampling, greedy_S)
+    pad = lambda a: jnp.pad(a, [(0, B - size)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
+    dtype = x.cache.pool.k_pages[0].dtype
+    new_kv = jax.tree.map(lambda a: pad(a.astype(dtype)), (k_LSKH, v_LSKH))
+    return pad(tok_S), pad(lp_S), *new_kv
 
 
 def _grow(kv: PagedKV, row: jax.Array, slots: jax.Array) -> PagedKV:

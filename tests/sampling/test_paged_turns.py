@@ -148,3 +148,43 @@ def test_a_batch_whose_every_prompt_was_dropped_runs(toy_policy):
         )  # fmt: skip
         assert np.asarray(out.dropped_B).all() and not np.asarray(out.lengths_B).any()
         assert not np.asarray(out.mask_BT).any() and stats.turns_B.sum() == 0
+
+
+def test_a_decode_step_computes_only_the_live_rows_smallest_level(toy_policy):
+    """16 rows (row levels 16, 12, 8) of which only rows 3 and 11 decode (the others parked,
+    as rows waiting for a tool's reply are): a step computes 8 rows, not 16, and rows 3 and
+    11 get the tokens and logprobs they get in a step that computes all 16 rows."""
+    from jaxrl4llm.sampling import paged_turns, row_io, turn_programs
+    from jaxrl4llm.sampling.layout import RowLayout
+
+    config, params = toy_policy
+    request = row_io.RowRequest(RowLayout(2), max_new_tokens=24)
+    rows = row_io.prompt_rows(
+        _prompts(config, [5, 9, 3, 18] * 2), config, jax.random.key(1), request
+    )
+    stop_BQL = jax.numpy.full((16, 1, 1), -1, np.int32)
+    static = dict(model_config=config, sampling=SAMPLED, sharding=None)
+    stop_ids = jax.numpy.asarray([1], np.int32)
+    settings = turn_programs.RolloutSettings(stop_ids, stop_BQL, 0, 24, 16, static)
+    weights = turn_programs.decode_weights(params, config, None)
+
+    def step(live):
+        state, _ = paged_turns.start(weights, rows, settings, kv_cache_tokens=0)
+        state = state.replace(live_B=jax.numpy.asarray(live))
+        before = int(state.slot_steps)
+        state = paged_turn_programs.segment(
+            weights, state, (stop_ids, stop_BQL), model_config=config, sampling=SAMPLED,
+            max_steps=1,
+        )  # fmt: skip
+        tokens, logprobs, step_B = jax.device_get(
+            (state.tokens_BT, state.logprobs_BT, state.step_B)
+        )
+        return int(state.slot_steps) - before, tokens, logprobs, step_B
+
+    two = np.isin(np.arange(16), [3, 11])
+    computed_all, tokens_all, logprobs_all, step_all = step(np.ones(16, bool))
+    computed_two, tokens_two, logprobs_two, step_two = step(two)
+    assert (computed_all, computed_two) == (16, 8)
+    np.testing.assert_array_equal(step_two, step_all - ~two)  # the parked rows did not move
+    np.testing.assert_array_equal(tokens_two[two, 1], tokens_all[two, 1])
+    np.testing.assert_allclose(logprobs_two[two, 1], logprobs_all[two, 1], atol=1e-6)
