@@ -150,23 +150,60 @@ def test_a_batch_whose_every_prompt_was_dropped_runs(toy_policy):
         assert not np.asarray(out.mask_BT).any() and stats.turns_B.sum() == 0
 
 
-def test_a_decode_step_computes_only_the_live_rows_smallest_level(toy_policy):
-    """16 rows (row levels 16, 12, 8) of which only rows 3 and 11 decode (the others parked,
-    as rows waiting for a tool's reply are): a step computes 8 rows, not 16, and rows 3 and
-    11 get the tokens and logprobs they get in a step that computes all 16 rows."""
-    from jaxrl4llm.sampling import paged_turns, row_io, turn_programs
+def _start_inputs(toy_policy):
+    """16 rows (8 prompts x 2) of a rollout without stop sequences: (rows, settings, the
+    decode weights) as multiturn.run gives them to paged_turns.start."""
+    from jaxrl4llm.sampling import row_io, turn_programs
     from jaxrl4llm.sampling.layout import RowLayout
 
     config, params = toy_policy
     request = row_io.RowRequest(RowLayout(2), max_new_tokens=24)
-    rows = row_io.prompt_rows(
-        _prompts(config, [5, 9, 3, 18] * 2), config, jax.random.key(1), request
-    )
+    prompts = _prompts(config, [5, 9, 3, 18] * 2)
+    rows = row_io.prompt_rows(prompts, config, jax.random.key(1), request)
     stop_BQL = jax.numpy.full((16, 1, 1), -1, np.int32)
     static = dict(model_config=config, sampling=SAMPLED, sharding=None)
     stop_ids = jax.numpy.asarray([1], np.int32)
     settings = turn_programs.RolloutSettings(stop_ids, stop_BQL, 0, 24, 16, static)
-    weights = turn_programs.decode_weights(params, config, None)
+    return rows, settings, turn_programs.decode_weights(params, config, None)
+
+
+def test_on_a_mesh_the_decode_segment_holds_no_collective(toy_policy):
+    """On fsdp:8 the weights are gathered once, when the rollout starts
+    (turn_programs.decode_weights): each shard's decode segment (its loop of decode steps)
+    runs on its device with no collective, read right after SPMD partitioning
+    (hlo_analysis.partitioned_hlo)."""
+    from jaxrl4llm.models import transformer
+    from jaxrl4llm.planner import hlo_analysis
+    from jaxrl4llm.sampling import paged_turns_mesh, turn_programs
+
+    config, params = toy_policy
+    rows, settings, _ = _start_inputs(toy_policy)
+    mesh = parallel.make_mesh("data:1,fsdp:8,expert:1,tensor:1")
+    # The weights as the trainer's sampler gets them: split over fsdp.
+    params = parallel.shard_pytree(
+        params, transformer.param_logical_axes(config), mesh, parallel.DEFAULT_RULES
+    )
+    weights = turn_programs.decode_weights(params, config, parallel.ActivationSharding(mesh))
+    state, programs = paged_turns_mesh.start(weights, rows, settings, 0, mesh)
+    p = programs.shards[0]
+    lowered = paged_turns_mesh._segment.lower(
+        p.weights, state, (p.stop_ids_S, p.stop_BQL), mesh=mesh, axes=programs.axes,
+        model_config=config, sampling=SAMPLED, max_steps=4,
+    )  # fmt: skip
+    _, hlo = hlo_analysis.partitioned_hlo(lowered)
+    assert " while(" in hlo  # the decode loop is there
+    assert not hlo_analysis.collectives(hlo)
+
+
+def test_a_decode_step_computes_only_the_live_rows_smallest_level(toy_policy):
+    """16 rows (row levels 16, 12, 8) of which only rows 3 and 11 decode (the others parked,
+    as rows waiting for a tool's reply are): a step computes 8 rows, not 16, and rows 3 and
+    11 get the tokens and logprobs they get in a step that computes all 16 rows."""
+    from jaxrl4llm.sampling import paged_turns
+
+    config, _ = toy_policy
+    rows, settings, weights = _start_inputs(toy_policy)
+    stop_ids, stop_BQL = settings.stop_ids_S, settings.stop_BQL
 
     def step(live):
         state, _ = paged_turns.start(weights, rows, settings, kv_cache_tokens=0)
