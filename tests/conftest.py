@@ -11,6 +11,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+# JAX's "try not to do much optimization work" (XLA's LLVM backend at -O0, its expensive
+# passes off), in this process and the trainer processes the tests start (unless the
+# environment sets it): the tests' programs are small and run once or twice, so compiling
+# them took most of the suite's time, about half of it in those optimizations. What a
+# program computes stays the same, its machine code is slower (test_loop.py's
+# test_length_classes_give_the_same_run: 59 s -> 24 s); the SmolLM2-135M tests take as long
+# either way (test_paged_smollm2.py, the quickstart's test_plan_programs_match_the_run.py).
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402

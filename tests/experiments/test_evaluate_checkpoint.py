@@ -18,6 +18,8 @@ from jaxrl4llm.config.errors import FlagError, UserError
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.infra.checkpoint import CheckpointError, checkpoint_step, read_run_config
 
+from tests.compile_cache import with_compile_cache
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -64,11 +66,14 @@ def test_evaluating_a_run_reproduces_its_logged_evaluation(toy_model_dir, copy_t
         )
     )
     workdir = tmp_path / "run"
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=REPO,
-        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    # The evaluations compile the run's own evaluation programs: loaded from the cache.
+    env = with_compile_cache(
+        dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            PYTHONPATH=REPO,
+            XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        )
     )
     trained = subprocess.run(
         [

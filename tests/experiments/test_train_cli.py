@@ -8,12 +8,14 @@ import sys
 
 import pytest
 
+from tests.compile_cache import with_compile_cache
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(args):
-    env = dict(
-        os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1"
+    env = with_compile_cache(
+        dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
     )
     return subprocess.run(
         [sys.executable, "-m", "experiments.train", *args],
@@ -128,7 +130,7 @@ def test_evaluate_cli_on_a_trained_checkpoint(toy_model_dir, copy_task_file, tmp
         toy_model_dir, copy_task_file, tmp_path / "run", "--verbosity=0"
     )
     assert _library_log_lines(trained.stderr)  # --verbosity brings the library logs back
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = with_compile_cache(dict(os.environ, JAX_PLATFORMS="cpu"))
     out = tmp_path / "eval.json"
     result = subprocess.run(
         [

@@ -13,12 +13,17 @@ import pytest
 from jaxrl4llm.train.infra import errors
 from jaxrl4llm.train.infra.metrics import read_metrics
 
+from tests.compile_cache import with_compile_cache
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-ENV = dict(
-    os.environ,
-    JAX_PLATFORMS="cpu",
-    PYTHONUNBUFFERED="1",
-    XLA_FLAGS="--xla_force_host_platform_device_count=1",
+# The toy runs here compile the same programs: all but the first load them from the cache.
+ENV = with_compile_cache(
+    dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    )
 )
 
 

