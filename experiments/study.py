@@ -60,7 +60,8 @@ _CACHE = flags.DEFINE_string(
     "compilation_cache",
     None,
     "JAX's persistent compilation cache "
-    "for the runs (default ROOT/jax_cache; '' for none): the runs of a "
+    "for the runs (default ROOT/jax_cache, or workdirs/studies/jax_cache on this "
+    "machine's disk for an object-store ROOT; '' for none): the runs of a "
     "study compile the same programs, so all but the first skip most "
     "of their compile time (a toy run: 97 s -> 25 s).",
 )
