@@ -96,6 +96,9 @@ def _prefill(
     axes: tuple[str, ...],
     **static: Any,
 ) -> TurnState:
+    """programs_lib.prefill of each shard's rows (inputs, the optional greedy_B and the
+    stop sequences split by rows, `pages` each shard's own PromptPages end to end)."""
+
     def body(w: Any, inputs: tuple, opt: dict, ids: Any, stop: Any, pad: Any, pages: Any) -> Any:
         state = programs_lib.prefill(
             w, inputs, opt.get("greedy_B"), (ids, stop), pad, pages, **static
@@ -113,6 +116,9 @@ def _prefill(
 def _segment(
     weights: Any, s: TurnState, stops: tuple, *, mesh: Mesh, axes: tuple[str, ...], **static: Any
 ) -> TurnState:
+    """programs_lib.segment of every shard at once (each until one of its rows ends a turn,
+    none of them decodes or max_steps steps ran)."""
+
     def body(w: Any, s: TurnState, ids: Any, stop: Any) -> TurnState:
         return _part(programs_lib.segment(w, _local(s), (ids, stop), **static))
 
@@ -128,6 +134,7 @@ def _release(s: TurnState, row_D: jax.Array, *, mesh: Mesh, axes: tuple[str, ...
 
 @functools.partial(jax.jit, static_argnames=_MESH, donate_argnums=0)
 def _unstall(s: TurnState, rows_B: jax.Array, *, mesh: Mesh, axes: tuple[str, ...]) -> TurnState:
+    """programs_lib.unstall of the rows rows_B (bool over every shard's rows)."""
     body = lambda s, rows: _part(programs_lib.unstall(_local(s), rows))  # noqa: E731
     return _map(body, mesh, axes, (s, rows_B), (P(axes),) * 2)
 
