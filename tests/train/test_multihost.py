@@ -122,6 +122,24 @@ def test_two_processes_match_one(toy_model_dir, copy_task_file, tmp_path):
     assert sorted(os.listdir(tmp_path / "two" / "checkpoints"))[:2] == ["1", "2"]
 
 
+def test_the_paged_engine_on_two_processes_matches_one(toy_model_dir, copy_task_file, tmp_path):
+    """--rollout_engine=paged on two processes (a page pool per batch shard,
+    sampling/paged_mesh.py, over the 4 devices of both hosts) trains as the compacted sampler
+    in one process: 6 greedy tokens per row, the same rewards and losses."""
+    two = _config(toy_model_dir, copy_task_file, tmp_path / "two")
+    two = two.replace(rollout_engine="paged", kv_cache_tokens=0, max_new_tokens=6)
+    _two_workers(two, tmp_path)
+    one = _config(toy_model_dir, copy_task_file, tmp_path / "one").replace(max_new_tokens=6)
+    loop.run(one, devices=jax.devices()[:4])
+    a, b = read_metrics(str(tmp_path / "one")), read_metrics(str(tmp_path / "two"))
+    assert [r["step"] for r in b] == [1, 2]
+    for ra, rb in zip(a, b):
+        assert rb["reward/accuracy"] == pytest.approx(ra["reward/accuracy"])
+        assert rb["response/length_mean"] == ra["response/length_mean"]
+        np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)
+        assert "rollout/rows_per_decode_step" in rb and "rollout/rows_per_decode_step" not in ra
+
+
 # The 4-host run's flags; the 1-process run gets the same values through TrainConfig.replace.
 FOUR_HOSTS = dict(
     instruction="",
