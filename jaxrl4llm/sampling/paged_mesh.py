@@ -45,6 +45,12 @@ def shards(mesh: Mesh | AbstractMesh | None, rules: parallel.LogicalRules) -> in
     return 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
 
 
+def other_axes(mesh: Mesh | AbstractMesh, rules: parallel.LogicalRules) -> str:
+    """The mesh axes of size > 1 that do not split the batch, as "axis:size,..." ("": none)."""
+    axes = batch_axes(mesh, rules)
+    return ",".join(f"{a}:{n}" for a, n in mesh.shape.items() if n > 1 and a not in axes)
+
+
 def check_mesh(
     mesh: Mesh | AbstractMesh | None, rules: parallel.LogicalRules = parallel.DEFAULT_RULES
 ) -> None:
@@ -53,10 +59,8 @@ def check_mesh(
     D = shards(mesh, rules)
     if mesh is None or D == 1:
         return
-    axes = batch_axes(mesh, rules)
-    other = {a: n for a, n in mesh.shape.items() if n > 1 and a not in axes}
-    if other:
-        split = ",".join(f"{a}:{n}" for a, n in other.items())
+    split = other_axes(mesh, rules)
+    if split:
         raise FlagError(
             f"{ENGINE} runs one page pool per batch shard, each on one device: this mesh "
             f"splits the batch {D} ways and also {split}; use --rollout_engine=compacted, or "

@@ -170,20 +170,14 @@ class PagedPrograms:
         cls, weights: Any, settings: RolloutSettings, batch: buckets.PromptBatch, lib: Any = None
     ) -> PagedPrograms:
         """The programs of the rows of `batch` (a rollout's, or a batch shard's)."""
-        static, ids, pad = settings.static, settings.stop_ids_S, settings.pad_id
-        model_config, sampling, plen_B = (
-            static["model_config"],
-            static["sampling"],
-            prompt_lengths(batch),
-        )
         return cls(
-            weights, ids, settings.stop_BQL, model_config, sampling, batch, plen_B, pad,
+            weights, settings.stop_ids_S, settings.stop_BQL, settings.static["model_config"],
+            settings.static["sampling"], batch, prompt_lengths(batch), settings.pad_id,
             lib=lib or programs_lib,
         )  # fmt: skip
 
-    def segment(self, state: TurnState, wait: bool = True) -> TurnState:
-        """Up to SEGMENT_STEPS decode steps of the live rows (until some row ends its turn),
-        waited for unless `wait` is False (paged_turns_mesh.py starts every shard's first)."""
+    def segment(self, state: TurnState) -> TurnState:
+        """Up to SEGMENT_STEPS decode steps of the live rows (until some row ends its turn)."""
         state = self.lib.segment(
             self.weights,
             state,
@@ -192,8 +186,7 @@ class PagedPrograms:
             sampling=self.sampling,
             max_steps=SEGMENT_STEPS,
         )
-        if wait:
-            jax.block_until_ready(state.ended_B)
+        jax.block_until_ready(state.ended_B)
         return state
 
     def observe(self, state: TurnState, row: int, obs: list[int], pad_id: int) -> TurnState:

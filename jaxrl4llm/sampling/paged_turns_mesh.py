@@ -48,10 +48,8 @@ def check_mesh(
     size > 1 that does not split the batch."""
     if mesh is None:
         return 1
-    axes = paged_mesh.batch_axes(mesh, rules)
-    other = {a: n for a, n in mesh.shape.items() if n > 1 and a not in axes}
-    if other:
-        split = ",".join(f"{a}:{n}" for a, n in other.items())
+    split = paged_mesh.other_axes(mesh, rules)
+    if split:
         raise FlagError(
             "Multi-turn rollouts (--env, --max_turns > 1) on the paged engine "
             "(--rollout_engine=paged) run one page pool per batch shard, each on one device: "
@@ -157,17 +155,18 @@ def _row_program(
     """paged_turn_programs' `program` ("observe" or "restore") on the shard where apply_D,
     with its args_D (each [D, ...]: that shard's at its index); the other shards unchanged."""
 
-    def body(w: Any, s: TurnState, args: tuple, ids: Any, stop: Any, apply: Any) -> TurnState:
+    def body(w: Any, s: TurnState, args: tuple, stops: tuple, apply: Any) -> TurnState:
         args = tuple(a[0] for a in args)
         if program == "observe":
-            run = lambda x: programs_lib.observe(w, x, args, (ids, stop), **static)  # noqa: E731
+            run = lambda x: programs_lib.observe(w, x, args, stops, **static)  # noqa: E731
         else:
             run = lambda x: programs_lib.restore(w, x, *args, **static)  # noqa: E731
         return _part(jax.lax.cond(apply[0], run, lambda x: x, _local(s)))
 
     row = P(axes)
+    stop_specs = (P(), row) if stops else ()  # the stop ids and each row's stop sequences
     return _map(
-        body, mesh, axes, (weights, s, args_D, *stops, apply_D), (P(), row, row, P(), row, row)
+        body, mesh, axes, (weights, s, args_D, stops, apply_D), (P(), row, row, stop_specs, row)
     )
 
 
@@ -224,7 +223,6 @@ class ShardPrograms:
         self, program: str, w: Any, view: ShardView, args: tuple, stops: tuple, static: dict
     ) -> ShardView:
         args_D = tuple(self._one(a, 0) for a in args)
-        stops = stops or (jnp.zeros((0,), jnp.int32), jnp.zeros((self.D * self.rows,), jnp.int32))
         s = _row_program(
             w, view.state, args_D, stops, self._one(True, False),
             program=program, mesh=self.mesh, axes=self.axes, **static,
