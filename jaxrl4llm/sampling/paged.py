@@ -182,14 +182,15 @@ def generate_paged(
     queue = continuous.row_queue(
         prompt_BP, prompt_mask_BP, active_B, row_keys_B, greedy_B, row_caps_B, N
     )
-    kernel = paged_step.uses_kernel(attention, model_config)
     record = _record_shape(model_config) if record_routing else None
-    settings = (G, sharding, paged_step.fewest_rows(S), kernel, record is not None)
-    engine = _Engine(params, queue, model_config, sampling, stop_ids_S, pad_id, *settings)
+    engine = Engine.of(
+        params, queue, model_config, sampling, stop_ids_S, pad_id, S, G, sharding, attention,
+        record is not None,
+    )  # fmt: skip
     pool = pages_lib.init_pool(model_config, num_pages, page_size, cache_dtype)
     pending = kv_cache.init_kv_cache(model_config, refill_groups(S, G), P, cache_dtype)
     start = paged_state.initial_state(queue, pool, pending, S, G, N, pad_id, record)
-    more = functools.partial(_more_work, engine.num_groups)
+    more = functools.partial(more_work, engine.num_groups)
     state = jax.lax.while_loop(more, lambda s: engine.admit(engine.step(s)), engine.admit(start))
     return paged_state.output(state)
 
@@ -206,12 +207,12 @@ def _waiting(s: paged_state.PagedState, num_groups: jax.Array) -> jax.Array:
     return (s.next_group < num_groups) | (s.retry_len > 0) | (s.pend_next < s.pend_end)
 
 
-def _more_work(num_groups: jax.Array, s: paged_state.PagedState) -> jax.Array:
+def more_work(num_groups: jax.Array, s: paged_state.PagedState) -> jax.Array:
     return _waiting(s, num_groups) | jnp.any(s.rows.live_S)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _Engine:
+class Engine:
     """The loop's steps with what they read besides the state: the weights, the queue (of
     rows; groups are G consecutive rows, queued in order), the stop ids and the settings."""
 
@@ -226,6 +227,30 @@ class _Engine:
     floor: int  # the smallest decode level (rows per decode step)
     kernel: bool  # attention by the Pallas kernel (paged_step.pallas_decode_step)
     record: bool  # keeps the routing record (a mixture of experts' record_routing)
+
+    @classmethod
+    def of(
+        cls,
+        params: Any,
+        queue: continuous.Queue,
+        model_config: ModelConfig,
+        sampling: SamplingConfig,
+        stop_ids_S: jax.Array,
+        pad_id: jax.Array,
+        decode_rows: int,
+        group: int,
+        sharding: parallel.ActivationSharding | None,
+        attention: str,
+        record: bool = False,
+    ) -> Engine:
+        """The engine of `decode_rows` rows decoding at once, attending by `attention`
+        (paged_step.uses_kernel), keeping the routing record with `record`."""
+        kernel = paged_step.uses_kernel(attention, model_config)
+        floor = paged_step.fewest_rows(decode_rows)
+        return cls(
+            params, queue, model_config, sampling, stop_ids_S, pad_id, group, sharding, floor,
+            kernel, record,
+        )  # fmt: skip
 
     @property
     def num_groups(self) -> jax.Array:

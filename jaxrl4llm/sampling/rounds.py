@@ -9,14 +9,16 @@ teacher-forced passes, the update) is the same whatever happened here:
 * ReMax (Rounds.greedy_baseline): each prompt is sampled G + 1 times in the same sampler
   call, the last row greedily; that row is scored, its reward becomes the group's baseline,
   and it leaves the batch (it is not trained on).
-* Dynamic sampling (DAPO, RolloutConfig.dynamic): groups whose valid rows are all correct
-  or all wrong carry no signal; they are set aside and further rounds (the next prompts of
-  the data iterator, or the same prompts again without one) are sampled until P groups with
-  both verdicts are gathered or `max_resample_rounds` extra rounds have run. A batch still
-  short is filled with set-aside groups, which the preset's group filters then keep out of
-  the loss. On several hosts each host keeps and fills its own groups (its block of the
-  global batch), and every round all hosts exchange their counts of kept groups, so they
-  all stop after the same round: every sampler call is a program all hosts run together.
+* Dynamic sampling (DAPO, RolloutConfig.dynamic; on the paged engine on one device by
+  admission, admission.py: the same groups and rows, without waiting on whole rounds):
+  groups whose valid rows are all correct or all wrong carry no signal; they are set aside
+  and further rounds (the next prompts of the data iterator, or the same prompts again
+  without one) are sampled until P groups with both verdicts are gathered or
+  `max_resample_rounds` extra rounds have run. A batch still short is filled with set-aside
+  groups, which the preset's group filters then keep out of the loss. On several hosts each
+  host keeps and fills its own groups (its block of the global batch), and every round all
+  hosts exchange their counts of kept groups, so they all stop after the same round: every
+  sampler call is a program all hosts run together.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.rl.algorithm_config import AlgorithmConfig
 from jaxrl4llm.rl.metrics import Metric
-from jaxrl4llm.sampling import multiturn
+from jaxrl4llm.sampling import admission, multiturn
 from jaxrl4llm.sampling.config import DynamicSampling
 from jaxrl4llm.sampling.context import RolloutContext, RowVerdicts
 from jaxrl4llm.sampling.frontend import Samples
@@ -54,11 +56,14 @@ class Rounds:
     greedy_baseline: ReMax: one more greedy row per prompt, whose reward is the baseline.
     dynamic_sampling: DAPO: resample until every group holds a correct and a wrong row.
     max_resample_rounds: Cap on dynamic sampling's extra rounds.
+    by_admission: dynamic sampling by admission (admission.py) where the sampler allows it
+        (`admits`); False: in rounds always (tools/bench_dynamic.py compares the two).
     """
 
     greedy_baseline: bool = False
     dynamic_sampling: bool = False
     max_resample_rounds: int = 0
+    by_admission: bool = True
 
     @classmethod
     def for_run(cls, algorithm: AlgorithmConfig, dynamic: DynamicSampling) -> Rounds:
@@ -116,11 +121,9 @@ def _concat(parts: Sequence[ScoredRows], pad_id: int) -> ScoredRows:
         )
         for p in parts
     ]
-    stats = [o.engine_stats for o in outs]
+    # The engine's counts are each round's (sample_and_score adds them up), not each part's.
     outs = [o.replace(engine_stats=None) for o in outs]
     out = jax.tree.map(lambda *xs: max(xs) if np.ndim(xs[0]) == 0 else np.concatenate(xs), *outs)
-    if all(x is not None for x in stats):  # the paged engine's counts add up over rounds
-        out = out.replace(engine_stats=jax.tree.map(lambda *xs: sum(xs), *stats))
     verdicts = parts[0].verdicts.join(*(p.verdicts for p in parts[1:]))
     base = [
         None if getattr(parts[0], f) is None else np.concatenate([getattr(p, f) for p in parts])
@@ -128,6 +131,15 @@ def _concat(parts: Sequence[ScoredRows], pad_id: int) -> ScoredRows:
     ]
     texts = [t for p in parts for t in p.samples.texts]
     return ScoredRows(Samples(out, texts, parts[0].samples.layout), verdicts, *base)
+
+
+def _counted(batch: ScoredRows, stats: list[Any]) -> ScoredRows:
+    """The batch with the paged engine's counts of every round added up (each round's once;
+    None from the other engines)."""
+    if any(x is None for x in stats):
+        return batch
+    out = batch.samples.out.replace(engine_stats=jax.tree.map(lambda *xs: sum(xs), *stats))
+    return dataclasses.replace(batch, samples=dataclasses.replace(batch.samples, out=out))
 
 
 def _reset_messages(ctx: RolloutContext, handler: Any, messages: list, n: int) -> list:
@@ -147,6 +159,45 @@ def _reset_messages(ctx: RolloutContext, handler: Any, messages: list, n: int) -
                 "alone"
             )
     return rows[::n]
+
+
+def admits(ctx: RolloutContext, rounds: Rounds) -> bool:
+    """Whether dynamic sampling runs by admission (admission.py): the paged engine on one
+    device (of one host), single-turn, without ReMax's greedy rows or a routing record;
+    elsewhere it runs in rounds."""
+    s, mesh = ctx.sampler, ctx.sampler.mesh
+    return (
+        rounds.dynamic_sampling
+        and rounds.by_admission
+        and not rounds.greedy_baseline
+        and ctx.turn_handlers is None
+        and getattr(s, "kv_cache_tokens", None) is not None
+        and not s.record_routing
+        and (mesh is None or mesh.devices.size == 1)
+        and jax.process_count() == 1
+    )
+
+
+def _by_admission(
+    ctx: RolloutContext, params: Any, records: Sequence[Any], key: jax.Array, layout: RowLayout,
+    rounds: Rounds, next_records: Callable[[], Sequence[Any]] | None, sampling: SamplingConfig,
+) -> tuple[ScoredRows, dict[str, Any]]:  # fmt: skip
+    """sample_and_score's groups by admission (`admits`), laid out as the rounds' batch."""
+    got = admission.sample(
+        ctx.sampler,
+        params,
+        records,
+        next_records,
+        ctx.data.messages,
+        lambda texts, rows, lengths: ctx.reward_fn.score(texts, rows, lengths=lengths),
+        sampling,
+        ctx.rollout.max_new_tokens,
+        layout,
+        key,
+        rounds.max_resample_rounds,
+    )
+    part = ScoredRows(Samples(got.out, got.texts, layout), got.verdicts)
+    return on_device(part, ctx.sampler.mesh), got.metrics
 
 
 def _one_round(
@@ -255,24 +306,26 @@ def sample_and_score(
 ) -> tuple[ScoredRows, dict[str, Any]]:
     """P = len(records) groups of `layout.group_size` rows, sampled with `sampling` (default:
     the context's) and scored by the context's reward function; and the timings and metrics
-    (time/rollout_s, time/reward_s, and with dynamic sampling rollout/rounds,
-    rollout/frac_groups_filtered, rollout/groups_short and reward/accuracy_sampled).
-    `next_records()` gives more prompts when dynamic sampling resamples (default: the same)."""
+    (time/rollout_s, time/reward_s; with dynamic sampling rollout/rounds, frac_groups_filtered,
+    groups_short, reward/accuracy_sampled; by admission, admission.py's). `next_records()`
+    gives more prompts when dynamic sampling resamples (default: the same)."""
     greedy, dynamic = rounds.greedy_baseline, rounds.dynamic_sampling
     if greedy and jax.process_count() > 1:  # train.config.checks.validate says so first
         raise ValueError(ONE_HOST_ONLY)
     sampling = sampling or ctx.rollout.sampling
+    if admits(ctx, rounds):
+        return _by_admission(ctx, params, records, key, layout, rounds, next_records, sampling)
     G, P = layout.group_size, len(records)
     part, t_sample, t_reward = _one_round(ctx, params, records, key, layout, rounds, sampling)
     if not dynamic:
-        return on_device(part, ctx.sampler.mesh) if greedy else part, {
-            "time/rollout_s": t_sample,
-            "time/reward_s": t_reward,
-        }
-    # Per host: kept groups, rounds, correct rows; `hosts` sums them over the hosts, whose
-    # counts every host receives each round, so all take the same decision to stop.
-    kept, flat, n_kept, n_rounds, n_correct = [], [], 0, 1, 0
+        times = {"time/rollout_s": t_sample, "time/reward_s": t_reward}
+        return on_device(part, ctx.sampler.mesh) if greedy else part, times
+    # Per host: kept groups, rounds, correct rows, the paged engine's counts of each round;
+    # `hosts` sums the first over the hosts, whose counts every host receives each round, so
+    # all take the same decision to stop.
+    kept, flat, n_kept, n_rounds, n_correct, stats = [], [], 0, 1, 0, []
     while True:
+        stats.append(part.samples.out.engine_stats)
         n_correct += int(part.verdicts.correct.sum())
         spread_P = _has_spread(part, G)
         rows_PG = np.arange(P * G).reshape(P, G)
@@ -288,9 +341,9 @@ def sample_and_score(
         )
         t_sample, t_reward, n_rounds = t_sample + ts, t_reward + tr, n_rounds + 1
     batch = _concat([p for p in kept + flat if p.verdicts.rewards.size], ctx.sampler.pad_id)
-    batch = on_device(_take(batch, np.arange(P * G)), ctx.sampler.mesh)  # spread first
+    batch = on_device(_counted(_take(batch, np.arange(P * G)), stats), ctx.sampler.mesh)
     n_groups = n_rounds * P * len(hosts)  # over every host
-    metrics = {
+    return batch, {
         "time/rollout_s": t_sample,
         "time/reward_s": t_reward,
         "rollout/rounds": Metric.mean(float(n_rounds)),
@@ -300,4 +353,3 @@ def sample_and_score(
         # batch's, which the filter biases towards groups with a correct sample.
         "reward/accuracy_sampled": Metric.mean(hosts[:, 1].sum() / (n_groups * G)),
     }
-    return batch, metrics

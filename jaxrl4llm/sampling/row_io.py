@@ -87,7 +87,7 @@ def prompt_rows(
     token cap. `multihost`: prompts are this host's, so its prompt indices are offset by
     its share and every host picks the same prompt bucket."""
     n = request.layout.group_size
-    limit = _prompt_limit(model_config, request.max_new_tokens, request.max_prompt_len)
+    limit = prompt_limit(model_config, request.max_new_tokens, request.max_prompt_len)
     min_prompt_bucket = request.min_prompt_bucket
     if multihost:
         min_prompt_bucket = max(min_prompt_bucket, _global_max_prompt_len(prompts, limit))
@@ -120,9 +120,7 @@ def prompt_rows(
     )
 
 
-def _prompt_limit(
-    model_config: ModelConfig, max_new_tokens: int, max_prompt_len: int | None
-) -> int:
+def prompt_limit(model_config: ModelConfig, max_new_tokens: int, max_prompt_len: int | None) -> int:
     """The prompt-length limit: max_prompt_len, by default the context max_new_tokens leave."""
     limit = (
         model_config.max_position_embeddings - max_new_tokens

@@ -55,6 +55,8 @@ def test_a_paged_run_equals_a_compacted_one(overrides, toy_model_dir, copy_task_
         assert 1 <= rb["rollout/rows_per_decode_step"] <= 8 * 5
         assert 1 <= rb["rollout/pages_per_decode_step"] <= 512 // 16
         assert rb["rollout/preemptions"] >= 0
+        # DAPO's groups by admission on the paged engine (sampling/admission.py).
+        assert ("rollout/groups_admitted" in rb) == ("rollout/rounds" in rb)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,174 @@
+"""DAPO's dynamic sampling by admission (sampling/admission.py, paged_segments.py): the batch
+it gathers is the one the rounds of the compacted sampler gather from the same records (same
+groups, same rows), with a pool that preempts, with later chunks of wider prompts, and when
+every chunk runs short; it decodes less; where it does not apply, the rounds run."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl4llm.rewards.base import RewardBatch
+from jaxrl4llm.sampling import paged_segments
+from jaxrl4llm.sampling import rounds as rounds_lib
+from jaxrl4llm.sampling.frontend import Sampler
+from jaxrl4llm.sampling.layout import RowLayout
+from jaxrl4llm.sampling.rounds import Rounds, sample_and_score
+from jaxrl4llm.sampling.strategies import SamplingConfig
+
+from tests.sampling.test_continuous import STOP
+
+P, G, N = 6, 4, 24
+
+
+class Tokens:
+    """A record is its prompt's token ids; a completion's text is its ids."""
+
+    pad_token_id = 0
+
+    def encode_chat(self, record, system=None):
+        return list(record)
+
+    def decode(self, ids):
+        return ",".join(map(str, ids))
+
+
+class SumVerifier:
+    """A row is correct iff the sum of its completion's tokens is a multiple of `modulus`."""
+
+    def __init__(self, modulus):
+        self.modulus = modulus
+
+    def score(self, texts, records, lengths=None):
+        correct = np.array(
+            [bool(t) and sum(map(int, t.split(","))) % self.modulus == 0 for t in texts]
+        )
+        reasons = ["correct" if c else "wrong" for c in correct]
+        return RewardBatch(rewards=correct.astype(np.float32), correct=correct, reasons=reasons)
+
+
+def _chunks(config, widths, seed=0):
+    """Chunks of P records: chunk k's prompts have 2 to widths[k] tokens."""
+    rng = np.random.default_rng(seed)
+    return [
+        [
+            tuple(rng.integers(7, config.vocab_size, size=int(rng.integers(2, w + 1))))
+            for _ in range(P)
+        ]
+        for w in widths
+    ]
+
+
+def _sample(toy_policy, chunks, kv_cache_tokens, by_admission, modulus=6, cap=4):
+    config, params = toy_policy
+    sampler = Sampler(config, Tokens(), stop_ids=STOP, kv_cache_tokens=kv_cache_tokens)
+    ctx = types.SimpleNamespace(
+        sampler=sampler,
+        reward_fn=SumVerifier(modulus),
+        data=types.SimpleNamespace(messages=lambda r: r),
+        rollout=types.SimpleNamespace(sampling=SamplingConfig(1.0, top_k=12), max_new_tokens=N),
+        turn_handlers=None,
+    )
+    more = iter(chunks[1:])
+    rounds = Rounds(dynamic_sampling=True, max_resample_rounds=cap, by_admission=by_admission)
+    return sample_and_score(
+        ctx, params, chunks[0], jax.random.key(1), RowLayout(G), rounds, lambda: next(more)
+    )
+
+
+def _rows(scored):
+    """Each row's prompt (unpadded), completion, logprobs and reward."""
+    out = jax.tree.map(np.asarray, scored.samples.out)
+    rows = []
+    for b in range(out.tokens_BT.shape[0]):
+        n = int(out.lengths_B[b])
+        rows.append(
+            (
+                tuple(out.prompt_tokens_BP[b][out.prompt_mask_BP[b]]),
+                tuple(out.tokens_BT[b, :n]),
+                out.logprobs_BT[b, :n],
+                bool(out.truncated_B[b]),
+                float(scored.verdicts.rewards[b]),
+            )
+        )
+    return rows
+
+
+@pytest.mark.parametrize(
+    "pool,widths,modulus",
+    [(0, (12,) * 5, 6), (160, (6, 20, 12, 30, 8), 6), (0, (10,) * 5, 97)],
+    ids=["rich", "small-pool-wider-chunks", "every-chunk-short"],
+)
+def test_the_batch_of_the_compacted_samplers_rounds(toy_policy, pool, widths, modulus):
+    """Same groups, in the same order, with the same rows as the rounds of the compacted
+    sampler (a different engine) on the same records and keys; logprobs within 1e-5. With
+    modulus 97 hardly a group has spread: every chunk runs and the batch is filled with
+    groups without spread, in the records' order, as the rounds fill it."""
+    chunks = _chunks(toy_policy[0], widths)
+    ref, ref_m = _sample(toy_policy, chunks, None, False, modulus)
+    got, got_m = _sample(toy_policy, chunks, pool, True, modulus)
+    a, b = _rows(ref), _rows(got)
+    assert len(a) == len(b) == P * G
+    for ra, rb in zip(a, b):
+        assert ra[0] == rb[0] and ra[1] == rb[1] and ra[3:] == rb[3:]
+        np.testing.assert_allclose(rb[2], ra[2], atol=1e-5, rtol=0)
+    assert got_m["rollout/groups_short"].value == ref_m["rollout/groups_short"].value
+    stats = jax.tree.map(int, got.samples.out.engine_stats)
+    assert stats.pages_left == 0 or got_m["rollout/groups_dropped"].value > 0
+    if pool:  # a pool of about one group at full length: the groups wait for pages
+        assert stats.live_rows < stats.steps * G * 2
+    if modulus == 97:
+        assert got_m["rollout/groups_short"].value > 0
+        assert got_m["rollout/rounds"].value == len(widths)
+
+
+def test_it_decodes_less_than_the_rounds_of_the_same_engine(toy_policy, monkeypatch):
+    """The paged engine in rounds waits for each round's longest row and samples the last
+    round whole; by admission (segments of 4 steps: the host sees a group finish within 4
+    steps, as within 32 of thousands in a real run) it decodes fewer tokens for the same
+    batches (rows equal), over three steps' records."""
+    monkeypatch.setattr(paged_segments, "SEGMENT_STEPS", 4)
+    decoded = np.zeros(2, int)
+    for seed in range(3):
+        chunks = _chunks(toy_policy[0], (12,) * 6, seed=seed)
+        ref, _ = _sample(toy_policy, chunks, 0, False, modulus=5, cap=5)
+        got, metrics = _sample(toy_policy, chunks, 0, True, modulus=5, cap=5)
+        assert [r[:2] for r in _rows(ref)] == [r[:2] for r in _rows(got)]
+        decoded += [int(x.samples.out.engine_stats.decoded) for x in (ref, got)]
+        assert metrics["rollout/groups_admitted"].value <= metrics["rollout/rounds"].value * P
+    assert decoded[1] < 0.97 * decoded[0], decoded
+
+
+def test_the_engine_counts_are_each_rounds_once(toy_policy):
+    """In rounds, the paged engine's counts add up each round once (a round's rows are split
+    into kept and set-aside groups): one round without preemption decodes every row's tokens
+    but its first (drawn from the prompt's prefill)."""
+    chunks = _chunks(toy_policy[0], (12,))
+    scored, _ = _sample(toy_policy, chunks, 0, False, cap=0)
+    stats = jax.tree.map(int, scored.samples.out.engine_stats)
+    lengths = np.asarray(scored.samples.out.lengths_B)
+    assert 0 < stats.decoded == int(np.maximum(lengths - 1, 0).sum())
+
+
+def test_where_it_applies():
+    """By admission: the paged engine on one device, single-turn, no greedy rows, no routing
+    record; anything else runs in rounds."""
+
+    def ctx(mesh=None, kv=0, routing=False, handlers=None):
+        sampler = types.SimpleNamespace(mesh=mesh, kv_cache_tokens=kv, record_routing=routing)
+        return types.SimpleNamespace(sampler=sampler, turn_handlers=handlers)
+
+    dapo = Rounds(dynamic_sampling=True, max_resample_rounds=2)
+    two = types.SimpleNamespace(devices=np.zeros(2))
+    assert rounds_lib.admits(ctx(), dapo)
+    assert rounds_lib.admits(ctx(mesh=types.SimpleNamespace(devices=np.zeros(1))), dapo)
+    assert not rounds_lib.admits(ctx(kv=None), dapo)
+    assert not rounds_lib.admits(ctx(mesh=two), dapo)
+    assert not rounds_lib.admits(ctx(routing=True), dapo)
+    assert not rounds_lib.admits(ctx(handlers=object()), dapo)
+    assert not rounds_lib.admits(ctx(), Rounds(dynamic_sampling=True, greedy_baseline=True))
+    assert not rounds_lib.admits(ctx(), Rounds())
+    assert not rounds_lib.admits(ctx(), Rounds(dynamic_sampling=True, by_admission=False))
