@@ -28,7 +28,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -110,17 +110,27 @@ def rollout(model: tuple, prompts: list, engine: str, settings: dict) -> tuple[A
     return out, stats, time.perf_counter() - t0
 
 
-def compare(model: tuple, prompts: list, settings: dict, repeats: int) -> dict[str, Any]:
-    """The engines' best times, rows computed and useful shares (module docstring)."""
-    for engine in ENGINES:
-        rollout(model, prompts, engine, settings)  # compiles
+def fastest(
+    names: Sequence[str], once: Callable[[str], tuple], repeats: int
+) -> tuple[dict[str, float], dict[str, tuple]]:
+    """Each name's run `once(name)` (its results, then its seconds) compiled first, then
+    timed `repeats` times interleaved: (the fastest seconds, the last results) per name."""
+    for name in names:
+        once(name)  # compiles
     seconds: dict[str, float] = {}
     runs: dict[str, tuple] = {}
     for _ in range(repeats):
-        for engine in ENGINES:
-            out, stats, t = rollout(model, prompts, engine, settings)
-            runs[engine] = (out, stats)
-            seconds[engine] = min(t, seconds.get(engine, np.inf))
+        for name in names:
+            *results, t = once(name)
+            runs[name] = tuple(results)
+            seconds[name] = min(t, seconds.get(name, np.inf))
+    return seconds, runs
+
+
+def compare(model: tuple, prompts: list, settings: dict, repeats: int) -> dict[str, Any]:
+    """The engines' best times, rows computed and useful shares (module docstring)."""
+    once = lambda engine: rollout(model, prompts, engine, settings)  # noqa: E731
+    seconds, runs = fastest(list(ENGINES), once, repeats)
     report: dict[str, Any] = {"turns_time_ratio_paged": seconds["paged"] / seconds["dense"]}
     for engine, (out, stats) in runs.items():
         computed = int(out.slot_steps)
@@ -134,17 +144,24 @@ def compare(model: tuple, prompts: list, settings: dict, repeats: int) -> dict[s
     return report
 
 
-def run(layers: int, prompts: int, settings: dict, repeats: int) -> dict[str, Any]:
-    """The comparison on SmolLM2-135M cut to its first `layers` layers (printed)."""
-    from jaxrl4llm.data import make_source
-    from jaxrl4llm.data.config import DataConfig
+def smollm2(layers: int) -> tuple[Any, Any, Any]:
+    """(config, params, tokenizer) of SmolLM2-135M cut to its first `layers` layers."""
     from jaxrl4llm.models import registry
-    from jaxrl4llm.sampling.frontend import Sampler
 
     config, params, tokenizer = registry.load_model("smollm2-135m-instruct")
     assert tokenizer is not None  # the embedded model ships its tokenizer
     config = dataclasses.replace(config, num_layers=layers)
     params = {**params, "layers": jax.tree.map(lambda w: w[:layers], params["layers"])}
+    return config, params, tokenizer
+
+
+def run(layers: int, prompts: int, settings: dict, repeats: int) -> dict[str, Any]:
+    """The comparison on SmolLM2-135M cut to its first `layers` layers (printed)."""
+    from jaxrl4llm.data import make_source
+    from jaxrl4llm.data.config import DataConfig
+    from jaxrl4llm.sampling.frontend import Sampler
+
+    config, params, tokenizer = smollm2(layers)
     source = make_source("synthetic:arithmetic", split="train")
     data = DataConfig(source="synthetic:arithmetic")
     sampler = Sampler(config, tokenizer)
@@ -157,18 +174,29 @@ def run(layers: int, prompts: int, settings: dict, repeats: int) -> dict[str, An
     )
     print(f"multi-turn engines: SmolLM2-135M, {layers} layers, device {jax.devices()[0].platform}")
     report = compare((config, params), encoded, settings, repeats)
-    print(
-        " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in report.items())
-    )
+    print_report(report)
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = cli.ArgumentParser(description=__doc__.splitlines()[0])
+def print_report(report: dict[str, Any]) -> None:
+    print(
+        " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in report.items())
+    )
+
+
+def parser_with_model_flags(doc: str) -> Any:
+    """A bench's parser with the model's and the batch's flags (--layers, --prompts, --group,
+    --budget)."""
+    parser = cli.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--budget", type=int, default=128, help="completion tokens per row")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = parser_with_model_flags(__doc__)
     parser.add_argument("--max_turns", type=int, default=3)
     parser.add_argument("--latency", type=float, default=0.2, help="seconds per tool reply")
     parser.add_argument(

@@ -42,12 +42,12 @@ from jaxrl4llm.sampling.row_io import RowRequest, prompt_rows, stop_id_array
 from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
-# Groups kept queued or decoding per group still expected to be needed (need / rate): more
-# decode rows per step than need / rate alone (fewer steps: what a step costs on an
-# accelerator), fewer groups dropped at the end than a whole batch of P (fewer tokens: what
-# a step costs on CPU). On the toy model over 6 seeds: 1.0 gave 5% more decode steps than
-# rounds and 15% fewer tokens, P always 0% and 8% more, 1.5 2% more and 7% fewer.
-MARGIN = 1.5
+# Groups kept queued or decoding per group still expected to be needed (need / rate). Above
+# 1 the engine decodes more rows per step (fewer steps: what a step costs on an accelerator)
+# and drops more groups at the end (more tokens: what a step costs on CPU). On SmolLM2
+# (tools/bench_dynamic.py, docs/performance.md) 1.5 took as many steps as 1 and decoded 4-8%
+# more tokens; on the toy model (6 seeds) 1 took 5% more steps than 1.5 and 9% fewer tokens.
+MARGIN = 1.0
 
 
 @dataclasses.dataclass
