@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm.rl.metrics import Metric
-from jaxrl4llm.sampling import buckets, paged, paged_segments, trim
+from jaxrl4llm.sampling import buckets, decode, paged, paged_segments, trim
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.row_io import RowRequest, prompt_rows, stop_id_array
 from jaxrl4llm.sampling.sample_output import SampleOutput
@@ -249,6 +249,8 @@ class _Engine:
             P, G, self.width, self.max_groups, N, jax.random.key(0)
         )
         self.rows = max(G, min(s.max_rows or P * G, P * G) // G * G)
+        # A mixture of experts' routing record, as the samplers keep it (record_routing).
+        self.record = s.record_routing and bool(s.model_config.moe_layers)
         self.num_pages = self._pages(self.width)
         self.order = np.full((self.max_groups * G,), P * G, np.int32)
         self.free = list(range(P))
@@ -275,6 +277,7 @@ class _Engine:
             max_new_tokens=self.N,
             decode_rows=self.rows,
             group=self.G,
+            record_routing=self.record,
         )
 
     def push(self, groups: list[_Group]) -> None:
@@ -337,16 +340,14 @@ class _Engine:
         rows_K = np.zeros((K * G,), np.int32)
         for i, g in enumerate(ended):
             rows_K[i * G : (i + 1) * G] = g.slot * G + np.arange(G)
-        tokens, logprobs = jax.device_get(paged_segments.read_rows(self.state, rows_K))
+        got = jax.device_get(paged_segments.read_rows(self.state, rows_K))
         for i, g in enumerate(ended):
-            rows = slice(i * G, (i + 1) * G)
             at = slice(g.slot * G, (g.slot + 1) * G)
-            g.rows = dict(
-                tokens_GT=tokens[rows],
-                logprobs_GT=logprobs[rows],
-                lengths_G=length_R[at].copy(),
-                done_G=done_R[at].copy(),
-            )
+            g.rows = {k: v[i * G : (i + 1) * G] for k, v in got.items()}
+            g.rows.update(lengths_G=length_R[at].copy(), done_G=done_R[at].copy())
+            if self.record:  # the prompt's own columns (its record is left-padded to the width)
+                prompt = g.rows["prompt_experts_GPLK"]
+                g.rows["prompt_experts_GPLK"] = prompt[:, self.width - len(g.prompt_P) :]
             self.free.append(g.slot)
 
 
@@ -407,7 +408,8 @@ def _assemble(batch: list[_Group], run: _Run, engine: _Engine) -> SampleOutput:
         if n:
             prompt_BP[i * G : (i + 1) * G, width - n :] = g.prompt_P
             prompt_mask_BP[i * G : (i + 1) * G, width - n :] = True
-    rows = {k: np.concatenate([g.rows[k] for g in batch if g.rows]) for k in batch[0].rows or {}}
+    keys = ("tokens_GT", "logprobs_GT", "lengths_G", "done_G")
+    rows = {k: np.concatenate([g.rows[k] for g in batch if g.rows]) for k in keys}
     lengths_B = rows["lengths_G"]
     dropped_B = np.repeat([g.dropped for g in batch], G)
     state = engine.state
@@ -424,6 +426,25 @@ def _assemble(batch: list[_Group], run: _Run, engine: _Engine) -> SampleOutput:
         num_steps=jnp.int32(max(int(lengths_B.max(initial=0)), 1)),
         slot_steps=state.slot_steps,
         engine_stats=jax.device_get(stats),
+        **(_record(batch, run, width) if engine.record else {}),
+    )
+
+
+def _record(batch: list[_Group], run: _Run, width: int) -> dict[str, jax.Array]:
+    """The batch's routing record: each prompt's experts at its real columns (zeros on the
+    padding, as the samplers leave them) and each completion's; zeros for dropped prompts."""
+    L, K, E = paged.record_shape(run.sampler.model_config) or (0, 0, 0)
+    dtype = decode.expert_id_dtype(E)
+    G, N = run.G, run.max_new_tokens
+    prompt_BPLK = np.zeros((len(batch) * G, width, L, K), dtype)
+    completion_BTLK = np.zeros((len(batch) * G, N, L, K), dtype)
+    for i, g in enumerate(batch):
+        if g.rows and "experts_GTLK" in g.rows:
+            n = g.rows["prompt_experts_GPLK"].shape[1]
+            prompt_BPLK[i * G : (i + 1) * G, width - n :] = g.rows["prompt_experts_GPLK"]
+            completion_BTLK[i * G : (i + 1) * G] = g.rows["experts_GTLK"]
+    return dict(
+        prompt_experts_BPLK=jnp.asarray(prompt_BPLK), experts_BTLK=jnp.asarray(completion_BTLK)
     )
 
 

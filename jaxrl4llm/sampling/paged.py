@@ -182,7 +182,7 @@ def generate_paged(
     queue = continuous.row_queue(
         prompt_BP, prompt_mask_BP, active_B, row_keys_B, greedy_B, row_caps_B, N
     )
-    record = _record_shape(model_config) if record_routing else None
+    record = record_shape(model_config) if record_routing else None
     engine = Engine.of(
         params, queue, model_config, sampling, stop_ids_S, pad_id, S, G, sharding, attention,
         record is not None,
@@ -195,7 +195,7 @@ def generate_paged(
     return paged_state.output(state)
 
 
-def _record_shape(model_config: ModelConfig) -> tuple[int, int, int] | None:
+def record_shape(model_config: ModelConfig) -> tuple[int, int, int] | None:
     """(MoE layers, experts per token, experts) of the routing record; None: dense."""
     if not model_config.moe_layers:
         return None

@@ -14,10 +14,10 @@ are the ones paged.generate_paged draws for the same prompt and keys, whatever t
 boundaries, the slot it sits in or the groups around it.
 
 `widen` pads a run's prompt width (a later group's prompt longer than every earlier one):
-the prompt block and the pending prefilled groups on the left, the page tables on the right;
-pages already in the pool do not depend on the width, and the pool grows where the wider
-prompt needs more pages (paged.pool_pages, as a call of the one-program engine with prompts
-that wide would have).
+the prompt block, the pending prefilled groups and a routing record's prompt columns on the
+left, the page tables on the right; pages already in the pool do not depend on the width,
+and the pool grows where the wider prompt needs more pages (paged.pool_pages, as a call of
+the one-program engine with prompts that wide would have).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def empty_queue(
     )
 
 
-_RUN = ("model_config", "max_new_tokens", "decode_rows", "group")
+_RUN = ("model_config", "max_new_tokens", "decode_rows", "group", "record_routing")
 
 
 @functools.partial(jax.jit, static_argnames=(*_RUN, "num_pages"))
@@ -78,16 +78,19 @@ def start(
     max_new_tokens: int,
     decode_rows: int,
     group: int,
+    record_routing: bool = False,
 ) -> PagedState:
     """An empty run over `queue`: a pool of `num_pages` free pages, `decode_rows` free decode
-    rows, nothing admitted (`params`: decode_weights's)."""
+    rows, nothing admitted (`params`: decode_weights's); with `record_routing` (a mixture of
+    experts) an empty routing record."""
     dtype = decode.cache_dtype_for(params)
     pool = pages_lib.init_pool(model_config, num_pages, paged.PAGE_SIZE, dtype)
     pending = kv_cache.init_kv_cache(
         model_config, paged.refill_groups(decode_rows, group), queue.prompt_BP.shape[1], dtype
     )
+    record = paged.record_shape(model_config) if record_routing else None
     return paged_state.initial_state(
-        queue, pool, pending, decode_rows, group, max_new_tokens, pad_id, None
+        queue, pool, pending, decode_rows, group, max_new_tokens, pad_id, record
     )
 
 
@@ -106,6 +109,7 @@ def segment(
     max_new_tokens: int,
     decode_rows: int,
     group: int,
+    record_routing: bool = False,
     attention: str = "auto",
     max_steps: int = SEGMENT_STEPS,
 ) -> PagedState:
@@ -114,7 +118,7 @@ def segment(
     del max_new_tokens  # the run's: its outputs' width
     engine = paged.Engine.of(
         params, queue, model_config, sampling, stop_ids_S, pad_id, decode_rows, group, None,
-        attention,
+        attention, record_routing,
     )  # fmt: skip
 
     def more(carry: tuple[jax.Array, PagedState]) -> jax.Array:
@@ -157,6 +161,11 @@ def enqueue(
         tokens_RT=put(state.tokens_RT, pad_id),
         logprobs_RT=put(state.logprobs_RT, 0.0),
     )
+    if state.experts_RTLK is not None:  # a record of zeros, as the one-program engine's
+        state = state.replace(
+            prompt_experts_RPLK=put(state.prompt_experts_RPLK, 0),
+            experts_RTLK=put(state.experts_RTLK, 0),
+        )
     return queue, state
 
 
@@ -205,12 +214,18 @@ def widen(
         pending=state.pending.replace(cache=cache),
         rows=state.rows.replace(table_SM=table_SM),
     )
+    if state.prompt_experts_RPLK is not None:
+        state = state.replace(prompt_experts_RPLK=left(state.prompt_experts_RPLK, 1))
     return queue, state
 
 
 @jax.jit
-def read_rows(state: PagedState, rows_K: jax.Array) -> tuple[jax.Array, ...]:
-    """(tokens, logprobs) of rows `rows_K` (clipped to the queue's rows)."""
-    return jnp.take(state.tokens_RT, rows_K, axis=0, mode="clip"), jnp.take(
-        state.logprobs_RT, rows_K, axis=0, mode="clip"
-    )
+def read_rows(state: PagedState, rows_K: jax.Array) -> dict[str, jax.Array]:
+    """Rows `rows_K`' outputs (clipped to the queue's rows): tokens, logprobs and, with a
+    routing record, their prompt's and completion's experts."""
+    take = lambda x: jnp.take(x, rows_K, axis=0, mode="clip")  # noqa: E731
+    out = {"tokens_GT": take(state.tokens_RT), "logprobs_GT": take(state.logprobs_RT)}
+    if state.experts_RTLK is not None:
+        out["prompt_experts_GPLK"] = take(state.prompt_experts_RPLK)
+        out["experts_GTLK"] = take(state.experts_RTLK)
+    return out

@@ -163,16 +163,15 @@ def _reset_messages(ctx: RolloutContext, handler: Any, messages: list, n: int) -
 
 def admits(ctx: RolloutContext, rounds: Rounds) -> bool:
     """Whether dynamic sampling runs by admission (admission.py): the paged engine on one
-    device (of one host), single-turn, without ReMax's greedy rows or a routing record;
-    elsewhere it runs in rounds."""
-    s, mesh = ctx.sampler, ctx.sampler.mesh
+    device (of one host), single-turn, without ReMax's greedy rows; elsewhere it runs in
+    rounds."""
+    mesh = ctx.sampler.mesh
     return (
         rounds.dynamic_sampling
         and rounds.by_admission
         and not rounds.greedy_baseline
         and ctx.turn_handlers is None
-        and getattr(s, "kv_cache_tokens", None) is not None
-        and not s.record_routing
+        and getattr(ctx.sampler, "kv_cache_tokens", None) is not None
         and (mesh is None or mesh.devices.size == 1)
         and jax.process_count() == 1
     )

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrl4llm.models import transformer
 from jaxrl4llm.rewards.base import RewardBatch
 from jaxrl4llm.sampling import paged_segments
 from jaxrl4llm.sampling import rounds as rounds_lib
@@ -20,6 +21,7 @@ from jaxrl4llm.sampling.rounds import Rounds, sample_and_score
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
 from tests.sampling.test_continuous import STOP
+from tests.train.test_routing_replay import MOE
 
 P, G, N = 6, 4, 24
 
@@ -62,9 +64,11 @@ def _chunks(config, widths, seed=0):
     ]
 
 
-def _sample(toy_policy, chunks, kv_cache_tokens, by_admission, modulus=6, cap=4):
+def _sample(toy_policy, chunks, kv_cache_tokens, by_admission, modulus=6, cap=4, **sampler):
     config, params = toy_policy
-    sampler = Sampler(config, Tokens(), stop_ids=STOP, kv_cache_tokens=kv_cache_tokens)
+    sampler = Sampler(
+        config, Tokens(), kv_cache_tokens=kv_cache_tokens, **{"stop_ids": STOP, **sampler}
+    )
     ctx = types.SimpleNamespace(
         sampler=sampler,
         reward_fn=SumVerifier(modulus),
@@ -142,6 +146,24 @@ def test_it_decodes_less_than_the_rounds_of_the_same_engine(toy_policy, monkeypa
     assert decoded[1] < 0.97 * decoded[0], decoded
 
 
+def test_a_mixture_of_experts_routing_record():
+    """With record_routing, the batch carries the compacted sampler's record: each prompt's
+    experts at its real tokens and each completion column's (zeros past a row's fed tokens,
+    also in a slot a finished group left), through chunks of wider prompts."""
+    params = transformer.init_params(MOE, jax.random.key(0))
+    chunks = _chunks(MOE, (6, 20, 12, 30, 8), seed=1)
+    kw = dict(stop_ids=(237,), record_routing=True)
+    ref, _ = _sample((MOE, params), chunks, None, False, modulus=4, **kw)
+    got, metrics = _sample((MOE, params), chunks, 0, True, modulus=4, **kw)
+    assert metrics["rollout/rounds"].value > 1  # slots were reused
+    a, b = (jax.tree.map(np.asarray, x.samples.out) for x in (ref, got))
+    np.testing.assert_array_equal(b.tokens_BT, a.tokens_BT)
+    real_a, real_b = a.prompt_mask_BP, b.prompt_mask_BP
+    np.testing.assert_array_equal(b.prompt_experts_BPLK[real_b], a.prompt_experts_BPLK[real_a])
+    assert not b.prompt_experts_BPLK[~real_b].any()
+    np.testing.assert_array_equal(b.experts_BTLK, a.experts_BTLK)
+
+
 def test_the_engine_counts_are_each_rounds_once(toy_policy):
     """In rounds, the paged engine's counts add up each round once (a round's rows are split
     into kept and set-aside groups): one round without preemption decodes every row's tokens
@@ -154,11 +176,11 @@ def test_the_engine_counts_are_each_rounds_once(toy_policy):
 
 
 def test_where_it_applies():
-    """By admission: the paged engine on one device, single-turn, no greedy rows, no routing
-    record; anything else runs in rounds."""
+    """By admission: the paged engine on one device, single-turn, no greedy rows; anything
+    else runs in rounds."""
 
-    def ctx(mesh=None, kv=0, routing=False, handlers=None):
-        sampler = types.SimpleNamespace(mesh=mesh, kv_cache_tokens=kv, record_routing=routing)
+    def ctx(mesh=None, kv=0, handlers=None):
+        sampler = types.SimpleNamespace(mesh=mesh, kv_cache_tokens=kv)
         return types.SimpleNamespace(sampler=sampler, turn_handlers=handlers)
 
     dapo = Rounds(dynamic_sampling=True, max_resample_rounds=2)
@@ -167,7 +189,6 @@ def test_where_it_applies():
     assert rounds_lib.admits(ctx(mesh=types.SimpleNamespace(devices=np.zeros(1))), dapo)
     assert not rounds_lib.admits(ctx(kv=None), dapo)
     assert not rounds_lib.admits(ctx(mesh=two), dapo)
-    assert not rounds_lib.admits(ctx(routing=True), dapo)
     assert not rounds_lib.admits(ctx(handlers=object()), dapo)
     assert not rounds_lib.admits(ctx(), Rounds(dynamic_sampling=True, greedy_baseline=True))
     assert not rounds_lib.admits(ctx(), Rounds())
