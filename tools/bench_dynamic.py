@@ -24,6 +24,7 @@ step), then timed --repeats times interleaved; the fastest counts. Printed:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -56,6 +57,20 @@ class LengthVerifier:
         return RewardBatch(rewards=correct.astype(np.float32), correct=correct, reasons=reasons)
 
 
+@dataclasses.dataclass
+class Ahead:
+    """The further chunks as the trainer's data iterator gives them: a call takes the first,
+    peek(i) shows the i-th after it untaken (admission samples it before it takes it)."""
+
+    left: list
+
+    def __call__(self) -> Any:
+        return self.left.pop(0)
+
+    def peek(self, offset: int) -> Any:
+        return self.left[offset] if offset < len(self.left) else None
+
+
 def step(model: tuple, chunks: list, way: str, settings: dict) -> tuple[Any, dict, float]:
     """One step's dynamic sampling of `chunks` (the step's records, then one per extra round)
     by `way`: (scored rows, metrics, seconds)."""
@@ -81,12 +96,12 @@ def step(model: tuple, chunks: list, way: str, settings: dict) -> tuple[Any, dic
         max_resample_rounds=settings["max_resample_rounds"],
         by_admission=by_admission,
     )
-    more = iter(chunks[1:])
+    more = Ahead(list(chunks[1:]))
     t0 = time.perf_counter()
     rows, metrics = sample_and_score(
         ctx,  # type: ignore[arg-type]  # the parts of a RolloutContext rounds reads
         params, chunks[0], jax.random.key(1), RowLayout(settings["group"]), rounds,
-        lambda: next(more),
+        more,
     )  # fmt: skip
     jax.block_until_ready(rows.samples.out.tokens_BT)
     return rows, metrics, time.perf_counter() - t0

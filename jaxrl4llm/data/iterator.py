@@ -69,6 +69,19 @@ class BatchIterator:
         self._next += 1
         return batch
 
+    def peek(self, offset: int = 0) -> list[Record] | None:
+        """The batch `offset` batches after the next one, not consumed (None past the end):
+        what `next` will give then (the batches are a random-access dataset)."""
+        index = self._next + offset
+        if self.config.num_epochs is not None and index >= len(self._batches):
+            return None
+        return self._batches[index]
+
+    def next_batches(self) -> NextBatches:
+        """This iterator as dynamic sampling reads it: admission (sampling/admission.py) looks
+        at the next batch before it takes it."""
+        return NextBatches(self)
+
     @property
     def num_batches(self) -> int | None:
         """Batches in a finite iteration (num_epochs set), else None."""
@@ -102,6 +115,19 @@ class BatchIterator:
         if next_batch < 0:
             raise ValueError(f"invalid iterator state: next_batch={next_batch}")
         self._next = next_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class NextBatches:
+    """Call: the next batch, consumed; peek(i): the batch i after it, not consumed."""
+
+    iterator: BatchIterator
+
+    def __call__(self) -> list[Record]:
+        return next(self.iterator)
+
+    def peek(self, offset: int) -> list[Record] | None:
+        return self.iterator.peek(offset)
 
 
 def make_iterator(

@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling by admission (the paged engine on one device): instead of sampling
+"""DAPO's dynamic sampling by admission (the paged engine on one host): instead of sampling
 whole batches of P groups in rounds until P groups hold both a correct and a wrong row
 (rounds.py), groups are queued into one running paged engine (paged_segments.py) as its rows
 free, each group is scored on the host once its G rows finish, and the rollout stops as soon
@@ -12,16 +12,22 @@ fewer had spread, the groups without spread in that order: the groups, and rows,
 rounds.py selects from the same records. What differs is the work. Rounds wait for each
 round's longest row before the next round starts, and the last round samples a whole batch
 of P groups however few are missing. Here a finished group's slot takes the next record's
-group at once (the next chunk starts while the previous one's long rows decode), and the
-host keeps MARGIN x need / rate groups queued or decoding (need: P minus the groups with
-spread so far; rate: the share of this step's scored groups with spread; at most P, and P
-before any group is scored), so the last groups are not sampled as a whole batch. The
-rollout ends when the groups before the P-th with spread, in the records' order, have all
-finished: groups still decoding then come after it and are dropped
-(`rollout/groups_dropped`).
+group at once, and the next chunk starts while the previous one's long rows still decode:
+where next_records has a `peek` (the trainer's data iterator, data.iterator.NextBatches) the
+next chunk is looked at ahead and sampled before it is taken, and it is taken (called) only
+once the rounds would draw it, i.e. once the groups with spread in the chunks before it, with
+every unscored one counted as having spread, are fewer than P. So a step takes exactly the
+chunks the rounds take and the run reads the same data; a chunk looked at but not taken is
+the next step's first (its groups sampled here are dropped). The host keeps MARGIN x need /
+rate of the drawn groups queued or decoding (need: P minus the groups with spread so far;
+rate: the share of this step's scored groups with spread; at most P, and P before any group
+is scored), so the last groups are not sampled as a whole batch. The rollout ends when the
+groups before the P-th with spread, in the records' order, have all finished: groups still
+decoding then come after it and are dropped (`rollout/groups_dropped`).
 
-A chunk is drawn when a group is to be queued and every drawn one is queued already, so a
-step reads at most P - 1 records it does not sample (the rest of its last chunk).
+On a mesh that splits the batch the engine runs one queue and pool per batch shard
+(paged_segments.py), P / D slots each; a group goes to the shard with the most free slots.
+Its rows depend only on its prompt and keys, so the batch is the same.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import numpy as np
 from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.sampling import buckets, decode, paged, paged_segments, trim
 from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.sampling.row_io import RowRequest, prompt_rows, stop_id_array
+from jaxrl4llm.sampling.row_io import RowRequest, prompt_rows
 from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
@@ -91,8 +97,8 @@ class _Run:
     next_records: Callable[[], Sequence[Any]] | None
     max_chunks: int
     groups: list[_Group] = dataclasses.field(default_factory=list)
-    chunks: int = 0
-    queued: int = 0  # groups queued (the engine's admission order)
+    chunks: int = 0  # drawn
+    taken: int = 1  # drawn and taken from next_records (the step's own records: chunk 0)
     reward_s: float = 0.0
 
     @property
@@ -103,10 +109,21 @@ class _Run:
     def G(self) -> int:
         return self.layout.group_size
 
-    def _draw(self) -> None:
-        """The next chunk of P records, tokenized and keyed as rounds.py's round `chunks`."""
+    def _draw(self) -> bool:
+        """Draws the next chunk of P records, tokenized and keyed as rounds.py's round
+        `chunks`: taken from next_records if the rounds would draw it (`needed`), else looked
+        at ahead (its `peek`, one chunk at most), else not (False)."""
         k = self.chunks
-        records = self.records if k == 0 or self.next_records is None else self.next_records()
+        if k == self.max_chunks:
+            return False
+        if k == 0:
+            records = self.records
+        elif self.needed(k):
+            records, self.taken = self._take(), self.taken + 1
+        elif k == self.taken and (ahead := self._ahead()) is not None:
+            records = ahead
+        else:
+            return False
         key = self.key if k == 0 else jax.random.fold_in(self.key, k)
         s = self.sampler
         request = RowRequest(
@@ -132,6 +149,35 @@ class _Run:
                 )
             )
         self.chunks += 1
+        return True
+
+    def needed(self, k: int) -> bool:
+        """Whether the rounds draw chunk k whatever the unscored groups give: the groups with
+        spread in the chunks before it, with every unscored one counted as having spread,
+        are fewer than P."""
+        before = self.groups[: k * self.P]
+        spread = sum(g.spread or g.verdicts is None for g in before)
+        return k < self.max_chunks and spread < self.P
+
+    def _take(self) -> Sequence[Any]:
+        """The next chunk's records, taken (the step's own again without next_records)."""
+        return self.records if self.next_records is None else self.next_records()
+
+    def _ahead(self) -> Sequence[Any] | None:
+        """The next chunk's records, not taken: next_records' `peek` (None where it has none
+        or the data ends)."""
+        if self.next_records is None:
+            return self.records
+        peek = getattr(self.next_records, "peek", None)
+        return None if peek is None else peek(0)
+
+    def take_needed(self) -> None:
+        """Takes each chunk looked at ahead that the rounds now draw."""
+        while self.taken < self.chunks and self.needed(self.taken):
+            taken = list(self._take())
+            ahead = [g.record for g in self.groups[self.taken * self.P : (self.taken + 1) * self.P]]
+            assert taken == ahead, "next_records gave other records than its peek"
+            self.taken += 1
 
     def in_flight(self) -> list[_Group]:
         return [g for g in self.groups if g.slot >= 0 and g.rows is None]
@@ -154,10 +200,8 @@ class _Run:
         take: list[_Group] = []
         room = min(free_slots, self.wanted() - len(self.in_flight()))
         while len(take) < room:
-            if self.next_index() == len(self.groups):
-                if self.chunks == self.max_chunks:
-                    break
-                self._draw()
+            if self.next_index() == len(self.groups) and not self._draw():
+                break
             g = self.groups[self.next_index()]
             if g.dropped:
                 g.rows = _empty_rows(self.G, self.max_new_tokens, self.sampler.pad_id)
@@ -230,127 +274,6 @@ def _empty_rows(G: int, N: int, pad_id: int) -> dict[str, np.ndarray]:
     )
 
 
-@dataclasses.dataclass(eq=False)
-class _Engine:
-    """The device side: one paged_segments run over a queue of P slots of G rows."""
-
-    sampler: Any
-    sampling: SamplingConfig
-    P: int
-    G: int
-    N: int
-    width: int
-    max_groups: int
-
-    def __post_init__(self) -> None:
-        s, P, G, N = self.sampler, self.P, self.G, self.N
-        self.weights: Any = None
-        self.queue = paged_segments.empty_queue(
-            P, G, self.width, self.max_groups, N, jax.random.key(0)
-        )
-        self.rows = max(G, min(s.max_rows or P * G, P * G) // G * G)
-        # A mixture of experts' routing record, as the samplers keep it (record_routing).
-        self.record = s.record_routing and bool(s.model_config.moe_layers)
-        self.num_pages = self._pages(self.width)
-        self.order = np.full((self.max_groups * G,), P * G, np.int32)
-        self.free = list(range(P))
-        self.queued = 0
-        self.pad_id = np.int32(s.pad_id)
-        self.stop_S = jnp.asarray(stop_id_array(s.stop_ids))
-        self.state: Any = None
-
-    def _pages(self, width: int) -> int:
-        """The pool for prompts `width` wide (paged.pool_pages: the sampler's tokens, or every
-        row at full length; at least one group at full length)."""
-        tokens = self.sampler.kv_cache_tokens or 0
-        return paged.pool_pages(tokens, self.P * self.G, width, self.N, self.G)
-
-    def begin(self, params: Any) -> None:
-        self.weights = paged_segments.decode_weights(params, self.sampler.model_config)
-        self.state = paged_segments.start(
-            self.weights, self.queue, self.pad_id, num_pages=self.num_pages, **self._run()
-        )
-
-    def _run(self) -> dict[str, Any]:
-        return dict(
-            model_config=self.sampler.model_config,
-            max_new_tokens=self.N,
-            decode_rows=self.rows,
-            group=self.G,
-            record_routing=self.record,
-        )
-
-    def push(self, groups: list[_Group]) -> None:
-        """Queues `groups` in free slots (the prompt width widened first if one needs it)."""
-        if not groups:
-            return
-        G, R = self.G, self.P * self.G
-        width = max(
-            buckets.bucket_prompt_length(len(g.prompt_P), self.sampler.min_prompt_bucket)
-            for g in groups
-        )
-        if width > self.width:
-            self.num_pages = max(self.num_pages, self._pages(width))
-            self.queue, self.state = paged_segments.widen(
-                self.queue, self.state, self.pad_id,
-                width=width, max_new_tokens=self.N, num_pages=self.num_pages,
-            )  # fmt: skip
-            self.width = width
-        K = 1 << (len(groups) - 1).bit_length()
-        rows_K = np.full((K * G,), R, np.int32)
-        prompt_KP = np.full((K * G, self.width), self.pad_id, np.int32)
-        mask_KP = np.zeros((K * G, self.width), bool)
-        for i, g in enumerate(groups):
-            g.slot = self.free.pop(0)
-            rows = np.arange(i * G, (i + 1) * G)
-            rows_K[rows] = g.slot * G + np.arange(G)
-            n = len(g.prompt_P)
-            prompt_KP[rows, self.width - n :] = g.prompt_P
-            mask_KP[rows, self.width - n :] = True
-            self.order[self.queued * G : (self.queued + 1) * G] = rows_K[rows]
-            self.queued += 1
-        keys = [g.keys_G for g in groups]
-        keys_K = jnp.concatenate(keys + [keys[0]] * (K - len(groups)))
-        self.queue, self.state = paged_segments.enqueue(
-            self.queue, self.state, rows_K, prompt_KP, mask_KP, keys_K, self.order, self.pad_id
-        )
-
-    def segment(self) -> None:
-        self.state = paged_segments.segment(
-            self.weights, self.queue, self.state, self.stop_S, self.pad_id,
-            sampling=self.sampling, max_steps=paged_segments.SEGMENT_STEPS, **self._run(),
-        )  # fmt: skip
-
-    def collect(self, groups: list[_Group]) -> None:
-        """Reads back the rows of the `groups` (in flight) whose G rows all finished, and
-        frees their slots."""
-        done_R, length_R = jax.device_get((self.state.done_R, self.state.length_R))
-        G = self.G
-        ended = [
-            g
-            for g in groups
-            if (
-                done_R[g.slot * G : (g.slot + 1) * G]
-                | (length_R[g.slot * G : (g.slot + 1) * G] >= self.N)
-            ).all()
-        ]
-        if not ended:
-            return
-        K = 1 << (len(ended) - 1).bit_length()
-        rows_K = np.zeros((K * G,), np.int32)
-        for i, g in enumerate(ended):
-            rows_K[i * G : (i + 1) * G] = g.slot * G + np.arange(G)
-        got = jax.device_get(paged_segments.read_rows(self.state, rows_K))
-        for i, g in enumerate(ended):
-            at = slice(g.slot * G, (g.slot + 1) * G)
-            g.rows = {k: v[i * G : (i + 1) * G] for k, v in got.items()}
-            g.rows.update(lengths_G=length_R[at].copy(), done_G=done_R[at].copy())
-            if self.record:  # the prompt's own columns (its record is left-padded to the width)
-                prompt = g.rows["prompt_experts_GPLK"]
-                g.rows["prompt_experts_GPLK"] = prompt[:, self.width - len(g.prompt_P) :]
-            self.free.append(g.slot)
-
-
 def sample(
     sampler: Any,
     params: Any,
@@ -377,17 +300,20 @@ def sample(
         buckets.bucket_prompt_length(max(len(g.prompt_P), 1), sampler.min_prompt_bucket)
         for g in run.groups
     )
-    engine = _Engine(sampler, sampling, run.P, run.G, max_new_tokens, width, run.max_chunks * run.P)
+    engine = paged_segments.Driver(
+        sampler, sampling, run.P, run.G, max_new_tokens, width, run.max_chunks * run.P
+    )
     engine.begin(params)
     batch = None
     while batch is None:
-        engine.push(run.next_groups(len(engine.free)))
+        engine.push(run.next_groups(engine.free_slots))
         if run.in_flight():
             engine.segment()
             engine.collect(run.in_flight())
         run.score_finished()
+        run.take_needed()
         batch = run.selected()
-        if batch is None and not run.in_flight() and not engine.free:
+        if batch is None and not run.in_flight() and not engine.free_slots:
             raise RuntimeError("admission: no group decodes and no slot is free")
     out = _assemble(batch, run, engine)
     texts = [t for g in batch for t in (g.texts or [])]
@@ -395,7 +321,7 @@ def sample(
     return Admitted(out, texts, verdicts, _metrics(run, engine, time.perf_counter() - t0))
 
 
-def _assemble(batch: list[_Group], run: _Run, engine: _Engine) -> SampleOutput:
+def _assemble(batch: list[_Group], run: _Run, engine: paged_segments.Driver) -> SampleOutput:
     """The batch's rows as the samplers give them (rounds.on_device lays them out)."""
     G, N, s = run.G, run.max_new_tokens, run.sampler
     width = buckets.bucket_prompt_length(
@@ -412,8 +338,9 @@ def _assemble(batch: list[_Group], run: _Run, engine: _Engine) -> SampleOutput:
     rows = {k: np.concatenate([g.rows[k] for g in batch if g.rows]) for k in keys}
     lengths_B = rows["lengths_G"]
     dropped_B = np.repeat([g.dropped for g in batch], G)
-    state = engine.state
-    stats = state.stats.replace(pages_left=state.pool.num_pages - state.pool.num_free())
+    state = engine.state  # the counts summed over the shards; pages held when it stopped
+    stats = jax.tree.map(lambda x: jnp.sum(x), state.stats)
+    stats = stats.replace(pages_left=jnp.sum(state.pool.refs_N > 0))
     return SampleOutput(
         tokens_BT=jnp.asarray(rows["tokens_GT"]),
         logprobs_BT=jnp.asarray(rows["logprobs_GT"]),
@@ -424,7 +351,7 @@ def _assemble(batch: list[_Group], run: _Run, engine: _Engine) -> SampleOutput:
         prompt_mask_BP=jnp.asarray(prompt_mask_BP),
         dropped_B=jnp.asarray(dropped_B),
         num_steps=jnp.int32(max(int(lengths_B.max(initial=0)), 1)),
-        slot_steps=state.slot_steps,
+        slot_steps=jnp.sum(state.slot_steps),
         engine_stats=jax.device_get(stats),
         **(_record(batch, run, width) if engine.record else {}),
     )
@@ -448,7 +375,7 @@ def _record(batch: list[_Group], run: _Run, width: int) -> dict[str, jax.Array]:
     )
 
 
-def _metrics(run: _Run, engine: _Engine, seconds: float) -> dict[str, Any]:
+def _metrics(run: _Run, engine: paged_segments.Driver, seconds: float) -> dict[str, Any]:
     """rounds.py's dynamic-sampling metrics over the groups scored, and admission's counts."""
     scored = [g for g in run.groups if g.verdicts is not None]
     spread = sum(g.spread for g in scored)
@@ -456,11 +383,11 @@ def _metrics(run: _Run, engine: _Engine, seconds: float) -> dict[str, Any]:
     return {
         "time/rollout_s": seconds - run.reward_s,
         "time/reward_s": run.reward_s,
-        "rollout/rounds": Metric.mean(float(run.chunks)),
+        "rollout/rounds": Metric.mean(float(run.taken)),
         "rollout/frac_groups_filtered": Metric.mean(1.0 - spread / len(scored)),
         "rollout/groups_short": Metric.mean(float(max(run.P - spread, 0))),
         "reward/accuracy_sampled": Metric.mean(correct / (len(scored) * run.G)),
         # Groups queued into the engine, and those dropped while decoding at the end.
-        "rollout/groups_admitted": Metric.mean(float(engine.queued)),
+        "rollout/groups_admitted": Metric.mean(float(engine.queued.sum())),
         "rollout/groups_dropped": Metric.mean(float(len(run.in_flight()))),
     }

@@ -1,7 +1,14 @@
 """The paged engine (paged.py) driven from the host in segments: the same loop body (admit
 the queued groups that fit, decode one step), stopped every `max_steps` decode steps so the
 host can read which groups finished and queue more; the queue is an argument the host
-rewrites between segments. sampling/admission.py runs DAPO's dynamic sampling on it.
+rewrites between segments. `Driver` is the host side of a run (slots, segments, reading
+finished groups back); sampling/admission.py runs DAPO's dynamic sampling on it.
+
+The run is D batch shards' (1 without a mesh; on a mesh splitting the batch, one per batch
+shard, as paged_mesh.py: its own queue, pool and decode rows, on one device, under
+jax.shard_map with no collective in its loop): every array of the queue and of the state has
+a first axis of D, split over the batch axes; `enqueue` and `widen` act on each shard's part
+(jax.vmap), `segment` runs each shard's loop on its own device.
 
 The queue holds `slots` groups of G consecutive rows ([slots * G] rows: prompts, keys, outputs);
 a slot whose group finished and was read back takes another group (`enqueue` writes its
@@ -22,18 +29,23 @@ the one-program engine with prompts that wide would have).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models import kv_cache
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import continuous, decode, paged, paged_state
+from jaxrl4llm.sampling import buckets, continuous, decode, paged, paged_mesh, paged_state
 from jaxrl4llm.sampling import page_pool as pages_lib
 from jaxrl4llm.sampling.paged_state import PagedState
+from jaxrl4llm.sampling.row_io import stop_id_array
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
 # Decode steps per segment: how late the host may learn that a group finished (one small
@@ -42,25 +54,38 @@ SEGMENT_STEPS = 32
 
 
 @functools.partial(jax.jit, static_argnames=("model_config",))
-def decode_weights(params: Any, model_config: ModelConfig) -> Any:
-    """The weights laid out once for every segment's decode loop (decode.loop_params)."""
+def _loop_weights(params: Any, model_config: ModelConfig) -> Any:
     return decode.loop_setup(params, model_config, None, parallel.DEFAULT_RULES)[0]
 
 
+def decode_weights(params: Any, model_config: ModelConfig, mesh: Mesh | None = None) -> Any:
+    """The weights laid out once for every segment's decode loop (decode.loop_params), on a
+    mesh whole on every device (each shard's engine runs on one device: gathered here once,
+    not at every segment)."""
+    weights = _loop_weights(params, model_config)
+    return weights if mesh is None else jax.device_put(weights, NamedSharding(mesh, P()))
+
+
 def empty_queue(
-    slots: int, group: int, width: int, max_groups: int, max_new_tokens: int, key: jax.Array
+    shards: int,
+    slots: int,
+    group: int,
+    width: int,
+    max_groups: int,
+    max_new_tokens: int,
+    key: jax.Array,
 ) -> continuous.Queue:
-    """A queue of `slots` empty groups of prompts `width` wide, room in its order for
-    `max_groups` groups, nothing queued (order entries past the queued ones name row R, past
-    the rows)."""
-    R = slots * group
+    """The queues of `shards` batch shards, stacked on a first axis: `slots` empty groups of
+    prompts `width` wide each, room in each order for `max_groups` groups, nothing queued
+    (order entries past the queued ones name row R, past a shard's rows)."""
+    R, D = slots * group, shards
     return continuous.Queue(
-        order_Q=jnp.full((max_groups * group,), R, jnp.int32),  # R: nothing queued there
-        num_queued=jnp.int32(0),
-        prompt_BP=jnp.zeros((R, width), jnp.int32),
-        prompt_mask_BP=jnp.zeros((R, width), bool),
-        row_keys_B=jax.random.split(key, R),
-        caps_B=jnp.full((R,), max_new_tokens, jnp.int32),
+        order_Q=jnp.full((D, max_groups * group), R, jnp.int32),  # R: nothing queued there
+        num_queued=jnp.zeros((D,), jnp.int32),
+        prompt_BP=jnp.zeros((D, R, width), jnp.int32),
+        prompt_mask_BP=jnp.zeros((D, R, width), bool),
+        row_keys_B=jax.random.split(key, (D, R)),
+        caps_B=jnp.full((D, R), max_new_tokens, jnp.int32),
     )
 
 
@@ -80,22 +105,28 @@ def start(
     group: int,
     record_routing: bool = False,
 ) -> PagedState:
-    """An empty run over `queue`: a pool of `num_pages` free pages, `decode_rows` free decode
-    rows, nothing admitted (`params`: decode_weights's); with `record_routing` (a mixture of
-    experts) an empty routing record."""
+    """Each shard's empty run over its queue (stacked as `queue`): a pool of `num_pages` free
+    pages, `decode_rows` free decode rows, nothing admitted (`params`: decode_weights's);
+    with `record_routing` (a mixture of experts) an empty routing record."""
     dtype = decode.cache_dtype_for(params)
-    pool = pages_lib.init_pool(model_config, num_pages, paged.PAGE_SIZE, dtype)
-    pending = kv_cache.init_kv_cache(
-        model_config, paged.refill_groups(decode_rows, group), queue.prompt_BP.shape[1], dtype
-    )
     record = paged.record_shape(model_config) if record_routing else None
-    return paged_state.initial_state(
-        queue, pool, pending, decode_rows, group, max_new_tokens, pad_id, record
-    )
+
+    def one(queue: continuous.Queue) -> PagedState:
+        pool = pages_lib.init_pool(model_config, num_pages, paged.PAGE_SIZE, dtype)
+        pending = kv_cache.init_kv_cache(
+            model_config, paged.refill_groups(decode_rows, group), queue.prompt_BP.shape[1], dtype
+        )
+        return paged_state.initial_state(
+            queue, pool, pending, decode_rows, group, max_new_tokens, pad_id, record
+        )
+
+    return jax.vmap(one)(queue)
 
 
 @functools.partial(
-    jax.jit, static_argnames=(*_RUN, "sampling", "attention", "max_steps"), donate_argnums=2
+    jax.jit,
+    static_argnames=(*_RUN, "sampling", "attention", "max_steps", "mesh"),
+    donate_argnums=2,
 )
 def segment(
     params: Any,
@@ -112,28 +143,57 @@ def segment(
     record_routing: bool = False,
     attention: str = "auto",
     max_steps: int = SEGMENT_STEPS,
+    mesh: Mesh | None = None,
 ) -> PagedState:
-    """Up to `max_steps` steps of the engine's loop (fewer when nothing is left to admit or
-    decode): admit the queued groups that fit, decode one token per live row."""
+    """Up to `max_steps` steps of each shard's engine loop (fewer when nothing is left to
+    admit or decode): admit the queued groups that fit, decode one token per live row. On a
+    mesh each batch shard runs its own (jax.shard_map, no collective), as paged_mesh.py."""
     del max_new_tokens  # the run's: its outputs' width
-    engine = paged.Engine.of(
-        params, queue, model_config, sampling, stop_ids_S, pad_id, decode_rows, group, None,
-        attention, record_routing,
-    )  # fmt: skip
 
-    def more(carry: tuple[jax.Array, PagedState]) -> jax.Array:
-        steps, s = carry
-        return (steps < max_steps) & paged.more_work(engine.num_groups, s)
+    def one(params: Any, queue: Any, state: Any, stop_ids_S: jax.Array, pad_id: jax.Array) -> Any:
+        queue, state = jax.tree.map(lambda x: x[0], (queue, state))  # this shard's
+        engine = paged.Engine.of(
+            params, queue, model_config, sampling, stop_ids_S, pad_id, decode_rows, group,
+            None, attention, record_routing,
+        )  # fmt: skip
 
-    def body(carry: tuple[jax.Array, PagedState]) -> tuple[jax.Array, PagedState]:
-        steps, s = carry
-        return steps + 1, engine.admit(engine.step(s))
+        def more(carry: tuple[jax.Array, PagedState]) -> jax.Array:
+            steps, s = carry
+            return (steps < max_steps) & paged.more_work(engine.num_groups, s)
 
-    return jax.lax.while_loop(more, body, (jnp.int32(0), engine.admit(state)))[1]
+        def body(carry: tuple[jax.Array, PagedState]) -> tuple[jax.Array, PagedState]:
+            steps, s = carry
+            return steps + 1, engine.admit(engine.step(s))
+
+        state = jax.lax.while_loop(more, body, (jnp.int32(0), engine.admit(state)))[1]
+        return jax.tree.map(lambda x: x[None], state)
+
+    if mesh is None:
+        return one(params, queue, state, stop_ids_S, pad_id)
+    rows = P(paged_mesh.batch_axes(mesh, parallel.DEFAULT_RULES))
+    run = jax.shard_map(
+        one, mesh=mesh, in_specs=(P(), rows, rows, P(), P()), out_specs=rows, check_vma=False
+    )
+    return run(params, queue, state, stop_ids_S, pad_id)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def enqueue(
+    queue: continuous.Queue,
+    state: PagedState,
+    rows_DK: jax.Array,
+    prompt_DKP: jax.Array,
+    mask_DKP: jax.Array,
+    keys_DK: jax.Array,
+    order_DQ: jax.Array,
+    pad_id: jax.Array,
+) -> tuple[continuous.Queue, PagedState]:
+    """Each shard's `_enqueue_one` (the arguments stacked over the shards, pad_id shared)."""
+    one = functools.partial(_enqueue_one, pad_id=pad_id)
+    return jax.vmap(one)(queue, state, rows_DK, prompt_DKP, mask_DKP, keys_DK, order_DQ)
+
+
+def _enqueue_one(
     queue: continuous.Queue,
     state: PagedState,
     rows_K: jax.Array,
@@ -179,9 +239,20 @@ def widen(
     max_new_tokens: int,
     num_pages: int,
 ) -> tuple[continuous.Queue, PagedState]:
-    """The run with prompts `width` wide and a pool of `num_pages` pages (at least its own):
-    the prompt block and the pending groups' caches padded on the left, the page tables on
-    the right, new free pages put before the scratch page (module docstring)."""
+    """Each shard's `_widen_one` (stacked over the shards)."""
+    one = functools.partial(
+        _widen_one, pad_id=pad_id, width=width, max_new_tokens=max_new_tokens, num_pages=num_pages
+    )
+    return jax.vmap(one)(queue, state)
+
+
+def _widen_one(
+    queue: continuous.Queue, state: PagedState, pad_id: jax.Array, width: int,
+    max_new_tokens: int, num_pages: int,
+) -> tuple[continuous.Queue, PagedState]:  # fmt: skip
+    """One shard's run with prompts `width` wide and a pool of `num_pages` pages (at least
+    its own): the prompt block and the pending groups' caches padded on the left, the page
+    tables on the right, new free pages put before the scratch page (module docstring)."""
     extra = width - queue.prompt_BP.shape[1]
     left = lambda x, axis, value=0: jnp.pad(  # noqa: E731
         x, [(extra, 0) if a == axis else (0, 0) for a in range(x.ndim)], constant_values=value
@@ -220,12 +291,169 @@ def widen(
 
 
 @jax.jit
-def read_rows(state: PagedState, rows_K: jax.Array) -> dict[str, jax.Array]:
-    """Rows `rows_K`' outputs (clipped to the queue's rows): tokens, logprobs and, with a
-    routing record, their prompt's and completion's experts."""
-    take = lambda x: jnp.take(x, rows_K, axis=0, mode="clip")  # noqa: E731
+def read_rows(state: PagedState, shard_K: jax.Array, rows_K: jax.Array) -> dict[str, jax.Array]:
+    """The outputs of rows `rows_K` of shards `shard_K` (clipped to the queues' rows):
+    tokens, logprobs and, with a routing record, their prompt's and completion's experts."""
+    take = lambda x: x.at[shard_K, rows_K].get(mode="clip")  # noqa: E731
     out = {"tokens_GT": take(state.tokens_RT), "logprobs_GT": take(state.logprobs_RT)}
     if state.experts_RTLK is not None:
         out["prompt_experts_GPLK"] = take(state.prompt_experts_RPLK)
         out["experts_GTLK"] = take(state.experts_RTLK)
     return out
+
+
+# The keys of queue rows no group holds yet (never drawn from).
+_KEY = jax.random.key(0)
+
+
+@dataclasses.dataclass(eq=False)
+class Driver:
+    """The host side of a run over P slots of G rows, P / D on each of its D batch shards
+    (one without a mesh): placing groups in free slots, running segments, reading finished
+    groups back. A group (admission.py's) has its prompt's tokens `prompt_P` and its rows'
+    keys `keys_G`; `push` sets its global `slot` (d * P / D + s), `collect` its `rows`."""
+
+    sampler: Any
+    sampling: SamplingConfig
+    P: int
+    G: int
+    N: int
+    width: int
+    max_groups: int
+
+    def __post_init__(self) -> None:
+        s, P, G, N = self.sampler, self.P, self.G, self.N
+        D = self.D = paged_mesh.shards(s.mesh, s.rules)
+        self.mesh = s.mesh if D > 1 else None
+        paged_mesh.check_rows(P * G, D, G)  # each shard whole groups
+        self.slots = P // D  # per shard
+        self.weights: Any = None
+        self.queue = self._placed(
+            empty_queue(D, self.slots, G, self.width, self.max_groups, N, _KEY)
+        )
+        self.rows = max(G, min(s.max_rows or P * G, P * G) // D // G * G)
+        # A mixture of experts' routing record, as the samplers keep it (record_routing).
+        self.record = s.record_routing and bool(s.model_config.moe_layers)
+        self.num_pages = self._pages(self.width)
+        self.order = np.full((D, self.max_groups * G), self.slots * G, np.int32)
+        self.free: list[list[int]] = [list(range(self.slots)) for _ in range(D)]
+        self.queued = np.zeros(D, int)
+        self.pad_id = np.int32(s.pad_id)
+        self.stop_S = jnp.asarray(stop_id_array(s.stop_ids))
+        self.state: Any = None
+
+    @property
+    def free_slots(self) -> int:
+        return sum(map(len, self.free))
+
+    def _placed(self, tree: Any) -> Any:
+        """`tree` (every leaf's first axis the shards) split over the mesh's batch axes."""
+        if self.mesh is None:
+            return tree
+        axes = paged_mesh.batch_axes(self.mesh, self.sampler.rules)
+        return jax.device_put(tree, NamedSharding(self.mesh, P(axes)))
+
+    def _pages(self, width: int) -> int:
+        """A shard's pool for prompts `width` wide (paged.pool_pages: the sampler's tokens, or
+        every row of the shard at full length; at least one group at full length)."""
+        tokens = self.sampler.kv_cache_tokens or 0
+        return paged.pool_pages(tokens, self.slots * self.G, width, self.N, self.G)
+
+    def begin(self, params: Any) -> None:
+        model_config = self.sampler.model_config
+        self.weights = decode_weights(params, model_config, self.mesh)
+        self.state = self._placed(
+            start(self.weights, self.queue, self.pad_id, num_pages=self.num_pages, **self._run())
+        )
+
+    def _run(self) -> dict[str, Any]:
+        return dict(
+            model_config=self.sampler.model_config,
+            max_new_tokens=self.N,
+            decode_rows=self.rows,
+            group=self.G,
+            record_routing=self.record,
+        )
+
+    def push(self, groups: list[Any]) -> None:
+        """Queues `groups` in free slots, each in the shard with the most free slots (the
+        prompt width widened first if one needs it)."""
+        if not groups:
+            return
+        width = max(
+            buckets.bucket_prompt_length(len(g.prompt_P), self.sampler.min_prompt_bucket)
+            for g in groups
+        )
+        if width > self.width:
+            self.num_pages = max(self.num_pages, self._pages(width))
+            self.queue, self.state = widen(
+                self.queue, self.state, self.pad_id,
+                width=width, max_new_tokens=self.N, num_pages=self.num_pages,
+            )  # fmt: skip
+            self.width = width
+        by_shard: list[list[Any]] = [[] for _ in range(self.D)]
+        for g in groups:
+            d = max(range(self.D), key=lambda d: len(self.free[d]))
+            g.slot = d * self.slots + self.free[d].pop(0)
+            by_shard[d].append(g)
+        self.queue, self.state = enqueue(
+            self.queue, self.state, *self._enqueued(by_shard), self.order, self.pad_id
+        )
+
+    def _enqueued(self, by_shard: list[list[Any]]) -> tuple[Any, ...]:
+        """enqueue's rows, prompts, masks and keys [D, K * G, ...] of each shard's new groups
+        (K: a power of two; padding rows name row R, dropped), their order extended."""
+        G, D, W, R = self.G, self.D, self.width, self.slots * self.G
+        K = 1 << (max(map(len, by_shard)) - 1).bit_length()
+        rows = np.full((D, K * G), R, np.int32)
+        prompt = np.full((D, K * G, W), self.pad_id, np.int32)
+        mask = np.zeros((D, K * G, W), bool)
+        keys = []
+        for d, shard in enumerate(by_shard):
+            for i, g in enumerate(shard):
+                at = slice(i * G, (i + 1) * G)
+                rows[d, at] = (g.slot % self.slots) * G + np.arange(G)
+                prompt[d, at, W - len(g.prompt_P) :] = g.prompt_P
+                mask[d, at, W - len(g.prompt_P) :] = True
+                q = self.queued[d]
+                self.order[d, q * G : (q + 1) * G] = rows[d, at]
+                self.queued[d] += 1
+            shard_keys = [g.keys_G for g in shard] or [jax.random.split(_KEY, G)]
+            keys.append(jnp.concatenate(shard_keys + shard_keys[:1] * (K - len(shard))))
+        return rows, prompt, mask, jnp.stack(keys)
+
+    def segment(self) -> None:
+        self.state = segment(
+            self.weights, self.queue, self.state, self.stop_S, self.pad_id,
+            sampling=self.sampling, max_steps=SEGMENT_STEPS, mesh=self.mesh,
+            **self._run(),
+        )  # fmt: skip
+
+    def collect(self, groups: list[Any]) -> None:
+        """Reads back the rows of the `groups` (in flight) whose G rows all finished, and
+        frees their slots (global slot d * slots + s: rows slot * G of the shards' rows laid
+        end to end)."""
+        done, length = (
+            np.asarray(x).reshape(-1)
+            for x in jax.device_get((self.state.done_R, self.state.length_R))
+        )
+        G = self.G
+        ended = [
+            g for g in groups if (done | (length >= self.N))[g.slot * G : (g.slot + 1) * G].all()
+        ]
+        if not ended:
+            return
+        K = 1 << (len(ended) - 1).bit_length()
+        rows_K = np.zeros((K * G,), np.int32)
+        for i, g in enumerate(ended):
+            rows_K[i * G : (i + 1) * G] = g.slot * G + np.arange(G)
+        R = self.slots * G
+        got = jax.device_get(read_rows(self.state, rows_K // R, rows_K % R))
+        for i, g in enumerate(ended):
+            at = slice(g.slot * G, (g.slot + 1) * G)
+            g.rows = {k: v[i * G : (i + 1) * G] for k, v in got.items()}
+            g.rows.update(lengths_G=length[at].copy(), done_G=done[at].copy())
+            if self.record:  # the prompt's own columns (its record is left-padded to the width)
+                prompt = g.rows["prompt_experts_GPLK"]
+                g.rows["prompt_experts_GPLK"] = prompt[:, self.width - len(g.prompt_P) :]
+            self.free[g.slot // self.slots].append(g.slot % self.slots)

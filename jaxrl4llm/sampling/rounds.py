@@ -9,7 +9,7 @@ teacher-forced passes, the update) is the same whatever happened here:
 * ReMax (Rounds.greedy_baseline): each prompt is sampled G + 1 times in the same sampler
   call, the last row greedily; that row is scored, its reward becomes the group's baseline,
   and it leaves the batch (it is not trained on).
-* Dynamic sampling (DAPO, RolloutConfig.dynamic; on the paged engine on one device by
+* Dynamic sampling (DAPO, RolloutConfig.dynamic; on the paged engine on one host by
   admission, admission.py: the same groups and rows, without waiting on whole rounds):
   groups whose valid rows are all correct or all wrong carry no signal; they are set aside
   and further rounds (the next prompts of the data iterator, or the same prompts again
@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.rl.algorithm_config import AlgorithmConfig
 from jaxrl4llm.rl.metrics import Metric
-from jaxrl4llm.sampling import admission, multiturn
+from jaxrl4llm.sampling import admission, multiturn, paged_mesh
 from jaxrl4llm.sampling.config import DynamicSampling
 from jaxrl4llm.sampling.context import RolloutContext, RowVerdicts
 from jaxrl4llm.sampling.frontend import Samples
@@ -163,8 +163,8 @@ def _reset_messages(ctx: RolloutContext, handler: Any, messages: list, n: int) -
 
 def admits(ctx: RolloutContext, rounds: Rounds) -> bool:
     """Whether dynamic sampling runs by admission (admission.py): the paged engine on one
-    device (of one host), single-turn, without ReMax's greedy rows; elsewhere it runs in
-    rounds."""
+    host, on one device or a mesh that splits only the batch (a pool per batch shard),
+    single-turn, without ReMax's greedy rows; elsewhere it runs in rounds."""
     mesh = ctx.sampler.mesh
     return (
         rounds.dynamic_sampling
@@ -172,7 +172,7 @@ def admits(ctx: RolloutContext, rounds: Rounds) -> bool:
         and not rounds.greedy_baseline
         and ctx.turn_handlers is None
         and getattr(ctx.sampler, "kv_cache_tokens", None) is not None
-        and (mesh is None or mesh.devices.size == 1)
+        and (mesh is None or not paged_mesh.other_axes(mesh, ctx.sampler.rules))
         and jax.process_count() == 1
     )
 

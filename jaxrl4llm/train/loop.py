@@ -146,7 +146,7 @@ def _step(
         models.ref_params,
         records,
         jax.random.fold_in(step_key, 0),
-        next_records=lambda: next(services.iterator),  # dynamic sampling
+        next_records=_next_records(services.iterator),  # dynamic sampling
         critic_params=None if models.critic_state is None else models.critic_state.params,
         in_flight=services.in_flight,
         programs=services.programs,
@@ -229,3 +229,11 @@ def _write_outputs(workdir: str, eval_results: dict[str, float]) -> dict[str, st
     if paths.exists(paths.join(workdir, "metrics.jsonl")):
         outputs["plot"] = plots.plot_runs([workdir], paths.join(workdir, "curves.png"))
     return outputs
+
+
+def _next_records(iterator: Any) -> Any:
+    """Dynamic sampling's further prompts: the iterator's next batches, which admission may
+    look at before it takes them (data.iterator.NextBatches), else plain next()."""
+    if hasattr(iterator, "next_batches"):
+        return iterator.next_batches()
+    return lambda: next(iterator)

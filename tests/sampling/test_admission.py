@@ -10,8 +10,10 @@ import types
 import jax
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh
 
 from jaxrl4llm.models import transformer
+from jaxrl4llm.parallel import DEFAULT_RULES
 from jaxrl4llm.rewards.base import RewardBatch
 from jaxrl4llm.sampling import paged_segments
 from jaxrl4llm.sampling import rounds as rounds_lib
@@ -52,6 +54,22 @@ class SumVerifier:
         return RewardBatch(rewards=correct.astype(np.float32), correct=correct, reasons=reasons)
 
 
+class Feed:
+    """next_records over chunks, as the trainer's data iterator: a call takes the next chunk,
+    peek(i) looks at the one i after it without taking it."""
+
+    def __init__(self, chunks):
+        self.chunks, self.taken = chunks, 0
+
+    def __call__(self):
+        self.taken += 1
+        return self.chunks[self.taken - 1]
+
+    def peek(self, offset):
+        at = self.taken + offset
+        return self.chunks[at] if at < len(self.chunks) else None
+
+
 def _chunks(config, widths, seed=0):
     """Chunks of P records: chunk k's prompts have 2 to widths[k] tokens."""
     rng = np.random.default_rng(seed)
@@ -76,11 +94,12 @@ def _sample(toy_policy, chunks, kv_cache_tokens, by_admission, modulus=6, cap=4,
         rollout=types.SimpleNamespace(sampling=SamplingConfig(1.0, top_k=12), max_new_tokens=N),
         turn_handlers=None,
     )
-    more = iter(chunks[1:])
+    feed = Feed(chunks[1:])
     rounds = Rounds(dynamic_sampling=True, max_resample_rounds=cap, by_admission=by_admission)
-    return sample_and_score(
-        ctx, params, chunks[0], jax.random.key(1), RowLayout(G), rounds, lambda: next(more)
+    rows, metrics = sample_and_score(
+        ctx, params, chunks[0], jax.random.key(1), RowLayout(G), rounds, feed
     )
+    return rows, {**metrics, "chunks_taken": feed.taken}
 
 
 def _rows(scored):
@@ -119,7 +138,10 @@ def test_the_batch_of_the_compacted_samplers_rounds(toy_policy, pool, widths, mo
     for ra, rb in zip(a, b):
         assert ra[0] == rb[0] and ra[1] == rb[1] and ra[3:] == rb[3:]
         np.testing.assert_allclose(rb[2], ra[2], atol=1e-5, rtol=0)
-    assert got_m["rollout/groups_short"].value == ref_m["rollout/groups_short"].value
+    # The same records taken: the chunks the rounds drew, no more.
+    assert got_m["chunks_taken"] == ref_m["chunks_taken"]
+    for k in ("rollout/groups_short", "rollout/rounds"):
+        assert got_m[k].value == ref_m[k].value
     stats = jax.tree.map(int, got.samples.out.engine_stats)
     assert stats.pages_left == 0 or got_m["rollout/groups_dropped"].value > 0
     if pool:  # a pool of about one group at full length: the groups wait for pages
@@ -132,18 +154,42 @@ def test_the_batch_of_the_compacted_samplers_rounds(toy_policy, pool, widths, mo
 def test_it_decodes_less_than_the_rounds_of_the_same_engine(toy_policy, monkeypatch):
     """The paged engine in rounds waits for each round's longest row and samples the last
     round whole; by admission (segments of 4 steps: the host sees a group finish within 4
-    steps, as within 32 of thousands in a real run) it decodes fewer tokens for the same
-    batches (rows equal), over three steps' records."""
+    steps, as within 32 of thousands in a real run) it decodes fewer tokens, in about as
+    many decode steps, for the same batches (rows equal), over three steps' records."""
     monkeypatch.setattr(paged_segments, "SEGMENT_STEPS", 4)
-    decoded = np.zeros(2, int)
+    work = np.zeros((2, 2), int)  # [rounds, admission] x [tokens decoded, decode steps]
     for seed in range(3):
         chunks = _chunks(toy_policy[0], (12,) * 6, seed=seed)
         ref, _ = _sample(toy_policy, chunks, 0, False, modulus=5, cap=5)
         got, metrics = _sample(toy_policy, chunks, 0, True, modulus=5, cap=5)
         assert [r[:2] for r in _rows(ref)] == [r[:2] for r in _rows(got)]
-        decoded += [int(x.samples.out.engine_stats.decoded) for x in (ref, got)]
-        assert metrics["rollout/groups_admitted"].value <= metrics["rollout/rounds"].value * P
-    assert decoded[1] < 0.97 * decoded[0], decoded
+        stats = [x.samples.out.engine_stats for x in (ref, got)]
+        work += [[int(s.decoded), int(s.steps)] for s in stats]
+        # At most one chunk looked at ahead and not taken.
+        assert metrics["rollout/groups_admitted"].value <= (metrics["chunks_taken"] + 2) * P
+    assert work[1, 0] < 0.97 * work[0, 0] and work[1, 1] <= work[0, 1] + 3, work
+
+
+def test_on_a_mesh_splitting_the_batch(toy_policy):
+    """On fsdp:2 (the weights split, gathered once) a pool and a queue per batch shard, each
+    shard's loop on its own device: the batch of the one-device compacted sampler's rounds,
+    also with the smallest pools and wider later chunks."""
+    from jaxrl4llm import parallel
+
+    mesh = parallel.make_mesh("data:1,fsdp:2,tensor:1", jax.devices()[:2])
+    chunks = _chunks(toy_policy[0], (6, 20, 12, 30, 8), seed=2)
+    ref, ref_m = _sample(toy_policy, chunks, None, False)
+    got, got_m = _sample(toy_policy, chunks, 160, True, mesh=mesh)
+    assert "rollout/groups_admitted" in got_m  # by admission
+    assert got_m["chunks_taken"] == ref_m["chunks_taken"]
+    a, b = _rows(ref), _rows(got)
+    for ra, rb in zip(a, b):
+        assert ra[0] == rb[0] and ra[1] == rb[1] and ra[3:] == rb[3:]
+        np.testing.assert_allclose(rb[2], ra[2], atol=1e-5, rtol=0)
+    out = got.samples.out
+    assert out.tokens_BT.sharding.is_equivalent_to(parallel.batch_sharding(mesh, 2), 2)
+    stats = jax.tree.map(int, out.engine_stats)
+    assert stats.decoded > 0 and stats.live_rows <= stats.steps * P * G
 
 
 def test_a_mixture_of_experts_routing_record():
@@ -175,20 +221,25 @@ def test_the_engine_counts_are_each_rounds_once(toy_policy):
     assert 0 < stats.decoded == int(np.maximum(lengths - 1, 0).sum())
 
 
+def _mesh(spec):
+    """An abstract mesh "axis:size,...", e.g. "data:2,fsdp:2"."""
+    axes = [x.split(":") for x in spec.split(",")]
+    return AbstractMesh(tuple(int(n) for _, n in axes), tuple(a for a, _ in axes))
+
+
 def test_where_it_applies():
-    """By admission: the paged engine on one device, single-turn, no greedy rows; anything
-    else runs in rounds."""
+    """By admission: the paged engine on one host, one device or a mesh splitting only the
+    batch, single-turn, no greedy rows; anything else runs in rounds."""
 
     def ctx(mesh=None, kv=0, handlers=None):
-        sampler = types.SimpleNamespace(mesh=mesh, kv_cache_tokens=kv)
+        sampler = types.SimpleNamespace(mesh=mesh, kv_cache_tokens=kv, rules=DEFAULT_RULES)
         return types.SimpleNamespace(sampler=sampler, turn_handlers=handlers)
 
     dapo = Rounds(dynamic_sampling=True, max_resample_rounds=2)
-    two = types.SimpleNamespace(devices=np.zeros(2))
     assert rounds_lib.admits(ctx(), dapo)
-    assert rounds_lib.admits(ctx(mesh=types.SimpleNamespace(devices=np.zeros(1))), dapo)
+    for spec, admits in [("data:1", True), ("data:2,fsdp:2", True), ("fsdp:2,tensor:2", False)]:
+        assert rounds_lib.admits(ctx(mesh=_mesh(spec)), dapo) == admits
     assert not rounds_lib.admits(ctx(kv=None), dapo)
-    assert not rounds_lib.admits(ctx(mesh=two), dapo)
     assert not rounds_lib.admits(ctx(handlers=object()), dapo)
     assert not rounds_lib.admits(ctx(), Rounds(dynamic_sampling=True, greedy_baseline=True))
     assert not rounds_lib.admits(ctx(), Rounds())

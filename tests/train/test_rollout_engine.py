@@ -87,13 +87,19 @@ def test_paged_combinations_refused_at_validation(
         validate(config, num_devices=int(np.prod(sizes)))
 
 
-def test_a_paged_run_on_a_data_parallel_mesh(toy_model_dir, copy_task_file, tmp_path):
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, dict(algorithm=rl.get_preset("dapo"), max_resample_rounds=2)],
+    ids=["grpo", "dapo-by-admission"],
+)
+def test_a_paged_run_on_a_data_parallel_mesh(overrides, toy_model_dir, copy_task_file, tmp_path):
     """--rollout_engine=paged on data:2 (one engine and page pool per batch shard,
-    sampling/paged_mesh.py) validates and runs the one-device compacted run: the same
-    rewards, the losses within float rounding (LINEAR_OPT: test_loop's sharded run)."""
+    sampling/paged_mesh.py; DAPO's groups by admission, sampling/admission.py) validates and
+    runs the one-device compacted run: the same rewards, the losses within float rounding
+    (LINEAR_OPT: test_loop's sharded run)."""
     import jax
 
-    kwargs = dict(num_steps=2, max_new_tokens=12, optimizer=LINEAR_OPT)
+    kwargs = dict(num_steps=2, max_new_tokens=12, optimizer=LINEAR_OPT, **overrides)
     plain = _config(toy_model_dir, copy_task_file, tmp_path / "compacted", **kwargs)
     loop.run(plain, devices=_one_device())
     paged = plain.replace(
@@ -112,6 +118,7 @@ def test_a_paged_run_on_a_data_parallel_mesh(toy_model_dir, copy_task_file, tmp_
         np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], atol=1e-4)
         # Summed over the two shards' engines: at most every row of the step at once.
         assert 1 <= rb["rollout/rows_per_decode_step"] <= 2 * 8 * 4
+        assert ("rollout/groups_admitted" in rb) == bool(overrides)
 
 
 def test_decode_slots_is_an_alias_of_the_paged_engine(toy_model_dir, copy_task_file, tmp_path):
