@@ -302,10 +302,6 @@ def read_rows(state: PagedState, shard_K: jax.Array, rows_K: jax.Array) -> dict[
     return out
 
 
-# The keys of queue rows no group holds yet (never drawn from).
-_KEY = jax.random.key(0)
-
-
 @dataclasses.dataclass(eq=False)
 class Driver:
     """The host side of a run over P slots of G rows, P / D on each of its D batch shards
@@ -329,7 +325,7 @@ class Driver:
         self.slots = P // D  # per shard
         self.weights: Any = None
         self.queue = self._placed(
-            empty_queue(D, self.slots, G, self.width, self.max_groups, N, _KEY)
+            empty_queue(D, self.slots, G, self.width, self.max_groups, N, _unused_key())
         )
         self.rows = max(G, min(s.max_rows or P * G, P * G) // D // G * G)
         # A mixture of experts' routing record, as the samplers keep it (record_routing).
@@ -418,7 +414,7 @@ class Driver:
                 q = self.queued[d]
                 self.order[d, q * G : (q + 1) * G] = rows[d, at]
                 self.queued[d] += 1
-            shard_keys = [g.keys_G for g in shard] or [jax.random.split(_KEY, G)]
+            shard_keys = [g.keys_G for g in shard] or [jax.random.split(_unused_key(), G)]
             keys.append(jnp.concatenate(shard_keys + shard_keys[:1] * (K - len(shard))))
         return rows, prompt, mask, jnp.stack(keys)
 
@@ -457,3 +453,9 @@ class Driver:
                 prompt = g.rows["prompt_experts_GPLK"]
                 g.rows["prompt_experts_GPLK"] = prompt[:, self.width - len(g.prompt_P) :]
             self.free[g.slot // self.slots].append(g.slot % self.slots)
+
+
+def _unused_key() -> jax.Array:
+    """The key of queue rows no group holds (never drawn from); made when called, since a
+    key made at import would start the backend before jax.distributed.initialize."""
+    return jax.random.key(0)
