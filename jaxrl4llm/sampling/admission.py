@@ -43,6 +43,7 @@ import numpy as np
 
 from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.sampling import buckets, decode, paged, paged_segments, trim
+from jaxrl4llm.sampling.context import has_spread
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.row_io import RowRequest, prompt_rows
 from jaxrl4llm.sampling.sample_output import SampleOutput
@@ -99,6 +100,7 @@ class _Run:
     groups: list[_Group] = dataclasses.field(default_factory=list)
     chunks: int = 0  # drawn
     taken: int = 1  # drawn and taken from next_records (the step's own records: chunk 0)
+    next: int = 0  # the next group to queue (groups are queued, or dropped ones finished, in order)
     reward_s: float = 0.0
 
     @property
@@ -200,24 +202,16 @@ class _Run:
         take: list[_Group] = []
         room = min(free_slots, self.wanted() - len(self.in_flight()))
         while len(take) < room:
-            if self.next_index() == len(self.groups) and not self._draw():
+            if self.next == len(self.groups) and not self._draw():
                 break
-            g = self.groups[self.next_index()]
+            g = self.groups[self.next]
+            self.next += 1
             if g.dropped:
                 g.rows = _empty_rows(self.G, self.max_new_tokens, self.sampler.pad_id)
             else:
                 take.append(g)
                 g.slot = -2  # being queued
         return take
-
-    def next_index(self) -> int:
-        """The first group neither queued nor finished (the next to queue)."""
-        n = 0
-        while n < len(self.groups) and (
-            self.groups[n].slot != -1 or self.groups[n].rows is not None
-        ):
-            n += 1
-        return n
 
     def to_score(self) -> list[_Group]:
         return [g for g in self.groups if g.rows is not None and g.verdicts is None]
@@ -241,10 +235,7 @@ class _Run:
         verdicts = self.score(texts, records, np.concatenate(lengths))
         for i, g in enumerate(groups):
             g.verdicts = verdicts.take(np.arange(i * self.G, (i + 1) * self.G))
-            valid = ~g.verdicts.failed
-            g.spread = bool(
-                (g.verdicts.correct & valid).any() and (~g.verdicts.correct & valid).any()
-            )
+            g.spread = bool(has_spread(g.verdicts, self.G)[0])
         self.reward_s += time.perf_counter() - t0
 
     def selected(self) -> list[_Group] | None:
@@ -258,7 +249,7 @@ class _Run:
             if len(spread) == self.P:
                 return spread
         else:
-            drawn = self.chunks == self.max_chunks and self.next_index() == len(self.groups)
+            drawn = self.chunks == self.max_chunks and self.next == len(self.groups)
             if drawn and not self.in_flight():
                 flat = [g for g in self.groups if not g.spread]
                 return (spread + flat)[: self.P]

@@ -39,6 +39,15 @@ class RowVerdicts(Protocol):
     def join(self, *others: Self) -> Self: ...
 
 
+def has_spread(verdicts: RowVerdicts, group_size: int) -> np.ndarray:
+    """bool [groups]: the group's valid rows hold both a correct and a wrong one (DAPO eq. 11;
+    groups of `group_size` consecutive rows)."""
+    valid = ~verdicts.failed
+    correct = (verdicts.correct & valid).reshape(-1, group_size)
+    wrong = (~verdicts.correct & valid).reshape(-1, group_size)
+    return correct.any(axis=1) & wrong.any(axis=1)
+
+
 class RewardFunction(Protocol):
     """Scores completions against their records (rewards.RewardFn)."""
 

@@ -433,10 +433,8 @@ class Driver:
             np.asarray(x).reshape(-1)
             for x in jax.device_get((self.state.done_R, self.state.length_R))
         )
-        G = self.G
-        ended = [
-            g for g in groups if (done | (length >= self.N))[g.slot * G : (g.slot + 1) * G].all()
-        ]
+        G, finished = self.G, done | (length >= self.N)
+        ended = [g for g in groups if finished[g.slot * G : (g.slot + 1) * G].all()]
         if not ended:
             return
         K = 1 << (len(ended) - 1).bit_length()

@@ -37,7 +37,7 @@ from jaxrl4llm.rl.algorithm_config import AlgorithmConfig
 from jaxrl4llm.rl.metrics import Metric
 from jaxrl4llm.sampling import admission, multiturn, paged_mesh
 from jaxrl4llm.sampling.config import DynamicSampling
-from jaxrl4llm.sampling.context import RolloutContext, RowVerdicts
+from jaxrl4llm.sampling.context import RolloutContext, RowVerdicts, has_spread
 from jaxrl4llm.sampling.frontend import Samples
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -273,14 +273,6 @@ def on_device(part: ScoredRows, mesh: Mesh | None) -> ScoredRows:
     return dataclasses.replace(part, samples=dataclasses.replace(part.samples, out=out))
 
 
-def _has_spread(part: ScoredRows, group_size: int) -> np.ndarray:
-    """bool [groups]: the group's valid rows hold both a correct and a wrong one (DAPO eq. 11)."""
-    valid = ~part.verdicts.failed
-    correct = (part.verdicts.correct & valid).reshape(-1, group_size)
-    wrong = (~part.verdicts.correct & valid).reshape(-1, group_size)
-    return correct.any(axis=1) & wrong.any(axis=1)
-
-
 def every_host(values: Sequence[int]) -> np.ndarray:
     """int64 [hosts, len(values)]: each host's `values`, in process order (a collective:
     every host calls it at the same point)."""
@@ -326,7 +318,7 @@ def sample_and_score(
     while True:
         stats.append(part.samples.out.engine_stats)
         n_correct += int(part.verdicts.correct.sum())
-        spread_P = _has_spread(part, G)
+        spread_P = has_spread(part.verdicts, G)
         rows_PG = np.arange(P * G).reshape(P, G)
         kept.append(_take(part, rows_PG[spread_P].reshape(-1)))
         flat.append(_take(part, rows_PG[~spread_P].reshape(-1)))
