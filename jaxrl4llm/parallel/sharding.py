@@ -241,6 +241,18 @@ def without_batch_axes(rules: LogicalRules = DEFAULT_RULES) -> LogicalRules:
     return tuple(out)
 
 
+def inside_batch_shard(rules: LogicalRules = DEFAULT_RULES) -> LogicalRules:
+    """`rules` with the batch's mesh axes taken out of every logical axis, the batch's own
+    included: the layout inside jax.shard_map manual over the batch axes, where each batch
+    shard's program splits its arrays over the other axes only."""
+    batch = mesh_axes(_rules_dict(rules).get("batch"))
+    out = []
+    for name, target in rules:
+        axes = tuple(a for a in mesh_axes(target) if a not in batch)
+        out.append((name, None if not axes else axes[0] if len(axes) == 1 else axes))
+    return tuple(out)
+
+
 def data_parallel_size(mesh: Mesh | AbstractMesh, rules: LogicalRules = DEFAULT_RULES) -> int:
     """How many shards the batch axis is split into (the product of its mesh axes)."""
     axes = mesh_axes(logical_to_partition_spec(("batch",), rules)[0])

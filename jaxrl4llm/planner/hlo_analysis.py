@@ -170,8 +170,8 @@ def _executions(
                 m = _TRIP_COUNT.search(inst.rest)
                 trip = int(m.group(1)) if m else unknown_trip_count
             for key, callees in _CALLEES.findall(inst.rest):
-                if key == "to_apply":
-                    continue  # scalar reducers: no collectives inside
+                if key == "to_apply" and inst.op != "call":
+                    continue  # scalar reducers: no collectives inside (a call's is its body)
                 for callee in callees.strip("{}").replace("%", "").split(","):
                     callee = callee.strip()
                     if callee in comps:

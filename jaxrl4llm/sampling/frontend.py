@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import buckets, continuous, multiturn, paged_mesh, trim
+from jaxrl4llm.sampling import buckets, continuous, multiturn, trim
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.row_io import host_rows
 from jaxrl4llm.sampling.sample_output import SampleOutput
@@ -89,8 +89,6 @@ class Sampler:
         if long_prompts not in LONG_PROMPT_MODES:
             raise ValueError(f"long_prompts={long_prompts!r} must be one of {LONG_PROMPT_MODES}.")
         continuous.check_slots(decode_slots, mesh, rules)
-        if kv_cache_tokens is not None:
-            paged_mesh.check_mesh(mesh, rules)
         if stop_ids is None:
             stop_ids = list(model_config.eos_token_ids)
             stop_ids += list(getattr(tokenizer, "stop_token_ids", ()))

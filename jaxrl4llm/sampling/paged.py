@@ -51,7 +51,9 @@ which copies each row's table prefix:
              copy the pool.
 
 On a mesh that splits the batch, paged_mesh.py runs one engine per batch shard (its rows,
-its own pool of num_pages) under jax.shard_map; a mesh splitting heads runs one engine.
+its own pool of num_pages) under jax.shard_map; a mesh splitting heads runs one engine with
+its heads, pool and vocabulary split (a shard's engine too, on a mesh splitting both). The
+logits are gathered whole before sampling (`_whole`).
 
 With `record_routing` (a mixture of experts) the engine keeps the compacted sampler's routing
 record: a group's prompt experts from its prefill, and each live row's fed token's experts
@@ -330,8 +332,16 @@ class Engine:
             self.queue.row_keys_B[rows], jnp.zeros((J * G,), jnp.uint32)
         )
         greedy = None if self.queue.greedy_B is None else self.queue.greedy_B[rows]
-        tok, lp = strategies.sample(jnp.repeat(logits_JV, G, axis=0), keys, self.sampling, greedy)
+        logits_RV = jnp.repeat(self._whole(logits_JV), G, axis=0)
+        tok, lp = strategies.sample(logits_RV, keys, self.sampling, greedy)
         return tok.reshape(J, G), lp.reshape(J, G)
+
+    def _whole(self, logits_SV: jax.Array) -> jax.Array:
+        """The logits gathered whole on each device of a row's shard before sampling: drawn
+        from vocabulary-split logits, top-k's cut-off would travel between devices as a
+        collective permute, which CPU's runtime joins over every device, deadlocking batch
+        shards whose loops run different step counts (paged_mesh.py)."""
+        return parallel.constrain(logits_SV, ("batch", None), self.sharding)
 
     def _admit_next(self, s: paged_state.PagedState) -> paged_state.PagedState:
         """Moves the next pending group (it fits: paged_state.fits) into the pool and the
@@ -434,7 +444,7 @@ class Engine:
     def _sample(self, logits_SV: jax.Array, x: paged_state.DecodeRows) -> tuple[jax.Array, ...]:
         """Each row's token and logprob, row r's token t drawn with fold_in(row_key[r], t)."""
         keys = jax.vmap(jax.random.fold_in)(x.keys_S, x.step_S.astype(jnp.uint32))
-        return strategies.sample(logits_SV, keys, self.sampling, x.greedy_S)
+        return strategies.sample(self._whole(logits_SV), keys, self.sampling, x.greedy_S)
 
     def _decode_first(
         self, size: int, width: int, x: paged_state.DecodeRows, pool: PagePool

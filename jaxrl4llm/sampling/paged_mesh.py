@@ -2,18 +2,17 @@
 per batch shard.
 
 On a mesh whose batch axes (data, fsdp, expert: parallel.data_parallel_size) split the rows
-D ways, `generate_sharded` runs the engine under jax.shard_map, manual over every mesh axis:
+D ways, `generate_sharded` runs the engine under jax.shard_map, manual over the batch axes:
 each shard decodes its own B / D rows (whole groups of G consecutive rows) from its own pool
-of `num_pages` pages, with at most max_rows / D of them decoding at once, on one device and
-with no collective in its loop. The weights enter the body replicated (weights split over
-fsdp are gathered once, before the loop). A row's samples depend only on its key
-(fold_in(row_key, t)), so they are the ones the engine draws on one device. The outputs come
-back split over the batch like the compacted sampler's; the scalar counts (slot_steps,
-PagedStats) are summed over the shards.
-
-What it does not run (check_mesh refuses it, naming --rollout_engine=compacted): a split batch
-together with any other mesh axis of size > 1 (tensor: the engine inside a shard runs on one
-device).
+of `num_pages` pages, with at most max_rows / D of them decoding at once, and with no
+collective between shards in its loop (the shards' loops run different step counts). The
+weights enter whole over the batch axes (weights split over fsdp are gathered once, before
+the loop). The other axes (tensor) stay with the partitioner: on a mesh that also splits
+heads, each shard's engine splits its heads, pool and vocabulary over its own devices
+(`inside_shard`), and its loop's collectives join only those devices. A row's samples
+depend only on its key (fold_in(row_key, t)), so they are the ones the engine draws on one
+device. The outputs come back split over the batch like the compacted sampler's; the scalar
+counts (slot_steps, PagedStats) are summed over the shards.
 """
 
 from __future__ import annotations
@@ -51,22 +50,15 @@ def other_axes(mesh: Mesh | AbstractMesh, rules: parallel.LogicalRules) -> str:
     return ",".join(f"{a}:{n}" for a, n in mesh.shape.items() if n > 1 and a not in axes)
 
 
-def check_mesh(
-    mesh: Mesh | AbstractMesh | None, rules: parallel.LogicalRules = parallel.DEFAULT_RULES
-) -> None:
-    """Refuses a mesh that splits the batch and also another axis (e.g. tensor): each
-    shard's engine runs on one device."""
-    D = shards(mesh, rules)
-    if mesh is None or D == 1:
-        return
-    split = other_axes(mesh, rules)
-    if split:
-        raise FlagError(
-            f"{ENGINE} runs one page pool per batch shard, each on one device: this mesh "
-            f"splits the batch {D} ways and also {split}; use --rollout_engine=compacted, or "
-            "a mesh whose only axes of size > 1 are data, fsdp and expert (or a mesh with "
-            "tensor but without data or fsdp axes)."
-        )
+def inside_shard(mesh: Mesh, rules: parallel.LogicalRules) -> parallel.ActivationSharding | None:
+    """A batch shard's activation sharding under jax.shard_map manual over the batch axes
+    (the other axes left to the partitioner): None where no other axis splits anything (the
+    shard's engine runs on one device), else `mesh` with rules that name no batch axis (the
+    shard's weights, pool and activations split over the other axes, e.g. heads over
+    tensor)."""
+    if not other_axes(mesh, rules):
+        return None
+    return parallel.ActivationSharding(mesh, parallel.inside_batch_shard(rules))
 
 
 def check_rows(rows: int, D: int, group: int) -> None:
@@ -101,7 +93,6 @@ def generate_sharded(
     active_B, row_keys_B, stop_ids_S, pad_id) on each batch shard of `mesh`, with no mesh:
     the shard's rows, `max_rows` (all shards) split over the shards, and `settings`
     (num_pages: each shard's pool, the rest as generate_paged's)."""
-    check_mesh(mesh, rules)
     D, G = shards(mesh, rules), prompt_group
     check_rows(inputs[0].shape[0], D, G)
     axes = batch_axes(mesh, rules)
@@ -111,10 +102,14 @@ def generate_sharded(
     given = dict(greedy_B=greedy_B, row_caps_B=row_caps_B)
     optional = {k: v for k, v in given.items() if v is not None}
 
+    inner = inside_shard(mesh, rules)
+    on = {} if inner is None else {"mesh": inner.mesh, "rules": inner.rules}
+
     def body(params: Any, rows: tuple, stop: jax.Array, pad: jax.Array, optional: dict) -> Any:
         out = paged.generate_paged(
-            params, *rows, stop, pad, max_rows=local_rows, prompt_group=G, **optional, **settings
-        )
+            params, *rows, stop, pad, max_rows=local_rows, prompt_group=G, **on,
+            **optional, **settings,
+        )  # fmt: skip
         total = lambda a: jax.lax.psum(a, axes)  # noqa: E731
         return out.replace(slot_steps=total(out.slot_steps), stats=jax.tree.map(total, out.stats))
 
@@ -132,6 +127,7 @@ def generate_sharded(
         mesh=mesh,
         in_specs=(whole, (row,) * 4, whole, whole, {k: row for k in optional}),
         out_specs=out_specs,
+        axis_names=frozenset(axes),
         check_vma=False,
     )
     return run(params, inputs[:4], inputs[4], inputs[5], optional)

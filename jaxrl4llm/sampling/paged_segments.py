@@ -5,10 +5,11 @@ rewrites between segments. `Driver` is the host side of a run (slots, segments, 
 finished groups back); sampling/admission.py runs DAPO's dynamic sampling on it.
 
 The run is D batch shards' (1 without a mesh; on a mesh splitting the batch, one per batch
-shard, as paged_mesh.py: its own queue, pool and decode rows, on one device, under
-jax.shard_map with no collective in its loop): every array of the queue and of the state has
-a first axis of D, split over the batch axes; `enqueue` and `widen` act on each shard's part
-(jax.vmap), `segment` runs each shard's loop on its own device.
+shard, as paged_mesh.py: its own queue, pool and decode rows, under jax.shard_map over the
+batch axes with no collective between shards in its loop, its heads and pool split over
+tensor where the mesh has it): every array of the queue and of the state has a first axis
+of D, split over the batch axes (state_shardings); `enqueue` and `widen` act on each shard's
+part (jax.vmap), `segment` runs each shard's loop on its own devices.
 
 The queue holds `slots` groups of G consecutive rows ([slots * G] rows: prompts, keys, outputs);
 a slot whose group finished and was read back takes another group (`enqueue` writes its
@@ -53,17 +54,44 @@ from jaxrl4llm.sampling.strategies import SamplingConfig
 SEGMENT_STEPS = 32
 
 
-@functools.partial(jax.jit, static_argnames=("model_config",))
-def _loop_weights(params: Any, model_config: ModelConfig) -> Any:
-    return decode.loop_setup(params, model_config, None, parallel.DEFAULT_RULES)[0]
-
-
-def decode_weights(params: Any, model_config: ModelConfig, mesh: Mesh | None = None) -> Any:
+@functools.partial(jax.jit, static_argnames=("model_config", "mesh", "rules"))
+def decode_weights(
+    params: Any,
+    model_config: ModelConfig,
+    mesh: Mesh | None = None,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+) -> Any:
     """The weights laid out once for every segment's decode loop (decode.loop_params), on a
-    mesh whole on every device (each shard's engine runs on one device: gathered here once,
-    not at every segment)."""
-    weights = _loop_weights(params, model_config)
-    return weights if mesh is None else jax.device_put(weights, NamedSharding(mesh, P()))
+    mesh whole over the batch axes (each shard's engine holds every weight; gathered here
+    once, not at every segment) and split over the others as a shard's engine splits them
+    (paged_mesh.inside_shard: heads over tensor)."""
+    inside = parallel.inside_batch_shard(rules)
+    sharding = None if mesh is None else parallel.ActivationSharding(mesh, inside)
+    return decode.loop_params(params, model_config, sharding)
+
+
+def state_shardings(state: PagedState, mesh: Mesh, rules: parallel.LogicalRules) -> Any:
+    """Where a run's state lives on `mesh`: every array's first axis (the shards) over the
+    batch axes; the pool's and the pending groups' keys and values also split over kv heads
+    as the shards' engines split them (paged_mesh.inside_shard)."""
+    axes = paged_mesh.batch_axes(mesh, rules)
+    K = state.pool.k_pages[0].shape[1]
+    inner = paged_mesh.inside_shard(mesh, rules)
+    heads = None if inner is None else inner.spec(("kv_heads",), (K,))[0]
+    spec = lambda *dims: NamedSharding(mesh, P(axes, *dims))  # noqa: E731
+    out = jax.tree.map(lambda _: spec(), state)
+    cache = out.pending.cache
+    return out.replace(
+        pool=out.pool.replace(
+            k_pages=(spec(heads),) * len(cache.k_BKHS), v_pages=(spec(heads),) * len(cache.k_BKHS)
+        ),
+        pending=out.pending.replace(
+            cache=cache.replace(
+                k_BKHS=(spec(None, heads),) * len(cache.k_BKHS),
+                v_BKSH=(spec(None, heads),) * len(cache.v_BKSH),
+            )
+        ),
+    )
 
 
 def empty_queue(
@@ -125,7 +153,7 @@ def start(
 
 @functools.partial(
     jax.jit,
-    static_argnames=(*_RUN, "sampling", "attention", "max_steps", "mesh"),
+    static_argnames=(*_RUN, "sampling", "attention", "max_steps", "mesh", "rules"),
     donate_argnums=2,
 )
 def segment(
@@ -144,17 +172,20 @@ def segment(
     attention: str = "auto",
     max_steps: int = SEGMENT_STEPS,
     mesh: Mesh | None = None,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
 ) -> PagedState:
     """Up to `max_steps` steps of each shard's engine loop (fewer when nothing is left to
     admit or decode): admit the queued groups that fit, decode one token per live row. On a
-    mesh each batch shard runs its own (jax.shard_map, no collective), as paged_mesh.py."""
+    mesh each batch shard runs its own (jax.shard_map over the batch axes, no collective
+    between shards), as paged_mesh.py, its heads split over tensor where the mesh has it."""
     del max_new_tokens  # the run's: its outputs' width
+    inner = None if mesh is None else paged_mesh.inside_shard(mesh, rules)
 
     def one(params: Any, queue: Any, state: Any, stop_ids_S: jax.Array, pad_id: jax.Array) -> Any:
         queue, state = jax.tree.map(lambda x: x[0], (queue, state))  # this shard's
         engine = paged.Engine.of(
             params, queue, model_config, sampling, stop_ids_S, pad_id, decode_rows, group,
-            None, attention, record_routing,
+            inner, attention, record_routing,
         )  # fmt: skip
 
         def more(carry: tuple[jax.Array, PagedState]) -> jax.Array:
@@ -170,11 +201,18 @@ def segment(
 
     if mesh is None:
         return one(params, queue, state, stop_ids_S, pad_id)
-    rows = P(paged_mesh.batch_axes(mesh, parallel.DEFAULT_RULES))
+    axes = paged_mesh.batch_axes(mesh, rules)
+    rows = P(axes)
     run = jax.shard_map(
-        one, mesh=mesh, in_specs=(P(), rows, rows, P(), P()), out_specs=rows, check_vma=False
+        one,
+        mesh=mesh,
+        in_specs=(P(), rows, rows, P(), P()),
+        out_specs=rows,
+        axis_names=frozenset(axes),
+        check_vma=False,
     )
-    return run(params, queue, state, stop_ids_S, pad_id)
+    out = run(params, queue, state, stop_ids_S, pad_id)
+    return jax.lax.with_sharding_constraint(out, state_shardings(out, mesh, rules))
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -320,7 +358,7 @@ class Driver:
     def __post_init__(self) -> None:
         s, P, G, N = self.sampler, self.P, self.G, self.N
         D = self.D = paged_mesh.shards(s.mesh, s.rules)
-        self.mesh = s.mesh if D > 1 else None
+        self.mesh = s.mesh if s.mesh is not None and s.mesh.size > 1 else None
         paged_mesh.check_rows(P * G, D, G)  # each shard whole groups
         self.slots = P // D  # per shard
         self.weights: Any = None
@@ -343,9 +381,13 @@ class Driver:
         return sum(map(len, self.free))
 
     def _placed(self, tree: Any) -> Any:
-        """`tree` (every leaf's first axis the shards) split over the mesh's batch axes."""
+        """`tree` (every leaf's first axis the shards) split over the mesh's batch axes; a
+        state's keys and values also over kv heads (state_shardings), as every segment
+        leaves them, so each program compiles for one layout."""
         if self.mesh is None:
             return tree
+        if isinstance(tree, PagedState):
+            return jax.device_put(tree, state_shardings(tree, self.mesh, self.sampler.rules))
         axes = paged_mesh.batch_axes(self.mesh, self.sampler.rules)
         return jax.device_put(tree, NamedSharding(self.mesh, P(axes)))
 
@@ -357,7 +399,7 @@ class Driver:
 
     def begin(self, params: Any) -> None:
         model_config = self.sampler.model_config
-        self.weights = decode_weights(params, model_config, self.mesh)
+        self.weights = decode_weights(params, model_config, self.mesh, self.sampler.rules)
         self.state = self._placed(
             start(self.weights, self.queue, self.pad_id, num_pages=self.num_pages, **self._run())
         )
@@ -382,10 +424,16 @@ class Driver:
         )
         if width > self.width:
             self.num_pages = max(self.num_pages, self._pages(width))
-            self.queue, self.state = widen(
-                self.queue, self.state, self.pad_id,
-                width=width, max_new_tokens=self.N, num_pages=self.num_pages,
-            )  # fmt: skip
+            self.queue, self.state = self._placed(
+                widen(
+                    self.queue,
+                    self.state,
+                    self.pad_id,
+                    width=width,
+                    max_new_tokens=self.N,
+                    num_pages=self.num_pages,
+                )  # fmt: skip
+            )
             self.width = width
         by_shard: list[list[Any]] = [[] for _ in range(self.D)]
         for g in groups:
@@ -422,7 +470,7 @@ class Driver:
         self.state = segment(
             self.weights, self.queue, self.state, self.stop_S, self.pad_id,
             sampling=self.sampling, max_steps=SEGMENT_STEPS, mesh=self.mesh,
-            **self._run(),
+            rules=self.sampler.rules, **self._run(),
         )  # fmt: skip
 
     def collect(self, groups: list[Any]) -> None:

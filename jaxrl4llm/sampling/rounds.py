@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.rl.algorithm_config import AlgorithmConfig
 from jaxrl4llm.rl.metrics import Metric
-from jaxrl4llm.sampling import admission, multiturn, paged_mesh
+from jaxrl4llm.sampling import admission, multiturn
 from jaxrl4llm.sampling.config import DynamicSampling
 from jaxrl4llm.sampling.context import RolloutContext, RowVerdicts, has_spread
 from jaxrl4llm.sampling.frontend import Samples
@@ -163,16 +163,14 @@ def _reset_messages(ctx: RolloutContext, handler: Any, messages: list, n: int) -
 
 def admits(ctx: RolloutContext, rounds: Rounds) -> bool:
     """Whether dynamic sampling runs by admission (admission.py): the paged engine on one
-    host, on one device or a mesh that splits only the batch (a pool per batch shard),
+    host (one device or a mesh: a pool per batch shard, its heads split over tensor),
     single-turn, without ReMax's greedy rows; elsewhere it runs in rounds."""
-    mesh = ctx.sampler.mesh
     return (
         rounds.dynamic_sampling
         and rounds.by_admission
         and not rounds.greedy_baseline
         and ctx.turn_handlers is None
         and getattr(ctx.sampler, "kv_cache_tokens", None) is not None
-        and (mesh is None or not paged_mesh.other_axes(mesh, ctx.sampler.rules))
         and jax.process_count() == 1
     )
 

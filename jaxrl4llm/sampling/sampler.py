@@ -427,9 +427,7 @@ class _Decoding:
 
     def __post_init__(self):
         """The engine's refusals (ValueError): its mesh, its slots, a routing record."""
-        if self.kv_cache_tokens is not None:
-            paged_mesh.check_mesh(self.mesh, self.rules)
-        elif self.decode_slots:
+        if self.kv_cache_tokens is None and self.decode_slots:
             continuous.check_slots(self.decode_slots, self.mesh, self.rules)
         if self.record_routing and self.decode_slots and self.kv_cache_tokens is None:
             raise ValueError(

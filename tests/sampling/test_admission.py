@@ -170,13 +170,17 @@ def test_it_decodes_less_than_the_rounds_of_the_same_engine(toy_policy, monkeypa
     assert work[1, 0] < 0.97 * work[0, 0] and work[1, 1] <= work[0, 1] + 3, work
 
 
-def test_on_a_mesh_splitting_the_batch(toy_policy):
+@pytest.mark.parametrize(
+    "spec", ["data:1,fsdp:2,tensor:1", "data:2,fsdp:1,tensor:2", "data:1,fsdp:1,tensor:2"]
+)
+def test_on_a_mesh(toy_policy, spec):
     """On fsdp:2 (the weights split, gathered once) a pool and a queue per batch shard, each
-    shard's loop on its own device: the batch of the one-device compacted sampler's rounds,
-    also with the smallest pools and wider later chunks."""
+    shard's loop on its own device; with tensor:2 each shard's engine (one without a batch
+    split) splits its heads and pool over its two devices: the batch of the one-device
+    compacted sampler's rounds, also with the smallest pools and wider later chunks."""
     from jaxrl4llm import parallel
 
-    mesh = parallel.make_mesh("data:1,fsdp:2,tensor:1", jax.devices()[:2])
+    mesh = parallel.make_mesh(spec, jax.devices()[: 2 if spec.count(":1") == 2 else 4])
     chunks = _chunks(toy_policy[0], (6, 20, 12, 30, 8), seed=2)
     ref, ref_m = _sample(toy_policy, chunks, None, False)
     got, got_m = _sample(toy_policy, chunks, 160, True, mesh=mesh)
@@ -228,8 +232,8 @@ def _mesh(spec):
 
 
 def test_where_it_applies():
-    """By admission: the paged engine on one host, one device or a mesh splitting only the
-    batch, single-turn, no greedy rows; anything else runs in rounds."""
+    """By admission: the paged engine on one host (one device or any mesh), single-turn, no
+    greedy rows; anything else runs in rounds."""
 
     def ctx(mesh=None, kv=0, handlers=None):
         sampler = types.SimpleNamespace(mesh=mesh, kv_cache_tokens=kv, rules=DEFAULT_RULES)
@@ -237,7 +241,7 @@ def test_where_it_applies():
 
     dapo = Rounds(dynamic_sampling=True, max_resample_rounds=2)
     assert rounds_lib.admits(ctx(), dapo)
-    for spec, admits in [("data:1", True), ("data:2,fsdp:2", True), ("fsdp:2,tensor:2", False)]:
+    for spec, admits in [("data:1", True), ("data:2,fsdp:2", True), ("fsdp:2,tensor:2", True)]:
         assert rounds_lib.admits(ctx(mesh=_mesh(spec)), dapo) == admits
     assert not rounds_lib.admits(ctx(kv=None), dapo)
     assert not rounds_lib.admits(ctx(handlers=object()), dapo)

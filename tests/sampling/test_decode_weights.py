@@ -18,7 +18,7 @@ from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import TINY
 from jaxrl4llm.planner import hlo_analysis
-from jaxrl4llm.sampling import continuous, decode, paged, sampler
+from jaxrl4llm.sampling import continuous, decode, paged_mesh, sampler
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
 # The 7B plans' architecture features: untied unembedding, q/k/v biases.
@@ -56,8 +56,9 @@ def _lower(mesh_spec: str, num_chunks: int, slots: int = 0, pages: int = 0):
         jax.ShapeDtypeStruct((), jnp.int32),
     )
     common = dict(model_config=MODEL, sampling=SamplingConfig(), max_new_tokens=NEW, mesh=mesh)
-    if pages:  # the paged engine (one pool per program: the batch is not split)
-        return mesh, paged.generate_paged.lower(*inputs, num_pages=pages, max_rows=8, **common)
+    if pages:  # the paged engine: one pool, or one per batch shard (paged_mesh.engine)
+        engine = paged_mesh.engine(mesh, parallel.DEFAULT_RULES)
+        return mesh, engine.lower(*inputs, num_pages=pages, max_rows=8, **common)
     if slots:  # the continuous-batching decoder
         return mesh, continuous.generate_slots.lower(*inputs, slots=slots, **common)
     return mesh, sampler.generate_tokens.lower(
@@ -106,13 +107,21 @@ def test_decode_loop_gathers_no_weight(mesh_spec, num_chunks, slots):
     assert sum(op.bytes for op in once) == _gathered_bytes(mesh)
 
 
-def test_the_paged_engines_loop_repeats_no_collective_of_its_weights():
-    """The paged engine on a mesh that splits heads (the meshes it runs on): its loop
-    (admission, prefill, decode steps) holds no collective whose operands do not change from
-    one iteration to the next, e.g. a weight gathered again at every step."""
-    _, lowered = _lower("data:1,fsdp:1,tensor:2", 1, pages=40)
+@pytest.mark.parametrize("mesh_spec", ["data:1,fsdp:1,tensor:2", "data:2,fsdp:2,tensor:2"])
+def test_the_paged_engines_loop_repeats_no_collective_of_its_weights(mesh_spec):
+    """The paged engine on a mesh that splits heads, and on one that also splits the batch
+    (one engine per batch shard, its heads split): its loop (admission, prefill, decode steps)
+    holds no collective whose operands do not change from one iteration to the next, e.g. a
+    weight gathered again at every step. Every collective that runs more than once (in the
+    loop) joins only the devices of one batch shard (tensor's 2): the shards' loops run
+    different step counts, and a collective across shards would wait forever."""
+    _, lowered = _lower(mesh_spec, 1, pages=40)
     _, hlo = hlo_analysis.partitioned_hlo(lowered)
     assert " while(" in hlo
-    assert hlo_analysis.collectives(hlo), "the heads' split should need collectives"
+    looped = [op for op in hlo_analysis.collectives(hlo, unknown_trip_count=2) if op.executions > 1]
+    assert looped, "the heads' split should need collectives"
+    assert all(op.group_size == 2 for op in looped), [
+        (op.kind, op.group_size, op.op_name) for op in looped if op.group_size != 2
+    ]
     repeated = hlo_analysis.loop_invariant_collectives(hlo)
     assert not repeated, [(op.kind, op.result, op.op_name) for op in repeated]

@@ -203,15 +203,12 @@ def test_decode_attention_choice(toy_policy):
         paged_step.uses_kernel("splash", config)
 
 
-def test_on_a_tensor_parallel_mesh_and_its_refusal(toy_policy):
-    """On a mesh that splits heads (tensor) but not the batch, the same samples; a mesh that
-    splits the batch and heads is refused (each batch shard's engine runs on one device)."""
+def test_on_a_tensor_parallel_mesh(toy_policy):
+    """On a mesh that splits heads (tensor) but not the batch: one engine, the same samples."""
     from jaxrl4llm import parallel
     from jaxrl4llm.sampling import Sampler
 
     config, params = toy_policy
-    with pytest.raises(FlagError, match="splits the batch 4 ways and also tensor:2"):
-        Sampler(config, mesh=parallel.make_mesh("data:2,fsdp:2,tensor:2"), kv_cache_tokens=0)
     mesh = parallel.make_mesh("data:1,fsdp:1,tensor:2", jax.devices()[:2])
     smp = Sampler(config, mesh=mesh, stop_ids=STOP, kv_cache_tokens=400)
     prompts = _prompts(config, [5, 2, 7, 4], seed=5)
@@ -221,16 +218,19 @@ def test_on_a_tensor_parallel_mesh_and_its_refusal(toy_policy):
     _assert_same_samples(a, b)
 
 
-@pytest.mark.parametrize("spec", ["data:2,fsdp:1,tensor:1", "data:2,fsdp:2,tensor:1"])
+@pytest.mark.parametrize(
+    "spec", ["data:2,fsdp:1,tensor:1", "data:2,fsdp:2,tensor:1", "data:2,fsdp:1,tensor:2"]
+)
 def test_on_a_mesh_splitting_the_batch(toy_policy, spec):
     """One engine and one pool per batch shard (paged_mesh.py): the one-device compacted
     sampler's samples, with the smallest pool (one group at full length, per shard: groups
-    wait); the outputs split over the batch, the counts summed over the shards."""
+    wait); the outputs split over the batch, the counts summed over the shards. With tensor:2
+    each shard's engine splits its heads over its two devices."""
     from jaxrl4llm import parallel
     from jaxrl4llm.sampling import Sampler
 
     config, params = toy_policy
-    mesh = parallel.make_mesh(spec, jax.devices()[: 2 if "fsdp:1" in spec else 4])
+    mesh = parallel.make_mesh(spec, jax.devices()[: 2 if spec.endswith("fsdp:1,tensor:1") else 4])
     smp = Sampler(config, mesh=mesh, stop_ids=STOP, kv_cache_tokens=paged.PAGE_SIZE)
     prompts = _prompts(config, [3, 11, 6, 2, 9, 5, 20, 17, 8, 1, 14, 4, 12, 7, 19, 10], seed=4)
     key = jax.random.key(3)

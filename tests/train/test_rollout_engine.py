@@ -71,7 +71,6 @@ def test_a_paged_run_equals_a_compacted_one(overrides, toy_model_dir, copy_task_
             dict(rollout_engine="compacted", decode_slots=1, max_turns=3, max_total_tokens=4096),
             r"--decode_slots=1 \(\d+ tokens of KV\) holds less than one multi-turn row",
         ),
-        (dict(mesh="data:2,fsdp:2,tensor:2"), "splits the batch 4 ways and also tensor:2"),
         (dict(mesh="data:2,fsdp:1,tensor:1", prompts_per_step=3), "whole groups"),
         (dict(kv_cache_tokens=100), "holds less than one group at full length"),
         (dict(rollout_engine="vllm"), "choose one of compacted, paged"),
@@ -88,15 +87,24 @@ def test_paged_combinations_refused_at_validation(
 
 
 @pytest.mark.parametrize(
-    "overrides",
-    [{}, dict(algorithm=rl.get_preset("dapo"), max_resample_rounds=2)],
-    ids=["grpo", "dapo-by-admission"],
+    "overrides,mesh",
+    [
+        ({}, "data:2,fsdp:1,tensor:1"),
+        (dict(algorithm=rl.get_preset("dapo"), max_resample_rounds=2), "data:2,fsdp:1,tensor:1"),
+        (
+            dict(algorithm=rl.get_preset("dapo"), eval_prompts=8, eval_every=2),
+            "data:2,fsdp:1,tensor:2",
+        ),
+    ],
+    ids=["grpo", "dapo-by-admission", "dapo-by-admission-eval-tensor"],
 )
-def test_a_paged_run_on_a_data_parallel_mesh(overrides, toy_model_dir, copy_task_file, tmp_path):
+def test_a_paged_run_on_a_mesh(overrides, mesh, toy_model_dir, copy_task_file, tmp_path):
     """--rollout_engine=paged on data:2 (one engine and page pool per batch shard,
-    sampling/paged_mesh.py; DAPO's groups by admission, sampling/admission.py) validates and
-    runs the one-device compacted run: the same rewards, the losses within float rounding
-    (LINEAR_OPT: test_loop's sharded run)."""
+    sampling/paged_mesh.py; DAPO's groups by admission, sampling/admission.py), and on
+    data:2,tensor:2 (each shard's engine splits its heads; the evaluation through the
+    one-program engine) validates and runs the one-device compacted run: the same rewards
+    and evaluation, the losses within float rounding (LINEAR_OPT: test_loop's sharded
+    run)."""
     import jax
 
     kwargs = dict(num_steps=2, max_new_tokens=12, optimizer=LINEAR_OPT, **overrides)
@@ -106,19 +114,26 @@ def test_a_paged_run_on_a_data_parallel_mesh(overrides, toy_model_dir, copy_task
         workdir=str(tmp_path / "paged"),
         rollout_engine="paged",
         kv_cache_tokens=256,
-        mesh="data:2,fsdp:1,tensor:1",
+        mesh=mesh,
     )
-    validate(paged, num_devices=2)
-    loop.run(paged, devices=jax.devices()[:2])
+    devices = 4 if "tensor:2" in mesh else 2
+    validate(paged, num_devices=devices)
+    loop.run(paged, devices=jax.devices()[:devices])
     a, b = read_metrics(str(tmp_path / "compacted")), read_metrics(str(tmp_path / "paged"))
-    assert len(a) == len(b) == 2
-    for ra, rb in zip(a, b):
+    assert len(a) == len(b) >= 2
+    evals = lambda records: [  # noqa: E731
+        {k: v for k, v in r.items() if k.startswith("eval")}
+        for r in records
+        if "reward/mean" not in r
+    ]
+    assert evals(a) == evals(b) and bool(evals(a)) == ("eval_prompts" in overrides)
+    for ra, rb in zip(*(([r for r in x if "reward/mean" in r]) for x in (a, b))):
         assert ra["reward/mean"] == rb["reward/mean"]
         assert ra["response/length_mean"] == rb["response/length_mean"]
         np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], atol=1e-4)
         # Summed over the two shards' engines: at most every row of the step at once.
         assert 1 <= rb["rollout/rows_per_decode_step"] <= 2 * 8 * 4
-        assert ("rollout/groups_admitted" in rb) == bool(overrides)
+        assert ("rollout/groups_admitted" in rb) == bool(overrides)  # DAPO by admission
 
 
 def test_decode_slots_is_an_alias_of_the_paged_engine(toy_model_dir, copy_task_file, tmp_path):
