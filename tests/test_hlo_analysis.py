@@ -109,3 +109,25 @@ def test_a_weight_sliced_per_iteration_is_not_loop_invariant():
     )
     assert any(op.kind == "all-gather" for op in hlo_analysis.collectives(hlo))
     assert not hlo_analysis.loop_invariant_collectives(hlo)
+
+
+def test_a_shard_map_body_counts_and_a_nested_unknown_loop_runs_once_per_outer_iteration():
+    """A psum in a loop inside a loop, both of unknown length, in a shard_map body (a call in
+    the partitioned HLO, manual over fsdp): the outer loop runs `unknown_trip_count` times,
+    the inner one once per outer iteration (as the paged engine's admission loop inside its
+    decode loop), so the psum runs 7 times, not 49 (and not 0: a call's body counts)."""
+
+    def per_device(x_B):
+        def inner(x):
+            return jax.lax.while_loop(
+                lambda y: jnp.sum(y) > 1.0, lambda y: jax.lax.psum(y, "fsdp") / 16.0, x
+            )
+
+        return jax.lax.while_loop(lambda x: jnp.sum(x) > 2.0, lambda x: inner(x) / 2.0, x_B)
+
+    run = jax.shard_map(
+        per_device, mesh=MESH, in_specs=P("fsdp"), out_specs=P("fsdp"), check_vma=False
+    )
+    _, hlo = hlo_analysis.partitioned_hlo(jax.jit(run).lower(_put((16,), P("fsdp"))))
+    psums = [op for op in hlo_analysis.collectives(hlo, unknown_trip_count=7)]
+    assert [(op.kind, op.group_size, op.executions) for op in psums] == [("all-reduce", 8, 7)]

@@ -50,7 +50,7 @@ def logical_to_partition_spec(
     logical_axes: Sequence[str | None],
     rules: LogicalRules = DEFAULT_RULES,
     shape: Sequence[int] | None = None,
-    mesh: Mesh | None = None,
+    mesh: Mesh | AbstractMesh | None = None,
 ) -> PartitionSpec:
     """Maps logical axis names to a PartitionSpec.
 
@@ -156,7 +156,7 @@ class ActivationSharding:
     splitting activations along the model width and gathering whole batches.
     """
 
-    mesh: Mesh
+    mesh: Mesh | AbstractMesh  # abstract inside a shard_map body (its manual axes named)
     rules: LogicalRules = DEFAULT_RULES
 
     def spec(self, logical_axes: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec:

@@ -161,14 +161,17 @@ def _computations(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
 def _executions(
     comps: dict[str, list[_Instruction]], entry: str, unknown_trip_count: int
 ) -> dict[str, int]:
-    """How often each computation runs per call of the entry computation."""
-    calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+    """How often each computation runs per call of the entry computation. A while loop
+    without a known trip count runs `unknown_trip_count` times, or once per iteration of an
+    enclosing one (a decode loop's bound is the tokens it decodes; a loop inside it, e.g. the
+    paged engine's admission, runs a few times per decode step, not that bound again)."""
+    calls: dict[str, list[tuple[str, int | None]]] = collections.defaultdict(list)
     for name, instructions in comps.items():
         for inst in instructions:
-            trip = 1
+            trip: int | None = 1
             if inst.op == "while":
                 m = _TRIP_COUNT.search(inst.rest)
-                trip = int(m.group(1)) if m else unknown_trip_count
+                trip = int(m.group(1)) if m else None
             for key, callees in _CALLEES.findall(inst.rest):
                 if key == "to_apply" and inst.op != "call":
                     continue  # scalar reducers: no collectives inside (a call's is its body)
@@ -178,12 +181,13 @@ def _executions(
                         calls[name].append((callee, trip if key in ("body", "condition") else 1))
     counts: dict[str, int] = collections.Counter()
 
-    def visit(name: str, times: int) -> None:
+    def visit(name: str, times: int, unknown: int) -> None:
         counts[name] += times
         for callee, trip in calls.get(name, ()):
-            visit(callee, times * trip)
+            inner = unknown if trip is not None else 1
+            visit(callee, times * (unknown if trip is None else trip), inner)
 
-    visit(entry, 1)
+    visit(entry, 1, unknown_trip_count)
     return counts
 
 
@@ -289,7 +293,8 @@ def collectives(
     """Every collective of an optimized HLO module (compiled.as_text()), with how often it runs.
 
     A while loop without a known trip count (a decode loop that stops early) counts as
-    `unknown_trip_count` iterations: pass its bound for a worst case. An all-reduce whose
+    `unknown_trip_count` iterations (pass its bound for a worst case), one nested in such a
+    loop as one iteration per outer iteration. An all-reduce whose
     result is only sliced counts as the reduce-scatter it becomes on TPU / GPU.
     """
     comps, entry = _computations(hlo)

@@ -193,7 +193,7 @@ def generate_paged(
     pending = kv_cache.init_kv_cache(model_config, refill_groups(S, G), P, cache_dtype)
     start = paged_state.initial_state(queue, pool, pending, S, G, N, pad_id, record)
     more = functools.partial(more_work, engine.num_groups)
-    state = jax.lax.while_loop(more, lambda s: engine.admit(engine.step(s)), engine.admit(start))
+    state = jax.lax.while_loop(more, engine.iterate, engine.admit(engine.placed(start)))
     return paged_state.output(state)
 
 
@@ -323,6 +323,13 @@ class Engine:
             tokens_RT=s.tokens_RT.at[out, 0].set(tok_JG.reshape(-1), mode="drop"),
             logprobs_RT=s.logprobs_RT.at[out, 0].set(lp_JG.reshape(-1), mode="drop"),
         )
+
+    def iterate(self, s: paged_state.PagedState) -> paged_state.PagedState:
+        """One iteration of the engine's loop: a decode step, then admission."""
+        return self.placed(self.admit(self.step(s)))
+
+    def placed(self, s: paged_state.PagedState) -> paged_state.PagedState:
+        return paged_state.split_heads(s, self.sharding)
 
     def _first_tokens(self, logits_JV: jax.Array, row_JG: jax.Array) -> tuple[jax.Array, ...]:
         """Each row's first completion token from its group's prompt logits."""

@@ -12,7 +12,9 @@ heads, each shard's engine splits its heads, pool and vocabulary over its own de
 (`inside_shard`), and its loop's collectives join only those devices. A row's samples
 depend only on its key (fold_in(row_key, t)), so they are the ones the engine draws on one
 device. The outputs come back split over the batch like the compacted sampler's; the scalar
-counts (slot_steps, PagedStats) are summed over the shards.
+counts (slot_steps, PagedStats) are summed over the shards. A run in segments
+(paged_segments.py) lays out its weights (`decode_weights`) and its state between programs
+(`state_shardings`) as these shards' engines hold them.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl4llm import parallel
 from jaxrl4llm.config.errors import FlagError
-from jaxrl4llm.sampling import paged, paged_state
+from jaxrl4llm.models.config import ModelConfig
+from jaxrl4llm.sampling import decode, paged, paged_state
 
 ENGINE = "the paged rollout engine (--rollout_engine=paged, --kv_cache_tokens)"
 
@@ -59,6 +62,17 @@ def inside_shard(mesh: Mesh, rules: parallel.LogicalRules) -> parallel.Activatio
     if not other_axes(mesh, rules):
         return None
     return parallel.ActivationSharding(mesh, parallel.inside_batch_shard(rules))
+
+
+def in_body(
+    sharding: parallel.ActivationSharding | None,
+) -> parallel.ActivationSharding | None:
+    """`sharding` (inside_shard's) as code traced inside the shard_map body must name it: on
+    the context's abstract mesh, whose batch axes are manual (a constraint on the concrete
+    mesh clashes with the values made inside the body)."""
+    if sharding is None:
+        return None
+    return dataclasses.replace(sharding, mesh=jax.sharding.get_abstract_mesh())
 
 
 def check_rows(rows: int, D: int, group: int) -> None:
@@ -103,9 +117,10 @@ def generate_sharded(
     optional = {k: v for k, v in given.items() if v is not None}
 
     inner = inside_shard(mesh, rules)
-    on = {} if inner is None else {"mesh": inner.mesh, "rules": inner.rules}
 
     def body(params: Any, rows: tuple, stop: jax.Array, pad: jax.Array, optional: dict) -> Any:
+        shard = in_body(inner)
+        on = {} if shard is None else {"mesh": shard.mesh, "rules": shard.rules}
         out = paged.generate_paged(
             params, *rows, stop, pad, max_rows=local_rows, prompt_group=G, **on,
             **optional, **settings,
@@ -131,3 +146,43 @@ def generate_sharded(
         check_vma=False,
     )
     return run(params, inputs[:4], inputs[4], inputs[5], optional)
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "mesh", "rules"))
+def decode_weights(
+    params: Any,
+    model_config: ModelConfig,
+    mesh: Mesh | None = None,
+    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+) -> Any:
+    """The weights laid out once for every segment's decode loop of paged_segments.py
+    (decode.loop_params), on a mesh whole over the batch axes (each shard's engine holds
+    every weight; gathered here once, not at every segment) and split over the others as a
+    shard's engine splits them (inside_shard: heads over tensor)."""
+    inside = parallel.inside_batch_shard(rules)
+    sharding = None if mesh is None else parallel.ActivationSharding(mesh, inside)
+    return decode.loop_params(params, model_config, sharding)
+
+
+def state_shardings(state: paged_state.PagedState, mesh: Mesh, rules: parallel.LogicalRules) -> Any:
+    """Where a run's state lives on `mesh`: every array's first axis (the shards) over the
+    batch axes; the pool's and the pending groups' keys and values also split over kv heads
+    as the shards' engines split them (inside_shard)."""
+    axes = batch_axes(mesh, rules)
+    K = state.pool.k_pages[0].shape[1]
+    inner = inside_shard(mesh, rules)
+    heads = None if inner is None else inner.spec(("kv_heads",), (K,))[0]
+    spec = lambda *dims: NamedSharding(mesh, P(axes, *dims))  # noqa: E731
+    out = jax.tree.map(lambda _: spec(), state)
+    cache = out.pending.cache
+    return out.replace(
+        pool=out.pool.replace(
+            k_pages=(spec(heads),) * len(cache.k_BKHS), v_pages=(spec(heads),) * len(cache.k_BKHS)
+        ),
+        pending=out.pending.replace(
+            cache=cache.replace(
+                k_BKHS=(spec(None, heads),) * len(cache.k_BKHS),
+                v_BKSH=(spec(None, heads),) * len(cache.v_BKSH),
+            )
+        ),
+    )

@@ -54,46 +54,6 @@ from jaxrl4llm.sampling.strategies import SamplingConfig
 SEGMENT_STEPS = 32
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "mesh", "rules"))
-def decode_weights(
-    params: Any,
-    model_config: ModelConfig,
-    mesh: Mesh | None = None,
-    rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
-) -> Any:
-    """The weights laid out once for every segment's decode loop (decode.loop_params), on a
-    mesh whole over the batch axes (each shard's engine holds every weight; gathered here
-    once, not at every segment) and split over the others as a shard's engine splits them
-    (paged_mesh.inside_shard: heads over tensor)."""
-    inside = parallel.inside_batch_shard(rules)
-    sharding = None if mesh is None else parallel.ActivationSharding(mesh, inside)
-    return decode.loop_params(params, model_config, sharding)
-
-
-def state_shardings(state: PagedState, mesh: Mesh, rules: parallel.LogicalRules) -> Any:
-    """Where a run's state lives on `mesh`: every array's first axis (the shards) over the
-    batch axes; the pool's and the pending groups' keys and values also split over kv heads
-    as the shards' engines split them (paged_mesh.inside_shard)."""
-    axes = paged_mesh.batch_axes(mesh, rules)
-    K = state.pool.k_pages[0].shape[1]
-    inner = paged_mesh.inside_shard(mesh, rules)
-    heads = None if inner is None else inner.spec(("kv_heads",), (K,))[0]
-    spec = lambda *dims: NamedSharding(mesh, P(axes, *dims))  # noqa: E731
-    out = jax.tree.map(lambda _: spec(), state)
-    cache = out.pending.cache
-    return out.replace(
-        pool=out.pool.replace(
-            k_pages=(spec(heads),) * len(cache.k_BKHS), v_pages=(spec(heads),) * len(cache.k_BKHS)
-        ),
-        pending=out.pending.replace(
-            cache=cache.replace(
-                k_BKHS=(spec(None, heads),) * len(cache.k_BKHS),
-                v_BKSH=(spec(None, heads),) * len(cache.v_BKSH),
-            )
-        ),
-    )
-
-
 def empty_queue(
     shards: int,
     slots: int,
@@ -185,7 +145,7 @@ def segment(
         queue, state = jax.tree.map(lambda x: x[0], (queue, state))  # this shard's
         engine = paged.Engine.of(
             params, queue, model_config, sampling, stop_ids_S, pad_id, decode_rows, group,
-            inner, attention, record_routing,
+            paged_mesh.in_body(inner), attention, record_routing,
         )  # fmt: skip
 
         def more(carry: tuple[jax.Array, PagedState]) -> jax.Array:
@@ -194,9 +154,10 @@ def segment(
 
         def body(carry: tuple[jax.Array, PagedState]) -> tuple[jax.Array, PagedState]:
             steps, s = carry
-            return steps + 1, engine.admit(engine.step(s))
+            return steps + 1, engine.iterate(s)
 
-        state = jax.lax.while_loop(more, body, (jnp.int32(0), engine.admit(state)))[1]
+        start = engine.admit(engine.placed(state))
+        state = jax.lax.while_loop(more, body, (jnp.int32(0), start))[1]
         return jax.tree.map(lambda x: x[None], state)
 
     if mesh is None:
@@ -212,7 +173,7 @@ def segment(
         check_vma=False,
     )
     out = run(params, queue, state, stop_ids_S, pad_id)
-    return jax.lax.with_sharding_constraint(out, state_shardings(out, mesh, rules))
+    return jax.lax.with_sharding_constraint(out, paged_mesh.state_shardings(out, mesh, rules))
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -387,7 +348,9 @@ class Driver:
         if self.mesh is None:
             return tree
         if isinstance(tree, PagedState):
-            return jax.device_put(tree, state_shardings(tree, self.mesh, self.sampler.rules))
+            return jax.device_put(
+                tree, paged_mesh.state_shardings(tree, self.mesh, self.sampler.rules)
+            )
         axes = paged_mesh.batch_axes(self.mesh, self.sampler.rules)
         return jax.device_put(tree, NamedSharding(self.mesh, P(axes)))
 
@@ -399,7 +362,9 @@ class Driver:
 
     def begin(self, params: Any) -> None:
         model_config = self.sampler.model_config
-        self.weights = decode_weights(params, model_config, self.mesh, self.sampler.rules)
+        self.weights = paged_mesh.decode_weights(
+            params, model_config, self.mesh, self.sampler.rules
+        )
         self.state = self._placed(
             start(self.weights, self.queue, self.pad_id, num_pages=self.num_pages, **self._run())
         )

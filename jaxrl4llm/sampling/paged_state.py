@@ -10,6 +10,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxrl4llm import parallel
 from jaxrl4llm.models import kv_cache
 from jaxrl4llm.sampling import continuous, decode
 from jaxrl4llm.sampling import page_pool as pages_lib
@@ -380,3 +381,21 @@ def place_rows(
         greedy_S=None if queue.greedy_B is None else queue.greedy_B[row_G],
     )
     return s.rows.put(dest_G, new)
+
+
+def split_heads(s: PagedState, sharding: parallel.ActivationSharding | None) -> PagedState:
+    """`s` with its keys and values split over kv heads on a mesh, as the model's heads
+    (left to the partitioner, a pool it did not split would sit whole on every device)."""
+    if sharding is None:
+        return s
+    on = lambda x, axes: sharding.constrain(x, axes)  # noqa: E731
+    pool_axes, cache = ("kv_heads", None, None, None), s.pending.cache
+    pool = s.pool.replace(
+        k_pages=tuple(on(x, pool_axes) for x in s.pool.k_pages),
+        v_pages=tuple(on(x, pool_axes) for x in s.pool.v_pages),
+    )
+    cache = cache.replace(
+        k_BKHS=tuple(on(x, kv_cache.K_CACHE_LOGICAL_AXES) for x in cache.k_BKHS),
+        v_BKSH=tuple(on(x, kv_cache.V_CACHE_LOGICAL_AXES) for x in cache.v_BKSH),
+    )
+    return s.replace(pool=pool, pending=s.pending.replace(cache=cache))
