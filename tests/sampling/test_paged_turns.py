@@ -194,11 +194,12 @@ def test_on_a_mesh_the_decode_segment_holds_no_collective(toy_policy):
 
 def test_on_a_mesh_splitting_heads_a_shards_collectives_join_only_its_devices(toy_policy):
     """data:2,tensor:2 (2 batch shards of 2 devices, each splitting its heads): the decode
-    segment's loop and the observation program (run on every device, skipped by the shards
-    other than its row's: lax.cond) hold collectives, and each joins only the 2 devices of
-    one shard (the shards run different step counts and branches: a collective across
-    shards, e.g. a collective permute, which CPU's runtime joins over every device, would
-    wait forever). Read right after SPMD partitioning (hlo_analysis.partitioned_hlo)."""
+    segment's loop and the observation and restoration programs (run on every device,
+    skipped by the shards other than their row's: lax.cond) hold collectives, and each
+    joins only the 2 devices of one shard (the shards run different step counts and
+    branches: a collective across shards, e.g. a collective permute, which CPU's runtime
+    joins over every device, would wait forever). Read right after SPMD partitioning
+    (hlo_analysis.partitioned_hlo)."""
     from jaxrl4llm.planner import hlo_analysis
     from jaxrl4llm.sampling import paged_turns_mesh, turn_programs
 
@@ -218,7 +219,12 @@ def test_on_a_mesh_splitting_heads_a_shards_collectives_join_only_its_devices(to
         p.weights, state, observation, stops, np.array([True, False]), program="observe",
         mesh=mesh, rules=rules, model_config=config, sampling=SAMPLED,
     )  # fmt: skip
-    for lowered, looped in ((segment, True), (observe, False)):
+    restoration = (np.zeros(D, np.int32), np.zeros((D, 32), np.int32), np.ones(D, bool))
+    restore = paged_turns_mesh._row_program.lower(
+        p.weights, state, restoration, (), np.array([False, True]), program="restore",
+        mesh=mesh, rules=rules, model_config=config,
+    )  # fmt: skip
+    for lowered, looped in ((segment, True), (observe, False), (restore, False)):
         _, hlo = hlo_analysis.partitioned_hlo(lowered)
         ops = hlo_analysis.collectives(hlo, unknown_trip_count=2, num_devices=4)
         ops = [op for op in ops if op.executions > 1] if looped else ops
