@@ -273,8 +273,6 @@ def run(
     None): the KV in a page pool of that many tokens (paged_turns.py), on a mesh one per
     batch shard (paged_turns_mesh.py)."""
     _check_limits(limits)
-    if kv_cache_tokens is not None:
-        paged_turns_mesh.check_mesh(mesh, rules)
     B = batch.prompt_BP.shape[0]
     stops = [handler.stop_sequences(r) if batch.active_B[r] else () for r in range(B)]
     stop_BQL = jnp.asarray(stop_sequence_array(stops))

@@ -25,6 +25,10 @@ padding) and the rows stalled for want of a page.
 Decode attention is page_pool's gather reference (paged_step.paged_decode_step) on every
 backend, over whole tables: the single-turn engine's Pallas kernel and table widths
 (paged.py) are not used here.
+
+The programs run on one device, or (`sharding`: paged_mesh.inside_shard) as one batch
+shard's under paged_turns_mesh.py's jax.shard_map, their heads, pool and vocabulary split
+over the shard's devices; the logits are gathered whole before sampling (`_whole`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl4llm import parallel
 from jaxrl4llm.models import kv_cache, transformer, unembedding
 from jaxrl4llm.models.attention import AttentionConfig
 from jaxrl4llm.models.config import ModelConfig
@@ -93,7 +98,15 @@ def initial_pages(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("model_config", "sampling", "max_new_tokens", "num_pages", "group")
+    jax.jit,
+    static_argnames=(
+        "model_config",
+        "sampling",
+        "max_new_tokens",
+        "num_pages",
+        "group",
+        "sharding",
+    ),
 )
 def prefill(
     weights: Any,
@@ -108,20 +121,22 @@ def prefill(
     max_new_tokens: int,
     num_pages: int,
     group: int,
+    sharding: parallel.ActivationSharding | None = None,
 ) -> TurnState:
     """The admitted groups' prompts in the pool and every active row's first token; rows not
     admitted are not live (the host restores them when pages free). `inputs`: the prompt
-    block, its mask, the active rows, the row keys; `stops`: the stop ids and sequences."""
+    block, its mask, the active rows, the row keys; `stops`: the stop ids and sequences;
+    `sharding`: a batch shard's heads split over its devices (paged_turns_mesh.py)."""
     prompt_BP, prompt_mask_BP, active_B, keys_B = inputs
     B, P = prompt_BP.shape
     dtype = decode.cache_dtype_for(weights)
     # One dense cache row per group (not per row): the pool is the rollout's memory bound.
     cache = kv_cache.init_kv_cache(model_config, B // group, P, dtype)
     logits_JV, cache, _ = decode.prefill(
-        weights, model_config, prompt_BP[::group], prompt_mask_BP[::group], cache
+        weights, model_config, prompt_BP[::group], prompt_mask_BP[::group], cache, sharding
     )
     first_keys_B = jax.vmap(jax.random.fold_in)(keys_B, jnp.zeros((B,), jnp.uint32))
-    logits_BV = jnp.repeat(logits_JV, group, axis=0)
+    logits_BV = jnp.repeat(_whole(logits_JV, sharding), group, axis=0)
     tok_B, lp_B = strategies.sample(logits_BV, first_keys_B, sampling, greedy_B)
     plen_J = jnp.sum(prompt_mask_BP[::group], axis=1, dtype=jnp.int32)
     pool = pages_lib.init_pool(model_config, num_pages, paged.PAGE_SIZE, dtype)
@@ -139,6 +154,13 @@ def prefill(
     )
     state = turn_programs._emit(state, active_B, tok_B, lp_B, *stops)
     return state.replace(live_B=state.live_B & pages.admitted_B)
+
+
+def _whole(logits_SV: jax.Array, sharding: parallel.ActivationSharding | None) -> jax.Array:
+    """The logits whole on each device of a row's shard before sampling (as paged.py's
+    engine): drawn from vocabulary-split logits, top-k's cut-off travels as a collective
+    permute, which CPU's runtime joins over every device (paged_turns_mesh.py)."""
+    return parallel.constrain(logits_SV, ("batch", None), sharding)
 
 
 def _allocate(kv: PagedKV, live_B: jax.Array, position_B: jax.Array) -> tuple[PagedKV, jax.Array]:
@@ -159,7 +181,9 @@ def _allocate(kv: PagedKV, live_B: jax.Array, position_B: jax.Array) -> tuple[Pa
 
 
 @functools.partial(
-    jax.jit, static_argnames=("model_config", "sampling", "max_steps"), donate_argnames=("s",)
+    jax.jit,
+    static_argnames=("model_config", "sampling", "max_steps", "sharding"),
+    donate_argnames=("s",),
 )
 def segment(
     weights: Any,
@@ -169,10 +193,11 @@ def segment(
     model_config: ModelConfig,
     sampling: SamplingConfig,
     max_steps: int,
+    sharding: parallel.ActivationSharding | None = None,
 ) -> TurnState:
     """Decodes the live rows (turn_programs.segment on pages) until one ends its turn, none
     is live (ended, parked or stalled) or `max_steps` steps ran; `stops`: the stop ids and
-    each row's stop sequences."""
+    each row's stop sequences; `sharding`: as prefill's."""
     B = s.step_B.shape[0]
     sizes = paged_step.row_levels(B, paged_step.fewest_rows(B))
 
@@ -185,7 +210,7 @@ def segment(
         order_J = jnp.argsort(~live_B, stable=True)
         level = jnp.sum(jnp.sum(live_B) <= jnp.array(sizes), dtype=jnp.int32) - 1
         branches = [
-            functools.partial(_decode_first, weights, model_config, sampling, size)
+            functools.partial(_decode_first, weights, model_config, sampling, sharding, size)
             for size in sizes
         ]
         x = x.replace(cache=kv, live_B=live_B)
@@ -215,6 +240,7 @@ def _decode_first(
     weights: Any,
     model_config: ModelConfig,
     sampling: SamplingConfig,
+    sharding: parallel.ActivationSharding | None,
     size: int,
     x: TurnState,
     position_B: jax.Array,
@@ -226,11 +252,11 @@ def _decode_first(
     B, idx_S = order_J.shape[0], order_J[:size]
     logits_SV, k_LSKH, v_LSKH, _ = paged_step.paged_decode_step(
         weights, model_config, x.last_B[idx_S], position_B[idx_S], x.cache.table_BM[idx_S],
-        x.cache.pool,
+        x.cache.pool, sharding,
     )  # fmt: skip
     keys_S = jax.vmap(jax.random.fold_in)(x.keys_B[idx_S], x.step_B[idx_S].astype(jnp.uint32))
     greedy_S = None if x.greedy_B is None else x.greedy_B[idx_S]
-    tok_S, lp_S = strategies.sample(logits_SV, keys_S, sampling, greedy_S)
+    tok_S, lp_S = strategies.sample(_whole(logits_SV, sharding), keys_S, sampling, greedy_S)
     pad = lambda a: jnp.pad(a, [(0, B - size)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
     dtype = x.cache.pool.k_pages[0].dtype
     new_kv = jax.tree.map(lambda a: pad(a.astype(dtype)), (k_LSKH, v_LSKH))
@@ -258,6 +284,7 @@ def _prefill_chunk(
     start: jax.Array,
     num: jax.Array,
     model_config: ModelConfig,
+    sharding: parallel.ActivationSharding | None,
 ) -> tuple[PagedKV, jax.Array]:
     """chunk_C[:num] prefilled at logical slots [start, start + num) of row `row`, which gets
     pages for them: its pages gathered as a dense one-row cache (slots before `start`
@@ -280,6 +307,7 @@ def _prefill_chunk(
         (index_C < num)[None],
         cache_1,
         start,
+        sharding=sharding,
         # The chunk's offset is traced: the kernels that need a static one do not apply.
         attention=AttentionConfig(impl="reference"),
     )
@@ -292,7 +320,9 @@ def _prefill_chunk(
     return kv.replace(pool=pool), h_1CD
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "sampling"), donate_argnames=("s",))
+@functools.partial(
+    jax.jit, static_argnames=("model_config", "sampling", "sharding"), donate_argnames=("s",)
+)
 def observe(
     weights: Any,
     s: TurnState,
@@ -301,21 +331,24 @@ def observe(
     *,
     model_config: ModelConfig,
     sampling: SamplingConfig,
+    sharding: parallel.ActivationSharding | None = None,
 ) -> TurnState:
     """turn_programs.observe on pages: `observation` = (row, chunk_C, num_obs)
     (turn_programs.observe_inputs): the row's chunk (its last model token, then `num_obs`
     observation tokens) prefilled at its position into its pages, its next model token
-    sampled; `stops`: the stop ids and each row's stop sequences."""
+    sampled; `stops`: the stop ids and each row's stop sequences; `sharding`: as prefill's."""
     row, chunk_C, num_obs = observation
     start = s.plen_B[row] + s.step_B[row] - 1
-    kv, h_1CD = _prefill_chunk(weights, s.cache, row, chunk_C, start, num_obs + 1, model_config)
+    kv, h_1CD = _prefill_chunk(
+        weights, s.cache, row, chunk_C, start, num_obs + 1, model_config, sharding
+    )
     h_11D = jax.lax.dynamic_slice_in_dim(h_1CD, num_obs, 1, axis=1)
-    logits_1V = unembedding.unembed(weights, model_config, h_11D)[:, 0]
+    logits_1V = _whole(unembedding.unembed(weights, model_config, h_11D, sharding)[:, 0], sharding)
     s = s.replace(cache=kv)
     return turn_programs.resume_row(s, row, chunk_C, num_obs, logits_1V, *stops, sampling)
 
 
-@functools.partial(jax.jit, static_argnames=("model_config",), donate_argnames=("s",))
+@functools.partial(jax.jit, static_argnames=("model_config", "sharding"), donate_argnames=("s",))
 def restore(
     weights: Any,
     s: TurnState,
@@ -324,12 +357,16 @@ def restore(
     resume: jax.Array,
     *,
     model_config: ModelConfig,
+    sharding: parallel.ActivationSharding | None = None,
 ) -> TurnState:
     """Evicted row `row`'s prompt and completion tokens but its last (tokens_C[: plen +
     step - 1]; the last one is fed by its next decode step) prefilled from slot 0 into fresh
-    pages, with a page for its last token's slot; it decodes again if `resume`."""
+    pages, with a page for its last token's slot; it decodes again if `resume`. `sharding`:
+    as prefill's."""
     num = s.plen_B[row] + s.step_B[row] - 1
-    kv, _ = _prefill_chunk(weights, s.cache, row, tokens_C, jnp.int32(0), num, model_config)
+    kv, _ = _prefill_chunk(
+        weights, s.cache, row, tokens_C, jnp.int32(0), num, model_config, sharding
+    )
     return s.replace(cache=_grow(kv, row, num + 1), live_B=s.live_B.at[row].set(resume))
 
 

@@ -1,24 +1,32 @@
-"""Multi-turn rollouts on the paged KV cache on a mesh that splits the batch: one page pool
-per batch shard, each shard's rows and pool on one device, every program compiled once.
+"""Multi-turn rollouts on the paged KV cache on a mesh: one page pool per batch shard, each
+shard's rows and pool on its own devices (its heads split over tensor where the mesh has
+it), every program compiled once.
 
 The rows are split into D shards of whole groups (D: the mesh's batch shards, the data,
-fsdp and expert axes; paged_mesh.shards). The rollout's state is one TurnState whose arrays
-are the shards' states laid end to end on their first axis (the rows in order; a shard's
-pool on its device; slot_steps one count per shard), split over the batch axes. Each program
-of paged_turn_programs.py runs under jax.shard_map, manual over every mesh axis, on each
-shard's part as on one device (the weights enter replicated, with no collective inside):
+fsdp and expert axes; paged_mesh.shards; 1 on a mesh that splits only tensor). The
+rollout's state is one TurnState whose arrays are the shards' states laid end to end on
+their first axis (the rows in order; a shard's pool on its devices; slot_steps one count
+per shard), split over the batch axes, the pools' keys and values also over kv heads
+(`_layout`). Each program of paged_turn_programs.py runs under jax.shard_map, manual over
+the batch axes only, on each shard's part as on one device; the other axes (tensor) stay
+with the partitioner: the weights enter whole over the batch axes and split over tensor
+(`start`), and each shard's programs split their heads, pool and vocabulary over its own
+devices (paged_mesh.inside_shard), the logits gathered whole before sampling:
 
   prefill, segment   every shard at once (the shards decode together);
   observe, restore,  one row of one shard: the program runs on every device, and the shards
   release, unstall   other than the row's skip it (lax.cond, or an empty row set).
 
+Every collective in a loop or a skipped branch joins only one shard's devices: the shards
+run different step counts and branches (a collective across shards would wait forever;
+tests/sampling/test_paged_turns.py reads the programs' HLO).
+
 paged_turns.py's memory policy runs per shard on the host (a PagedPrograms per shard, reading
-its shard's part of the state: ShardView, the device's own buffers, no copy), so a shard stalls,
+its shard's part of the state: ShardView, a device's own buffers, no copy), so a shard stalls,
 serves and evicts within its own pool. A row draws its tokens with its own key
 (fold_in(row_key, t)), so the samples are the ones one device draws.
 
-Refused (check_mesh): a mesh with another axis of size > 1 (tensor), since a shard's programs
-run on one device, and a batch whose shards would split a group (paged_mesh.check_rows).
+Refused: a batch whose shards would split a group (paged_mesh.check_rows).
 """
 
 from __future__ import annotations
@@ -30,33 +38,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl4llm import parallel
-from jaxrl4llm.config.errors import FlagError
+from jaxrl4llm.models import transformer
 from jaxrl4llm.sampling import buckets, paged_mesh, paged_turns
 from jaxrl4llm.sampling import paged_turn_programs as programs_lib
 from jaxrl4llm.sampling.row_io import PromptRows
 from jaxrl4llm.sampling.turn_programs import SEGMENT_STEPS, RolloutSettings, TurnState
-
-
-def check_mesh(
-    mesh: Mesh | AbstractMesh | None, rules: parallel.LogicalRules = parallel.DEFAULT_RULES
-) -> int:
-    """The batch shards (pools) of `mesh` (1 without one); refuses a mesh with an axis of
-    size > 1 that does not split the batch."""
-    if mesh is None:
-        return 1
-    split = paged_mesh.other_axes(mesh, rules)
-    if split:
-        raise FlagError(
-            "Multi-turn rollouts (--env, --max_turns > 1) on the paged engine "
-            "(--rollout_engine=paged) run one page pool per batch shard, each on one device: "
-            f"--mesh splits {split}; use a mesh whose only axes of size > 1 are data, fsdp "
-            "and expert, or --rollout_engine=compacted."
-        )
-    return paged_mesh.shards(mesh, rules)
 
 
 def _local(s: TurnState) -> TurnState:
@@ -69,13 +59,47 @@ def _part(s: TurnState) -> TurnState:
     return s.replace(slot_steps=s.slot_steps.reshape((1,)))
 
 
-def _map(body: Any, mesh: Mesh, axes: tuple[str, ...], args: tuple, specs: tuple) -> Any:
-    """`body` on each shard's parts of `args` (specs: P(axes) split, P() whole)."""
-    run = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(axes), check_vma=False)
-    return run(*args)
+def _layout(s: TurnState, mesh: Mesh, rules: parallel.LogicalRules) -> Any:
+    """Where the mesh's state lives: every array's first axis over the batch axes; the
+    pools' keys and values [D * K, ...] also over kv heads, as each shard's programs split
+    them (the layout every program leaves, so each compiles for one)."""
+    axes, inner = paged_mesh.batch_axes(mesh, rules), paged_mesh.inside_shard(mesh, rules)
+    pool = s.cache.pool
+    K = pool.k_pages[0].shape[0] // paged_mesh.shards(mesh, rules)
+    heads = None if inner is None else inner.spec(("kv_heads",), (K,))[0]
+    rows = NamedSharding(mesh, P(axes))
+    split = NamedSharding(mesh, P((*axes, *parallel.mesh_axes(heads))))
+    out = jax.tree.map(lambda _: rows, s)
+    n = len(pool.k_pages)
+    return out.replace(
+        cache=out.cache.replace(
+            pool=out.cache.pool.replace(k_pages=(split,) * n, v_pages=(split,) * n)
+        )
+    )
 
 
-_MESH = ("mesh", "axes")
+def _map(body: Any, mesh: Mesh, rules: parallel.LogicalRules, args: tuple, specs: tuple) -> Any:
+    """`body` on each shard's parts of `args` (specs: P(axes) split, P() whole), manual over
+    the batch axes only; the state it returns laid out as `_layout`."""
+    axes = paged_mesh.batch_axes(mesh, rules)
+    run = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=P(axes),
+        axis_names=frozenset(axes),
+        check_vma=False,
+    )
+    out = run(*args)
+    return jax.lax.with_sharding_constraint(out, _layout(out, mesh, rules))
+
+
+_MESH = ("mesh", "rules")
+
+
+def _inside(mesh: Mesh, rules: parallel.LogicalRules) -> dict[str, Any]:
+    """The programs' `sharding` inside a shard (paged_mesh.inside_shard; None: on one device)."""
+    return {"sharding": paged_mesh.inside_shard(mesh, rules)}
 
 
 @functools.partial(
@@ -91,11 +115,12 @@ def _prefill(
     pages: programs_lib.PromptPages,
     *,
     mesh: Mesh,
-    axes: tuple[str, ...],
+    rules: parallel.LogicalRules,
     **static: Any,
 ) -> TurnState:
     """programs_lib.prefill of each shard's rows (inputs, the optional greedy_B and the
     stop sequences split by rows, `pages` each shard's own PromptPages end to end)."""
+    static |= _inside(mesh, rules)
 
     def body(w: Any, inputs: tuple, opt: dict, ids: Any, stop: Any, pad: Any, pages: Any) -> Any:
         state = programs_lib.prefill(
@@ -103,38 +128,46 @@ def _prefill(
         )
         return _part(state)
 
-    row, whole = P(axes), P()
+    row, whole = P(paged_mesh.batch_axes(mesh, rules)), P()
     args = (weights, inputs, optional, *stops, pad_id, pages)
-    return _map(body, mesh, axes, args, (whole, row, row, whole, row, whole, row))
+    return _map(body, mesh, rules, args, (whole, row, row, whole, row, whole, row))
 
 
 @functools.partial(
     jax.jit, static_argnames=(*_MESH, "model_config", "sampling", "max_steps"), donate_argnums=1
 )
 def _segment(
-    weights: Any, s: TurnState, stops: tuple, *, mesh: Mesh, axes: tuple[str, ...], **static: Any
+    weights: Any,
+    s: TurnState,
+    stops: tuple,
+    *,
+    mesh: Mesh,
+    rules: parallel.LogicalRules,
+    **static: Any,
 ) -> TurnState:
     """programs_lib.segment of every shard at once (each until one of its rows ends a turn,
     none of them decodes or max_steps steps ran)."""
+    static |= _inside(mesh, rules)
 
     def body(w: Any, s: TurnState, ids: Any, stop: Any) -> TurnState:
         return _part(programs_lib.segment(w, _local(s), (ids, stop), **static))
 
-    return _map(body, mesh, axes, (weights, s, *stops), (P(), P(axes), P(), P(axes)))
+    row = P(paged_mesh.batch_axes(mesh, rules))
+    return _map(body, mesh, rules, (weights, s, *stops), (P(), row, P(), row))
 
 
 @functools.partial(jax.jit, static_argnames=_MESH, donate_argnums=0)
-def _release(s: TurnState, row_D: jax.Array, *, mesh: Mesh, axes: tuple[str, ...]) -> TurnState:
+def _release(s: TurnState, row_D: jax.Array, *, mesh: Mesh, rules: parallel.LogicalRules) -> Any:
     """programs_lib.release of each shard's row_D (-1: none)."""
     body = lambda s, row: _part(programs_lib.release(_local(s), row[0]))  # noqa: E731
-    return _map(body, mesh, axes, (s, row_D), (P(axes),) * 2)
+    return _map(body, mesh, rules, (s, row_D), (P(paged_mesh.batch_axes(mesh, rules)),) * 2)
 
 
 @functools.partial(jax.jit, static_argnames=_MESH, donate_argnums=0)
-def _unstall(s: TurnState, rows_B: jax.Array, *, mesh: Mesh, axes: tuple[str, ...]) -> TurnState:
+def _unstall(s: TurnState, rows_B: jax.Array, *, mesh: Mesh, rules: parallel.LogicalRules) -> Any:
     """programs_lib.unstall of the rows rows_B (bool over every shard's rows)."""
     body = lambda s, rows: _part(programs_lib.unstall(_local(s), rows))  # noqa: E731
-    return _map(body, mesh, axes, (s, rows_B), (P(axes),) * 2)
+    return _map(body, mesh, rules, (s, rows_B), (P(paged_mesh.batch_axes(mesh, rules)),) * 2)
 
 
 @functools.partial(
@@ -149,11 +182,13 @@ def _row_program(
     *,
     program: str,
     mesh: Mesh,
-    axes: tuple[str, ...],
+    rules: parallel.LogicalRules,
     **static: Any,
 ) -> TurnState:
     """paged_turn_programs' `program` ("observe" or "restore") on the shard where apply_D,
-    with its args_D (each [D, ...]: that shard's at its index); the other shards unchanged."""
+    with its args_D (each [D, ...]: that shard's at its index); the other shards unchanged
+    (their devices skip the program: lax.cond)."""
+    static |= _inside(mesh, rules)
 
     def body(w: Any, s: TurnState, args: tuple, stops: tuple, apply: Any) -> TurnState:
         args = tuple(a[0] for a in args)
@@ -163,26 +198,36 @@ def _row_program(
             run = lambda x: programs_lib.restore(w, x, *args, **static)  # noqa: E731
         return _part(jax.lax.cond(apply[0], run, lambda x: x, _local(s)))
 
-    row = P(axes)
+    row = P(paged_mesh.batch_axes(mesh, rules))
     stop_specs = (P(), row) if stops else ()  # the stop ids and each row's stop sequences
     return _map(
-        body, mesh, axes, (weights, s, args_D, stops, apply_D), (P(), row, row, stop_specs, row)
+        body, mesh, rules, (weights, s, args_D, stops, apply_D), (P(), row, row, stop_specs, row)
     )
 
 
 class ShardView:
-    """Shard d's part of the mesh's state, read as one device's TurnState: each field's
-    arrays are the shard's own buffers on its device (no copy). Programs take `state`."""
+    """Shard d's (of D) part of the mesh's state, read as one device's TurnState: an array
+    whole on each device of the shard (the rows' tokens, tables, counts) is one device's own
+    buffer (no copy); one split over the shard's devices (the pool's keys and values, over
+    heads) reads as its shape only (the host reads no KV). Programs take `state`."""
 
-    def __init__(self, state: TurnState, d: int):
-        self.state, self.d = state, d
+    def __init__(self, state: TurnState, d: int, D: int):
+        self.state, self.d, self.D = state, d, D
 
     def __getattr__(self, name: str) -> Any:
         return jax.tree.map(self._part, getattr(self.state, name))
 
-    def _part(self, a: jax.Array) -> jax.Array:
-        shards = sorted(a.addressable_shards, key=lambda s: s.index[0].start or 0)
-        return shards[self.d].data
+    def _part(self, a: jax.Array) -> jax.Array | jax.ShapeDtypeStruct:
+        n = a.shape[0] // self.D
+        shape = (n, *a.shape[1:])
+        whole = [
+            s
+            for s in a.addressable_shards
+            if s.data.shape == shape and (s.index[0].start or 0) == self.d * n
+        ]
+        if not whole:
+            return jax.ShapeDtypeStruct(shape, a.dtype)
+        return min(whole, key=lambda s: s.device.id).data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +239,7 @@ class ShardPrograms:
     D: int
     rows: int
     mesh: Mesh
-    axes: tuple[str, ...]
+    rules: parallel.LogicalRules
 
     def _one(self, value: Any, empty: Any) -> jax.Array:
         """[D, ...]: `value` at this shard's index, `empty` at the others'."""
@@ -204,12 +249,13 @@ class ShardPrograms:
         return jnp.asarray(out)
 
     def release(self, view: ShardView, row: jax.Array) -> ShardView:
-        s = _release(view.state, self._one(row, -1), mesh=self.mesh, axes=self.axes)
-        return ShardView(s, self.d)
+        s = _release(view.state, self._one(row, -1), mesh=self.mesh, rules=self.rules)
+        return ShardView(s, self.d, self.D)
 
     def unstall(self, view: ShardView, rows_B: jax.Array) -> ShardView:
         rows = self._one(rows_B, False).reshape(-1)
-        return ShardView(_unstall(view.state, rows, mesh=self.mesh, axes=self.axes), self.d)
+        s = _unstall(view.state, rows, mesh=self.mesh, rules=self.rules)
+        return ShardView(s, self.d, self.D)
 
     def observe(
         self, w: Any, view: ShardView, observation: tuple, stops: tuple, **static: Any
@@ -225,9 +271,9 @@ class ShardPrograms:
         args_D = tuple(self._one(a, 0) for a in args)
         s = _row_program(
             w, view.state, args_D, stops, self._one(True, False),
-            program=program, mesh=self.mesh, axes=self.axes, **static,
+            program=program, mesh=self.mesh, rules=self.rules, **static,
         )  # fmt: skip
-        return ShardView(s, self.d)
+        return ShardView(s, self.d, self.D)
 
 
 @dataclasses.dataclass(eq=False)
@@ -238,12 +284,12 @@ class ShardedPrograms:
     shards: tuple[paged_turns.PagedPrograms, ...]
     rows: int
     mesh: Mesh
-    axes: tuple[str, ...]
+    rules: parallel.LogicalRules
 
     def segment(self, state: TurnState) -> TurnState:
         p = self.shards[0]
         state = _segment(
-            p.weights, state, (p.stop_ids_S, p.stop_BQL), mesh=self.mesh, axes=self.axes,
+            p.weights, state, (p.stop_ids_S, p.stop_BQL), mesh=self.mesh, rules=self.rules,
             model_config=p.model_config, sampling=p.sampling, max_steps=SEGMENT_STEPS,
         )  # fmt: skip
         jax.block_until_ready(state.ended_B)
@@ -264,11 +310,12 @@ class ShardedPrograms:
 
     def _on(self, d: int, method: str, state: TurnState, *args: Any) -> TurnState:
         """Shard d's PagedPrograms `method` on its view of `state`; the mesh's new state."""
-        view: Any = ShardView(state, d)
+        view: Any = ShardView(state, d, len(self.shards))
         return getattr(self.shards[d], method)(view, *args).state
 
     def pages_left(self, state: TurnState) -> int:
-        views: list[Any] = [ShardView(state, d) for d in range(len(self.shards))]
+        D = len(self.shards)
+        views: list[Any] = [ShardView(state, d, D) for d in range(D)]
         return sum(p.pages_left(v) for p, v in zip(self.shards, views))
 
     @property
@@ -286,7 +333,7 @@ def start(
 ) -> tuple[TurnState, ShardedPrograms]:
     """paged_turns.start on each batch shard of `mesh`, with a pool of `kv_cache_tokens` each
     (0: every row of the fullest shard at full length; every shard's pool is one size)."""
-    D, axes, batch = check_mesh(mesh, rules), paged_mesh.batch_axes(mesh, rules), rows.batch
+    D, batch = paged_mesh.shards(mesh, rules), rows.batch
     B = batch.prompt_BP.shape[0]
     paged_mesh.check_rows(B, D, rows.prompt_group)
     n = B // D
@@ -296,22 +343,30 @@ def start(
     longest = paged_turns.longest(plen_B, batch)
     num_pages = paged_turns.pool_pages(kv_cache_tokens, active, longest, settings.budget)
     pages = [paged_turns.first_pages(b, rows.prompt_group, settings, num_pages) for b in shards]
-    # Replicated once: every program reads the whole weights on each device.
-    weights = jax.device_put(weights, jax.sharding.NamedSharding(mesh, P()))
+    weights = _placed(weights, settings.static["model_config"], mesh, rules)
     args, static = paged_turns.prefill_args(rows, settings, num_pages)
     inputs, greedy_B, stops, pad = args
     optional = {} if greedy_B is None else {"greedy_B": greedy_B}
     all_pages = jax.tree.map(lambda *a: jnp.concatenate(a), *pages)
     state = _prefill(
-        weights, inputs, optional, stops, pad, all_pages, mesh=mesh, axes=axes, **static
+        weights, inputs, optional, stops, pad, all_pages, mesh=mesh, rules=rules, **static
     )
     programs = []
     for d, (shard, shard_pages) in enumerate(zip(shards, pages)):
-        lib = ShardPrograms(d, D, n, mesh, axes)
+        lib = ShardPrograms(d, D, n, mesh, rules)
         p = paged_turns.PagedPrograms.of(weights, settings, shard, lib)
-        state = paged_turns.admit(p, ShardView(state, d), shard_pages.admitted_B).state
+        state = paged_turns.admit(p, ShardView(state, d, D), shard_pages.admitted_B).state
         programs.append(p)
-    return state, ShardedPrograms(tuple(programs), n, mesh, axes)
+    return state, ShardedPrograms(tuple(programs), n, mesh, rules)
+
+
+def _placed(weights: Any, model_config: Any, mesh: Mesh, rules: parallel.LogicalRules) -> Any:
+    """The decode weights (turn_programs.decode_weights) placed once as every shard's
+    programs read them: whole over the batch axes, split over the others as a shard splits
+    them (heads and vocabulary over tensor: parallel.inside_batch_shard)."""
+    axes = transformer.unstacked_logical_axes(model_config)
+    inside = parallel.inside_batch_shard(rules)
+    return jax.device_put(weights, parallel.logical_to_sharding(axes, mesh, inside, weights))
 
 
 def _batch_rows(batch: buckets.PromptBatch, part: slice, first: int) -> buckets.PromptBatch:

@@ -1,8 +1,8 @@
 """Multi-turn rollouts on the paged KV cache (sampling/paged_turns.py): with a pool that
 holds every row the dense multi-turn engine's rows (tokens, masks, lengths, logprobs); with
 the smallest pool (one row at full length), which forces evictions, every row still ends
-with the dense engine's rows; the same on a mesh, a pool per batch shard; a smaller pool
-and a mesh splitting more than the batch refused; the groups admitted at the
+with the dense engine's rows; the same on a mesh, a pool per batch shard (its heads split
+over tensor where the mesh has it); a smaller pool refused; the groups admitted at the
 start and their pages."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from jaxrl4llm import parallel
 from jaxrl4llm.config.errors import FlagError
-from jaxrl4llm.sampling import multiturn, paged_turn_programs
+from jaxrl4llm.sampling import paged_turn_programs
 from jaxrl4llm.sampling.turns import TurnLimits
 
 from tests.sampling.test_multiturn import SAMPLED, FakeHandler, _prompts, _run
@@ -82,15 +82,22 @@ def test_a_pool_below_one_row_at_full_length_is_refused(toy_policy):
         _run(toy_policy, FakeHandler(), LIMITS, _prompts(config, LENGTHS), kv_cache_tokens=32)
 
 
-def test_on_a_mesh_each_batch_shard_samples_the_dense_engines_rows(toy_policy, caplog):
-    """data:2,fsdp:2 (4 batch shards, one group of 2 rows each, paged_turns_mesh.py), each
-    with the smallest pool (one row at full length: 3 pages of 16 for its 2 rows, so rows are
-    evicted inside their shard): the rows the dense engine samples on one device; every
-    shard's pages come back; the decode segment compiled once for the 4 shards."""
+@pytest.mark.parametrize(
+    "mesh_spec", ["data:2,fsdp:2,expert:1,tensor:1", "data:1,fsdp:1,expert:1,tensor:2",
+                  "data:2,fsdp:1,expert:1,tensor:2"],
+)  # fmt: skip
+def test_on_a_mesh_each_batch_shard_samples_the_dense_engines_rows(toy_policy, caplog, mesh_spec):
+    """data:2,fsdp:2 (4 batch shards, one group of 2 rows each, paged_turns_mesh.py), tensor:2
+    (one shard, its heads, pool and vocabulary split over 2 devices) and data:2,tensor:2 (2
+    shards of 2 devices each), each shard with the smallest pool (one row at full length: 3
+    pages of 16 for its rows, so rows are evicted inside their shard): the rows the dense
+    engine samples on one device; every shard's pages come back; the decode segment
+    compiled once for every shard."""
     config, _ = toy_policy
     prompts = _prompts(config, LENGTHS[:4])
     dense = _rows(*_run(toy_policy, FakeHandler(done_after=3), LIMITS, prompts))
-    mesh = parallel.make_mesh("data:2,fsdp:2,expert:1,tensor:1", jax.devices()[:4])
+    sizes = [int(axis.split(":")[1]) for axis in mesh_spec.split(",")]
+    mesh = parallel.make_mesh(mesh_spec, jax.devices()[: int(np.prod(sizes))])
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
         paged = _rows(
             *_run(
@@ -103,16 +110,6 @@ def test_on_a_mesh_each_batch_shard_samples_the_dense_engines_rows(toy_policy, c
     compiled = [r for r in caplog.records if "Compiling jit(_segment)" in r.getMessage()]
     assert len(compiled) == 1, "one program for every shard, not one per device"
     assert (paged[2].turns_B > 1).sum() >= 2, "the toy model should end several turns"
-
-
-def test_a_mesh_splitting_more_than_the_batch_is_refused(toy_policy):
-    config, params = toy_policy
-    mesh = parallel.make_mesh("data:2,fsdp:1,expert:1,tensor:2", jax.devices()[:4])
-    with pytest.raises(FlagError, match="--mesh splits tensor:2; use a mesh whose only"):
-        multiturn.generate_turns(
-            params, config, [[7, 8]] * 2, SAMPLED, 8, jax.random.key(0), FakeHandler(), LIMITS,
-            stop_ids=(3,), mesh=mesh, kv_cache_tokens=0,
-        )  # fmt: skip
 
 
 def test_the_groups_that_fit_at_the_start_get_shared_and_private_pages():
@@ -187,12 +184,54 @@ def test_on_a_mesh_the_decode_segment_holds_no_collective(toy_policy):
     state, programs = paged_turns_mesh.start(weights, rows, settings, 0, mesh)
     p = programs.shards[0]
     lowered = paged_turns_mesh._segment.lower(
-        p.weights, state, (p.stop_ids_S, p.stop_BQL), mesh=mesh, axes=programs.axes,
+        p.weights, state, (p.stop_ids_S, p.stop_BQL), mesh=mesh, rules=parallel.DEFAULT_RULES,
         model_config=config, sampling=SAMPLED, max_steps=4,
     )  # fmt: skip
     _, hlo = hlo_analysis.partitioned_hlo(lowered)
     assert " while(" in hlo  # the decode loop is there
     assert not hlo_analysis.collectives(hlo)
+
+
+def test_on_a_mesh_splitting_heads_a_shards_collectives_join_only_its_devices(toy_policy):
+    """data:2,tensor:2 (2 batch shards of 2 devices, each splitting its heads): the decode
+    segment's loop and the observation and restoration programs (run on every device,
+    skipped by the shards other than their row's: lax.cond) hold collectives, and each
+    joins only the 2 devices of one shard (the shards run different step counts and
+    branches: a collective across shards, e.g. a collective permute, which CPU's runtime
+    joins over every device, would wait forever). Read right after SPMD partitioning
+    (hlo_analysis.partitioned_hlo)."""
+    from jaxrl4llm.planner import hlo_analysis
+    from jaxrl4llm.sampling import paged_turns_mesh, turn_programs
+
+    config, params = toy_policy
+    rows, settings, _ = _start_inputs(toy_policy)
+    mesh = parallel.make_mesh("data:2,fsdp:1,expert:1,tensor:2", jax.devices()[:4])
+    weights = turn_programs.decode_weights(params, config, parallel.ActivationSharding(mesh))
+    state, programs = paged_turns_mesh.start(weights, rows, settings, 0, mesh)
+    p, rules, D = programs.shards[0], parallel.DEFAULT_RULES, 2
+    stops = (p.stop_ids_S, p.stop_BQL)
+    segment = paged_turns_mesh._segment.lower(
+        p.weights, state, stops, mesh=mesh, rules=rules, model_config=config, sampling=SAMPLED,
+        max_steps=4,
+    )  # fmt: skip
+    observation = (np.zeros(D, np.int32), np.zeros((D, 16), np.int32), np.ones(D, np.int32))
+    observe = paged_turns_mesh._row_program.lower(
+        p.weights, state, observation, stops, np.array([True, False]), program="observe",
+        mesh=mesh, rules=rules, model_config=config, sampling=SAMPLED,
+    )  # fmt: skip
+    restoration = (np.zeros(D, np.int32), np.zeros((D, 32), np.int32), np.ones(D, bool))
+    restore = paged_turns_mesh._row_program.lower(
+        p.weights, state, restoration, (), np.array([False, True]), program="restore",
+        mesh=mesh, rules=rules, model_config=config,
+    )  # fmt: skip
+    for lowered, looped in ((segment, True), (observe, False), (restore, False)):
+        _, hlo = hlo_analysis.partitioned_hlo(lowered)
+        ops = hlo_analysis.collectives(hlo, unknown_trip_count=2, num_devices=4)
+        ops = [op for op in ops if op.executions > 1] if looped else ops
+        assert ops, "the heads' split should need collectives"
+        assert all(op.group_size == 2 for op in ops), [
+            (op.kind, op.group_size, op.op_name) for op in ops if op.group_size != 2
+        ]
 
 
 def test_a_decode_step_computes_only_the_live_rows_smallest_level(toy_policy):

@@ -62,10 +62,6 @@ def test_a_paged_run_equals_a_compacted_one(overrides, toy_model_dir, copy_task_
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (
-            dict(env="calculator", max_turns=2, mesh="data:2,fsdp:1,tensor:2"),
-            "run one page pool per batch shard, each on one device: --mesh splits tensor:2",
-        ),
         (dict(max_turns=3, kv_cache_tokens=16), "less than one multi-turn row at full length"),
         (  # the alias's pool holds max_new_tokens, not the longer turn budget
             dict(rollout_engine="compacted", decode_slots=1, max_turns=3, max_total_tokens=4096),
@@ -149,9 +145,11 @@ def test_decode_slots_is_an_alias_of_the_paged_engine(toy_model_dir, copy_task_f
         )
 
 
-def test_a_multi_turn_run_on_pages(toy_model_dir, copy_task_file, tmp_path):
+@pytest.mark.parametrize("mesh", ["data:2,fsdp:1,tensor:1", "data:2,fsdp:1,tensor:2"])
+def test_a_multi_turn_run_on_pages(mesh, toy_model_dir, copy_task_file, tmp_path):
     """--env with --rollout_engine=paged on data:2 (sampling/paged_turns_mesh.py: a pool per
-    batch shard) and pools of 3 pages (a row at full length: 2) for each shard's 4 rows
+    batch shard), and on data:2,tensor:2 (each shard's heads and pool split over its 2
+    devices), with pools of 3 pages (a row at full length: 2) for each shard's 4 rows
     validates and runs a step (the samples equal the dense engine's:
     tests/sampling/test_paged_turns.py)."""
     import jax
@@ -159,10 +157,11 @@ def test_a_multi_turn_run_on_pages(toy_model_dir, copy_task_file, tmp_path):
     config = _config(
         toy_model_dir, copy_task_file, tmp_path, num_steps=1, max_new_tokens=12,
         env="calculator", max_turns=2, prompts_per_step=4, group_size=2,
-        rollout_engine="paged", kv_cache_tokens=48, mesh="data:2,fsdp:1,tensor:1",
+        rollout_engine="paged", kv_cache_tokens=48, mesh=mesh,
     )  # fmt: skip
-    validate(config, num_devices=2)
-    loop.run(config, devices=jax.devices()[:2])
+    devices = 4 if "tensor:2" in mesh else 2
+    validate(config, num_devices=devices)
+    loop.run(config, devices=jax.devices()[:devices])
     (record,) = read_metrics(str(tmp_path))
     assert 0 < record["response/length_mean"] <= 12
     assert record["turns/evictions"] > 0  # 4 rows of 2 pages each in 3 pages, per shard

@@ -18,7 +18,7 @@ from jaxrl4llm.config.options import require
 from jaxrl4llm.data import prompts
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.rewards.shaping import SCALES
-from jaxrl4llm.sampling import paged, paged_turns_mesh, rounds
+from jaxrl4llm.sampling import paged, rounds
 from jaxrl4llm.sampling.buckets import LONG_PROMPT_MODES
 from jaxrl4llm.sampling.config import ROLLOUT_ENGINES, RolloutConfig
 from jaxrl4llm.train.config import TrainConfig
@@ -301,11 +301,7 @@ def _validate_engine(config: TrainConfig, num_devices: int, data_parallel: int |
             r.decode_slots,
         )
     engine = "--rollout_engine=paged" + (" (--decode_slots)" if r.decode_slots else "")
-    sizes = parallel.MeshSpec.parse(config.run.mesh).resolve(num_devices)
-    mesh = jax.sharding.AbstractMesh(sizes, parallel.MESH_AXES)
     turns = bool(r.env) or r.turns.max_turns > 1
-    if turns:
-        paged_turns_mesh.check_mesh(mesh)
     G = r.group_size if r.share_prompts else 1
     D = data_parallel or _data_parallel(config, num_devices)
     require(
