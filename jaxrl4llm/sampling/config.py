@@ -70,8 +70,9 @@ class RolloutConfig:
         away) or paged (a pool of KV pages: rows hold only the pages their tokens fill, a
         group's prompt pages are shared, and queued groups start as pages free; see
         sampling/paged.py). The same samples either way.
-    kv_cache_tokens: With --rollout_engine=paged: tokens of KV the page pool holds (0 = every
-        row of a call at full length).
+    kv_cache_tokens: With --rollout_engine=paged: tokens of KV the page pool holds (0 = as
+        many rows as decode at once at full length, so none is ever preempted: every row
+        of a call, or --rollout_micro_batch rows; per batch shard on a mesh).
     decode_slots: Deprecated alias: S > 0 means --rollout_engine=paged with
         --kv_cache_tokens=S*(max_prompt_tokens+max_new_tokens), the KV S fixed slots held.
     dynamic: DAPO's dynamic sampling (follows the --algorithm preset).
@@ -107,8 +108,8 @@ class RolloutConfig:
 
     @property
     def pool_tokens(self) -> int | None:
-        """The paged engine's pool in tokens (0: every row at full length), or None: the
-        compacted sampler."""
+        """The paged engine's pool in tokens (0: the rows decoding at once at full length), or
+        None: the compacted sampler."""
         if not self.paged:
             return None
         if self.decode_slots > 0 and self.rollout_engine != "paged":

@@ -128,7 +128,9 @@ def program_settings(
     decode attention by `attention`; {} where `tokens` is None (not paged)."""
     if tokens is None:
         return {}
-    pages = pool_pages(tokens, max(1, rows // shards), prompt_len, N, group)
+    local = max(1, rows // shards)
+    decode_rows = max(group, max_rows // shards) if max_rows else 0  # paged_mesh's per shard
+    pages = pool_pages(tokens, local, prompt_len, N, group, decode_rows)
     return {"kv_pages": pages, "max_rows": max_rows or 0, "paged_attention": attention}
 
 
@@ -481,9 +483,21 @@ class Engine:
         return experts_S1LK[:, 0]
 
 
-def pool_pages(tokens: int, rows: int, prompt_len: int, max_new_tokens: int, group: int) -> int:
+def pool_pages(
+    tokens: int, rows: int, prompt_len: int, max_new_tokens: int, group: int, decode_rows: int = 0
+) -> int:
     """The page pool of a bucket of `rows` rows of `prompt_len`-token prompts: `tokens` in
-    pages of PAGE_SIZE, or with 0 every row at full length; at least one group at full length
-    (min_pool_pages)."""
-    pages = tokens // PAGE_SIZE or pool_pages_for(rows, prompt_len, max_new_tokens, PAGE_SIZE)
+    pages of PAGE_SIZE, or with 0 the most the rows can hold at once, so that no row is ever
+    preempted: every row at full length, or, when at most S = `decode_rows` of them decode at
+    once (0: all), S rows at full length in as many groups as can be live (a group is
+    admitted whole, so S - G + 1: S - G groups down to one row and a new one), each group's
+    prompt pages once; at least one group at full length (min_pool_pages)."""
+    pages = tokens // PAGE_SIZE
+    if not pages:
+        pages = pool_pages_for(rows, prompt_len, max_new_tokens, PAGE_SIZE)
+        live = max(group, min(decode_rows or rows, rows) // group * group)
+        if live < rows:
+            prompt = pages_lib.pages_for(prompt_len, PAGE_SIZE)
+            row = 1 + pages_lib.pages_for(max_new_tokens, PAGE_SIZE)
+            pages = min(pages, (live - group + 1) * prompt + live * row)
     return max(pages, min_pool_pages(prompt_len, max_new_tokens, group, PAGE_SIZE))

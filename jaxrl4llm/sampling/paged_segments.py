@@ -356,9 +356,9 @@ class Driver:
 
     def _pages(self, width: int) -> int:
         """A shard's pool for prompts `width` wide (paged.pool_pages: the sampler's tokens, or
-        every row of the shard at full length; at least one group at full length)."""
+        as many rows as decode at once at full length; at least one group at full length)."""
         tokens = self.sampler.kv_cache_tokens or 0
-        return paged.pool_pages(tokens, self.slots * self.G, width, self.N, self.G)
+        return paged.pool_pages(tokens, self.slots * self.G, width, self.N, self.G, self.rows)
 
     def begin(self, params: Any) -> None:
         model_config = self.sampler.model_config

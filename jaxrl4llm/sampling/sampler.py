@@ -390,7 +390,7 @@ def generate(
     at once); with a mesh, a multiple of the data-parallel size. A row stopped by its row_caps token
     limit reads as truncated_B unless that token is a stop token (e.g. tools/bench_rollout.py
     --length_mix). `kv_cache_tokens` (not None): the paged engine (paged.py), a pool of that many
-    tokens (0: every row at full length); `max_rows` then caps its rows decoding at once,
+    tokens (0: the rows decoding at once at full length); `max_rows` caps those rows,
     `paged_attention` its attention (paged_step.uses_kernel). `record_routing`: a mixture of
     experts' output holds each token's experts (routing replay; the compacted sampler and the
     paged engine: decode_slots refuses it)."""

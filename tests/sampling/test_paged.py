@@ -55,6 +55,26 @@ def test_same_samples_as_the_compacted_sampler(toy_policy, sampling, pool, max_r
         assert stats.steps > lengths.max()  # groups waited for pages
     if max_rows:
         assert stats.live_rows <= 8 * stats.steps
+        # The pool for 8 rows at once (pool_pages), not for all 32: no row ever preempted.
+        assert stats.preemptions == 0
+
+
+def test_a_pool_of_zero_tokens_holds_the_rows_decoding_at_once():
+    """--kv_cache_tokens=0: every row at full length, or with S decode rows fewer than the
+    rows, S rows at full length in the most groups that can be live at once (by hand,
+    16-token pages: a 1024-token prompt is 64 pages, a row's 8192 new tokens 512 more and
+    the copy of the prompt's last page)."""
+    assert paged.pool_pages(0, 32, 1024, 8192, 8) == 32 * 576  # 32 rows, each 576 pages
+    # S = 8 = G: one group at a time (it is admitted whole into 8 free rows).
+    assert paged.pool_pages(0, 32, 1024, 8192, 8, decode_rows=8) == 64 + 8 * 513
+    # S = 16: up to 9 groups (8 down to one row each, then a new group of 8).
+    assert paged.pool_pages(0, 32, 1024, 8192, 8, decode_rows=16) == 9 * 64 + 16 * 513
+    assert paged.pool_pages(0, 32, 1024, 8192, 8, decode_rows=64) == 32 * 576
+    # Fewer decode rows than a group: one group at full length (min_pool_pages).
+    assert paged.pool_pages(0, 32, 100, 40, 4, decode_rows=2) == 7 + 4 * (1 + 3)
+    # Per batch shard: 256 rows at once over 32 shards of 32 rows, 8 each.
+    settings = paged.program_settings(0, 256, 1024, 1024, 8192, 8, shards=32)
+    assert settings["kv_pages"] == 64 + 8 * 513
 
 
 def test_a_full_pool_preempts_and_loses_no_row(toy_policy):
