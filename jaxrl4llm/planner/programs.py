@@ -205,8 +205,10 @@ class Setup:
 def setup(
     config: TrainConfig, model_config: ModelConfig, topo: Topology, devices: Sequence[Any]
 ) -> Setup:
-    """The run's programs on a mesh of `devices`, and their abstract params and states."""
+    """The run's programs on a mesh of `devices`, and their abstract params and states; the
+    model computes in --compute_dtype, as the trainer's (train/services.py)."""
     c = config
+    model_config = c.model.compute_config(model_config)
     mesh = parallel.make_mesh(c.run.mesh, devices)
     base = abs_lib.abstract_params(model_config, mesh, param_dtype(c.model.param_dtype))
     lora = c.lora if c.lora.enabled else None

@@ -8,6 +8,7 @@ the run and the plan fails here."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 
@@ -66,7 +67,9 @@ def _run_recording(config: TrainConfig, monkeypatch) -> tuple[dict, ModelConfig]
 
 
 def _planned(config: TrainConfig, model_config: ModelConfig, run: dict) -> dict[str, str]:
-    """The planner's HLO of each program, lowered on the shapes the run's calls had."""
+    """The planner's HLO of each program, lowered on the shapes the run's calls had, from
+    the model's own config as tools/plan.py reads it (the planner applies --compute_dtype)."""
+    model_config = dataclasses.replace(model_config, compute_dtype=None)
     s = plan_programs.setup(config, model_config, topology("cpu-8"), jax.devices())
     B = config.batch_size
     # The shapes the rollout ran at: prompt columns of the sampled bucket (the decode's
@@ -98,9 +101,10 @@ def _planned(config: TrainConfig, model_config: ModelConfig, run: dict) -> dict[
     [
         ([], {"create", "sample", "advantages", "policy_update"}),
         (
-            # PPO's KL in the reward: the reference's logprobs too.
+            # PPO's KL in the reward: the reference's logprobs too; in bfloat16.
             ["TOY", "--algorithm=ppo", "--critic_warmup_steps=0", "--kl_coef=0.01"]
-            + ["--kl_in=reward", "--max_prompt_tokens=32", "--instruction="],
+            + ["--kl_in=reward", "--max_prompt_tokens=32", "--instruction="]
+            + ["--compute_dtype=bfloat16"],
             {"create", "sample", "logprobs", "values", "advantages", "policy_update"}
             | {"critic_update"},
         ),
