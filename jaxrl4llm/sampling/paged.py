@@ -194,8 +194,9 @@ def generate_paged(
     pool = pages_lib.init_pool(model_config, num_pages, page_size, cache_dtype)
     pending = kv_cache.init_kv_cache(model_config, refill_groups(S, G), P, cache_dtype)
     start = paged_state.initial_state(queue, pool, pending, S, G, N, pad_id, record)
+    start = engine.admit(paged_state.split_heads(start, sharding))
     more = functools.partial(more_work, engine.num_groups)
-    state = jax.lax.while_loop(more, engine.iterate, engine.admit(engine.placed(start)))
+    state = jax.lax.while_loop(more, engine.iterate, start)
     return paged_state.output(state)
 
 
@@ -328,10 +329,7 @@ class Engine:
 
     def iterate(self, s: paged_state.PagedState) -> paged_state.PagedState:
         """One iteration of the engine's loop: a decode step, then admission."""
-        return self.placed(self.admit(self.step(s)))
-
-    def placed(self, s: paged_state.PagedState) -> paged_state.PagedState:
-        return paged_state.split_heads(s, self.sharding)
+        return paged_state.split_heads(self.admit(self.step(s)), self.sharding)
 
     def _first_tokens(self, logits_JV: jax.Array, row_JG: jax.Array) -> tuple[jax.Array, ...]:
         """Each row's first completion token from its group's prompt logits."""
@@ -346,10 +344,8 @@ class Engine:
         return tok.reshape(J, G), lp.reshape(J, G)
 
     def _whole(self, logits_SV: jax.Array) -> jax.Array:
-        """The logits gathered whole on each device of a row's shard before sampling: drawn
-        from vocabulary-split logits, top-k's cut-off would travel between devices as a
-        collective permute, which CPU's runtime joins over every device, deadlocking batch
-        shards whose loops run different step counts (paged_mesh.py)."""
+        """The logits whole on a shard's devices before sampling: from split ones, top-k's
+        cut-off is a collective permute of every device (a deadlock: paged_mesh.py)."""
         return parallel.constrain(logits_SV, ("batch", None), self.sharding)
 
     def _admit_next(self, s: paged_state.PagedState) -> paged_state.PagedState:

@@ -156,7 +156,7 @@ def segment(
             steps, s = carry
             return steps + 1, engine.iterate(s)
 
-        start = engine.admit(engine.placed(state))
+        start = engine.admit(paged_state.split_heads(state, engine.sharding))
         state = jax.lax.while_loop(more, body, (jnp.int32(0), start))[1]
         return jax.tree.map(lambda x: x[None], state)
 
