@@ -53,7 +53,7 @@ which copies each row's table prefix:
 On a mesh that splits the batch, paged_mesh.py runs one engine per batch shard (its rows,
 its own pool of num_pages) under jax.shard_map; a mesh splitting heads runs one engine with
 its heads, pool and vocabulary split (a shard's engine too, on a mesh splitting both). The
-logits are gathered whole before sampling (`_whole`).
+logits are gathered whole before sampling (`paged_step.whole_logits`).
 
 With `record_routing` (a mixture of experts) the engine keeps the compacted sampler's routing
 record: a group's prompt experts from its prefill, and each live row's fed token's experts
@@ -339,14 +339,9 @@ class Engine:
             self.queue.row_keys_B[rows], jnp.zeros((J * G,), jnp.uint32)
         )
         greedy = None if self.queue.greedy_B is None else self.queue.greedy_B[rows]
-        logits_RV = jnp.repeat(self._whole(logits_JV), G, axis=0)
+        logits_RV = jnp.repeat(paged_step.whole_logits(logits_JV, self.sharding), G, axis=0)
         tok, lp = strategies.sample(logits_RV, keys, self.sampling, greedy)
         return tok.reshape(J, G), lp.reshape(J, G)
-
-    def _whole(self, logits_SV: jax.Array) -> jax.Array:
-        """The logits whole on a shard's devices before sampling: from split ones, top-k's
-        cut-off is a collective permute of every device (a deadlock: paged_mesh.py)."""
-        return parallel.constrain(logits_SV, ("batch", None), self.sharding)
 
     def _admit_next(self, s: paged_state.PagedState) -> paged_state.PagedState:
         """Moves the next pending group (it fits: paged_state.fits) into the pool and the
@@ -449,7 +444,9 @@ class Engine:
     def _sample(self, logits_SV: jax.Array, x: paged_state.DecodeRows) -> tuple[jax.Array, ...]:
         """Each row's token and logprob, row r's token t drawn with fold_in(row_key[r], t)."""
         keys = jax.vmap(jax.random.fold_in)(x.keys_S, x.step_S.astype(jnp.uint32))
-        return strategies.sample(self._whole(logits_SV), keys, self.sampling, x.greedy_S)
+        return strategies.sample(
+            paged_step.whole_logits(logits_SV, self.sharding), keys, self.sampling, x.greedy_S
+        )
 
     def _decode_first(
         self, size: int, width: int, x: paged_state.DecodeRows, pool: PagePool

@@ -228,3 +228,11 @@ def _kernel_attend(
         )
     out_SNH = kernel(q_SNH, k_pages, v_pages, table_SM, length_S)
     return out_SNH.reshape(S, 1, N * H).astype(jnp.float32), (k_pages, v_pages)
+
+
+def whole_logits(logits_SV: jax.Array, sharding: parallel.ActivationSharding | None) -> jax.Array:
+    """The logits whole on each device of a row's shard before sampling (the paged engines',
+    single- and multi-turn): from vocabulary-split logits, top-k's cut-off is a collective
+    permute, which CPU's runtime joins over every device, deadlocking batch shards whose
+    loops run different step counts (paged_mesh.py)."""
+    return parallel.constrain(logits_SV, ("batch", None), sharding)

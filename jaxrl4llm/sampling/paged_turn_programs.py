@@ -28,7 +28,7 @@ backend, over whole tables: the single-turn engine's Pallas kernel and table wid
 
 The programs run on one device, or (`sharding`: paged_mesh.inside_shard) as one batch
 shard's under paged_turns_mesh.py's jax.shard_map, their heads, pool and vocabulary split
-over the shard's devices; the logits are gathered whole before sampling (`_whole`).
+over the shard's devices; the logits are gathered whole before sampling (`paged_step.whole_logits`).
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def prefill(
         weights, model_config, prompt_BP[::group], prompt_mask_BP[::group], cache, sharding
     )
     first_keys_B = jax.vmap(jax.random.fold_in)(keys_B, jnp.zeros((B,), jnp.uint32))
-    logits_BV = jnp.repeat(_whole(logits_JV, sharding), group, axis=0)
+    logits_BV = jnp.repeat(paged_step.whole_logits(logits_JV, sharding), group, axis=0)
     tok_B, lp_B = strategies.sample(logits_BV, first_keys_B, sampling, greedy_B)
     plen_J = jnp.sum(prompt_mask_BP[::group], axis=1, dtype=jnp.int32)
     pool = pages_lib.init_pool(model_config, num_pages, paged.PAGE_SIZE, dtype)
@@ -154,13 +154,6 @@ def prefill(
     )
     state = turn_programs._emit(state, active_B, tok_B, lp_B, *stops)
     return state.replace(live_B=state.live_B & pages.admitted_B)
-
-
-def _whole(logits_SV: jax.Array, sharding: parallel.ActivationSharding | None) -> jax.Array:
-    """The logits whole on each device of a row's shard before sampling (as paged.py's
-    engine): drawn from vocabulary-split logits, top-k's cut-off travels as a collective
-    permute, which CPU's runtime joins over every device (paged_turns_mesh.py)."""
-    return parallel.constrain(logits_SV, ("batch", None), sharding)
 
 
 def _allocate(kv: PagedKV, live_B: jax.Array, position_B: jax.Array) -> tuple[PagedKV, jax.Array]:
@@ -256,7 +249,9 @@ def _decode_first(
     )  # fmt: skip
     keys_S = jax.vmap(jax.random.fold_in)(x.keys_B[idx_S], x.step_B[idx_S].astype(jnp.uint32))
     greedy_S = None if x.greedy_B is None else x.greedy_B[idx_S]
-    tok_S, lp_S = strategies.sample(_whole(logits_SV, sharding), keys_S, sampling, greedy_S)
+    tok_S, lp_S = strategies.sample(
+        paged_step.whole_logits(logits_SV, sharding), keys_S, sampling, greedy_S
+    )
     pad = lambda a: jnp.pad(a, [(0, B - size)] + [(0, 0)] * (a.ndim - 1))  # noqa: E731
     dtype = x.cache.pool.k_pages[0].dtype
     new_kv = jax.tree.map(lambda a: pad(a.astype(dtype)), (k_LSKH, v_LSKH))
@@ -343,7 +338,9 @@ def observe(
         weights, s.cache, row, chunk_C, start, num_obs + 1, model_config, sharding
     )
     h_11D = jax.lax.dynamic_slice_in_dim(h_1CD, num_obs, 1, axis=1)
-    logits_1V = _whole(unembedding.unembed(weights, model_config, h_11D, sharding)[:, 0], sharding)
+    logits_1V = paged_step.whole_logits(
+        unembedding.unembed(weights, model_config, h_11D, sharding)[:, 0], sharding
+    )
     s = s.replace(cache=kv)
     return turn_programs.resume_row(s, row, chunk_C, num_obs, logits_1V, *stops, sampling)
 
