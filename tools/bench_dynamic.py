@@ -126,22 +126,27 @@ def compare(model: tuple, chunks: list, settings: dict, repeats: int) -> dict[st
     return report
 
 
-def run(layers: int, settings: dict, repeats: int) -> dict[str, Any]:
-    """The comparison on SmolLM2-135M cut to its first `layers` layers (printed)."""
+def arithmetic(layers: int, count: int, settings: dict) -> tuple[tuple, list, dict]:
+    """SmolLM2-135M cut to `layers` layers, the first `count` records of the arithmetic
+    source, and `settings` with the stop ids (EOS and ".") and the records' messages."""
     from jaxrl4llm.data import make_source
     from jaxrl4llm.data.config import DataConfig
 
     config, params, tokenizer = bench_turns.smollm2(layers)
     source = make_source("synthetic:arithmetic", split="train")
-    data = DataConfig(source="synthetic:arithmetic")
-    P = settings["prompts"]
-    chunks = [
-        [source[k * P + p] for p in range(P)] for k in range(1 + settings["max_resample_rounds"])
-    ]
     stop = tuple(config.eos_token_ids) + tuple(tokenizer.encode(".", add_special_tokens=False))
-    settings = dict(settings, stop=stop, messages=data.messages)
+    messages = DataConfig(source="synthetic:arithmetic").messages
+    records = [source[i] for i in range(count)]
+    return (config, params, tokenizer), records, dict(settings, stop=stop, messages=messages)
+
+
+def run(layers: int, settings: dict, repeats: int) -> dict[str, Any]:
+    """The comparison on SmolLM2-135M cut to its first `layers` layers (printed)."""
+    P, rounds = settings["prompts"], 1 + settings["max_resample_rounds"]
+    model, records, settings = arithmetic(layers, P * rounds, settings)
+    chunks = [records[k * P : (k + 1) * P] for k in range(rounds)]
     print(f"dynamic sampling: SmolLM2-135M, {layers} layers, device {jax.devices()[0].platform}")
-    report = compare((config, params, tokenizer), chunks, settings, repeats)
+    report = compare(model, chunks, settings, repeats)
     bench_turns.print_report(report)
     return report
 

@@ -15,6 +15,12 @@ and each row's prompt + prefix otherwise. Printed per mix (means over the steps)
   decoded_per_step    tokens decoded, against the step's trained tokens (normal_decoded)
   prefilled_per_round prompt tokens prefilled per round, and per step, against a normal
                       step's (P prompts, each once: normal_prefilled)
+  kept_prefilled_per_round / _per_step
+                      the same with the paged engine on one device, whose rows keep their
+                      KV pages over a step's rounds (train/rollout/partial_pool.py): each
+                      started group's prompt once, each unfinished row carried into the
+                      step its prompt + completion but the last token, nothing else (what
+                      tests/train/test_partial_pool.py shows that engine prefills)
   rounds              sampler rounds per step
   dropped_rows        rows of groups dropped for --max_staleness, per step
 """
@@ -115,6 +121,17 @@ def _no_reward(texts: Sequence[str], records: Sequence[Any], lengths: Any) -> Re
     return RewardBatch(np.zeros(n, np.float32), np.zeros(n, bool), ["wrong"] * n)
 
 
+def _carried_prefill(carried: partial.Carried, prompt_tokens: int) -> int:
+    """What the paged engine prefills of the rows carried into a step (their KV is the
+    previous policy's): each unfinished row's prompt and completion but its last token."""
+    return sum(
+        prompt_tokens + int(n) - 1
+        for g in carried.groups
+        for n, done in zip(g.lengths_G, g.done_G)
+        if not done
+    )
+
+
 def run_mix(mix: str, args: argparse.Namespace) -> dict[str, float]:
     """The means over --steps steps of one mix (module docstring)."""
     P, G = args.prompts, args.group
@@ -141,11 +158,13 @@ def run_mix(mix: str, args: argparse.Namespace) -> dict[str, float]:
     )
     counter = iter(range(1 << 30))
     more = lambda: [next(counter) for _ in range(P)]  # noqa: E731
-    carried, rounds, trained, dropped = partial.Carried(), 0.0, 0, 0.0
+    carried, rounds, trained, dropped, kept = partial.Carried(), 0.0, 0, 0.0, 0
     for step in range(args.steps):
+        kept += _carried_prefill(carried, args.prompt_tokens)
         rows, carried, m = partial.sample_and_score(
             ctx, None, carried, more(), jax.random.key(step), more
         )
+        kept += int(m["partial/new_groups"].value) * args.prompt_tokens
         rounds += m["partial/rounds"].value
         trained += int(np.sum(rows.samples.out.lengths_B))
         dropped += m["partial/dropped_rows"].value
@@ -158,6 +177,8 @@ def run_mix(mix: str, args: argparse.Namespace) -> dict[str, float]:
         "normal_decoded": trained / steps,
         "prefilled_per_round": prefilled / rounds,
         "prefilled_per_step": prefilled / steps,
+        "kept_prefilled_per_round": kept / rounds,
+        "kept_prefilled_per_step": kept / steps,
         "normal_prefilled": P * args.prompt_tokens,
         "rounds": rounds / steps,
         "dropped_rows_per_step": dropped / steps,

@@ -70,11 +70,20 @@ class PromptPages(flax.struct.PyTreeNode):
 
 
 def initial_pages(
-    plen_B: np.ndarray, active_B: np.ndarray, group: int, num_pages: int, M: int, P: int, ps: int
+    plen_B: np.ndarray,
+    active_B: np.ndarray,
+    group: int,
+    num_pages: int,
+    M: int,
+    P: int,
+    ps: int,
+    free_F: np.ndarray | None = None,
 ) -> PromptPages:
     """The pages of the groups admitted at the start, lowest first while their prompts (full
-    pages once, a private page per active row) fit in the pool, in page order."""
+    pages once, a private page per active row) fit in the free pages `free_F` (default:
+    the whole pool), in their order."""
     B, N, Mp = len(plen_B), num_pages, pages_lib.pages_for(P, ps)
+    free_F = np.arange(N) if free_F is None else free_F
     table_BM = np.full((B, M), N, np.int32)
     shared_JM = np.full((B // group, Mp), N, np.int32)
     private_JG = np.full((B // group, group), N, np.int32)
@@ -86,10 +95,10 @@ def initial_pages(
         n = int(live_G.sum())
         if n == 0:
             continue
-        if used + full + n > N:
+        if used + full + n > len(free_F):
             break
-        shared_JM[j, :full] = np.arange(used, used + full)
-        private_JG[j, live_G] = np.arange(used + full, used + full + n)
+        shared_JM[j, :full] = free_F[used : used + full]
+        private_JG[j, live_G] = free_F[used + full : used + full + n]
         used += full + n
         table_BM[rows, :full] = np.where(live_G[:, None], shared_JM[j, :full], N)
         table_BM[rows, full] = private_JG[j]
@@ -175,7 +184,7 @@ def _allocate(kv: PagedKV, live_B: jax.Array, position_B: jax.Array) -> tuple[Pa
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model_config", "sampling", "max_steps", "sharding"),
+    static_argnames=("model_config", "sampling", "max_steps", "sharding", "until_turn_end"),
     donate_argnames=("s",),
 )
 def segment(
@@ -187,10 +196,11 @@ def segment(
     sampling: SamplingConfig,
     max_steps: int,
     sharding: parallel.ActivationSharding | None = None,
+    until_turn_end: bool = True,
 ) -> TurnState:
-    """Decodes the live rows (turn_programs.segment on pages) until one ends its turn, none
-    is live (ended, parked or stalled) or `max_steps` steps ran; `stops`: the stop ids and
-    each row's stop sequences; `sharding`: as prefill's."""
+    """Decodes the live rows (turn_programs.segment on pages) until one ends its turn (with
+    `until_turn_end`), none is live (ended, parked or stalled) or `max_steps` steps ran;
+    `stops`: the stop ids and each row's stop sequences; `sharding`: as prefill's."""
     B = s.step_B.shape[0]
     sizes = paged_step.row_levels(B, paged_step.fewest_rows(B))
 
@@ -224,7 +234,11 @@ def segment(
         )
         return turn_programs._emit(x, live_B, tok_B, lp_B, *stops), k + 1
 
-    cond = functools.partial(turn_programs.segment_continues, max_steps)
+    def cond(carry: tuple[TurnState, jax.Array]) -> jax.Array:
+        if until_turn_end:
+            return turn_programs.segment_continues(max_steps, carry)
+        return jnp.any(carry[0].live_B) & (carry[1] < max_steps)
+
     s, _ = jax.lax.while_loop(cond, body, (s, jnp.array(0, jnp.int32)))
     return s
 
@@ -247,7 +261,7 @@ def _decode_first(
         weights, model_config, x.last_B[idx_S], position_B[idx_S], x.cache.table_BM[idx_S],
         x.cache.pool, sharding,
     )  # fmt: skip
-    keys_S = jax.vmap(jax.random.fold_in)(x.keys_B[idx_S], x.step_B[idx_S].astype(jnp.uint32))
+    keys_S = x.draw_keys(idx_S)
     greedy_S = None if x.greedy_B is None else x.greedy_B[idx_S]
     tok_S, lp_S = strategies.sample(
         paged_step.whole_logits(logits_SV, sharding), keys_S, sampling, greedy_S

@@ -66,6 +66,16 @@ class TurnState(flax.struct.PyTreeNode):
     model_BT: jax.Array  # bool: model tokens (observation tokens are False)
     slot_steps: jax.Array
     greedy_B: jax.Array | None = None
+    # Where a row's draws count from (None: 0): partial rollouts on pages (paged_rounds.py)
+    # restart a row's count at each round, as a resumed sampler call does.
+    key_base_B: jax.Array | None = None
+
+    def draw_keys(self, rows: jax.Array) -> jax.Array:
+        """The keys rows `rows` draw their next token with: fold_in(row_key, step - base)."""
+        step = self.step_B[rows]
+        if self.key_base_B is not None:
+            step = step - self.key_base_B[rows]
+        return jax.vmap(jax.random.fold_in)(self.keys_B[rows], step.astype(jnp.uint32))
 
     def clear_ended(self) -> TurnState:
         """The state with no turn ended (the host submitted them), ended_B placed as before."""
@@ -223,7 +233,7 @@ def _sample_step(
     s: TurnState, logits_BV: jax.Array, sampling: SamplingConfig
 ) -> tuple[jax.Array, jax.Array]:
     """Each row's token at its step, drawn with fold_in(row_key, step)."""
-    keys_B = jax.vmap(jax.random.fold_in)(s.keys_B, s.step_B.astype(jnp.uint32))
+    keys_B = s.draw_keys(jnp.arange(s.step_B.shape[0]))
     return strategies.sample(logits_BV, keys_B, sampling, s.greedy_B)
 
 
@@ -370,7 +380,7 @@ def resume_row(
         turn_start_B=s.turn_start_B.at[row].set(step_B[row]),
         live_B=s.live_B.at[row].set(True),
     )
-    keys_1 = jax.random.fold_in(s.keys_B[row], step_B[row].astype(jnp.uint32))[None]
+    keys_1 = s.replace(step_B=step_B).draw_keys(row[None])
     greedy_1 = None if s.greedy_B is None else s.greedy_B[row][None]
     tok_1, lp_1 = strategies.sample(logits_1V, keys_1, sampling, greedy_1)
     emit_B = jnp.arange(B) == row

@@ -21,6 +21,7 @@ def test_one_round_is_a_normal_step():
     f = _figures("step0", budget=64)
     assert f["rounds"] == 1
     assert f["prefilled_per_step"] == f["normal_prefilled"] == 4 * 20
+    assert f["kept_prefilled_per_step"] == f["normal_prefilled"]
     assert f["decoded_per_step"] == f["normal_decoded"]
     assert f["redecoded_share"] == 0
 
@@ -32,5 +33,6 @@ def test_rounds_decode_nothing_twice():
         f = _figures(mix, budget=budget)
         assert f["rounds"] > 1
         assert f["redecoded_share"] == 0, mix
-        # A resumed row prefills its prompt and its completion so far again.
-        assert f["prefilled_per_step"] > f["normal_prefilled"]
+        # A resumed row prefills its prompt and its completion so far again; with pages kept
+        # over a step's rounds only the rows carried into a step do.
+        assert f["prefilled_per_step"] > f["kept_prefilled_per_step"] >= f["normal_prefilled"]

@@ -30,9 +30,11 @@ cache) and decoding continues. Each row stops at its own cap, the smaller of N a
 A finished row does not run again, also when its group is still generating: nothing is
 decoded twice. Each call's rows are padded (with rows that do not run, cap 0) to
 buckets.two_per_octave rows, so a run compiles a few call shapes. The history of a resumed
-row is prefilled again each round it runs in; `partial/decoded_tokens` and
-`partial/prefilled_tokens` count what the step's rounds decoded and prefilled
-(tools/bench_partial.py compares them with a step without partial rollouts).
+row is prefilled again each round it runs in, except with the paged engine on one device:
+there the step's rounds run on one pool of KV pages (partial_pool.py, the same rows), and a
+row keeps its pages from round to round, so only new prompts and rows carried into the step
+are prefilled. `partial/decoded_tokens` and `partial/prefilled_tokens` count what the step's
+rounds decoded and prefilled (tools/bench_partial.py compares them with a normal step).
 
 Keys. Round i of a step samples with fold_in(step's rollout key, i), and its row r (slots in
 buffer order, G rows per group) with fold_in(fold_in(round key, r), 0), whichever call runs
@@ -45,6 +47,7 @@ resumed run is bit-identical to one that never stopped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -59,6 +62,7 @@ from jaxrl4llm.sampling.context import RolloutContext
 from jaxrl4llm.sampling.frontend import Samples
 from jaxrl4llm.sampling.rounds import ScoredRows, on_device
 from jaxrl4llm.sampling.sample_output import SampleOutput
+from jaxrl4llm.train.rollout import partial_pool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +255,7 @@ def sample_round(
         if g.lengths_G.any()
         for j in np.flatnonzero(~g.done_G)
     ]
-    parts = {i: _no_part(G, budget) for i in range(len(groups))}
+    parts = {i: partial_pool.no_part(G, budget) for i in range(len(groups))}
     work = RoundWork()
     if fresh:
         out, w = _run_fresh(sampler, params, groups, fresh, rollout, (budget, key, keys_R))
@@ -265,16 +269,6 @@ def sample_round(
                 part[j] = x[n]
         work += w
     return [extend(g, *parts[i]) for i, g in enumerate(groups)], work
-
-
-def _no_part(G: int, budget: int) -> tuple[np.ndarray, ...]:
-    """A group's part of a round before its rows run: nothing (rows that do not run keep it)."""
-    return (
-        np.zeros((G, budget), np.int32),
-        np.zeros((G, budget), np.float32),
-        np.zeros(G, np.int32),
-        np.zeros(G, bool),
-    )
 
 
 def _padded(n: int) -> int:
@@ -425,13 +419,15 @@ def sample_and_score(
     ready = [g for g in carried.groups if g.done]
     flight = [g for g in carried.groups if not g.done]
     t0, rounds, work, started = time.perf_counter(), 0, RoundWork(), 0
+    pool = partial_pool.PoolRounds.of(ctx.sampler, params, r, extend, RoundWork)
+    run_round = pool.sample_round if pool else functools.partial(sample_round, ctx.sampler, params)
     while len(ready) < P:
         while len(flight) < P:  # the free slots take new prompts
             need = P - len(flight)
             for g in _start_groups(ctx, [_next_record(pending, more) for _ in range(need)]):
                 (ready if g.done else flight).append(g)
             started += need
-        flight, done = sample_round(ctx.sampler, params, flight, r, jax.random.fold_in(key, rounds))
+        flight, done = run_round(flight, r, jax.random.fold_in(key, rounds))
         rounds, work = rounds + 1, work + done
         ready += [g for g in flight if g.done]
         flight = [g for g in flight if not g.done]
