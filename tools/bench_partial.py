@@ -16,7 +16,7 @@ and each row's prompt + prefix otherwise. Printed per mix (means over the steps)
   prefilled_per_round prompt tokens prefilled per round, and per step, against a normal
                       step's (P prompts, each once: normal_prefilled)
   kept_prefilled_per_round / _per_step
-                      the same with the paged engine on one device, whose rows keep their
+                      the same with the paged engine on one host, whose rows keep their
                       KV pages over a step's rounds (train/rollout/partial_pool.py): each
                       started group's prompt once, each unfinished row carried into the
                       step its prompt + completion but the last token, nothing else (what

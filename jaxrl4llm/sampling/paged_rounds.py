@@ -24,171 +24,33 @@ Keys, as a resumed sampler call's: a row given key k in a round draws the round'
 with fold_in(k, i) (TurnState.key_base_B), so the pool's rows are the rounds' rows of
 Sampler.generate(prefixes=...), up to float rounding (a row's KV decoded, not prefilled).
 
-One device only (the trainer uses it without a mesh splitting the batch or heads, on one
-host; otherwise each round's sampler calls prefill resumed rows, partial.py).
+On a mesh (one host), a pool per batch shard, as paged_turns_mesh.py lays out multi-turn
+rollouts: shard d holds slots [d * S, (d + 1) * S) (S = slots / D) and their rows, a new
+group goes to the shard with the most free slots, each program runs on every shard at once
+(paged_round_programs.run_on_shards; a shard's heads and pool split over its devices where
+the mesh has tensor) and the memory policy runs per shard on the host. The device programs:
+paged_round_programs.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrl4llm.models import kv_cache
-from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import buckets, decode, paged, paged_state, paged_turns, turn_programs
+from jaxrl4llm.sampling import buckets, decode, paged, paged_mesh, paged_turns, turn_programs
 from jaxrl4llm.sampling import page_pool as pages_lib
 from jaxrl4llm.sampling import paged_turn_programs as programs_lib
+from jaxrl4llm.sampling import paged_turns_mesh as mesh_lib
+from jaxrl4llm.sampling.paged_round_programs import empty_state, run_on_shards, run_program
 from jaxrl4llm.sampling.row_io import stop_id_array
-from jaxrl4llm.sampling.strategies import SamplingConfig, sample
+from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.sampling.turn_programs import TurnState
 
 EOS = 2  # turn_programs._emit's code of a turn ended by a stop token
-
-
-@functools.partial(
-    jax.jit, static_argnames=("model_config", "rows", "budget", "num_pages", "M", "dtype")
-)
-def empty_state(
-    pad_id: jax.Array,
-    *,
-    model_config: ModelConfig,
-    rows: int,
-    budget: int,
-    num_pages: int,
-    M: int,
-    dtype: Any,
-) -> TurnState:
-    """`rows` rows holding no page and not decoding, a pool of `num_pages` free pages."""
-    pool = pages_lib.init_pool(model_config, num_pages, paged.PAGE_SIZE, dtype)
-    kv = programs_lib.PagedKV(
-        pool, jnp.full((rows, M), num_pages, jnp.int32), jnp.zeros(rows, bool)
-    )
-    off = jnp.zeros((rows,), bool)
-    keys = jax.random.split(jax.random.key(0), rows)
-    state = turn_programs.initial_state(
-        kv, jnp.zeros((rows, 1), bool), off, keys, None, pad_id, budget
-    )
-    return state.replace(key_base_B=jnp.zeros((rows,), jnp.int32))
-
-
-def _put(x: jax.Array, rows_R: jax.Array, v: Any) -> jax.Array:
-    return x.at[rows_R].set(v, mode="drop")
-
-
-@functools.partial(
-    jax.jit, static_argnames=("model_config", "sampling", "group"), donate_argnames=("s",)
-)
-def start_groups(
-    weights: Any,
-    s: TurnState,
-    inputs: tuple[jax.Array, ...],
-    pages: programs_lib.PromptPages,
-    stops: tuple[jax.Array, jax.Array],
-    pad_id: jax.Array,
-    *,
-    model_config: ModelConfig,
-    sampling: SamplingConfig,
-    group: int,
-) -> TurnState:
-    """J groups' prompts (prompt_JP, mask_JP) prefilled once and written into `pages` for the
-    groups that fit (pages.admitted_B), their R = J * G rows (rows_R; B for none) started:
-    key keys_R, cap caps_R, first token drawn (fold_in(key, 0)); rows not admitted wait."""
-    prompt_JP, mask_JP, rows_R, keys_R, caps_R = inputs
-    J, P = prompt_JP.shape
-    kv = s.cache
-    cache = kv_cache.init_kv_cache(model_config, J, P, kv.pool.k_pages[0].dtype)
-    logits_JV, cache, _ = decode.prefill(weights, model_config, prompt_JP, mask_JP, cache, None)
-    first_R = jax.vmap(jax.random.fold_in)(keys_R, jnp.zeros(rows_R.shape, jnp.uint32))
-    tok_R, lp_R = sample(jnp.repeat(logits_JV, group, axis=0), first_R, sampling, None)
-    plen_J = jnp.sum(mask_JP, axis=1, dtype=jnp.int32)
-
-    def write_group(j: jax.Array, pool: pages_lib.PagePool) -> pages_lib.PagePool:
-        full = plen_J[j] // pool.page_size
-        shared_M, private_G = pages.shared_JM[j], pages.private_JG[j]
-        return paged_state.write_prompt(pool, cache, j, P - plen_J[j], shared_M, private_G, full)
-
-    pool = jax.lax.fori_loop(0, J, write_group, kv.pool)
-    kv = kv.replace(
-        pool=pool.replace(refs_N=pages_lib.hold(pool.refs_N, pages.table_BM)),
-        table_BM=_put(kv.table_BM, rows_R, pages.table_BM),
-        stalled_B=_put(kv.stalled_B, rows_R, False),
-    )
-    B, zero = s.step_B.shape[0], jnp.zeros((), jnp.int32)
-    plen_R = jnp.repeat(plen_J, group)
-    s = _place(s.replace(cache=kv), rows_R, plen_R, zero, pad_id, keys_R, caps_R, pad_id)
-    s = _set_rows(s, rows_R, logprobs_BT=0.0, model_BT=False, live_B=pages.admitted_B)
-    emit_B = _put(jnp.zeros((B,), bool), rows_R, True)
-    tok_B = _put(jnp.zeros((B,), jnp.int32), rows_R, tok_R)
-    lp_B = _put(jnp.zeros((B,), jnp.float32), rows_R, lp_R)
-    return turn_programs._emit(s, emit_B, tok_B, lp_B, *stops)
-
-
-def _set_rows(s: TurnState, rows_R: jax.Array, **values: Any) -> TurnState:
-    """`s` with rows rows_R (B: none) of each named field set to its value."""
-    return s.replace(**{k: _put(getattr(s, k), rows_R, v) for k, v in values.items()})
-
-
-def _place(
-    s: TurnState,
-    rows_R: jax.Array,
-    plen_R: Any,
-    step_R: Any,
-    last_R: Any,
-    keys_R: jax.Array,
-    caps_R: Any,
-    tokens_RT: Any,
-) -> TurnState:
-    """Rows rows_R at completion index step_R, their draws counting from it, not decoding:
-    prompt lengths, last tokens (not in the KV), keys, caps and completion tokens."""
-    assert s.key_base_B is not None  # empty_state's
-    return _set_rows(
-        s, rows_R, plen_B=plen_R, step_B=step_R, last_B=last_R, live_B=False, keys_B=keys_R,
-        key_base_B=step_R, cap_B=caps_R, turn_start_B=step_R, ended_B=0, tokens_BT=tokens_RT,
-    )  # fmt: skip
-
-
-@functools.partial(jax.jit, donate_argnames=("s",))
-def place_rows(s: TurnState, inputs: tuple[jax.Array, ...]) -> TurnState:
-    """Rows rows_R (B: none) begun in an earlier step, not decoding and holding no page: their
-    prompt lengths plen_R, completions so far tokens_RT[:, :step_R], keys keys_R (drawing from
-    0 again) and caps caps_R."""
-    rows_R, plen_R, tokens_RT, step_R, keys_R, caps_R = inputs
-    last_R = jnp.take_along_axis(tokens_RT, jnp.maximum(step_R - 1, 0)[:, None], axis=1)[:, 0]
-    return _place(s, rows_R, plen_R, step_R, last_R, keys_R, caps_R, tokens_RT)
-
-
-@functools.partial(jax.jit, donate_argnames=("s",))
-def go_on(
-    s: TurnState, rows_B: jax.Array, live_B: jax.Array, keys_B: jax.Array, caps_B: jax.Array
-) -> TurnState:
-    """Rows `rows_B` (bool) go on: key keys_B (drawing from 0 again), cap caps_B; those of them
-    holding their pages (`live_B`) decode at the next segment, the others wait for a restore."""
-    assert s.key_base_B is not None  # empty_state's
-    return s.replace(
-        keys_B=jnp.where(rows_B, keys_B, s.keys_B),
-        key_base_B=jnp.where(rows_B, s.step_B, s.key_base_B),
-        cap_B=jnp.where(rows_B, caps_B, s.cap_B),
-        turn_start_B=jnp.where(rows_B, s.step_B, s.turn_start_B),
-        ended_B=jnp.where(rows_B, 0, s.ended_B),
-        live_B=s.live_B | (rows_B & live_B),
-    )
-
-
-@functools.partial(jax.jit, donate_argnames=("s",))
-def release_rows(s: TurnState, rows_B: jax.Array) -> TurnState:
-    """Rows `rows_B` (bool) not decoding, their pages returned."""
-    kv = s.cache
-    kv = kv.replace(
-        pool=kv.pool.replace(refs_N=pages_lib.release(kv.pool.refs_N, kv.table_BM, rows_B)),
-        table_BM=jnp.where(rows_B[:, None], kv.pool.num_pages, kv.table_BM),
-        stalled_B=kv.stalled_B & ~rows_B,
-    )
-    return s.replace(cache=kv, live_B=s.live_B & ~rows_B)
 
 
 @dataclasses.dataclass(eq=False)
@@ -214,7 +76,9 @@ class Part:
 
 
 class StepPool:
-    """One step's rounds on a pool of pages (module docstring); rows are slot * G + g."""
+    """One step's rounds on a pool of pages (module docstring); rows are slot * G + g. On a mesh
+    splitting the batch, a pool per batch shard: shard d holds slots [d * S, (d + 1) * S) and
+    their rows (paged_turns_mesh's layout, its memory policy per shard)."""
 
     def __init__(
         self,
@@ -227,140 +91,229 @@ class StepPool:
         max_new_tokens: int,
         max_prompt_tokens: int,
     ):
-        config, B = sampler.model_config, slots * group
-        self.sampler, self.G, self.T, self.width = sampler, group, max_new_tokens, max_prompt_tokens
-        self.num_pages = paged_turns.pool_pages(
-            sampler.kv_cache_tokens or 0, B, max_prompt_tokens, max_new_tokens
-        )
-        self.M = pages_lib.pages_for(max_prompt_tokens + max_new_tokens, paged.PAGE_SIZE)
+        config, B, W = sampler.model_config, slots * group, max_prompt_tokens
+        mesh = sampler.mesh if sampler.mesh is not None and sampler.mesh.size > 1 else None
+        self.mesh, self.rules = mesh, sampler.rules
+        D = self.D = paged_mesh.shards(mesh, sampler.rules)
+        paged_mesh.check_rows(B, D, group)
+        self.sampler, self.G, self.T, self.width, self.n = sampler, group, max_new_tokens, W, B // D
+        tokens = sampler.kv_cache_tokens or 0
+        self.num_pages = paged_turns.pool_pages(tokens, self.n, W, max_new_tokens)
+        self.M = pages_lib.pages_for(W + max_new_tokens, paged.PAGE_SIZE)
         weights = turn_programs.decode_weights(params, config, None)
-        pad = np.int32(sampler.pad_id)
-        batch = buckets.PromptBatch(
-            np.full((B, max_prompt_tokens), pad, np.int32), np.zeros((B, max_prompt_tokens), bool),
-            np.zeros(B, bool), np.zeros(B, bool), np.arange(B), np.zeros(B, np.int32), B,
-        )  # fmt: skip
-        self.programs = _Counted(
-            weights, jnp.asarray(stop_id_array(sampler.stop_ids)),
-            jnp.full((B, 1, 1), -1, jnp.int32), config, sampling, batch, np.zeros(B, np.int32),
-            int(pad),
-        )  # fmt: skip
-        self.state = empty_state(
-            jnp.int32(pad), model_config=config, rows=B, budget=max_new_tokens,
-            num_pages=self.num_pages, M=self.M, dtype=decode.cache_dtype_for(weights),
-        )  # fmt: skip
-        self.free = list(range(slots))
+        if mesh is not None:
+            weights = mesh_lib.placed_weights(weights, config, mesh, sampler.rules)
+        self.shards = [self._programs(weights, sampling, d) for d in range(D)]
+        self.state = self._empty(weights)
+        self.free = [list(range(d * slots // D, (d + 1) * slots // D)) for d in range(D)]
         self.prompt_prefilled = 0
+
+    def _programs(self, weights: Any, sampling: SamplingConfig, d: int) -> _Counted:
+        """Shard d's memory policy over its n rows (paged_turns.PagedPrograms)."""
+        n, W, pad = self.n, self.width, self.sampler.pad_id
+        batch = buckets.PromptBatch(
+            np.full((n, W), pad, np.int32), np.zeros((n, W), bool), np.zeros(n, bool),
+            np.zeros(n, bool), np.arange(n), np.zeros(n, np.int32), n,
+        )  # fmt: skip
+        lib: Any = programs_lib
+        if self.mesh is not None:
+            lib = mesh_lib.ShardPrograms(d, self.D, n, self.mesh, self.rules)
+        stop_ids = jnp.asarray(stop_id_array(self.sampler.stop_ids))
+        stop_BQL = jnp.full((n, 1, 1), -1, jnp.int32)
+        config = self.sampler.model_config
+        return _Counted(weights, stop_ids, stop_BQL, config, sampling, batch, np.zeros(n, np.int32),
+                        int(pad), lib=lib)  # fmt: skip
+
+    def _empty(self, weights: Any) -> TurnState:
+        """Every shard's rows holding no page, its pool free (laid end to end on a mesh)."""
+        one = empty_state(
+            jnp.int32(self.sampler.pad_id), model_config=self.sampler.model_config,
+            rows=self.n, budget=self.T, num_pages=self.num_pages, M=self.M,
+            dtype=decode.cache_dtype_for(weights),
+        )  # fmt: skip
+        if self.mesh is None:
+            return one
+        tiled = jax.tree.map(lambda x: jnp.concatenate([x.reshape(-1, *x.shape[1:])] * self.D), one)
+        return jax.device_put(tiled, mesh_lib.layout(tiled, self.mesh, self.rules))
+
+    def _run(self, program: str, whole: tuple, split: tuple, **static: Any) -> None:
+        settings = tuple(sorted(static.items()))
+        if self.mesh is None:
+            self.state = run_program(self.state, whole, split, program=program, static=settings)
+        else:
+            self.state = run_on_shards(
+                self.state, whole, split, program=program, static=settings, mesh=self.mesh,
+                rules=self.rules,
+            )  # fmt: skip
+
+    def _view(self, d: int) -> Any:
+        return self.state if self.mesh is None else mesh_lib.ShardView(self.state, d, self.D)
 
     @property
     def _stops(self) -> tuple[jax.Array, jax.Array]:
-        return self.programs.stop_ids_S, self.programs.stop_BQL
+        """The stop ids and every row's stop sequences (none), a shard's rows' end to end."""
+        p = self.shards[0]
+        return p.stop_ids_S, jnp.concatenate([p.stop_BQL] * self.D)
 
     @property
     def prefilled(self) -> int:
         """Prompt and history tokens prefilled so far (a group's prompt once, restores)."""
-        return self.prompt_prefilled + self.programs.prefilled
+        return self.prompt_prefilled + sum(p.prefilled for p in self.shards)
 
     @property
     def slot_steps(self) -> int:
         """Rows computed by the decode steps so far."""
-        return int(jax.device_get(self.state.slot_steps))
+        return int(np.sum(jax.device_get(self.state.slot_steps)))
 
     def _place_prompt(self, row: int, prompt: Sequence[int]) -> None:
         """The host's copy of row `row`'s prompt (restores prefill it again)."""
-        batch, W = self.programs.batch, self.width
-        batch.prompt_BP[row] = self.programs.pad_id
-        batch.mask_BP[row] = False
-        batch.prompt_BP[row, W - len(prompt) :] = prompt
-        batch.mask_BP[row, W - len(prompt) :] = True
-        batch.active_B[row] = True
-        self.programs.plen_B[row] = len(prompt)
+        d, r = divmod(row, self.n)
+        batch, W = self.shards[d].batch, self.width
+        batch.prompt_BP[r] = self.sampler.pad_id
+        batch.mask_BP[r] = False
+        batch.prompt_BP[r, W - len(prompt) :] = prompt
+        batch.mask_BP[r, W - len(prompt) :] = True
+        batch.active_B[r] = True
+        self.shards[d].plen_B[r] = len(prompt)
 
-    def _free_pages(self) -> np.ndarray:
-        refs = np.asarray(jax.device_get(self.state.cache.pool.refs_N))
-        return np.flatnonzero(refs == 0).astype(np.int32)
+    def take_slot(self) -> int:
+        """A free slot, in the shard with the most free slots."""
+        return max(self.free, key=len).pop(0)
 
     def start(self, prompts: Sequence[Sequence[int]], keys_R: jax.Array, caps: int) -> list[int]:
         """New groups of `prompts` in free slots (returned), row g of group j keyed keys_R[j *
         G + g], capped at `caps` tokens."""
-        G, J = self.G, len(prompts)
-        slots = [self.free.pop(0) for _ in range(J)]
-        Jp = buckets.two_per_octave(J)
-        P = max(buckets.bucket_prompt_length(max(len(p), 1)) for p in prompts)
-        prompt_JP = np.full((Jp, P), self.programs.pad_id, np.int32)
-        mask_JP = np.zeros((Jp, P), bool)
-        for j in range(Jp):
-            p = prompts[min(j, J - 1)]  # padding groups repeat a prompt, write nowhere
-            prompt_JP[j, P - len(p) :], mask_JP[j, P - len(p) :] = p, True
-        rows_R = np.full(Jp * G, self.state.step_B.shape[0], np.int32)
+        G, S = self.G, self.n // self.G
+        slots = [self.take_slot() for _ in prompts]
         for j, slot in enumerate(slots):
-            rows_R[j * G : (j + 1) * G] = slot * G + np.arange(G)
             for g in range(G):
                 self._place_prompt(slot * G + g, prompts[j])
-        plen_R = np.repeat(mask_JP.sum(axis=1), G)
-        active_R = np.arange(Jp * G) < J * G
-        pages = programs_lib.initial_pages(
-            plen_R, active_R, G, self.num_pages, self.M, P, paged.PAGE_SIZE, self._free_pages()
-        )
-        keys = jnp.concatenate([keys_R, jnp.repeat(keys_R[:1], (Jp - J) * G)]) if Jp > J else keys_R
-        caps_R = np.full(Jp * G, caps, np.int32)
-        self.state = start_groups(
-            self.programs.weights, self.state, (prompt_JP, mask_JP, rows_R, keys, caps_R), pages,
-            self._stops, jnp.int32(self.programs.pad_id), model_config=self.sampler.model_config,
-            sampling=self.programs.sampling, group=G,
-        )  # fmt: skip
+        by_shard = [[j for j, slot in enumerate(slots) if slot // S == d] for d in range(self.D)]
+        Jp = buckets.two_per_octave(max(map(len, by_shard)))
+        P = max(buckets.bucket_prompt_length(max(len(p), 1)) for p in prompts)
+        refs = np.asarray(jax.device_get(self.state.cache.pool.refs_N)).reshape(self.D, -1)
+        parts = [
+            self._shard_start(prompts, slots, js, (Jp, P), np.flatnonzero(refs[d] == 0))
+            for d, js in enumerate(by_shard)
+        ]
+        inputs = tuple(np.concatenate(x) for x in zip(*(part[0] for part in parts)))
+        pages = jax.tree.map(lambda *x: jnp.concatenate(x), *(part[1] for part in parts))
+        split = ((*inputs[:3], keys_R[inputs[3]], np.full(len(inputs[3]), caps, np.int32)), pages)
+        p = self.shards[0]  # a shard's programs read its own rows' stop sequences
+        whole = (p.weights, (p.stop_ids_S, p.stop_BQL), jnp.int32(self.sampler.pad_id))
+        config, sampling = self.sampler.model_config, self.shards[0].sampling
+        self._run("start", whole, split, model_config=config, sampling=sampling, group=G)
         self.prompt_prefilled += sum(len(p) for p in prompts)
-        self._wait(rows_R[~np.asarray(pages.admitted_B) & active_R])
+        for d, (_, _, waiting) in enumerate(parts):
+            self._wait(d, waiting)
         return slots
 
-    def _wait(self, rows: np.ndarray) -> None:
-        """Rows holding no pages that go on once restored (unless their turn ended)."""
-        ended = np.asarray(jax.device_get(self.state.ended_B))
-        for r in rows.tolist():
-            self.programs.evicted.add(r)
-            if not ended[r]:
-                self.programs.ready.add(r)
+    def _shard_start(
+        self,
+        prompts: Sequence[Sequence[int]],
+        slots: Sequence[int],
+        js: Sequence[int],
+        shape: tuple[int, int],
+        free_F: np.ndarray,
+    ) -> tuple[tuple[np.ndarray, ...], programs_lib.PromptPages, np.ndarray]:
+        """One shard's part of `start`, Jp groups of P-token prompts (groups js, then padding
+        groups that write nowhere): (prompts, masks, its rows (n: none), each row's index
+        in keys_R), the pages of the groups that fit, its rows that wait for pages."""
+        (Jp, P), G, pad = shape, self.G, self.sampler.pad_id
+        prompt_JP, mask_JP = np.full((Jp, P), pad, np.int32), np.zeros((Jp, P), bool)
+        rows_R, key_R = np.full(Jp * G, self.n, np.int32), np.zeros(Jp * G, np.int32)
+        for i in range(Jp):
+            p = prompts[js[min(i, len(js) - 1)] if js else 0]
+            prompt_JP[i, P - len(p) :], mask_JP[i, P - len(p) :] = p, True
+        for i, j in enumerate(js):
+            rows_R[i * G : (i + 1) * G] = slots[j] * G % self.n + np.arange(G)
+            key_R[i * G : (i + 1) * G] = j * G + np.arange(G)
+        active_R = rows_R < self.n
+        plen_R = np.repeat(mask_JP.sum(axis=1), G)
+        ps = paged.PAGE_SIZE
+        pages = programs_lib.initial_pages(
+            plen_R, active_R, G, self.num_pages, self.M, P, ps, free_F
+        )
+        waiting = rows_R[active_R & ~np.asarray(pages.admitted_B)]
+        return (prompt_JP, mask_JP, rows_R, key_R), pages, waiting
 
-    def take_slot(self) -> int:
-        return self.free.pop(0)
+    def _wait(self, d: int, rows: np.ndarray) -> None:
+        """Shard d's rows `rows` (its own indices) hold no page; they go on once restored
+        (unless their turn ended)."""
+        ended = np.asarray(jax.device_get(self.state.ended_B)).reshape(self.D, -1)[d]
+        for r in rows.tolist():
+            self.shards[d].evicted.add(r)
+            if not ended[r]:
+                self.shards[d].ready.add(r)
+
+    def _by_shard(self, rows: Sequence[int], width: int) -> tuple[np.ndarray, list[list[int]]]:
+        """Where each shard's part of rows `rows` goes in [D * width] arrays (the shards'
+        parts padded to `width` with row n, which names none), and each shard's rows' indices."""
+        at, picks = np.full(self.D * width, -1), []
+        for d in range(self.D):
+            mine = [i for i, r in enumerate(rows) if r // self.n == d]
+            at[d * width : d * width + len(mine)] = mine
+            picks.append(mine)
+        return at, picks
 
     def carry(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], done: Any) -> None:
         """Rows begun in an earlier step: `done` = (tokens so far per row, keys_R, caps_R (the
         most tokens each may have at the end of the round))."""
         completions, keys_R, caps = done
-        R, T = len(rows), self.T
-        tokens_RT = np.full((R, T), self.programs.pad_id, np.int32)
-        for i, (row, prompt, c) in enumerate(zip(rows, prompts, completions)):
-            tokens_RT[i, : len(c)] = c
+        for row, prompt in zip(rows, prompts):
             self._place_prompt(row, prompt)
-        plen = [len(p) for p in prompts]
-        steps = [len(c) for c in completions]
-        inputs = (np.asarray(rows, np.int32), np.asarray(plen, np.int32), tokens_RT,
-                  np.asarray(steps, np.int32), keys_R, np.asarray(caps, np.int32))  # fmt: skip
-        self.state = place_rows(self.state, inputs)
-        self._wait(np.asarray(rows))
+        counts = np.bincount(np.asarray(rows) // self.n, minlength=self.D)
+        width = buckets.two_per_octave(int(counts.max()))
+        at, picks = self._by_shard(rows, width)
+        real = at >= 0
+        take = np.where(real, at, 0)
+        tokens_RT = np.full((len(at), self.T), self.sampler.pad_id, np.int32)
+        for k in np.flatnonzero(real):
+            tokens_RT[k, : len(completions[at[k]])] = completions[at[k]]
+        local = np.where(real, np.asarray(rows)[take] % self.n, self.n).astype(np.int32)
+        plen = np.array([len(prompts[i]) for i in take], np.int32)
+        steps = np.array([len(completions[i]) for i in take], np.int32)
+        split = (local, plen, tokens_RT, steps, keys_R[take], np.asarray(caps, np.int32)[take])
+        self._run("place", (), split)
+        for d, mine in enumerate(picks):
+            self._wait(d, np.array([rows[i] % self.n for i in mine], np.int64))
 
     def go_on(self, rows: Sequence[int], keys_R: jax.Array, caps: Sequence[int]) -> None:
         """Rows of this step go on, keyed keys_R, up to caps[i] tokens in all."""
-        B = self.state.step_B.shape[0]
+        B = self.D * self.n
         rows_B, caps_B = np.zeros(B, bool), np.zeros(B, np.int32)
         rows_B[list(rows)] = True
         caps_B[list(rows)] = caps
-        keys = self.state.keys_B.at[np.asarray(rows, np.int32)].set(keys_R)
-        evicted = np.zeros(B, bool)
-        evicted[list(self.programs.evicted)] = True
-        self.state = go_on(self.state, rows_B, ~evicted, keys, caps_B)
-        self.programs.ready.update(r for r in rows if evicted[r])
+        keys_B = self.state.keys_B.at[np.asarray(rows, np.int32)].set(keys_R)
+        evicted_B = np.zeros(B, bool)
+        for d, p in enumerate(self.shards):
+            evicted_B[[d * self.n + r for r in p.evicted]] = True
+        self._run("go_on", (), (rows_B, ~evicted_B, keys_B, caps_B))
+        for r in rows:
+            if evicted_B[r]:
+                self.shards[r // self.n].ready.add(r % self.n)
+
+    def _unblock(self) -> None:
+        for d, p in enumerate(self.shards):
+            out: Any = p.unblock(self._view(d))
+            self.state = out if self.mesh is None else out.state
 
     def run(self) -> None:
         """Decodes until no row decodes or waits for pages."""
-        self.state = self.programs.unblock(self.state)
+        self._unblock()
+        static = dict(model_config=self.sampler.model_config, sampling=self.shards[0].sampling)
+        static.update(max_steps=self.T, until_turn_end=False)
         while bool(jax.device_get(jnp.any(self.state.live_B))):
-            self.state = self.programs.lib.segment(
-                self.programs.weights, self.state, self._stops,
-                model_config=self.sampler.model_config, sampling=self.programs.sampling,
-                max_steps=self.T, until_turn_end=False,
-            )  # fmt: skip
-            self.state = self.programs.unblock(self.state)
+            if self.mesh is None:
+                self.state = programs_lib.segment(
+                    self.shards[0].weights, self.state, self._stops, **static
+                )
+            else:
+                self.state = mesh_lib.segment_shards(
+                    self.shards[0].weights, self.state, self._stops, mesh=self.mesh,
+                    rules=self.rules, **static,
+                )  # fmt: skip
+            self._unblock()
 
     def read(self, rows: Sequence[int], starts: Sequence[int], width: int) -> Part:
         """What rows `rows` decoded since completion index starts[i], `width` columns."""
@@ -369,7 +322,7 @@ class StepPool:
         )
         R = len(rows)
         out = Part(
-            np.full((R, width), self.programs.pad_id, np.int32), np.zeros((R, width), np.float32),
+            np.full((R, width), self.sampler.pad_id, np.int32), np.zeros((R, width), np.float32),
             np.zeros(R, np.int32), np.zeros(R, bool),
         )  # fmt: skip
         for i, (r, a) in enumerate(zip(rows, starts)):
@@ -383,14 +336,15 @@ class StepPool:
         """Rows that will not run again return their pages."""
         if not rows:
             return
-        rows_B = np.zeros(self.state.step_B.shape[0], bool)
+        rows_B = np.zeros(self.D * self.n, bool)
         rows_B[list(rows)] = True
         for r in rows:
-            self.programs.evicted.discard(r)
-            self.programs.ready.discard(r)
-        self.state = release_rows(self.state, rows_B)
+            self.shards[r // self.n].evicted.discard(r % self.n)
+            self.shards[r // self.n].ready.discard(r % self.n)
+        self._run("release", (), (rows_B,))
 
     def close_slot(self, slot: int) -> None:
         """A slot whose group is done takes another."""
-        self.free.append(slot)
-        self.free.sort()
+        shard = self.free[slot * self.G // self.n]
+        shard.append(slot)
+        shard.sort()

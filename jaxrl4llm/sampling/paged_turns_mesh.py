@@ -7,7 +7,7 @@ fsdp and expert axes; paged_mesh.shards; 1 on a mesh that splits only tensor). T
 rollout's state is one TurnState whose arrays are the shards' states laid end to end on
 their first axis (the rows in order; a shard's pool on its devices; slot_steps one count
 per shard), split over the batch axes, the pools' keys and values also over kv heads
-(`_layout`). Each program of paged_turn_programs.py runs under jax.shard_map, manual over
+(`layout`). Each program of paged_turn_programs.py runs under jax.shard_map, manual over
 the batch axes only, on each shard's part as on one device; the other axes (tensor) stay
 with the partitioner: the weights enter whole over the batch axes and split over tensor
 (`start`), and each shard's programs split their heads, pool and vocabulary over its own
@@ -49,17 +49,17 @@ from jaxrl4llm.sampling.row_io import PromptRows
 from jaxrl4llm.sampling.turn_programs import SEGMENT_STEPS, RolloutSettings, TurnState
 
 
-def _local(s: TurnState) -> TurnState:
+def local_state(s: TurnState) -> TurnState:
     """A shard's part of the state as one device's state (its one slot_steps a scalar)."""
     return s.replace(slot_steps=s.slot_steps.reshape(()))
 
 
-def _part(s: TurnState) -> TurnState:
+def shard_part(s: TurnState) -> TurnState:
     """One device's state as its shard's part of the mesh's state."""
     return s.replace(slot_steps=s.slot_steps.reshape((1,)))
 
 
-def _layout(s: TurnState, mesh: Mesh, rules: parallel.LogicalRules) -> Any:
+def layout(s: TurnState, mesh: Mesh, rules: parallel.LogicalRules) -> Any:
     """Where the mesh's state lives: every array's first axis over the batch axes; the
     pools' keys and values [D * K, ...] also over kv heads, as each shard's programs split
     them (the layout every program leaves, so each compiles for one)."""
@@ -78,9 +78,11 @@ def _layout(s: TurnState, mesh: Mesh, rules: parallel.LogicalRules) -> Any:
     )
 
 
-def _map(body: Any, mesh: Mesh, rules: parallel.LogicalRules, args: tuple, specs: tuple) -> Any:
+def map_shards(
+    body: Any, mesh: Mesh, rules: parallel.LogicalRules, args: tuple, specs: tuple
+) -> Any:
     """`body` on each shard's parts of `args` (specs: P(axes) split, P() whole), manual over
-    the batch axes only; the state it returns laid out as `_layout`."""
+    the batch axes only; the state it returns laid out as `layout`."""
     axes = paged_mesh.batch_axes(mesh, rules)
     run = jax.shard_map(
         body,
@@ -91,7 +93,7 @@ def _map(body: Any, mesh: Mesh, rules: parallel.LogicalRules, args: tuple, specs
         check_vma=False,
     )
     out = run(*args)
-    return jax.lax.with_sharding_constraint(out, _layout(out, mesh, rules))
+    return jax.lax.with_sharding_constraint(out, layout(out, mesh, rules))
 
 
 _MESH = ("mesh", "rules")
@@ -126,17 +128,19 @@ def _prefill(
         state = programs_lib.prefill(
             w, inputs, opt.get("greedy_B"), (ids, stop), pad, pages, **static
         )
-        return _part(state)
+        return shard_part(state)
 
     row, whole = P(paged_mesh.batch_axes(mesh, rules)), P()
     args = (weights, inputs, optional, *stops, pad_id, pages)
-    return _map(body, mesh, rules, args, (whole, row, row, whole, row, whole, row))
+    return map_shards(body, mesh, rules, args, (whole, row, row, whole, row, whole, row))
 
 
 @functools.partial(
-    jax.jit, static_argnames=(*_MESH, "model_config", "sampling", "max_steps"), donate_argnums=1
+    jax.jit,
+    static_argnames=(*_MESH, "model_config", "sampling", "max_steps", "until_turn_end"),
+    donate_argnums=1,
 )
-def _segment(
+def segment_shards(
     weights: Any,
     s: TurnState,
     stops: tuple,
@@ -150,24 +154,24 @@ def _segment(
     static |= _inside(mesh, rules)
 
     def body(w: Any, s: TurnState, ids: Any, stop: Any) -> TurnState:
-        return _part(programs_lib.segment(w, _local(s), (ids, stop), **static))
+        return shard_part(programs_lib.segment(w, local_state(s), (ids, stop), **static))
 
     row = P(paged_mesh.batch_axes(mesh, rules))
-    return _map(body, mesh, rules, (weights, s, *stops), (P(), row, P(), row))
+    return map_shards(body, mesh, rules, (weights, s, *stops), (P(), row, P(), row))
 
 
 @functools.partial(jax.jit, static_argnames=_MESH, donate_argnums=0)
 def _release(s: TurnState, row_D: jax.Array, *, mesh: Mesh, rules: parallel.LogicalRules) -> Any:
     """programs_lib.release of each shard's row_D (-1: none)."""
-    body = lambda s, row: _part(programs_lib.release(_local(s), row[0]))  # noqa: E731
-    return _map(body, mesh, rules, (s, row_D), (P(paged_mesh.batch_axes(mesh, rules)),) * 2)
+    body = lambda s, row: shard_part(programs_lib.release(local_state(s), row[0]))  # noqa: E731
+    return map_shards(body, mesh, rules, (s, row_D), (P(paged_mesh.batch_axes(mesh, rules)),) * 2)
 
 
 @functools.partial(jax.jit, static_argnames=_MESH, donate_argnums=0)
 def _unstall(s: TurnState, rows_B: jax.Array, *, mesh: Mesh, rules: parallel.LogicalRules) -> Any:
     """programs_lib.unstall of the rows rows_B (bool over every shard's rows)."""
-    body = lambda s, rows: _part(programs_lib.unstall(_local(s), rows))  # noqa: E731
-    return _map(body, mesh, rules, (s, rows_B), (P(paged_mesh.batch_axes(mesh, rules)),) * 2)
+    body = lambda s, rows: shard_part(programs_lib.unstall(local_state(s), rows))  # noqa: E731
+    return map_shards(body, mesh, rules, (s, rows_B), (P(paged_mesh.batch_axes(mesh, rules)),) * 2)
 
 
 @functools.partial(
@@ -196,11 +200,11 @@ def _row_program(
             run = lambda x: programs_lib.observe(w, x, args, stops, **static)  # noqa: E731
         else:
             run = lambda x: programs_lib.restore(w, x, *args, **static)  # noqa: E731
-        return _part(jax.lax.cond(apply[0], run, lambda x: x, _local(s)))
+        return shard_part(jax.lax.cond(apply[0], run, lambda x: x, local_state(s)))
 
     row = P(paged_mesh.batch_axes(mesh, rules))
     stop_specs = (P(), row) if stops else ()  # the stop ids and each row's stop sequences
-    return _map(
+    return map_shards(
         body, mesh, rules, (weights, s, args_D, stops, apply_D), (P(), row, row, stop_specs, row)
     )
 
@@ -288,7 +292,7 @@ class ShardedPrograms:
 
     def segment(self, state: TurnState) -> TurnState:
         p = self.shards[0]
-        state = _segment(
+        state = segment_shards(
             p.weights, state, (p.stop_ids_S, p.stop_BQL), mesh=self.mesh, rules=self.rules,
             model_config=p.model_config, sampling=p.sampling, max_steps=SEGMENT_STEPS,
         )  # fmt: skip
@@ -343,7 +347,7 @@ def start(
     longest = paged_turns.longest(plen_B, batch)
     num_pages = paged_turns.pool_pages(kv_cache_tokens, active, longest, settings.budget)
     pages = [paged_turns.first_pages(b, rows.prompt_group, settings, num_pages) for b in shards]
-    weights = _placed(weights, settings.static["model_config"], mesh, rules)
+    weights = placed_weights(weights, settings.static["model_config"], mesh, rules)
     args, static = paged_turns.prefill_args(rows, settings, num_pages)
     inputs, greedy_B, stops, pad = args
     optional = {} if greedy_B is None else {"greedy_B": greedy_B}
@@ -360,7 +364,9 @@ def start(
     return state, ShardedPrograms(tuple(programs), n, mesh, rules)
 
 
-def _placed(weights: Any, model_config: Any, mesh: Mesh, rules: parallel.LogicalRules) -> Any:
+def placed_weights(
+    weights: Any, model_config: Any, mesh: Mesh, rules: parallel.LogicalRules
+) -> Any:
     """The decode weights (turn_programs.decode_weights) placed once as every shard's
     programs read them: whole over the batch axes, split over the others as a shard splits
     them (heads and vocabulary over tensor: parallel.inside_batch_shard)."""

@@ -107,7 +107,7 @@ def test_on_a_mesh_each_batch_shard_samples_the_dense_engines_rows(toy_policy, c
         )  # fmt: skip
     _assert_same_rows(dense, paged, logprob_atol=1e-4)
     assert paged[2].pages_left == 0 and paged[2].evictions > 0
-    compiled = [r for r in caplog.records if "Compiling jit(_segment)" in r.getMessage()]
+    compiled = [r for r in caplog.records if "Compiling jit(segment_shards)" in r.getMessage()]
     assert len(compiled) == 1, "one program for every shard, not one per device"
     assert (paged[2].turns_B > 1).sum() >= 2, "the toy model should end several turns"
 
@@ -183,7 +183,7 @@ def test_on_a_mesh_the_decode_segment_holds_no_collective(toy_policy):
     weights = turn_programs.decode_weights(params, config, parallel.ActivationSharding(mesh))
     state, programs = paged_turns_mesh.start(weights, rows, settings, 0, mesh)
     p = programs.shards[0]
-    lowered = paged_turns_mesh._segment.lower(
+    lowered = paged_turns_mesh.segment_shards.lower(
         p.weights, state, (p.stop_ids_S, p.stop_BQL), mesh=mesh, rules=parallel.DEFAULT_RULES,
         model_config=config, sampling=SAMPLED, max_steps=4,
     )  # fmt: skip
@@ -210,7 +210,7 @@ def test_on_a_mesh_splitting_heads_a_shards_collectives_join_only_its_devices(to
     state, programs = paged_turns_mesh.start(weights, rows, settings, 0, mesh)
     p, rules, D = programs.shards[0], parallel.DEFAULT_RULES, 2
     stops = (p.stop_ids_S, p.stop_BQL)
-    segment = paged_turns_mesh._segment.lower(
+    segment = paged_turns_mesh.segment_shards.lower(
         p.weights, state, stops, mesh=mesh, rules=rules, model_config=config, sampling=SAMPLED,
         max_steps=4,
     )  # fmt: skip

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxrl4llm import parallel
 from jaxrl4llm.models import registry
 from jaxrl4llm.sampling.frontend import Sampler
 from jaxrl4llm.train.config import RolloutConfig
@@ -113,10 +114,40 @@ def test_a_steps_rounds_on_one_pool_equal_the_rounds_of_sampler_calls(
         assert saved > 0
 
 
-def test_only_the_paged_engine_on_one_device_uses_it():
-    """The compacted engine, or a mesh of several devices, runs the rounds as sampler calls."""
-    one, two = types.SimpleNamespace(size=1), types.SimpleNamespace(size=2)
-    sampler = lambda mesh, tokens: types.SimpleNamespace(mesh=mesh, kv_cache_tokens=tokens)  # noqa: E731
-    assert partial_pool.applies(sampler(None, 0)) and partial_pool.applies(sampler(one, 64))
-    assert not partial_pool.applies(sampler(None, None))
-    assert not partial_pool.applies(sampler(two, 0))
+@pytest.mark.parametrize(
+    "mesh_spec,pool_tokens",
+    [("data:2,fsdp:1,expert:1,tensor:1", 0), ("data:2,fsdp:1,expert:1,tensor:2", 32),
+     ("data:1,fsdp:1,expert:1,tensor:2", 32)],
+)  # fmt: skip
+def test_on_a_mesh_a_pool_per_batch_shard_gives_the_same_steps(
+    toy_model_dir, mesh_spec, pool_tokens, monkeypatch
+):
+    """data:2 (2 batch shards, a pool each, holding every row of the shard: exactly the new
+    prompts and the carried rows prefilled), data:2,tensor:2 (each shard's heads and pool
+    split over its 2 devices) and tensor:2 (one pool, split), these with pools holding one
+    row at full length (rows evicted and restored in their shard): the one-device compacted
+    sampler's steps."""
+    config, params, tokenizer = registry.load_model(toy_model_dir)
+    stops = (3, 15)
+    reference = _steps(Sampler(config, tokenizer, stop_ids=stops), params, monkeypatch, steps=3)
+    sizes = [int(axis.split(":")[1]) for axis in mesh_spec.split(",")]
+    mesh = parallel.make_mesh(mesh_spec, jax.devices()[: int(np.prod(sizes))])
+    sampler = Sampler(config, tokenizer, mesh=mesh, stop_ids=stops, kv_cache_tokens=pool_tokens)
+    ours = _steps(sampler, sampler.shard_params(params), monkeypatch, steps=3)
+    for (a, ma, _), (b, mb, by_hand) in zip(reference, ours, strict=True):
+        np.testing.assert_array_equal(b.tokens_BT, a.tokens_BT)
+        np.testing.assert_array_equal(b.lengths_B, a.lengths_B)
+        np.testing.assert_allclose(b.logprobs_BT, a.logprobs_BT, atol=1e-5, rtol=0)
+        assert ma["partial/decoded_tokens"] == mb["partial/decoded_tokens"]
+        if pool_tokens == 0:
+            assert mb["partial/prefilled_tokens"] == by_hand < ma["partial/prefilled_tokens"]
+    assert any(m["partial/carried_rows"] for _, m, _ in ours)
+
+
+def test_only_the_paged_engine_on_one_host_uses_it(monkeypatch):
+    """The compacted engine, or several hosts, run the rounds as sampler calls."""
+    sampler = lambda tokens: types.SimpleNamespace(mesh=None, kv_cache_tokens=tokens)  # noqa: E731
+    assert partial_pool.applies(sampler(0)) and partial_pool.applies(sampler(64))
+    assert not partial_pool.applies(sampler(None))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert not partial_pool.applies(sampler(0))

@@ -30,7 +30,7 @@ cache) and decoding continues. Each row stops at its own cap, the smaller of N a
 A finished row does not run again, also when its group is still generating: nothing is
 decoded twice. Each call's rows are padded (with rows that do not run, cap 0) to
 buckets.two_per_octave rows, so a run compiles a few call shapes. The history of a resumed
-row is prefilled again each round it runs in, except with the paged engine on one device:
+row is prefilled again each round it runs in, except with the paged engine on one host:
 there the step's rounds run on one pool of KV pages (partial_pool.py, the same rows), and a
 row keeps its pages from round to round, so only new prompts and rows carried into the step
 are prefilled. `partial/decoded_tokens` and `partial/prefilled_tokens` count what the step's

@@ -1,6 +1,7 @@
 """Partial rollouts' rounds (partial.py) on one pool of KV pages kept for the whole step
-(sampling.paged_rounds.StepPool), where the paged engine runs on one device of one host: a
-row that goes on in a later round of the step keeps its pages and prefills nothing. What a
+(sampling.paged_rounds.StepPool, one per batch shard on a mesh), where the paged engine runs
+on one host: a row that goes on in a later round of the step keeps its pages and prefills
+nothing. What a
 round samples is partial.sample_round's, row for row (the same keys, caps and rows run):
 
   - a group no row of which has started: its prompt prefilled once into the pool, its G rows
@@ -25,10 +26,9 @@ from jaxrl4llm.sampling.paged_rounds import StepPool
 
 
 def applies(sampler: Any) -> bool:
-    """The paged engine (--rollout_engine=paged) on one device of one host."""
-    one_device = sampler.mesh is None or sampler.mesh.size == 1
-    paged = getattr(sampler, "kv_cache_tokens", None) is not None
-    return paged and one_device and jax.process_count() == 1
+    """The paged engine (--rollout_engine=paged) on one host (on a mesh, a pool per batch
+    shard)."""
+    return getattr(sampler, "kv_cache_tokens", None) is not None and jax.process_count() == 1
 
 
 class PoolRounds:
