@@ -373,14 +373,21 @@ def test_a_partial_run_carries_rows_and_counts_them(early_stop_model, copy_task_
         np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)
 
 
-def test_a_killed_partial_run_resumes_bit_identically(early_stop_model, copy_task_file, tmp_path):
+@pytest.mark.parametrize("engine", ["compacted", "paged"])
+def test_a_killed_partial_run_resumes_bit_identically(
+    early_stop_model, copy_task_file, tmp_path, engine
+):
     """A run killed (kill -9) after logging step 3 but before saving it restarts from
-    checkpoint 2, carried rows included, and logs the metrics of a run that never stopped."""
-    straight = _partial_config(early_stop_model, copy_task_file, tmp_path / "a", num_steps=4)
+    checkpoint 2, carried rows included, and logs the metrics of a run that never stopped;
+    with either engine (paged: the step's rounds on one pool of pages)."""
+    straight = _partial_config(
+        early_stop_model, copy_task_file, tmp_path / "a", num_steps=4, rollout_engine=engine
+    )
     loop.run(straight, devices=_one_device())
     killed = _partial_config(
-        early_stop_model, copy_task_file, tmp_path / "b", num_steps=3, checkpoint_every=2
-    )
+        early_stop_model, copy_task_file, tmp_path / "b", num_steps=3, checkpoint_every=2,
+        rollout_engine=engine,
+    )  # fmt: skip
     loop.run(killed, devices=_one_device())
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "3")  # what kill -9 leaves: step 3 logged
     saved = json.loads((tmp_path / "b" / "checkpoints" / "2" / "data" / "metadata").read_text())
