@@ -35,6 +35,7 @@ paged_round_programs.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import jax
@@ -73,6 +74,20 @@ class Part:
     logprobs_RN: np.ndarray
     lengths_R: np.ndarray
     stopped_R: np.ndarray
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _window(s: TurnState, rows_R: jax.Array, starts_R: jax.Array, width: int) -> dict:
+    """Rows rows_R's completion columns [starts_R, starts_R + width) (clipped), their steps and
+    how their last turn ended."""
+    cols_RN = starts_R[:, None] + jnp.arange(width)[None, :]
+    take = lambda x: x.at[rows_R[:, None], cols_RN].get(mode="clip")  # noqa: E731
+    return {
+        "tokens": take(s.tokens_BT),
+        "logprobs": take(s.logprobs_BT),
+        "step": s.step_B[rows_R],
+        "ended": s.ended_B[rows_R],
+    }
 
 
 class StepPool:
@@ -316,21 +331,21 @@ class StepPool:
             self._unblock()
 
     def read(self, rows: Sequence[int], starts: Sequence[int], width: int) -> Part:
-        """What rows `rows` decoded since completion index starts[i], `width` columns."""
-        step, ended, tokens, logprobs = jax.device_get(
-            (self.state.step_B, self.state.ended_B, self.state.tokens_BT, self.state.logprobs_BT)
-        )
+        """What rows `rows` decoded since completion index starts[i], `width` columns (only
+        those columns of those rows leave the devices)."""
         R = len(rows)
-        out = Part(
-            np.full((R, width), self.sampler.pad_id, np.int32), np.zeros((R, width), np.float32),
-            np.zeros(R, np.int32), np.zeros(R, bool),
-        )  # fmt: skip
-        for i, (r, a) in enumerate(zip(rows, starts)):
-            n = int(step[r]) - a
-            out.tokens_RN[i, :n] = tokens[r, a : a + n]
-            out.logprobs_RN[i, :n] = logprobs[r, a : a + n]
-            out.lengths_R[i], out.stopped_R[i] = n, ended[r] == EOS
-        return out
+        Rp = buckets.two_per_octave(max(R, 1))  # a few shapes of the read
+        rows_R, starts_R = np.zeros(Rp, np.int32), np.zeros(Rp, np.int32)
+        rows_R[:R], starts_R[:R] = rows, starts
+        got = jax.device_get(_window(self.state, rows_R, starts_R, width))
+        n_R = got["step"][:R] - np.asarray(starts, np.int32)
+        keep = np.arange(width)[None, :] < n_R[:, None]
+        return Part(
+            np.where(keep, got["tokens"][:R], self.sampler.pad_id).astype(np.int32),
+            np.where(keep, got["logprobs"][:R], 0.0).astype(np.float32),
+            n_R.astype(np.int32),
+            got["ended"][:R] == EOS,
+        )
 
     def finish(self, rows: Sequence[int]) -> None:
         """Rows that will not run again return their pages."""
