@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling by admission (the paged engine on one host): instead of sampling
+"""DAPO's dynamic sampling by admission (the paged engine): instead of sampling
 whole batches of P groups in rounds until P groups hold both a correct and a wrong row
 (rounds.py), groups are queued into one running paged engine (paged_segments.py) as its rows
 free, each group is scored on the host once its G rows finish, and the rollout stops as soon
@@ -27,7 +27,13 @@ decoding then come after it and are dropped (`rollout/groups_dropped`).
 
 On a mesh that splits the batch the engine runs one queue and pool per batch shard
 (paged_segments.py), P / D slots each; a group goes to the shard with the most free slots.
-Its rows depend only on its prompt and keys, so the batch is the same.
+Its rows depend only on its prompt and keys, so the batch is the same. On several hosts each
+host runs this for its own block of the records (keyed as the rounds key it) in its own
+shards; every program runs on every host at once, so at each iteration the hosts exchange
+what they need (the widest prompt and the most groups a shard takes, whether any group
+decodes, which rows finished, whether each is done) and go on until every host's batch is
+known; then each takes as many chunks of records as the host that took the most, as the
+rounds would (a host's batch does not depend on chunks it did not need).
 """
 
 from __future__ import annotations
@@ -42,10 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm.rl.metrics import Metric
-from jaxrl4llm.sampling import buckets, decode, paged, paged_segments, trim
+from jaxrl4llm.sampling import buckets, decode, paged, paged_mesh, paged_segments, trim
 from jaxrl4llm.sampling.context import has_spread
 from jaxrl4llm.sampling.layout import RowLayout
-from jaxrl4llm.sampling.row_io import RowRequest, prompt_rows
+from jaxrl4llm.sampling.row_io import RowRequest, every_host, prompt_rows
 from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
@@ -137,7 +143,8 @@ class _Run:
             min_prompt_bucket=s.min_prompt_bucket,
         )
         ids = s.encode([self.messages(r) for r in records])
-        rows = prompt_rows(ids, s.model_config, key, request)
+        multihost = s.mesh is not None and jax.process_count() > 1  # keys as the rounds'
+        rows = prompt_rows(ids, s.model_config, key, request, multihost=multihost)
         batch, G = rows.batch, self.G
         for p, record in enumerate(records):
             r = p * G
@@ -179,6 +186,15 @@ class _Run:
             taken = list(self._take())
             ahead = [g.record for g in self.groups[self.taken * self.P : (self.taken + 1) * self.P]]
             assert taken == ahead, "next_records gave other records than its peek"
+            self.taken += 1
+
+    def take_as_every_host(self) -> None:
+        """Takes the chunks any host took (several hosts draw their records together, as the
+        rounds do: each host its own block of every chunk); those it did not look at are
+        not sampled."""
+        most = int(every_host([self.taken]).max())
+        while self.taken < most:
+            self._take()
             self.taken += 1
 
     def in_flight(self) -> list[_Group]:
@@ -296,9 +312,9 @@ def sample(
     )
     engine.begin(params)
     batch = None
-    while batch is None:
+    while True:  # on several hosts every host runs each iteration's programs together
         engine.push(run.next_groups(engine.free_slots))
-        if run.in_flight():
+        if every_host([bool(run.in_flight())]).max():
             engine.segment()
             engine.collect(run.in_flight())
         run.score_finished()
@@ -306,6 +322,10 @@ def sample(
         batch = run.selected()
         if batch is None and not run.in_flight() and not engine.free_slots:
             raise RuntimeError("admission: no group decodes and no slot is free")
+        if not every_host([batch is None]).max():
+            break
+    run.take_as_every_host()
+    assert batch is not None
     out = _assemble(batch, run, engine)
     texts = [t for g in batch for t in (g.texts or [])]
     verdicts = batch[0].verdicts.join(*(g.verdicts for g in batch[1:]))
@@ -331,7 +351,8 @@ def _assemble(batch: list[_Group], run: _Run, engine: paged_segments.Driver) -> 
     dropped_B = np.repeat([g.dropped for g in batch], G)
     state = engine.state  # the counts summed over the shards; pages held when it stopped
     stats = jax.tree.map(lambda x: jnp.sum(x), state.stats)
-    stats = stats.replace(pages_left=jnp.sum(state.pool.refs_N > 0))
+    stats = paged_mesh.host_values(stats.replace(pages_left=jnp.sum(state.pool.refs_N > 0)))
+    slot_steps = paged_mesh.host_values(jnp.sum(state.slot_steps))
     return SampleOutput(
         tokens_BT=jnp.asarray(rows["tokens_GT"]),
         logprobs_BT=jnp.asarray(rows["logprobs_GT"]),
@@ -342,8 +363,8 @@ def _assemble(batch: list[_Group], run: _Run, engine: paged_segments.Driver) -> 
         prompt_mask_BP=jnp.asarray(prompt_mask_BP),
         dropped_B=jnp.asarray(dropped_B),
         num_steps=jnp.int32(max(int(lengths_B.max(initial=0)), 1)),
-        slot_steps=jnp.sum(state.slot_steps),
-        engine_stats=jax.device_get(stats),
+        slot_steps=jnp.asarray(slot_steps),
+        engine_stats=stats,
         **(_record(batch, run, width) if engine.record else {}),
     )
 

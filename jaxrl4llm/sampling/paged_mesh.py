@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -186,3 +187,34 @@ def state_shardings(state: paged_state.PagedState, mesh: Mesh, rules: parallel.L
             )
         ),
     )
+
+
+def host_values(tree: Any) -> Any:
+    """`tree`'s arrays on this host, whole (several hosts: gathered from every host)."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def local_shards(mesh: Mesh | None, rules: parallel.LogicalRules, D: int) -> list[int]:
+    """The batch shards whose devices are this host's (all of them on one host)."""
+    if mesh is None or jax.process_count() == 1:
+        return list(range(D))
+    sharding = NamedSharding(mesh, P(batch_axes(mesh, rules)))
+    return sorted(
+        {
+            index[0].start or 0
+            for device, index in sharding.devices_indices_map((D,)).items()
+            if getattr(device, "process_index", 0) == jax.process_index()
+        }
+    )
+
+
+def from_hosts(x: Any, local: list[int], mesh: Mesh | None, rules: parallel.LogicalRules) -> Any:
+    """The mesh's [D, ...] array (split over the batch axes) of which this host gives the rows
+    `local` of `x`, its own shards' (the other hosts give theirs)."""
+    assert mesh is not None  # several hosts imply a mesh
+    sharding = NamedSharding(mesh, P(batch_axes(mesh, rules)))
+    return jax.make_array_from_process_local_data(sharding, np.asarray(x)[local])

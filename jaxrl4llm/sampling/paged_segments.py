@@ -9,7 +9,10 @@ shard, as paged_mesh.py: its own queue, pool and decode rows, under jax.shard_ma
 batch axes with no collective between shards in its loop, its heads and pool split over
 tensor where the mesh has it): every array of the queue and of the state has a first axis
 of D, split over the batch axes (state_shardings); `enqueue` and `widen` act on each shard's
-part (jax.vmap), `segment` runs each shard's loop on its own devices.
+part (jax.vmap), `segment` runs each shard's loop on its own devices. On several hosts a
+host fills only its own shards (`local`) and every program runs on every host at once: the
+hosts agree before each `push` (the widest prompt, the most groups a shard takes) and each
+`collect` (every host's finished rows, read in one program).
 
 The queue holds `slots` groups of G consecutive rows ([slots * G] rows: prompts, keys, outputs);
 a slot whose group finished and was read back takes another group (`enqueue` writes its
@@ -46,7 +49,7 @@ from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import buckets, continuous, decode, paged, paged_mesh, paged_state
 from jaxrl4llm.sampling import page_pool as pages_lib
 from jaxrl4llm.sampling.paged_state import PagedState
-from jaxrl4llm.sampling.row_io import stop_id_array
+from jaxrl4llm.sampling.row_io import every_host, stop_id_array
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
 # Decode steps per segment: how late the host may learn that a group finished (one small
@@ -183,12 +186,14 @@ def enqueue(
     rows_DK: jax.Array,
     prompt_DKP: jax.Array,
     mask_DKP: jax.Array,
-    keys_DK: jax.Array,
+    key_data_DK: jax.Array,
     order_DQ: jax.Array,
     pad_id: jax.Array,
 ) -> tuple[continuous.Queue, PagedState]:
-    """Each shard's `_enqueue_one` (the arguments stacked over the shards, pad_id shared)."""
+    """Each shard's `_enqueue_one` (the arguments stacked over the shards, the keys as their
+    data (jax.random.key_data), pad_id shared)."""
     one = functools.partial(_enqueue_one, pad_id=pad_id)
+    keys_DK = jax.random.wrap_key_data(key_data_DK)
     return jax.vmap(one)(queue, state, rows_DK, prompt_DKP, mask_DKP, keys_DK, order_DQ)
 
 
@@ -323,15 +328,17 @@ class Driver:
         paged_mesh.check_rows(P * G, D, G)  # each shard whole groups
         self.slots = P // D  # per shard
         self.weights: Any = None
-        self.queue = self._placed(
-            empty_queue(D, self.slots, G, self.width, self.max_groups, N, _unused_key())
-        )
+        self.local = paged_mesh.local_shards(self.mesh, s.rules, D)  # the shards this host fills
+        queue = functools.partial(empty_queue, D, self.slots, G, self.width, self.max_groups, N)
+        self.queue = self._placed(queue(_unused_key()))
         self.rows = max(G, min(s.max_rows or P * G, P * G) // D // G * G)
         # A mixture of experts' routing record, as the samplers keep it (record_routing).
         self.record = s.record_routing and bool(s.model_config.moe_layers)
         self.num_pages = self._pages(self.width)
         self.order = np.full((D, self.max_groups * G), self.slots * G, np.int32)
-        self.free: list[list[int]] = [list(range(self.slots)) for _ in range(D)]
+        self.free: list[list[int]] = [
+            list(range(self.slots)) if d in self.local else [] for d in range(D)
+        ]
         self.queued = np.zeros(D, int)
         self.pad_id = np.int32(s.pad_id)
         self.stop_S = jnp.asarray(stop_id_array(s.stop_ids))
@@ -347,12 +354,13 @@ class Driver:
         leaves them, so each program compiles for one layout."""
         if self.mesh is None:
             return tree
+        rules = self.sampler.rules
+        sharding: Any = NamedSharding(self.mesh, P(paged_mesh.batch_axes(self.mesh, rules)))
         if isinstance(tree, PagedState):
-            return jax.device_put(
-                tree, paged_mesh.state_shardings(tree, self.mesh, self.sampler.rules)
-            )
-        axes = paged_mesh.batch_axes(self.mesh, self.sampler.rules)
-        return jax.device_put(tree, NamedSharding(self.mesh, P(axes)))
+            sharding = paged_mesh.state_shardings(tree, self.mesh, rules)
+        if jax.process_count() > 1:  # several hosts: each puts its own devices' parts
+            return jax.jit(lambda t: t, out_shardings=sharding)(tree)
+        return jax.device_put(tree, sharding)
 
     def _pages(self, width: int) -> int:
         """A shard's pool for prompts `width` wide (paged.pool_pages: the sampler's tokens, or
@@ -381,12 +389,23 @@ class Driver:
     def push(self, groups: list[Any]) -> None:
         """Queues `groups` in free slots, each in the shard with the most free slots (the
         prompt width widened first if one needs it)."""
-        if not groups:
-            return
         width = max(
-            buckets.bucket_prompt_length(len(g.prompt_P), self.sampler.min_prompt_bucket)
-            for g in groups
+            (
+                buckets.bucket_prompt_length(len(g.prompt_P), self.sampler.min_prompt_bucket)
+                for g in groups
+            ),
+            default=0,
         )
+        by_shard: list[list[Any]] = [[] for _ in range(self.D)]
+        for g in groups:
+            d = max(range(self.D), key=lambda d: len(self.free[d]))
+            g.slot = d * self.slots + self.free[d].pop(0)
+            by_shard[d].append(g)
+        # Several hosts run every program together: the widest prompt and the most groups a
+        # shard takes, over all hosts (each host queues its own groups in its own shards).
+        width, most = every_host([width, max(map(len, by_shard))]).max(axis=0)
+        if not most:
+            return
         if width > self.width:
             self.num_pages = max(self.num_pages, self._pages(width))
             self.queue, self.state = self._placed(
@@ -399,21 +418,20 @@ class Driver:
                     num_pages=self.num_pages,
                 )  # fmt: skip
             )
-            self.width = width
-        by_shard: list[list[Any]] = [[] for _ in range(self.D)]
-        for g in groups:
-            d = max(range(self.D), key=lambda d: len(self.free[d]))
-            g.slot = d * self.slots + self.free[d].pop(0)
-            by_shard[d].append(g)
-        self.queue, self.state = enqueue(
-            self.queue, self.state, *self._enqueued(by_shard), self.order, self.pad_id
-        )
+            self.width = int(width)
+        rows, prompt, mask, keys = self._enqueued(by_shard, int(most))
+        args: tuple[Any, ...] = (rows, prompt, mask, jax.random.key_data(keys), self.order)
+        if jax.process_count() > 1:
+            rules = self.sampler.rules
+            args = tuple(paged_mesh.from_hosts(x, self.local, self.mesh, rules) for x in args)
+        self.queue, self.state = enqueue(self.queue, self.state, *args, self.pad_id)
 
-    def _enqueued(self, by_shard: list[list[Any]]) -> tuple[Any, ...]:
+    def _enqueued(self, by_shard: list[list[Any]], most: int) -> tuple[Any, ...]:
         """enqueue's rows, prompts, masks and keys [D, K * G, ...] of each shard's new groups
-        (K: a power of two; padding rows name row R, dropped), their order extended."""
+        (K: a power of two >= `most`; padding rows name row R, dropped), their order
+        extended."""
         G, D, W, R = self.G, self.D, self.width, self.slots * self.G
-        K = 1 << (max(map(len, by_shard)) - 1).bit_length()
+        K = 1 << (most - 1).bit_length()
         rows = np.full((D, K * G), R, np.int32)
         prompt = np.full((D, K * G, W), self.pad_id, np.int32)
         mask = np.zeros((D, K * G, W), bool)
@@ -427,8 +445,9 @@ class Driver:
                 q = self.queued[d]
                 self.order[d, q * G : (q + 1) * G] = rows[d, at]
                 self.queued[d] += 1
-            shard_keys = [g.keys_G for g in shard] or [jax.random.split(_unused_key(), G)]
-            keys.append(jnp.concatenate(shard_keys + shard_keys[:1] * (K - len(shard))))
+            real = [g.keys_G for g in shard]
+            pad = real[:1] or [jax.random.split(_unused_key(), G)]  # rows that do not run
+            keys.append(jnp.concatenate(real + pad * (K - len(real))))
         return rows, prompt, mask, jnp.stack(keys)
 
     def segment(self) -> None:
@@ -441,21 +460,27 @@ class Driver:
     def collect(self, groups: list[Any]) -> None:
         """Reads back the rows of the `groups` (in flight) whose G rows all finished, and
         frees their slots (global slot d * slots + s: rows slot * G of the shards' rows laid
-        end to end)."""
+        end to end). Several hosts call it together, each for its own groups."""
         done, length = (
             np.asarray(x).reshape(-1)
-            for x in jax.device_get((self.state.done_R, self.state.length_R))
+            for x in paged_mesh.host_values((self.state.done_R, self.state.length_R))
         )
         G, finished = self.G, done | (length >= self.N)
         ended = [g for g in groups if finished[g.slot * G : (g.slot + 1) * G].all()]
-        if not ended:
+        most = int(every_host([len(ended)]).max())
+        if not most:
             return
-        K = 1 << (len(ended) - 1).bit_length()
+        K = 1 << (most - 1).bit_length()
         rows_K = np.zeros((K * G,), np.int32)
         for i, g in enumerate(ended):
             rows_K[i * G : (i + 1) * G] = g.slot * G + np.arange(G)
+        every = every_host(rows_K.tolist()).reshape(-1)  # every host's rows, in process order
         R = self.slots * G
-        got = jax.device_get(read_rows(self.state, rows_K // R, rows_K % R))
+        got = paged_mesh.host_values(
+            read_rows(self.state, jnp.asarray(every // R), jnp.asarray(every % R))
+        )
+        mine = slice(jax.process_index() * K * G, (jax.process_index() + 1) * K * G)
+        got = {k: np.asarray(v)[mine] for k, v in got.items()}
         for i, g in enumerate(ended):
             at = slice(g.slot * G, (g.slot + 1) * G)
             g.rows = {k: v[i * G : (i + 1) * G] for k, v in got.items()}

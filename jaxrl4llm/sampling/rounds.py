@@ -9,8 +9,8 @@ teacher-forced passes, the update) is the same whatever happened here:
 * ReMax (Rounds.greedy_baseline): each prompt is sampled G + 1 times in the same sampler
   call, the last row greedily; that row is scored, its reward becomes the group's baseline,
   and it leaves the batch (it is not trained on).
-* Dynamic sampling (DAPO, RolloutConfig.dynamic; on the paged engine on one host by
-  admission, admission.py: the same groups and rows, without waiting on whole rounds):
+* Dynamic sampling (DAPO, RolloutConfig.dynamic; on the paged engine by admission,
+  admission.py: the same groups and rows, without waiting on whole rounds):
   groups whose valid rows are all correct or all wrong carry no signal; they are set aside
   and further rounds (the next prompts of the data iterator, or the same prompts again
   without one) are sampled until P groups with both verdicts are gathered or
@@ -40,6 +40,7 @@ from jaxrl4llm.sampling.config import DynamicSampling
 from jaxrl4llm.sampling.context import RolloutContext, RowVerdicts, has_spread
 from jaxrl4llm.sampling.frontend import Samples
 from jaxrl4llm.sampling.layout import RowLayout
+from jaxrl4llm.sampling.row_io import every_host
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
 ONE_HOST_ONLY = (
@@ -162,16 +163,15 @@ def _reset_messages(ctx: RolloutContext, handler: Any, messages: list, n: int) -
 
 
 def admits(ctx: RolloutContext, rounds: Rounds) -> bool:
-    """Whether dynamic sampling runs by admission (admission.py): the paged engine on one
-    host (one device or a mesh: a pool per batch shard, its heads split over tensor),
-    single-turn, without ReMax's greedy rows; elsewhere it runs in rounds."""
+    """Whether dynamic sampling runs by admission (admission.py): the paged engine (one
+    device, or a mesh of one host or several: a pool per batch shard, its heads split over
+    tensor), single-turn, without ReMax's greedy rows; elsewhere it runs in rounds."""
     return (
         rounds.dynamic_sampling
         and rounds.by_admission
         and not rounds.greedy_baseline
         and ctx.turn_handlers is None
         and getattr(ctx.sampler, "kv_cache_tokens", None) is not None
-        and jax.process_count() == 1
     )
 
 
@@ -269,17 +269,6 @@ def on_device(part: ScoredRows, mesh: Mesh | None) -> ScoredRows:
 
     out = jax.tree.map(put, part.samples.out)
     return dataclasses.replace(part, samples=dataclasses.replace(part.samples, out=out))
-
-
-def every_host(values: Sequence[int]) -> np.ndarray:
-    """int64 [hosts, len(values)]: each host's `values`, in process order (a collective:
-    every host calls it at the same point)."""
-    local = np.asarray(values, np.int64)
-    if jax.process_count() == 1:
-        return local[None]
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(local)).reshape(-1, local.size)
 
 
 def sample_and_score(

@@ -326,3 +326,14 @@ def stop_id_array(stop_ids: Sequence[int]) -> np.ndarray:
     out = np.full(8 * max(1, -(-len(ids) // 8)), -1, np.int32)
     out[: len(ids)] = ids
     return out
+
+
+def every_host(values: Sequence[int]) -> np.ndarray:
+    """int64 [hosts, len(values)]: each host's `values`, in process order (a collective:
+    every host calls it at the same point)."""
+    local = np.asarray(values, np.int64)
+    if jax.process_count() == 1:
+        return local[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(local)).reshape(-1, local.size)

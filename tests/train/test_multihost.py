@@ -253,19 +253,25 @@ def test_four_processes_preempted_and_resubmitted_match_one(
 
 
 def test_dynamic_sampling_on_two_processes(toy_model_dir, copy_task_file, tmp_path):
-    """DAPO's dynamic sampling across hosts: each host fills its own groups, and every round
-    the hosts exchange their kept counts, so both run the same sampler calls and stop after
-    the same round (a disagreement would hang the collectives). The toy model rarely copies
-    its prompt at temperature 1, so groups lack a correct row and resampling runs to its cap."""
-    config = _config(toy_model_dir, copy_task_file, tmp_path / "dapo").replace(
+    """DAPO's dynamic sampling across hosts. In rounds (the compacted sampler): each host
+    fills its own groups, and every round the hosts exchange their kept counts, so both run
+    the same sampler calls and stop after the same round (a disagreement would hang the
+    collectives); the toy model rarely copies its prompt at temperature 1, so groups lack a
+    correct row and resampling runs to its cap. By admission (the paged engine: each host
+    queues its own groups into its own batch shards, the hosts agree at every segment on what
+    runs and in the end take as many chunks of records as the rounds do): the rounds' rewards,
+    losses and rounds."""
+    config = _config(toy_model_dir, copy_task_file, tmp_path / "rounds").replace(
         algorithm=rl.get_preset("dapo"),
         temperature=1.0,
         max_new_tokens=4,
         max_resample_rounds=2,
         optimizer=LINEAR_OPT,
     )
-    last = _two_workers(config, tmp_path)
-    written = read_metrics(str(tmp_path / "dapo"))  # host 0's
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    last = _two_workers(config, tmp_path / "a")
+    written = read_metrics(str(tmp_path / "rounds"))  # host 0's
     assert [r["step"] for r in written] == [1, 2]
     for name in (
         "rollout/rounds",
@@ -279,4 +285,17 @@ def test_dynamic_sampling_on_two_processes(toy_model_dir, copy_task_file, tmp_pa
         # Over both hosts: 8 groups per round, each host short by what it did not keep.
         kept = (1 - r["rollout/frac_groups_filtered"]) * 8 * r["rollout/rounds"]
         assert r["rollout/groups_short"] == pytest.approx(max(8 - kept, 0), abs=4)
-    assert any(r["rollout/rounds"] > 1 for r in written)  # resampling ran across hosts
+
+    paged = config.replace(
+        workdir=str(tmp_path / "admission"), rollout_engine="paged", kv_cache_tokens=0
+    )
+    last = _two_workers(paged, tmp_path / "b")
+    assert last[0]["rollout/rounds"] == last[1]["rollout/rounds"]  # the chunks both took
+    a, b = read_metrics(str(tmp_path / "rounds")), read_metrics(str(tmp_path / "admission"))
+    assert [r["step"] for r in b] == [1, 2]
+    for ra, rb in zip(a, b):
+        assert "rollout/groups_admitted" in rb and "rollout/groups_admitted" not in ra
+        assert rb["rollout/rounds"] == ra["rollout/rounds"]
+        assert rb["reward/accuracy"] == pytest.approx(ra["reward/accuracy"])
+        np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)
+    assert any(r["rollout/rounds"] > 1 for r in a)  # resampling ran: the test can fail
