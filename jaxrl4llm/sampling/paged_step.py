@@ -52,9 +52,18 @@ def fewest_rows(max_rows: int) -> int:
     return min(max_rows, decode.MIN_COMPACT_ROWS)
 
 
+# Tables of fewer pages are read whole: a quarter of them is a few pages, whose saved reads
+# are worth less than another decode step to compile (the quickstart's 8-page tables took
+# 12.6 s to compile with the quarter width, docs/performance.md).
+WHOLE_TABLE_PAGES = 16
+
+
 def widths(max_pages: int) -> tuple[int, ...]:
-    """Table prefixes a decode step may read: every page, or the first quarter (most rows of
-    a long-tailed mix: long tables are sized for the longest row)."""
+    """Table prefixes a decode step may read: every page, or, for tables of
+    WHOLE_TABLE_PAGES or more, the first quarter (most rows of a long-tailed mix: long tables
+    are sized for the longest row)."""
+    if max_pages < WHOLE_TABLE_PAGES:
+        return (max_pages,)
     return tuple(dict.fromkeys(max(1, -(-max_pages // d)) for d in (1, 4)))
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxrl4llm.config.errors import FlagError
-from jaxrl4llm.sampling import page_pool, paged, sampler
+from jaxrl4llm.sampling import page_pool, paged, paged_step, sampler
 from jaxrl4llm.sampling.strategies import GREEDY, SamplingConfig
 
 from tests.sampling.test_continuous import STOP, _assert_same_samples, _prompts
@@ -57,6 +57,22 @@ def test_same_samples_as_the_compacted_sampler(toy_policy, sampling, pool, max_r
         assert stats.live_rows <= 8 * stats.steps
         # The pool for 8 rows at once (pool_pages), not for all 32: no row ever preempted.
         assert stats.preemptions == 0
+
+
+def test_tables_read_at_a_quarter_of_their_width_give_the_same_samples(toy_policy, monkeypatch):
+    """A decode step whose rows' pages all lie in the first quarter of the tables reads only
+    that quarter (tables of paged_step.WHOLE_TABLE_PAGES pages or more: here every table, of
+    4 pages, and the first steps read one); the compacted sampler's samples."""
+    config, params = toy_policy
+    monkeypatch.setattr(paged_step, "WHOLE_TABLE_PAGES", 1)
+    jax.clear_caches()  # the engine's widths are read when it is traced
+    assert paged_step.widths(4) == (4, 1)
+    # Prompts of a few tokens: the first steps' rows all sit in their first page.
+    prompts = _prompts(config, [3, 1, 6, 2, 4, 5, 2, 7])
+    a, b = _both(config, params, prompts, SAMPLED, kv_cache_tokens=0)
+    _assert_same_samples(a, b)
+    monkeypatch.undo()
+    jax.clear_caches()
 
 
 def test_a_pool_of_zero_tokens_holds_the_rows_decoding_at_once():
