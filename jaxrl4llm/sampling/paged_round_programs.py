@@ -5,8 +5,9 @@ paged_turn_programs.PagedKV whose rows draw from TurnState.key_base_B.
 
   empty_state   rows holding nothing, every page free;
   start         new groups' prompts prefilled once (dense, at their bucket) into the pages
-                the host picked (full pages shared, the last partial page copied per row:
-                paged_state.write_prompt), the rows' first tokens drawn;
+                the host picked (full pages shared, the last partial page copied per row),
+                the rows' first tokens drawn: paged_turn_programs.prompts_into_pool, as the
+                multi-turn prefill;
   place         rows begun in an earlier step written in, holding no page (restored by
                 prefill as pages free);
   go_on         rows go on with a new key and cap, their pages kept;
@@ -28,13 +29,12 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxrl4llm import parallel
-from jaxrl4llm.models import kv_cache
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import decode, paged, paged_mesh, paged_state, paged_step, turn_programs
 from jaxrl4llm.sampling import page_pool as pages_lib
+from jaxrl4llm.sampling import paged, paged_mesh, turn_programs
 from jaxrl4llm.sampling import paged_turn_programs as programs_lib
 from jaxrl4llm.sampling import paged_turns_mesh as mesh_lib
-from jaxrl4llm.sampling.strategies import SamplingConfig, sample
+from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.sampling.turn_programs import TurnState
 
 
@@ -84,23 +84,13 @@ def _start_groups(
     `whole`: the weights, the stops and the pad id; `split`: the inputs and the pages."""
     weights, stops, pad_id = whole
     (prompt_JP, mask_JP, rows_R, keys_R, caps_R), pages = split
-    J, P = prompt_JP.shape
     kv = s.cache
-    cache = kv_cache.init_kv_cache(model_config, J, P, kv.pool.k_pages[0].dtype)
-    logits_JV, cache, _ = decode.prefill(weights, model_config, prompt_JP, mask_JP, cache, sharding)
-    first_R = jax.vmap(jax.random.fold_in)(keys_R, jnp.zeros(rows_R.shape, jnp.uint32))
-    logits_RV = jnp.repeat(paged_step.whole_logits(logits_JV, sharding), group, axis=0)
-    tok_R, lp_R = sample(logits_RV, first_R, sampling, None)
-    plen_J = jnp.sum(mask_JP, axis=1, dtype=jnp.int32)
-
-    def write_group(j: jax.Array, pool: pages_lib.PagePool) -> pages_lib.PagePool:
-        full = plen_J[j] // pool.page_size
-        shared_M, private_G = pages.shared_JM[j], pages.private_JG[j]
-        return paged_state.write_prompt(pool, cache, j, P - plen_J[j], shared_M, private_G, full)
-
-    pool = jax.lax.fori_loop(0, J, write_group, kv.pool)
+    pool, tok_R, lp_R, plen_J = programs_lib.prompts_into_pool(
+        weights, (prompt_JP, mask_JP, keys_R, None), kv.pool, pages, model_config, sampling,
+        group, sharding,
+    )  # fmt: skip
     kv = kv.replace(
-        pool=pool.replace(refs_N=pages_lib.hold(pool.refs_N, pages.table_BM)),
+        pool=pool,
         table_BM=_put(kv.table_BM, rows_R, pages.table_BM),
         stalled_B=_put(kv.stalled_B, rows_R, False),
     )

@@ -119,6 +119,9 @@ class StepPool:
         if mesh is not None:
             weights = mesh_lib.placed_weights(weights, config, mesh, sampler.rules)
         self.shards = [self._programs(weights, sampling, d) for d in range(D)]
+        # The segments' stop ids and every row's stop sequences (none), the shards' end to end.
+        p = self.shards[0]
+        self._stops = (p.stop_ids_S, jnp.concatenate([p.stop_BQL] * D))
         self.state = self._empty(weights)
         self.free = [list(range(d * slots // D, (d + 1) * slots // D)) for d in range(D)]
         self.prompt_prefilled = 0
@@ -163,12 +166,6 @@ class StepPool:
 
     def _view(self, d: int) -> Any:
         return self.state if self.mesh is None else mesh_lib.ShardView(self.state, d, self.D)
-
-    @property
-    def _stops(self) -> tuple[jax.Array, jax.Array]:
-        """The stop ids and every row's stop sequences (none), a shard's rows' end to end."""
-        p = self.shards[0]
-        return p.stop_ids_S, jnp.concatenate([p.stop_BQL] * self.D)
 
     @property
     def prefilled(self) -> int:

@@ -137,32 +137,53 @@ def prefill(
     block, its mask, the active rows, the row keys; `stops`: the stop ids and sequences;
     `sharding`: a batch shard's heads split over its devices (paged_turns_mesh.py)."""
     prompt_BP, prompt_mask_BP, active_B, keys_B = inputs
-    B, P = prompt_BP.shape
-    dtype = decode.cache_dtype_for(weights)
-    # One dense cache row per group (not per row): the pool is the rollout's memory bound.
-    cache = kv_cache.init_kv_cache(model_config, B // group, P, dtype)
-    logits_JV, cache, _ = decode.prefill(
-        weights, model_config, prompt_BP[::group], prompt_mask_BP[::group], cache, sharding
+    B = prompt_BP.shape[0]
+    pool = pages_lib.init_pool(
+        model_config, num_pages, paged.PAGE_SIZE, decode.cache_dtype_for(weights)
     )
-    first_keys_B = jax.vmap(jax.random.fold_in)(keys_B, jnp.zeros((B,), jnp.uint32))
-    logits_BV = jnp.repeat(paged_step.whole_logits(logits_JV, sharding), group, axis=0)
-    tok_B, lp_B = strategies.sample(logits_BV, first_keys_B, sampling, greedy_B)
-    plen_J = jnp.sum(prompt_mask_BP[::group], axis=1, dtype=jnp.int32)
-    pool = pages_lib.init_pool(model_config, num_pages, paged.PAGE_SIZE, dtype)
-
-    def write_group(j: jax.Array, pool: PagePool) -> PagePool:
-        full = plen_J[j] // pool.page_size
-        shared_M, private_G = pages.shared_JM[j], pages.private_JG[j]
-        return paged_state.write_prompt(pool, cache, j, P - plen_J[j], shared_M, private_G, full)
-
-    pool = jax.lax.fori_loop(0, B // group, write_group, pool)
-    pool = pool.replace(refs_N=pages_lib.hold(pool.refs_N, pages.table_BM))
+    prompts = (prompt_BP[::group], prompt_mask_BP[::group], keys_B, greedy_B)
+    pool, tok_B, lp_B, _ = prompts_into_pool(
+        weights, prompts, pool, pages, model_config, sampling, group, sharding
+    )
     kv = PagedKV(pool, pages.table_BM, jnp.zeros((B,), bool))
     state = turn_programs.initial_state(
         kv, prompt_mask_BP, active_B, keys_B, greedy_B, pad_id, max_new_tokens
     )
     state = turn_programs._emit(state, active_B, tok_B, lp_B, *stops)
     return state.replace(live_B=state.live_B & pages.admitted_B)
+
+
+def prompts_into_pool(
+    weights: Any,
+    prompts: tuple[Any, ...],
+    pool: PagePool,
+    pages: PromptPages,
+    model_config: ModelConfig,
+    sampling: SamplingConfig,
+    group: int,
+    sharding: parallel.ActivationSharding | None,
+) -> tuple[PagePool, jax.Array, jax.Array, jax.Array]:
+    """J groups' prompts (`prompts`: prompt_JP, mask_JP, then their R = J * G rows' keys and
+    greedy rows or None) prefilled once in a dense block of one row per group (the pool is
+    the memory bound), written into `pages` (full pages shared, the last partial page copied
+    per row: paged_state.write_prompt) and held by their tables; every row's first token,
+    drawn with fold_in(key, 0). (the pool, the tokens, their logprobs, each prompt's length)."""
+    prompt_JP, mask_JP, keys_R, greedy_R = prompts
+    J, P = prompt_JP.shape
+    cache = kv_cache.init_kv_cache(model_config, J, P, pool.k_pages[0].dtype)
+    logits_JV, cache, _ = decode.prefill(weights, model_config, prompt_JP, mask_JP, cache, sharding)
+    first_R = jax.vmap(jax.random.fold_in)(keys_R, jnp.zeros(keys_R.shape, jnp.uint32))
+    logits_RV = jnp.repeat(paged_step.whole_logits(logits_JV, sharding), group, axis=0)
+    tok_R, lp_R = strategies.sample(logits_RV, first_R, sampling, greedy_R)
+    plen_J = jnp.sum(mask_JP, axis=1, dtype=jnp.int32)
+
+    def write_group(j: jax.Array, pool: PagePool) -> PagePool:
+        full = plen_J[j] // pool.page_size
+        shared_M, private_G = pages.shared_JM[j], pages.private_JG[j]
+        return paged_state.write_prompt(pool, cache, j, P - plen_J[j], shared_M, private_G, full)
+
+    pool = jax.lax.fori_loop(0, J, write_group, pool)
+    return pool.replace(refs_N=pages_lib.hold(pool.refs_N, pages.table_BM)), tok_R, lp_R, plen_J
 
 
 def _allocate(kv: PagedKV, live_B: jax.Array, position_B: jax.Array) -> tuple[PagedKV, jax.Array]:
