@@ -53,13 +53,14 @@ def steps(model: tuple, records: list, way: str, settings: dict) -> tuple[list, 
         max_new_tokens=settings["budget"], max_prompt_tokens=256,
         partial_rollout_tokens=settings["partial_rollout_tokens"], max_staleness=2,
     )  # fmt: skip
-    ctx = types.SimpleNamespace(
+    ctx: Any = types.SimpleNamespace(  # what sample_and_score reads of a RolloutContext
         rollout=rollout, sampler=sampler, reward_fn=bench_dynamic.LengthVerifier(3),
         data=types.SimpleNamespace(messages=settings["messages"]),
     )  # fmt: skip
     pending = iter(records)
     more = lambda: [next(pending) for _ in range(settings["prompts"])]  # noqa: E731
-    applies, carried, rows, counts = partial_pool.applies, partial.Carried(), [], {}
+    applies, carried, rows = partial_pool.applies, partial.Carried(), []
+    counts: dict[str, float] = {}
     if way == "calls":
         partial_pool.applies = lambda sampler: False
     t0 = time.perf_counter()
