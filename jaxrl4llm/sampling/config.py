@@ -60,7 +60,9 @@ class RolloutConfig:
     share_prompts: Run each group's prompt once (sampler prefill; reference, old-policy and
         update passes): the same result with less compute and memory.
     rollout_micro_batch: Rows per sampler / reference / old-logprob pass, run one after another
-        (0 = all rows at once); bounds the KV cache and activation memory.
+        (0 = all rows at once); bounds the KV cache and activation memory. With
+        --rollout_engine=paged: the rows decoding at once (multi-turn and partial rollouts
+        too); multi-turn rollouts on the compacted engine refuse it.
     partial_rollout_tokens: Partial rollouts: sample in rounds of at most this many new tokens
         per row until P groups have finished; unfinished rows carry over to the next step
         with their tokens and logprobs (0 = off; see train/rollout/partial.py).

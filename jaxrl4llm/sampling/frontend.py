@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxrl4llm import parallel
+from jaxrl4llm.config.errors import FlagError
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import buckets, continuous, multiturn, trim
@@ -259,7 +260,14 @@ class Sampler:
         """Multi-turn trajectories of each prompt (token ids), answered by `handler`, rows
         laid out as `generate`'s, on the sampler's mesh, or with `kv_cache_tokens` on pages
         (paged_turns.py; on a mesh a pool per batch shard, paged_turns_mesh.py); see
-        multiturn.generate_turns."""
+        multiturn.generate_turns; `max_rows` decoding at once on pages only."""
+        rows = len(prompts) * layout.group_size
+        if self.kv_cache_tokens is None and self.max_rows and self.max_rows < rows:
+            raise FlagError(
+                f"max_rows={self.max_rows}: multi-turn rollouts on the compacted engine keep "
+                "a cache row for every row for the whole trajectory, so they cannot decode "
+                "fewer rows at once; sample on pages (kv_cache_tokens) or with max_rows=None."
+            )
         return multiturn.generate_turns(
             params,
             self.model_config,
@@ -274,6 +282,7 @@ class Sampler:
             share_prompts=layout.share_prompts,
             greedy_last=greedy_last,
             kv_cache_tokens=self.kv_cache_tokens,
+            max_rows=self.max_rows,
             **self._row_settings(),
         )
 

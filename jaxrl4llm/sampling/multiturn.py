@@ -265,13 +265,14 @@ def run(
     mesh: Mesh | None = None,
     rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
     kv_cache_tokens: int | None = None,
+    max_rows: int | None = None,
 ) -> tuple[dict[str, Any], TurnStats]:
     """Decodes every active row of `batch` over its turns; (per-row arrays: tokens_BT,
     logprobs_BT, model_BT, lengths_B, truncated_B, done_B, slot_steps; the turn stats).
     With a mesh (one host), params are placed on it and the rows (a multiple of the
     data-parallel size) are split over its data-parallel devices. `kv_cache_tokens` (not
-    None): the KV in a page pool of that many tokens (paged_turns.py), on a mesh one per
-    batch shard (paged_turns_mesh.py)."""
+    None): the KV in a page pool of that many tokens (paged_turns.py; on a mesh one per batch
+    shard, paged_turns_mesh.py), at most `max_rows` rows decoding at once (0: all)."""
     _check_limits(limits)
     B = batch.prompt_BP.shape[0]
     stops = [handler.stop_sequences(r) if batch.active_B[r] else () for r in range(B)]
@@ -285,16 +286,12 @@ def run(
     stop_ids = jnp.asarray(stop_ids_S)
     chunk = chunk_length(limits.max_observation_tokens + 1)
     settings = turn_programs.RolloutSettings(stop_ids, stop_BQL, pad_id, budget, chunk, static)
-    state, programs = _start(weights, rows, settings, mesh, rules, kv_cache_tokens)
+    state, programs = _start(weights, rows, settings, mesh, rules, kv_cache_tokens, max_rows)
     state, decode_s = _turn_loop(programs, host, state, t0, pad_id)
     stats = dataclasses.replace(
-        host.stats,
-        decode_s=decode_s,
-        tools_s=host.tools_s,
-        wait_s=host.wait_s,
-        evictions=programs.evictions,
-        pages_left=programs.pages_left(state),
-    )
+        host.stats, decode_s=decode_s, tools_s=host.tools_s, wait_s=host.wait_s,
+        evictions=programs.evictions, pages_left=programs.pages_left(state),
+    )  # fmt: skip
     return _rows_out(state, host, batch), stats
 
 
@@ -305,13 +302,15 @@ def _start(
     mesh: Mesh | None,
     rules: parallel.LogicalRules,
     kv_cache_tokens: int | None,
+    max_rows: int | None,
 ) -> tuple[TurnState, Programs]:
     """The prefilled state and its programs: dense rows, a page pool, or one per shard."""
     if kv_cache_tokens is None:
         return _dense_start(weights, rows, settings, mesh, rules)
+    cap = max_rows or 0
     if mesh is None or mesh.size == 1:
-        return paged_turns.start(weights, rows, settings, kv_cache_tokens)
-    return paged_turns_mesh.start(weights, rows, settings, kv_cache_tokens, mesh, rules)
+        return paged_turns.start(weights, rows, settings, kv_cache_tokens, cap)
+    return paged_turns_mesh.start(weights, rows, settings, kv_cache_tokens, mesh, rules, cap)
 
 
 def _dense_start(
@@ -426,6 +425,7 @@ def generate_turns(
     mesh: Mesh | None = None,
     rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
     kv_cache_tokens: int | None = None,
+    max_rows: int | None = None,
 ) -> tuple[SampleOutput, TurnStats]:
     """`n` multi-turn trajectories of each prompt (token ids), rows laid out as
     sampler.generate's (row p * n + g: sample g of prompt p; the handler's row indices), with
@@ -433,7 +433,7 @@ def generate_turns(
     `max_new_tokens` when that is 0. With a mesh of one host's devices (params placed on
     it), the rows are split over its data-parallel devices and the cache as the single-turn
     sampler's; the samples are the same as on one device. One host only: see MULTIHOST.
-    `kv_cache_tokens` (not None): the KV in a page pool (paged_turns.py), the same samples."""
+    `kv_cache_tokens`, `max_rows`: as run's (the same samples)."""
     budget = _budget(limits, max_new_tokens)
     request = RowRequest(
         RowLayout(n, share_prompts),
@@ -447,22 +447,11 @@ def generate_turns(
     multiple = 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
     inputs = prompt_rows(prompts, model_config, key, request, batch_multiple=multiple)
     rows, stats = run(
-        params,
-        model_config,
-        inputs.batch,
-        inputs.keys_B,
-        inputs.greedy_B,
-        handler,
-        limits,
-        sampling,
-        budget,
-        stop_ids_S=stop_id_array(stop_ids),
-        pad_id=pad_id,
-        prompt_group=inputs.prompt_group,
-        mesh=mesh,
-        rules=rules,
-        kv_cache_tokens=kv_cache_tokens,
-    )
+        params, model_config, inputs.batch, inputs.keys_B, inputs.greedy_B, handler, limits,
+        sampling, budget, stop_ids_S=stop_id_array(stop_ids), pad_id=pad_id,
+        prompt_group=inputs.prompt_group, mesh=mesh, rules=rules,
+        kv_cache_tokens=kv_cache_tokens, max_rows=max_rows,
+    )  # fmt: skip
     return _turn_output(rows, inputs.batch, budget), stats
 
 

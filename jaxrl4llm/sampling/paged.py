@@ -128,10 +128,14 @@ def program_settings(
     decode attention by `attention`; {} where `tokens` is None (not paged)."""
     if tokens is None:
         return {}
-    local = max(1, rows // shards)
-    decode_rows = max(group, max_rows // shards) if max_rows else 0  # paged_mesh's per shard
+    local, decode_rows = max(1, rows // shards), shard_decode_rows(max_rows, shards, group)
     pages = pool_pages(tokens, local, prompt_len, N, group, decode_rows)
     return {"kv_pages": pages, "max_rows": max_rows or 0, "paged_attention": attention}
+
+
+def shard_decode_rows(max_rows: int | None, shards: int, group: int) -> int:
+    """A batch shard's part of max_rows decoding at once (whole groups; 0: every row)."""
+    return max(group, max_rows // shards) if max_rows else 0
 
 
 def refill_groups(max_rows: int, group: int) -> int:

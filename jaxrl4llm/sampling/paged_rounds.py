@@ -5,8 +5,9 @@ starts) and a row begun in an earlier step (its KV is the old policy's) are pref
 
 `StepPool` holds `slots` groups of G rows (TurnState row slot * G + g) in a pool of pages
 (paged_turn_programs.PagedKV; paged_turns.pool_pages: the sampler's --kv_cache_tokens, or
-every row at full length) and runs the multi-turn engine's paged programs and memory policy
-on them (paged_turns.PagedPrograms), a round being a turn without an observation:
+the rows decoding at once at full length) and runs the multi-turn engine's paged programs and
+memory policy on them (paged_turns.PagedPrograms), a round being a turn without an
+observation; at most the sampler's max_rows (--rollout_micro_batch) rows decode at once:
 
   start    new groups in free slots: each prompt prefilled once (dense, at its bucket),
            written into free pages (full pages shared by the group's rows, the last partial
@@ -112,8 +113,11 @@ class StepPool:
         D = self.D = paged_mesh.shards(mesh, sampler.rules)
         paged_mesh.check_rows(B, D, group)
         self.sampler, self.G, self.T, self.width, self.n = sampler, group, max_new_tokens, W, B // D
-        tokens = sampler.kv_cache_tokens or 0
-        self.num_pages = paged_turns.pool_pages(tokens, self.n, W, max_new_tokens)
+        # At most the sampler's max_rows decode at once (its shard's part; the default pool
+        # holds them at full length), as the single-turn engine's.
+        self.max_rows = paged.shard_decode_rows(sampler.max_rows, D, group)
+        tokens, rows = sampler.kv_cache_tokens or 0, min(self.n, self.max_rows or self.n)
+        self.num_pages = paged_turns.pool_pages(tokens, rows, W, max_new_tokens)
         self.M = pages_lib.pages_for(W + max_new_tokens, paged.PAGE_SIZE)
         weights = turn_programs.decode_weights(params, config, None)
         if mesh is not None:
@@ -140,7 +144,7 @@ class StepPool:
         stop_BQL = jnp.full((n, 1, 1), -1, jnp.int32)
         config = self.sampler.model_config
         return _Counted(weights, stop_ids, stop_BQL, config, sampling, batch, np.zeros(n, np.int32),
-                        int(pad), lib=lib)  # fmt: skip
+                        int(pad), lib=lib, max_rows=self.max_rows)  # fmt: skip
 
     def _empty(self, weights: Any) -> TurnState:
         """Every shard's rows holding no page, its pool free (laid end to end on a mesh)."""
@@ -314,7 +318,7 @@ class StepPool:
         """Decodes until no row decodes or waits for pages."""
         self._unblock()
         static = dict(model_config=self.sampler.model_config, sampling=self.shards[0].sampling)
-        static.update(max_steps=self.T, until_turn_end=False)
+        static.update(max_steps=self.T, until_turn_end=False, max_rows=self.max_rows)
         while bool(jax.device_get(jnp.any(self.state.live_B))):
             if self.mesh is None:
                 self.state = programs_lib.segment(

@@ -205,7 +205,9 @@ def _allocate(kv: PagedKV, live_B: jax.Array, position_B: jax.Array) -> tuple[Pa
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model_config", "sampling", "max_steps", "sharding", "until_turn_end"),
+    static_argnames=(
+        *("model_config", "sampling", "max_steps", "sharding", "until_turn_end", "max_rows"),
+    ),
     donate_argnames=("s",),
 )
 def segment(
@@ -218,30 +220,36 @@ def segment(
     max_steps: int,
     sharding: parallel.ActivationSharding | None = None,
     until_turn_end: bool = True,
+    max_rows: int = 0,
 ) -> TurnState:
     """Decodes the live rows (turn_programs.segment on pages) until one ends its turn (with
     `until_turn_end`), none is live (ended, parked or stalled) or `max_steps` steps ran;
-    `stops`: the stop ids and each row's stop sequences; `sharding`: as prefill's."""
+    `stops`: the stop ids and each row's stop sequences; `sharding`: as prefill's. At most
+    `max_rows` rows (0: every row) decode at a step, the lowest live ones: the others wait,
+    keeping their pages, and the step's buffers are those of max_rows rows."""
     B = s.step_B.shape[0]
-    sizes = paged_step.row_levels(B, paged_step.fewest_rows(B))
+    most = min(B, max_rows or B)
+    sizes = paged_step.row_levels(most, paged_step.fewest_rows(most))
 
     def body(carry: tuple[TurnState, jax.Array]) -> tuple[TurnState, jax.Array]:
         x, k = carry
         position_B = jnp.maximum(x.plen_B + x.step_B - 1, 0)  # of the token fed (last_B)
-        kv, live_B = _allocate(x.cache, x.live_B, position_B)
-        # The live rows first, in row order: a step computes the smallest row level holding
-        # them (parked rows, waiting for a reply, cost nothing; their KV stays in its pages).
-        order_J = jnp.argsort(~live_B, stable=True)
-        level = jnp.sum(jnp.sum(live_B) <= jnp.array(sizes), dtype=jnp.int32) - 1
+        run_B = x.live_B & (jnp.cumsum(x.live_B) <= most)
+        kv, runs_B = _allocate(x.cache, run_B, position_B)
+        # The running rows first, in row order: a step computes the smallest row level
+        # holding them (parked rows, waiting for a reply, cost nothing; their KV stays in
+        # its pages).
+        order_J = jnp.argsort(~runs_B, stable=True)[:most]
+        level = jnp.sum(jnp.sum(runs_B) <= jnp.array(sizes), dtype=jnp.int32) - 1
         branches = [
             functools.partial(_decode_first, weights, model_config, sampling, sharding, size)
             for size in sizes
         ]
-        x = x.replace(cache=kv, live_B=live_B)
+        x = x.replace(cache=kv, live_B=x.live_B & (runs_B | ~run_B))  # less the stalled
         tok_J, lp_J, k_LJKH, v_LJKH = jax.lax.switch(level, branches, x, position_B, order_J)
         # The pool is written after the switch (a write inside a branch copies it); slots
         # past the live rows write to SCRATCH.
-        position_J, live_J = position_B[order_J], live_B[order_J]
+        position_J, live_J = position_B[order_J], runs_B[order_J]
         page_J = jnp.where(
             live_J, kv.table_BM[order_J, position_J // kv.pool.page_size], kv.pool.num_pages
         )
@@ -250,10 +258,10 @@ def segment(
             cache=kv.replace(pool=pool), slot_steps=x.slot_steps + jnp.array(sizes)[level]
         )
         tok_B, lp_B = (
-            jnp.zeros_like(tok_J).at[order_J].set(tok_J),
-            jnp.zeros_like(lp_J).at[order_J].set(lp_J),
+            jnp.zeros((B,), tok_J.dtype).at[order_J].set(tok_J),
+            jnp.zeros((B,), lp_J.dtype).at[order_J].set(lp_J),
         )
-        return turn_programs._emit(x, live_B, tok_B, lp_B, *stops), k + 1
+        return turn_programs._emit(x, runs_B, tok_B, lp_B, *stops), k + 1
 
     def cond(carry: tuple[TurnState, jax.Array]) -> jax.Array:
         if until_turn_end:
@@ -275,8 +283,9 @@ def _decode_first(
     order_J: jax.Array,
 ) -> tuple[jax.Array, ...]:
     """One decode step of rows order_J[:size] (every live row among them): their tokens,
-    logprobs and each layer's new keys and values, in slot order, zero past `size` (J = B
-    slots). Row r's token is drawn with fold_in(row_key[r], its step), as every row's."""
+    logprobs and each layer's new keys and values, in slot order, zero past `size` (J: the
+    segment's max_rows slots). Row r's token is drawn with fold_in(row_key[r], its step), as
+    every row's."""
     B, idx_S = order_J.shape[0], order_J[:size]
     logits_SV, k_LSKH, v_LSKH, _ = paged_step.paged_decode_step(
         weights, model_config, x.last_B[idx_S], position_B[idx_S], x.cache.table_BM[idx_S],

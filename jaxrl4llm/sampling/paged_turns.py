@@ -28,6 +28,11 @@ the rollout ends; no deadlock, no lost row, and the rows' KV never exceeds the p
 prompts are prefilled once per group into a dense block of one prompt per group, copied into
 the pool and dropped, as the single-turn engine's pending block).
 
+At most `max_rows` rows decode at a step (--rollout_micro_batch; paged_turn_programs.segment:
+the lowest live rows, the step's buffers those of max_rows rows); the other live rows keep
+their pages and wait, and a default pool (--kv_cache_tokens=0) holds max_rows rows at full
+length. The lowest live rows always decode, so the argument above still holds.
+
 Row r draws completion token t with fold_in(row_key[r], t), as the dense engine, so with a
 pool that never evicts it samples the dense engine's tokens (up to float rounding: a restored
 row's KV is prefilled, not decoded). Groups that do not fit at the start begin evicted (their
@@ -76,19 +81,31 @@ def pool_pages(tokens: int, rows: int, prompt_len: int, budget: int) -> int:
 
 
 def start(
-    weights: Any, rows: PromptRows, settings: RolloutSettings, kv_cache_tokens: int
+    weights: Any,
+    rows: PromptRows,
+    settings: RolloutSettings,
+    kv_cache_tokens: int,
+    max_rows: int = 0,
 ) -> tuple[TurnState, PagedPrograms]:
     """The prompts of the groups that fit written into a pool of `kv_cache_tokens` tokens,
-    every row's first token, the rest evicted; the programs (multiturn.run's start)."""
+    every row's first token, the rest evicted; the programs (multiturn.run's start), at most
+    `max_rows` rows decoding at once (0: every row)."""
     batch, plen_B = rows.batch, prompt_lengths(rows.batch)
-    # A batch with no active row (every prompt dropped) still gets a pool of one row.
-    active = max(int(batch.active_B.sum()), 1)
-    num_pages = pool_pages(kv_cache_tokens, active, longest(plen_B, batch), settings.budget)
+    rows_at_once = decoding_rows(batch, max_rows)
+    num_pages = pool_pages(kv_cache_tokens, rows_at_once, longest(plen_B, batch), settings.budget)
     pages = first_pages(batch, rows.prompt_group, settings, num_pages)
     args, static = prefill_args(rows, settings, num_pages)
     state = programs_lib.prefill(weights, *args, pages, **static)
-    programs = PagedPrograms.of(weights, settings, batch)
+    programs = PagedPrograms.of(weights, settings, batch, max_rows=max_rows)
     return admit(programs, state, pages.admitted_B), programs
+
+
+def decoding_rows(batch: buckets.PromptBatch, max_rows: int) -> int:
+    """The rows of `batch` decoding at once, those a default pool holds at full length: its
+    active rows, at most `max_rows` (0: no cap); one for a batch with no active row (every
+    prompt dropped), which still gets a pool."""
+    active = max(int(batch.active_B.sum()), 1)
+    return min(active, max_rows or active)
 
 
 def prompt_lengths(batch: buckets.PromptBatch) -> np.ndarray:
@@ -164,16 +181,22 @@ class PagedPrograms:
     ready: set[int] = dataclasses.field(default_factory=set)
     observations: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     evictions: int = 0
+    max_rows: int = 0  # rows decoding at once (0: every live row)
 
     @classmethod
     def of(
-        cls, weights: Any, settings: RolloutSettings, batch: buckets.PromptBatch, lib: Any = None
+        cls,
+        weights: Any,
+        settings: RolloutSettings,
+        batch: buckets.PromptBatch,
+        lib: Any = None,
+        max_rows: int = 0,
     ) -> PagedPrograms:
         """The programs of the rows of `batch` (a rollout's, or a batch shard's)."""
         return cls(
             weights, settings.stop_ids_S, settings.stop_BQL, settings.static["model_config"],
             settings.static["sampling"], batch, prompt_lengths(batch), settings.pad_id,
-            lib=lib or programs_lib,
+            lib=lib or programs_lib, max_rows=max_rows,
         )  # fmt: skip
 
     def segment(self, state: TurnState) -> TurnState:
@@ -185,6 +208,7 @@ class PagedPrograms:
             model_config=self.model_config,
             sampling=self.sampling,
             max_steps=SEGMENT_STEPS,
+            max_rows=self.max_rows,
         )
         jax.block_until_ready(state.ended_B)
         return state

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
-from jaxrl4llm.sampling import buckets, paged_mesh, paged_turns
+from jaxrl4llm.sampling import buckets, paged, paged_mesh, paged_turns
 from jaxrl4llm.sampling import paged_turn_programs as programs_lib
 from jaxrl4llm.sampling.row_io import PromptRows
 from jaxrl4llm.sampling.turn_programs import SEGMENT_STEPS, RolloutSettings, TurnState
@@ -137,7 +137,9 @@ def _prefill(
 
 @functools.partial(
     jax.jit,
-    static_argnames=(*_MESH, "model_config", "sampling", "max_steps", "until_turn_end"),
+    static_argnames=(
+        *(*_MESH, "model_config", "sampling", "max_steps", "until_turn_end", "max_rows"),
+    ),
     donate_argnums=1,
 )
 def segment_shards(
@@ -150,7 +152,7 @@ def segment_shards(
     **static: Any,
 ) -> TurnState:
     """programs_lib.segment of every shard at once (each until one of its rows ends a turn,
-    none of them decodes or max_steps steps ran)."""
+    none of them decodes or max_steps steps ran; max_rows: each shard's)."""
     static |= _inside(mesh, rules)
 
     def body(w: Any, s: TurnState, ids: Any, stop: Any) -> TurnState:
@@ -295,6 +297,7 @@ class ShardedPrograms:
         state = segment_shards(
             p.weights, state, (p.stop_ids_S, p.stop_BQL), mesh=self.mesh, rules=self.rules,
             model_config=p.model_config, sampling=p.sampling, max_steps=SEGMENT_STEPS,
+            max_rows=p.max_rows,
         )  # fmt: skip
         jax.block_until_ready(state.ended_B)
         return state
@@ -334,15 +337,18 @@ def start(
     kv_cache_tokens: int,
     mesh: Mesh,
     rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
+    max_rows: int = 0,
 ) -> tuple[TurnState, ShardedPrograms]:
     """paged_turns.start on each batch shard of `mesh`, with a pool of `kv_cache_tokens` each
-    (0: every row of the fullest shard at full length; every shard's pool is one size)."""
+    (0: the rows decoding at once in the fullest shard at full length; every shard's pool is
+    one size), `max_rows` over all shards decoding at once (paged.shard_decode_rows; 0:
+    every row)."""
     D, batch = paged_mesh.shards(mesh, rules), rows.batch
     B = batch.prompt_BP.shape[0]
     paged_mesh.check_rows(B, D, rows.prompt_group)
-    n = B // D
+    n, local_rows = B // D, paged.shard_decode_rows(max_rows, D, rows.prompt_group)
     shards = [_batch_rows(batch, slice(d * n, (d + 1) * n), d * n) for d in range(D)]
-    active = max([int(b.active_B.sum()) for b in shards] + [1])
+    active = max(paged_turns.decoding_rows(b, local_rows) for b in shards)
     plen_B = paged_turns.prompt_lengths(batch)
     longest = paged_turns.longest(plen_B, batch)
     num_pages = paged_turns.pool_pages(kv_cache_tokens, active, longest, settings.budget)
@@ -358,7 +364,7 @@ def start(
     programs = []
     for d, (shard, shard_pages) in enumerate(zip(shards, pages)):
         lib = ShardPrograms(d, D, n, mesh, rules)
-        p = paged_turns.PagedPrograms.of(weights, settings, shard, lib)
+        p = paged_turns.PagedPrograms.of(weights, settings, shard, lib, local_rows)
         state = paged_turns.admit(p, ShardView(state, d, D), shard_pages.admitted_B).state
         programs.append(p)
     return state, ShardedPrograms(tuple(programs), n, mesh, rules)

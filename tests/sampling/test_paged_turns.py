@@ -264,3 +264,86 @@ def test_a_decode_step_computes_only_the_live_rows_smallest_level(toy_policy):
     np.testing.assert_array_equal(step_two, step_all - ~two)  # the parked rows did not move
     np.testing.assert_array_equal(tokens_two[two, 1], tokens_all[two, 1])
     np.testing.assert_allclose(logprobs_two[two, 1], logprobs_all[two, 1], atol=1e-6)
+
+
+def test_at_most_max_rows_decode_at_a_step_the_lowest_live_ones(toy_policy):
+    """16 rows, rows 2 and 4 parked, max_rows=6: one step computes 6 rows (16 uncapped: the
+    level of 14 live rows), rows 0, 1, 3, 5, 6, 7 (the lowest 6 live) move with the tokens and
+    logprobs a step of every row gives them, and the others stay; decoding on until no row
+    is live, every row ends where an uncapped segment leaves it. The default pool holds
+    max_rows rows at full length."""
+    from jaxrl4llm.sampling import paged_turns
+
+    config, _ = toy_policy
+    rows, settings, weights = _start_inputs(toy_policy)
+    stops = (settings.stop_ids_S, settings.stop_BQL)
+    live = ~np.isin(np.arange(16), [2, 4])
+
+    def run(max_rows, max_steps):  # a pool of every row at full length (48 pages)
+        state, _ = paged_turns.start(weights, rows, settings, 48 * 16, max_rows=max_rows)
+        state = state.replace(live_B=jax.numpy.asarray(live))
+        before = int(state.slot_steps)
+        state = paged_turn_programs.segment(
+            weights, state, stops, model_config=config, sampling=SAMPLED, max_steps=max_steps,
+            until_turn_end=False, max_rows=max_rows,
+        )  # fmt: skip
+        out = jax.device_get((state.tokens_BT, state.logprobs_BT, state.step_B))
+        return int(state.slot_steps) - before, *out
+
+    # The default pool holds the rows decoding at once at full length: the longest prompt
+    # (18 tokens) and the budget (24) in 3 pages of 16 each, for 16 rows or for 6.
+    assert [paged_turns.start(weights, rows, settings, 0, max_rows=m)[0].cache.pool.num_pages
+            for m in (0, 6)] == [48, 18]  # fmt: skip
+    computed_all, tokens_all, logprobs_all, step_all = run(0, 1)
+    computed, tokens, logprobs, step_B = run(6, 1)
+    moved = np.isin(np.arange(16), [0, 1, 3, 5, 6, 7])
+    assert (computed_all, computed) == (16, 6)
+    np.testing.assert_array_equal(step_B, step_all - (live & ~moved))
+    np.testing.assert_array_equal(tokens[moved, 1], tokens_all[moved, 1])
+    np.testing.assert_allclose(logprobs[moved, 1], logprobs_all[moved, 1], atol=1e-6)
+    _, tokens_all, logprobs_all, step_all = run(0, 64)
+    _, tokens, logprobs, step_B = run(6, 64)
+    np.testing.assert_array_equal(step_B, step_all)
+    np.testing.assert_array_equal(tokens, tokens_all)
+    np.testing.assert_allclose(logprobs, logprobs_all, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "mesh_spec", [None, "data:2,fsdp:1,expert:1,tensor:1"], ids=["one-device", "data:2"]
+)
+def test_with_max_rows_the_default_pool_holds_them_and_the_rows_are_the_dense_ones(
+    toy_policy, dense, mesh_spec
+):
+    """max_rows=4 of 10 rows (--rollout_micro_batch; on data:2, 2 per shard) with the
+    default pool: it holds 4 rows at full length (2 per shard), so rows beyond them wait
+    and are evicted and restored, and every row ends with the dense engine's rows."""
+    config, _ = toy_policy
+    if mesh_spec is None:
+        prompts, reference, mesh = _prompts(config, LENGTHS), dense, None
+    else:
+        prompts = _prompts(config, LENGTHS[:4])
+        reference = _rows(*_run(toy_policy, FakeHandler(done_after=3), LIMITS, prompts))
+        mesh = parallel.make_mesh(mesh_spec, jax.devices()[:2])
+    paged = _rows(
+        *_run(
+            toy_policy, FakeHandler(done_after=3), LIMITS, prompts, mesh=mesh,
+            kv_cache_tokens=0, max_rows=4,
+        )
+    )  # fmt: skip
+    _assert_same_rows(reference, paged, logprob_atol=1e-4)
+    assert paged[2].pages_left == 0
+    assert mesh_spec or paged[2].evictions > 0  # on data:2 the toy rows end before
+
+
+def test_the_dense_engine_refuses_max_rows_below_its_rows(toy_model_dir):
+    """The compacted engine keeps a cache row per row for the whole trajectory: a Sampler
+    capping the rows decoding at once below a multi-turn rollout's refuses it (the trainer
+    refuses --rollout_micro_batch with --env on it at validation)."""
+    from jaxrl4llm.models import registry
+    from jaxrl4llm.sampling.frontend import Sampler
+    from jaxrl4llm.sampling.layout import RowLayout
+
+    config, params, tokenizer = registry.load_model(toy_model_dir)
+    args = (params, [[5, 6, 7]] * 2, SAMPLED, 8, jax.random.key(0), FakeHandler(), LIMITS)
+    with pytest.raises(FlagError, match="max_rows=2: multi-turn rollouts on the compacted"):
+        Sampler(config, tokenizer, max_rows=2).generate_turns(*args, RowLayout(2))

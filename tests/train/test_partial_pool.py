@@ -144,6 +144,47 @@ def test_on_a_mesh_a_pool_per_batch_shard_gives_the_same_steps(
     assert any(m["partial/carried_rows"] for _, m, _ in ours)
 
 
+@pytest.mark.parametrize("mesh_spec", [None, "data:2,fsdp:1,expert:1,tensor:1"])
+def test_with_max_rows_at_most_that_many_rows_decode_at_once(toy_model_dir, mesh_spec, monkeypatch):
+    """--rollout_micro_batch=4 of the 8 rows (Sampler(max_rows=4); on data:2, 2 per shard):
+    every decode segment takes that cap, the default pool holds the capped rows at full
+    length (12 + 12 tokens: 2 pages of 16 a row), and the steps are the one-device compacted
+    sampler's, whose calls hold every row."""
+    from jaxrl4llm.sampling import paged_rounds
+
+    config, params, tokenizer = registry.load_model(toy_model_dir)
+    stops = (3, 15)
+    reference = _steps(Sampler(config, tokenizer, stop_ids=stops), params, monkeypatch, steps=3)
+    mesh, D = None, 1
+    if mesh_spec:
+        mesh, D = parallel.make_mesh(mesh_spec, jax.devices()[:2]), 2
+    caps, pools = [], []
+    for lib, name in (
+        (paged_rounds.programs_lib, "segment"),
+        (paged_rounds.mesh_lib, "segment_shards"),
+    ):
+        program = getattr(lib, name)
+        monkeypatch.setattr(
+            lib, name, lambda *a, _p=program, **kw: caps.append(kw["max_rows"]) or _p(*a, **kw)
+        )
+    init = paged_rounds.StepPool.__init__
+    monkeypatch.setattr(
+        paged_rounds.StepPool,
+        "__init__",
+        lambda self, *a, **kw: pools.append(self) or init(self, *a, **kw),
+    )
+    sampler = Sampler(config, tokenizer, mesh=mesh, stop_ids=stops, kv_cache_tokens=0, max_rows=4)
+    ours = _steps(sampler, sampler.shard_params(params) if mesh else params, monkeypatch, steps=3)
+    assert caps and set(caps) == {4 // D}
+    assert pools and all(p.num_pages == 4 // D * 2 for p in pools)
+    for (a, ma, _), (b, mb, _) in zip(reference, ours, strict=True):
+        np.testing.assert_array_equal(b.tokens_BT, a.tokens_BT)
+        np.testing.assert_array_equal(b.lengths_B, a.lengths_B)
+        np.testing.assert_allclose(b.logprobs_BT, a.logprobs_BT, atol=1e-4, rtol=0)
+        assert ma["partial/decoded_tokens"] == mb["partial/decoded_tokens"]
+    assert any(m["partial/carried_rows"] for _, m, _ in ours)
+
+
 def test_only_the_paged_engine_on_one_host_uses_it(monkeypatch):
     """The compacted engine, or several hosts, run the rounds as sampler calls."""
     sampler = lambda tokens: types.SimpleNamespace(mesh=None, kv_cache_tokens=tokens)  # noqa: E731

@@ -70,6 +70,10 @@ def test_a_paged_run_equals_a_compacted_one(overrides, toy_model_dir, copy_task_
         (dict(mesh="data:2,fsdp:1,tensor:1", prompts_per_step=3), "whole groups"),
         (dict(kv_cache_tokens=100), "holds less than one group at full length"),
         (dict(rollout_engine="vllm"), "choose one of compacted, paged"),
+        (  # the dense multi-turn engine holds every row's cache: the cap is paged only
+            dict(rollout_engine="compacted", env="calculator", max_turns=3, rollout_micro_batch=8),
+            r"--rollout_micro_batch=8 with --env: .* use --rollout_engine=paged",
+        ),
     ],
 )
 def test_paged_combinations_refused_at_validation(
@@ -145,23 +149,31 @@ def test_decode_slots_is_an_alias_of_the_paged_engine(toy_model_dir, copy_task_f
         )
 
 
-@pytest.mark.parametrize("mesh", ["data:2,fsdp:1,tensor:1", "data:2,fsdp:1,tensor:2"])
-def test_a_multi_turn_run_on_pages(mesh, toy_model_dir, copy_task_file, tmp_path):
+@pytest.mark.parametrize(
+    "mesh,pool",
+    [("data:2,fsdp:1,tensor:1", dict(kv_cache_tokens=48)),
+     ("data:2,fsdp:1,tensor:2", dict(kv_cache_tokens=48)),
+     ("data:2,fsdp:1,tensor:1", dict(rollout_micro_batch=4))],
+    ids=["data2", "data2-tensor2", "data2-rollout-micro-batch"],
+)  # fmt: skip
+def test_a_multi_turn_run_on_pages(mesh, pool, toy_model_dir, copy_task_file, tmp_path):
     """--env with --rollout_engine=paged on data:2 (sampling/paged_turns_mesh.py: a pool per
     batch shard), and on data:2,tensor:2 (each shard's heads and pool split over its 2
-    devices), with pools of 3 pages (a row at full length: 2) for each shard's 4 rows
-    validates and runs a step (the samples equal the dense engine's:
+    devices), with pools of 3 pages (a row at full length: 2) for each shard's 4 rows, or
+    with --rollout_micro_batch=4 (2 rows of a shard decoding at once, the default pool
+    holding them: 4 pages) validates and runs a step (the samples equal the dense engine's:
     tests/sampling/test_paged_turns.py)."""
     import jax
 
     config = _config(
         toy_model_dir, copy_task_file, tmp_path, num_steps=1, max_new_tokens=12,
         env="calculator", max_turns=2, prompts_per_step=4, group_size=2,
-        rollout_engine="paged", kv_cache_tokens=48, mesh=mesh,
+        rollout_engine="paged", mesh=mesh, **pool,
     )  # fmt: skip
     devices = 4 if "tensor:2" in mesh else 2
     validate(config, num_devices=devices)
     loop.run(config, devices=jax.devices()[:devices])
     (record,) = read_metrics(str(tmp_path))
     assert 0 < record["response/length_mean"] <= 12
-    assert record["turns/evictions"] > 0  # 4 rows of 2 pages each in 3 pages, per shard
+    if "kv_cache_tokens" in pool:
+        assert record["turns/evictions"] > 0  # 4 rows of 2 pages each in 3 pages, per shard

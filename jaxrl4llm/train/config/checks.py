@@ -241,6 +241,12 @@ def _validate_turns(config: TrainConfig) -> None:
         f"--max_turns={t.max_turns} does not combine with --partial_rollout_tokens: "
         "multi-turn trajectories finish within their step; drop one of them.",
     )
+    require(
+        not (r.env and r.rollout_micro_batch and not r.paged),
+        f"--rollout_micro_batch={r.rollout_micro_batch} with --env: the compacted engine keeps "
+        "every multi-turn row's cache for its whole trajectory; use --rollout_engine=paged "
+        "(at most --rollout_micro_batch rows decode at once) or --rollout_micro_batch=0.",
+    )
 
 
 def _data_parallel(config: TrainConfig, num_devices: int) -> int:
