@@ -164,3 +164,18 @@ def test_without_batch_axes_takes_the_batchs_mesh_axes_out_of_the_weights():
         ("mlp", "tensor"),
         ("norm", None),
     )
+
+
+def test_traces_inside_lowering_for_choose_as_on_that_platform():
+    """parallel.backend() is the process's backend, or the one lowering_for names; a program
+    jitted and traced before is traced again inside it (and after it), not reused from the
+    other platform's trace; an unknown platform is refused."""
+    choice = jax.jit(lambda: jnp.int32({"cpu": 0, "gpu": 1, "tpu": 2}[parallel.backend()]))
+    assert parallel.backend() == jax.default_backend() == "cpu"
+    assert int(choice()) == 0
+    with parallel.lowering_for("tpu"):
+        assert parallel.backend() == "tpu" and int(choice()) == 2
+    assert parallel.backend() == "cpu" and int(choice()) == 0
+    with pytest.raises(ValueError, match="choose one of"):
+        with parallel.lowering_for("cuda"):
+            pass

@@ -48,6 +48,10 @@ profile prints that section for the worst case, every completion at --max_new_to
 The simulated devices are CPUs: the compiler is XLA's CPU backend, whose fusion and buffer
 decisions differ from the TPU / GPU compilers (and which cannot compile the splash / cuDNN
 attention kernels: attention is the chunked online softmax here, a close upper bound).
+--target_kernels (TPU topologies) also exports every program for the TPU with jax.export,
+the Pallas kernels the run calls there lowered to Mosaic (jaxrl4llm/planner/target.py), and
+prints each program's kernels; exit status 1 when one does not lower ("DOES NOT LOWER for
+tpu: update").
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ from absl import flags  # noqa: E402
 from experiments import train  # noqa: E402  (defines the training flags)
 from jaxrl4llm.config import cli  # noqa: E402
 from jaxrl4llm.config.options import require  # noqa: E402
-from jaxrl4llm.planner import programs, slots  # noqa: E402
+from jaxrl4llm.planner import programs, slots, target  # noqa: E402
 from jaxrl4llm.planner.report import (  # noqa: E402
     not_fitting_line,
     over_budget,
@@ -105,6 +109,14 @@ flags.DEFINE_string(
     "models/architectures.py ARCHITECTURES); default: from --model's name.",
 )
 flags.DEFINE_bool("markdown", False, "Print the table as Markdown (docs/scaling.md).")
+flags.DEFINE_bool(
+    "target_kernels",
+    False,
+    "Also export every program for the topology's platform (TPU; jax.export): the Pallas "
+    "splash and paged attention kernels the run calls there, which the CPU compile replaces, "
+    "lowered to Mosaic on the run's shapes and mesh; prints each program's kernels (exit 1, "
+    "last line DOES NOT LOWER, when one fails).",
+)
 flags.DEFINE_float(
     "completion_mean",
     None,
@@ -127,6 +139,8 @@ def main(argv):
     require(FLAGS.topology, "--topology is required (e.g. --topology=v5p-64).")
     with cli.flag_errors():
         topo = topology(FLAGS.topology)
+        if FLAGS.target_kernels:
+            target.check_topology(topo)
     require(
         jax.device_count() >= topo.num_devices,
         f"--topology={FLAGS.topology}: {topo.num_devices} devices needed, "
@@ -155,7 +169,8 @@ def main(argv):
     config.validate_context(
         model_config.max_position_embeddings, FLAGS.architecture or config.model.name
     )
-    result = programs.plan(config, model_config, topo, jax.devices()[: topo.num_devices])
+    devices = jax.devices()[: topo.num_devices]
+    result = programs.plan(config, model_config, topo, devices)
     print_plan(result, markdown=FLAGS.markdown)
     if None not in profile:
         print_slot_use(result, *profile)
@@ -163,10 +178,14 @@ def main(argv):
         profile = (config.rollout.max_new_tokens,) * 2
     if None not in profile:
         print_pool(result, *profile, markdown=FLAGS.markdown)
-    if over_budget(result):  # the last line names them; exit status 1
-        print(not_fitting_line(result))
-        return 1
-    return 0
+    ends = [not_fitting_line(result)] if over_budget(result) else []
+    if FLAGS.target_kernels:
+        lowered = target.target_kernels(config, model_config, topo, devices)
+        target.print_target(lowered, topo)
+        ends += [line for line in [target.not_lowering_line(lowered, topo)] if line]
+    for line in ends:  # the last lines name what does not fit or lower; exit status 1
+        print(line)
+    return 1 if ends else 0
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ class AttentionConfig:
         min_keys = 2 * self.packed_block if segmented else self.min_chunked_keys
         if num_queries == 1 or num_keys < min_keys:
             return "reference"
-        backend = jax.default_backend()
+        backend = parallel.backend()
         if backend == "tpu" and head_dim % 128 == 0:
             return "chunked" if prefixed else "splash"
         if backend == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
@@ -296,7 +296,7 @@ def _splash(
         block_q=bq, block_kv=bk, block_q_dkv=bq, block_kv_dkv=bk, block_q_dq=bq, block_kv_dq=bk
     )
     kernel = splash.make_splash_mqa_single_device(
-        mask, block_sizes=sizes, interpret=jax.default_backend() != "tpu"
+        mask, block_sizes=sizes, interpret=parallel.backend() != "tpu"
     )
     q = chunked_attention.pad_to(q_BKGTH, 3, bq)
     k = chunked_attention.pad_to(k_BKHS, 3, bk).swapaxes(2, 3)  # [B, K, Sp, H]

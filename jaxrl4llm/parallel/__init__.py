@@ -1,7 +1,9 @@
-"""Parallelism: the device mesh and multi-host start-up (mesh.py), and the logical-axis
-sharding rules that lay arrays out on it (sharding.py). Callers use `parallel.NAME`.
+"""Parallelism: the device mesh and multi-host start-up (mesh.py), the logical-axis
+sharding rules that lay arrays out on it (sharding.py) and the platform traces are for
+(backend.py). Callers use `parallel.NAME`.
 """
 
+from jaxrl4llm.parallel.backend import EXPORT_PLATFORMS, backend, lowering_for
 from jaxrl4llm.parallel.mesh import MESH_AXES, MeshSpec, make_mesh, maybe_initialize_distributed
 from jaxrl4llm.parallel.sharding import (
     DEFAULT_RULES,
@@ -25,10 +27,12 @@ from jaxrl4llm.parallel.sharding import (
 
 __all__ = [
     "DEFAULT_RULES",
+    "EXPORT_PLATFORMS",
     "MESH_AXES",
     "ActivationSharding",
     "LogicalRules",
     "MeshSpec",
+    "backend",
     "batch_sharding",
     "constrain",
     "constrain_tree",
@@ -36,6 +40,7 @@ __all__ = [
     "inside_batch_shard",
     "logical_to_partition_spec",
     "logical_to_sharding",
+    "lowering_for",
     "make_mesh",
     "maybe_initialize_distributed",
     "merge_strided",

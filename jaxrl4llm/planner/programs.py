@@ -172,6 +172,11 @@ class Setup:
     critic_bytes: float
     # The KV cache the planned devices' run allocates (float32 on the CPU test devices).
     cache_dtype: Any
+    platform: str | None = None  # jax.export's platform to lower for (None: these devices)
+
+    def lower(self, program: Any) -> Any:
+        """`program.lower`, or its export for `platform` (planner/target.py)."""
+        return program.lower if self.platform is None else program.export(self.platform)
 
     @property
     def config(self) -> TrainConfig:
@@ -314,7 +319,7 @@ def lower_sample(s: Setup, P: int) -> Any:
     program = s.programs.sample(
         Gs, sample_chunks, greedy=remax, cache_dtype=s.cache_dtype, rows=Bs, prompt_len=P
     )
-    return program.lower(*args, **kwargs)
+    return s.lower(program)(*args, **kwargs)
 
 
 def sample_row(s: Setup) -> tuple[Row, Rollout]:
@@ -351,13 +356,13 @@ def lower_logprobs(s: Setup, B: int, P: int, T: int) -> Any:
     --routing_replay, the old-policy pass's: the routing record beside them)."""
     replay = s.config.router.routing_replay
     seqs = abs_lib.sequences(s.mesh, B, P, T, s.programs.routing_record if replay else None)
-    return s.programs.logprobs(B).lower(s.params, seqs=seqs)
+    return s.lower(s.programs.logprobs(B))(s.params, seqs=seqs)
 
 
 def lower_values(s: Setup, B: int, P: int, T: int) -> Any:
     """PPO's critic values of B rows of P prompt and T completion columns."""
     seqs = abs_lib.sequences(s.mesh, B, P, T)
-    return s.programs.values(B).lower(s.critic_state.params, seqs=seqs)
+    return s.lower(s.programs.values(B))(s.critic_state.params, seqs=seqs)
 
 
 def teacher_forced_rows(s: Setup) -> list[Row]:
@@ -434,13 +439,14 @@ def lower_update(s: Setup, P: int, N: int) -> Any:
     classes = length_classes(N, c.update.micro_batch_length_classes) if sort else ()
     program = s.programs.policy_update(s.programs.update_group(batch), classes)
     frozen = s.base if s.lora else None
-    return program.lower(s.state, policy_batch, packed=packed, frozen=frozen, dropout_key=None)
+    return s.lower(program)(s.state, policy_batch, packed=packed, frozen=frozen, dropout_key=None)
 
 
 def lower_critic_update(s: Setup, P: int, N: int) -> Any:
     """PPO's critic update on a mini-batch of P prompt and N completion columns."""
     batch = mini_batch(s, P, N)
-    return s.programs.critic_update(s.programs.update_group(batch)).lower(s.critic_state, batch)
+    program = s.programs.critic_update(s.programs.update_group(batch))
+    return s.lower(program)(s.critic_state, batch)
 
 
 def update_rows(s: Setup) -> list[Row]:

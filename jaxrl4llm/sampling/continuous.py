@@ -79,7 +79,7 @@ def drain_floor() -> int:
     computes free slots: the last long rows run alone. On CPU a decode step costs about its
     rows' compute down to one row, so it halves down to one slot there; on accelerators a
     step below decode.MIN_COMPACT_ROWS rows costs about the weights' read whatever the rows."""
-    return 1 if jax.default_backend() == "cpu" else decode.MIN_COMPACT_ROWS
+    return 1 if parallel.backend() == "cpu" else decode.MIN_COMPACT_ROWS
 
 
 def refill_rows(slots: int, multiple: int = 1) -> int:

@@ -52,7 +52,7 @@ def cache_dtype_of(compute_dtype: Any, backend: str | None = None) -> Any:
     cache write to float32 out of place (a copy of the layer's cache per step), and float32
     attention over the cache costs about the same as bfloat16. `backend` (default: jax's)
     lets a planner on CPU choose as the planned accelerator's run would."""
-    backend = backend or jax.default_backend()
+    backend = backend or parallel.backend()
     return jnp.float32 if backend == "cpu" else jnp.dtype(compute_dtype)
 
 

@@ -28,6 +28,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxrl4llm import parallel
 from jaxrl4llm.models.config import ModelConfig
 
 # Pages the Pallas kernel reads per step: 128 tokens of 16-token pages.
@@ -160,7 +161,7 @@ def pallas_attention(
     block = min(pages_per_block, M)
     scratch = k_pages_KNPH.shape[1] - 1
     table_SM = jnp.pad(table_SM, ((0, 0), (0, -M % block)), constant_values=scratch)
-    on_tpu = jax.default_backend() == "tpu"
+    on_tpu = parallel.backend() == "tpu"
     with contextlib.nullcontext() if on_tpu else pltpu.force_tpu_interpret_mode():
         return paged_attention(
             q_SNH,

@@ -54,6 +54,15 @@ def other_axes(mesh: Mesh | AbstractMesh, rules: parallel.LogicalRules) -> str:
     return ",".join(f"{a}:{n}" for a, n in mesh.shape.items() if n > 1 and a not in axes)
 
 
+def manual_axes(mesh: Mesh | AbstractMesh, rules: parallel.LogicalRules) -> frozenset[str]:
+    """The axes a batch shard's jax.shard_map is manual over: the batch axes, and every axis
+    where no other one splits anything. A body left an automatic axis, even of size 1, is
+    partitioned by XLA, which cannot partition a Pallas (Mosaic) call; inside_shard gives
+    such a body no sharding, so it calls its kernels (splash, paged attention) bare."""
+    axes = batch_axes(mesh, rules)
+    return frozenset(axes if other_axes(mesh, rules) else mesh.axis_names)
+
+
 def inside_shard(mesh: Mesh, rules: parallel.LogicalRules) -> parallel.ActivationSharding | None:
     """A batch shard's activation sharding under jax.shard_map manual over the batch axes
     (the other axes left to the partitioner): None where no other axis splits anything (the
@@ -143,7 +152,7 @@ def generate_sharded(
         mesh=mesh,
         in_specs=(whole, (row,) * 4, whole, whole, {k: row for k in optional}),
         out_specs=out_specs,
-        axis_names=frozenset(axes),
+        axis_names=manual_axes(mesh, rules),
         check_vma=False,
     )
     return run(params, inputs[:4], inputs[4], inputs[5], optional)

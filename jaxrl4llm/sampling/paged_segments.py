@@ -172,7 +172,7 @@ def segment(
         mesh=mesh,
         in_specs=(P(), rows, rows, P(), P()),
         out_specs=rows,
-        axis_names=frozenset(axes),
+        axis_names=paged_mesh.manual_axes(mesh, rules),
         check_vma=False,
     )
     out = run(params, queue, state, stop_ids_S, pad_id)

@@ -40,7 +40,7 @@ def uses_kernel(attention: str, model_config: ModelConfig) -> bool:
             "window; this model's layers have one (use 'reference' or 'auto')."
         )
     if attention == "auto":
-        tpu = jax.default_backend() == "tpu"
+        tpu = parallel.backend() == "tpu"
         return tpu and not windowed and model_config.head_dim % 128 == 0
     return attention == "pallas"
 

@@ -82,14 +82,14 @@ def map_shards(
     body: Any, mesh: Mesh, rules: parallel.LogicalRules, args: tuple, specs: tuple
 ) -> Any:
     """`body` on each shard's parts of `args` (specs: P(axes) split, P() whole), manual over
-    the batch axes only; the state it returns laid out as `layout`."""
+    the batch axes (paged_mesh.manual_axes); the state it returns laid out as `layout`."""
     axes = paged_mesh.batch_axes(mesh, rules)
     run = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=specs,
         out_specs=P(axes),
-        axis_names=frozenset(axes),
+        axis_names=paged_mesh.manual_axes(mesh, rules),
         check_vma=False,
     )
     out = run(*args)

@@ -170,7 +170,7 @@ def logprobs_from_hidden(
     # XLA's CPU compiler aborts on the bfloat16 all-reduce that sums this input's gradient
     # over the devices (AllReducePromotion: "Invalid binary instruction opcode copy"), so on
     # CPU the matrix crosses the boundary in float32 (and its gradient is summed in float32).
-    boundary = jnp.float32 if jax.default_backend() == "cpu" else dtype
+    boundary = jnp.float32 if parallel.backend() == "cpu" else dtype
     # Varying before the cast, so the gradient's sum over devices happens in `boundary`.
     per_device = lambda w, h, t: chunked(  # noqa: E731
         jax.lax.pcast(w, rows, to="varying").astype(dtype), h, t
