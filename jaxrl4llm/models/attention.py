@@ -251,9 +251,12 @@ def _per_device(
     batch = sharding.spec(("batch",), (B,))[0]
     heads = sharding.spec(("kv_heads",), (K,))[0]
     P = jax.sharding.PartitionSpec
+    # Traced inside a shard_map (a batch shard's engine, sampling/paged_mesh.py), the kernel's
+    # shard_map takes that context's mesh (its batch axes manual), whatever `sharding` holds.
+    context = jax.sharding.get_abstract_mesh()
     return jax.shard_map(
         run,
-        mesh=sharding.mesh,
+        mesh=context if context.manual_axes else sharding.mesh,
         in_specs=(P(batch, heads), P(batch, heads), P(batch, heads)) + (P(batch),) * len(rows),
         out_specs=P(batch, heads),
         check_vma=False,
