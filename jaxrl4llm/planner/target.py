@@ -66,10 +66,13 @@ def target_kernels(
 def check_topology(topo: Topology) -> None:
     """Refuses a topology whose kernels cannot be lowered here (FlagError: module docstring)."""
     if topo.backend != "tpu":
+        why = {
+            "gpu": "whose cuDNN attention JAX lowers only where CUDA is installed",
+            "cpu": "whose programs the plan compiles already",
+        }[topo.backend]
         raise FlagError(
             f"--target_kernels lowers the TPU kernels; --topology={topo.name} runs on "
-            f"{topo.backend}, whose cuDNN attention JAX lowers only where CUDA is installed. "
-            "Use a TPU topology (e.g. v5p-64) or drop --target_kernels."
+            f"{topo.backend}, {why}. Use a TPU topology (e.g. v5p-64) or drop --target_kernels."
         )
 
 

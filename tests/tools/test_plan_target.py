@@ -100,7 +100,15 @@ def test_a_program_that_does_not_lower_is_named_with_its_error(monkeypatch, caps
     assert "update         DOES NOT LOWER: NotImplementedError" in capsys.readouterr().out
 
 
-def test_a_gpu_topology_is_refused_before_planning(monkeypatch):
+@pytest.mark.parametrize("name", ["8xh100", "cpu-8"])
+def test_a_topology_not_on_tpus_is_refused_before_planning(name, monkeypatch, capsys):
+    """By target_kernels, and by tools/plan.py before it plans anything (exit 2)."""
     config = _config(monkeypatch)
-    with pytest.raises(FlagError, match=r"--topology=8xh100 runs on gpu.*Use a TPU topology"):
-        target.target_kernels(config, MODEL, topology("8xh100"), jax.devices()[:8])
+    with pytest.raises(FlagError, match=rf"--topology={name} runs on .*Use a TPU topology"):
+        target.target_kernels(config, MODEL, topology(name), jax.devices()[:8])
+    try:
+        flags.FLAGS(["plan", FLAGFILE, f"--topology={name}", "--target_kernels"])
+        assert plan.cli.exit_code(plan.main, []) == 2
+    finally:
+        flags.FLAGS.unparse_flags()
+    assert "Use a TPU topology" in capsys.readouterr().err

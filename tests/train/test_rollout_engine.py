@@ -70,6 +70,11 @@ def test_a_paged_run_equals_a_compacted_one(overrides, toy_model_dir, copy_task_
         (dict(mesh="data:2,fsdp:1,tensor:1", prompts_per_step=3), "whole groups"),
         (dict(kv_cache_tokens=100), "holds less than one group at full length"),
         (dict(rollout_engine="vllm"), "choose one of compacted, paged"),
+        (  # the compacted engine has no pool: the flag would do nothing
+            dict(rollout_engine="compacted", kv_cache_tokens=512),
+            r"--kv_cache_tokens=512 sizes the paged engine's page pool, which "
+            r"--rollout_engine=compacted does not use",
+        ),
         (  # the dense multi-turn engine holds every row's cache: the cap is paged only
             dict(rollout_engine="compacted", env="calculator", max_turns=3, rollout_micro_batch=8),
             r"--rollout_micro_batch=8 with --env: .* use --rollout_engine=paged",

@@ -36,9 +36,8 @@ def check_installed(names: tuple[str, ...]) -> None:
         module, extra = PACKAGES[name]
         if importlib.util.find_spec(module) is None:
             raise DependencyError(
-                f"--trackers={name} needs the {module} package, which is not "
-                f"installed: pip install '{extra}' (or drop {name} from "
-                "--trackers)."
+                f"--trackers={name} needs the {module} package, which is not installed: "
+                f"pip install '{extra}' (or drop {name} from --trackers)."
             )
 
 
@@ -80,12 +79,11 @@ def validate_all(
         )
     _validate_data(config)
     run, e = config.run, config.evaluation
+    workdir = run.workdir
     require(
-        paths.is_remote(run.workdir)
-        or not os.path.exists(run.workdir)
-        or os.path.isdir(run.workdir),
-        f"--workdir={run.workdir} is a file, not a folder: name a new or existing "
-        "folder for the run's outputs.",
+        paths.is_remote(workdir) or not os.path.exists(workdir) or os.path.isdir(workdir),
+        f"--workdir={workdir} is a file, not a folder: name a new or existing folder for the "
+        "run's outputs.",
     )
     require(
         e.eval_every >= 0 and e.eval_prompts >= -1 and e.eval_samples >= 1,
@@ -109,10 +107,7 @@ def validate_all(
         "--norecompute_old_logprobs pi_old is the sampler's (ratio 1); set "
         "--recompute_old_logprobs or drop --is_correction.",
     )
-    require(
-        not (a.advantage == "remax" and num_hosts > 1),
-        rounds.ONE_HOST_ONLY,
-    )
+    require(not (a.advantage == "remax" and num_hosts > 1), rounds.ONE_HOST_ONLY)
     _validate_rollout_inputs(a)
     config.optimizer.validate()
     config.lora.validate()
@@ -297,14 +292,18 @@ def _validate_engine(config: TrainConfig, num_devices: int, data_parallel: int |
         f"--rollout_engine={r.rollout_engine!r}: choose one of {', '.join(ROLLOUT_ENGINES)}.",
     )
     require(r.kv_cache_tokens >= 0, f"--kv_cache_tokens={r.kv_cache_tokens} must be >= 0.")
+    require(
+        r.rollout_engine == "paged" or not r.kv_cache_tokens,
+        f"--kv_cache_tokens={r.kv_cache_tokens} sizes the paged engine's page pool, which "
+        f"--rollout_engine={r.rollout_engine} does not use: add --rollout_engine=paged or drop it.",
+    )
     if not r.paged:
         return
     if r.decode_slots:
         logging.warning(
             "--decode_slots is a deprecated alias and goes in the next release: use "
             "--rollout_engine=paged --kv_cache_tokens=%d (the KV %d slots held).",
-            r.pool_tokens,
-            r.decode_slots,
+            *(r.pool_tokens, r.decode_slots),
         )
     engine = "--rollout_engine=paged" + (" (--decode_slots)" if r.decode_slots else "")
     turns = bool(r.env) or r.turns.max_turns > 1
