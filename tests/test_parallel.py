@@ -179,3 +179,18 @@ def test_traces_inside_lowering_for_choose_as_on_that_platform():
     with pytest.raises(ValueError, match="choose one of"):
         with parallel.lowering_for("cuda"):
             pass
+
+
+def test_no_module_but_backend_py_asks_jax_for_the_backend():
+    """Trace-time choices by platform read parallel.backend() (docs/architecture.md,
+    "Invariants"): a jax.default_backend() call elsewhere in the package would make a
+    program exported for a TPU differ from the one a TPU runs."""
+    import pathlib
+
+    package = pathlib.Path(parallel.__file__).parents[1]
+    callers = [
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if "default_backend()" in path.read_text() and path.name != "backend.py"
+    ]
+    assert callers == []
