@@ -116,8 +116,10 @@ class StepPool:
         # At most the sampler's max_rows decode at once (its shard's part; the default pool
         # holds them at full length), as the single-turn engine's.
         self.max_rows = paged.shard_decode_rows(sampler.max_rows, D, group)
-        tokens, rows = sampler.kv_cache_tokens or 0, min(self.n, self.max_rows or self.n)
-        self.num_pages = paged_turns.pool_pages(tokens, rows, W, max_new_tokens)
+        rows = paged_turns.decoding_rows(self.n, self.max_rows)
+        self.num_pages = paged_turns.pool_pages(
+            sampler.kv_cache_tokens or 0, rows, W, max_new_tokens
+        )
         self.M = pages_lib.pages_for(W + max_new_tokens, paged.PAGE_SIZE)
         weights = turn_programs.decode_weights(params, config, None)
         if mesh is not None:

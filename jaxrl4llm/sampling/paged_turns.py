@@ -91,7 +91,7 @@ def start(
     every row's first token, the rest evicted; the programs (multiturn.run's start), at most
     `max_rows` rows decoding at once (0: every row)."""
     batch, plen_B = rows.batch, prompt_lengths(rows.batch)
-    rows_at_once = decoding_rows(batch, max_rows)
+    rows_at_once = decoding_rows(int(batch.active_B.sum()), max_rows)
     num_pages = pool_pages(kv_cache_tokens, rows_at_once, longest(plen_B, batch), settings.budget)
     pages = first_pages(batch, rows.prompt_group, settings, num_pages)
     args, static = prefill_args(rows, settings, num_pages)
@@ -100,12 +100,11 @@ def start(
     return admit(programs, state, pages.admitted_B), programs
 
 
-def decoding_rows(batch: buckets.PromptBatch, max_rows: int) -> int:
-    """The rows of `batch` decoding at once, those a default pool holds at full length: its
-    active rows, at most `max_rows` (0: no cap); one for a batch with no active row (every
-    prompt dropped), which still gets a pool."""
-    active = max(int(batch.active_B.sum()), 1)
-    return min(active, max_rows or active)
+def decoding_rows(rows: int, max_rows: int) -> int:
+    """Of `rows` rows, those decoding at once, which a default pool holds at full length: at
+    most `max_rows` (0: no cap); one with no row (every prompt dropped: still a pool)."""
+    rows = max(rows, 1)
+    return min(rows, max_rows or rows)
 
 
 def prompt_lengths(batch: buckets.PromptBatch) -> np.ndarray:

@@ -348,7 +348,7 @@ def start(
     paged_mesh.check_rows(B, D, rows.prompt_group)
     n, local_rows = B // D, paged.shard_decode_rows(max_rows, D, rows.prompt_group)
     shards = [_batch_rows(batch, slice(d * n, (d + 1) * n), d * n) for d in range(D)]
-    active = max(paged_turns.decoding_rows(b, local_rows) for b in shards)
+    active = max(paged_turns.decoding_rows(int(b.active_B.sum()), local_rows) for b in shards)
     plen_B = paged_turns.prompt_lengths(batch)
     longest = paged_turns.longest(plen_B, batch)
     num_pages = paged_turns.pool_pages(kv_cache_tokens, active, longest, settings.budget)
