@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm.rl.metrics import Metric
-from jaxrl4llm.sampling import buckets, decode, paged, paged_mesh, paged_segments, trim
+from jaxrl4llm.sampling import buckets, decode, paged_mesh, paged_segments, paged_state, trim
 from jaxrl4llm.sampling.context import has_spread
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.row_io import RowRequest, every_host, prompt_rows
@@ -372,7 +372,7 @@ def _assemble(batch: list[_Group], run: _Run, engine: paged_segments.Driver) -> 
 def _record(batch: list[_Group], run: _Run, width: int) -> dict[str, jax.Array]:
     """The batch's routing record: each prompt's experts at its real columns (zeros on the
     padding, as the samplers leave them) and each completion's; zeros for dropped prompts."""
-    L, K, E = paged.record_shape(run.sampler.model_config) or (0, 0, 0)
+    L, K, E = paged_state.record_shape(run.sampler.model_config) or (0, 0, 0)
     dtype = decode.expert_id_dtype(E)
     G, N = run.G, run.max_new_tokens
     prompt_BPLK = np.zeros((len(batch) * G, width, L, K), dtype)

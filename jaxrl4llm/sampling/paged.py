@@ -9,9 +9,10 @@ when a row ends: the same memory holds more rows at a time, which is what contin
 needs to pay for itself.
 
 The whole rollout is one compiled program, like continuous.py's: one lax.while_loop whose
-body (1) gives every live row crossing a page boundary a new page, (2) decodes one token for
-each of the `max_rows` decode rows, (3) returns the pages of rows that ended, then admits
-waiting groups while they fit. Groups are prefilled `refill_groups` at a time into a dense
+body admits waiting groups while they fit, then (1) gives every live row crossing a page
+boundary a new page, (2) decodes one token for each of the `max_rows` decode rows, (3)
+returns the pages of rows that ended (a step with no live row computes nothing). Groups are
+prefilled `refill_groups` at a time into a dense
 pending block (a prompt's KV written once, its G samples' first tokens drawn there); moving a
 group into the pool writes its full prompt pages once, shared by its G rows (reference count
 G), and copies the last partial prompt page into one private page per row (copy-on-write done
@@ -190,7 +191,7 @@ def generate_paged(
     queue = continuous.row_queue(
         prompt_BP, prompt_mask_BP, active_B, row_keys_B, greedy_B, row_caps_B, N
     )
-    record = record_shape(model_config) if record_routing else None
+    record = paged_state.record_shape(model_config) if record_routing else None
     engine = Engine.of(
         params, queue, model_config, sampling, stop_ids_S, pad_id, S, G, sharding, attention,
         record is not None,
@@ -198,26 +199,9 @@ def generate_paged(
     pool = pages_lib.init_pool(model_config, num_pages, page_size, cache_dtype)
     pending = kv_cache.init_kv_cache(model_config, refill_groups(S, G), P, cache_dtype)
     start = paged_state.initial_state(queue, pool, pending, S, G, N, pad_id, record)
-    start = engine.admit(paged_state.split_heads(start, sharding))
-    more = functools.partial(more_work, engine.num_groups)
-    state = jax.lax.while_loop(more, engine.iterate, start)
+    more = functools.partial(paged_state.more_work, engine.num_groups)
+    state = jax.lax.while_loop(more, engine.iterate, paged_state.split_heads(start, sharding))
     return paged_state.output(state)
-
-
-def record_shape(model_config: ModelConfig) -> tuple[int, int, int] | None:
-    """(MoE layers, experts per token, experts) of the routing record; None: dense."""
-    if not model_config.moe_layers:
-        return None
-    moe = model_config.moe
-    return len(model_config.moe_layers), moe.experts_per_token, moe.num_experts
-
-
-def _waiting(s: paged_state.PagedState, num_groups: jax.Array) -> jax.Array:
-    return (s.next_group < num_groups) | (s.retry_len > 0) | (s.pend_next < s.pend_end)
-
-
-def more_work(num_groups: jax.Array, s: paged_state.PagedState) -> jax.Array:
-    return _waiting(s, num_groups) | jnp.any(s.rows.live_S)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -332,8 +316,10 @@ class Engine:
         )
 
     def iterate(self, s: paged_state.PagedState) -> paged_state.PagedState:
-        """One iteration of the engine's loop: a decode step, then admission."""
-        return paged_state.split_heads(self.admit(self.step(s)), self.sharding)
+        """One iteration of the engine's loop: admission, then a decode step. (Admission comes
+        first so that the loop holds the only copy of the prefill: one admitting before the
+        loop too compiled the model's prefill twice, 2 of the quickstart's 9 s.)"""
+        return paged_state.split_heads(self.step(self.admit(s)), self.sharding)
 
     def _first_tokens(self, logits_JV: jax.Array, row_JG: jax.Array) -> tuple[jax.Array, ...]:
         """Each row's first completion token from its group's prompt logits."""
@@ -425,7 +411,8 @@ class Engine:
                 *self._step_args(x), length_S, page_S, x.table_SM, pool, self.sharding
             )
             fed = self._fed(experts)
-            return *self._sample(logits, x), pool, jnp.int32(live_S.shape[0]), fed
+            computed = jnp.where(jnp.any(live_S), live_S.shape[0], 0)
+            return *self._sample(logits, x), pool, computed, fed
         sizes = paged_step.row_levels(live_S.shape[0], self.floor)
         widths = paged_step.widths(x.table_SM.shape[1])
         row_level = jnp.sum(jnp.sum(live_S) <= jnp.array(sizes), dtype=jnp.int32) - 1
@@ -434,11 +421,13 @@ class Engine:
         branches = [
             functools.partial(self._decode_first, size, width) for size in sizes for width in widths
         ]
-        tok_S, lp_S, k_LSKH, v_LSKH, fed = jax.lax.switch(
-            row_level * len(widths) + width_level, branches, x, pool
-        )
+        # No live row (the last groups admitted all ended at their first token): no step.
+        idle = jnp.logical_not(jnp.any(live_S))
+        branches.append(functools.partial(self._idle, jax.eval_shape(branches[-1], x, pool)))
+        index = jnp.where(idle, len(branches) - 1, row_level * len(widths) + width_level)
+        tok_S, lp_S, k_LSKH, v_LSKH, fed = jax.lax.switch(index, branches, x, pool)
         pool = paged_step.write_new_tokens(pool, page_S, x.position_S, k_LSKH, v_LSKH)
-        return tok_S, lp_S, pool, jnp.array(sizes, jnp.int32)[row_level], fed
+        return tok_S, lp_S, pool, jnp.where(idle, 0, jnp.array(sizes, jnp.int32)[row_level]), fed
 
     def _step_args(
         self, x: paged_state.DecodeRows
@@ -471,6 +460,12 @@ class Engine:
         new_kv = jax.tree.map(lambda a: pad(a.astype(pool.k_pages[0].dtype)), (ks, vs))
         fed = self._fed(experts)
         return pad(tok, self.pad_id), pad(lp), *new_kv, None if fed is None else pad(fed)
+
+    def _idle(self, shapes: Any, x: paged_state.DecodeRows, pool: PagePool) -> Any:
+        """A decode branch's outputs (`shapes`) for no live row: pad tokens, zeros."""
+        del x, pool
+        tok, *rest = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+        return jnp.full_like(tok, self.pad_id), *rest
 
     def _fed(self, experts_S1LK: jax.Array | None) -> jax.Array | None:
         """The fed tokens' experts [S, L, K] when recording, else None."""

@@ -100,7 +100,7 @@ def start(
     pages, `decode_rows` free decode rows, nothing admitted (`params`: decode_weights's);
     with `record_routing` (a mixture of experts) an empty routing record."""
     dtype = decode.cache_dtype_for(params)
-    record = paged.record_shape(model_config) if record_routing else None
+    record = paged_state.record_shape(model_config) if record_routing else None
 
     def one(queue: continuous.Queue) -> PagedState:
         pool = pages_lib.init_pool(model_config, num_pages, paged.PAGE_SIZE, dtype)
@@ -153,13 +153,13 @@ def segment(
 
         def more(carry: tuple[jax.Array, PagedState]) -> jax.Array:
             steps, s = carry
-            return (steps < max_steps) & paged.more_work(engine.num_groups, s)
+            return (steps < max_steps) & paged_state.more_work(engine.num_groups, s)
 
         def body(carry: tuple[jax.Array, PagedState]) -> tuple[jax.Array, PagedState]:
             steps, s = carry
             return steps + 1, engine.iterate(s)
 
-        start = engine.admit(paged_state.split_heads(state, engine.sharding))
+        start = paged_state.split_heads(state, engine.sharding)
         state = jax.lax.while_loop(more, body, (jnp.int32(0), start))[1]
         return jax.tree.map(lambda x: x[None], state)
 

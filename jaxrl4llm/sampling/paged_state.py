@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models import kv_cache
+from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import continuous, decode
 from jaxrl4llm.sampling import page_pool as pages_lib
 from jaxrl4llm.sampling.page_pool import PagePool
@@ -219,11 +220,12 @@ def record_fed(
 
 
 def count(stats: PagedStats, live_S: jax.Array, pages_in_use: jax.Array) -> PagedStats:
+    """`stats` with one more decode step (none when no row is live: nothing decoded)."""
     n = jnp.sum(live_S, dtype=jnp.int32)
     return stats.replace(
-        steps=stats.steps + 1,
+        steps=stats.steps + (n > 0),
         live_rows=stats.live_rows + n,
-        pages_in_use=stats.pages_in_use + pages_in_use,
+        pages_in_use=stats.pages_in_use + jnp.where(n > 0, pages_in_use, 0),
         decoded=stats.decoded + n,
     )
 
@@ -399,3 +401,18 @@ def split_heads(s: PagedState, sharding: parallel.ActivationSharding | None) -> 
         v_BKSH=tuple(on(x, kv_cache.V_CACHE_LOGICAL_AXES) for x in cache.v_BKSH),
     )
     return s.replace(pool=pool, pending=s.pending.replace(cache=cache))
+
+
+def record_shape(model_config: ModelConfig) -> tuple[int, int, int] | None:
+    """(MoE layers, experts per token, experts) of the routing record; None: dense."""
+    if not model_config.moe_layers:
+        return None
+    moe = model_config.moe
+    return len(model_config.moe_layers), moe.experts_per_token, moe.num_experts
+
+
+def more_work(num_groups: jax.Array, s: PagedState) -> jax.Array:
+    """The engine's loop goes on: a group waits (queued, preempted or pending) or a row is
+    live."""
+    waiting = (s.next_group < num_groups) | (s.retry_len > 0) | (s.pend_next < s.pend_end)
+    return waiting | jnp.any(s.rows.live_S)

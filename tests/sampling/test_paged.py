@@ -131,6 +131,21 @@ def test_a_groups_prompt_pages_are_held_once(toy_policy):
     assert stats.pages_in_use == 2 * (2 + 4)
 
 
+def test_rows_that_all_end_at_their_first_token_take_no_decode_step(toy_policy):
+    """One new token a row: the prefill draws every row's token, so the loop's iterations
+    admit the groups and decode nothing: no step, no row computed, no page held; the
+    compacted sampler's tokens."""
+    config, params = toy_policy
+    prompts = _prompts(config, [3, 11, 6, 2, 9])
+    args = (params, config, prompts, SAMPLED, 1, jax.random.key(5))
+    a = sampler.generate(*args, n=4, stop_ids=STOP)
+    b = sampler.generate(*args, n=4, stop_ids=STOP, kv_cache_tokens=0, max_rows=8)
+    np.testing.assert_array_equal(b.tokens_BT, a.tokens_BT)
+    np.testing.assert_array_equal(b.lengths_B, np.ones(20))
+    stats = jax.tree.map(int, b.engine_stats)
+    assert (stats.steps, stats.live_rows, stats.pages_in_use, int(b.slot_steps)) == (0, 0, 0, 0)
+
+
 def test_dropped_prompts_greedy_rows_and_row_caps(toy_policy):
     """Dropped prompts (no rows queued), ReMax's greedy last row and per-row caps decode as in
     the compacted sampler."""
