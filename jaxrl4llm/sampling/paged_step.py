@@ -135,9 +135,17 @@ def _paged_kv(
     valid_SL: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array, int, tuple[jax.Array, jax.Array]]:
     """apply_layer's kv_fn: the rows' pages gathered as dense keys and values (page_pool's
-    reference path), the new token's key and value placed in that copy at its slot."""
+    reference path), the new token's key and value placed in that copy at its slot.
+
+    The gather reads only the pool and the tables, so nothing orders it after the layers
+    before this one: XLA scheduled every layer's gather at the step's start, each layer's
+    dense copy live at once (as much memory again as the rows' pages; a planned 7B rollout
+    on v5p did not fit). The tables read through this layer's new key (a select XLA cannot
+    fold; an optimization barrier was simplified away) make the gather wait for the layer's
+    input, so one layer's copy is live at a time."""
     S = position_S.shape[0]
     rows = jnp.arange(S)
+    table_SM = jnp.where(jnp.isinf(k_SKH1[:, :1, 0, 0]), 0, table_SM)  # a key is never inf
     keys = pages_lib.gather_keys(k_pages, table_SM)
     values = pages_lib.gather_values(v_pages, table_SM)
     keys = keys.at[rows, :, :, position_S].set(k_SKH1[..., 0].astype(keys.dtype), mode="drop")
