@@ -147,7 +147,6 @@ def refill_groups(max_rows: int, group: int) -> int:
 STATIC = (
     *decode.STATIC_SETTINGS,
     *("max_rows", "num_pages", "page_size", "cache_dtype", "attention", "record_routing"),
-    "laid_out",
 )
 
 
@@ -175,20 +174,19 @@ def generate_paged(
     cache_dtype: Any = None,
     attention: str = "auto",
     record_routing: bool = False,
-    laid_out: bool = False,
 ) -> paged_state.PagedOutput:
     """The compiled paged sampler over one bucket (arguments as sampler.generate_tokens): the
     active rows decode `max_rows` at a time from a pool of `num_pages` pages of `page_size`
     tokens, groups of `prompt_group` rows admitted as pages free (module docstring); decode
     attention by `attention` (paged_step.uses_kernel). `record_routing` (a mixture of
     experts): the output holds each prompt and completion token's experts, as the compacted
-    sampler records them. `laid_out`: `params` are decode.loop_params's already."""
+    sampler records them."""
     B, P = prompt_BP.shape
     N, G = max_new_tokens, prompt_group
     S = max(G, min(max_rows, B) // G * G)
     check_pool(num_pages, P, N, G, page_size)
     params, sharding, cache_dtype = decode.loop_setup(
-        params, model_config, mesh, rules, cache_dtype, laid_out
+        params, model_config, mesh, rules, cache_dtype
     )
     queue = continuous.row_queue(
         prompt_BP, prompt_mask_BP, active_B, row_keys_B, greedy_B, row_caps_B, N

@@ -91,7 +91,7 @@ def check_rows(rows: int, D: int, group: int) -> None:
         raise FlagError(
             f"{ENGINE} on {D} batch shards gives each shard whole groups: {rows} rows are not "
             f"a multiple of {D} shards x {group} rows per group; pad the batch to a multiple "
-            f"of {D * group} rows (the trainer: --prompts_per_step a multiple of {D})."
+            f"of {D * group} rows or use --rollout_engine=compacted."
         )
 
 
@@ -116,9 +116,7 @@ def generate_sharded(
     """paged.generate_paged (the same arguments; `inputs`: prompt_BP, prompt_mask_BP,
     active_B, row_keys_B, stop_ids_S, pad_id) on each batch shard of `mesh`, with no mesh:
     the shard's rows, `max_rows` (all shards) split over the shards, and `settings`
-    (num_pages: each shard's pool, the rest as generate_paged's). The weights are laid out
-    for the shards' loops before them, once (decode_weights: the batch axes' shards
-    gathered, in the compute dtype, as decode.loop_params's named collectives)."""
+    (num_pages: each shard's pool, the rest as generate_paged's)."""
     D, G = shards(mesh, rules), prompt_group
     check_rows(inputs[0].shape[0], D, G)
     axes = batch_axes(mesh, rules)
@@ -135,7 +133,7 @@ def generate_sharded(
         on = {} if shard is None else {"mesh": shard.mesh, "rules": shard.rules}
         out = paged.generate_paged(
             params, *rows, stop, pad, max_rows=local_rows, prompt_group=G, **on,
-            **optional, **settings, laid_out=True,
+            **optional, **settings,
         )  # fmt: skip
         total = lambda a: jax.lax.psum(a, axes)  # noqa: E731
         return out.replace(slot_steps=total(out.slot_steps), stats=jax.tree.map(total, out.stats))
@@ -157,8 +155,7 @@ def generate_sharded(
         axis_names=manual_axes(mesh, rules),
         check_vma=False,
     )
-    weights = decode_weights(params, settings["model_config"], mesh, rules)
-    return run(weights, inputs[:4], inputs[4], inputs[5], optional)
+    return run(params, inputs[:4], inputs[4], inputs[5], optional)
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "mesh", "rules"))
