@@ -21,10 +21,15 @@ onto the tokens' devices. XLA:CPU has no ragged all-to-all and a dense all-to-al
 dropless only with k * expert times the buffer, while these two collectives move
 tokens x width x (expert - 1) each way per device: the bytes of an ideal all-to-all of
 the k token copies when expert = k, fewer when expert < k (Qwen3-30B-A3B: k = 8).
+Where the caller already runs per device over the experts' axes (a jax.shard_map body
+manual over them, the paged engine's batch shards: sampling/paged_mesh.py), a layer holds
+only its device's experts and `_manual_experts` makes the same exchange without a
+shard_map of its own.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -160,7 +165,9 @@ def moe_mlp(
         logits_BTE, config.moe.experts_per_token, config.moe.norm_topk_prob, experts_BTK
     )
     w = (lp["expert_gate"], lp["expert_up"], lp["expert_down"])
-    if sharding is None:
+    if w[0].shape[0] < config.moe.num_experts:
+        y_BTD = _manual_experts(x_BTD, experts_BTK, weights_BTK, w, config, sharding)
+    elif sharding is None:
         y_MD = expert_mlp(_rows(x_BTD), _rows(experts_BTK), _rows(weights_BTK), w)
         y_BTD = y_MD.reshape(x_BTD.shape)
     else:
@@ -191,21 +198,7 @@ def _on_mesh(
     gather = tuple(a for a in split if a in rows)  # token rows of one expert group
     summed = parallel.mesh_axes(in_spec[2]) + tuple(a for a in split if a not in rows)
     held = w[0].shape[0] // math.prod(mesh.shape[a] for a in split)
-
-    def per_device(x, experts, weights, *w_local):
-        if gather:
-            with jax.named_scope(EXCHANGE_SCOPE):
-                x, experts, weights = (
-                    lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, experts, weights)
-                )
-        first = lax.axis_index(split) * held if split else 0
-        y_MD = expert_mlp(_rows(x), _rows(experts), _rows(weights), w_local, first)
-        y_BTD = y_MD.reshape(x.shape)
-        if gather:
-            with jax.named_scope(EXCHANGE_SCOPE):
-                y_BTD = lax.psum_scatter(y_BTD, gather, scatter_dimension=0, tiled=True)
-        return lax.psum(y_BTD, summed) if summed else y_BTD
-
+    per_device = functools.partial(_exchange, gather, split, summed, held)
     row = jax.sharding.PartitionSpec(rows or None)
     return jax.shard_map(
         per_device,
@@ -213,3 +206,69 @@ def _on_mesh(
         in_specs=(row, row, row, in_spec, in_spec, out_spec),
         out_specs=row,
     )(x_BTD, experts_BTK, weights_BTK, *w)
+
+
+def _manual_experts(
+    x_BTD: jax.Array,
+    experts_BTK: jax.Array,
+    weights_BTK: jax.Array,
+    w: tuple[jax.Array, jax.Array, jax.Array],
+    config: ModelConfig,
+    sharding: parallel.ActivationSharding | None,
+) -> jax.Array:
+    """The experts' output where this code already runs per device over the mesh axes that
+    split the experts (a jax.shard_map body manual over them, e.g. paged_mesh.py's batch
+    shards): `w` holds this device's experts and the rows are its own, so the devices of
+    one expert group exchange their tokens as _on_mesh's do, with no shard_map of their own
+    over those axes. Every device of the group must reach this call together. The experts'
+    MLP width stays split over tensor where the body leaves that axis to the partitioner."""
+    context = jax.sharding.get_abstract_mesh()
+    rules = dict(parallel.DEFAULT_RULES if sharding is None else sharding.rules)
+    split = tuple(a for a in parallel.mesh_axes(rules.get("experts")) if a in context.manual_axes)
+    held = w[0].shape[0]
+    if math.prod(context.shape[a] for a in split) * held != config.moe.num_experts:
+        raise ValueError(
+            f"The layer holds {held} of {config.moe.num_experts} experts, but the manual "
+            f"mesh axes {split} do not split them so."
+        )
+    if sharding is None:
+        return _exchange(split, split, (), held, x_BTD, experts_BTK, weights_BTK, *w)
+    # The axes left to the partitioner (tensor): one more shard_map, over them only.
+    in_spec = sharding.spec((None, None, "mlp"), w[0].shape)
+    out_spec = sharding.spec((None, "mlp", None), w[2].shape)
+    whole = jax.sharding.PartitionSpec()
+    return jax.shard_map(
+        functools.partial(_exchange, split, split, parallel.mesh_axes(in_spec[2]), held),
+        mesh=context,
+        in_specs=(whole, whole, whole, in_spec, in_spec, out_spec),
+        out_specs=whole,
+        axis_names=frozenset(a for a in context.axis_names if a not in context.manual_axes),
+    )(x_BTD, experts_BTK, weights_BTK, *w)
+
+
+def _exchange(
+    gather: tuple[str, ...],
+    split: tuple[str, ...],
+    summed: tuple[str, ...],
+    held: int,
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    *w_local: jax.Array,
+) -> jax.Array:
+    """One device's part: its rows' tokens gathered over `gather` (one expert group), its
+    `held` experts (numbered by its place on `split`) run on those routed to them, the
+    outputs reduce-scattered back to the tokens' devices and summed over `summed`."""
+    if gather:
+        with jax.named_scope(EXCHANGE_SCOPE):
+            x, experts, weights = (
+                lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, experts, weights)
+            )
+    first = lax.axis_index(split) * held if split else 0
+    gate, up, down = w_local
+    y_MD = expert_mlp(_rows(x), _rows(experts), _rows(weights), (gate, up, down), first)
+    y_BTD = y_MD.reshape(x.shape)
+    if gather:
+        with jax.named_scope(EXCHANGE_SCOPE):
+            y_BTD = lax.psum_scatter(y_BTD, gather, scatter_dimension=0, tiled=True)
+    return lax.psum(y_BTD, summed) if summed else y_BTD

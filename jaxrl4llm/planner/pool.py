@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxrl4llm.planner import slots
-from jaxrl4llm.sampling import paged, paged_state
+from jaxrl4llm.sampling import page_pool, paged, paged_state
 from jaxrl4llm.sampling.page_pool import pages_for
 
 if TYPE_CHECKING:
@@ -214,7 +214,7 @@ def column(
     slot_steps = continuous_steps(lengths, B, S) if S else math.inf
     held, rest = pool_pages_per_row(s, lengths)
     per_row = held + growth * rest
-    fits_group = pages >= paged.min_pool_pages(P, N, s.group, paged.PAGE_SIZE)
+    fits_group = pages >= page_pool.min_pool_pages(P, N, s.group, paged.PAGE_SIZE)
     R = min(B, s.shards * int(pages // per_row)) if fits_group else 0
     pool_steps = continuous_steps(lengths, B, R, s.group) if R else math.inf
     return Column(

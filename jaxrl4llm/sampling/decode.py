@@ -165,13 +165,15 @@ def loop_setup(
     mesh: Mesh | None,
     rules: parallel.LogicalRules,
     cache_dtype: Any = None,
+    laid_out: bool = False,
 ) -> tuple[Any, parallel.ActivationSharding | None, Any]:
     """What both compiled samplers start from: (the weights laid out once for the decode
-    loops (loop_params), the activation sharding on `mesh` (None without one), the KV
-    cache's dtype: `cache_dtype`, by default cache_dtype_for the weights)."""
+    loops (loop_params; `laid_out`: the caller did it), the activation sharding on `mesh`
+    (None without one), the KV cache's dtype: `cache_dtype`, by default cache_dtype_for the
+    weights)."""
     sharding = None if mesh is None else parallel.ActivationSharding(mesh, rules)
     # Gathered once here, or the partitioner gathers every weight in every decode step.
-    params = loop_params(params, model_config, sharding)
+    params = params if laid_out else loop_params(params, model_config, sharding)
     return params, sharding, cache_dtype or cache_dtype_for(params)
 
 

@@ -31,6 +31,9 @@ import jax.numpy as jnp
 from jaxrl4llm import parallel
 from jaxrl4llm.models.config import ModelConfig
 
+# Tokens per page. 16 as in vLLM's default block: small enough that a row's last page wastes
+# little, large enough that a table stays short.
+PAGE_SIZE = 16
 # Pages the Pallas kernel reads per step: 128 tokens of 16-token pages.
 PAGES_PER_BLOCK = 8
 
@@ -96,8 +99,44 @@ def write_tokens(
     pages_KNPH: jax.Array, page_S: jax.Array, offset_S: jax.Array, x_SKH: jax.Array
 ) -> jax.Array:
     """One layer's key (or value) pages with token i's heads at (page_S[i], offset_S[i])."""
-    return pages_KNPH.at[:, page_S, offset_S].set(
-        jnp.swapaxes(x_SKH, 0, 1).astype(pages_KNPH.dtype)
+    x_SKH = x_SKH.astype(pages_KNPH.dtype)
+    if not _no_scatter(pages_KNPH):
+        return pages_KNPH.at[:, page_S, offset_S].set(jnp.swapaxes(x_SKH, 0, 1))
+
+    page_S, offset_S = jnp.asarray(page_S), jnp.asarray(offset_S)
+
+    def one(i: jax.Array, pages: jax.Array) -> jax.Array:
+        at = (0, page_S[i], offset_S[i], 0)
+        return jax.lax.dynamic_update_slice(pages, x_SKH[i][:, None, None], at)
+
+    return jax.lax.fori_loop(0, page_S.shape[0], one, pages_KNPH)
+
+
+def write_pages(pages_KNPH: jax.Array, page_M: jax.Array, x_KMPH: jax.Array) -> jax.Array:
+    """One layer's key (or value) pages with page page_M[m] holding x_KMPH[:, m]."""
+    x_KMPH = x_KMPH.astype(pages_KNPH.dtype)
+    if not _no_scatter(pages_KNPH):
+        return pages_KNPH.at[:, page_M].set(x_KMPH)
+
+    page_M = jnp.asarray(page_M)
+
+    def one(m: jax.Array, pages: jax.Array) -> jax.Array:
+        page = jax.lax.dynamic_slice_in_dim(x_KMPH, m, 1, 1)
+        return jax.lax.dynamic_update_slice_in_dim(pages, page, page_M[m], 1)
+
+    return jax.lax.fori_loop(0, page_M.shape[0], one, pages_KNPH)
+
+
+def _no_scatter(pages_KNPH: jax.Array) -> bool:
+    """Pages written one at a time (dynamic_update_slice, in place) instead of by one
+    scatter: XLA:CPU has no 16-bit float scatter; it converts the whole operand to float32,
+    scatters and converts back, so a write into a bfloat16 pool held two float32 copies of
+    it (the planner, which compiles TPU and GPU runs on the CPU, counted them: 25 GB of a 7B
+    rollout). A 16-bit float pool on the CPU is the planner's case (the CPU's own runs keep
+    float32 caches: decode.cache_dtype_for)."""
+    dtype = pages_KNPH.dtype
+    return (
+        parallel.backend() == "cpu" and dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating)
     )
 
 
@@ -171,3 +210,36 @@ def pallas_attention(
             table_SM.astype(jnp.int32),
             pages_per_compute_block=block,
         )
+
+
+def pool_pages_for(rows: int, prompt_len: int, max_new_tokens: int, page_size: int) -> int:
+    """Pages of `rows` full-length rows (prompt + completion), each in its own pages: the pool
+    that holds the same KV as a fixed batch of `rows` rows."""
+    return rows * pages_for(prompt_len + max_new_tokens, page_size)
+
+
+def min_pool_pages(prompt_len: int, max_new_tokens: int, group: int, page_size: int) -> int:
+    """The smallest pool that holds one group at full length (its prompt's pages once, then
+    a private page per row for the prompt's last partial page and the completion)."""
+    per_row = 1 + pages_for(max_new_tokens, page_size)
+    return pages_for(prompt_len, page_size) + group * per_row
+
+
+def pool_pages(
+    tokens: int, rows: int, prompt_len: int, max_new_tokens: int, group: int, decode_rows: int = 0
+) -> int:
+    """The page pool of a bucket of `rows` rows of `prompt_len`-token prompts: `tokens` in
+    pages of PAGE_SIZE, or with 0 the most the rows can hold at once, so that no row is ever
+    preempted: every row at full length, or, when at most S = `decode_rows` of them decode at
+    once (0: all), S rows at full length in as many groups as can be live (a group is
+    admitted whole, so S - G + 1: S - G groups down to one row and a new one), each group's
+    prompt pages once; at least one group at full length (min_pool_pages)."""
+    pages = tokens // PAGE_SIZE
+    if not pages:
+        pages = pool_pages_for(rows, prompt_len, max_new_tokens, PAGE_SIZE)
+        live = max(group, min(decode_rows or rows, rows) // group * group)
+        if live < rows:
+            prompt = pages_for(prompt_len, PAGE_SIZE)
+            row = 1 + pages_for(max_new_tokens, PAGE_SIZE)
+            pages = min(pages, (live - group + 1) * prompt + live * row)
+    return max(pages, min_pool_pages(prompt_len, max_new_tokens, group, PAGE_SIZE))

@@ -51,10 +51,9 @@ which copies each row's table prefix:
              switch and the new keys and values written after it, so the switch does not
              copy the pool.
 
-On a mesh that splits the batch, paged_mesh.py runs one engine per batch shard (its rows,
-its own pool of num_pages) under jax.shard_map; a mesh splitting heads runs one engine with
-its heads, pool and vocabulary split (a shard's engine too, on a mesh splitting both). The
-logits are gathered whole before sampling (`paged_step.whole_logits`).
+On a mesh, paged_mesh.py runs one engine per batch shard (the shards of an expert group in
+lockstep: paged_lockstep.py); a mesh splitting heads splits an engine's heads, pool and
+vocabulary, its logits gathered whole before sampling (`paged_step.whole_logits`).
 
 With `record_routing` (a mixture of experts) the engine keeps the compacted sampler's routing
 record: a group's prompt experts from its prefill, and each live row's fed token's experts
@@ -78,32 +77,19 @@ from jaxrl4llm.models import kv_cache
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import continuous, decode, paged_state, paged_step, strategies
 from jaxrl4llm.sampling import page_pool as pages_lib
+from jaxrl4llm.sampling import paged_lockstep as lockstep_lib
 from jaxrl4llm.sampling.page_pool import PagePool
 from jaxrl4llm.sampling.strategies import SamplingConfig
 
-# Tokens per page. 16 as in vLLM's default block: small enough that a row's last page wastes
-# little, large enough that a table stays short.
-PAGE_SIZE = 16
-
-
-def pool_pages_for(rows: int, prompt_len: int, max_new_tokens: int, page_size: int) -> int:
-    """Pages of `rows` full-length rows (prompt + completion), each in its own pages: the pool
-    that holds the same KV as a fixed batch of `rows` rows."""
-    return rows * pages_lib.pages_for(prompt_len + max_new_tokens, page_size)
-
-
-def min_pool_pages(prompt_len: int, max_new_tokens: int, group: int, page_size: int) -> int:
-    """The smallest pool that holds one group at full length (its prompt's pages once, then
-    a private page per row for the prompt's last partial page and the completion)."""
-    per_row = 1 + pages_lib.pages_for(max_new_tokens, page_size)
-    return pages_lib.pages_for(prompt_len, page_size) + group * per_row
+# Tokens per page (page_pool.PAGE_SIZE).
+PAGE_SIZE = pages_lib.PAGE_SIZE
 
 
 def check_pool(
     num_pages: int, prompt_len: int, max_new_tokens: int, group: int, page_size: int
 ) -> None:
     """Refuses a pool too small to finish a group on its own (the loop could not progress)."""
-    need = min_pool_pages(prompt_len, max_new_tokens, group, page_size)
+    need = pages_lib.min_pool_pages(prompt_len, max_new_tokens, group, page_size)
     if num_pages < need:
         raise FlagError(
             f"--kv_cache_tokens holds {num_pages} pages of {page_size} tokens, fewer than one "
@@ -130,7 +116,7 @@ def program_settings(
     if tokens is None:
         return {}
     local, decode_rows = max(1, rows // shards), shard_decode_rows(max_rows, shards, group)
-    pages = pool_pages(tokens, local, prompt_len, N, group, decode_rows)
+    pages = pages_lib.pool_pages(tokens, local, prompt_len, N, group, decode_rows)
     return {"kv_pages": pages, "max_rows": max_rows or 0, "paged_attention": attention}
 
 
@@ -147,6 +133,7 @@ def refill_groups(max_rows: int, group: int) -> int:
 STATIC = (
     *decode.STATIC_SETTINGS,
     *("max_rows", "num_pages", "page_size", "cache_dtype", "attention", "record_routing"),
+    *("laid_out", "lockstep"),
 )
 
 
@@ -174,19 +161,22 @@ def generate_paged(
     cache_dtype: Any = None,
     attention: str = "auto",
     record_routing: bool = False,
+    laid_out: bool = False,
+    lockstep: tuple[str, ...] = (),
 ) -> paged_state.PagedOutput:
     """The compiled paged sampler over one bucket (arguments as sampler.generate_tokens): the
     active rows decode `max_rows` at a time from a pool of `num_pages` pages of `page_size`
     tokens, groups of `prompt_group` rows admitted as pages free (module docstring); decode
     attention by `attention` (paged_step.uses_kernel). `record_routing` (a mixture of
     experts): the output holds each prompt and completion token's experts, as the compacted
-    sampler records them."""
+    sampler records them. `laid_out`: the caller laid the weights out (decode.loop_setup);
+    `lockstep`: the manual mesh axes whose devices step together (lockstep_lib.py)."""
     B, P = prompt_BP.shape
     N, G = max_new_tokens, prompt_group
     S = max(G, min(max_rows, B) // G * G)
     check_pool(num_pages, P, N, G, page_size)
     params, sharding, cache_dtype = decode.loop_setup(
-        params, model_config, mesh, rules, cache_dtype
+        params, model_config, mesh, rules, cache_dtype, laid_out
     )
     queue = continuous.row_queue(
         prompt_BP, prompt_mask_BP, active_B, row_keys_B, greedy_B, row_caps_B, N
@@ -194,12 +184,12 @@ def generate_paged(
     record = paged_state.record_shape(model_config) if record_routing else None
     engine = Engine.of(
         params, queue, model_config, sampling, stop_ids_S, pad_id, S, G, sharding, attention,
-        record is not None,
+        record is not None, lockstep,
     )  # fmt: skip
     pool = pages_lib.init_pool(model_config, num_pages, page_size, cache_dtype)
     pending = kv_cache.init_kv_cache(model_config, refill_groups(S, G), P, cache_dtype)
     start = paged_state.initial_state(queue, pool, pending, S, G, N, pad_id, record)
-    more = functools.partial(paged_state.more_work, engine.num_groups)
+    more = lambda s: lockstep_lib.joint(paged_state.more_work(engine.num_groups, s), lockstep)  # noqa: E731
     state = jax.lax.while_loop(more, engine.iterate, paged_state.split_heads(start, sharding))
     return paged_state.output(state)
 
@@ -220,6 +210,7 @@ class Engine:
     floor: int  # the smallest decode level (rows per decode step)
     kernel: bool  # attention by the Pallas kernel (paged_step.pallas_decode_step)
     record: bool  # keeps the routing record (a mixture of experts' record_routing)
+    lockstep: tuple[str, ...]  # the mesh axes whose devices step together (lockstep_lib.py)
 
     @classmethod
     def of(
@@ -235,14 +226,16 @@ class Engine:
         sharding: parallel.ActivationSharding | None,
         attention: str,
         record: bool = False,
+        lockstep: tuple[str, ...] = (),
     ) -> Engine:
         """The engine of `decode_rows` rows decoding at once, attending by `attention`
-        (paged_step.uses_kernel), keeping the routing record with `record`."""
+        (paged_step.uses_kernel), keeping the routing record with `record`, stepping
+        together with the devices of `lockstep`."""
         kernel = paged_step.uses_kernel(attention, model_config)
         floor = paged_step.fewest_rows(decode_rows)
         return cls(
             params, queue, model_config, sampling, stop_ids_S, pad_id, group, sharding, floor,
-            kernel, record,
+            kernel, record, lockstep,
         )  # fmt: skip
 
     @property
@@ -262,6 +255,8 @@ class Engine:
         def one(s: paged_state.PagedState) -> paged_state.PagedState:
             return jax.lax.cond(s.pend_next < s.pend_end, self._admit_next, self._prefill, s)
 
+        if self.lockstep:
+            return lockstep_lib.admit(s, self.lockstep, due, self._admit_next, self._prefill)
         return jax.lax.while_loop(due, one, s)
 
     def _prefill(self, s: paged_state.PagedState) -> paged_state.PagedState:
@@ -418,11 +413,13 @@ class Engine:
         row_level = jnp.sum(jnp.sum(live_S) <= jnp.array(sizes), dtype=jnp.int32) - 1
         pages = jnp.max(jnp.where(live_S, x.position_S // pool.page_size + 1, 1))
         width_level = jnp.sum(pages <= jnp.array(widths), dtype=jnp.int32) - 1
+        # No live row (the last groups admitted all ended at their first token): no step.
+        row_level, width_level, idle = lockstep_lib.decode_levels(
+            row_level, width_level, jnp.logical_not(jnp.any(live_S)), self.lockstep
+        )
         branches = [
             functools.partial(self._decode_first, size, width) for size in sizes for width in widths
         ]
-        # No live row (the last groups admitted all ended at their first token): no step.
-        idle = jnp.logical_not(jnp.any(live_S))
         branches.append(functools.partial(self._idle, jax.eval_shape(branches[-1], x, pool)))
         index = jnp.where(idle, len(branches) - 1, row_level * len(widths) + width_level)
         tok_S, lp_S, k_LSKH, v_LSKH, fed = jax.lax.switch(index, branches, x, pool)
@@ -473,23 +470,3 @@ class Engine:
             return None
         assert experts_S1LK is not None  # recorded only for a mixture of experts
         return experts_S1LK[:, 0]
-
-
-def pool_pages(
-    tokens: int, rows: int, prompt_len: int, max_new_tokens: int, group: int, decode_rows: int = 0
-) -> int:
-    """The page pool of a bucket of `rows` rows of `prompt_len`-token prompts: `tokens` in
-    pages of PAGE_SIZE, or with 0 the most the rows can hold at once, so that no row is ever
-    preempted: every row at full length, or, when at most S = `decode_rows` of them decode at
-    once (0: all), S rows at full length in as many groups as can be live (a group is
-    admitted whole, so S - G + 1: S - G groups down to one row and a new one), each group's
-    prompt pages once; at least one group at full length (min_pool_pages)."""
-    pages = tokens // PAGE_SIZE
-    if not pages:
-        pages = pool_pages_for(rows, prompt_len, max_new_tokens, PAGE_SIZE)
-        live = max(group, min(decode_rows or rows, rows) // group * group)
-        if live < rows:
-            prompt = pages_lib.pages_for(prompt_len, PAGE_SIZE)
-            row = 1 + pages_lib.pages_for(max_new_tokens, PAGE_SIZE)
-            pages = min(pages, (live - group + 1) * prompt + live * row)
-    return max(pages, min_pool_pages(prompt_len, max_new_tokens, group, PAGE_SIZE))

@@ -5,11 +5,16 @@ On a mesh whose batch axes (data, fsdp, expert: parallel.data_parallel_size) spl
 D ways, `generate_sharded` runs the engine under jax.shard_map, manual over the batch axes:
 each shard decodes its own B / D rows (whole groups of G consecutive rows) from its own pool
 of `num_pages` pages, with at most max_rows / D of them decoding at once, and with no
-collective between shards in its loop (the shards' loops run different step counts). The
-weights enter whole over the batch axes (weights split over fsdp are gathered once, before
-the loop). The other axes (tensor) stay with the partitioner: on a mesh that also splits
-heads, each shard's engine splits its heads, pool and vocabulary over its own devices
-(`inside_shard`), and its loop's collectives join only those devices. A row's samples
+collective between shards in its loop (the shards' loops run different step counts), but
+for a mixture of experts whose experts the batch's `expert` axis also splits
+(lockstep_axes): each shard then holds only its part of the experts, its expert group's
+shards exchange tokens in every model call (models/moe.py) and so step together
+(paged_lockstep.py). The weights are laid out once, before the loops, in the compute dtype
+(decode_weights): whole over the batch axes but for those experts (weights split over
+fsdp are gathered there). The other axes (tensor) stay with the partitioner: on a mesh that
+also splits heads, each shard's engine splits its heads, pool and vocabulary over its own
+devices (`inside_shard`), and its loop's collectives join only those devices (and its
+expert group's, as above). A row's samples
 depend only on its key (fold_in(row_key, t)), so they are the ones the engine draws on one
 device. The outputs come back split over the batch like the compacted sampler's; the scalar
 counts (slot_steps, PagedStats) are summed over the shards. A run in segments
@@ -31,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrl4llm import parallel
 from jaxrl4llm.config.errors import FlagError
+from jaxrl4llm.models import transformer
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import decode, paged, paged_state
 
@@ -63,15 +69,36 @@ def manual_axes(mesh: Mesh | AbstractMesh, rules: parallel.LogicalRules) -> froz
     return frozenset(axes if other_axes(mesh, rules) else mesh.axis_names)
 
 
-def inside_shard(mesh: Mesh, rules: parallel.LogicalRules) -> parallel.ActivationSharding | None:
+def inside_shard(
+    mesh: Mesh, rules: parallel.LogicalRules, lockstep: tuple[str, ...] = ()
+) -> parallel.ActivationSharding | None:
     """A batch shard's activation sharding under jax.shard_map manual over the batch axes
     (the other axes left to the partitioner): None where no other axis splits anything (the
     shard's engine runs on one device), else `mesh` with rules that name no batch axis (the
     shard's weights, pool and activations split over the other axes, e.g. heads over
-    tensor)."""
+    tensor) but the `lockstep` axes' split of the experts (models/moe.py's _manual_experts
+    reads it)."""
     if not other_axes(mesh, rules):
         return None
-    return parallel.ActivationSharding(mesh, parallel.inside_batch_shard(rules))
+    inside = parallel.inside_batch_shard(rules)
+    if lockstep:
+        inside = tuple((n, lockstep if n == "experts" else a) for n, a in inside)
+    return parallel.ActivationSharding(mesh, inside)
+
+
+def lockstep_axes(
+    mesh: Mesh | AbstractMesh, rules: parallel.LogicalRules, model_config: ModelConfig
+) -> tuple[str, ...]:
+    """The batch axes (of size > 1) that also split a mixture of experts' experts: each of
+    their shards holds its part of the experts, so the shards of one expert group exchange
+    tokens in every model call and step together (paged_lockstep.py). () for a dense model
+    or experts that no batch axis splits."""
+    if not model_config.moe_layers:
+        return ()
+    E = model_config.moe.num_experts
+    split = parallel.logical_to_partition_spec(("experts",), rules, (E,), mesh)[0]
+    axes = batch_axes(mesh, rules)
+    return tuple(a for a in parallel.mesh_axes(split) if a in axes and mesh.shape[a] > 1)
 
 
 def in_body(
@@ -116,7 +143,9 @@ def generate_sharded(
     """paged.generate_paged (the same arguments; `inputs`: prompt_BP, prompt_mask_BP,
     active_B, row_keys_B, stop_ids_S, pad_id) on each batch shard of `mesh`, with no mesh:
     the shard's rows, `max_rows` (all shards) split over the shards, and `settings`
-    (num_pages: each shard's pool, the rest as generate_paged's)."""
+    (num_pages: each shard's pool, the rest as generate_paged's). The weights are laid out
+    for the shards' loops once, before them (decode_weights: in the compute dtype, the
+    batch axes' shards gathered but the experts' where they split them: lockstep_axes)."""
     D, G = shards(mesh, rules), prompt_group
     check_rows(inputs[0].shape[0], D, G)
     axes = batch_axes(mesh, rules)
@@ -126,21 +155,25 @@ def generate_sharded(
     given = dict(greedy_B=greedy_B, row_caps_B=row_caps_B)
     optional = {k: v for k, v in given.items() if v is not None}
 
-    inner = inside_shard(mesh, rules)
+    config = settings["model_config"]
+    lockstep = lockstep_axes(mesh, rules, config)
+    inner = inside_shard(mesh, rules, lockstep)
 
     def body(params: Any, rows: tuple, stop: jax.Array, pad: jax.Array, optional: dict) -> Any:
         shard = in_body(inner)
         on = {} if shard is None else {"mesh": shard.mesh, "rules": shard.rules}
         out = paged.generate_paged(
             params, *rows, stop, pad, max_rows=local_rows, prompt_group=G, **on,
-            **optional, **settings,
+            **optional, **settings, laid_out=True, lockstep=lockstep,
         )  # fmt: skip
         total = lambda a: jax.lax.psum(a, axes)  # noqa: E731
         return out.replace(slot_steps=total(out.slot_steps), stats=jax.tree.map(total, out.stats))
 
     stats = [f.name for f in dataclasses.fields(paged_state.PagedStats)]
     # The routing record, where kept, is per row like the tokens (None: no leaf, no spec).
-    record = row if settings.get("record_routing") and settings["model_config"].moe_layers else None
+    record = row if settings.get("record_routing") and config.moe_layers else None
+    weights = decode_weights(params, config, mesh, rules)
+    specs = weight_specs(weights, config, mesh, rules)
     out_specs = paged_state.PagedOutput(
         **dict.fromkeys(("tokens_RT", "logprobs_RT", "length_R", "done_R"), row),
         slot_steps=whole,
@@ -150,12 +183,28 @@ def generate_sharded(
     run = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(whole, (row,) * 4, whole, whole, {k: row for k in optional}),
+        in_specs=(specs, (row,) * 4, whole, whole, {k: row for k in optional}),
         out_specs=out_specs,
         axis_names=manual_axes(mesh, rules),
         check_vma=False,
     )
-    return run(params, inputs[:4], inputs[4], inputs[5], optional)
+    return run(weights, inputs[:4], inputs[4], inputs[5], optional)
+
+
+def weight_specs(
+    weights: Any, config: ModelConfig, mesh: Mesh, rules: parallel.LogicalRules
+) -> Any:
+    """The jax.shard_map specs of decode_weights's `weights` for the batch shards' engines:
+    whole over the batch axes but for the experts over lockstep_axes (the other axes are
+    the partitioner's)."""
+    lockstep = lockstep_axes(mesh, rules, config)
+    experts_only = tuple((n, lockstep if n == "experts" else None) for n, _ in rules)
+    return jax.tree.map(
+        lambda axes, w: parallel.logical_to_partition_spec(axes, experts_only, w.shape, mesh),
+        transformer.unstacked_logical_axes(config),
+        weights,
+        is_leaf=lambda x: type(x) is tuple and all(a is None or isinstance(a, str) for a in x),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "mesh", "rules"))
@@ -165,11 +214,14 @@ def decode_weights(
     mesh: Mesh | None = None,
     rules: parallel.LogicalRules = parallel.DEFAULT_RULES,
 ) -> Any:
-    """The weights laid out once for every segment's decode loop of paged_segments.py
-    (decode.loop_params), on a mesh whole over the batch axes (each shard's engine holds
-    every weight; gathered here once, not at every segment) and split over the others as a
-    shard's engine splits them (inside_shard: heads over tensor)."""
-    inside = parallel.inside_batch_shard(rules)
+    """The weights laid out once for the shards' decode loops (decode.loop_params: in the
+    compute dtype), on a mesh whole over the batch axes (each shard's engine holds every
+    weight; gathered here once, in the compute dtype, not at every segment of
+    paged_segments.py) but a mixture of experts' experts where a batch axis splits them
+    (lockstep_axes: they stay split so), and split over the other axes as a shard's engine
+    splits them (inside_shard: heads over tensor)."""
+    lockstep = () if mesh is None else lockstep_axes(mesh, rules, model_config)
+    inside = rules if lockstep else parallel.inside_batch_shard(rules)
     sharding = None if mesh is None else parallel.ActivationSharding(mesh, inside)
     return decode.loop_params(params, model_config, sharding)
 

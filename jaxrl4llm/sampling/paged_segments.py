@@ -27,7 +27,7 @@ boundaries, the slot it sits in or the groups around it.
 `widen` pads a run's prompt width (a later group's prompt longer than every earlier one):
 the prompt block, the pending prefilled groups and a routing record's prompt columns on the
 left, the page tables on the right; pages already in the pool do not depend on the width,
-and the pool grows where the wider prompt needs more pages (paged.pool_pages, as a call of
+and the pool grows where the wider prompt needs more pages (page_pool.pool_pages, as a call of
 the one-program engine with prompts that wide would have).
 """
 
@@ -48,6 +48,7 @@ from jaxrl4llm.models import kv_cache
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import buckets, continuous, decode, paged, paged_mesh, paged_state
 from jaxrl4llm.sampling import page_pool as pages_lib
+from jaxrl4llm.sampling import paged_lockstep as lockstep_lib
 from jaxrl4llm.sampling.paged_state import PagedState
 from jaxrl4llm.sampling.row_io import every_host, stop_id_array
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -139,21 +140,23 @@ def segment(
 ) -> PagedState:
     """Up to `max_steps` steps of each shard's engine loop (fewer when nothing is left to
     admit or decode): admit the queued groups that fit, decode one token per live row. On a
-    mesh each batch shard runs its own (jax.shard_map over the batch axes, no collective
-    between shards), as paged_mesh.py, its heads split over tensor where the mesh has it."""
+    mesh each batch shard runs its own, as paged_mesh.py (an expert group's in lockstep:
+    paged_lockstep.py), its heads split over tensor where the mesh has it."""
     del max_new_tokens  # the run's: its outputs' width
-    inner = None if mesh is None else paged_mesh.inside_shard(mesh, rules)
+    lockstep = () if mesh is None else paged_mesh.lockstep_axes(mesh, rules, model_config)
+    inner = None if mesh is None else paged_mesh.inside_shard(mesh, rules, lockstep)
 
     def one(params: Any, queue: Any, state: Any, stop_ids_S: jax.Array, pad_id: jax.Array) -> Any:
         queue, state = jax.tree.map(lambda x: x[0], (queue, state))  # this shard's
         engine = paged.Engine.of(
             params, queue, model_config, sampling, stop_ids_S, pad_id, decode_rows, group,
-            paged_mesh.in_body(inner), attention, record_routing,
+            paged_mesh.in_body(inner), attention, record_routing, lockstep,
         )  # fmt: skip
 
         def more(carry: tuple[jax.Array, PagedState]) -> jax.Array:
             steps, s = carry
-            return (steps < max_steps) & paged_state.more_work(engine.num_groups, s)
+            work = lockstep_lib.joint(paged_state.more_work(engine.num_groups, s), lockstep)
+            return (steps < max_steps) & work
 
         def body(carry: tuple[jax.Array, PagedState]) -> tuple[jax.Array, PagedState]:
             steps, s = carry
@@ -170,7 +173,7 @@ def segment(
     run = jax.shard_map(
         one,
         mesh=mesh,
-        in_specs=(P(), rows, rows, P(), P()),
+        in_specs=(paged_mesh.weight_specs(params, model_config, mesh, rules), rows, rows, P(), P()),
         out_specs=rows,
         axis_names=paged_mesh.manual_axes(mesh, rules),
         check_vma=False,
@@ -363,16 +366,14 @@ class Driver:
         return jax.device_put(tree, sharding)
 
     def _pages(self, width: int) -> int:
-        """A shard's pool for prompts `width` wide (paged.pool_pages: the sampler's tokens, or
+        """A shard's pool for prompts `width` wide (pages_lib.pool_pages: the sampler's tokens, or
         as many rows as decode at once at full length; at least one group at full length)."""
         tokens = self.sampler.kv_cache_tokens or 0
-        return paged.pool_pages(tokens, self.slots * self.G, width, self.N, self.G, self.rows)
+        return pages_lib.pool_pages(tokens, self.slots * self.G, width, self.N, self.G, self.rows)
 
     def begin(self, params: Any) -> None:
-        model_config = self.sampler.model_config
-        self.weights = paged_mesh.decode_weights(
-            params, model_config, self.mesh, self.sampler.rules
-        )
+        s = self.sampler
+        self.weights = paged_mesh.decode_weights(params, s.model_config, self.mesh, s.rules)
         self.state = self._placed(
             start(self.weights, self.queue, self.pad_id, num_pages=self.num_pages, **self._run())
         )

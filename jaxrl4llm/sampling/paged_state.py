@@ -339,14 +339,14 @@ def _scatter_prompt(
     full: jax.Array,
 ) -> jax.Array:
     prompt_KMPH = prompt_KMPH.astype(pages_KNPH.dtype)
-    pages_KNPH = pages_KNPH.at[:, shared_M].set(prompt_KMPH)
+    pages_KNPH = pages_lib.write_pages(pages_KNPH, shared_M, prompt_KMPH)
     tail_KPH = jax.lax.dynamic_index_in_dim(
         prompt_KMPH, jnp.minimum(full, prompt_KMPH.shape[1] - 1), 1, False
     )
     tail_KGPH = jnp.broadcast_to(
         tail_KPH[:, None], (tail_KPH.shape[0], private_G.shape[0], *tail_KPH.shape[1:])
     )
-    return pages_KNPH.at[:, private_G].set(tail_KGPH)
+    return pages_lib.write_pages(pages_KNPH, private_G, tail_KGPH)
 
 
 def place_rows(

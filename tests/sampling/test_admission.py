@@ -248,3 +248,32 @@ def test_where_it_applies():
     assert not rounds_lib.admits(ctx(), Rounds(dynamic_sampling=True, greedy_baseline=True))
     assert not rounds_lib.admits(ctx(), Rounds())
     assert not rounds_lib.admits(ctx(), Rounds(dynamic_sampling=True, by_admission=False))
+
+
+@pytest.mark.parametrize(
+    "spec", ["data:1,fsdp:1,expert:2,tensor:1", "data:1,fsdp:1,expert:2,tensor:2"]
+)
+def test_a_mixture_of_experts_on_a_mesh_whose_expert_axis_splits_the_experts(spec):
+    """On expert:2 each batch shard's engine holds half of the experts (with tensor:2 also
+    split over its two devices) and the two shards run their segments in lockstep
+    (paged_lockstep.py): the batch, and its routing record, of the one-device compacted
+    sampler's rounds, in small pools and through wider later chunks."""
+    from unittest import mock
+
+    from jaxrl4llm import parallel
+    from jaxrl4llm.models import moe
+
+    params = transformer.init_params(MOE, jax.random.key(0))
+    chunks = _chunks(MOE, (6, 20, 12, 30, 8), seed=3)
+    kw = dict(stop_ids=(237,), record_routing=True)
+    ref, ref_m = _sample((MOE, params), chunks, None, False, modulus=4, **kw)
+    mesh = parallel.make_mesh(spec, jax.devices()[: 2 if spec.endswith("tensor:1") else 4])
+    with mock.patch.object(moe, "_manual_experts", wraps=moe._manual_experts) as split:
+        got, got_m = _sample((MOE, params), chunks, 160, True, modulus=4, mesh=mesh, **kw)
+    assert split.called  # the shards' layers held only their experts
+    assert "rollout/groups_admitted" in got_m and got_m["chunks_taken"] == ref_m["chunks_taken"]
+    a, b = (jax.tree.map(np.asarray, x.samples.out) for x in (ref, got))
+    np.testing.assert_array_equal(b.tokens_BT, a.tokens_BT)
+    np.testing.assert_array_equal(b.experts_BTLK, a.experts_BTLK)
+    real_a, real_b = a.prompt_mask_BP, b.prompt_mask_BP
+    np.testing.assert_array_equal(b.prompt_experts_BPLK[real_b], a.prompt_experts_BPLK[real_a])

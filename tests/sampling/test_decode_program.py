@@ -9,7 +9,7 @@ import pytest
 
 from jaxrl4llm import parallel
 from jaxrl4llm.program import Program
-from jaxrl4llm.sampling import Sampler, paged, sampler
+from jaxrl4llm.sampling import Sampler, page_pool, sampler
 
 from tests.sampling.test_sampler import SAMPLING, TINY_UNTIED, _peaked_params, _prompts
 
@@ -41,7 +41,7 @@ CASES = {
             decode_slots=0,
             greedy=True,
             row_caps=False,
-            kv_pages=paged.pool_pages(0, 8, 16, N, 2),
+            kv_pages=page_pool.pool_pages(0, 8, 16, N, 2),
             max_rows=0,
             paged_attention="auto",
         ),

@@ -83,14 +83,14 @@ def test_a_pool_of_zero_tokens_holds_the_rows_decoding_at_once():
     rows, S rows at full length in the most groups that can be live at once (by hand,
     16-token pages: a 1024-token prompt is 64 pages, a row's 8192 new tokens 512 more and
     the copy of the prompt's last page)."""
-    assert paged.pool_pages(0, 32, 1024, 8192, 8) == 32 * 576  # 32 rows, each 576 pages
+    assert page_pool.pool_pages(0, 32, 1024, 8192, 8) == 32 * 576  # 32 rows, each 576 pages
     # S = 8 = G: one group at a time (it is admitted whole into 8 free rows).
-    assert paged.pool_pages(0, 32, 1024, 8192, 8, decode_rows=8) == 64 + 8 * 513
+    assert page_pool.pool_pages(0, 32, 1024, 8192, 8, decode_rows=8) == 64 + 8 * 513
     # S = 16: up to 9 groups (8 down to one row each, then a new group of 8).
-    assert paged.pool_pages(0, 32, 1024, 8192, 8, decode_rows=16) == 9 * 64 + 16 * 513
-    assert paged.pool_pages(0, 32, 1024, 8192, 8, decode_rows=64) == 32 * 576
+    assert page_pool.pool_pages(0, 32, 1024, 8192, 8, decode_rows=16) == 9 * 64 + 16 * 513
+    assert page_pool.pool_pages(0, 32, 1024, 8192, 8, decode_rows=64) == 32 * 576
     # Fewer decode rows than a group: one group at full length (min_pool_pages).
-    assert paged.pool_pages(0, 32, 100, 40, 4, decode_rows=2) == 7 + 4 * (1 + 3)
+    assert page_pool.pool_pages(0, 32, 100, 40, 4, decode_rows=2) == 7 + 4 * (1 + 3)
     # Per batch shard: 256 rows at once over 32 shards of 32 rows, 8 each.
     settings = paged.program_settings(0, 256, 1024, 1024, 8192, 8, shards=32)
     assert settings["kv_pages"] == 64 + 8 * 513
@@ -101,7 +101,7 @@ def test_a_full_pool_preempts_and_loses_no_row(toy_policy):
     preempted, the loop ends, and every row is the compacted sampler's."""
     config, params = toy_policy
     prompts = _prompts(config, [9, 20, 4, 14], seed=1)
-    # A one-page request: sampler.pool_pages raises it to paged.min_pool_pages.
+    # A one-page request: sampler.pool_pages raises it to page_pool.min_pool_pages.
     a, b = _both(config, params, prompts, GREEDY, kv_cache_tokens=paged.PAGE_SIZE, stop_ids=())
     _assert_same_samples(a, b)
     stats = jax.tree.map(int, b.engine_stats)
@@ -332,3 +332,36 @@ def test_a_decode_step_holds_one_layers_gathered_pages_at_a_time():
     ).compile()
     one_layer = 2 * S * M * ps * config.num_kv_heads * config.head_dim * 4  # keys and values
     assert compiled.memory_analysis().temp_size_in_bytes < 2 * one_layer
+
+
+def test_a_bfloat16_pool_is_written_in_place_on_the_cpu():
+    """XLA:CPU runs a bfloat16 scatter in float32 over a converted copy of the whole pool;
+    the pool's writes (a token per row, whole pages) hold no such copy, and write what
+    numpy's indexed assignment writes."""
+    from jaxrl4llm.sampling import page_pool
+
+    K, Np, ps, H = 2, 4000, 16, 64
+    pages = jax.ShapeDtypeStruct((K, Np, ps, H), jnp.bfloat16)
+    nbytes = K * Np * ps * H * 2
+    i32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)  # noqa: E731
+    tokens = jax.jit(page_pool.write_tokens, donate_argnums=0).lower(
+        pages, i32(8), i32(8), jax.ShapeDtypeStruct((8, K, H), jnp.bfloat16)
+    )
+    whole = jax.jit(page_pool.write_pages, donate_argnums=0).lower(
+        pages, i32(3), jax.ShapeDtypeStruct((K, 3, ps, H), jnp.bfloat16)
+    )
+    for lowered in (tokens, whole):
+        assert lowered.compile().memory_analysis().temp_size_in_bytes < nbytes // 10
+    rng = np.random.default_rng(0)
+    small = rng.standard_normal((K, 9, ps, H)).astype(np.float32)
+    x = rng.standard_normal((3, K, H)).astype(np.float32)
+    page, offset = np.array([4, 0, 8]), np.array([15, 3, 0])
+    want = small.copy()
+    want[:, page, offset] = np.swapaxes(x, 0, 1)
+    got = page_pool.write_tokens(jnp.asarray(small, jnp.bfloat16), page, offset, jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(jnp.bfloat16))
+    y = rng.standard_normal((K, 2, ps, H)).astype(np.float32)
+    want = small.copy()
+    want[:, [7, 2]] = y
+    got = page_pool.write_pages(jnp.asarray(small, jnp.bfloat16), np.array([7, 2]), jnp.asarray(y))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want.astype(jnp.bfloat16))

@@ -65,3 +65,51 @@ def test_the_paged_record_is_the_compacted_samplers(compacted, pool):
     got = np.sort(np.asarray(b.experts_BTLK), axis=-1)
     np.testing.assert_array_equal(got[fed_BT], want[:, P:][fed_BT])
     assert not got[~fed_BT].any()  # a row's last token is never fed, nor padding
+
+
+@pytest.mark.parametrize(
+    "spec", ["data:1,fsdp:2,expert:4,tensor:1", "data:2,fsdp:1,expert:2,tensor:2"]
+)
+def test_on_a_mesh_whose_expert_axis_splits_the_batch_and_the_experts(spec):
+    """Experts split over `expert`, which also splits the batch: each batch shard's engine
+    holds its part of the experts (the weights it receives are E / expert experts, not all),
+    its expert group's shards step together (paged_lockstep.py) in the smallest pool (groups
+    wait for pages, shards finish at different steps), and the tokens and routing record
+    are the one-device compacted sampler's. With tensor:2 each engine also splits its heads
+    and the experts' width."""
+    import unittest.mock
+
+    from jaxrl4llm import parallel
+    from jaxrl4llm.sampling import Sampler, paged_mesh
+
+    params = transformer.init_params(MOE, jax.random.key(0))
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(3, 60, n)] for n in rng.integers(2, 30, 16)]
+    key = jax.random.key(4)
+    a = sampler.generate(
+        params, MOE, prompts, SamplingConfig(1.0), N, key, n=G, stop_ids=STOP,
+        record_routing=True,
+    )  # fmt: skip
+    mesh = parallel.make_mesh(spec)
+    assert paged_mesh.lockstep_axes(mesh, parallel.DEFAULT_RULES, MOE) == ("expert",)
+    smp = Sampler(
+        MOE, mesh=mesh, stop_ids=STOP, kv_cache_tokens=paged.PAGE_SIZE, record_routing=True
+    )
+    held, real = [], paged.generate_paged
+
+    def spy(params, *a, **k):  # the expert weights one shard's engine receives
+        held.append(params["layers"][1]["expert_gate"].shape[0])
+        return real(params, *a, **k)
+
+    with unittest.mock.patch.object(paged, "generate_paged", spy):
+        b = smp.generate(
+            smp.shard_params(params), prompts, SamplingConfig(1.0), N, key, group_size=G
+        )
+    assert held and set(held) == {MOE.moe.num_experts // mesh.shape["expert"]}
+    np.testing.assert_array_equal(np.asarray(b.tokens_BT), np.asarray(a.tokens_BT))
+    np.testing.assert_array_equal(np.asarray(b.experts_BTLK), np.asarray(a.experts_BTLK))
+    real_BP = np.asarray(a.prompt_mask_BP)
+    got_prompt = np.asarray(b.prompt_experts_BPLK)[real_BP]
+    np.testing.assert_array_equal(got_prompt, np.asarray(a.prompt_experts_BPLK)[real_BP])
+    stats = jax.tree.map(int, b.engine_stats)
+    assert stats.preemptions > 0 and stats.pages_left == 0

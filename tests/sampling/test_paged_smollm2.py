@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from jaxrl4llm.models import transformer  # noqa: E402
-from jaxrl4llm.sampling import Sampler, buckets, paged, sampler  # noqa: E402
+from jaxrl4llm.sampling import Sampler, buckets, page_pool, paged, sampler  # noqa: E402
 from jaxrl4llm.sampling.strategies import GREEDY, SamplingConfig  # noqa: E402
 
 QUESTIONS = [
@@ -238,8 +238,8 @@ def _pools(rows: int, P: int) -> dict[str, int]:
     """kv_cache_tokens of the pools: every row at full length (rich), half of that, and one
     group at full length plus G + 1 pages (small: a second group is admitted optimistically
     and runs the pool out)."""
-    full = paged.pool_pages_for(rows, P, N, paged.PAGE_SIZE)
-    small = paged.min_pool_pages(P, N, G, paged.PAGE_SIZE) + G + 1
+    full = page_pool.pool_pages_for(rows, P, N, paged.PAGE_SIZE)
+    small = page_pool.min_pool_pages(P, N, G, paged.PAGE_SIZE) + G + 1
     return {"rich": 0, "half": full // 2 * paged.PAGE_SIZE, "small": small * paged.PAGE_SIZE}
 
 

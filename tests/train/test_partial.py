@@ -17,7 +17,7 @@ import pytest
 from jaxrl4llm import rl
 from jaxrl4llm.models import registry
 from jaxrl4llm.rewards.base import RewardBatch
-from jaxrl4llm.sampling import paged, row_io
+from jaxrl4llm.sampling import page_pool, paged, row_io
 from jaxrl4llm.sampling.frontend import Sampler
 from jaxrl4llm.sampling.sample_output import SampleOutput
 from jaxrl4llm.sampling.strategies import GREEDY
@@ -357,7 +357,7 @@ def test_a_partial_run_carries_rows_and_counts_them(early_stop_model, copy_task_
     assert any(r["partial/staleness_1"] + r["partial/staleness_2"] > 0 for r in records)
 
     r = config.rollout
-    pool = paged.min_pool_pages(r.max_prompt_tokens, r.max_new_tokens, 2, paged.PAGE_SIZE)
+    pool = page_pool.min_pool_pages(r.max_prompt_tokens, r.max_new_tokens, 2, paged.PAGE_SIZE)
     loop.run(
         config.replace(
             workdir=str(tmp_path / "b"),

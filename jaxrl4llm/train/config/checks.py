@@ -18,7 +18,7 @@ from jaxrl4llm.config.options import require
 from jaxrl4llm.data import prompts
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.rewards.shaping import SCALES
-from jaxrl4llm.sampling import paged, rounds
+from jaxrl4llm.sampling import page_pool, paged, rounds
 from jaxrl4llm.sampling.buckets import LONG_PROMPT_MODES
 from jaxrl4llm.sampling.config import ROLLOUT_ENGINES, RolloutConfig
 from jaxrl4llm.train.config import TrainConfig
@@ -321,7 +321,7 @@ def _validate_engine(config: TrainConfig, num_devices: int, data_parallel: int |
         return
     # The --decode_slots alias may round below a group's pages; the engine raises it there.
     ps, tokens = paged.PAGE_SIZE, r.kv_cache_tokens if r.rollout_engine == "paged" else 0
-    need = paged.min_pool_pages(r.max_prompt_tokens, r.max_new_tokens, G, ps) * ps
+    need = page_pool.min_pool_pages(r.max_prompt_tokens, r.max_new_tokens, G, ps) * ps
     require(
         tokens == 0 or tokens >= need,
         f"--kv_cache_tokens={tokens} holds less than one group at full length "
