@@ -42,8 +42,8 @@ a fixed batch and with continuous batching (planner/slots.py: the model is writt
 and the page pool section (planner/pool.py): in the flagfile's KV per device and in the KV
 the chip leaves the compiled rollout, the rows a fixed batch and fixed slots hold at full
 length, the rows the page pool admits in steady state, the pool's pages and GB, and each
-one's decode steps and roofline rollout time. A paged run (--rollout_engine=paged) without a
-profile prints that section for the worst case, every completion at --max_new_tokens.
+one's decode steps and roofline rollout time. Without a profile it prints that section for
+the worst case, every completion at --max_new_tokens.
 
 The simulated devices are CPUs: the compiler is XLA's CPU backend, whose fusion and buffer
 decisions differ from the TPU / GPU compilers (and which cannot compile the splash / cuDNN
@@ -122,9 +122,8 @@ flags.DEFINE_float(
     None,
     "Mean completion length in tokens: with --completion_p99, prints the rollout's slot "
     "utilisation and the page pool's rows, memory and rollout time against fixed slots and a "
-    "fixed batch. Unset: no such section, but for a paged run (--rollout_engine=paged), "
-    "whose page pool section then assumes the worst case, every completion at "
-    "--max_new_tokens (mean = p99 = max_new_tokens).",
+    "fixed batch. Unset: no slot section, and the page pool section assumes the worst "
+    "case, every completion at --max_new_tokens (mean = p99 = max_new_tokens).",
 )
 flags.DEFINE_float(
     "completion_p99",
@@ -172,12 +171,12 @@ def main(argv):
     devices = jax.devices()[: topo.num_devices]
     result = programs.plan(config, model_config, topo, devices)
     print_plan(result, markdown=FLAGS.markdown)
-    if None not in profile:
-        print_slot_use(result, *profile)
-    if None in profile and config.rollout.paged:  # the worst case: every row at its cap
-        profile = (config.rollout.max_new_tokens,) * 2
-    if None not in profile:
-        print_pool(result, *profile, markdown=FLAGS.markdown)
+    mean, p99 = FLAGS.completion_mean, FLAGS.completion_p99
+    if mean is not None and p99 is not None:
+        print_slot_use(result, mean, p99)
+    else:  # the page pool's section for the worst case: every row at its cap
+        mean = p99 = config.rollout.max_new_tokens
+    print_pool(result, mean, p99, markdown=FLAGS.markdown)
     ends = [not_fitting_line(result)] if over_budget(result) else []
     if FLAGS.target_kernels:
         lowered = target.target_kernels(config, model_config, topo, devices)

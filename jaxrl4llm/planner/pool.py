@@ -256,13 +256,15 @@ def setup(plan: Plan) -> Setup:
 
 
 def budgets(plan: Plan, s: Setup, device_budget: float) -> dict[str, float]:
-    """KV bytes per device: the flagfile's (--kv_cache_tokens of a paged run, else its rollout
-    chunk's rows at full length) and the chip's (the device budget less the compiled
-    rollout's memory but its KV)."""
+    """KV bytes per device: the flagfile's page pool (--kv_cache_tokens, by default the rows
+    decoding at once at full length: page_pool.pool_pages, as the sampler sizes it) and the
+    chip's (the device budget less the compiled rollout's memory but its KV)."""
     r = plan.estimate.c.rollout
-    if r.paged and r.pool_tokens:
-        flagfile = r.pool_tokens * s.token_bytes
-    else:
-        flagfile = plan.rollout.slots / s.shards * s.row_pages * s.page_bytes
+    decoding = paged.shard_decode_rows(r.rollout_micro_batch, s.shards, s.group)
+    local = s.rows // s.shards
+    pages = page_pool.pool_pages(
+        r.pool_tokens, local, s.prompt, s.max_new_tokens, s.group, decoding
+    )
+    flagfile = pages * s.page_bytes
     rollout = next(row for row in plan.rows if row.program == "rollout")
     return {"flagfile": flagfile, "chip": max(0.0, device_budget - rollout.total + flagfile)}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 from typing import Any, Sequence
 
@@ -35,7 +34,7 @@ from jaxrl4llm.planner import estimate as plan_estimate
 from jaxrl4llm.planner import hlo_analysis
 from jaxrl4llm.planner.abstract import per_device_bytes
 from jaxrl4llm.planner.topology import Chip, Topology
-from jaxrl4llm.sampling import buckets, decode
+from jaxrl4llm.sampling import buckets, decode, paged_mesh
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 from jaxrl4llm.train.programs import StepPrograms
 from jaxrl4llm.train.update import minibatches, packing
@@ -85,7 +84,8 @@ class Rollout:
 
     @property
     def weight_uses(self) -> int:
-        """Forward passes over the weights per call: prefill + decode steps of every chunk."""
+        """Forward passes over the weights per call at the length limit: prefill + decode
+        steps of every chunk, or of each set of the rows decoding at once."""
         return self.rows // self.slots * self.max_new_tokens
 
 
@@ -282,18 +282,16 @@ def create_row(s: Setup) -> Row:
 
 
 def sample_layout(s: Setup) -> tuple[int, int, int]:
-    """(rows, prompt group, chunks) of the rollout's decode. ReMax samples one more (greedy)
-    row per prompt in the same call, chunked and padded as sampler.generate does it: chunks
-    of whole prompts on whole data-parallel shards."""
+    """(rows, prompt group, chunks) of the rollout's decode: one call of the paged engine
+    (at most --rollout_micro_batch rows decode at once inside it), its rows padded as
+    sampler.generate pads them, to whole groups on each batch shard. ReMax samples one more
+    (greedy) row per prompt in the same call."""
     c = s.config
-    G, B = c.rollout.group_size, c.batch_size
-    if c.algorithm.advantage != "remax":
-        return B, G, s.rollout_chunks
-    Gs, Bs = G + 1, B // G * (G + 1)
-    unit, R = math.lcm(Gs, s.programs.data_parallel), c.rollout.rollout_micro_batch
-    chunk = unit * max(1, R // unit) if R and R < Bs else unit
-    sample_chunks = -(-Bs // chunk) if R and R < Bs else 1
-    return -(-Bs // chunk) * chunk, Gs, sample_chunks
+    G = c.rollout.group_size
+    Gs = G + 1 if c.algorithm.advantage == "remax" else G
+    D = paged_mesh.shards(s.mesh, parallel.DEFAULT_RULES)
+    unit = s.programs.data_parallel * (Gs if D > 1 else 1)
+    return -(-(c.batch_size // G * Gs) // unit) * unit, Gs, 1
 
 
 def sample_inputs(s: Setup, Bs: int, P: int, greedy: bool) -> tuple[tuple, dict]:
@@ -333,9 +331,10 @@ def sample_row(s: Setup) -> tuple[Row, Rollout]:
     )
     m = _measure(compiled, 1, s.chip, unknown_trip_count=N)
     scope = f"/{decode.WEIGHTS_SCOPE}/"
+    R = s.config.rollout.rollout_micro_batch  # the rows decoding at once (0: all)
     rollout = Rollout(
         Bs,
-        Bs // sample_chunks,
+        min(R, Bs) if R else Bs // sample_chunks,
         N,
         _link_bytes(op for op in hlo_analysis.collectives(partitioned) if scope in op.op_name),
         _link_bytes(hlo_analysis.loop_invariant_collectives(partitioned)),

@@ -11,8 +11,8 @@ from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.sampling.turns import TurnLimits
 
-# --rollout_engine's values: how a call's rows decode (RolloutConfig.rollout_engine).
-ROLLOUT_ENGINES = ("compacted", "paged")
+# --rollout_engine's values: the trainer's one engine (RolloutConfig.rollout_engine).
+ROLLOUT_ENGINES = ("paged",)
 
 
 # The algorithm presets whose recipe samples dynamically (DAPO, arXiv:2503.14476 §3.2).
@@ -59,23 +59,25 @@ class RolloutConfig:
     long_prompts: Prompts over --max_prompt_tokens: stop with an error, or drop and count them.
     share_prompts: Run each group's prompt once (sampler prefill; reference, old-policy and
         update passes): the same result with less compute and memory.
-    rollout_micro_batch: Rows per sampler / reference / old-logprob pass, run one after another
-        (0 = all rows at once); bounds the KV cache and activation memory. With
-        --rollout_engine=paged: the rows decoding at once (multi-turn and partial rollouts
-        too); multi-turn rollouts on the compacted engine refuse it.
+    rollout_micro_batch: Rows decoding at once in the rollout (the page pool holds them at
+        full length unless --kv_cache_tokens says otherwise), and rows per reference /
+        old-logprob pass, run one after another (0 = all rows at once); bounds the KV cache
+        and activation memory.
     partial_rollout_tokens: Partial rollouts: sample in rounds of at most this many new tokens
         per row until P groups have finished; unfinished rows carry over to the next step
         with their tokens and logprobs (0 = off; see train/rollout/partial.py).
     max_staleness: With --partial_rollout_tokens: steps a group may wait in the carried buffer
         before it is dropped (and counted).
-    rollout_engine: How rows decode: compacted (every row at once, finished rows compacted
-        away) or paged (a pool of KV pages: rows hold only the pages their tokens fill, a
-        group's prompt pages are shared, and queued groups start as pages free; see
-        sampling/paged.py). The same samples either way.
-    kv_cache_tokens: With --rollout_engine=paged: tokens of KV the page pool holds (0 = as
-        many rows as decode at once at full length, so none is ever preempted: every row
-        of a call, or --rollout_micro_batch rows; per batch shard on a mesh).
-    decode_slots: Deprecated alias: S > 0 means --rollout_engine=paged with
+    rollout_engine: The rollout engine, one for every rollout kind: paged (a pool of KV
+        pages: rows hold only the pages their tokens fill, a group's prompt pages are
+        shared, and queued groups start as pages free; see sampling/paged.py and
+        docs/architecture.md). The only value; the flag stays so that flagfiles naming it
+        parse. The fixed-batch compacted sampler (sampling/decode.py) is the tests'
+        exactness reference, not a trainer engine.
+    kv_cache_tokens: Tokens of KV the rollout's page pool holds (0 = as many rows as decode
+        at once at full length, so none is ever preempted: every row of a call, or
+        --rollout_micro_batch rows; per batch shard on a mesh).
+    decode_slots: Deprecated alias: S > 0 means
         --kv_cache_tokens=S*(max_prompt_tokens+max_new_tokens), the KV S fixed slots held.
     dynamic: DAPO's dynamic sampling (follows the --algorithm preset).
     turns: Multi-turn rollouts (with an environment): turns and token budgets per trajectory.
@@ -94,7 +96,7 @@ class RolloutConfig:
     rollout_micro_batch: int = 0
     partial_rollout_tokens: int = 0
     max_staleness: int = 2
-    rollout_engine: str = "compacted"
+    rollout_engine: str = "paged"
     kv_cache_tokens: int = 0
     decode_slots: int = 0
     dynamic: DynamicSampling = group(
@@ -104,17 +106,10 @@ class RolloutConfig:
     env: str = ""
 
     @property
-    def paged(self) -> bool:
-        """The paged engine decodes (--rollout_engine=paged, or the --decode_slots alias)."""
-        return self.rollout_engine == "paged" or self.decode_slots > 0
-
-    @property
-    def pool_tokens(self) -> int | None:
-        """The paged engine's pool in tokens (0: the rows decoding at once at full length), or
-        None: the compacted sampler."""
-        if not self.paged:
-            return None
-        if self.decode_slots > 0 and self.rollout_engine != "paged":
+    def pool_tokens(self) -> int:
+        """The page pool in tokens (0: the rows decoding at once at full length);
+        --kv_cache_tokens, else the KV of --decode_slots's slots."""
+        if self.decode_slots > 0 and not self.kv_cache_tokens:
             return self.decode_slots * (self.max_prompt_tokens + self.max_new_tokens)
         return self.kv_cache_tokens
 

@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 
 from jaxrl4llm import parallel
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.sampling import buckets, paged_turns, paged_turns_mesh, turn_programs
+from jaxrl4llm.sampling import buckets, paged_mesh, paged_turns, paged_turns_mesh, turn_programs
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.row_io import (
     PromptRows,
@@ -445,6 +445,8 @@ def generate_turns(
         greedy_last=greedy_last,
     )
     multiple = 1 if mesh is None else parallel.data_parallel_size(mesh, rules)
+    if kv_cache_tokens is not None and paged_mesh.shards(mesh, rules) > 1:
+        multiple *= n  # a pool per batch shard, each with whole groups (paged_turns_mesh.py)
     inputs = prompt_rows(prompts, model_config, key, request, batch_multiple=multiple)
     rows, stats = run(
         params, model_config, inputs.batch, inputs.keys_B, inputs.greedy_B, handler, limits,

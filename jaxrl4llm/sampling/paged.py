@@ -170,7 +170,7 @@ def generate_paged(
     attention by `attention` (paged_step.uses_kernel). `record_routing` (a mixture of
     experts): the output holds each prompt and completion token's experts, as the compacted
     sampler records them. `laid_out`: the caller laid the weights out (decode.loop_setup);
-    `lockstep`: the manual mesh axes whose devices step together (lockstep_lib.py)."""
+    `lockstep`: the manual mesh axes whose devices step together (paged_lockstep.py)."""
     B, P = prompt_BP.shape
     N, G = max_new_tokens, prompt_group
     S = max(G, min(max_rows, B) // G * G)
@@ -210,7 +210,7 @@ class Engine:
     floor: int  # the smallest decode level (rows per decode step)
     kernel: bool  # attention by the Pallas kernel (paged_step.pallas_decode_step)
     record: bool  # keeps the routing record (a mixture of experts' record_routing)
-    lockstep: tuple[str, ...]  # the mesh axes whose devices step together (lockstep_lib.py)
+    lockstep: tuple[str, ...]  # the mesh axes whose devices step together (paged_lockstep.py)
 
     @classmethod
     def of(

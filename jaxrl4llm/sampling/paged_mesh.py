@@ -118,7 +118,7 @@ def check_rows(rows: int, D: int, group: int) -> None:
         raise FlagError(
             f"{ENGINE} on {D} batch shards gives each shard whole groups: {rows} rows are not "
             f"a multiple of {D} shards x {group} rows per group; pad the batch to a multiple "
-            f"of {D * group} rows or use --rollout_engine=compacted."
+            f"of {D * group} rows (the trainer: --prompts_per_step a multiple of {D})."
         )
 
 

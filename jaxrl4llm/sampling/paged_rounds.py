@@ -107,11 +107,11 @@ class StepPool:
         max_new_tokens: int,
         max_prompt_tokens: int,
     ):
-        config, B, W = sampler.model_config, slots * group, max_prompt_tokens
         mesh = sampler.mesh if sampler.mesh is not None and sampler.mesh.size > 1 else None
         self.mesh, self.rules = mesh, sampler.rules
         D = self.D = paged_mesh.shards(mesh, sampler.rules)
-        paged_mesh.check_rows(B, D, group)
+        slots = -(-slots // D) * D  # as many in each shard; the spare ones stay free
+        config, B, W = sampler.model_config, slots * group, max_prompt_tokens
         self.sampler, self.G, self.T, self.width, self.n = sampler, group, max_new_tokens, W, B // D
         # At most the sampler's max_rows decode at once (its shard's part; the default pool
         # holds them at full length), as the single-turn engine's.

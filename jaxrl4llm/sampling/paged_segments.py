@@ -311,8 +311,8 @@ def read_rows(state: PagedState, shard_K: jax.Array, rows_K: jax.Array) -> dict[
 
 @dataclasses.dataclass(eq=False)
 class Driver:
-    """The host side of a run over P slots of G rows, P / D on each of its D batch shards
-    (one without a mesh): placing groups in free slots, running segments, reading finished
+    """The host side of a run over P slots of G rows, ceil(P / D) on each of its D batch
+    shards (one without a mesh): placing groups in free slots, running segments, reading finished
     groups back. A group (admission.py's) has its prompt's tokens `prompt_P` and its rows'
     keys `keys_G`; `push` sets its global `slot` (d * P / D + s), `collect` its `rows`."""
 
@@ -328,8 +328,7 @@ class Driver:
         s, P, G, N = self.sampler, self.P, self.G, self.N
         D = self.D = paged_mesh.shards(s.mesh, s.rules)
         self.mesh = s.mesh if s.mesh is not None and s.mesh.size > 1 else None
-        paged_mesh.check_rows(P * G, D, G)  # each shard whole groups
-        self.slots = P // D  # per shard
+        self.slots = -(-P // D)  # per shard: whole groups, as many in each
         self.weights: Any = None
         self.local = paged_mesh.local_shards(self.mesh, s.rules, D)  # the shards this host fills
         queue = functools.partial(empty_queue, D, self.slots, G, self.width, self.max_groups, N)

@@ -56,6 +56,7 @@ FREE_TEXT = {
     "eval_data": lambda f: ["no_such_scheme:x"],
     "eval_sets": lambda f: ["math500;bogus@3"],
     "mesh": lambda f: ["data:x"],
+    "rollout_engine": lambda f: ["compacted", "vllm"],  # compacted: no longer a trainer engine
     "workdir": lambda f: [str(f)],
     "trackers": lambda f: ["comet", "tensorboard,no_such_tracker"],
     "env": lambda f: ["no_such_env", "calculator?no_such_option=1"],

@@ -308,7 +308,7 @@ def test_a_shard_takes_whole_groups():
     from jaxrl4llm.sampling import paged_mesh
 
     paged_mesh.check_rows(16, 2, 4)
-    with pytest.raises(FlagError, match="--rollout_engine=compacted"):
+    with pytest.raises(FlagError, match="pad the batch to a multiple of 8 rows"):
         paged_mesh.check_rows(12, 2, 4)
 
 

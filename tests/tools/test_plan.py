@@ -81,8 +81,9 @@ def test_plan_of_a_tiny_run_on_eight_devices(capsys):
     assert 0.5 < result.update_vs_textbook < 2
     assert rows["update"].flops > 0 and rows["update"].t_compute > 0
     # The sampler gathers the weights once per step (bfloat16, each device receiving 7/8 of
-    # every fsdp-sharded weight), none in its decode loops; per token it would be once per
-    # prefill and decode step of each of the 2 chunks.
+    # every fsdp-sharded weight), none in its decode loop; per token it would be once per
+    # prefill and decode step, 2 x 16 of them at the length limit (the paged engine decodes
+    # the 32 rows at most --rollout_micro_batch = 16 at once).
     shapes = jax.tree.leaves(transformer.param_shapes(MODEL), is_leaf=lambda x: type(x) is tuple)
     axes = jax.tree.leaves(
         transformer.param_logical_axes(MODEL), is_leaf=lambda x: type(x) is tuple
@@ -104,8 +105,11 @@ def test_plan_of_a_tiny_run_on_eight_devices(capsys):
     assert "| update | 2 |" in out and "every program fits" in out
     assert "decode loop: no collective on unchanged values" in out
     assert "32 rows in 16 slots: slot utilisation" in out
-    # The flagfile's KV: 16-row chunks of 2 rows per shard hold no group of 4 at full length.
-    assert "| page pool | 0 |" in out and "| fixed batch | 16 x 2 chunks |" in out
+    # The flagfile's KV: the default pool of a shard's 16 / 8 rows decoding at once, raised
+    # to a group of 4 at full length (page_pool.pool_pages): 1 prompt page + 4 x 2 pages. A
+    # fixed batch holds 4 full rows per shard in those 9 pages; the pool admits 24 in all.
+    assert "| page pool | 24 | 0.0 (9 pages) |" in out
+    assert "| fixed batch | 32 x 1 chunks |" in out
 
 
 def test_plan_of_a_remax_run_samples_the_greedy_rows_too():
@@ -304,6 +308,7 @@ def test_plan_exits_1_naming_the_programs_that_do_not_fit(
     monkeypatch.setattr(
         plan.programs, "plan", lambda config, model, topo, devices: _plan_of_totals(topo, **totals)
     )
+    monkeypatch.setattr(plan, "print_pool", lambda *args, **kw: None)  # needs a compiled plan
     try:
         flags.FLAGS.unparse_flags()
         flags.FLAGS(["plan", "--topology=8xh100"])

@@ -61,7 +61,7 @@ def _config(monkeypatch, *extra):
              "data:2,fsdp:2,expert:1,tensor:2"],
 )  # fmt: skip
 def test_the_paged_engines_tpu_kernels_lower_on_every_mesh_kind(mesh, monkeypatch):
-    config = _config(monkeypatch, "--rollout_engine=paged", f"--mesh={mesh}")
+    config = _config(monkeypatch, f"--mesh={mesh}")
     lowered = target.target_kernels(config, MODEL, topology("v5p-8"), jax.devices()[:8])
     kernels = {row.program: row.kernels for row in lowered}
     assert [row.error for row in lowered] == ["", "", ""], lowered
@@ -71,14 +71,14 @@ def test_the_paged_engines_tpu_kernels_lower_on_every_mesh_kind(mesh, monkeypatc
     assert target.not_lowering_line(lowered, topology("v5p-8")) is None
 
 
-def test_the_compacted_sampler_and_ppos_critic_lower_their_splash_kernels(monkeypatch):
-    """The compacted sampler decodes with the reference (one query a row): splash in its
-    prefill only; PPO's critic passes run splash forward and backward as the policy's."""
+def test_ppos_critic_lowers_its_splash_kernels(monkeypatch):
+    """PPO's critic passes run splash forward and backward as the policy's, on a mesh
+    splitting the batch over data and fsdp."""
     config = _config(monkeypatch, "--algorithm=ppo", "--mesh=data:2,fsdp:4,expert:1,tensor:1")
     lowered = target.target_kernels(config, MODEL, topology("v5p-8"), jax.devices()[:8])
     kernels = {row.program: set(row.kernels) for row in lowered}
     assert kernels == {
-        "rollout": {SPLASH}, "logprobs": {SPLASH}, "update": BACKWARD,
+        "rollout": {PAGED, SPLASH}, "logprobs": {SPLASH}, "update": BACKWARD,
         "critic values": {SPLASH}, "critic update": BACKWARD,
     }  # fmt: skip
 

@@ -19,6 +19,7 @@ from jaxrl4llm.train import loop
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.infra.metrics import read_metrics
 
+from tests.compacted_reference import WORKER_PATCH, compacted_rollouts
 from tests.train.float_checks import LINEAR_OPT
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,13 +72,15 @@ def _config(model_dir, data, workdir):
     )
 
 
-def _two_workers(config: TrainConfig, tmp_path) -> list[dict]:
-    """Runs `config` in two local processes of 2 CPU devices each (WORKER); each one's last
+def _two_workers(config: TrainConfig, tmp_path, compacted: bool = False) -> list[dict]:
+    """Runs `config` in two local processes of 2 CPU devices each (WORKER; `compacted`: the
+    rollouts by the compacted sampler, tests/compacted_reference.py); each one's last
     metrics, after checking that both trained config.run.num_steps steps."""
     config_json = tmp_path / "config.json"
     config_json.write_text(config.to_json())
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    patched = WORKER.replace("port, pid,", WORKER_PATCH + "port, pid,")
+    script.write_text(patched if compacted else WORKER)
     port = _free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
@@ -108,36 +111,24 @@ def _two_workers(config: TrainConfig, tmp_path) -> list[dict]:
 
 
 def test_two_processes_match_one(toy_model_dir, copy_task_file, tmp_path):
-    _two_workers(_config(toy_model_dir, copy_task_file, tmp_path / "two"), tmp_path)
-    one = loop.run(
-        _config(toy_model_dir, copy_task_file, tmp_path / "one"), devices=jax.devices()[:4]
-    )
-    assert one["step"] == 2
+    """Two processes (the paged engine: a page pool per batch shard, sampling/paged_mesh.py,
+    over the 4 devices of both hosts) train as one process whose rollouts the compacted
+    sampler decodes (the tests' reference): 6 greedy tokens per row, the same rewards,
+    losses and gradients; each host saves the checkpoints."""
+    two = _config(toy_model_dir, copy_task_file, tmp_path / "two").replace(max_new_tokens=6)
+    _two_workers(two, tmp_path)
+    one = _config(toy_model_dir, copy_task_file, tmp_path / "one").replace(max_new_tokens=6)
+    with compacted_rollouts():
+        assert loop.run(one, devices=jax.devices()[:4])["step"] == 2
     a, b = read_metrics(str(tmp_path / "one")), read_metrics(str(tmp_path / "two"))
     assert [r["step"] for r in b] == [1, 2]  # host 0 alone writes the metrics
     for ra, rb in zip(a, b):
         assert rb["reward/accuracy"] == pytest.approx(ra["reward/accuracy"])
-        np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(rb["optim/grad_norm"], ra["optim/grad_norm"], rtol=1e-4)
-    assert sorted(os.listdir(tmp_path / "two" / "checkpoints"))[:2] == ["1", "2"]
-
-
-def test_the_paged_engine_on_two_processes_matches_one(toy_model_dir, copy_task_file, tmp_path):
-    """--rollout_engine=paged on two processes (a page pool per batch shard,
-    sampling/paged_mesh.py, over the 4 devices of both hosts) trains as the compacted sampler
-    in one process: 6 greedy tokens per row, the same rewards and losses."""
-    two = _config(toy_model_dir, copy_task_file, tmp_path / "two")
-    two = two.replace(rollout_engine="paged", kv_cache_tokens=0, max_new_tokens=6)
-    _two_workers(two, tmp_path)
-    one = _config(toy_model_dir, copy_task_file, tmp_path / "one").replace(max_new_tokens=6)
-    loop.run(one, devices=jax.devices()[:4])
-    a, b = read_metrics(str(tmp_path / "one")), read_metrics(str(tmp_path / "two"))
-    assert [r["step"] for r in b] == [1, 2]
-    for ra, rb in zip(a, b):
-        assert rb["reward/accuracy"] == pytest.approx(ra["reward/accuracy"])
         assert rb["response/length_mean"] == ra["response/length_mean"]
         np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(rb["optim/grad_norm"], ra["optim/grad_norm"], rtol=1e-4)
         assert "rollout/rows_per_decode_step" in rb and "rollout/rows_per_decode_step" not in ra
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints"))[:2] == ["1", "2"]
 
 
 # The 4-host run's flags; the 1-process run gets the same values through TrainConfig.replace.
@@ -253,7 +244,8 @@ def test_four_processes_preempted_and_resubmitted_match_one(
 
 
 def test_dynamic_sampling_on_two_processes(toy_model_dir, copy_task_file, tmp_path):
-    """DAPO's dynamic sampling across hosts. In rounds (the compacted sampler): each host
+    """DAPO's dynamic sampling across hosts. In rounds (the compacted sampler, the tests'
+    reference; the paged engine's sampler calls run them so with ReMax's rows): each host
     fills its own groups, and every round the hosts exchange their kept counts, so both run
     the same sampler calls and stop after the same round (a disagreement would hang the
     collectives); the toy model rarely copies its prompt at temperature 1, so groups lack a
@@ -270,7 +262,7 @@ def test_dynamic_sampling_on_two_processes(toy_model_dir, copy_task_file, tmp_pa
     )
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    last = _two_workers(config, tmp_path / "a")
+    last = _two_workers(config, tmp_path / "a", compacted=True)
     written = read_metrics(str(tmp_path / "rounds"))  # host 0's
     assert [r["step"] for r in written] == [1, 2]
     for name in (
@@ -286,9 +278,7 @@ def test_dynamic_sampling_on_two_processes(toy_model_dir, copy_task_file, tmp_pa
         kept = (1 - r["rollout/frac_groups_filtered"]) * 8 * r["rollout/rounds"]
         assert r["rollout/groups_short"] == pytest.approx(max(8 - kept, 0), abs=4)
 
-    paged = config.replace(
-        workdir=str(tmp_path / "admission"), rollout_engine="paged", kv_cache_tokens=0
-    )
+    paged = config.replace(workdir=str(tmp_path / "admission"))
     last = _two_workers(paged, tmp_path / "b")
     assert last[0]["rollout/rounds"] == last[1]["rollout/rounds"]  # the chunks both took
     a, b = read_metrics(str(tmp_path / "rounds")), read_metrics(str(tmp_path / "admission"))

@@ -4,6 +4,7 @@ resumed bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,6 +28,7 @@ from jaxrl4llm.train.config.checks import validate
 from jaxrl4llm.train.infra.metrics import read_metrics
 from jaxrl4llm.train.rollout import partial
 
+from tests.compacted_reference import compacted_rollouts
 from tests.conftest import build_toy_model
 from tests.sampling.test_sampler import alone_logprobs, chosen
 from tests.train.test_loop import _config, _one_device
@@ -344,11 +346,13 @@ def _partial_config(model, data, workdir, **overrides):
 
 
 def test_a_partial_run_carries_rows_and_counts_them(early_stop_model, copy_task_file, tmp_path):
-    """Three steps that carry rows; the paged engine, with a pool of one group at full
-    length (rows wait for pages, are evicted and restored), runs the same steps (what it
-    prefills differs: test_partial_pool.py)."""
+    """Three steps that carry rows, sampled by the compacted sampler's calls (the tests'
+    reference); the paged engine, with a pool of one group at full length (rows wait for
+    pages, are evicted and restored), runs the same steps (what it prefills differs:
+    test_partial_pool.py)."""
     config = _partial_config(early_stop_model, copy_task_file, tmp_path / "a", num_steps=3)
-    loop.run(config, devices=_one_device())
+    with compacted_rollouts():
+        loop.run(config, devices=_one_device())
     records = read_metrics(str(tmp_path / "a"))
     for r in records:  # every step trains P = 4 full groups, staleness 0..2
         assert sum(r[f"partial/staleness_{k}"] for k in range(3)) == 8
@@ -361,7 +365,6 @@ def test_a_partial_run_carries_rows_and_counts_them(early_stop_model, copy_task_
     loop.run(
         config.replace(
             workdir=str(tmp_path / "b"),
-            rollout_engine="paged",
             kv_cache_tokens=pool * paged.PAGE_SIZE,
         ),
         devices=_one_device(),
@@ -379,20 +382,21 @@ def test_a_killed_partial_run_resumes_bit_identically(
 ):
     """A run killed (kill -9) after logging step 3 but before saving it restarts from
     checkpoint 2, carried rows included, and logs the metrics of a run that never stopped;
-    with either engine (paged: the step's rounds on one pool of pages)."""
-    straight = _partial_config(
-        early_stop_model, copy_task_file, tmp_path / "a", num_steps=4, rollout_engine=engine
-    )
-    loop.run(straight, devices=_one_device())
+    on the paged engine (the step's rounds on one pool of pages) and with the compacted
+    sampler's calls (the rounds as several hosts run them, tests/compacted_reference.py)."""
+    sampler = compacted_rollouts() if engine == "compacted" else contextlib.nullcontext()
+    straight = _partial_config(early_stop_model, copy_task_file, tmp_path / "a", num_steps=4)
     killed = _partial_config(
-        early_stop_model, copy_task_file, tmp_path / "b", num_steps=3, checkpoint_every=2,
-        rollout_engine=engine,
-    )  # fmt: skip
-    loop.run(killed, devices=_one_device())
-    shutil.rmtree(tmp_path / "b" / "checkpoints" / "3")  # what kill -9 leaves: step 3 logged
-    saved = json.loads((tmp_path / "b" / "checkpoints" / "2" / "data" / "metadata").read_text())
-    assert saved["in_flight"]["groups"], "nothing carried at the checkpoint: the test is weak"
-    loop.run(killed.replace(num_steps=4), devices=_one_device())
+        early_stop_model, copy_task_file, tmp_path / "b", num_steps=3, checkpoint_every=2
+    )
+    with sampler:
+        loop.run(straight, devices=_one_device())
+        loop.run(killed, devices=_one_device())
+        shutil.rmtree(tmp_path / "b" / "checkpoints" / "3")  # what kill -9 leaves
+        metadata = tmp_path / "b" / "checkpoints" / "2" / "data" / "metadata"
+        saved = json.loads(metadata.read_text())
+        assert saved["in_flight"]["groups"], "nothing carried at the checkpoint: a weak test"
+        loop.run(killed.replace(num_steps=4), devices=_one_device())
     a, b = read_metrics(str(tmp_path / "a")), read_metrics(str(tmp_path / "b"))
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     for ra, rb in zip(a, b):

@@ -1,6 +1,9 @@
-"""--rollout_engine=paged in the trainer: the same run as the compacted sampler, the
-combinations it refuses at validation (exit 2, naming the flag), and --decode_slots as its
-alias."""
+"""The trainer's one rollout engine, the paged one: the same run as the compacted sampler
+(the tests' reference, tests/compacted_reference.py), the combinations refused at validation
+(exit 2, naming the flag), --decode_slots as an alias of its pool, and a config.json naming
+the compacted engine resuming on it."""
+
+import json
 
 import numpy as np
 import pytest
@@ -8,9 +11,11 @@ import pytest
 from jaxrl4llm import rl
 from jaxrl4llm.config.errors import FlagError
 from jaxrl4llm.train import loop
+from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.config.checks import validate
 from jaxrl4llm.train.infra.metrics import read_metrics
 
+from tests.compacted_reference import compacted_rollouts
 from tests.train.float_checks import LINEAR_OPT
 from tests.train.test_loop import _config, _one_device
 
@@ -33,10 +38,9 @@ def test_a_paged_run_equals_a_compacted_one(overrides, toy_model_dir, copy_task_
     test_partial.test_a_partial_run_carries_rows_and_counts_them)."""
     kwargs = dict(num_steps=2, max_new_tokens=12, optimizer=LINEAR_OPT, **overrides)
     plain = _config(toy_model_dir, copy_task_file, tmp_path / "compacted", **kwargs)
-    loop.run(plain, devices=_one_device())
-    paged = plain.replace(
-        workdir=str(tmp_path / "paged"), rollout_engine="paged", kv_cache_tokens=512
-    )
+    with compacted_rollouts():
+        loop.run(plain, devices=_one_device())
+    paged = plain.replace(workdir=str(tmp_path / "paged"), kv_cache_tokens=512)
     loop.run(paged, devices=_one_device())
     a, b = read_metrics(str(tmp_path / "compacted")), read_metrics(str(tmp_path / "paged"))
     assert len(a) == len(b) >= 2
@@ -64,28 +68,26 @@ def test_a_paged_run_equals_a_compacted_one(overrides, toy_model_dir, copy_task_
     [
         (dict(max_turns=3, kv_cache_tokens=16), "less than one multi-turn row at full length"),
         (  # the alias's pool holds max_new_tokens, not the longer turn budget
-            dict(rollout_engine="compacted", decode_slots=1, max_turns=3, max_total_tokens=4096),
+            dict(decode_slots=1, max_turns=3, max_total_tokens=4096),
             r"--decode_slots=1 \(\d+ tokens of KV\) holds less than one multi-turn row",
         ),
-        (dict(mesh="data:2,fsdp:1,tensor:1", prompts_per_step=3), "whole groups"),
         (dict(kv_cache_tokens=100), "holds less than one group at full length"),
-        (dict(rollout_engine="vllm"), "choose one of compacted, paged"),
-        (  # the compacted engine has no pool: the flag would do nothing
-            dict(rollout_engine="compacted", kv_cache_tokens=512),
-            r"--kv_cache_tokens=512 sizes the paged engine's page pool, which "
-            r"--rollout_engine=compacted does not use",
+        (dict(rollout_engine="vllm"), "choose one of paged"),
+        (  # no longer a trainer engine: the paged one gives its samples
+            dict(rollout_engine="compacted"),
+            r"--rollout_engine=compacted: the fixed-batch compacted sampler is no longer a "
+            r"trainer engine; .* Drop the flag",
         ),
-        (  # the dense multi-turn engine holds every row's cache: the cap is paged only
-            dict(rollout_engine="compacted", env="calculator", max_turns=3, rollout_micro_batch=8),
-            r"--rollout_micro_batch=8 with --env: .* use --rollout_engine=paged",
+        (  # two ways to size one pool
+            dict(decode_slots=2, kv_cache_tokens=512),
+            r"--decode_slots=2 is an alias of --kv_cache_tokens .*; set one of them",
         ),
     ],
 )
 def test_paged_combinations_refused_at_validation(
     overrides, message, toy_model_dir, copy_task_file, tmp_path
 ):
-    base = dict(rollout_engine="paged") if "rollout_engine" not in overrides else {}
-    config = _config(toy_model_dir, copy_task_file, tmp_path, **base, **overrides)
+    config = _config(toy_model_dir, copy_task_file, tmp_path, **overrides)
     with pytest.raises(FlagError, match=message):
         sizes = [int(axis.split(":")[1]) for axis in overrides.get("mesh", "x:1").split(",")]
         validate(config, num_devices=int(np.prod(sizes)))
@@ -114,13 +116,9 @@ def test_a_paged_run_on_a_mesh(overrides, mesh, toy_model_dir, copy_task_file, t
 
     kwargs = dict(num_steps=2, max_new_tokens=12, optimizer=LINEAR_OPT, **overrides)
     plain = _config(toy_model_dir, copy_task_file, tmp_path / "compacted", **kwargs)
-    loop.run(plain, devices=_one_device())
-    paged = plain.replace(
-        workdir=str(tmp_path / "paged"),
-        rollout_engine="paged",
-        kv_cache_tokens=256,
-        mesh=mesh,
-    )
+    with compacted_rollouts():
+        loop.run(plain, devices=_one_device())
+    paged = plain.replace(workdir=str(tmp_path / "paged"), kv_cache_tokens=256, mesh=mesh)
     devices = 4 if "tensor:2" in mesh else 2
     validate(paged, num_devices=devices)
     loop.run(paged, devices=jax.devices()[:devices])
@@ -141,17 +139,51 @@ def test_a_paged_run_on_a_mesh(overrides, mesh, toy_model_dir, copy_task_file, t
         assert ("rollout/groups_admitted" in rb) == bool(overrides)  # DAPO by admission
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        dict(algorithm=rl.get_preset("dapo"), max_resample_rounds=1),
+        dict(partial_rollout_tokens=4),
+        dict(env="calculator", max_turns=2),
+    ],
+    ids=["grpo", "dapo-by-admission", "partial", "multi-turn"],
+)
+def test_prompts_not_a_multiple_of_the_batch_shards(
+    overrides, toy_model_dir, copy_task_file, tmp_path
+):
+    """3 prompts of 2 rows on data:2: each batch shard's engine takes whole groups, so one
+    shard gets a spare slot that takes no group (sampler.generate's and multi-turn's rows
+    padded to whole groups per shard, the partial-rollout pool's and DAPO admission's slots
+    rounded up); the one-device compacted run's rewards and lengths, its losses within float
+    rounding."""
+    import jax
+
+    kwargs = dict(
+        num_steps=2, max_new_tokens=8, optimizer=LINEAR_OPT, prompts_per_step=3, group_size=2,
+        **overrides,
+    )  # fmt: skip
+    plain = _config(toy_model_dir, copy_task_file, tmp_path / "compacted", **kwargs)
+    with compacted_rollouts():
+        loop.run(plain, devices=_one_device())
+    paged = plain.replace(workdir=str(tmp_path / "paged"), mesh="data:2,fsdp:1,tensor:1")
+    validate(paged, num_devices=2)
+    loop.run(paged, devices=jax.devices()[:2])
+    a, b = read_metrics(str(tmp_path / "compacted")), read_metrics(str(tmp_path / "paged"))
+    assert len(a) == len(b) == 2
+    for ra, rb in zip(a, b):
+        assert ra["reward/mean"] == rb["reward/mean"]
+        assert ra["response/length_mean"] == rb["response/length_mean"]
+        np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], atol=1e-4)
+
+
 def test_decode_slots_is_an_alias_of_the_paged_engine(toy_model_dir, copy_task_file, tmp_path):
-    """--decode_slots=S: the paged engine with the KV S full-length slots held."""
+    """--decode_slots=S: the page pool of the KV S full-length slots held (with
+    --kv_cache_tokens too: refused, test_paged_combinations_refused_at_validation)."""
     config = _config(toy_model_dir, copy_task_file, tmp_path, decode_slots=8)
     r = config.rollout
-    assert r.paged and r.pool_tokens == 8 * (r.max_prompt_tokens + r.max_new_tokens)
+    assert r.pool_tokens == 8 * (r.max_prompt_tokens + r.max_new_tokens)
     validate(config, num_devices=1)
-    with pytest.raises(FlagError, match=r"--rollout_engine=paged \(--decode_slots\)"):
-        validate(
-            config.replace(max_turns=3, mesh="data:2,fsdp:1,tensor:1", prompts_per_step=3),
-            num_devices=2,
-        )
 
 
 @pytest.mark.parametrize(
@@ -172,8 +204,7 @@ def test_a_multi_turn_run_on_pages(mesh, pool, toy_model_dir, copy_task_file, tm
 
     config = _config(
         toy_model_dir, copy_task_file, tmp_path, num_steps=1, max_new_tokens=12,
-        env="calculator", max_turns=2, prompts_per_step=4, group_size=2,
-        rollout_engine="paged", mesh=mesh, **pool,
+        env="calculator", max_turns=2, prompts_per_step=4, group_size=2, mesh=mesh, **pool,
     )  # fmt: skip
     devices = 4 if "tensor:2" in mesh else 2
     validate(config, num_devices=devices)
@@ -182,3 +213,18 @@ def test_a_multi_turn_run_on_pages(mesh, pool, toy_model_dir, copy_task_file, tm
     assert 0 < record["response/length_mean"] <= 12
     if "kv_cache_tokens" in pool:
         assert record["turns/evictions"] > 0  # 4 rows of 2 pages each in 3 pages, per shard
+
+
+def test_a_config_json_naming_the_compacted_engine_runs_on_pages(
+    toy_model_dir, copy_task_file, tmp_path
+):
+    """A run's config.json written when the compacted sampler was a trainer engine loads
+    with the paged engine (the same samples), so that the run resumes and its checkpoints
+    evaluate; a fresh config runs on pages too."""
+    config = _config(toy_model_dir, copy_task_file, tmp_path)
+    assert config.rollout.rollout_engine == "paged" and config.rollout.pool_tokens == 0
+    written = json.loads(config.to_json())
+    written["rollout"]["rollout_engine"] = "compacted"
+    loaded = TrainConfig.from_json(json.dumps(written))
+    assert loaded == config
+    validate(loaded, num_devices=1)

@@ -24,6 +24,7 @@ from jaxrl4llm.train.update import step
 from jaxrl4llm.train.update.batch import UpdateBatch
 from jaxrl4llm.train.update.logprobs import Sequences, completion_logprobs
 
+from tests.compacted_reference import compacted_rollouts
 from tests.conftest import build_toy_model
 from tests.train.test_loop import _config, _one_device
 
@@ -145,7 +146,8 @@ _RUN_DEPENDENT = {"memory/peak_rss_gib", "throughput/rollout_tokens_per_s"} | {
 
 def test_router_flags_through_the_trainer(tmp_path, copy_task_file):
     """--routing_replay with the router's losses runs and logs the router metrics, by the
-    paged engine (its pool holds a group or two at a time) as by the compacted sampler; the
+    paged engine (its pool holds a group or two at a time) as by the compacted sampler (the
+    tests' reference); the
     flags are refused on a dense model and with rollouts that keep no record (exit 2)."""
     model = build_toy_model(
         tmp_path / "moe", model_type="qwen3_moe", qk_norm=True, moe=MoeConfig(4, 2, 32)
@@ -161,13 +163,11 @@ def test_router_flags_through_the_trainer(tmp_path, copy_task_file):
         router_aux_loss_coef=0.01,
         router_z_loss_coef=0.001,
     )
-    loop.run(config, devices=_one_device())
+    with compacted_rollouts():
+        loop.run(config, devices=_one_device())
     # 12 pages, 8 rows decoding at once: groups wait for rows and pages.
     paged = config.replace(
-        workdir=str(tmp_path / "paged"),
-        rollout_engine="paged",
-        kv_cache_tokens=192,
-        rollout_micro_batch=8,
+        workdir=str(tmp_path / "paged"), kv_cache_tokens=192, rollout_micro_batch=8
     )
     loop.run(paged, devices=_one_device())
     records = read_metrics(str(tmp_path / "run"))
@@ -184,6 +184,6 @@ def test_router_flags_through_the_trainer(tmp_path, copy_task_file):
     with pytest.raises(FlagError, match="--routing_replay, --router_aux_loss_coef.*is dense"):
         loop.run(config.replace(model=dense, workdir=str(tmp_path / "d")), devices=_one_device())
     with pytest.raises(FlagError, match="--routing_replay replays the routing"):
-        validate(config.replace(rollout_engine="paged", partial_rollout_tokens=2), 1)
+        validate(config.replace(partial_rollout_tokens=2), 1)
     with pytest.raises(FlagError, match="--micro_batch_tokens=64: the packed passes"):
         validate(config.replace(micro_batch_tokens=64), 1)

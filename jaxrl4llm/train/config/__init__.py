@@ -32,7 +32,7 @@ from jaxrl4llm.rewards.registry import TASK_VERIFIERS, RewardConfig
 from jaxrl4llm.rewards.sandbox import ISOLATION as CODE_ISOLATION
 from jaxrl4llm.rewards.shaping import SCALES
 from jaxrl4llm.sampling.buckets import LONG_PROMPT_MODES
-from jaxrl4llm.sampling.config import ROLLOUT_ENGINES, RolloutConfig
+from jaxrl4llm.sampling.config import RolloutConfig
 from jaxrl4llm.train.config.groups import (
     DTYPES,
     CriticOptions,
@@ -65,7 +65,7 @@ class TrainConfig:
     data: DataConfig = group(DataConfig, flags={"source": "data", "revision": "data_revision"})
     rollout: RolloutConfig = group(
         RolloutConfig,
-        choices={"long_prompts": LONG_PROMPT_MODES, "rollout_engine": ROLLOUT_ENGINES},
+        choices={"long_prompts": LONG_PROMPT_MODES},
     )
     reward: RewardConfig = group(
         RewardConfig,
@@ -304,7 +304,9 @@ class TrainConfig:
         data = json.loads(text)
         if not isinstance(data.get("model"), str):
             _move_trainer_knobs(data)
+            _one_engine(data.get("rollout", {}))
             return options.from_dict(cls, data)
+        _one_engine(data)
         data.update({k: data["algorithm"].pop(k) for k in _TRAINER_KNOBS if k in data["algorithm"]})
         algorithm = options.from_dict(rl.AlgorithmConfig, data.pop("algorithm"))
         optimizer = options.from_dict(OptimizerConfig, data.pop("optimizer"))
@@ -323,6 +325,14 @@ _TRAINER_KNOBS = {
     "max_resample_rounds": ("rollout", "dynamic"),
     "log_kl_ref": ("update",),
 }
+
+
+def _one_engine(rollout: dict[str, Any]) -> None:
+    """A config.json written when the compacted sampler was a trainer engine: the paged
+    engine, which gives its samples, so that such a run resumes and its checkpoints
+    evaluate."""
+    if rollout.get("rollout_engine") == "compacted":
+        rollout["rollout_engine"] = "paged"
 
 
 def _move_trainer_knobs(data: dict[str, Any]) -> None:

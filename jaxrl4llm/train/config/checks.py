@@ -94,7 +94,7 @@ def validate_all(
     prompts.expand(config.data.instruction, "--instruction")
     prompts.example_turns(config.data.example)
     _validate_batches(config, num_devices, data_parallel)
-    _validate_engine(config, num_devices, data_parallel)
+    _validate_engine(config)
     _validate_packing(config, num_devices, data_parallel, num_hosts)
     rl.validate(config.algorithm, config.rollout.group_size)
     _validate_critic(config)
@@ -236,12 +236,6 @@ def _validate_turns(config: TrainConfig) -> None:
         f"--max_turns={t.max_turns} does not combine with --partial_rollout_tokens: "
         "multi-turn trajectories finish within their step; drop one of them.",
     )
-    require(
-        not (r.env and r.rollout_micro_batch and not r.paged),
-        f"--rollout_micro_batch={r.rollout_micro_batch} with --env: the compacted engine keeps "
-        "every multi-turn row's cache for its whole trajectory; use --rollout_engine=paged "
-        "(at most --rollout_micro_batch rows decode at once) or --rollout_micro_batch=0.",
-    )
 
 
 def _data_parallel(config: TrainConfig, num_devices: int) -> int:
@@ -282,45 +276,40 @@ def _validate_batches(config: TrainConfig, num_devices: int, data_parallel: int 
     )
 
 
-def _validate_engine(config: TrainConfig, num_devices: int, data_parallel: int | None) -> None:
-    """--rollout_engine and --kv_cache_tokens: the paged engine's pool and what it runs
+def _validate_engine(config: TrainConfig) -> None:
+    """--rollout_engine and --kv_cache_tokens: the page pool and what the engine runs
     (docs/architecture.md, "Rollout kinds and engines"); the router flags' needs of it."""
     _validate_router(config)
     r = config.rollout
+    require(
+        r.rollout_engine != "compacted",
+        "--rollout_engine=compacted: the fixed-batch compacted sampler is no longer a trainer "
+        "engine; every rollout kind runs on the paged engine, which gives its samples "
+        '(docs/architecture.md, "Rollout kinds and engines"). Drop the flag; '
+        "--rollout_micro_batch and --kv_cache_tokens bound its memory.",
+    )
     require(
         r.rollout_engine in ROLLOUT_ENGINES,
         f"--rollout_engine={r.rollout_engine!r}: choose one of {', '.join(ROLLOUT_ENGINES)}.",
     )
     require(r.kv_cache_tokens >= 0, f"--kv_cache_tokens={r.kv_cache_tokens} must be >= 0.")
     require(
-        r.rollout_engine == "paged" or not r.kv_cache_tokens,
-        f"--kv_cache_tokens={r.kv_cache_tokens} sizes the paged engine's page pool, which "
-        f"--rollout_engine={r.rollout_engine} does not use: add --rollout_engine=paged or drop it.",
+        not (r.decode_slots and r.kv_cache_tokens),
+        f"--decode_slots={r.decode_slots} is an alias of --kv_cache_tokens (the KV of that "
+        "many fixed slots); set one of them.",
     )
-    if not r.paged:
-        return
     if r.decode_slots:
         logging.warning(
             "--decode_slots is a deprecated alias and goes in the next release: use "
-            "--rollout_engine=paged --kv_cache_tokens=%d (the KV %d slots held).",
+            "--kv_cache_tokens=%d (the KV %d slots held).",
             *(r.pool_tokens, r.decode_slots),
         )
-    engine = "--rollout_engine=paged" + (" (--decode_slots)" if r.decode_slots else "")
-    turns = bool(r.env) or r.turns.max_turns > 1
-    G = r.group_size if r.share_prompts else 1
-    D = data_parallel or _data_parallel(config, num_devices)
-    require(
-        config.batch_size % (D * G) == 0,
-        f"{engine} runs one page pool per batch shard, each with whole groups: the "
-        f"{config.batch_size} rows of a step are not a multiple of the {D} batch shards of "
-        f"--mesh={config.run.mesh} x {G} rows per group; make --prompts_per_step a multiple "
-        f"of {D}, or use --rollout_engine=compacted.",
-    )
-    if turns:
+    if r.env or r.turns.max_turns > 1:
         _validate_paged_turns(config)
         return
+    G = r.group_size if r.share_prompts else 1
     # The --decode_slots alias may round below a group's pages; the engine raises it there.
-    ps, tokens = paged.PAGE_SIZE, r.kv_cache_tokens if r.rollout_engine == "paged" else 0
+    ps, tokens = paged.PAGE_SIZE, r.kv_cache_tokens
     need = page_pool.min_pool_pages(r.max_prompt_tokens, r.max_new_tokens, G, ps) * ps
     require(
         tokens == 0 or tokens >= need,
@@ -336,9 +325,9 @@ def _validate_paged_turns(config: TrainConfig) -> None:
     at least one row at full length (prompt and turn budget)."""
     r = config.rollout
     # The pool the sampler gets: --decode_slots's is sized by --max_new_tokens, not the turns'.
-    ps, tokens = paged.PAGE_SIZE, r.pool_tokens or 0
+    ps, tokens = paged.PAGE_SIZE, r.pool_tokens
     pool = f"--kv_cache_tokens={tokens}"
-    if r.rollout_engine != "paged":
+    if r.decode_slots:
         pool = f"--decode_slots={r.decode_slots} ({tokens} tokens of KV)"
     budget = r.turns.max_total_tokens or r.max_new_tokens
     need = math.ceil((r.max_prompt_tokens + budget) / ps) * ps
@@ -346,7 +335,7 @@ def _validate_paged_turns(config: TrainConfig) -> None:
         tokens == 0 or tokens >= need,
         f"{pool} holds less than one multi-turn row at full length ({need} tokens: a "
         f"{r.max_prompt_tokens}-token prompt and a {budget}-token budget in {ps}-token "
-        f"pages); use --rollout_engine=paged --kv_cache_tokens={need} or more, or 0 (every "
+        f"pages); use --kv_cache_tokens={need} or more, or 0 (every "
         "row at full length).",
     )
 
