@@ -274,12 +274,7 @@ class Figures:
 
 
 def figures(output: str) -> Figures:
-    rows = [
-        [c.strip() for c in line.strip().strip("|").split("|")]
-        for line in output.splitlines()
-        if line.startswith("| ") and not line.startswith(("| program |", "| --- |"))
-    ]
-    by_program = {r[0]: r for r in rows}
+    by_program = {r[0]: r for r in _program_rows(output)}
     coll = by_program["update"][9] if "update" in by_program else "-"
     rollout_s = by_program["rollout"][10].split()[0] if "rollout" in by_program else "0"
     return Figures(
@@ -290,6 +285,20 @@ def figures(output: str) -> Figures:
         rollout_s=float(rollout_s),
         update_collectives=sum(float(x) for x in coll.split()[1::2]) if coll != "-" else 0.0,
     )
+
+
+def _program_rows(output: str) -> list[list[str]]:
+    """The cells of the programs table's rows (not the page pool's table after it)."""
+    rows: list[list[str]] = []
+    lines = iter(output.splitlines())
+    for line in lines:
+        if line.startswith("| program |"):
+            for row in lines:
+                if not row.startswith("| "):
+                    return rows
+                if not row.startswith("| --- |"):
+                    rows.append([c.strip() for c in row.strip().strip("|").split("|")])
+    return rows
 
 
 def _number(pattern: str, text: str) -> float:
