@@ -189,8 +189,9 @@ def generate_paged(
     pool = pages_lib.init_pool(model_config, num_pages, page_size, cache_dtype)
     pending = kv_cache.init_kv_cache(model_config, refill_groups(S, G), P, cache_dtype)
     start = paged_state.initial_state(queue, pool, pending, S, G, N, pad_id, record)
-    more = lambda s: lockstep_lib.joint(paged_state.more_work(engine.num_groups, s), lockstep)  # noqa: E731
-    state = jax.lax.while_loop(more, engine.iterate, paged_state.split_heads(start, sharding))
+    state = jax.lax.while_loop(
+        engine.more, engine.iterate, paged_state.split_heads(start, sharding)
+    )
     return paged_state.output(state)
 
 
@@ -241,6 +242,10 @@ class Engine:
     @property
     def num_groups(self) -> jax.Array:
         return self.queue.num_queued // self.group
+
+    def more(self, s: paged_state.PagedState) -> jax.Array:
+        """The loop goes on (paged_state.more_work), on any device of the lockstep group."""
+        return lockstep_lib.joint(paged_state.more_work(self.num_groups, s), self.lockstep)
 
     def admit(self, s: paged_state.PagedState) -> paged_state.PagedState:
         """Admits waiting groups while the next one fits, prefilling the pending block when

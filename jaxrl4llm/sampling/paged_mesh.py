@@ -199,12 +199,9 @@ def weight_specs(
     the partitioner's)."""
     lockstep = lockstep_axes(mesh, rules, config)
     experts_only = tuple((n, lockstep if n == "experts" else None) for n, _ in rules)
-    return jax.tree.map(
-        lambda axes, w: parallel.logical_to_partition_spec(axes, experts_only, w.shape, mesh),
-        transformer.unstacked_logical_axes(config),
-        weights,
-        is_leaf=lambda x: type(x) is tuple and all(a is None or isinstance(a, str) for a in x),
-    )
+    axes = transformer.unstacked_logical_axes(config)
+    shardings = parallel.logical_to_sharding(axes, mesh, experts_only, weights)
+    return jax.tree.map(lambda sharding: sharding.spec, shardings)
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "mesh", "rules"))

@@ -48,7 +48,6 @@ from jaxrl4llm.models import kv_cache
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.sampling import buckets, continuous, decode, paged, paged_mesh, paged_state
 from jaxrl4llm.sampling import page_pool as pages_lib
-from jaxrl4llm.sampling import paged_lockstep as lockstep_lib
 from jaxrl4llm.sampling.paged_state import PagedState
 from jaxrl4llm.sampling.row_io import every_host, stop_id_array
 from jaxrl4llm.sampling.strategies import SamplingConfig
@@ -155,8 +154,7 @@ def segment(
 
         def more(carry: tuple[jax.Array, PagedState]) -> jax.Array:
             steps, s = carry
-            work = lockstep_lib.joint(paged_state.more_work(engine.num_groups, s), lockstep)
-            return (steps < max_steps) & work
+            return (steps < max_steps) & engine.more(s)
 
         def body(carry: tuple[jax.Array, PagedState]) -> tuple[jax.Array, PagedState]:
             steps, s = carry
