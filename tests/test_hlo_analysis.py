@@ -131,3 +131,55 @@ def test_a_shard_map_body_counts_and_a_nested_unknown_loop_runs_once_per_outer_i
     _, hlo = hlo_analysis.partitioned_hlo(jax.jit(run).lower(_put((16,), P("fsdp"))))
     psums = [op for op in hlo_analysis.collectives(hlo, unknown_trip_count=7)]
     assert [(op.kind, op.group_size, op.executions) for op in psums] == [("all-reduce", 8, 7)]
+
+
+def test_a_conditional_counts_its_heaviest_branch_not_the_sum_of_its_branches():
+    """The paged engine's loop picks one decode step of several row levels per iteration (a
+    conditional): a loop of 5 iterations whose branches do one, two or no [16, 64] x [64, 64]
+    matmuls costs 5 x 2 of them, not 5 x 3; a psum in the lighter branch is not counted."""
+
+    def f(w_DF, x_BD, level):
+        def body(x, _):
+            branches = (
+                lambda x: jax.lax.psum(x @ w_DF, "fsdp"),
+                lambda x: jnp.tanh(jnp.tanh(x @ w_DF) @ w_DF),
+                lambda x: x + 1.0,
+            )
+            return jax.lax.switch(level, branches, x), None
+
+        return jax.lax.scan(body, x_BD, None, length=5)[0]
+
+    run = jax.shard_map(f, mesh=MESH, in_specs=(P(), P(), P()), out_specs=P(), check_vma=False)
+    hlo = (
+        jax.jit(run)
+        .lower(
+            _put((64, 64), P()),
+            _put((16, 64), P()),
+            jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(MESH, P())),
+        )
+        .compile()
+        .as_text()
+    )
+    assert "conditional(" in hlo
+    assert hlo_analysis.matmul_flops(hlo) == 5 * 2 * (2 * 16 * 64 * 64)
+    assert not [op for op in hlo_analysis.collectives(hlo) if op.kind == "all-reduce"]
+
+
+def test_limits_cap_the_executions_of_a_named_scope():
+    """A matmul under a named scope in a loop of 7 unknown iterations, the scope limited to 2
+    runs (the paged engine's prefill, once per admitted block), another matmul outside it."""
+
+    def f(w_DF, x_BD):
+        def body(x):
+            with jax.named_scope("once_per_block"):
+                y = jnp.tanh(x @ w_DF)
+            return jnp.tanh(y @ w_DF)
+
+        return jax.lax.while_loop(lambda x: jnp.sum(x) > 0.0, body, x_BD)
+
+    arg = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    hlo = jax.jit(f).lower(arg, jax.ShapeDtypeStruct((16, 64), jnp.float32)).compile().as_text()
+    one = 2 * 16 * 64 * 64
+    assert hlo_analysis.matmul_flops(hlo, unknown_trip_count=7) == 14 * one
+    limited = hlo_analysis.matmul_flops(hlo, unknown_trip_count=7, limits={"/once_per_block/": 2})
+    assert limited == (7 + 2) * one

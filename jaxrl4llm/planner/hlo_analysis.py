@@ -23,52 +23,24 @@ import math
 import os
 import re
 import tempfile
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
-KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "f8e4m3fn": 1,
-    "f8e5m2": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-    "c64": 8,
-    "c128": 16,
-}
-
-_SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([0-9,]*)\]")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
-_CALLEES = re.compile(
-    r"\b(body|condition|calls|to_apply|branch_computations|"
-    r"true_computation|false_computation)=(\{[^}]*\}|%?[\w.\-]+)"
+from jaxrl4llm.planner import hlo_text
+from jaxrl4llm.planner.hlo_text import (
+    DTYPE_BYTES,
+    KINDS,
+    Computations,
+    Instruction,
+    Shape,
+    parse_shapes,
 )
-_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+__all__ = ["DTYPE_BYTES", "KINDS", "Collective", "Shape", "collectives", "matmul_flops"]
+
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{(\{[0-9,]*\})")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TUPLE_INDEX = re.compile(r"\bindex=(\d+)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    dtype: str
-    dims: tuple[int, ...]
-
-    @property
-    def bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype] * math.prod(self.dims)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,81 +88,6 @@ class Collective:
         return self.total_bytes * share * (2 if self.kind == "all-reduce" else 1)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Instruction:
-    name: str
-    op: str
-    result: str
-    rest: str
-    root: bool = False
-
-    @property
-    def operands(self) -> list[str]:
-        return re.findall(r"%([\w.\-]+)", self.rest.split(")")[0])
-
-
-def _parse_shapes(text: str) -> tuple[Shape, ...]:
-    return tuple(
-        Shape(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _SHAPE.findall(text)
-    )
-
-
-def _computations(hlo: str) -> tuple[dict[str, list[_Instruction]], str]:
-    comps: dict[str, list[_Instruction]] = {}
-    entry, current = "", None
-    for line in hlo.splitlines():
-        if current is None:
-            m = _COMPUTATION.match(line)
-            if m and "=" not in line.split("(")[0]:
-                current = m.group(1)
-                comps[current] = []
-                if line.startswith("ENTRY"):
-                    entry = current
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        m = _INSTRUCTION.match(line)
-        if m:
-            comps[current].append(
-                _Instruction(m.group(2), m.group(4), m.group(3), m.group(5), bool(m.group(1)))
-            )
-    return comps, entry
-
-
-def _executions(
-    comps: dict[str, list[_Instruction]], entry: str, unknown_trip_count: int
-) -> dict[str, int]:
-    """How often each computation runs per call of the entry computation. A while loop
-    without a known trip count runs `unknown_trip_count` times, or once per iteration of an
-    enclosing one (a decode loop's bound is the tokens it decodes; a loop inside it, e.g. the
-    paged engine's admission, runs a few times per decode step, not that bound again)."""
-    calls: dict[str, list[tuple[str, int | None]]] = collections.defaultdict(list)
-    for name, instructions in comps.items():
-        for inst in instructions:
-            trip: int | None = 1
-            if inst.op == "while":
-                m = _TRIP_COUNT.search(inst.rest)
-                trip = int(m.group(1)) if m else None
-            for key, callees in _CALLEES.findall(inst.rest):
-                if key == "to_apply" and inst.op != "call":
-                    continue  # scalar reducers: no collectives inside (a call's is its body)
-                for callee in callees.strip("{}").replace("%", "").split(","):
-                    callee = callee.strip()
-                    if callee in comps:
-                        calls[name].append((callee, trip if key in ("body", "condition") else 1))
-    counts: dict[str, int] = collections.Counter()
-
-    def visit(name: str, times: int, unknown: int) -> None:
-        counts[name] += times
-        for callee, trip in calls.get(name, ()):
-            inner = unknown if trip is not None else 1
-            visit(callee, times * (unknown if trip is None else trip), inner)
-
-    visit(entry, 1, unknown_trip_count)
-    return counts
-
-
 def _group_size(rest: str, num_devices: int | None) -> int:
     m = _GROUPS_MESH.search(rest)
     if m:
@@ -206,15 +103,13 @@ def _group_size(rest: str, num_devices: int | None) -> int:
     return num_devices or 1
 
 
-def _is_sliced(
-    name: str, instructions: list[_Instruction], comps: dict[str, list[_Instruction]]
-) -> bool:
+def _is_sliced(name: str, instructions: list[Instruction], comps: Computations) -> bool:
     """Whether every use of value `name` is a dynamic-slice, directly or inside a fusion."""
     users = [i for i in instructions if name in i.operands]
     for user in users:
         if user.op == "dynamic-slice":
             continue
-        called = _CALLEES.search(user.rest) if user.op == "fusion" else None
+        called = hlo_text.CALLEES.search(user.rest) if user.op == "fusion" else None
         body = comps.get(called.group(2).lstrip("%"), []) if called else []
         if not any(i.op == "dynamic-slice" for i in body):
             return False
@@ -222,7 +117,7 @@ def _is_sliced(
 
 
 def _upcast_source(
-    operand_names: list[str], instructions: list[_Instruction], comps: dict[str, list[_Instruction]]
+    operand_names: list[str], instructions: list[Instruction], comps: Computations
 ) -> str | None:
     """ "bf16" / "f16" when every operand is produced by a convert (or a fusion of data
     movement and converts) that passes the value through that narrower float, else None."""
@@ -234,7 +129,7 @@ def _upcast_source(
             return None
         body = [producer]
         if producer.op == "fusion":
-            called = _CALLEES.search(producer.rest)
+            called = hlo_text.CALLEES.search(producer.rest)
             body = comps.get(called.group(2).lstrip("%"), []) if called else []
         moves = {
             "parameter",
@@ -256,10 +151,10 @@ def _upcast_source(
         inner = {i.name: i for i in body}
         types = set()
         for conv in (i for i in body if i.op == "convert"):
-            types.add(_parse_shapes(conv.result)[0].dtype)
+            types.add(parse_shapes(conv.result)[0].dtype)
             source = conv.operands
             if source and source[0] in inner:
-                types.add(_parse_shapes(inner[source[0]].result)[0].dtype)
+                types.add(parse_shapes(inner[source[0]].result)[0].dtype)
         found = types & {"bf16", "f16"}
         if len(found) != 1:
             return None
@@ -268,10 +163,10 @@ def _upcast_source(
 
 
 def _sliced_elements(
-    inst: _Instruction,
+    inst: Instruction,
     num: int,
-    instructions: list[_Instruction],
-    comps: dict[str, list[_Instruction]],
+    instructions: list[Instruction],
+    comps: Computations,
 ) -> list[bool]:
     """For each (tuple) element of an all-reduce: whether its result is only sliced, i.e.
     the all-reduce + dynamic-slice pair that the TPU and GPU compilers turn into one
@@ -288,38 +183,44 @@ def _sliced_elements(
 
 
 def collectives(
-    hlo: str, *, unknown_trip_count: int = 1, num_devices: int | None = None
+    hlo: str,
+    *,
+    unknown_trip_count: int = 1,
+    num_devices: int | None = None,
+    limits: Mapping[str, int] | None = None,
 ) -> list[Collective]:
     """Every collective of an optimized HLO module (compiled.as_text()), with how often it runs.
 
     A while loop without a known trip count (a decode loop that stops early) counts as
     `unknown_trip_count` iterations (pass its bound for a worst case), one nested in such a
-    loop as one iteration per outer iteration. An all-reduce whose
+    loop as one iteration per outer iteration; `limits` caps the executions of the
+    instructions under a named scope (hlo_text.limited_runs). An all-reduce whose
     result is only sliced counts as the reduce-scatter it becomes on TPU / GPU.
     """
-    comps, entry = _computations(hlo)
-    runs = _executions(comps, entry, unknown_trip_count)
+    comps, entry = hlo_text.computations(hlo)
+    runs = hlo_text.executions(comps, entry, unknown_trip_count, limits)
     out = []
     for comp, instructions in comps.items():
         for inst in instructions:
             kind = inst.op.removesuffix("-start")
             if kind not in KINDS or not runs.get(comp):
                 continue
-            operands = _parse_shapes(inst.rest.split("),")[0])
+            operands = parse_shapes(inst.rest.split("),")[0])
             if not operands:  # operands printed by name only: look their shapes up
                 shapes = {i.name: i.result for i in instructions}
-                operands = tuple(s for n in inst.operands for s in _parse_shapes(shapes.get(n, "")))
-            result = _parse_shapes(inst.result)
+                operands = tuple(s for n in inst.operands for s in parse_shapes(shapes.get(n, "")))
+            result = parse_shapes(inst.result)
             if inst.op.endswith("-start") and kind == "all-gather":
                 result = result[len(operands) :]  # async: (operands, results) tuple
             group = _group_size(inst.rest, num_devices)
             upcast = _upcast_source(inst.operands, instructions, comps)
-            m = _OP_NAME.search(inst.rest)
+            m = hlo_text.OP_NAME.search(inst.rest)
             op_name = m.group(1) if m else ""
+            times = hlo_text.limited_runs(runs[comp], op_name, limits)
             if kind != "all-reduce" or inst.op.endswith("-start"):
                 out.append(
                     Collective(
-                        kind, inst.name, comp, result, operands, group, runs[comp], upcast, op_name
+                        kind, inst.name, comp, result, operands, group, times, upcast, op_name
                     )
                 )
                 continue
@@ -335,7 +236,7 @@ def collectives(
                             tuple(result[k] for k in picked),
                             tuple(operands[k] for k in picked),
                             group,
-                            runs[comp],
+                            times,
                             upcast,
                             op_name,
                         )
@@ -370,7 +271,7 @@ def partitioned_hlo(lowered: Any) -> tuple[Any, str]:
             return compiled, f.read()
 
 
-def _loop_invariant(body: list[_Instruction]) -> set[str]:
+def _loop_invariant(body: list[Instruction]) -> set[str]:
     """Values of a while body that are the same in every iteration: carried elements the body
     returns unchanged, constants, and whatever is computed from those alone."""
     param = next((i.name for i in body if i.op == "parameter"), None)
@@ -410,13 +311,13 @@ def loop_invariant_collectives(hlo: str, *, unknown_trip_count: int = 1) -> list
     weight's FSDP shards gathered in every decode step): the same transfer each iteration,
     which belongs before the loop. Pass `partitioned_hlo`'s text: the final HLO of the CPU
     compiler has them hoisted already. Counted as `collectives` counts them."""
-    comps, _ = _computations(hlo)
+    comps, _ = hlo_text.computations(hlo)
     bodies = {
         callee.lstrip("%")
         for instructions in comps.values()
         for inst in instructions
         if inst.op == "while"
-        for key, callee in _CALLEES.findall(inst.rest)
+        for key, callee in hlo_text.CALLEES.findall(inst.rest)
         if key == "body"
     }
     flagged = set()
@@ -445,27 +346,21 @@ def summarize(ops: Iterable[Collective]) -> dict[str, float]:
     return dict(total)
 
 
-_DOT_DIMS = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
-
-
-def matmul_flops(hlo: str, *, unknown_trip_count: int = 1) -> float:
-    """2 x multiply-adds of every dot in the program, loops counted (per device)."""
-    comps, entry = _computations(hlo)
-    runs = _executions(comps, entry, unknown_trip_count)
+def matmul_flops(
+    hlo: str, *, unknown_trip_count: int = 1, limits: Mapping[str, int] | None = None
+) -> float:
+    """2 x multiply-adds of every dot in the program, loops counted, a conditional's heaviest
+    branch only, `limits` as collectives' (per device)."""
+    comps, entry = hlo_text.computations(hlo)
+    runs = hlo_text.executions(comps, entry, unknown_trip_count, limits)
     # Dots inside fusions run when their fusion does: count fusion bodies like callees.
     total = 0.0
     for comp, instructions in comps.items():
+        if not runs.get(comp):
+            continue
         shapes = {i.name: i.result for i in instructions}
         for inst in instructions:
-            if inst.op != "dot" or not runs.get(comp):
-                continue
-            result = _parse_shapes(inst.result)
-            operand_shapes = _parse_shapes(inst.rest.split(")")[0])
-            if not operand_shapes:
-                name = inst.operands[0]
-                operand_shapes = _parse_shapes(shapes.get(name, ""))
-            m = _DOT_DIMS.search(inst.rest)
-            contracting = [int(x) for x in m.group(1).split(",") if x] if m else []
-            k = math.prod(operand_shapes[0].dims[d] for d in contracting) if operand_shapes else 1
-            total += 2.0 * math.prod(result[0].dims) * k * runs[comp]
+            m = hlo_text.OP_NAME.search(inst.rest)
+            times = hlo_text.limited_runs(runs[comp], m.group(1) if m else "", limits)
+            total += hlo_text.dot_flops(inst, shapes) * times
     return total

@@ -28,65 +28,19 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel, rl
 from jaxrl4llm.models.architectures import ARCHITECTURES
 from jaxrl4llm.models.config import ModelConfig
-from jaxrl4llm.models.moe import EXCHANGE_SCOPE
 from jaxrl4llm.planner import abstract as abs_lib
 from jaxrl4llm.planner import estimate as plan_estimate
 from jaxrl4llm.planner import hlo_analysis
 from jaxrl4llm.planner.abstract import per_device_bytes
+from jaxrl4llm.planner.measured import Rollout, Row, link_bytes, measure
 from jaxrl4llm.planner.topology import Chip, Topology
-from jaxrl4llm.sampling import buckets, decode, paged_mesh
+from jaxrl4llm.sampling import buckets, decode, paged, paged_mesh
 from jaxrl4llm.train.config import TrainConfig, param_dtype
 from jaxrl4llm.train.programs import StepPrograms
 from jaxrl4llm.train.update import minibatches, packing
 from jaxrl4llm.train.update import state as state_lib
 from jaxrl4llm.train.update.batch import UpdateBatch, length_classes
 from jaxrl4llm.train.update.logprobs import Sequences
-
-
-@dataclasses.dataclass
-class Row:
-    program: str
-    calls: int  # per training step
-    args: float  # bytes per device
-    temp: float
-    output: float
-    alias: float  # outputs written into donated arguments
-    resident: float  # live arrays outside the program (state, reference, batch)
-    estimate: float  # hand estimate of `total`
-    collectives: dict  # payload bytes per call by kind, and "link" bytes
-    flops: float  # matmul FLOPs per call per device
-    t_compute: float
-    t_comm: float
-    t_hbm: float
-    # The expert exchange's share of `collectives` (models/moe.py EXCHANGE_SCOPE): bytes per call.
-    exchange: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def total(self) -> float:
-        return self.args + self.temp + self.output - self.alias + self.resident
-
-    @property
-    def seconds(self) -> float:
-        return max(self.t_compute, self.t_comm, self.t_hbm)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rollout:
-    """The rollout's rows and weight traffic. Bytes are per device, sent over a ring
-    (hlo_analysis.Collective.link_bytes), read from the HLO right after SPMD partitioning."""
-
-    rows: int  # sampled per training step
-    slots: int  # rows decoded at once (a chunk)
-    max_new_tokens: int
-    weight_gathers: float  # the weights' gathers before the decode loops, per call
-    in_loop: float  # collectives one iteration of each loop repeats on unchanged
-    # values, summed over the loops (0)
-
-    @property
-    def weight_uses(self) -> int:
-        """Forward passes over the weights per call at the length limit: prefill + decode
-        steps of every chunk, or of each set of the rows decoding at once."""
-        return self.rows // self.slots * self.max_new_tokens
 
 
 @dataclasses.dataclass
@@ -126,30 +80,6 @@ def architecture(model: str) -> ModelConfig:
             "pass --architecture=NAME or add the architecture there."
         )
     return ARCHITECTURES[name]
-
-
-def _link_bytes(ops: Any) -> float:
-    return sum(op.link_bytes for op in ops)
-
-
-def _measure(compiled: Any, calls: int, chip: Chip, unknown_trip_count: int = 1) -> dict:
-    hlo = compiled.as_text()
-    mem = compiled.memory_analysis()
-    ops = hlo_analysis.collectives(hlo, unknown_trip_count=unknown_trip_count)
-    summary = hlo_analysis.summarize(ops)
-    flops = hlo_analysis.matmul_flops(hlo, unknown_trip_count=unknown_trip_count)
-    return dict(
-        calls=calls,
-        args=mem.argument_size_in_bytes,
-        temp=mem.temp_size_in_bytes,
-        output=mem.output_size_in_bytes,
-        alias=mem.alias_size_in_bytes,
-        collectives=summary,
-        exchange=hlo_analysis.summarize(op for op in ops if EXCHANGE_SCOPE in op.op_name),
-        flops=flops,
-        t_compute=flops / chip.peak_flops,
-        t_comm=summary.get("link", 0.0) / chip.link_bw,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +206,7 @@ def plan(
 
 def create_row(s: Setup) -> Row:
     """TrainState.create: params in, state out."""
-    m = _measure(s.programs.create(s.trained).lower(s.trained).compile(), 0, s.chip)
+    m = measure(s.programs.create(s.trained).lower(s.trained).compile(), 0, s.chip)
     resident = s.ref_bytes + s.critic_bytes + s.frozen_bytes
     return Row("create", resident=resident, estimate=s.est.create(resident), t_hbm=0.0, **m)
 
@@ -323,21 +253,24 @@ def lower_sample(s: Setup, P: int) -> Any:
 def sample_row(s: Setup) -> tuple[Row, Rollout]:
     """The rollout: all rows of a step, in row chunks; and its weight traffic."""
     (_, P, N), num_chunks = s.rows, s.rollout_chunks
-    Bs, _, sample_chunks = sample_layout(s)
+    Bs, Gs, sample_chunks = sample_layout(s)
     lowered = lower_sample(s, P)
     # One device: nothing is partitioned, no collective to read.
     compiled, partitioned = (
         hlo_analysis.partitioned_hlo(lowered) if s.mesh.size > 1 else (lowered.compile(), "")
     )
-    m = _measure(compiled, 1, s.chip, unknown_trip_count=N)
-    scope = f"/{decode.WEIGHTS_SCOPE}/"
+    # Its decode loop's iterations and prefills, at most (the HLO knows neither).
+    D = paged_mesh.shards(s.mesh, parallel.DEFAULT_RULES)
     R = s.config.rollout.rollout_micro_batch  # the rows decoding at once (0: all)
+    steps, prefills = paged.loop_bounds(Bs // D, R // D, Gs, N)
+    m = measure(compiled, 1, s.chip, steps, {f"/{decode.PREFILL_SCOPE}/": prefills})
+    scope = f"/{decode.WEIGHTS_SCOPE}/"
     rollout = Rollout(
         Bs,
         min(R, Bs) if R else Bs // sample_chunks,
         N,
-        _link_bytes(op for op in hlo_analysis.collectives(partitioned) if scope in op.op_name),
-        _link_bytes(hlo_analysis.loop_invariant_collectives(partitioned)),
+        link_bytes(op for op in hlo_analysis.collectives(partitioned) if scope in op.op_name),
+        link_bytes(hlo_analysis.loop_invariant_collectives(partitioned)),
     )
     resident = s.state_bytes - s.param_bytes + s.ref_bytes + s.critic_bytes
     row = Row(
@@ -378,7 +311,7 @@ def teacher_forced_rows(s: Setup) -> list[Row]:
             resident=resident,
             estimate=s.est.logprobs(num_chunks, group, resident),
             t_hbm=0.0,
-            **_measure(compiled, calls, s.chip),
+            **measure(compiled, calls, s.chip),
         )
     ]
     if s.critic_state is not None:
@@ -396,7 +329,7 @@ def teacher_forced_rows(s: Setup) -> list[Row]:
                 resident=resident,
                 t_hbm=0.0,
                 estimate=s.est.logprobs(num_chunks, group, resident, unembed=False),
-                **_measure(compiled, 1, s.chip),
+                **measure(compiled, 1, s.chip),
             )
         )
     return rows
@@ -454,7 +387,7 @@ def update_rows(s: Setup) -> list[Row]:
     trips = s.est.packed_micro_batches() if c.update.micro_batch_tokens else 1
     compiled = lower_update(s, P, N).compile()
     group = s.programs.update_group(mini_batch(s, P, N))
-    m = _measure(compiled, c.updates_per_step, s.chip, unknown_trip_count=trips)
+    m = measure(compiled, c.updates_per_step, s.chip, unknown_trip_count=trips)
     per_row = P * 5 + N * (4 + 1 + 4 * (1 + c.needs_reference + c.needs_old_logprobs))
     rollout_batch = B / s.programs.data_parallel * (per_row + N * 4 * 2 * c.needs_critic)
     resident = s.ref_bytes + rollout_batch + s.critic_bytes
@@ -470,7 +403,7 @@ def update_rows(s: Setup) -> list[Row]:
                 resident=resident,
                 t_hbm=0.0,
                 estimate=s.est.update(group, resident, unembed=False, packed=False),
-                **_measure(compiled, c.updates_per_step, s.chip),
+                **measure(compiled, c.updates_per_step, s.chip),
             )
         )
     return rows

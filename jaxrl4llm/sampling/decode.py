@@ -125,6 +125,10 @@ def prefill_first_tokens(
 # The named scope of the weights' layout change before the loops: its collectives are the
 # once-per-call weight gathers (tools/plan.py finds them by it in the HLO's metadata).
 WEIGHTS_SCOPE = "decode_weights"
+# The named scope of the paged engine's choice to prefill a block of groups: a conditional
+# in its decode loop that runs once per block admitted, not once per step (paged.loop_bounds;
+# the planner counts it so).
+PREFILL_SCOPE = "paged_prefill"
 
 
 def loop_params(

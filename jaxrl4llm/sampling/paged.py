@@ -130,6 +130,16 @@ def refill_groups(max_rows: int, group: int) -> int:
     return max(1, max_rows // (group * continuous.REFILL_FRACTION))
 
 
+def loop_bounds(rows: int, max_rows: int, group: int, max_new_tokens: int) -> tuple[int, int]:
+    """(decode steps, prefills) of a shard's run of `rows` rows, at most `max_rows` decoding
+    at once (0: all), none preempted, at most: every row at full length, the rows in waves
+    of the decode rows, the groups prefilled in blocks of refill_groups (the loop holds the
+    prefill, decode.PREFILL_SCOPE, but runs it once per block: the planner counts it so)."""
+    decode_rows = max(group, min(max_rows or rows, rows) // group * group)
+    steps = -(-rows // decode_rows) * max_new_tokens
+    return steps, -(-(rows // group) // refill_groups(decode_rows, group))
+
+
 STATIC = (
     *decode.STATIC_SETTINGS,
     *("max_rows", "num_pages", "page_size", "cache_dtype", "attention", "record_routing"),
@@ -258,7 +268,8 @@ class Engine:
             return jnp.where(has_pending, paged_state.fits(s, self.group), more_groups & free_rows)
 
         def one(s: paged_state.PagedState) -> paged_state.PagedState:
-            return jax.lax.cond(s.pend_next < s.pend_end, self._admit_next, self._prefill, s)
+            with jax.named_scope(decode.PREFILL_SCOPE):
+                return jax.lax.cond(s.pend_next < s.pend_end, self._admit_next, self._prefill, s)
 
         if self.lockstep:
             return lockstep_lib.admit(s, self.lockstep, due, self._admit_next, self._prefill)

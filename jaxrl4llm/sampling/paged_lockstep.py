@@ -23,6 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxrl4llm.sampling import decode
+
 
 def joint(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """The largest value of `x` over the devices of `axes` (a bool: any of them); `x` itself
@@ -55,7 +57,8 @@ def admit(
         return jax.lax.cond(due(s), admit_next, lambda s: s, s)
 
     def one(s: Any) -> Any:
-        return jax.lax.cond(joint(wants_prefill(s), axes), prefill_all, admit_due, s)
+        with jax.named_scope(decode.PREFILL_SCOPE):
+            return jax.lax.cond(joint(wants_prefill(s), axes), prefill_all, admit_due, s)
 
     return jax.lax.while_loop(lambda s: joint(due(s), axes), one, s)
 

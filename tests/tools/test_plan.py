@@ -80,6 +80,17 @@ def test_plan_of_a_tiny_run_on_eight_devices(capsys):
     assert update["all-gather"] > 0 and update["reduce-scatter"] > 0
     assert 0.5 < result.update_vs_textbook < 2
     assert rows["update"].flops > 0 and rows["update"].t_compute > 0
+    # The rollout's matmul FLOPs per device, by hand: each of the 8 batch shards holds one
+    # group of 4 rows, all decoding at once (16 / 8 rows, a group at least). At most 16
+    # decode steps of 4 rows at the widest table (2 pages: 16 prompt + 16 new tokens), and
+    # one prefill of the group's 16 prompt tokens (unembedding its last), counted once
+    # though the decode loop holds it; of the loop's decode branches, only the widest.
+    d, H, K, Dh, F, V = 64, 4, 2, 16, 128, 512
+    layer = 2 * (d * H * Dh * 2 + d * K * Dh * 2 + 3 * d * F)  # per token: q, o, k, v, MLP
+    attention = lambda queries, keys: 2 * 2 * H * Dh * queries * keys  # noqa: E731
+    decode = 16 * 4 * (3 * (layer + attention(1, 32)) + 2 * d * V)
+    prefill = 3 * (16 * layer + attention(16, 16)) + 2 * d * V
+    assert rows["rollout"].flops == decode + prefill
     # The sampler gathers the weights once per step (bfloat16, each device receiving 7/8 of
     # every fsdp-sharded weight), none in its decode loop; per token it would be once per
     # prefill and decode step, 2 x 16 of them at the length limit (the paged engine decodes
