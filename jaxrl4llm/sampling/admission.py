@@ -26,7 +26,8 @@ groups before the P-th with spread, in the records' order, have all finished: gr
 decoding then come after it and are dropped (`rollout/groups_dropped`).
 
 On a mesh that splits the batch the engine runs one queue and pool per batch shard
-(paged_segments.py), P / D slots each; a group goes to the shard with the most free slots.
+(paged_segments.py), P / D slots each (on several hosts a host's P / hosts groups over its
+own D / hosts shards); a group goes to the shard with the most free slots.
 Its rows depend only on its prompt and keys, so the batch is the same. On several hosts each
 host runs this for its own block of the records (keyed as the rounds key it) in its own
 shards; every program runs on every host at once, so at each iteration the hosts exchange
@@ -401,5 +402,6 @@ def _metrics(run: _Run, engine: paged_segments.Driver, seconds: float) -> dict[s
         "reward/accuracy_sampled": Metric.mean(correct / (len(scored) * run.G)),
         # Groups queued into the engine, and those dropped while decoding at the end.
         "rollout/groups_admitted": Metric.mean(float(engine.queued.sum())),
+        "rollout/group_slots": Metric.mean(float(engine.slots * len(engine.local))),
         "rollout/groups_dropped": Metric.mean(float(len(run.in_flight()))),
     }

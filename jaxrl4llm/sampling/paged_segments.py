@@ -309,10 +309,11 @@ def read_rows(state: PagedState, shard_K: jax.Array, rows_K: jax.Array) -> dict[
 
 @dataclasses.dataclass(eq=False)
 class Driver:
-    """The host side of a run over P slots of G rows, ceil(P / D) on each of its D batch
-    shards (one without a mesh): placing groups in free slots, running segments, reading finished
-    groups back. A group (admission.py's) has its prompt's tokens `prompt_P` and its rows'
-    keys `keys_G`; `push` sets its global `slot` (d * P / D + s), `collect` its `rows`."""
+    """The host side of a run over this host's P slots of G rows, ceil(P / L) on each of the
+    L batch shards it fills of the mesh's D (L = D on one host; one shard without a mesh):
+    placing groups in free slots, running segments, reading finished groups back. A group
+    (admission.py's) has its prompt's tokens `prompt_P` and its rows' keys `keys_G`; `push`
+    sets its global `slot` (d * slots + s), `collect` its `rows`."""
 
     sampler: Any
     sampling: SamplingConfig
@@ -326,9 +327,9 @@ class Driver:
         s, P, G, N = self.sampler, self.P, self.G, self.N
         D = self.D = paged_mesh.shards(s.mesh, s.rules)
         self.mesh = s.mesh if s.mesh is not None and s.mesh.size > 1 else None
-        self.slots = -(-P // D)  # per shard: whole groups, as many in each
-        self.weights: Any = None
         self.local = paged_mesh.local_shards(self.mesh, s.rules, D)  # the shards this host fills
+        self.slots = -(-P // len(self.local))  # per shard: whole groups, as many in each
+        self.weights: Any = None
         queue = functools.partial(empty_queue, D, self.slots, G, self.width, self.max_groups, N)
         self.queue = self._placed(queue(_unused_key()))
         self.rows = max(G, min(s.max_rows or P * G, P * G) // D // G * G)

@@ -285,6 +285,8 @@ def test_dynamic_sampling_on_two_processes(toy_model_dir, copy_task_file, tmp_pa
     assert [r["step"] for r in b] == [1, 2]
     for ra, rb in zip(a, b):
         assert "rollout/groups_admitted" in rb and "rollout/groups_admitted" not in ra
+        # A host's engine holds its 8 / 2 groups at once, in its 2 of the 4 batch shards.
+        assert rb["rollout/group_slots"] == 4
         assert rb["rollout/rounds"] == ra["rollout/rounds"]
         assert rb["reward/accuracy"] == pytest.approx(ra["reward/accuracy"])
         np.testing.assert_allclose(rb["policy/loss"], ra["policy/loss"], rtol=1e-5, atol=1e-6)
