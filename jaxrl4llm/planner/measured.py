@@ -47,9 +47,11 @@ class Rollout:
     rows: int  # sampled per training step
     slots: int  # rows decoded at once (a chunk)
     max_new_tokens: int
-    weight_gathers: float  # the weights' gathers before the decode loops, per call
+    weight_gathers: float  # the weights' gathers before the decode loops, per step
     in_loop: float  # collectives one iteration of each loop repeats on unchanged
     # values, summed over the loops (0)
+    apart: bool = False  # the gathers run in a program of their own, not the rollout row's
+    # (by admission: paged_mesh.decode_weights, once per step before the segments)
 
     @property
     def weight_uses(self) -> int:

@@ -23,22 +23,18 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
-from jaxrl4llm import parallel, rl
+from jaxrl4llm import rl
 from jaxrl4llm.models.architectures import ARCHITECTURES
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.planner import abstract as abs_lib
-from jaxrl4llm.planner import estimate as plan_estimate
-from jaxrl4llm.planner import hlo_analysis
+from jaxrl4llm.planner import rollout as rollout_lib
 from jaxrl4llm.planner.abstract import per_device_bytes
-from jaxrl4llm.planner.measured import Rollout, Row, link_bytes, measure
-from jaxrl4llm.planner.topology import Chip, Topology
-from jaxrl4llm.sampling import buckets, decode, paged, paged_mesh
-from jaxrl4llm.train.config import TrainConfig, param_dtype
-from jaxrl4llm.train.programs import StepPrograms
+from jaxrl4llm.planner.measured import Rollout, Row, measure
+from jaxrl4llm.planner.shared import Setup, setup
+from jaxrl4llm.planner.topology import Topology
+from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.update import minibatches, packing
-from jaxrl4llm.train.update import state as state_lib
 from jaxrl4llm.train.update.batch import UpdateBatch, length_classes
 from jaxrl4llm.train.update.logprobs import Sequences
 
@@ -56,15 +52,16 @@ class Plan:
     estimate: Any = None  # the hand estimate's symbols (planner/pool.py reads them)
 
     def rollout_seconds(self, per_token: bool) -> tuple[float, float]:
-        """(rollout roofline time, its communication term) per call, the weights gathered
-        once before the decode loops, or (per_token) in every prefill and decode step."""
+        """(rollout roofline time, its communication term) per step (every call of the
+        rollout's program), the weights gathered once before the decode loops, or
+        (per_token) in every prefill and decode step."""
         row = next(r for r in self.rows if r.program == "rollout")
-        r, link_bw = self.rollout, self.topology.chip.link_bw
-        extra = r.in_loop * r.weight_uses
+        r, link_bw, n = self.rollout, self.topology.chip.link_bw, row.calls
+        extra = r.in_loop * r.weight_uses + (r.weight_gathers if r.apart else 0.0)
         if per_token:
             extra += r.weight_gathers * (r.weight_uses - 1)
-        comm = row.t_comm + extra / link_bw
-        return max(row.t_compute, comm, row.t_hbm), comm
+        comm = n * row.t_comm + extra / link_bw
+        return max(n * row.t_compute, comm, n * row.t_hbm), comm
 
 
 def architecture(model: str) -> ModelConfig:
@@ -82,110 +79,13 @@ def architecture(model: str) -> ModelConfig:
     return ARCHITECTURES[name]
 
 
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """What every program of a plan shares: the run's programs, its abstract params and
-    states, and the bytes that stay resident beside the programs."""
-
-    programs: StepPrograms
-    chip: Chip
-    est: plan_estimate.Estimate
-    base: Any  # the policy's params (under LoRA the frozen base)
-    trained: Any  # what the optimizer trains: the params, or the LoRA adapters
-    params: Any  # what the policy's passes read
-    state: Any  # the policy's abstract TrainState
-    critic_state: Any  # PPO's; else None
-    state_bytes: float
-    param_bytes: float
-    frozen_bytes: float  # LoRA: the frozen base, outside the state (also the reference)
-    ref_bytes: float  # the reference's copy (none under LoRA)
-    critic_bytes: float
-    # The KV cache the planned devices' run allocates (float32 on the CPU test devices).
-    cache_dtype: Any
-    platform: str | None = None  # jax.export's platform to lower for (None: these devices)
-
-    def lower(self, program: Any) -> Any:
-        """`program.lower`, or its export for `platform` (planner/target.py)."""
-        return program.lower if self.platform is None else program.export(self.platform)
-
-    @property
-    def config(self) -> TrainConfig:
-        return self.programs.config
-
-    @property
-    def mesh(self) -> Mesh:
-        assert self.programs.mesh is not None  # the planner always plans on a mesh
-        return self.programs.mesh
-
-    @property
-    def lora(self) -> Any:
-        return self.config.lora if self.config.lora.enabled else None
-
-    @property
-    def rollout_chunks(self) -> int:
-        """The row chunks the rollout's sampler and teacher-forced passes run the batch in."""
-        return self.programs.teacher_forced_chunks(self.config.batch_size)[1]
-
-    @property
-    def rows(self) -> tuple[int, int, int]:
-        """(B, P, N): the rollout's rows, prompt columns (bucketed) and completion columns."""
-        r = self.config.rollout
-        return (
-            self.config.batch_size,
-            buckets.bucket_prompt_length(r.max_prompt_tokens),
-            (r.max_new_tokens),
-        )
-
-
-def setup(
-    config: TrainConfig, model_config: ModelConfig, topo: Topology, devices: Sequence[Any]
-) -> Setup:
-    """The run's programs on a mesh of `devices`, and their abstract params and states; the
-    model computes in --compute_dtype, as the trainer's (train/services.py)."""
-    c = config
-    model_config = c.model.compute_config(model_config)
-    mesh = parallel.make_mesh(c.run.mesh, devices)
-    base = abs_lib.abstract_params(model_config, mesh, param_dtype(c.model.param_dtype))
-    lora = c.lora if c.lora.enabled else None
-    trained = abs_lib.abstract_adapters(model_config, lora, mesh) if lora else base
-    params = abs_lib.abstract_policy(base, trained, lora)
-    programs = StepPrograms(c, model_config, mesh)
-    state = state_lib.abstract_state(trained, c.optimizer, c.run.seed)
-    critic_state = None
-    if c.needs_critic:  # PPO: the critic's state (params and Adam moments) beside every program
-        critic_params = abs_lib.abstract_critic_params(params)
-        critic_state = state_lib.abstract_state(
-            critic_params, programs.critic_optimizer, c.run.seed
-        )
-    est_class = plan_estimate.LoraEstimate if lora else plan_estimate.Estimate
-    compute = param_dtype(c.model.compute_dtype or c.model.param_dtype)
-    cache_dtype = decode.cache_dtype_of(compute, backend=topo.backend)
-    param_bytes = per_device_bytes(trained)
-    return Setup(
-        programs=programs,
-        chip=topo.chip,
-        est=est_class(c, model_config, mesh, cache_bytes=jnp.dtype(cache_dtype).itemsize),
-        base=base,
-        trained=trained,
-        params=params,
-        state=state,
-        critic_state=critic_state,
-        state_bytes=per_device_bytes(state),
-        param_bytes=param_bytes,
-        frozen_bytes=per_device_bytes(base) if lora else 0.0,
-        ref_bytes=param_bytes if c.needs_reference and not lora else 0.0,
-        critic_bytes=per_device_bytes(critic_state) if critic_state is not None else 0.0,
-        cache_dtype=cache_dtype,
-    )
-
-
 def plan(
     config: TrainConfig, model_config: ModelConfig, topo: Topology, devices: Sequence[Any]
 ) -> Plan:
     """Every program of one training step of `config`, compiled and measured."""
     s = setup(config, model_config, topo, devices)
     rows = [create_row(s)]
-    rollout_row, rollout = sample_row(s)
+    rollout_row, rollout = rollout_lib.sample_row(s)
     rows += [rollout_row, *teacher_forced_rows(s), *update_rows(s)]
     update = next(r for r in rows if r.program == "update")
     textbook = s.est.textbook_update_collectives(s.programs.num_micro)
@@ -209,78 +109,6 @@ def create_row(s: Setup) -> Row:
     m = measure(s.programs.create(s.trained).lower(s.trained).compile(), 0, s.chip)
     resident = s.ref_bytes + s.critic_bytes + s.frozen_bytes
     return Row("create", resident=resident, estimate=s.est.create(resident), t_hbm=0.0, **m)
-
-
-def sample_layout(s: Setup) -> tuple[int, int, int]:
-    """(rows, prompt group, chunks) of the rollout's decode: one call of the paged engine
-    (at most --rollout_micro_batch rows decode at once inside it), its rows padded as
-    sampler.generate pads them, to whole groups on each batch shard. ReMax samples one more
-    (greedy) row per prompt in the same call."""
-    c = s.config
-    G = c.rollout.group_size
-    Gs = G + 1 if c.algorithm.advantage == "remax" else G
-    D = paged_mesh.shards(s.mesh, parallel.DEFAULT_RULES)
-    unit = s.programs.data_parallel * (Gs if D > 1 else 1)
-    return -(-(c.batch_size // G * Gs) // unit) * unit, Gs, 1
-
-
-def sample_inputs(s: Setup, Bs: int, P: int, greedy: bool) -> tuple[tuple, dict]:
-    """(arguments, keyword arguments) of the decode program for Bs rows of P columns."""
-    mesh, key_dtype = s.mesh, jax.random.key(0).dtype
-    args = (
-        s.params,
-        abs_lib.rows(mesh, (Bs, P), jnp.int32),
-        abs_lib.rows(mesh, (Bs, P), bool),
-        abs_lib.rows(mesh, (Bs,), bool),
-        abs_lib.rows(mesh, (Bs,), key_dtype),
-        jax.ShapeDtypeStruct((8,), jnp.int32),
-        jax.ShapeDtypeStruct((), jnp.int32),
-    )
-    return args, dict(greedy_B=abs_lib.rows(mesh, (Bs,), bool)) if greedy else {}
-
-
-def lower_sample(s: Setup, P: int) -> Any:
-    """The rollout's decode program lowered for prompts of P columns."""
-    Bs, Gs, sample_chunks = sample_layout(s)
-    remax = s.config.algorithm.advantage == "remax"
-    args, kwargs = sample_inputs(s, Bs, P, remax)
-    program = s.programs.sample(
-        Gs, sample_chunks, greedy=remax, cache_dtype=s.cache_dtype, rows=Bs, prompt_len=P
-    )
-    return s.lower(program)(*args, **kwargs)
-
-
-def sample_row(s: Setup) -> tuple[Row, Rollout]:
-    """The rollout: all rows of a step, in row chunks; and its weight traffic."""
-    (_, P, N), num_chunks = s.rows, s.rollout_chunks
-    Bs, Gs, sample_chunks = sample_layout(s)
-    lowered = lower_sample(s, P)
-    # One device: nothing is partitioned, no collective to read.
-    compiled, partitioned = (
-        hlo_analysis.partitioned_hlo(lowered) if s.mesh.size > 1 else (lowered.compile(), "")
-    )
-    # Its decode loop's iterations and prefills, at most (the HLO knows neither).
-    D = paged_mesh.shards(s.mesh, parallel.DEFAULT_RULES)
-    R = s.config.rollout.rollout_micro_batch  # the rows decoding at once (0: all)
-    steps, prefills = paged.loop_bounds(Bs // D, R // D, Gs, N)
-    m = measure(compiled, 1, s.chip, steps, {f"/{decode.PREFILL_SCOPE}/": prefills})
-    scope = f"/{decode.WEIGHTS_SCOPE}/"
-    rollout = Rollout(
-        Bs,
-        min(R, Bs) if R else Bs // sample_chunks,
-        N,
-        link_bytes(op for op in hlo_analysis.collectives(partitioned) if scope in op.op_name),
-        link_bytes(hlo_analysis.loop_invariant_collectives(partitioned)),
-    )
-    resident = s.state_bytes - s.param_bytes + s.ref_bytes + s.critic_bytes
-    row = Row(
-        "rollout",
-        resident=resident,
-        estimate=s.est.rollout(num_chunks, resident),
-        t_hbm=s.est.rollout_hbm_bytes(num_chunks) / s.chip.hbm_bw,
-        **m,
-    )
-    return row, rollout
 
 
 def lower_logprobs(s: Setup, B: int, P: int, T: int) -> Any:

@@ -140,7 +140,7 @@ def print_weight_gathers(result: programs.Plan) -> None:
     per_token, comm_per_token = result.rollout_seconds(per_token=True)
     print(
         f"rollout weight gathers (HLO after SPMD partitioning): {_fmt_gb(r.weight_gathers)} GB"
-        f" per device per step, once before the decode loops: rollout {once:.2f} s "
+        f" per device per step, once before the decode loops: rollout {once:.2f} s per step "
         f"(comm {comm_once:.2f} s); once per token ({r.weight_uses} prefill + decode steps "
         f"of {r.rows // r.slots} chunk(s), {_fmt_gb(r.weight_gathers * r.weight_uses)} GB): "
         f"rollout {per_token:.2f} s (comm {comm_per_token:.2f} s)"

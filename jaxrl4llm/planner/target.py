@@ -25,6 +25,7 @@ from jaxrl4llm import parallel
 from jaxrl4llm.config.errors import FlagError
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.planner import programs
+from jaxrl4llm.planner import rollout as rollout_lib
 from jaxrl4llm.planner.topology import Topology
 from jaxrl4llm.train.config import TrainConfig
 
@@ -53,7 +54,7 @@ def target_kernels(
         s = dataclasses.replace(s, platform=parallel.EXPORT_PLATFORMS[topo.backend])
         B, P, N = s.rows
         made: dict[str, Callable[[], Any]] = {
-            "rollout": lambda: programs.lower_sample(s, P),
+            "rollout": lambda: rollout_lib.lower_rollout(s, P),
             "logprobs": lambda: programs.lower_logprobs(s, B, P, N),
             "update": lambda: programs.lower_update(s, P, N),
         }

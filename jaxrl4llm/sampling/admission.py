@@ -1,6 +1,6 @@
 """DAPO's dynamic sampling by admission (the paged engine): instead of sampling
 whole batches of P groups in rounds until P groups hold both a correct and a wrong row
-(rounds.py), groups are queued into one running paged engine (paged_segments.py) as its rows
+(rounds.py), groups are queued into one running paged engine (paged_driver.py) as its rows
 free, each group is scored on the host once its G rows finish, and the rollout stops as soon
 as the first P groups with spread, in the records' order, are done.
 
@@ -26,7 +26,7 @@ groups before the P-th with spread, in the records' order, have all finished: gr
 decoding then come after it and are dropped (`rollout/groups_dropped`).
 
 On a mesh that splits the batch the engine runs one queue and pool per batch shard
-(paged_segments.py), P / D slots each (on several hosts a host's P / hosts groups over its
+(paged_driver.py), P / D slots each (on several hosts a host's P / hosts groups over its
 own D / hosts shards); a group goes to the shard with the most free slots.
 Its rows depend only on its prompt and keys, so the batch is the same. On several hosts each
 host runs this for its own block of the records (keyed as the rounds key it) in its own
@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl4llm.rl.metrics import Metric
-from jaxrl4llm.sampling import buckets, decode, paged_mesh, paged_segments, paged_state, trim
+from jaxrl4llm.sampling import buckets, decode, paged_driver, paged_mesh, paged_state, trim
 from jaxrl4llm.sampling.context import has_spread
 from jaxrl4llm.sampling.layout import RowLayout
 from jaxrl4llm.sampling.row_io import RowRequest, every_host, prompt_rows
@@ -308,7 +308,7 @@ def sample(
         buckets.bucket_prompt_length(max(len(g.prompt_P), 1), sampler.min_prompt_bucket)
         for g in run.groups
     )
-    engine = paged_segments.Driver(
+    engine = paged_driver.Driver(
         sampler, sampling, run.P, run.G, max_new_tokens, width, run.max_chunks * run.P
     )
     engine.begin(params)
@@ -333,7 +333,7 @@ def sample(
     return Admitted(out, texts, verdicts, _metrics(run, engine, time.perf_counter() - t0))
 
 
-def _assemble(batch: list[_Group], run: _Run, engine: paged_segments.Driver) -> SampleOutput:
+def _assemble(batch: list[_Group], run: _Run, engine: paged_driver.Driver) -> SampleOutput:
     """The batch's rows as the samplers give them (rounds.on_device lays them out)."""
     G, N, s = run.G, run.max_new_tokens, run.sampler
     width = buckets.bucket_prompt_length(
@@ -388,7 +388,7 @@ def _record(batch: list[_Group], run: _Run, width: int) -> dict[str, jax.Array]:
     )
 
 
-def _metrics(run: _Run, engine: paged_segments.Driver, seconds: float) -> dict[str, Any]:
+def _metrics(run: _Run, engine: paged_driver.Driver, seconds: float) -> dict[str, Any]:
     """rounds.py's dynamic-sampling metrics over the groups scored, and admission's counts."""
     scored = [g for g in run.groups if g.verdicts is not None]
     spread = sum(g.spread for g in scored)

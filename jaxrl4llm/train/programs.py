@@ -11,6 +11,8 @@ shapes cannot choose differently.
     name            function                          per call
     create          state.TrainState.create           params (the trained ones)
     sample          sampling.sampler.decode_program   prompt rows, keys, stop ids
+    segment         sampling.paged_segments.segment   laid-out weights, queue, state, stop ids
+                    (DAPO by admission: `by_admission`, instead of sample)
     logprobs        update.logprobs.completion_logprobs_jit    params, sequences
     packed_logprobs update.packing.logprobs_jit       params, packed rows, mask
     values          update.critic.values_jit          critic params, sequences
@@ -30,7 +32,7 @@ from jax.sharding import Mesh
 from jaxrl4llm import parallel
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.program import Program
-from jaxrl4llm.sampling import paged, paged_mesh, sampler
+from jaxrl4llm.sampling import paged, paged_mesh, paged_segments, sampler
 from jaxrl4llm.train.config import TrainConfig
 from jaxrl4llm.train.config.optimizer import OptimizerConfig
 from jaxrl4llm.train.update import advantages, critic, logprobs, packing, step
@@ -138,6 +140,37 @@ class StepPrograms:
             cache_dtype=cache_dtype,
             kv_pages=paged_settings.get("kv_pages", 0),
             max_rows=paged_settings.get("max_rows", 0),
+            record_routing=self.routing_record is not None,
+        )
+
+    @property
+    def by_admission(self) -> bool:
+        """Whether the rollout samples DAPO's dynamic sampling by admission (rounds.admits on
+        the run's one engine: single-turn, without ReMax's greedy rows): `segment`'s program,
+        not `sample`'s."""
+        c = self.config
+        return (
+            c.rollout.dynamic.dynamic_sampling
+            and c.algorithm.advantage != "remax"
+            and (not c.rollout.env)
+        )
+
+    def segment(self) -> Program:
+        """By admission: the paged engine's segment program over the step's groups, each batch
+        shard's slots and decode rows as paged_driver.Driver lays them out on one host
+        (paged_segments.shard_layout; on several, each host's groups over its own shards)."""
+        r, mesh = self.config.rollout, self.mesh
+        D = paged_mesh.shards(mesh, parallel.DEFAULT_RULES)
+        groups = self.config.batch_size // r.group_size
+        _, rows = paged_segments.shard_layout(groups, r.group_size, D, D, r.rollout_micro_batch)
+        return paged_segments.segment_program(
+            r.sampling,
+            mesh if mesh is not None and mesh.size > 1 else None,
+            parallel.DEFAULT_RULES,
+            model_config=self.model_config,
+            max_new_tokens=r.max_new_tokens,
+            decode_rows=rows,
+            group=r.group_size,
             record_routing=self.routing_record is not None,
         )
 

@@ -22,7 +22,7 @@ import pytest
 from jaxrl4llm import parallel
 from jaxrl4llm.models import transformer
 from jaxrl4llm.models.architectures import ARCHITECTURES
-from jaxrl4llm.sampling import multiturn, paged_rounds, paged_segments, paged_turns_mesh
+from jaxrl4llm.sampling import multiturn, paged_driver, paged_rounds, paged_turns_mesh
 from jaxrl4llm.sampling.frontend import Sampler
 from jaxrl4llm.sampling.strategies import SamplingConfig
 from jaxrl4llm.sampling.turns import TurnLimits
@@ -60,13 +60,11 @@ def test_the_admission_segment_lowers_its_kernels_for_a_tpu(mesh_spec):
     sampling = SamplingConfig(temperature=1.0)
     with parallel.lowering_for("tpu"):
         # begin's programs (the decode weights, an empty run) hold no kernel: they run here.
-        driver = paged_segments.Driver(sampler, sampling, 8 * shards, 4, 64, 1024, 8 * shards)
+        driver = paged_driver.Driver(sampler, sampling, 8 * shards, 4, 64, 1024, 8 * shards)
         driver.begin(sampler_params)
-        exported = jax.export.export(paged_segments.segment, platforms=["tpu"])(
-            driver.weights, driver.queue, driver.state, driver.stop_S, driver.pad_id,
-            sampling=sampling, max_steps=paged_segments.SEGMENT_STEPS, mesh=driver.mesh,
-            rules=sampler.rules, **driver._run(),
-        )  # fmt: skip
+        exported = driver.program.export("tpu")(
+            driver.weights, driver.queue, driver.state, driver.stop_S, driver.pad_id
+        )
     assert _kernels(exported) == {"paged_flash_attention_kernel_inline_seq_dim", SPLASH}
 
 

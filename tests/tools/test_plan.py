@@ -123,6 +123,26 @@ def test_plan_of_a_tiny_run_on_eight_devices(capsys):
     assert "| fixed batch | 32 x 1 chunks |" in out
 
 
+def test_plan_of_a_dapo_run_plans_its_segments():
+    """DAPO samples by admission: the rollout row is the segment program, called per segment
+    of paged_segments.SEGMENT_STEPS = 32 decode steps: each of the 8 batch shards holds one
+    group of 4 rows, all decoding at once, at most 80 steps at full length, so 3 calls. Its
+    arguments hold the laid-out weights and the page pool (a group at full length: 1 prompt
+    page + 4 x 6 pages of 16 tokens of 2 x 3 layers x 2 kv heads x 16 floats), the state
+    donated; the weights' gathers are a program of their own, counted once per step."""
+    config = TrainConfig().replace(**{**TINY_RUN, "max_new_tokens": 80})
+    config = config.replace(algorithm=rl.get_preset("dapo"))
+    result = plan_programs.plan(config, MODEL, plan.topology("cpu-8"), jax.devices()[:8])
+    rollout = {r.program: r for r in result.rows}["rollout"]
+    assert rollout.calls == 3
+    pool = 25 * 16 * 2 * 3 * 2 * 16 * 4  # bytes per device, float32 on the CPU
+    assert rollout.args > pool and rollout.alias >= pool
+    assert result.rollout.apart and result.rollout.weight_gathers > 0
+    once, comm = result.rollout_seconds(per_token=False)
+    link = result.topology.chip.link_bw
+    assert comm == pytest.approx(3 * rollout.t_comm + result.rollout.weight_gathers / link)
+
+
 def test_plan_of_a_remax_run_samples_the_greedy_rows_too():
     """ReMax's sampler program has one more row per prompt (greedy), chunked like the sampler's."""
     config = TrainConfig().replace(

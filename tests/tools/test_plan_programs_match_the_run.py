@@ -19,6 +19,7 @@ from absl import flags
 from experiments import train
 from jaxrl4llm.models.config import ModelConfig
 from jaxrl4llm.planner import programs as plan_programs
+from jaxrl4llm.planner import rollout as plan_rollout
 from jaxrl4llm.planner.topology import topology
 from jaxrl4llm.program import Program
 from jaxrl4llm.train import loop
@@ -74,11 +75,13 @@ def _planned(config: TrainConfig, model_config: ModelConfig, run: dict) -> dict[
     B = config.batch_size
     # The shapes the rollout ran at: prompt columns of the sampled bucket (the decode's
     # prompt_BP), completion columns trimmed to the batch's longest row (bucketed).
-    P = run["sample"][1][1][1]
-    text = {
-        "sample": plan_programs.lower_sample(s, P),
-        "create": s.programs.create(s.trained).lower(s.trained),
-    }
+    text = {"create": s.programs.create(s.trained).lower(s.trained)}
+    if "sample" in run:
+        P = run["sample"][1][1][1]
+        text["sample"] = plan_rollout.lower_sample(s, P)
+    if "segment" in run:  # by admission: its queue's prompts [shards, rows, P]
+        P = run["segment"][1][1].prompt_BP[2]
+        text["segment"] = plan_rollout.lower_segment(s, P)[0]
     for name, lower in (
         ("logprobs", plan_programs.lower_logprobs),
         ("values", plan_programs.lower_values),
@@ -108,8 +111,15 @@ def _planned(config: TrainConfig, model_config: ModelConfig, run: dict) -> dict[
             {"create", "sample", "logprobs", "values", "advantages", "policy_update"}
             | {"critic_update"},
         ),
+        (
+            # DAPO's dynamic sampling by admission: the paged engine's segment program, its
+            # weights, queue and state as the run's driver holds them.
+            ["TOY", "--algorithm=dapo", "--max_resample_rounds=1", "--instruction="]
+            + ["--max_prompt_tokens=32"],
+            {"create", "segment", "advantages", "policy_update"},
+        ),
     ],
-    ids=["quickstart", "ppo"],
+    ids=["quickstart", "ppo", "dapo-by-admission"],
 )
 def test_the_planner_lowers_the_programs_the_trainer_runs(
     extra, names, tmp_path, monkeypatch, toy_model_dir, copy_task_file
@@ -117,7 +127,19 @@ def test_the_planner_lowers_the_programs_the_trainer_runs(
     toy = [f"--model={toy_model_dir}", f"--data={copy_task_file}"]
     extra = [f for flag in extra for f in (toy if flag == "TOY" else [flag])]
     config = _config(str(tmp_path / "run"), *extra)
-    run, model_config = _run_recording(config, monkeypatch)
+    compiled: list[str] = []
+
+    def count(event, seconds, fun_name="", **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        run, model_config = _run_recording(config, monkeypatch)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    if "segment" in names:  # every segment took its inputs in one layout: compiled once
+        assert compiled.count("jit(segment)") == 1, compiled
     assert names <= set(run), sorted(run)
     planned = _planned(config, model_config, run)
     assert set(planned) == set(run) - {"advantages"}  # the plan's table leaves it out
