@@ -276,13 +276,14 @@ class Figures:
 def figures(output: str) -> Figures:
     by_program = {r[0]: r for r in _program_rows(output)}
     coll = by_program["update"][9] if "update" in by_program else "-"
-    rollout_s = by_program["rollout"][10].split()[0] if "rollout" in by_program else "0"
+    rollout = by_program.get("rollout")  # per call x calls (segments by admission: many)
+    rollout_s = float(rollout[10].split()[0]) * int(rollout[1]) if rollout else 0.0
     return Figures(
         totals={p: float(r[6]) for p, r in by_program.items()},
         fits={p: r[8] == "yes" for p, r in by_program.items()},
         budget=_number(r"budget ([\d.]+) GB", output),
         step_s=_number(r"roofline step time: ([\d.]+) s", output),
-        rollout_s=float(rollout_s),
+        rollout_s=rollout_s,
         update_collectives=sum(float(x) for x in coll.split()[1::2]) if coll != "-" else 0.0,
     )
 
