@@ -168,7 +168,9 @@ def flagfile_settings(topologies: dict[str, tuple[str, ...]]) -> dict[str, list[
 
 
 # limits: (flagfile, algorithm of its setting, the change, the program it sets).
-LIMIT_ROWS = (("tricks_or_traps_qwen3_8b_dapo", "dapo", ("--rollout_micro_batch=1024",), "rollout"),)
+LIMIT_ROWS = (
+    ("tricks_or_traps_qwen3_8b_dapo", "dapo", ("--rollout_micro_batch=1024",), "rollout"),
+)
 # knobs: changes against the minimalist GRPO flagfile on its v5p-64.
 KNOBS_FLAGFILE = "minimalist_qwen25_math_7b_grpo"
 _BF16 = "--param_dtype=bfloat16"

@@ -113,7 +113,7 @@ def test_tables_quote_the_plans_bold_where_a_program_does_not_fit(monkeypatch):
     limits = scaling_tables.limits_table(settings).splitlines()
     assert limits[2:] == [
         "| `tricks_or_traps_qwen3_8b_dapo.flags` (dapo) on 8xh200 | rollout | 89.6 | "
-        "`--rollout_micro_batch=512` | **133.1** | 126.9 |"
+        "`--rollout_micro_batch=1024` | **133.1** | 126.9 |"
     ]
     variants = scaling_tables.variants_table([("--topology=v5e-8",)], "v5p-64").splitlines()
     assert variants[2] == "| (none) | v5e-8 | 1.0 | **20.0** | 2.0 | 3.0 | 1200.0 | 2.5 | 10.0 |"
