@@ -149,7 +149,7 @@ def sample_row(s: Setup) -> tuple[Row, Rollout]:
     D = paged_mesh.shards(s.mesh, parallel.DEFAULT_RULES)
     R = s.config.rollout.rollout_micro_batch  # the rows decoding at once (0: all)
     # Its decode loop's iterations and prefills, at most (the HLO knows neither).
-    steps, prefills = paged.loop_bounds(Bs // D, R // D, Gs, N)
+    steps, prefills = paged.loop_bounds(Bs // D, paged.shard_decode_rows(R, D, Gs), Gs, N)
     calls, weights_hlo = 1, ""
     if s.programs.by_admission:
         lowered, weights_hlo = lower_segment(s, P)
