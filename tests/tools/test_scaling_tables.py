@@ -15,6 +15,7 @@ TOOLS = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"
 )
 sys.path.insert(0, TOOLS)
+import scaling_doc  # noqa: E402
 import scaling_tables  # noqa: E402
 
 from jaxrl4llm.config.errors import FlagError  # noqa: E402
@@ -36,17 +37,17 @@ def test_flagfiles_name_their_topology_in_the_plan_command():
 
 
 def test_blocks_are_replaced_between_their_markers_and_split_into_sections():
-    begin, end = scaling_tables.markers("plans")
+    begin, end = scaling_doc.markers("plans")
     doc = f"intro\n{begin}\nold\n{end}\noutro\n"
     body = "### `a.flags` on v5p-64\n\ntable a\n\n### `a.flags` on v5p-64 with `x`\n\ntable b\n"
-    new = scaling_tables.replace_block(doc, "plans", body)
+    new = scaling_doc.replace_block(doc, "plans", body)
     assert new == f"intro\n{begin}\n{body}{end}\noutro\n"
-    assert scaling_tables.sections(scaling_tables.block(new, "plans")) == {
+    assert scaling_doc.sections(scaling_doc.block(new, "plans")) == {
         "### `a.flags` on v5p-64": "### `a.flags` on v5p-64\n\ntable a\n",
         "### `a.flags` on v5p-64 with `x`": "### `a.flags` on v5p-64 with `x`\n\ntable b\n",
     }
     with pytest.raises(FlagError, match="lacks the markers"):
-        scaling_tables.replace_block("no markers", "plans", body)
+        scaling_doc.replace_block("no markers", "plans", body)
 
 
 def test_summary_rows_come_from_the_flagfiles():
@@ -85,7 +86,7 @@ def _output(topology: str, **totals_gb: float) -> str:
 
 
 def test_figures_are_read_from_the_plans_output():
-    f = scaling_tables.figures(_output("8xh100", create=10.0, rollout=77.1, update=50.0))
+    f = scaling_doc.figures(_output("8xh100", create=10.0, rollout=77.1, update=50.0))
     assert f.totals == {"create": 10.0, "rollout": 77.1, "update": 50.0}
     assert f.fits == {"create": True, "rollout": False, "update": True}
     assert (f.budget, f.rollout_s, f.update_collectives) == (72.0, 2.5, 1200.0)
