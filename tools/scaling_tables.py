@@ -40,11 +40,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from absl import flags  # noqa: E402
-from scaling_doc import DOC, Figures, block, figures, merge, replace_block, sections  # noqa: E402
 
 from experiments import study_spec  # noqa: E402
 from jaxrl4llm.config import cli  # noqa: E402
 from jaxrl4llm.config.options import require  # noqa: E402
+from tools.scaling_doc import DOC, Figures, block, figures, merge, replace_block, sections  # noqa: E402
 
 CONFIGS = os.path.join(REPO, "experiments", "configs")
 SUMMARY, PLANS, LIMITS, KNOBS, LORA, LORA_TABLE = BLOCKS = (

@@ -15,10 +15,10 @@ TOOLS = os.path.join(
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tools"
 )
 sys.path.insert(0, TOOLS)
-import scaling_doc  # noqa: E402
 import scaling_tables  # noqa: E402
 
 from jaxrl4llm.config.errors import FlagError  # noqa: E402
+from tools import scaling_doc  # noqa: E402
 
 
 def test_flagfiles_name_their_topology_in_the_plan_command():
