@@ -74,17 +74,6 @@ def lower_rollout(s: Setup, P: int) -> Any:
     return lower_segment(s, P)[0] if s.programs.by_admission else lower_sample(s, P)
 
 
-def _segment_layout(s: Setup, width: int) -> tuple[int, int, int, int]:
-    """(slots, decode rows, pool pages, groups the order holds) of each batch shard of the
-    run by admission, as paged_driver.Driver lays them out for prompts `width` wide."""
-    c, D = s.config, paged_mesh.shards(s.mesh, parallel.DEFAULT_RULES)
-    r, G = c.rollout, c.rollout.group_size
-    groups = c.batch_size // G
-    slots, rows = paged_segments.shard_layout(groups, G, D, D, r.rollout_micro_batch)
-    pages = pages_lib.pool_pages(r.pool_tokens or 0, slots * G, width, r.max_new_tokens, G, rows)
-    return slots, rows, pages, (1 + r.dynamic.max_resample_rounds) * groups
-
-
 def _laid_out_weights(s: Setup) -> tuple[Any, str]:
     """The abstract weights the segments read (paged_mesh.decode_weights of the policy's, with
     the shardings its compiled program gives them) and that program's partitioned HLO."""
@@ -107,30 +96,26 @@ def _laid_out_weights(s: Setup) -> tuple[Any, str]:
 def lower_segment(s: Setup, width: int) -> tuple[Any, str]:
     """The segment program lowered on the run's abstract weights, queue and state for prompts
     `width` wide; and the weights' layout program's partitioned HLO."""
-    c, mesh, rules = s.config, s.mesh, parallel.DEFAULT_RULES
-    G, N = c.rollout.group_size, c.rollout.max_new_tokens
-    D = paged_mesh.shards(mesh, rules)
-    slots, rows, pages, max_groups = _segment_layout(s, width)
+    r, mesh, rules = s.config.rollout, s.mesh, parallel.DEFAULT_RULES
+    G, N, D = r.group_size, r.max_new_tokens, paged_mesh.shards(mesh, rules)
+    program = s.programs.segment()
+    run = {k: program.static[k] for k in paged_segments.RUN}  # the settings start shares
+    slots, rows = s.programs.admission_layout
+    pages = pages_lib.pool_pages(r.pool_tokens or 0, slots * G, width, N, G, rows)
+    max_groups = (1 + r.dynamic.max_resample_rounds) * (s.config.batch_size // G)
     weights, weights_hlo = _laid_out_weights(s)
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     queue = jax.eval_shape(
         functools.partial(paged_segments.empty_queue, D, slots, G, width, max_groups, N), key
     )
     pad = jax.ShapeDtypeStruct((), jnp.int32)
-    run = dict(
-        model_config=s.programs.model_config,
-        max_new_tokens=N,
-        decode_rows=rows,
-        group=G,
-        record_routing=s.programs.routing_record is not None,
-    )
     state = jax.eval_shape(
         functools.partial(paged_segments.start, num_pages=pages, cache_dtype=s.cache_dtype, **run),
         weights,
         queue,
         pad,
     )
-    if mesh.size > 1:  # laid out as the driver lays them out before each segment
+    if mesh.size > 1:  # laid out as the driver lays them out (paged_segments.lay_out)
         both = (queue, state)
         placed = paged_segments.lay_out.lower(both, paged_segments.run_shardings(both, mesh, rules))
         shardings = placed.compile().output_shardings
@@ -138,7 +123,7 @@ def lower_segment(s: Setup, width: int) -> tuple[Any, str]:
             lambda x, sharding: abs_lib.abstract(x.shape, x.dtype, sharding), both, shardings
         )
     stop = jax.ShapeDtypeStruct((8,), jnp.int32)
-    return s.lower(s.programs.segment())(weights, queue, state, stop, pad), weights_hlo
+    return s.lower(program)(weights, queue, state, stop, pad), weights_hlo
 
 
 def sample_row(s: Setup) -> tuple[Row, Rollout]:

@@ -130,14 +130,19 @@ def refill_groups(max_rows: int, group: int) -> int:
     return max(1, max_rows // (group * continuous.REFILL_FRACTION))
 
 
+def decode_rows(max_rows: int, rows: int, group: int) -> int:
+    """The rows of `rows` decoding at once: at most `max_rows` (0: all), whole groups of
+    `group`, a group at least."""
+    return max(group, min(max_rows or rows, rows) // group * group)
+
+
 def loop_bounds(rows: int, max_rows: int, group: int, max_new_tokens: int) -> tuple[int, int]:
     """(decode steps, prefills) of a shard's run of `rows` rows, at most `max_rows` decoding
     at once (0: all), none preempted, at most: every row at full length, the rows in waves
     of the decode rows, the groups prefilled in blocks of refill_groups (the loop holds the
     prefill, decode.PREFILL_SCOPE, but runs it once per block: the planner counts it so)."""
-    decode_rows = max(group, min(max_rows or rows, rows) // group * group)
-    steps = -(-rows // decode_rows) * max_new_tokens
-    return steps, -(-(rows // group) // refill_groups(decode_rows, group))
+    S = decode_rows(max_rows, rows, group)
+    return -(-rows // S) * max_new_tokens, -(-(rows // group) // refill_groups(S, group))
 
 
 STATIC = (
@@ -183,7 +188,7 @@ def generate_paged(
     `lockstep`: the manual mesh axes whose devices step together (paged_lockstep.py)."""
     B, P = prompt_BP.shape
     N, G = max_new_tokens, prompt_group
-    S = max(G, min(max_rows, B) // G * G)
+    S = decode_rows(max_rows, B, G)
     check_pool(num_pages, P, N, G, page_size)
     params, sharding, cache_dtype = decode.loop_setup(
         params, model_config, mesh, rules, cache_dtype, laid_out

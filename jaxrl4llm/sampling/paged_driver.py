@@ -136,7 +136,9 @@ class Driver:
         if jax.process_count() > 1:
             rules = self.sampler.rules
             args = tuple(paged_mesh.from_hosts(x, self.local, self.mesh, rules) for x in args)
-        self.queue, self.state = programs.enqueue(self.queue, self.state, *args, self.pad_id)
+        self.queue, self.state = self._placed(
+            programs.enqueue(self.queue, self.state, *args, self.pad_id)
+        )
 
     def _enqueued(self, by_shard: list[list[Any]], most: int) -> tuple[Any, ...]:
         """enqueue's rows, prompts, masks and keys [D, K * G, ...] of each shard's new groups
@@ -163,8 +165,7 @@ class Driver:
         return rows, prompt, mask, jnp.stack(keys)
 
     def segment(self) -> None:
-        self.queue, state = self._placed((self.queue, self.state))
-        self.state = self.program(self.weights, self.queue, state, self.stop_S, self.pad_id)
+        self.state = self.program(self.weights, self.queue, self.state, self.stop_S, self.pad_id)
 
     def collect(self, groups: list[Any]) -> None:
         """Reads back the rows of the `groups` (in flight) whose G rows all finished, and

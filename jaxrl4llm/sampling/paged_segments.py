@@ -59,8 +59,8 @@ def shard_layout(groups: int, group: int, shards: int, own: int, max_rows: int) 
     whole groups, as many in each shard; at most `max_rows` of every host's rows decoding
     at once (0: all), whole groups, a group at least."""
     slots = -(-groups // own)
-    R = slots * group
-    return slots, max(group, min(max_rows // shards if max_rows else R, R) // group * group)
+    local_max = paged.shard_decode_rows(max_rows, shards, group)
+    return slots, paged.decode_rows(local_max, slots * group, group)
 
 
 def run_shardings(tree: Any, mesh: Mesh, rules: parallel.LogicalRules) -> Any:
@@ -90,7 +90,7 @@ def segment_program(
     rules: parallel.LogicalRules,
     **run: Any,
 ) -> Program:
-    """The run's `segment` (Program "segment") with its settings bound (`run`: _RUN's, as
+    """The run's `segment` (Program "segment") with its settings bound (`run`: RUN's, as
     paged_driver.Driver and the planner pass them); called as
 
         program(weights, queue, state, stop_ids_S, pad_id)"""
@@ -121,10 +121,10 @@ def empty_queue(
     )
 
 
-_RUN = ("model_config", "max_new_tokens", "decode_rows", "group", "record_routing")
+RUN = ("model_config", "max_new_tokens", "decode_rows", "group", "record_routing")
 
 
-@functools.partial(jax.jit, static_argnames=(*_RUN, "num_pages", "cache_dtype"))
+@functools.partial(jax.jit, static_argnames=(*RUN, "num_pages", "cache_dtype"))
 def start(
     params: Any,
     queue: continuous.Queue,
@@ -160,7 +160,7 @@ def start(
 
 @functools.partial(
     jax.jit,
-    static_argnames=(*_RUN, "sampling", "attention", "max_steps", "mesh", "rules"),
+    static_argnames=(*RUN, "sampling", "attention", "max_steps", "mesh", "rules"),
     donate_argnums=2,
 )
 def segment(

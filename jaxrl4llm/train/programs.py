@@ -155,14 +155,21 @@ class StepPrograms:
             and (not c.rollout.env)
         )
 
-    def segment(self) -> Program:
-        """By admission: the paged engine's segment program over the step's groups, each batch
-        shard's slots and decode rows as paged_driver.Driver lays them out on one host
-        (paged_segments.shard_layout; on several, each host's groups over its own shards)."""
-        r, mesh = self.config.rollout, self.mesh
-        D = paged_mesh.shards(mesh, parallel.DEFAULT_RULES)
+    @property
+    def admission_layout(self) -> tuple[int, int]:
+        """By admission: (slots, decode rows) of each batch shard over the step's groups, as
+        paged_driver.Driver lays them out on one host (paged_segments.shard_layout; on
+        several, each host's groups over its own shards, as many per shard)."""
+        r = self.config.rollout
+        D = paged_mesh.shards(self.mesh, parallel.DEFAULT_RULES)
         groups = self.config.batch_size // r.group_size
-        _, rows = paged_segments.shard_layout(groups, r.group_size, D, D, r.rollout_micro_batch)
+        return paged_segments.shard_layout(groups, r.group_size, D, D, r.rollout_micro_batch)
+
+    def segment(self) -> Program:
+        """By admission: the paged engine's segment program over `admission_layout`'s decode
+        rows."""
+        r, mesh = self.config.rollout, self.mesh
+        _, rows = self.admission_layout
         return paged_segments.segment_program(
             r.sampling,
             mesh if mesh is not None and mesh.size > 1 else None,

@@ -114,8 +114,9 @@ def _planned(config: TrainConfig, model_config: ModelConfig, run: dict) -> dict[
         (
             # DAPO's dynamic sampling by admission: the paged engine's segment program, its
             # weights, queue and state as the run's driver holds them.
+            # Rows longer than a segment: a segment also follows a segment, not only enqueue.
             ["TOY", "--algorithm=dapo", "--max_resample_rounds=1", "--instruction="]
-            + ["--max_prompt_tokens=32"],
+            + ["--max_prompt_tokens=16", "--max_new_tokens=40"],
             {"create", "segment", "advantages", "policy_update"},
         ),
     ],
